@@ -1,0 +1,26 @@
+"""Errors the runtime raises. Every message is one line naming the cause and the fix."""
+from __future__ import annotations
+
+
+class ErnieImageError(Exception):
+    """Base class: anything the user can act on."""
+
+
+class InvalidInputError(ErnieImageError, ValueError):
+    """A setting the user chose is out of range (size, steps, prompt...)."""
+
+
+class ModelFileError(ErnieImageError):
+    """A weight file is missing, corrupt, or not the ERNIE-Image component that was expected."""
+
+
+class MemoryBudgetError(ErnieImageError):
+    """The job cannot fit the VRAM budget; raised before anything is allocated."""
+
+
+class RemoteError(ErnieImageError):
+    """A remote server (SGLang or a chat endpoint) failed or answered something unusable."""
+
+
+class Cancelled(ErnieImageError):
+    """The host asked to stop (ComfyUI's Cancel, Ctrl-C in the CLI)."""

@@ -1,0 +1,52 @@
+"""The small interface through which the runtime talks to whoever hosts it (ComfyUI, the CLI, tests).
+
+runtime/ never imports ComfyUI: nodes/ implements this protocol with ComfyUI's ProgressBar, interrupt flag
+and model_management; the CLI and tests use `NullHost` or their own subclass.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, runtime_checkable
+
+from .errors import Cancelled
+
+
+@runtime_checkable
+class Host(Protocol):
+    def progress(self, value: int, total: int, preview: Optional[Any] = None) -> None:
+        """Report progress; `preview` is an optional PIL.Image of the current latent."""
+
+    def check_cancel(self) -> None:
+        """Raise `Cancelled` if the user asked to stop. Called between steps and between chunks."""
+
+    def make_room(self, num_bytes: int, device: Any) -> None:
+        """Ask the host to free `num_bytes` of memory on `device` (ComfyUI unloads its own models)."""
+
+    def log(self, message: str) -> None:
+        """A one-line notice for the user (not an error)."""
+
+
+class NullHost:
+    """Host for the CLI and tests: no progress display, cancellation through a flag."""
+
+    def __init__(self, verbose: bool = False) -> None:
+        self.cancel_requested = False
+        self.verbose = verbose
+        self.messages: list[str] = []
+        self.progress_calls: list[tuple[int, int]] = []
+
+    def progress(self, value: int, total: int, preview: Optional[Any] = None) -> None:
+        self.progress_calls.append((value, total))
+
+    def check_cancel(self) -> None:
+        if self.cancel_requested:
+            raise Cancelled("generation cancelled by the user")
+
+    def make_room(self, num_bytes: int, device: Any) -> None:
+        return None
+
+    def log(self, message: str) -> None:
+        self.messages.append(message)
+        if self.verbose:
+            import sys
+
+            print(message, file=sys.stderr)

@@ -1,0 +1,101 @@
+"""What a generation asks for and what it returns; shared by the local runtime and the remote backend."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .errors import InvalidInputError
+
+MIN_SIDE = 256
+MAX_SIDE = 4096
+SIDE_MULTIPLE = 16
+SEED_MASK = (1 << 63) - 1
+
+# Baidu's ~1 MP presets (width, height).
+RESOLUTION_PRESETS: tuple[tuple[int, int], ...] = (
+    (1024, 1024),
+    (848, 1264),
+    (1264, 848),
+    (896, 1200),
+    (1200, 896),
+    (768, 1376),
+    (1376, 768),
+)
+
+
+def nearest_valid_side(value: int) -> int:
+    snapped = int(round(value / SIDE_MULTIPLE)) * SIDE_MULTIPLE
+    return max(MIN_SIDE, min(MAX_SIDE, snapped))
+
+
+def validate_size(width: int, height: int) -> None:
+    for name, value in (("width", width), ("height", height)):
+        if value % SIDE_MULTIPLE or not MIN_SIDE <= value <= MAX_SIDE:
+            raise InvalidInputError(
+                f"{name} {value} is not allowed: ERNIE-Image needs a multiple of {SIDE_MULTIPLE} between "
+                f"{MIN_SIDE} and {MAX_SIDE}; use {nearest_valid_side(value)}"
+            )
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str
+    negative_prompt: str = ""
+    width: int = 1024
+    height: int = 1024
+    steps: int = 50
+    cfg: float = 4.0
+    shift: float = 4.0
+    seed: int = 0
+    batch: int = 1
+    use_pe: bool = False
+    pe_temperature: float = 0.6
+    pe_top_p: float = 0.95
+    pe_max_new_tokens: int = 512
+    # Per-image prompts for a batch whose prompts differ; when set its length must equal `batch`.
+    prompts: Optional[tuple[str, ...]] = None
+
+    def validate(self) -> None:
+        validate_size(self.width, self.height)
+        if not 1 <= self.steps <= 1000:
+            raise InvalidInputError(f"steps {self.steps} is not allowed: use 1..1000 (50 for ERNIE-Image, 8 for Turbo)")
+        if not 1 <= self.batch <= 64:
+            raise InvalidInputError(f"batch {self.batch} is not allowed: use 1..64")
+        if self.cfg < 0 or self.cfg > 100:
+            raise InvalidInputError(f"cfg {self.cfg} is not allowed: use 0..100 (4.0 for ERNIE-Image, 1.0 for Turbo)")
+        if self.shift <= 0:
+            raise InvalidInputError(f"shift {self.shift} is not allowed: use a positive value (4.0 is Baidu's)")
+        if self.prompts is not None and len(self.prompts) != self.batch:
+            raise InvalidInputError(f"{len(self.prompts)} prompts given for batch {self.batch}: give one per image")
+
+    @property
+    def uses_cfg(self) -> bool:
+        return self.cfg > 1.0
+
+    def prompt_list(self) -> list[str]:
+        return list(self.prompts) if self.prompts is not None else [self.prompt] * self.batch
+
+    def metadata(self) -> dict[str, Any]:
+        """Settings worth recording next to the image (PNG text, node output). Never secrets."""
+        return {
+            "prompt": self.prompt,
+            "negative_prompt": self.negative_prompt,
+            "width": self.width,
+            "height": self.height,
+            "steps": self.steps,
+            "cfg": self.cfg,
+            "shift": self.shift,
+            "seed": self.seed,
+            "batch": self.batch,
+            "use_pe": self.use_pe,
+        }
+
+
+@dataclass
+class GenerationResult:
+    images: torch.Tensor  # float32 [B, H, W, 3] in 0..1 on the CPU (ComfyUI's IMAGE)
+    latents: Optional[torch.Tensor]  # normalised DiT-space latents [B, 128, H/16, W/16] (ComfyUI LATENT), None remotely
+    prompts_used: list[str]
+    info: dict[str, Any] = field(default_factory=dict)  # timings, memory, server details; shown to the user
