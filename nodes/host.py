@@ -1,0 +1,93 @@
+"""runtime.host.Host implemented with ComfyUI's progress bar, interrupt flag and model management."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from ..runtime.errors import Cancelled
+
+PREVIEW_FORMAT = "JPEG"
+DEFAULT_PREVIEW_SIZE = 512
+
+log = logging.getLogger("ernie_image")
+
+
+def _model_management() -> Optional[Any]:
+    try:
+        import comfy.model_management as model_management  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return model_management
+
+
+def interrupted_exception() -> type[BaseException]:
+    """ComfyUI's own interrupt exception: raising it makes the run end with execution_interrupted."""
+    mm = _model_management()
+    return mm.InterruptProcessingException if mm is not None else Cancelled
+
+
+def _preview_size() -> int:
+    try:
+        from comfy.cli_args import args  # type: ignore[import-not-found]
+    except ImportError:
+        return DEFAULT_PREVIEW_SIZE
+    return int(getattr(args, "preview_size", DEFAULT_PREVIEW_SIZE) or DEFAULT_PREVIEW_SIZE)
+
+
+class ComfyHost:
+    """One per node execution. Outside ComfyUI it degrades to a quiet host that never cancels."""
+
+    def __init__(self, node_id: Optional[str] = None) -> None:
+        self.node_id = node_id
+        self._model_management = _model_management()
+        self._progress_bar: Optional[Any] = None
+        self._preview_size = _preview_size()
+
+    def progress(self, value: int, total: int, preview: Optional[Any] = None) -> None:
+        bar = self._bar(total)
+        if bar is None:
+            return
+        frame = (PREVIEW_FORMAT, preview, self._preview_size) if preview is not None else None
+        try:
+            bar.update_absolute(value, total, frame)
+        except Exception as error:  # ComfyUI's progress hook raises its interrupt exception on Cancel
+            if self._is_interrupt(error):
+                raise Cancelled("generation cancelled in ComfyUI") from error
+            raise
+
+    def check_cancel(self) -> None:
+        mm = self._model_management
+        if mm is not None and mm.processing_interrupted():
+            raise Cancelled("generation cancelled in ComfyUI")
+
+    def make_room(self, num_bytes: int, device: Any) -> None:
+        mm = self._model_management
+        if mm is None:
+            return
+        mm.free_memory(int(num_bytes), device)
+        mm.soft_empty_cache()
+
+    def log(self, message: str) -> None:
+        log.info("[ERNIE-Image] %s", message)
+
+    def _bar(self, total: int) -> Optional[Any]:
+        if self._progress_bar is None:
+            try:
+                from comfy.utils import ProgressBar  # type: ignore[import-not-found]
+            except ImportError:
+                return None
+            self._progress_bar = ProgressBar(total, node_id=self.node_id)
+        return self._progress_bar
+
+    def _is_interrupt(self, error: BaseException) -> bool:
+        mm = self._model_management
+        return mm is not None and isinstance(error, mm.InterruptProcessingException)
+
+
+def raise_as_comfy_interrupt(error: Cancelled) -> None:
+    """Turn the runtime's Cancelled into ComfyUI's interrupt (clearing the flag), so the UI shows 'interrupted'."""
+    mm = _model_management()
+    if mm is None:
+        raise error
+    mm.interrupt_current_processing(False)
+    raise mm.InterruptProcessingException() from error

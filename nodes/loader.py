@@ -1,0 +1,127 @@
+"""ErnieImageLoader: model files from ComfyUI's folders in, a local ERNIE_PIPE and its memory plan out."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..runtime.errors import Cancelled, InvalidInputError
+from . import comfy_env
+from .comfy_env import GGUF_FOLDER_KEY, NONE_CHOICE
+from .host import ComfyHost, raise_as_comfy_interrupt
+from .live_pipes import track
+from .quant_config import QUANT_TYPE, QuantChoice
+
+CATEGORY = "ERNIE-Image"
+PIPE_TYPE = "ERNIE_PIPE"
+VARIANTS = ("auto", "base", "turbo")
+MAX_BUDGET_GB = 1024.0
+
+
+def build_sources(diffusers_folder: str, diffusion_model: str, text_encoder: str, vae: str,
+                  prompt_enhancer: str, variant: str) -> Any:
+    from ..runtime.model_files import ModelSources
+
+    sources = ModelSources(
+        model_dir=comfy_env.resolve_diffusers_folder(diffusers_folder),
+        dit=comfy_env.resolve_model_file(("diffusion_models", GGUF_FOLDER_KEY), diffusion_model, "diffusion model"),
+        text_encoder=comfy_env.resolve_model_file(("text_encoders", GGUF_FOLDER_KEY), text_encoder, "text encoder"),
+        vae=comfy_env.resolve_model_file(("vae",), vae, "VAE"),
+        pe=comfy_env.resolve_model_file(("text_encoders",), prompt_enhancer, "prompt enhancer"),
+        variant=None if variant == "auto" else variant,
+    )
+    if sources.model_dir is None and (sources.dit is None or sources.text_encoder is None or sources.vae is None):
+        missing = [name for name, path in (("diffusion_model", sources.dit), ("text_encoder", sources.text_encoder),
+                                           ("vae", sources.vae)) if path is None]
+        raise InvalidInputError(
+            f"the Loader has no {', '.join(missing)}: pick a diffusers_folder, or all three of diffusion_model, "
+            f"text_encoder and vae (ComfyUI's models/diffusion_models, models/text_encoders, models/vae)"
+        )
+    return sources
+
+
+def build_options(vram_budget_gb: float, keep_loaded: bool, quant_config: Optional[QuantChoice]) -> Any:
+    from ..runtime.local_pipe import LoadOptions
+
+    return LoadOptions(
+        vram_budget_gb=None if vram_budget_gb <= 0 else float(vram_budget_gb),
+        keep_loaded=bool(keep_loaded),
+        quant=quant_config.load_quant if quant_config is not None else "none",
+    )
+
+
+class ErnieImageLoader:
+    DESCRIPTION = (
+        "Loads ERNIE-Image or ERNIE-Image-Turbo from ComfyUI's model folders (a diffusers folder, or "
+        "diffusion_models + text_encoders + vae single files, .safetensors or .gguf) and plans its memory for "
+        "the VRAM budget. Base or Turbo is detected from the files. Outputs the pipe for the Samplers."
+    )
+    CATEGORY = CATEGORY
+    FUNCTION = "load"
+    RETURN_TYPES = (PIPE_TYPE, "STRING")
+    RETURN_NAMES = ("pipe", "memory_plan")
+    OUTPUT_TOOLTIPS = ("The loaded model, for a Sampler or Turbo Sampler.", "How the model is placed in memory.")
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:
+        return {
+            "required": {
+                "diffusers_folder": (
+                    comfy_env.diffusers_folder_choices(),
+                    {"default": NONE_CHOICE, "tooltip": "A baidu/ERNIE-Image(-Turbo) diffusers folder in models/diffusers. "
+                     "Single files picked below override its parts."},
+                ),
+                "diffusion_model": (
+                    comfy_env.model_choices("diffusion_models", with_gguf=True),
+                    {"default": NONE_CHOICE, "tooltip": "The DiT from models/diffusion_models: bf16, fp8 or nvfp4 .safetensors, or a .gguf."},
+                ),
+                "text_encoder": (
+                    comfy_env.model_choices("text_encoders", with_gguf=True),
+                    {"default": NONE_CHOICE, "tooltip": "The Ministral-3B text encoder from models/text_encoders (.safetensors or .gguf)."},
+                ),
+                "vae": (
+                    comfy_env.model_choices("vae"),
+                    {"default": NONE_CHOICE, "tooltip": "The Flux2 VAE from models/vae."},
+                ),
+                "prompt_enhancer": (
+                    comfy_env.model_choices("text_encoders"),
+                    {"default": NONE_CHOICE, "tooltip": "Optional: ERNIE-Image's prompt enhancer (models/text_encoders). "
+                     "Without it the Sampler's use_pe switch does nothing."},
+                ),
+                "variant": (
+                    list(VARIANTS),
+                    {"default": "auto", "tooltip": "auto detects base or Turbo from the files; set it if detection is wrong."},
+                ),
+                "vram_budget_gb": (
+                    "FLOAT",
+                    {"default": 0.0, "min": 0.0, "max": MAX_BUDGET_GB, "step": 0.5,
+                     "tooltip": "GPU memory this model may use, in GB. 0 = auto (what is free after ComfyUI makes room). "
+                     "A small budget streams DiT blocks from RAM: slower, but it fits."},
+                ),
+                "keep_loaded": (
+                    "BOOLEAN",
+                    {"default": True, "label_on": "keep in memory", "label_off": "free after each run",
+                     "tooltip": "Keep the weights in VRAM between runs (fast), or free them after every run (leaves the GPU to other models)."},
+                ),
+            },
+            "optional": {
+                "quant_config": (QUANT_TYPE, {"tooltip": "Optional: an ERNIE-Image Quant Config node choosing the weight format. Default: bf16 or the file's own format."}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    def load(self, diffusers_folder: str, diffusion_model: str, text_encoder: str, vae: str, prompt_enhancer: str,
+             variant: str, vram_budget_gb: float, keep_loaded: bool, quant_config: Optional[QuantChoice] = None,
+             unique_id: Optional[str] = None) -> dict[str, Any]:
+        from ..runtime.local_pipe import LocalPipe
+
+        sources = build_sources(diffusers_folder, diffusion_model, text_encoder, vae, prompt_enhancer, variant)
+        options = build_options(vram_budget_gb, keep_loaded, quant_config)
+        try:
+            pipe = LocalPipe.load(sources, options, ComfyHost(unique_id))
+        except Cancelled as cancelled:
+            raise_as_comfy_interrupt(cancelled)
+            raise
+        track(pipe)
+        plan = pipe.describe()
+        if quant_config is not None:
+            plan = f"{plan}\nquant: {quant_config.reason}"
+        return {"ui": {"text": [plan]}, "result": (pipe, plan)}

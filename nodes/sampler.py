@@ -1,0 +1,204 @@
+"""ErnieImageSampler and ErnieImageTurboSampler: prompt and settings in, IMAGE / LATENT / used prompt out."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..runtime.errors import Cancelled, ErnieImageError, InvalidInputError
+from ..runtime.request import (
+    MAX_SIDE,
+    MIN_SIDE,
+    RESOLUTION_PRESETS,
+    SEED_MASK,
+    SIDE_MULTIPLE,
+    GenerationRequest,
+    GenerationResult,
+    validate_size,
+)
+from .host import ComfyHost, raise_as_comfy_interrupt
+from .live_pipes import release_quietly
+
+CATEGORY = "ERNIE-Image"
+PIPE_TYPE = "ERNIE_PIPE"
+CUSTOM_RESOLUTION = "custom"
+MAX_BATCH = 64
+
+
+def _aspect_label(width: int, height: int) -> str:
+    known = {(1, 1): "1:1", (2, 3): "2:3", (3, 2): "3:2", (3, 4): "3:4", (4, 3): "4:3", (9, 16): "9:16", (16, 9): "16:9"}
+    ratio = width / height
+    best = min(known, key=lambda wh: abs(wh[0] / wh[1] - ratio))
+    return known[best]
+
+
+def preset_label(width: int, height: int) -> str:
+    return f"{width}x{height} ({_aspect_label(width, height)})"
+
+
+RESOLUTION_CHOICES: list[str] = [preset_label(w, h) for w, h in RESOLUTION_PRESETS] + [CUSTOM_RESOLUTION]
+_PRESET_SIZES: dict[str, tuple[int, int]] = {preset_label(w, h): (w, h) for w, h in RESOLUTION_PRESETS}
+
+
+def resolve_size(resolution: str, width: int, height: int) -> tuple[int, int]:
+    """A preset wins over the width/height widgets; 'custom' uses them."""
+    if resolution == CUSTOM_RESOLUTION:
+        return int(width), int(height)
+    if resolution not in _PRESET_SIZES:
+        raise InvalidInputError(f"resolution '{resolution}' is not one of {RESOLUTION_CHOICES}; pick one of them")
+    return _PRESET_SIZES[resolution]
+
+
+def joined_prompts(prompts: list[str]) -> str:
+    unique = list(dict.fromkeys(prompts))
+    return unique[0] if len(unique) == 1 else "\n---\n".join(prompts)
+
+
+def latent_output(result: GenerationResult) -> Any:
+    if result.latents is not None:
+        return {"samples": result.latents}
+    try:
+        from comfy_execution.graph_utils import ExecutionBlocker  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return ExecutionBlocker(
+        "this ERNIE-Image backend returns images only (a remote server sends no latents): "
+        "connect the IMAGE output instead, or use a local Loader"
+    )
+
+
+def run_generation(pipe: Any, request: GenerationRequest, node_id: Optional[str]) -> GenerationResult:
+    """Generate with ComfyUI as host; after an error or a cancel the pipe's device memory is released."""
+    if pipe is None or not hasattr(pipe, "generate"):
+        raise InvalidInputError("the pipe input is not connected: wire an ERNIE-Image Loader or Remote Backend to it")
+    request.validate()
+    host = ComfyHost(node_id)
+    try:
+        return pipe.generate(request, host)
+    except Cancelled as cancelled:
+        release_quietly(pipe)
+        raise_as_comfy_interrupt(cancelled)
+        raise  # unreachable: keeps type checkers content
+    except ErnieImageError:
+        release_quietly(pipe)
+        raise
+    except Exception as error:
+        release_quietly(pipe)
+        if type(error).__name__ == "OutOfMemoryError":
+            raise ErnieImageError(
+                f"out of GPU memory while generating ({error}); set a lower VRAM budget on the Loader, "
+                "a smaller size or batch, or a quantised format"
+            ) from error
+        if type(error).__name__ == "InterruptProcessingException":
+            raise
+        raise
+
+
+def _size_tooltip(name: str) -> str:
+    return (
+        f"Image {name} in pixels, used when resolution is 'custom': a multiple of {SIDE_MULTIPLE} "
+        f"from {MIN_SIDE} to {MAX_SIDE}. ERNIE-Image is trained around 1 megapixel."
+    )
+
+
+class ErnieImageSampler:
+    DEFAULT_STEPS = 50
+    DEFAULT_CFG = 4.0
+    HAS_NEGATIVE = True
+
+    DESCRIPTION = (
+        "Generates images with ERNIE-Image from a pipe (a local Loader or a Remote Backend). "
+        "Defaults are Baidu's for the base model: 50 steps, CFG 4.0, shift 4.0, prompt enhancer on."
+    )
+    CATEGORY = CATEGORY
+    FUNCTION = "generate"
+    RETURN_TYPES = ("IMAGE", "LATENT", "STRING")
+    RETURN_NAMES = ("images", "latent", "prompt_used")
+    OUTPUT_TOOLTIPS = (
+        "The generated images, float RGB [batch, height, width, 3].",
+        "ERNIE-Image latents [batch, 128, height/16, width/16] (Flux2 layout); local backends only.",
+        "The prompt the model actually saw (after the prompt enhancer, when it ran).",
+    )
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:
+        required: dict[str, Any] = {
+            "pipe": (PIPE_TYPE, {"tooltip": "The model to run: an ERNIE-Image Loader or Remote Backend output."}),
+            "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "What to draw. Chinese and English both work."}),
+        }
+        if cls.HAS_NEGATIVE:
+            required["negative_prompt"] = (
+                "STRING",
+                {"multiline": True, "default": "", "tooltip": "What to avoid. Used only when cfg is above 1."},
+            )
+        required.update(
+            {
+                "resolution": (
+                    RESOLUTION_CHOICES,
+                    {"default": RESOLUTION_CHOICES[0], "tooltip": "Baidu's seven ~1 MP sizes; 'custom' uses width and height below."},
+                ),
+                "width": ("INT", {"default": 1024, "min": MIN_SIDE, "max": MAX_SIDE, "step": SIDE_MULTIPLE, "tooltip": _size_tooltip("width")}),
+                "height": ("INT", {"default": 1024, "min": MIN_SIDE, "max": MAX_SIDE, "step": SIDE_MULTIPLE, "tooltip": _size_tooltip("height")}),
+                "steps": ("INT", {"default": cls.DEFAULT_STEPS, "min": 1, "max": 1000, "tooltip": "Denoising steps: 50 for ERNIE-Image, 8 for Turbo."}),
+                "cfg": (
+                    "FLOAT",
+                    {"default": cls.DEFAULT_CFG, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01,
+                     "tooltip": "Classifier-free guidance: 4.0 for ERNIE-Image, 1.0 (off, twice as fast) for Turbo."},
+                ),
+                "seed": (
+                    "INT",
+                    {"default": 0, "min": 0, "max": SEED_MASK, "control_after_generate": True,
+                     "tooltip": "Noise seed; the same seed gives the same image on any device."},
+                ),
+                "batch_size": ("INT", {"default": 1, "min": 1, "max": MAX_BATCH, "tooltip": "Images per run."}),
+                "shift": ("FLOAT", {"default": 4.0, "min": 0.01, "max": 100.0, "step": 0.1, "tooltip": "Flow-matching timestep shift (Baidu's value is 4.0)."}),
+                "use_pe": (
+                    "BOOLEAN",
+                    {"default": True, "label_on": "enhance prompt", "label_off": "prompt as written",
+                     "tooltip": "Rewrite the prompt with the prompt enhancer first (as Baidu does). Ignored when the backend has no enhancer."},
+                ),
+            }
+        )
+        return {"required": required, "hidden": {"unique_id": "UNIQUE_ID"}}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, resolution: Optional[str] = None, width: Optional[int] = None, height: Optional[int] = None) -> Any:
+        # Inputs named here skip ComfyUI's own range check, so the size rule is checked in full; a linked
+        # value is None during validation and is checked again when the node runs.
+        if resolution is not None and resolution != CUSTOM_RESOLUTION:
+            return True if resolution in _PRESET_SIZES else f"resolution '{resolution}' is not one of {RESOLUTION_CHOICES}"
+        if width is None or height is None:
+            return True
+        try:
+            validate_size(int(width), int(height))
+        except InvalidInputError as error:
+            return str(error)
+        return True
+
+    def generate(self, pipe: Any, prompt: str, resolution: str, width: int, height: int, steps: int, cfg: float,
+                 seed: int, batch_size: int, shift: float, use_pe: bool, negative_prompt: str = "",
+                 unique_id: Optional[str] = None) -> tuple[Any, ...]:
+        width, height = resolve_size(resolution, width, height)
+        request = GenerationRequest(
+            prompt=prompt,
+            negative_prompt=negative_prompt if self.HAS_NEGATIVE else "",
+            width=width,
+            height=height,
+            steps=int(steps),
+            cfg=float(cfg),
+            shift=float(shift),
+            seed=int(seed) & SEED_MASK,
+            batch=int(batch_size),
+            use_pe=bool(use_pe),
+        )
+        result = run_generation(pipe, request, unique_id)
+        return (result.images, latent_output(result), joined_prompts(result.prompts_used))
+
+
+class ErnieImageTurboSampler(ErnieImageSampler):
+    DEFAULT_STEPS = 8
+    DEFAULT_CFG = 1.0
+    HAS_NEGATIVE = False
+
+    DESCRIPTION = (
+        "Generates images with ERNIE-Image-Turbo: 8 steps at CFG 1.0 (no negative prompt, one model pass per "
+        "step). Takes the same pipe as the Sampler."
+    )

@@ -1,0 +1,35 @@
+"""From normalised DiT latents to images: BatchNorm de-normalisation, 2x2 unpatchify, VAE decode."""
+from __future__ import annotations
+
+import torch
+
+# diffusers hard-codes this epsilon (the VAE config says 1e-4); the reference image depends on it.
+BN_EPS = 1e-5
+TILED_DECODE_ABOVE_PIXELS = 1536 * 1536
+
+
+def denormalise(latents: torch.Tensor, vae) -> torch.Tensor:
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + BN_EPS).to(latents.device, latents.dtype)
+    return latents * std + mean
+
+
+def unpatchify(latents: torch.Tensor) -> torch.Tensor:
+    """[B, 128, h, w] -> [B, 32, 2h, 2w]; channel c*4 + 2*dy + dx holds pixel (2y+dy, 2x+dx) of channel c."""
+    b, c, h, w = latents.shape
+    return latents.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // 4, h * 2, w * 2)
+
+
+@torch.no_grad()
+def decode_images(latents: torch.Tensor, vae) -> torch.Tensor:
+    """Normalised latents -> float32 [B, H, W, 3] in 0..1 on the CPU (ComfyUI's IMAGE)."""
+    vae_dtype = vae.post_quant_conv.weight.dtype
+    device = vae.post_quant_conv.weight.device
+    spatial = unpatchify(denormalise(latents.to(device, torch.float32), vae)).to(vae_dtype)
+    pixels = spatial.shape[-1] * spatial.shape[-2] * 64
+    if pixels > TILED_DECODE_ABOVE_PIXELS:
+        vae.enable_tiling()
+    else:
+        vae.disable_tiling()
+    decoded = vae.decode(spatial, return_dict=False)[0]
+    return (decoded.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu().contiguous()

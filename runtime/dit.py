@@ -1,0 +1,275 @@
+"""The ERNIE-Image diffusion transformer, owned by the runtime.
+
+Parameter names are diffusers' (`ErnieImageTransformer2DModel`), so every weight file in diffusers key space
+loads with `load_state_dict`. The maths is the reference's; what differs is how it is scheduled:
+
+- the shared AdaLN modulation is broadcast as [B, 1, D] instead of being materialised six times as [S, B, D];
+- the attention mask is dropped when no text key is padded, which lets SDPA pick its flash kernel;
+- RoPE tables are cached per (image grid, text lengths);
+- the block loop goes through `block_runner`, the hook the offloader uses to stream weights in.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .errors import ModelFileError
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    hidden_size: int = 4096
+    num_attention_heads: int = 32
+    num_layers: int = 36
+    ffn_hidden_size: int = 12288
+    in_channels: int = 128
+    out_channels: int = 128
+    patch_size: int = 1
+    text_in_dim: int = 3072
+    rope_theta: int = 256
+    rope_axes_dim: tuple[int, int, int] = (32, 48, 48)
+    eps: float = 1e-6
+    qk_layernorm: bool = True
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "DiTConfig":
+        known = {name: raw[name] for name in cls.__dataclass_fields__ if name in raw}
+        if "rope_axes_dim" in known:
+            known["rope_axes_dim"] = tuple(known["rope_axes_dim"])
+        config = cls(**known)
+        if config.patch_size != 1:
+            raise ModelFileError(f"DiT patch_size {config.patch_size} is not supported: ERNIE-Image uses 1")
+        if sum(config.rope_axes_dim) != config.hidden_size // config.num_attention_heads:
+            raise ModelFileError("DiT config is inconsistent: rope_axes_dim must sum to hidden_size / heads")
+        return config
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    """diffusers' RMSNorm, same rounding: normalise in fp32, cast to the weight's dtype, then scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            x = x.to(self.weight.dtype)
+        return x * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        dim, self.heads = config.hidden_size, config.num_attention_heads
+        self.to_q = nn.Linear(dim, dim, bias=False)
+        self.to_k = nn.Linear(dim, dim, bias=False)
+        self.to_v = nn.Linear(dim, dim, bias=False)
+        self.norm_q = nn.RMSNorm(config.head_dim, eps=config.eps)
+        self.norm_k = nn.RMSNorm(config.head_dim, eps=config.eps)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=False)])
+
+    def forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        q = self.norm_q(self.to_q(x).unflatten(-1, (self.heads, -1)))
+        k = self.norm_k(self.to_k(x).unflatten(-1, (self.heads, -1)))
+        v = self.to_v(x).unflatten(-1, (self.heads, -1))
+        q, k = rope.apply(q), rope.apply(k)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask
+        )
+        return self.to_out[0](out.transpose(1, 2).flatten(2, 3))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
+        self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.up_proj(x) * F.gelu(self.gate_proj(x)))
+
+
+def _modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    return (x.float() * (1 + scale) + shift).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        self.adaLN_sa_ln = RMSNorm(config.hidden_size, config.eps)
+        self.self_attention = Attention(config)
+        self.adaLN_mlp_ln = RMSNorm(config.hidden_size, config.eps)
+        self.mlp = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ctx.modulation
+        attn = self.self_attention(_modulate(self.adaLN_sa_ln(x), scale_msa, shift_msa), ctx.rope, ctx.key_mask)
+        x = x + (gate_msa * attn.float()).to(x.dtype)
+        mlp = self.mlp(_modulate(self.adaLN_mlp_ln(x), scale_mlp, shift_mlp))
+        return x + (gate_mlp * mlp.float()).to(x.dtype)
+
+
+class RopeTables:
+    """cos/sin of ERNIE's 3-axis rotary embedding for one sequence layout, in the activations' dtype."""
+
+    def __init__(self, positions: torch.Tensor, config: DiTConfig, dtype: torch.dtype) -> None:
+        angles = torch.cat(
+            [_axis_angles(positions[..., axis], dim, config.rope_theta) for axis, dim in enumerate(config.rope_axes_dim)],
+            dim=-1,
+        )
+        angles = torch.stack([angles, angles], dim=-1).flatten(-2).unsqueeze(2)  # [B, S, 1, head_dim]
+        self.cos = torch.cos(angles).to(dtype)
+        self.sin = torch.sin(angles).to(dtype)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * self.cos + torch.cat((-x2, x1), dim=-1) * self.sin
+
+
+def _axis_angles(pos: torch.Tensor, dim: int, theta: int) -> torch.Tensor:
+    omega = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=pos.device) / dim))
+    return pos.float().unsqueeze(-1) * omega
+
+
+@dataclass
+class StepContext:
+    modulation: tuple[torch.Tensor, ...]  # six fp32 [B, 1, D] tensors shared by every block
+    rope: RopeTables
+    key_mask: Optional[torch.Tensor]  # bool [B, 1, 1, S] or None when no key is padded
+
+
+BlockRunner = Callable[[int, Block, torch.Tensor, StepContext], torch.Tensor]
+
+
+def run_block_in_place(index: int, block: Block, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    return block(x, ctx)
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(config.in_channels, config.hidden_size, kernel_size=1, stride=1, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)  # [B, H*W, D]
+
+
+class FinalNorm(nn.Module):
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        self.eps = config.eps
+        self.linear = nn.Linear(config.hidden_size, 2 * config.hidden_size)
+
+    def forward(self, x: torch.Tensor, conditioning: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(conditioning).chunk(2, dim=-1)
+        x = F.layer_norm(x, (x.shape[-1],), eps=self.eps)
+        return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+def sinusoidal_timestep(timestep: torch.Tensor, dim: int) -> torch.Tensor:
+    half = dim // 2
+    exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half
+    angles = timestep[:, None].float() * torch.exp(exponent)[None, :]
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
+
+
+class ErnieDiT(nn.Module):
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        self.config = config
+        dim = config.hidden_size
+        self.x_embedder = PatchEmbed(config)
+        self.text_proj = nn.Linear(config.text_in_dim, dim, bias=False) if config.text_in_dim != dim else None
+        self.time_embedding = TimestepEmbedding(dim)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.layers = nn.ModuleList([Block(config) for _ in range(config.num_layers)])
+        self.final_norm = FinalNorm(config)
+        self.final_linear = nn.Linear(dim, config.out_channels)
+        self.block_runner: BlockRunner = run_block_in_place
+        self._rope_cache: dict[tuple, RopeTables] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.final_linear.weight.dtype
+
+    def rope_tables(self, grid: tuple[int, int], text_lens: list[int], text_max: int, device, dtype) -> RopeTables:
+        key = (grid, tuple(text_lens), text_max, str(device), dtype)
+        tables = self._rope_cache.get(key)
+        if tables is None:
+            if len(self._rope_cache) > 8:
+                self._rope_cache.clear()
+            tables = RopeTables(_positions(grid, text_lens, text_max, device), self.config, dtype)
+            self._rope_cache[key] = tables
+        return tables
+
+    def forward(
+        self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, text_lens: list[int]
+    ) -> torch.Tensor:
+        """latents [B,128,h,w], timestep [B] (sigma*1000), text [B,T,3072] zero-padded, text_lens per row."""
+        batch, _, height, width = latents.shape
+        dtype = latents.dtype
+        image_tokens = self.x_embedder(latents)
+        if self.text_proj is not None and text.shape[1] > 0:
+            text = self.text_proj(text)
+        x = torch.cat([image_tokens, text.to(dtype)], dim=1)
+        text_max = text.shape[1]
+        rope = self.rope_tables((height, width), text_lens, text_max, latents.device, dtype)
+        key_mask = _key_mask(batch, height * width, text_lens, text_max, latents.device)
+
+        conditioning = self.time_embedding(sinusoidal_timestep(timestep, self.config.hidden_size).to(dtype))
+        modulation = tuple(m.float().unsqueeze(1) for m in self.adaLN_modulation(conditioning).chunk(6, dim=-1))
+        ctx = StepContext(modulation=modulation, rope=rope, key_mask=key_mask)
+        for index, block in enumerate(self.layers):
+            x = self.block_runner(index, block, x, ctx)
+        x = self.final_norm(x, conditioning).type_as(x)
+        patches = self.final_linear(x[:, : height * width])
+        return patches.transpose(1, 2).reshape(batch, self.config.out_channels, height, width)
+
+
+def _positions(grid: tuple[int, int], text_lens: list[int], text_max: int, device) -> torch.Tensor:
+    """[B, S, 3] positions: image token (y, x) -> (text_len, y, x); text token j -> (j, 0, 0)."""
+    height, width = grid
+    ys, xs = torch.meshgrid(
+        torch.arange(height, dtype=torch.float32, device=device),
+        torch.arange(width, dtype=torch.float32, device=device),
+        indexing="ij",
+    )
+    grid_yx = torch.stack([ys, xs], dim=-1).reshape(-1, 2)
+    rows = []
+    for length in text_lens:
+        image = torch.cat([torch.full((grid_yx.shape[0], 1), float(length), device=device), grid_yx], dim=-1)
+        text = torch.zeros((text_max, 3), device=device)
+        text[:, 0] = torch.arange(text_max, dtype=torch.float32, device=device)
+        rows.append(torch.cat([image, text], dim=0))
+    return torch.stack(rows)
+
+
+def _key_mask(batch: int, image_len: int, text_lens: list[int], text_max: int, device) -> Optional[torch.Tensor]:
+    if all(length == text_max for length in text_lens):
+        return None
+    valid_text = torch.arange(text_max, device=device)[None, :] < torch.tensor(text_lens, device=device)[:, None]
+    mask = torch.cat([torch.ones((batch, image_len), dtype=torch.bool, device=device), valid_text], dim=1)
+    return mask[:, None, None, :]

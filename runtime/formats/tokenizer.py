@@ -1,0 +1,31 @@
+"""Where the text encoder's tokenizer comes from: a diffusers `tokenizer/` folder, an explicit tokenizer path,
+or (ComfyUI single files) the Tekken tokenizer embedded in the text-encoder file as the uint8 tensor `tekken_model`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import ModelFileError
+
+
+def load_tokenizer(sources):
+    from transformers import AutoTokenizer
+
+    candidates = []
+    if sources.tokenizer is not None:
+        candidates.append(sources.tokenizer)
+    if sources.model_dir is not None:
+        candidates.append(sources.model_dir / "tokenizer")
+    for candidate in candidates:
+        folder = candidate.parent if candidate.is_file() else candidate
+        if (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(str(folder))
+    if sources.text_encoder is not None:
+        from .tekken import tokenizer_from_text_encoder_file
+
+        tokenizer = tokenizer_from_text_encoder_file(Path(sources.text_encoder))
+        if tokenizer is not None:
+            return tokenizer
+    raise ModelFileError(
+        "no tokenizer found: use a text-encoder file with an embedded tokenizer (ComfyUI's ministral-3-3b), "
+        "a diffusers folder with tokenizer/, or pass --tokenizer"
+    )

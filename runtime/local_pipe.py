@@ -1,0 +1,186 @@
+"""The in-process backend: text encoder, DiT and VAE as phases on one device.
+
+Weights load lazily, phase by phase, straight from the (memory-mapped) files. After a run, or after an error
+or a cancel, device memory is released according to `keep_loaded`; nothing stays half-loaded.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from .decode import decode_images
+from .errors import Cancelled, ModelFileError
+from .formats import open_component
+from .host import Host
+from .model_files import ModelSources, Variant, build_dit, build_text_tower, build_vae
+from .preview import latent_preview
+from .request import GenerationRequest, GenerationResult
+from .sampling import initial_noise, sample_euler
+from .text.encoder import encode_prompts, pad_text
+
+PRESETS: dict[str, dict[str, float]] = {
+    "base": {"steps": 50, "cfg": 4.0},
+    "turbo": {"steps": 8, "cfg": 1.0},
+}
+
+
+@dataclass
+class LoadOptions:
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1"...
+    dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU), "bf16", "fp16", "fp32"
+    vram_budget_gb: Optional[float] = None  # None: free VRAM minus a reserve
+    keep_loaded: bool = True  # keep weights (in host RAM when they do not fit) between runs
+    quant: str = "none"  # "none", "auto", "fp8", "q8_0", "nvfp4", or a quantised file given as the DiT
+    previews: bool = True
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelFileError("device cuda was asked for but PyTorch sees no CUDA GPU: use --device cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in table:
+        raise ModelFileError(f"dtype {name!r} is not supported: use auto, bf16, fp16 or fp32")
+    return table[name]
+
+
+@dataclass
+class _Loaded:
+    tokenizer: Any = None
+    text_tower: Any = None
+    dit: Any = None
+    vae: Any = None
+    enhancer: Any = None
+
+
+class LocalPipe:
+    kind = "local"
+
+    def __init__(self, sources: ModelSources, options: LoadOptions, variant: Variant) -> None:
+        self.sources = sources
+        self.options = options
+        self.variant = variant
+        self.device = resolve_device(options.device)
+        self.dtype = resolve_dtype(options.dtype, self.device)
+        self._loaded = _Loaded()
+        self.timings: dict[str, float] = {}
+
+    @classmethod
+    def load(cls, sources: ModelSources, options: Optional[LoadOptions] = None, host: Optional[Host] = None) -> "LocalPipe":
+        """Check the files and prepare; weights are read on first use, one phase at a time."""
+        options = options or LoadOptions()
+        pipe = cls(sources, options, sources.detect_variant())
+        for component in ("transformer", "text_encoder", "vae"):
+            sources.component(component)  # raises a clear error for a missing part now, not mid-run
+        return pipe
+
+    @property
+    def defaults(self) -> dict[str, float]:
+        return PRESETS[self.variant]
+
+    def describe(self) -> str:
+        return (
+            f"ERNIE-Image {'Turbo' if self.variant == 'turbo' else '(base)'} on {self.device} in "
+            f"{str(self.dtype).replace('torch.', '')}; defaults {int(self.defaults['steps'])} steps, "
+            f"CFG {self.defaults['cfg']}"
+        )
+
+    # -- phases ---------------------------------------------------------------------------------------
+
+    def _tokenizer(self):
+        if self._loaded.tokenizer is None:
+            from .formats.tokenizer import load_tokenizer
+
+            self._loaded.tokenizer = load_tokenizer(self.sources)
+        return self._loaded.tokenizer
+
+    def _text_tower(self):
+        if self._loaded.text_tower is None:
+            component = open_component(self.sources.component("text_encoder"), "text_encoder")
+            self._loaded.text_tower = build_text_tower(component, self.device, self.dtype, self.variant)
+        return self._loaded.text_tower
+
+    def _dit(self):
+        if self._loaded.dit is None:
+            component = open_component(self.sources.component("transformer"), "dit")
+            self._loaded.dit = build_dit(component, self.device, self.dtype)
+        return self._loaded.dit
+
+    def _vae(self):
+        if self._loaded.vae is None:
+            component = open_component(self.sources.component("vae"), "vae")
+            self._loaded.vae = build_vae(component, self.device, torch.float32 if self.device.type == "cpu" else self.dtype)
+        return self._loaded.vae
+
+    def encode(self, prompts: list[str]) -> list[torch.Tensor]:
+        unique = list(dict.fromkeys(prompts))
+        encoded = dict(zip(unique, encode_prompts(self._tokenizer(), self._text_tower(), unique)))
+        return [encoded[p] for p in prompts]
+
+    def sample(self, request: GenerationRequest, text: list[torch.Tensor], negative: Optional[list[torch.Tensor]],
+               host: Host) -> torch.Tensor:
+        dit = self._dit()
+        rows = (negative + text) if negative is not None else text
+        text_batch, text_lens = pad_text(rows, self.device, self.dtype)
+        noise = initial_noise(request.seed, request.batch, request.width, request.height).to(self.device)
+
+        def denoise(latents: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+            return dit(latents, timestep, text_batch, text_lens)
+
+        preview = latent_preview if self.options.previews else None
+        with torch.inference_mode():
+            return sample_euler(denoise, noise, request.steps, request.shift, request.cfg if negative is not None else 1.0,
+                                self.dtype, host, preview)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return decode_images(latents, self._vae())
+
+    # -- the whole job ------------------------------------------------------------------------------
+
+    def generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
+        request.validate()
+        try:
+            prompts = request.prompt_list()
+            started = time.perf_counter()
+            text = self.encode(prompts)
+            negative = self.encode([request.negative_prompt] * request.batch) if request.uses_cfg else None
+            encoded = time.perf_counter()
+            host.check_cancel()
+            latents = self.sample(request, text, negative, host)
+            sampled = time.perf_counter()
+            host.check_cancel()
+            images = self.decode(latents)
+            decoded = time.perf_counter()
+        except BaseException:
+            self.release()
+            raise
+        if not self.options.keep_loaded:
+            self.release()
+        info: dict[str, Any] = {
+            "backend": "local",
+            "variant": self.variant,
+            "device": str(self.device),
+            "text_s": round(encoded - started, 3),
+            "sampling_s": round(sampled - encoded, 3),
+            "decode_s": round(decoded - sampled, 3),
+        }
+        return GenerationResult(images=images, latents=latents.cpu(), prompts_used=prompts, info=info)
+
+    def release(self) -> None:
+        self._loaded = _Loaded(tokenizer=self._loaded.tokenizer)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

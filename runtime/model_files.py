@@ -1,0 +1,193 @@
+"""Where a model's parts are, and turning those files into runtime modules.
+
+Parsing weight files (layouts, key names, detection, errors) lives in `formats/`; this module composes the
+parts: it builds the DiT, text tower and VAE on the meta device and fills them straight from the file
+mappings, so no random init is ever materialised and host RAM stays near one copy of the weights.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+import torch
+
+from .errors import ModelFileError
+
+CONFIG_ROOT = Path(__file__).parent / "configs"
+Variant = Literal["base", "turbo"]
+
+
+@dataclass
+class ModelSources:
+    """Any mix of a diffusers folder and single files; a single file overrides the folder's component."""
+
+    model_dir: Optional[Path] = None
+    dit: Optional[Path] = None
+    text_encoder: Optional[Path] = None
+    vae: Optional[Path] = None
+    pe: Optional[Path] = None
+    tokenizer: Optional[Path] = None  # a tokenizer folder or tokenizer.json; else found next to the weights
+    variant: Optional[Variant] = None  # None: detected
+
+    def __post_init__(self) -> None:
+        for name in ("model_dir", "dit", "text_encoder", "vae", "pe", "tokenizer"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, Path(value))
+
+    def component(self, name: str) -> Path:
+        """The file or folder holding one component ("transformer", "text_encoder", "vae", "pe")."""
+        explicit = {"transformer": self.dit, "text_encoder": self.text_encoder, "vae": self.vae, "pe": self.pe}[name]
+        if explicit is not None:
+            if not explicit.exists():
+                raise ModelFileError(f"{name} file {explicit} does not exist: check the path")
+            return explicit
+        if self.model_dir is None:
+            raise ModelFileError(
+                f"no {name} given: pass a diffusers folder (--model-dir) or the {name} file itself"
+            )
+        folder = self.model_dir / name
+        if not folder.is_dir():
+            raise ModelFileError(
+                f"{self.model_dir} has no {name}/ folder: point --model-dir at a diffusers ERNIE-Image folder "
+                f"(model_index.json, transformer/, text_encoder/, tokenizer/, vae/) or give the {name} file"
+            )
+        return folder
+
+    def has_pe(self) -> bool:
+        return self.pe is not None or (self.model_dir is not None and (self.model_dir / "pe").is_dir())
+
+    def detect_variant(self) -> Variant:
+        if self.variant is not None:
+            return self.variant
+        # Turbo and base share every shape; only their metadata tells them apart.
+        hints: list[str] = []
+        if self.model_dir is not None:
+            hints.append(self.model_dir.name)
+            config = self.model_dir / "transformer" / "config.json"
+            if config.exists() and "use_lora" in json.loads(config.read_text()):
+                return "turbo"
+        if self.dit is not None:
+            hints.append(self.dit.name)
+        return "turbo" if any("turbo" in hint.lower() for hint in hints) else "base"
+
+
+def load_config(variant: Variant, component: str) -> dict:
+    folder = "ERNIE-Image-Turbo" if variant == "turbo" else "ERNIE-Image"
+    return json.loads((CONFIG_ROOT / folder / component / "config.json").read_text())
+
+
+def _fill_module(module: torch.nn.Module, component, device: torch.device, dtype: torch.dtype,
+                 keep_fp32: tuple[str, ...] = ()) -> torch.nn.Module:
+    """Load every parameter and buffer of a meta-device module from `component`, one tensor at a time."""
+    expected = dict(module.state_dict(keep_vars=True))
+    missing = [key for key in expected if key not in component.keys]
+    if missing:
+        raise ModelFileError(
+            f"{component.path} is missing {len(missing)} {component.kind} tensors (e.g. {missing[0]}): "
+            f"the file is incomplete or not an ERNIE-Image {component.kind}"
+        )
+    loaded: dict[str, torch.Tensor] = {}
+    for key, target in expected.items():
+        tensor = component.tensor(key)
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ModelFileError(
+                f"{component.path}: tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}: "
+                f"the file does not match the ERNIE-Image {component.kind} configuration"
+            )
+        want = torch.float32 if any(key.endswith(k) for k in keep_fp32) or not tensor.is_floating_point() else dtype
+        if not tensor.is_floating_point():
+            want = tensor.dtype
+        loaded[key] = tensor.to(device=device, dtype=want)
+    module.load_state_dict(loaded, strict=True, assign=True)
+    return module.eval().requires_grad_(False)
+
+
+def _assert_materialised(module: torch.nn.Module, component) -> None:
+    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        if tensor.is_meta:
+            raise ModelFileError(f"{component.path}: {name} was not filled from the file: report this as a bug")
+
+
+def dit_config_for(component) -> "DiTConfig":
+    from .dit import DiTConfig
+
+    if component.config is not None:
+        return DiTConfig.from_dict(component.config)
+    shape = {key: tuple(component.tensor(key).shape) for key in
+             ("x_embedder.proj.weight", "layers.0.self_attention.norm_q.weight", "layers.0.mlp.gate_proj.weight")}
+    hidden, in_channels = shape["x_embedder.proj.weight"][:2]
+    head_dim = shape["layers.0.self_attention.norm_q.weight"][0]
+    num_layers = 1 + max(int(key.split(".")[1]) for key in component.keys if key.startswith("layers."))
+    text_in = tuple(component.tensor("text_proj.weight").shape)[1] if "text_proj.weight" in component.keys else hidden
+    released_axes = (32, 48, 48)
+    axes = tuple(a * head_dim // 128 for a in released_axes)
+    return DiTConfig.from_dict({
+        "hidden_size": hidden, "num_attention_heads": hidden // head_dim, "num_layers": num_layers,
+        "ffn_hidden_size": shape["layers.0.mlp.gate_proj.weight"][0], "in_channels": in_channels,
+        "out_channels": tuple(component.tensor("final_linear.weight").shape)[0], "text_in_dim": text_in,
+        "rope_axes_dim": axes,
+    })
+
+
+def build_dit(component, device: torch.device, dtype: torch.dtype):
+    from .dit import ErnieDiT
+
+    with torch.device("meta"):
+        model = ErnieDiT(dit_config_for(component))
+    model = _fill_module(model, component, device, dtype)
+    _assert_materialised(model, component)
+    return model
+
+
+def text_config_for(component, variant: Variant = "base") -> dict:
+    """The text tower's config: the folder's, one embedded in the file, or the released Ministral-3B one."""
+    config = component.config
+    if config is not None:
+        return dict(config.get("text_config", config))
+    released = load_config(variant, "text_encoder")["text_config"]
+    width = tuple(component.tensor("embed_tokens.weight").shape)[1]
+    if width != released["hidden_size"]:
+        raise ModelFileError(
+            f"{component.path}: text encoder width {width} is not Ministral-3B's {released['hidden_size']}: "
+            f"ERNIE-Image needs the ministral-3-3b text encoder"
+        )
+    return dict(released)
+
+
+def build_text_tower(component, device: torch.device, dtype: torch.dtype, variant: Variant = "base"):
+    """Mistral text tower cut at the layer whose output is hidden_states[-2]: later layers and norm never load."""
+    from transformers import MistralConfig, MistralModel
+
+    raw = text_config_for(component, variant)
+    total_layers = int(raw["num_hidden_layers"])
+    raw = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "dtype", "transformers_version")}
+    raw["num_hidden_layers"] = total_layers - 1
+    config = MistralConfig(**raw)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        tower = MistralModel(config)
+    tower.norm = torch.nn.Identity()
+    tower = _fill_module(tower, component, device, dtype)
+    # The rotary tables are non-persistent buffers (not in any file): build them for real on the device.
+    with torch.device("cpu"):
+        tower.rotary_emb = type(tower.rotary_emb)(config).to(device)
+    _assert_materialised(tower, component)
+    return tower
+
+
+def build_vae(component, device: torch.device, dtype: torch.dtype):
+    from diffusers import AutoencoderKLFlux2
+
+    config = component.config or load_config("base", "vae")
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    with torch.device("meta"):
+        vae = AutoencoderKLFlux2.from_config(config)
+    # Text-to-image never encodes: drop the encoder before anything is materialised.
+    vae.encoder = None
+    vae.quant_conv = None
+    vae = _fill_module(vae, component, device, dtype, keep_fp32=("bn.running_mean", "bn.running_var"))
+    _assert_materialised(vae, component)
+    return vae

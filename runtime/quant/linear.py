@@ -1,0 +1,144 @@
+"""`QuantLinear`: an nn.Linear replacement whose weight stays packed in host and device memory.
+
+Contract with the offloader (runtime/offload/) and anything else that moves modules around:
+  * Every tensor the layer needs is an ordinary module buffer or parameter, found by
+    `named_buffers()` / `named_parameters()`: buffers `weight` (the packed data), `weight_scale`,
+    `weight_scale_2`, `input_scale` (those the format has; absent ones are not registered) and the
+    parameter `bias` (or None). Dtypes are the file's packed dtypes (uint8, float8_e4m3fn, fp32).
+  * A streamer may replace any of them by swapping `.data` (same shape and dtype, any device).
+    Nothing derived from them is cached: `forward` reads the tensors at call time and dequantises on
+    the device where `weight` currently lives, so a block streamed in compressed is usable as is.
+  * Format metadata (format, qtype, logical shape) are plain attributes and never move.
+
+Forward: native FP8 GEMM on SM >= 8.9, native FP4 GEMM on SM >= 10, else dequantise this one layer's
+weight in torch to the activation dtype, `F.linear`, and drop it (transient memory = one bf16 weight).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .fp8 import fp8_linear_native, native_fp8_supported
+from .nvfp4 import native_fp4_supported, nvfp4_linear_native
+from .qweight import QuantizedWeight, dequantize_packed
+
+log = logging.getLogger(__name__)
+_BUFFER_NAMES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+
+# Optional replacement for dequantize_packed, e.g. a torch.compile'd one (see `enable_compiled_dequant`).
+_dequant_impl: Callable[..., torch.Tensor] = dequantize_packed
+
+
+def enable_compiled_dequant(enabled: bool = True) -> None:
+    """Route per-layer dequantisation through `torch.compile` (fuses the unpack ops into one kernel).
+
+    Trade-off: eager dequant runs ~10 small kernels per layer through float32 temporaries; compiled, one
+    kernel reads the packed bytes and writes the bf16 weight. Costs a compile per distinct weight shape
+    (a handful in the DiT) on first use; nothing is cached between forwards, so no extra memory.
+    """
+    global _dequant_impl
+    _dequant_impl = torch.compile(dequantize_packed, dynamic=False) if enabled else dequantize_packed
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype = torch.bfloat16, name: str = "") -> None:
+        super().__init__()
+        if len(qweight.shape) != 2:
+            raise ValueError(f"{name or 'QuantLinear'}: expected a 2-D weight, got shape {qweight.shape}")
+        self.out_features, self.in_features = qweight.shape
+        self.format = qweight.format
+        self.qtype = qweight.qtype
+        self.shape = qweight.shape
+        self.compute_dtype = compute_dtype
+        self.layer_name = name
+        self._native_failed = False
+        for buffer_name, tensor in qweight.tensors().items():
+            self.register_buffer(buffer_name, tensor)
+        self.bias = None if bias is None else nn.Parameter(bias.to(compute_dtype), requires_grad=False)
+
+    def packed_tensors(self) -> dict[str, torch.Tensor]:
+        return {n: getattr(self, n) for n in _BUFFER_NAMES if getattr(self, n, None) is not None}
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return _dequant_impl(self.format, self.qtype, self.shape, self.weight,
+                             getattr(self, "weight_scale", None), getattr(self, "weight_scale_2", None),
+                             dtype or self.compute_dtype, self.layer_name or "weight")
+
+    def _native(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self._native_failed or x.device.type != "cuda" or self.weight.device != x.device:
+            return None
+        try:
+            if self.format == "fp8" and self.weight.dtype == torch.float8_e4m3fn \
+                    and self.in_features % 16 == 0 and self.out_features % 16 == 0 \
+                    and native_fp8_supported(x.device):
+                return fp8_linear_native(x, self.weight, getattr(self, "weight_scale", None), self.bias)
+            if self.format == "nvfp4" and self.in_features % 32 == 0 and native_fp4_supported(x.device):
+                return nvfp4_linear_native(x, self.weight, self.weight_scale, self.weight_scale_2,
+                                           self.shape, self.bias)
+        except (RuntimeError, TypeError) as err:  # an unsupported shape/dtype combination in this torch build
+            self._native_failed = True
+            log.warning("%s: native %s matmul unavailable (%s); dequantising per forward instead",
+                        self.layer_name or "QuantLinear", self.format, err)
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._native(x)
+        if y is not None:
+            return y
+        dtype = x.dtype if x.is_floating_point() else self.compute_dtype
+        weight = self.dequantized_weight(dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x, weight, bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}:{self.qtype}"
+
+
+def _split_parent(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent_name, _, child = name.rpartition(".")
+    return (root.get_submodule(parent_name) if parent_name else root), child
+
+
+def quantize_linears(module: nn.Module, state: dict[str, object], compute_dtype: torch.dtype = torch.bfloat16
+                     ) -> list[str]:
+    """Replace every nn.Linear whose `<name>.weight` in `state` is a QuantizedWeight by a QuantLinear.
+
+    The `<name>.weight` / `<name>.bias` entries it uses are removed from `state`; plain tensors stay for the
+    caller's `load_state_dict`. Returns the replaced module names.
+    """
+    replaced = []
+    for name, child in list(module.named_modules()):
+        qweight = state.get(f"{name}.weight")
+        if not isinstance(child, nn.Linear) or not isinstance(qweight, QuantizedWeight):
+            continue
+        if tuple(qweight.shape) != (child.out_features, child.in_features):
+            raise ValueError(f"{name}: quantised weight shape {qweight.shape} does not fit "
+                             f"Linear({child.in_features}, {child.out_features})")
+        bias = state.pop(f"{name}.bias", None)
+        if bias is None and child.bias is not None:
+            bias = child.bias.detach()
+        parent, attr = _split_parent(module, name)
+        setattr(parent, attr, QuantLinear(qweight, bias, compute_dtype, name))
+        del state[f"{name}.weight"]
+        replaced.append(name)
+    return replaced
+
+
+def load_quantized_into(module: nn.Module, state: dict[str, object], compute_dtype: torch.dtype = torch.bfloat16
+                        ) -> list[str]:
+    """`quantize_linears`, then load every remaining plain tensor (strict: all keys must match)."""
+    remaining = dict(state)
+    replaced = quantize_linears(module, remaining, compute_dtype)
+    leftovers = [k for k, v in remaining.items() if not isinstance(v, torch.Tensor)]
+    if leftovers:
+        raise ValueError(f"quantised weights for modules that are not nn.Linear: {leftovers[:5]}")
+    missing, unexpected = module.load_state_dict(remaining, strict=False, assign=False)
+    missing = [k for k in missing if not any(k.startswith(f"{r}.") for r in replaced)]
+    if missing or unexpected:
+        raise ValueError(f"state does not match the module: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return replaced

@@ -1,0 +1,210 @@
+"""`RemotePipe`: the ErniePipe that runs on one or more SGLang servers.
+
+The samplers call `generate(request, host)` exactly as on the local pipe. The work runs on the private event
+loop thread; the calling thread (ComfyUI's worker, the CLI) waits in 0.1 s slices, checks the host for
+Cancel, and forwards progress and notices to the host, so every host call happens on the caller's thread.
+The server itself cannot cancel a generation: Cancel stops waiting, the server finishes the image anyway.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..errors import Cancelled, RemoteError
+from ..host import Host
+from ..request import GenerationRequest, GenerationResult
+from .fleet import Fleet, FleetSettings
+from .http import ApiKeySource, RetryPolicy, Timeouts, private_loop, run_sync
+from .sglang import GeneratedImage, ImageParams, ReadTimeoutPolicy, round_side
+
+POLL_S = 0.1
+PROGRESS_STEPS = 1000
+# Scheduler shift of both released checkpoints; the server uses its own scheduler config, shift is not sent.
+SERVER_SHIFT = 4.0
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """Everything the Remote Backend node exposes. No secret here: only where to read the key from."""
+
+    api_key_env: Optional[str] = None
+    api_key_file: Optional[str] = None
+    connect_timeout_s: float = 5.0
+    read_timeout_base_s: float = 120.0
+    read_timeout_per_step_megapixel_s: float = 3.0
+    read_timeout_scale: float = 1.0
+    retry_attempts: int = 4
+    retry_down_after_s: float = 10.0
+    max_response_mb: int = 256
+
+    def fleet_settings(self) -> FleetSettings:
+        return FleetSettings(
+            timeouts=Timeouts(connect_s=self.connect_timeout_s, read_s=self.read_timeout_base_s),
+            retry=RetryPolicy(attempts=max(1, self.retry_attempts)),
+            read_timeout=ReadTimeoutPolicy(base_s=self.read_timeout_base_s,
+                                           per_step_megapixel_s=self.read_timeout_per_step_megapixel_s,
+                                           scale=self.read_timeout_scale),
+            retry_down_after_s=self.retry_down_after_s,
+            max_body_bytes=self.max_response_mb * 1024 * 1024,
+        )
+
+    def api_key(self) -> ApiKeySource:
+        return ApiKeySource(env_var=self.api_key_env or None, file=self.api_key_file or None)
+
+
+def rounded_request(request: GenerationRequest, host: Host) -> GenerationRequest:
+    """Sizes rounded to multiples of 16 client-side (SGLang would floor them silently), with a notice."""
+    width, height = round_side(request.width), round_side(request.height)
+    if (width, height) != (request.width, request.height):
+        host.log(f"size {request.width}x{request.height} rounded to {width}x{height} (ERNIE-Image needs multiples of 16)")
+        request = dataclasses.replace(request, width=width, height=height)
+    request.validate()
+    return request
+
+
+def image_jobs(request: GenerationRequest) -> list[ImageParams]:
+    """One request per image: SGLang 0.5.23 fails n > 1 for ERNIE, so the batch is seed, seed+1, ..."""
+    return [
+        ImageParams(prompt=prompt, negative_prompt=request.negative_prompt, width=request.width,
+                    height=request.height, steps=request.steps, guidance_scale=request.cfg,
+                    seed=request.seed + index, use_pe=request.use_pe)
+        for index, prompt in enumerate(request.prompt_list())
+    ]
+
+
+def summarize(images: Sequence[GeneratedImage], wall_s: float) -> str:
+    lines = []
+    for index, image in enumerate(images):
+        inference = f"{image.inference_time_s:.2f} s" if image.inference_time_s is not None else "n/a"
+        memory = f"{image.peak_memory_mb:.0f} MB" if image.peak_memory_mb is not None else "n/a"
+        lines.append(f"image {index + 1}: seed {image.seed}, {image.server}, inference {inference}, peak memory {memory}")
+    lines.append(f"{len(images)} image(s) in {wall_s:.2f} s wall time")
+    return "\n".join(lines)
+
+
+class RemotePipe:
+    """ErniePipe over SGLang servers. Safe to share between prompts; release() closes the connections."""
+
+    kind = "remote"
+
+    def __init__(self, urls: Sequence[str], settings: RemoteSettings = RemoteSettings()) -> None:
+        self.settings = settings
+        self.urls = [u for u in (u.strip() for u in urls) if u]
+        # Fail on a bad URL now (the node shows it at once), before any connection is tried.
+        Fleet(self.urls, settings.api_key(), settings.fleet_settings())
+        self._fleet: Optional[Fleet] = None
+
+    def __repr__(self) -> str:
+        return f"RemotePipe({', '.join(self.urls)})"
+
+    def _get_fleet(self) -> Fleet:
+        if self._fleet is None:
+            async def build() -> Fleet:  # asyncio objects of the fleet belong to the private loop
+                return Fleet(self.urls, self.settings.api_key(), self.settings.fleet_settings())
+            self._fleet = run_sync(build())
+        return self._fleet
+
+    def describe(self) -> str:
+        lines = [f"remote: {len(self.urls)} SGLang server(s)"]
+        slots = self._fleet.slots if self._fleet else []
+        for url in self.urls:
+            slot = next((s for s in slots if s.client.http.base_url == url.rstrip("/")), None)
+            model = f" serving {slot.model.id} ({slot.model.num_gpus} GPU, {slot.model.dit_precision})" if slot and slot.model else ""
+            lines.append(f"  {url}{model}")
+        return "\n".join(lines)
+
+    def generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
+        request = rounded_request(request, host)
+        if request.shift != SERVER_SHIFT:
+            host.log(f"shift {request.shift:g} is not sent: the SGLang server uses its own scheduler (shift {SERVER_SHIFT:g})")
+        jobs = image_jobs(request)
+        fleet = self._get_fleet()
+        events: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
+        estimate_s = max(0.5, fleet.estimate_batch_seconds(jobs))
+        host.log(f"sending {len(jobs)} image(s) to {len(fleet.slots)} SGLang server(s), about {estimate_s:.0f} s; "
+                 f"Cancel stops waiting, but a server finishes an image it has started")
+
+        async def run() -> list[GeneratedImage]:
+            return await fleet.generate(jobs, notify=lambda message: events.put(("log", message)),
+                                        on_image=lambda index, image: events.put(("image", index)))
+
+        started = time.monotonic()
+        future = _submit(run())
+        done_images = 0
+        try:
+            while True:
+                try:
+                    images = future.result(timeout=POLL_S)
+                    break
+                except concurrent.futures.TimeoutError:
+                    pass
+                done_images += _drain(events, host)
+                host.check_cancel()
+                elapsed = time.monotonic() - started
+                fraction = min(0.99, max(done_images / len(jobs), elapsed / estimate_s))
+                host.progress(int(fraction * PROGRESS_STEPS), PROGRESS_STEPS)
+        except Cancelled:
+            future.cancel()  # cancels the task on the private loop; open connections are closed
+            _drain(events, host)
+            raise Cancelled("cancelled: stopped waiting for the SGLang server(s); a server cannot cancel and "
+                            "finishes the image it started") from None
+        except BaseException:
+            future.cancel()
+            _drain(events, host)
+            raise
+        _drain(events, host)
+        host.progress(PROGRESS_STEPS, PROGRESS_STEPS)
+        wall_s = time.monotonic() - started
+        info = {
+            "backend": "remote",
+            "servers": [slot.label for slot in fleet.slots],
+            "images": [
+                {"seed": image.seed, "server": image.server, "inference_time_s": image.inference_time_s,
+                 "peak_memory_mb": image.peak_memory_mb, "request_s": round(image.elapsed_s, 3)}
+                for image in images
+            ],
+            "inference_time_s": [image.inference_time_s for image in images],
+            "peak_memory_mb": [image.peak_memory_mb for image in images],
+            "wall_time_s": round(wall_s, 3),
+            "summary": summarize(images, wall_s),
+            "prompt_enhancer": "run on the server; its rewritten prompt is not returned" if request.use_pe else "off",
+        }
+        return GenerationResult(
+            images=torch.stack([image.image for image in images]),
+            latents=None,
+            prompts_used=request.prompt_list(),
+            info=info,
+        )
+
+    def release(self) -> None:
+        fleet, self._fleet = self._fleet, None
+        if fleet is not None:
+            try:
+                run_sync(fleet.close())
+            except RemoteError:
+                pass
+
+
+def _submit(coro: Any) -> "concurrent.futures.Future[Any]":
+    import asyncio
+
+    return asyncio.run_coroutine_threadsafe(coro, private_loop())
+
+
+def _drain(events: "queue.SimpleQueue[tuple[str, Any]]", host: Host) -> int:
+    images = 0
+    while True:
+        try:
+            kind, value = events.get_nowait()
+        except queue.Empty:
+            return images
+        if kind == "log":
+            host.log(value)
+        elif kind == "image":
+            images += 1

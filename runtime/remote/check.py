@@ -1,0 +1,130 @@
+"""`ernie-image check-remote URL...` and the node's "Test connection": one row per server.
+
+Readiness (/health), the served model (/v1/models: must be an ERNIE-Image pipeline), GPUs, precision,
+version (/server_info) and the time of one tiny generation (256x256, 1 step), as a text table.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from ..errors import ErnieImageError
+from .http import ApiKeySource, RetryPolicy, Timeouts, run_sync
+from .sglang import ImageParams, ReadTimeoutPolicy, SglangClient
+
+TINY_IMAGE = ImageParams(prompt="a red fox in snow", negative_prompt="", width=256, height=256, steps=1,
+                         guidance_scale=1.0, seed=0, use_pe=False)
+
+
+@dataclass
+class CheckRow:
+    url: str
+    readiness: str = "?"
+    model_id: Optional[str] = None
+    pipeline: Optional[str] = None
+    num_gpus: Optional[int] = None
+    precision: Optional[str] = None
+    version: Optional[str] = None
+    generation_s: Optional[float] = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.readiness == "ready" and not self.problems
+
+
+async def check_one(url: str, api_key: ApiKeySource, generate: bool, connect_timeout_s: float,
+                    generation_timeout_s: float) -> CheckRow:
+    row = CheckRow(url=url)
+    try:
+        client = SglangClient(url, api_key=api_key, timeouts=Timeouts(connect_s=connect_timeout_s),
+                              retry=RetryPolicy(attempts=1),
+                              read_timeout=ReadTimeoutPolicy(base_s=generation_timeout_s))
+    except ErnieImageError as exc:
+        row.readiness, row.problems = "bad URL", [str(exc)]
+        return row
+    row.url = client.label
+    try:
+        readiness = await client.health()
+        row.readiness = readiness.state
+        if not readiness.ready:
+            row.problems.append(readiness.detail)
+            return row
+        models = await client.models()
+        ernie = next((m for m in models if m.is_ernie), models[0] if models else None)
+        if ernie is not None:
+            row.model_id, row.pipeline = ernie.id, ernie.pipeline_name
+            row.num_gpus, row.precision = ernie.num_gpus, ernie.dit_precision
+        try:
+            await client.ernie_model()
+        except ErnieImageError as exc:
+            row.problems.append(str(exc))
+            return row
+        row.version = await client.version()
+        if generate:
+            started = time.monotonic()
+            await client.generate(TINY_IMAGE)
+            row.generation_s = time.monotonic() - started
+    except ErnieImageError as exc:
+        row.problems.append(str(exc))
+    finally:
+        await client.close()
+    return row
+
+
+def check_remote(urls: Sequence[str], api_key_env: Optional[str] = None, api_key_file: Optional[str] = None,
+                 generate: bool = True, connect_timeout_s: float = 5.0,
+                 generation_timeout_s: float = 120.0) -> list[CheckRow]:
+    """Check every server concurrently; never raises for a server problem (it lands in the row)."""
+    api_key = ApiKeySource(env_var=api_key_env or None, file=api_key_file or None)
+
+    async def run() -> list[CheckRow]:
+        return list(await asyncio.gather(*(
+            check_one(url, api_key, generate, connect_timeout_s, generation_timeout_s) for url in urls)))
+
+    return run_sync(run())
+
+
+def format_check_table(rows: Sequence[CheckRow]) -> str:
+    headers = ("server", "status", "model", "pipeline", "GPUs", "precision", "version", "256px 1-step")
+    table = [headers]
+    for row in rows:
+        table.append((
+            row.url,
+            row.readiness if row.ok or row.readiness != "ready" else "PROBLEM",
+            row.model_id or "-",
+            row.pipeline or "-",
+            str(row.num_gpus) if row.num_gpus is not None else "-",
+            row.precision or "-",
+            row.version or "-",
+            f"{row.generation_s:.2f} s" if row.generation_s is not None else "-",
+        ))
+    widths = [max(len(line[i]) for line in table) for i in range(len(headers))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in table]
+    for row in rows:
+        for problem in row.problems:
+            lines.append(f"! {problem}")
+    return "\n".join(lines)
+
+
+def main_check_remote(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="ernie-image check-remote",
+                                     description="Check SGLang ERNIE-Image servers: readiness, model, version, one tiny generation.")
+    parser.add_argument("urls", nargs="+", metavar="URL", help="server base URL, e.g. http://127.0.0.1:30000")
+    parser.add_argument("--api-key-env", default=None, help="environment variable holding the API key")
+    parser.add_argument("--api-key-file", default=None, help="file holding the API key")
+    parser.add_argument("--no-generate", action="store_true", help="skip the tiny test generation")
+    parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds (default 5)")
+    args = parser.parse_args(argv)
+    rows = check_remote(args.urls, api_key_env=args.api_key_env, api_key_file=args.api_key_file,
+                        generate=not args.no_generate, connect_timeout_s=args.connect_timeout)
+    print(format_check_table(rows))
+    return 0 if all(row.ok for row in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main_check_remote())

@@ -1,0 +1,495 @@
+"""A small JSON-over-HTTP layer on aiohttp for remote servers (SGLang, OpenAI-compatible chat endpoints).
+
+What it guarantees:
+- separate connect and read timeouts (the read timeout is per call, so callers can scale it with the work);
+- retries with exponential backoff only where the server cannot have started work: the connection was
+  refused or timed out while connecting, or the server answered 503, 429 or 408. A connection lost after
+  the request was sent is retried only for idempotent methods (GET); a POST is never silently re-sent;
+- responses read in chunks and refused over a size cap; redirects are never followed;
+- an API key sent as `Authorization: Bearer`, read from an environment variable or a key file, never shown
+  in repr, logs or error text;
+- cancellation polled every 0.1 s (`cancel` may return True or raise `Cancelled`, so `Host.check_cancel`
+  fits as it is), so a cancel stops the wait within a second;
+- one-line `RemoteError` subclasses that say what failed and what to do.
+
+`run_sync` runs a coroutine on a private event-loop thread, for sync callers (ComfyUI node functions, the CLI).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Coroutine, Mapping, Optional, TypeVar
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from ..errors import Cancelled, RemoteError
+
+T = TypeVar("T")
+CancelCheck = Callable[[], Optional[bool]]
+
+CANCEL_POLL_S = 0.1
+DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+RETRYABLE_STATUSES = frozenset({408, 429, 503})
+
+
+# ----------------------------------------------------------------------------------------------- errors
+class ServerUnavailable(RemoteError):
+    """The server did not take the request (refused, unreachable, 503/429/408 after retries): try another."""
+
+
+class ConnectionLost(RemoteError):
+    """The connection broke or timed out after the request was sent: the server may still be working on it."""
+
+
+class ServerRejected(RemoteError):
+    """The server answered 4xx: the request itself is wrong; another server would answer the same."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class AuthenticationError(ServerRejected):
+    """401/403: the API key is missing or wrong."""
+
+
+class ServerFailed(RemoteError):
+    """The server answered 5xx (other than 503): it failed while working on the request."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class BadResponse(RemoteError):
+    """The server answered something unusable: not JSON, wrong shape, too large, a redirect."""
+
+
+# ---------------------------------------------------------------------------------------------- api key
+@dataclass(frozen=True)
+class ApiKeySource:
+    """Where the API key comes from: an environment variable and/or a file. Never the key itself.
+
+    The key is read at request time, so it is never stored in an object that could be pickled, logged or
+    put into workflow JSON.
+    """
+
+    env_var: Optional[str] = None
+    file: Optional[str] = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.env_var:
+            parts.append(f"environment variable {self.env_var}")
+        if self.file:
+            parts.append(f"key file {self.file}")
+        return " or ".join(parts) if parts else "no API key configured"
+
+    def read(self) -> Optional[str]:
+        """The key, or None when neither source is configured. A configured source that is empty is an error."""
+        if self.env_var:
+            value = os.environ.get(self.env_var, "").strip()
+            if value:
+                return value
+        if self.file:
+            path = Path(self.file).expanduser()
+            try:
+                value = path.read_text(encoding="utf-8").strip()
+            except OSError as exc:
+                raise AuthenticationError(
+                    f"cannot read the API key file {path} ({exc.strerror or type(exc).__name__}): "
+                    f"check the path and its permissions", status=0
+                ) from None
+            if not value:
+                raise AuthenticationError(f"the API key file {path} is empty: write the key into it", status=0)
+            return value
+        if self.env_var and not self.file:
+            # The user named a variable that is not set: say so instead of silently sending no key.
+            raise AuthenticationError(
+                f"the environment variable {self.env_var} holding the API key is not set: export it "
+                f"before starting ComfyUI or the CLI", status=0
+            )
+        return None
+
+
+# -------------------------------------------------------------------------------------------- settings
+@dataclass(frozen=True)
+class Timeouts:
+    connect_s: float = 5.0
+    read_s: float = 300.0  # default wait for a response; callers pass a scaled value per request
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 4  # total tries for a safe-to-retry failure
+    base_delay_s: float = 0.5
+    max_delay_s: float = 8.0
+
+    def delay(self, attempt: int, retry_after: Optional[float] = None) -> float:
+        backoff = min(self.max_delay_s, self.base_delay_s * (2 ** attempt))
+        backoff *= 0.8 + 0.4 * random.random()  # jitter, so a fleet of clients does not retry in lockstep
+        if retry_after is not None:
+            backoff = max(backoff, min(retry_after, self.max_delay_s))
+        return backoff
+
+
+@dataclass
+class JsonResponse:
+    status: int
+    data: Any
+    headers: Mapping[str, str]
+    num_bytes: int
+    elapsed_s: float
+
+
+def server_label(url: str) -> str:
+    """scheme://host:port of a URL, without userinfo, path or query (never leaks a secret put in the URL)."""
+    parts = urlsplit(url)
+    host = parts.hostname or "?"
+    port = f":{parts.port}" if parts.port else ""
+    return f"{parts.scheme}://{host}{port}"
+
+
+def normalize_base_url(url: str) -> str:
+    url = url.strip()
+    if not url:
+        raise RemoteError("empty server URL: give one like http://127.0.0.1:30000")
+    if "://" not in url:
+        url = "http://" + url
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise RemoteError(f"{url!r} is not an http(s) server URL: give one like http://127.0.0.1:30000")
+    if parts.username or parts.password:
+        raise RemoteError("do not put credentials in the server URL: use an API key environment variable or key file")
+    return url.rstrip("/")
+
+
+# ---------------------------------------------------------------------------------------- error text
+def _server_message(body: bytes, content_type: str) -> Optional[str]:
+    """The human message inside an error body (FastAPI detail, OpenAI error, plain text), one line."""
+    text = body.decode("utf-8", errors="replace").strip()
+    if not text:
+        return None
+    if "json" in content_type or text[:1] in "{[":
+        try:
+            data = json.loads(text)
+        except ValueError:
+            data = None
+        if data is not None:
+            return _message_from_json(data)
+    first_line = text.splitlines()[0]
+    return first_line[:300]
+
+
+def _message_from_json(data: Any) -> Optional[str]:
+    if isinstance(data, dict):
+        for key in ("detail", "error", "message"):
+            if key in data:
+                value = data[key]
+                if isinstance(value, str):
+                    return value[:300]
+                if isinstance(value, dict):
+                    return _message_from_json(value)
+                if isinstance(value, list):
+                    return "; ".join(_pydantic_item(item) for item in value[:5])[:300]
+        return None
+    if isinstance(data, list):
+        return "; ".join(_pydantic_item(item) for item in data[:5])[:300]
+    return str(data)[:300]
+
+
+def _pydantic_item(item: Any) -> str:
+    if isinstance(item, dict) and "msg" in item:
+        loc = [str(part) for part in item.get("loc", []) if part != "body"]
+        return f"{'.'.join(loc)}: {item['msg']}" if loc else str(item["msg"])
+    return str(item)
+
+
+def _status_error(label: str, method: str, path: str, status: int, reason: str, body: bytes,
+                  content_type: str, api_key: ApiKeySource) -> RemoteError:
+    message = _server_message(body, content_type)
+    if status in (401, 403):
+        if api_key.env_var or api_key.file:
+            hint = f"check the key in {api_key.describe()}"
+        else:
+            hint = "this server needs an API key: set an environment variable or key file for it"
+        verb = "refused the API key" if status == 401 else "denied access with this API key"
+        return AuthenticationError(f"{label} {verb} (HTTP {status}): {hint}", status)
+    if status in RETRYABLE_STATUSES:
+        detail = f": {message}" if message else ""
+        return ServerUnavailable(f"{label} is not ready or overloaded (HTTP {status}){detail}; try again later")
+    if 400 <= status < 500:
+        detail = message or reason or "no reason given"
+        return ServerRejected(f"{label} rejected {method} {path} (HTTP {status}): {detail}", status)
+    if message and message.lower() != "internal server error":
+        return ServerFailed(f"{label} failed (HTTP {status}): {message}", status)
+    return ServerFailed(f"{label}: the server failed to generate; see the server log (HTTP {status})", status)
+
+
+def _retry_after(headers: Mapping[str, str]) -> Optional[float]:
+    value = headers.get("Retry-After")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------- cancellation
+def _cancel_requested(cancel: Optional[CancelCheck]) -> bool:
+    if cancel is None:
+        return False
+    return bool(cancel())  # a Host.check_cancel raises Cancelled itself and returns None otherwise
+
+
+async def wait_cancellable(awaitable: Awaitable[T], cancel: Optional[CancelCheck],
+                           message: str = "cancelled while waiting for the server") -> T:
+    """Await `awaitable`, polling `cancel` every 0.1 s; on cancel the awaitable is cancelled and Cancelled raised."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=CANCEL_POLL_S)
+            if done:
+                return task.result()
+            if _cancel_requested(cancel):
+                raise Cancelled(message)
+    finally:
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except BaseException:  # noqa: BLE001 - the task's own outcome no longer matters
+                pass
+
+
+async def sleep_cancellable(seconds: float, cancel: Optional[CancelCheck]) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        if _cancel_requested(cancel):
+            raise Cancelled("cancelled while waiting to retry the server")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        await asyncio.sleep(min(CANCEL_POLL_S, left))
+
+
+# --------------------------------------------------------------------------------------------- client
+class HttpClient:
+    """JSON over HTTP to one server. Create and use it on one event loop (the private one for sync callers)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: ApiKeySource = ApiKeySource(),
+        timeouts: Timeouts = Timeouts(),
+        retry: RetryPolicy = RetryPolicy(),
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        user_agent: str = "ernie-image-comfyui",
+    ) -> None:
+        self.base_url = normalize_base_url(base_url)
+        self.label = server_label(self.base_url)
+        self.api_key = api_key
+        self.timeouts = timeouts
+        self.retry = retry
+        self.max_body_bytes = max_body_bytes
+        self.user_agent = user_agent
+        self._session: Optional[aiohttp.ClientSession] = None
+
+    def __repr__(self) -> str:
+        return f"HttpClient({self.label}, key from {self.api_key.describe()})"
+
+    async def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # keep-alive shorter than uvicorn's 5 s, so a pooled connection is not reused just as the server
+            # closes it (a POST lost that way could not be re-sent safely).
+            connector = aiohttp.TCPConnector(limit_per_host=4, keepalive_timeout=4.0)
+            self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+        self._session = None
+
+    async def request_json(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        read_timeout_s: Optional[float] = None,
+        cancel: Optional[CancelCheck] = None,
+        accept_statuses: frozenset[int] = frozenset(),
+        retry: Optional[RetryPolicy] = None,
+    ) -> JsonResponse:
+        """Send one request, retrying only where safe; return the parsed JSON of a 2xx answer.
+
+        Statuses in `accept_statuses` are returned (with `data` None when the body is not JSON) instead of
+        raised, e.g. 503 for a readiness probe that wants to tell "warming up" from "down".
+        """
+        method = method.upper()
+        policy = retry or self.retry
+        attempt = 0
+        while True:
+            try:
+                return await wait_cancellable(
+                    self._request_once(method, path, body, read_timeout_s, accept_statuses), cancel
+                )
+            except ServerUnavailable as exc:
+                last: RemoteError = exc
+                retry_after = getattr(exc, "retry_after", None)
+            except ConnectionLost as exc:
+                if method not in IDEMPOTENT_METHODS:
+                    raise  # the server may have started the work: never re-send it silently
+                last, retry_after = exc, None
+            attempt += 1
+            if attempt >= policy.attempts:
+                raise last
+            await sleep_cancellable(policy.delay(attempt - 1, retry_after), cancel)
+
+    async def _request_once(self, method: str, path: str, body: Any, read_timeout_s: Optional[float],
+                            accept_statuses: frozenset[int]) -> JsonResponse:
+        session = await self._get_session()
+        url = self.base_url + path
+        headers = {"Accept": "application/json", "User-Agent": self.user_agent}
+        key = self.api_key.read()
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        read_s = read_timeout_s if read_timeout_s is not None else self.timeouts.read_s
+        timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.timeouts.connect_s, sock_read=read_s)
+        started = time.monotonic()
+        try:
+            async with session.request(method, url, json=body, headers=headers, timeout=timeout,
+                                       allow_redirects=False) as resp:
+                raw = await self._read_capped(resp, method, path)
+                status, content_type = resp.status, resp.headers.get("Content-Type", "")
+                resp_headers = dict(resp.headers)
+        except aiohttp.ConnectionTimeoutError:
+            raise ServerUnavailable(
+                f"{self.label} did not accept a connection within {self.timeouts.connect_s:g} s: check the "
+                f"URL and that the server is running"
+            ) from None
+        except aiohttp.ClientConnectorError as exc:
+            reason = exc.os_error.strerror if exc.os_error and exc.os_error.strerror else type(exc.os_error).__name__
+            raise ServerUnavailable(
+                f"{self.label} refused the connection ({reason}): the server is not running or still loading"
+            ) from None
+        except aiohttp.SocketTimeoutError:
+            raise ConnectionLost(
+                f"{self.label} sent no answer to {method} {path} within {read_s:g} s (read timeout); the server "
+                f"may still be working on it: raise the read timeout for large images or many steps"
+            ) from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
+            raise ConnectionLost(
+                f"{self.label} dropped the connection during {method} {path} ({type(exc).__name__}): the server "
+                f"may have crashed or restarted; see the server log"
+            ) from None
+        except aiohttp.ClientResponseError as exc:
+            raise BadResponse(f"{self.label} sent a malformed HTTP response to {method} {path} ({exc.message})") from None
+        elapsed = time.monotonic() - started
+
+        if 300 <= status < 400:
+            location = server_label(resp_headers.get("Location", "")) if resp_headers.get("Location") else "elsewhere"
+            raise BadResponse(
+                f"{self.label} redirected {method} {path} to {location} (HTTP {status}); redirects are not "
+                f"followed: use the final server URL"
+            )
+        if status >= 400 and status not in accept_statuses:
+            error = _status_error(self.label, method, path, status, "", raw, content_type, self.api_key)
+            if isinstance(error, ServerUnavailable):
+                error.retry_after = _retry_after(resp_headers)  # type: ignore[attr-defined]
+            raise error
+        data: Any = None
+        if raw.strip():
+            try:
+                data = json.loads(raw)
+            except ValueError:
+                if status < 400:
+                    snippet = raw[:60].decode("utf-8", errors="replace").replace("\n", " ")
+                    raise BadResponse(
+                        f"{self.label} answered {method} {path} with something that is not JSON "
+                        f"({content_type or 'no content type'}: {snippet!r}): is this the right server URL?"
+                    ) from None
+        return JsonResponse(status=status, data=data, headers=resp_headers, num_bytes=len(raw), elapsed_s=elapsed)
+
+    async def _read_capped(self, resp: aiohttp.ClientResponse, method: str, path: str) -> bytes:
+        cap = self.max_body_bytes
+        too_big = BadResponse(
+            f"{self.label} answered {method} {path} with more than {cap // (1024 * 1024)} MiB; refused "
+            f"(raise the response size cap if the images are really that large)"
+        )
+        if resp.content_length is not None and resp.content_length > cap:
+            raise too_big
+        chunks: list[bytes] = []
+        total = 0
+        async for chunk in resp.content.iter_chunked(1 << 16):
+            total += len(chunk)
+            if total > cap:
+                resp.close()
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+# ------------------------------------------------------------------------------------------ sync bridge
+class _LoopThread:
+    """A private event loop on a daemon thread; never the host's own loop (ComfyUI runs one elsewhere)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None or not self._thread or not self._thread.is_alive():
+                loop = asyncio.new_event_loop()
+                ready = threading.Event()
+
+                def serve() -> None:
+                    asyncio.set_event_loop(loop)
+                    loop.call_soon(ready.set)
+                    loop.run_forever()
+
+                thread = threading.Thread(target=serve, name="ernie-image-remote-loop", daemon=True)
+                thread.start()
+                ready.wait()
+                self._loop, self._thread = loop, thread
+            return self._loop
+
+    def in_loop_thread(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
+
+_LOOP = _LoopThread()
+
+
+def private_loop() -> asyncio.AbstractEventLoop:
+    return _LOOP.loop()
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` on the private loop thread and block this (non-loop) thread until it finishes.
+
+    Blocking here is fine: ComfyUI runs node functions on a worker thread, not on its asyncio loop. Pass a
+    `cancel` callable into the coroutine for ComfyUI's Cancel; Ctrl-C in the CLI cancels the coroutine too.
+    """
+    if _LOOP.in_loop_thread():
+        coro.close()
+        raise RuntimeError("run_sync called from the remote loop thread itself; await the coroutine instead")
+    future = asyncio.run_coroutine_threadsafe(coro, _LOOP.loop())
+    try:
+        return future.result()
+    except KeyboardInterrupt:
+        future.cancel()
+        raise

@@ -1,0 +1,261 @@
+"""The client for one SGLang diffusion server, speaking the protocol as measured on sglang 0.5.23.
+
+SGLang's defaults are traps (seed 42, JPEG, 50 steps / CFG 5 even for Turbo, n > 1 fails for ERNIE, a
+relative URL instead of the image), so every request sets every field explicitly.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from ..request import SEED_MASK, SIDE_MULTIPLE
+from .http import (
+    ApiKeySource,
+    BadResponse,
+    CancelCheck,
+    ConnectionLost,
+    HttpClient,
+    RetryPolicy,
+    ServerUnavailable,
+    Timeouts,
+)
+
+ERNIE_PIPELINE = "ErnieImagePipeline"
+GENERATE_PATH = "/v1/images/generations"
+# Readiness probes must answer fast and must not be retried for long: the caller polls them.
+PROBE_RETRY = RetryPolicy(attempts=1)
+PROBE_READ_S = 10.0
+
+
+@dataclass(frozen=True)
+class ReadTimeoutPolicy:
+    """How long to wait for one image: a base plus a budget per step and megapixel (slow cards, CPU offload)."""
+
+    base_s: float = 120.0
+    per_step_megapixel_s: float = 3.0
+    scale: float = 1.0  # user knob: 2.0 doubles every wait
+
+    def seconds(self, steps: int, width: int, height: int) -> float:
+        megapixels = width * height / 1e6
+        return self.scale * (self.base_s + self.per_step_megapixel_s * steps * max(megapixels, 0.0625))
+
+
+@dataclass(frozen=True)
+class ServerModel:
+    id: str
+    pipeline_name: str
+    num_gpus: Optional[int]
+    dit_precision: Optional[str]
+    task_type: Optional[str]
+
+    @property
+    def is_ernie(self) -> bool:
+        return self.pipeline_name == ERNIE_PIPELINE
+
+    @property
+    def looks_turbo(self) -> bool:
+        """The API cannot tell Turbo from base; the served model id is the only hint."""
+        return "turbo" in self.id.lower()
+
+
+@dataclass(frozen=True)
+class Readiness:
+    state: str  # "ready", "warming up", "loading" (refused), "unhealthy", "unreachable"
+    detail: str
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+
+@dataclass(frozen=True)
+class ImageParams:
+    """One image as SGLang must be asked for it. Sizes must already be multiples of 16."""
+
+    prompt: str
+    negative_prompt: str
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    seed: int
+    use_pe: bool
+
+
+@dataclass
+class GeneratedImage:
+    image: torch.Tensor  # float32 [H, W, 3] in 0..1
+    seed: int
+    server: str
+    inference_time_s: Optional[float]
+    peak_memory_mb: Optional[float]
+    elapsed_s: float
+
+
+def round_side(value: int) -> int:
+    return max(SIDE_MULTIPLE, int(round(value / SIDE_MULTIPLE)) * SIDE_MULTIPLE)
+
+
+def mask_seed(seed: int) -> int:
+    """SGLang takes 0..2^63-1 (negative -> 400, larger overflows in its generator)."""
+    return int(seed) & SEED_MASK
+
+
+def build_payload(params: ImageParams, model: str) -> dict[str, Any]:
+    if params.width % SIDE_MULTIPLE or params.height % SIDE_MULTIPLE:
+        # The server would silently floor the size and the image would not match what was asked.
+        raise ValueError(f"size {params.width}x{params.height} must be rounded to multiples of 16 first")
+    return {
+        "model": model,
+        "prompt": params.prompt,
+        "negative_prompt": params.negative_prompt,
+        "width": params.width,
+        "height": params.height,
+        "num_inference_steps": int(params.steps),
+        "guidance_scale": float(params.guidance_scale),
+        "seed": mask_seed(params.seed),
+        "n": 1,
+        "response_format": "b64_json",
+        "output_format": "png",
+        "use_pe": bool(params.use_pe),
+    }
+
+
+def decode_image(b64: Any, width: int, height: int, label: str) -> torch.Tensor:
+    """base64 PNG -> float32 [H, W, 3] in 0..1; the size must be the one asked for."""
+    if not isinstance(b64, str) or not b64:
+        raise BadResponse(f"{label} returned no image data (b64_json is empty): is response_format supported?")
+    try:
+        raw = base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadResponse(f"{label} returned an image that is not valid base64; see the server log") from None
+    try:
+        with Image.open(io.BytesIO(raw)) as image:
+            image.load()
+            rgb = image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise BadResponse(f"{label} returned bytes that are not a readable image ({type(exc).__name__})") from None
+    if rgb.size != (width, height):
+        raise BadResponse(
+            f"{label} returned a {rgb.size[0]}x{rgb.size[1]} image for a {width}x{height} request; the server "
+            f"may floor sizes or be misconfigured"
+        )
+    array = np.asarray(rgb, dtype=np.float32) / 255.0
+    return torch.from_numpy(array.copy())
+
+
+def _number(value: Any) -> Optional[float]:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+class SglangClient:
+    """One SGLang server: readiness, discovery and one-image generation. Use on one event loop."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: ApiKeySource = ApiKeySource(),
+        timeouts: Timeouts = Timeouts(),
+        retry: RetryPolicy = RetryPolicy(),
+        read_timeout: ReadTimeoutPolicy = ReadTimeoutPolicy(),
+        max_body_bytes: int = 256 * 1024 * 1024,
+    ) -> None:
+        self.http = HttpClient(base_url, api_key=api_key, timeouts=timeouts, retry=retry,
+                               max_body_bytes=max_body_bytes)
+        self.read_timeout = read_timeout
+        self.model_id: Optional[str] = None
+
+    @property
+    def label(self) -> str:
+        return self.http.label
+
+    def __repr__(self) -> str:
+        return f"SglangClient({self.label})"
+
+    async def close(self) -> None:
+        await self.http.close()
+
+    # ---------------------------------------------------------------------------------- readiness
+    async def health(self, cancel: Optional[CancelCheck] = None) -> Readiness:
+        try:
+            response = await self.http.request_json("GET", "/health", read_timeout_s=PROBE_READ_S, cancel=cancel,
+                                                    accept_statuses=frozenset({503}), retry=PROBE_RETRY)
+        except ServerUnavailable as exc:
+            state = "loading" if "refused" in str(exc) else "unreachable"
+            return Readiness(state, str(exc))
+        except ConnectionLost as exc:
+            return Readiness("unreachable", str(exc))
+        if response.status == 503:
+            if isinstance(response.data, dict) and response.data.get("error"):
+                return Readiness("unhealthy", f"{self.label}: a worker failed ({response.data['error']}); restart the server")
+            return Readiness("warming up", f"{self.label} is warming up (HTTP 503); requests wait until it is ready")
+        return Readiness("ready", f"{self.label} is ready")
+
+    # ---------------------------------------------------------------------------------- discovery
+    async def models(self, cancel: Optional[CancelCheck] = None) -> list[ServerModel]:
+        response = await self.http.request_json("GET", "/v1/models", read_timeout_s=PROBE_READ_S, cancel=cancel)
+        data = response.data.get("data") if isinstance(response.data, dict) else None
+        if not isinstance(data, list):
+            raise BadResponse(f"{self.label}/v1/models has no model list: is this an SGLang diffusion server?")
+        models = []
+        for entry in data:
+            if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+                continue
+            num_gpus = entry.get("num_gpus")
+            models.append(ServerModel(
+                id=entry["id"],
+                pipeline_name=str(entry.get("pipeline_name") or entry.get("pipeline_class") or "unknown"),
+                num_gpus=int(num_gpus) if isinstance(num_gpus, int) else None,
+                dit_precision=entry.get("dit_precision") if isinstance(entry.get("dit_precision"), str) else None,
+                task_type=entry.get("task_type") if isinstance(entry.get("task_type"), str) else None,
+            ))
+        return models
+
+    async def ernie_model(self, cancel: Optional[CancelCheck] = None) -> ServerModel:
+        """The served ERNIE-Image model; raises when the server serves something else."""
+        models = await self.models(cancel)
+        for model in models:
+            if model.is_ernie:
+                self.model_id = model.id
+                return model
+        served = ", ".join(f"{m.id} ({m.pipeline_name})" for m in models) or "nothing"
+        raise BadResponse(
+            f"{self.label} serves {served}, not an ERNIE-Image pipeline: start it with "
+            f"`sglang serve --model-path baidu/ERNIE-Image-Turbo` (or baidu/ERNIE-Image)"
+        )
+
+    async def version(self, cancel: Optional[CancelCheck] = None) -> Optional[str]:
+        response = await self.http.request_json("GET", "/server_info", read_timeout_s=PROBE_READ_S, cancel=cancel)
+        version = response.data.get("version") if isinstance(response.data, dict) else None
+        return str(version) if version is not None else None
+
+    # --------------------------------------------------------------------------------- generation
+    async def generate(self, params: ImageParams, cancel: Optional[CancelCheck] = None,
+                       read_timeout_s: Optional[float] = None, retry: Optional[RetryPolicy] = None) -> GeneratedImage:
+        payload = build_payload(params, self.model_id or "")
+        wait_s = read_timeout_s or self.read_timeout.seconds(params.steps, params.width, params.height)
+        response = await self.http.request_json("POST", GENERATE_PATH, payload, read_timeout_s=wait_s, cancel=cancel,
+                                                retry=retry)
+        body = response.data
+        if not isinstance(body, dict):
+            raise BadResponse(f"{self.label} answered the generation with {type(body).__name__}, not a JSON object")
+        data = body.get("data")
+        if not isinstance(data, list) or not data or not isinstance(data[0], dict):
+            raise BadResponse(f"{self.label} answered the generation without images (no 'data'); see the server log")
+        image = decode_image(data[0].get("b64_json"), params.width, params.height, self.label)
+        return GeneratedImage(
+            image=image,
+            seed=payload["seed"],
+            server=self.label,
+            inference_time_s=_number(body.get("inference_time_s")),
+            peak_memory_mb=_number(body.get("peak_memory_mb")),
+            elapsed_s=response.elapsed_s,
+        )

@@ -1,0 +1,372 @@
+"""A fake SGLang diffusion server (aiohttp, loopback) that speaks the protocol measured on sglang 0.5.23.
+
+It reproduces what a client meets on the real server (shared/facts/SGLANG.md, examples.json): every field
+has the server's default (50 steps, CFG 5.0, seed 42, JPEG, relative URL); sizes are floored to multiples of
+16 without a word; 422 pydantic bodies and 400 `{"detail": ...}` bodies; a bare text/plain 500 for any
+pipeline failure (n > 1, 8x8); /health 503 with an empty body while warming up; requests served strictly
+one at a time in arrival order. On top of that it injects faults SGLang will not produce on demand: hangs,
+connection resets, garbage JSON, huge bodies, 401/403, 429 with Retry-After, wrong image sizes, bad base64.
+
+Each server runs its own event loop on a thread, so sync client code (the pipe) can be tested from
+ordinary test functions:
+
+    with FakeSglang(service_time_s=0.05) as server:
+        ... server.url ... server.received ...
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import io
+import json
+import socket
+import struct
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+from aiohttp import web
+from PIL import Image
+
+SEED_MAX = (1 << 64) - 1
+
+
+@dataclass
+class Received:
+    path: str
+    body: Any
+    headers: dict[str, str]
+    at: float
+
+
+@dataclass
+class FakeSglang:
+    model_id: str = "baidu/ERNIE-Image-Turbo"
+    pipeline_name: str = "ErnieImagePipeline"
+    num_gpus: int = 1
+    dit_precision: str = "bf16"
+    version: str = "0.5.23"
+    service_time_s: float = 0.0  # fixed time per generation, on top of `per_step_s`
+    per_step_s: float = 0.0
+    peak_memory_mb: Optional[float] = 31600.0
+    api_key: Optional[str] = None  # when set, generation and discovery need `Authorization: Bearer <key>`
+    warmup_s: float = 0.0  # /health answers 503 (empty body) for this long after start
+    image_side_cap: int = 512  # images larger than this are drawn small and upscaled (keeps tests fast)
+    faults: list[str] = field(default_factory=list)  # consumed one per generation request, in order
+    received: list[Received] = field(default_factory=list)
+    port: int = 0
+
+    def __post_init__(self) -> None:
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._runner: Optional[web.AppRunner] = None
+        self._started_at = 0.0
+        self._served = 0
+        self.completed: list[float] = []  # monotonic times at which generations finished
+
+    # ------------------------------------------------------------------------------------ lifecycle
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def generations(self) -> list[Received]:
+        return [r for r in self.received if r.path == "/v1/images/generations"]
+
+    def __enter__(self) -> "FakeSglang":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        ready = threading.Event()
+        self._loop = asyncio.new_event_loop()
+
+        def serve() -> None:
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(self._start_site())
+            ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=serve, name=f"fake-sglang", daemon=True)
+        self._thread.start()
+        ready.wait(10)
+
+    async def _start_site(self) -> None:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/liveness", self._liveness)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/server_info", self._server_info)
+        app.router.add_post("/v1/images/generations", self._generate)
+        self._lock = asyncio.Lock()  # asyncio.Lock wakes waiters in FIFO order: SGLang's one-at-a-time queue
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._started_at = time.monotonic()
+
+    def stop(self) -> None:
+        """Stop the server: later connections are refused (a server that died)."""
+        if self._loop is None:
+            return
+        loop = self._loop
+
+        async def shutdown() -> None:
+            if self._runner is not None:
+                await self._runner.cleanup()
+            current = asyncio.current_task()
+            pending = [t for t in asyncio.all_tasks() if t is not current]
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        if self._thread is not None:
+            self._thread.join(10)
+        loop.close()
+        self._loop = None
+
+    def kill_after(self, generations: int) -> None:
+        """Die (stop listening, drop connections) once this many generations have been served."""
+        self._kill_after = generations
+
+    # -------------------------------------------------------------------------------------- helpers
+    def _record(self, request: web.Request, body: Any) -> None:
+        self.received.append(Received(request.path, body, dict(request.headers), time.monotonic()))
+
+    def _auth_error(self, request: web.Request) -> Optional[web.Response]:
+        if self.api_key is None:
+            return None
+        header = request.headers.get("Authorization", "")
+        if not header:
+            return web.json_response({"error": "Unauthorized: missing bearer token"}, status=401)
+        if header != f"Bearer {self.api_key}":
+            return web.json_response({"error": "Forbidden: invalid API key"}, status=403)
+        return None
+
+    # ------------------------------------------------------------------------------------- handlers
+    async def _health(self, request: web.Request) -> web.Response:
+        self._record(request, None)
+        fault = self._peek_fault("health")
+        if fault:
+            return await self._apply_fault(fault, request)
+        if time.monotonic() - self._started_at < self.warmup_s:
+            return web.Response(status=503)
+        return web.json_response({"status": "ok"})
+
+    async def _liveness(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._record(request, None)
+        fault = self._peek_fault("models")
+        if fault:
+            return await self._apply_fault(fault, request)
+        denied = self._auth_error(request)
+        if denied:
+            return denied
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_id, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+            "root": self.model_id, "parent": None, "max_model_len": None, "num_gpus": self.num_gpus,
+            "task_type": "T2I", "supported_task_types": ["T2I"], "dit_precision": self.dit_precision,
+            "vae_precision": "fp32", "pipeline_name": self.pipeline_name,
+            "pipeline_class": self.pipeline_name,
+        }]})
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        self._record(request, None)
+        denied = self._auth_error(request)
+        if denied:
+            return denied
+        return web.json_response({"model_path": self.model_id, "served_model_name": self.model_id,
+                                  "tp_size": 1, "dp_size": 1, "version": self.version})
+
+    def _peek_fault(self, where: str) -> Optional[str]:
+        """Faults named 'health:...' / 'models:...' apply to those endpoints, the rest to generation."""
+        if self.faults and self.faults[0].startswith(where + ":"):
+            return self.faults.pop(0).split(":", 1)[1]
+        return None
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = raw.decode("utf-8", errors="replace")
+        self._record(request, body)
+        denied = self._auth_error(request)
+        if denied:
+            return denied
+        fault = None
+        if self.faults and ":" not in self.faults[0]:
+            fault = self.faults.pop(0)
+        if fault in ("503", "429", "408", "reset", "garbage", "huge", "hang", "500_json"):
+            return await self._apply_fault(fault, request)
+        if not isinstance(body, dict):
+            return web.json_response({"detail": [{"type": "model_attributes_type", "loc": ["body"],
+                                                  "msg": "Input should be a valid dictionary or object to extract fields from",
+                                                  "input": body}]}, status=422)
+        invalid = self._validate(body)
+        if invalid is not None:
+            return invalid
+        async with self._lock:
+            return await self._serve_one(body, fault)
+
+    def _validate(self, body: dict[str, Any]) -> Optional[web.Response]:
+        if "prompt" not in body:
+            return web.json_response({"detail": [{"type": "missing", "loc": ["body", "prompt"],
+                                                  "msg": "Field required", "input": body}]}, status=422)
+        seed = body.get("seed", 42)
+        if isinstance(seed, float) and not seed.is_integer():
+            return web.json_response({"detail": [{"type": "int_from_float", "loc": ["body", "seed", "int"],
+                                                  "msg": "Input should be a valid integer, got a number with a fractional part",
+                                                  "input": seed}]}, status=422)
+        if isinstance(seed, int) and seed < 0:
+            return web.json_response({"detail": f"seed must be a non-negative int or list of ints, got {seed}"}, status=400)
+        size = body.get("size", "1024x1024")
+        try:
+            w, h = (int(v) for v in str(size).lower().split("x"))
+            assert w > 0 and h > 0
+        except (ValueError, AssertionError):
+            return web.json_response({"detail": "size must be formatted as positive WIDTHxHEIGHT"}, status=400)
+        if int(body.get("num_inference_steps", 50)) <= 0:
+            return web.json_response({"detail": "num_inference_steps must be positive"}, status=400)
+        guidance = float(body.get("guidance_scale", 5.0))
+        if guidance < 0:
+            return web.json_response({"detail": f"guidance_scale must be non-negative, got {guidance}"}, status=400)
+        fmt = body.get("response_format", "url")
+        if fmt not in ("url", "b64_json"):
+            return web.json_response({"detail": f"response_format={fmt} is not supported"}, status=400)
+        return None
+
+    async def _serve_one(self, body: dict[str, Any], fault: Optional[str]) -> web.Response:
+        w, h = (int(v) for v in str(body.get("size", "1024x1024")).lower().split("x"))
+        w, h = int(body.get("width", w)), int(body.get("height", h))
+        w, h = (w // 16) * 16, (h // 16) * 16  # SGLang floors silently: 1000 -> 992
+        steps = int(body.get("num_inference_steps", 50))
+        seed = int(body.get("seed", 42))
+        if int(body.get("n", 1)) > 1 or w < 16 or h < 16 or fault == "500" or seed > SEED_MAX:
+            await asyncio.sleep(self.service_time_s)
+            return web.Response(status=500, text="Internal Server Error", content_type="text/plain")
+        started = time.monotonic()
+        await asyncio.sleep(self.service_time_s + self.per_step_s * steps)
+        if fault == "wrong_size":
+            w, h = w // 2, h // 2
+        image = render(str(body.get("prompt", "")), str(body.get("negative_prompt", " ")), seed, steps,
+                       float(body.get("guidance_scale", 5.0)), bool(body.get("use_pe", True)), w, h,
+                       self.image_side_cap)
+        fmt = str(body.get("output_format") or "jpeg").lower()
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG" if fmt == "png" else "JPEG", **({} if fmt == "png" else {"quality": 75}))
+        b64 = base64.b64encode(buffer.getvalue()).decode("ascii")
+        if fault == "bad_b64":
+            b64 = "!!not base64!!" + b64[:40]
+        image_id = str(uuid.uuid4())
+        item: dict[str, Any] = {"b64_json": None, "url": None, "revised_prompt": body.get("prompt"),
+                                "file_path": None}
+        if body.get("response_format", "url") == "b64_json":
+            item["b64_json"] = b64
+        else:
+            item["url"] = f"/v1/images/{image_id}/content"
+        payload: dict[str, Any] = {"id": image_id, "created": int(time.time()), "data": [item],
+                                   "peak_memory_mb": self.peak_memory_mb,
+                                   "inference_time_s": round(time.monotonic() - started, 4), "usage": None}
+        if fault == "missing_data":
+            payload.pop("data")
+        self._served += 1
+        self.completed.append(time.monotonic())
+        kill_after = getattr(self, "_kill_after", None)
+        if kill_after is not None and self._served >= kill_after:
+            asyncio.get_running_loop().call_later(0.01, lambda: asyncio.ensure_future(self._die()))
+        return web.json_response(payload)
+
+    async def _die(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _apply_fault(self, fault: str, request: web.Request) -> web.StreamResponse:
+        if fault in ("503", "408"):
+            return web.Response(status=int(fault))
+        if fault == "429":
+            return web.json_response({"detail": "Too many requests"}, status=429, headers={"Retry-After": "0"})
+        if fault == "500_json":
+            return web.json_response({"detail": "CUDA out of memory"}, status=500)
+        if fault == "garbage":
+            return web.Response(status=200, text="<html>not json{", content_type="application/json")
+        if fault == "huge":
+            resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+            await resp.prepare(request)
+            chunk = b"[" + b"0," * (1 << 19)
+            for _ in range(64):  # 64 MiB streamed without a Content-Length
+                await resp.write(chunk)
+            return resp
+        if fault == "hang":
+            await asyncio.sleep(3600)
+        if fault == "reset":
+            transport = request.transport
+            if transport is not None:
+                sock = transport.get_extra_info("socket")
+                if sock is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                transport.abort()
+            await asyncio.sleep(1)
+            return web.Response(status=200)
+        raise ValueError(f"unknown fault {fault!r}")
+
+
+def render(prompt: str, negative: str, seed: int, steps: int, guidance: float, use_pe: bool, width: int,
+           height: int, side_cap: int) -> Image.Image:
+    """A deterministic image from every setting that changes SGLang's output (noise, here)."""
+    key = f"{prompt}|{negative}|{seed}|{steps}|{guidance}|{use_pe}".encode()
+    rng = np.random.default_rng(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
+    small_w, small_h = min(width, side_cap), min(height, side_cap)
+    pixels = rng.integers(0, 256, size=(small_h, small_w, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels, "RGB")
+    if (small_w, small_h) != (width, height):
+        image = image.resize((width, height), Image.NEAREST)
+    return image
+
+
+class UnacceptingListener:
+    """A port whose accept queue is full, so a new connection attempt hangs (connect timeout)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(0)
+        self.port = self.sock.getsockname()[1]
+        self.fillers: list[socket.socket] = []
+        for _ in range(3):  # fill the backlog; later SYNs are dropped by the kernel
+            filler = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            filler.setblocking(False)
+            try:
+                filler.connect(("127.0.0.1", self.port))
+            except BlockingIOError:
+                pass
+            self.fillers.append(filler)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        for filler in self.fillers:
+            filler.close()
+        self.sock.close()
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (connection refused)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,206 @@
+"""The HTTP layer under faults, against real aiohttp servers on loopback (tests/fake_sglang.py)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from ernie_image.runtime.errors import Cancelled, RemoteError
+from ernie_image.runtime.remote.http import (
+    ApiKeySource,
+    AuthenticationError,
+    BadResponse,
+    ConnectionLost,
+    HttpClient,
+    RetryPolicy,
+    ServerFailed,
+    ServerRejected,
+    ServerUnavailable,
+    Timeouts,
+    run_sync,
+)
+
+from fake_sglang import FakeSglang, UnacceptingListener, free_port
+
+GEN = "/v1/images/generations"
+BODY = {"prompt": "a red fox", "size": "64x64", "response_format": "b64_json"}
+FAST_RETRY = RetryPolicy(attempts=3, base_delay_s=0.01, max_delay_s=0.05)
+
+
+def call(client: HttpClient, method: str, path: str, body=None, **kwargs):
+    async def go():
+        try:
+            return await client.request_json(method, path, body, **kwargs)
+        finally:
+            await client.close()
+    return run_sync(go())
+
+
+@pytest.fixture
+def server():
+    with FakeSglang() as fake:
+        yield fake
+
+
+def test_connect_timeout_is_told_apart_from_read_timeout(server):
+    listener = UnacceptingListener()
+    try:
+        client = HttpClient(listener.url, timeouts=Timeouts(connect_s=0.3), retry=RetryPolicy(attempts=1))
+        started = time.monotonic()
+        with pytest.raises(ServerUnavailable, match="did not accept a connection within 0.3 s"):
+            call(client, "GET", "/health")
+        assert time.monotonic() - started < 2
+    finally:
+        listener.close()
+
+    server.faults.append("hang")
+    client = HttpClient(server.url, retry=FAST_RETRY)
+    with pytest.raises(ConnectionLost, match=r"within 0.4 s \(read timeout\).*may still be working"):
+        call(client, "POST", GEN, BODY, read_timeout_s=0.4)
+    assert len(server.generations) == 1, "a POST the server may be working on must never be re-sent"
+
+
+def test_refused_connection_is_retried_then_reported():
+    port = free_port()
+    client = HttpClient(f"http://127.0.0.1:{port}", retry=FAST_RETRY)
+    with pytest.raises(ServerUnavailable, match="refused the connection.*not running or still loading"):
+        call(client, "GET", "/health")
+
+
+def test_server_started_late_is_reached_by_the_retries():
+    port = free_port()
+    late = FakeSglang(port=port)
+    timer = threading.Timer(0.3, late.start)
+    timer.start()
+    try:
+        client = HttpClient(f"http://127.0.0.1:{port}", retry=RetryPolicy(attempts=6, base_delay_s=0.1, max_delay_s=0.4))
+        assert call(client, "GET", "/health").data == {"status": "ok"}
+    finally:
+        timer.join()
+        late.stop()
+
+
+def test_reset_after_a_post_is_not_resent_but_a_get_is_retried(server):
+    server.faults.append("reset")
+    with pytest.raises(ConnectionLost, match="dropped the connection during POST"):
+        call(HttpClient(server.url, retry=FAST_RETRY), "POST", GEN, BODY)
+    assert len(server.generations) == 1
+
+    server.faults.append("models:reset")
+    response = call(HttpClient(server.url, retry=FAST_RETRY), "GET", "/v1/models")
+    assert response.data["data"][0]["pipeline_name"] == "ErnieImagePipeline"
+    assert sum(1 for r in server.received if r.path == "/v1/models") == 2
+
+
+@pytest.mark.parametrize("status", ["503", "429", "408"])
+def test_busy_statuses_are_retried_with_backoff(server, status):
+    server.faults.extend([status, status])
+    response = call(HttpClient(server.url, retry=FAST_RETRY), "POST", GEN, BODY)
+    assert response.status == 200 and response.data["data"][0]["b64_json"]
+    assert len(server.generations) == 3
+
+
+def test_busy_status_gives_up_after_the_bounded_attempts(server):
+    server.faults.extend(["503"] * 5)
+    with pytest.raises(ServerUnavailable, match=r"not ready or overloaded \(HTTP 503\)"):
+        call(HttpClient(server.url, retry=FAST_RETRY), "POST", GEN, BODY)
+    assert len(server.generations) == 3
+
+
+def test_4xx_shows_the_servers_own_message(server):
+    with pytest.raises(ServerRejected, match=r"HTTP 422\): prompt: Field required"):
+        call(HttpClient(server.url), "POST", GEN, {"size": "64x64"})
+    with pytest.raises(ServerRejected, match=r"HTTP 400\): seed must be a non-negative int"):
+        call(HttpClient(server.url), "POST", GEN, {**BODY, "seed": -1})
+    assert len(server.generations) == 2, "4xx answers are not retried"
+
+
+def test_bare_500_is_explained(server):
+    server.faults.append("500")
+    with pytest.raises(ServerFailed) as caught:
+        call(HttpClient(server.url, retry=FAST_RETRY), "POST", GEN, BODY)
+    assert "the server failed to generate; see the server log" in str(caught.value)
+    assert len(server.generations) == 1
+
+    server.faults.append("500_json")
+    with pytest.raises(ServerFailed, match="CUDA out of memory"):
+        call(HttpClient(server.url), "POST", GEN, BODY)
+
+
+def test_garbage_json_is_rejected(server):
+    server.faults.append("garbage")
+    with pytest.raises(BadResponse, match="not JSON.*right server URL"):
+        call(HttpClient(server.url), "POST", GEN, BODY)
+
+
+def test_huge_body_is_refused_over_the_cap(server):
+    server.faults.append("huge")
+    started = time.monotonic()
+    with pytest.raises(BadResponse, match="more than 1 MiB; refused"):
+        call(HttpClient(server.url, max_body_bytes=1024 * 1024), "POST", GEN, BODY)
+    assert time.monotonic() - started < 5
+
+
+def test_cancel_returns_within_a_second_while_the_server_hangs(server):
+    server.faults.append("hang")
+    cancel_at = time.monotonic() + 0.3
+
+    def should_cancel() -> bool:
+        return time.monotonic() > cancel_at
+
+    with pytest.raises(Cancelled):
+        call(HttpClient(server.url), "POST", GEN, BODY, cancel=should_cancel)
+    assert time.monotonic() - cancel_at < 1.0
+
+
+def test_host_check_cancel_works_as_the_cancel_callable(server):
+    from ernie_image.runtime.host import NullHost
+
+    host = NullHost()
+    server.faults.append("hang")
+    threading.Timer(0.2, lambda: setattr(host, "cancel_requested", True)).start()
+    started = time.monotonic()
+    with pytest.raises(Cancelled):
+        call(HttpClient(server.url), "POST", GEN, BODY, cancel=host.check_cancel)
+    assert time.monotonic() - started < 1.2
+
+
+SECRET = "sk-test-very-secret-123"
+
+
+def test_api_key_is_sent_as_bearer_and_never_shown(monkeypatch, tmp_path):
+    monkeypatch.setenv("ERNIE_TEST_KEY", SECRET)
+    with FakeSglang(api_key=SECRET) as server:
+        client = HttpClient(server.url, api_key=ApiKeySource(env_var="ERNIE_TEST_KEY"))
+        assert SECRET not in repr(client)
+        call(client, "GET", "/v1/models")
+        assert server.received[-1].headers["Authorization"] == f"Bearer {SECRET}"
+
+        key_file = tmp_path / "key.txt"
+        key_file.write_text(SECRET + "\n")
+        call(HttpClient(server.url, api_key=ApiKeySource(file=str(key_file))), "GET", "/v1/models")
+        assert server.received[-1].headers["Authorization"] == f"Bearer {SECRET}"
+
+        with pytest.raises(AuthenticationError) as missing:
+            call(HttpClient(server.url), "GET", "/v1/models")
+        assert "HTTP 401" in str(missing.value) and "needs an API key" in str(missing.value)
+
+        monkeypatch.setenv("ERNIE_TEST_KEY", "wrong-" + SECRET)
+        with pytest.raises(AuthenticationError) as wrong:
+            call(HttpClient(server.url, api_key=ApiKeySource(env_var="ERNIE_TEST_KEY")), "GET", "/v1/models")
+        assert "HTTP 403" in str(wrong.value) and "ERNIE_TEST_KEY" in str(wrong.value)
+        assert SECRET not in str(wrong.value)
+
+
+def test_unset_key_variable_and_unreadable_key_file_are_clear(monkeypatch, tmp_path):
+    monkeypatch.delenv("ERNIE_UNSET_KEY", raising=False)
+    with pytest.raises(AuthenticationError, match="ERNIE_UNSET_KEY .* is not set"):
+        ApiKeySource(env_var="ERNIE_UNSET_KEY").read()
+    with pytest.raises(AuthenticationError, match="cannot read the API key file"):
+        ApiKeySource(file=str(tmp_path / "missing")).read()
+
+
+def test_credentials_in_the_url_are_refused():
+    with pytest.raises(RemoteError, match="do not put credentials in the server URL"):
+        HttpClient("http://user:pw@127.0.0.1:1")
