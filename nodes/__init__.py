@@ -1,3 +1,26 @@
-"""ComfyUI adapter: thin node classes over runtime/. Filled in by the nodes issue."""
-NODE_CLASS_MAPPINGS: dict = {}
-NODE_DISPLAY_NAME_MAPPINGS: dict = {}
+"""ComfyUI adapter: thin node classes over runtime/ (V1 node API, works in ComfyUI v0.8.0 and later)."""
+from __future__ import annotations
+
+from .loader import ErnieImageLoader
+from .quant_config import ErnieImageQuantConfig
+from .remote import ErnieImageRemoteBackend
+from .routes import register_routes
+from .sampler import ErnieImageSampler, ErnieImageTurboSampler
+
+NODE_CLASS_MAPPINGS: dict[str, type] = {
+    "ErnieImageLoader": ErnieImageLoader,
+    "ErnieImageSampler": ErnieImageSampler,
+    "ErnieImageTurboSampler": ErnieImageTurboSampler,
+    "ErnieImageQuantConfig": ErnieImageQuantConfig,
+    "ErnieImageRemoteBackend": ErnieImageRemoteBackend,
+}
+
+NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {
+    "ErnieImageLoader": "ERNIE-Image Loader",
+    "ErnieImageSampler": "ERNIE-Image Sampler",
+    "ErnieImageTurboSampler": "ERNIE-Image Turbo Sampler",
+    "ErnieImageQuantConfig": "ERNIE-Image Quant Config",
+    "ErnieImageRemoteBackend": "ERNIE-Image Remote Backend (SGLang)",
+}
+
+register_routes()

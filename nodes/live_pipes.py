@@ -6,6 +6,7 @@ with free_memory, the UI's "Free model and node cache") the pipe is garbage coll
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from typing import Any
 
@@ -14,6 +15,8 @@ from ..runtime.pipe import ErniePipe
 log = logging.getLogger("ernie_image")
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# Held while a pipe generates, so an HTTP "free" waits for the run instead of pulling weights from under it.
+generation_lock = threading.Lock()
 
 
 def track(pipe: ErniePipe) -> ErniePipe:
@@ -34,9 +37,10 @@ def release_quietly(pipe: Any) -> None:
 
 
 def release_all() -> int:
-    pipes = live_pipes()
-    for pipe in pipes:
-        release_quietly(pipe)
+    with generation_lock:
+        pipes = live_pipes()
+        for pipe in pipes:
+            release_quietly(pipe)
     return len(pipes)
 
 

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 CATEGORY = "ERNIE-Image"
 QUANT_TYPE = "ERNIE_QUANT"
-FORMATS = ("auto", "bf16", "fp8", "nvfp4", "gguf-file")
+FORMATS = ("auto", "bf16", "fp8", "nvfp4", "q8_0", "gguf-file")
 # What LoadOptions.quant is given for each explicit choice; "auto" is resolved by the GPU check.
-LOAD_QUANT = {"bf16": "none", "fp8": "fp8", "nvfp4": "nvfp4", "gguf-file": "none"}
+LOAD_QUANT = {"bf16": "none", "fp8": "fp8", "nvfp4": "nvfp4", "q8_0": "q8_0", "gguf-file": "none"}
 
 
 @dataclass(frozen=True)
@@ -22,22 +22,11 @@ class QuantChoice:
 
 
 def _gpu_support_module() -> Optional[Any]:
-    """runtime/quant/gpu_support.py (the quant issue) when it exists; this node falls back without it."""
+    """runtime/quant/gpu_support.py (the quant issue); without it this node offers bf16/auto only."""
     try:
         return importlib.import_module("..runtime.quant.gpu_support", __package__)
     except ImportError:
         return None
-
-
-def _describe_device() -> str:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        return "no torch"
-    if not torch.cuda.is_available():
-        return "no CUDA GPU"
-    major, minor = torch.cuda.get_device_capability()
-    return f"{torch.cuda.get_device_name()} (SM {major}.{minor})"
 
 
 def resolve_choice(requested: str) -> QuantChoice:
@@ -46,33 +35,24 @@ def resolve_choice(requested: str) -> QuantChoice:
 
         raise InvalidInputError(f"format '{requested}' is not one of {list(FORMATS)}; pick one of them")
     support = _gpu_support_module()
-    resolver: Optional[Callable[..., Any]] = getattr(support, "choose_format", None) if support else None
-    if resolver is not None:
-        decision = resolver(requested)
-        load_quant = getattr(decision, "quant", None) or getattr(decision, "format", None) or LOAD_QUANT.get(requested, "none")
-        return QuantChoice(requested, _normalise(load_quant), str(getattr(decision, "reason", decision)))
-    device = _describe_device()
+    if support is None:
+        return QuantChoice(requested, "none" if requested != "auto" else "auto",
+                           f"{requested}: bf16 weights (the quantised formats are not installed in this build)")
+    device = support.detect_device()
     if requested == "auto":
-        return QuantChoice("auto", "none", f"auto on {device}: bf16 (the quantised formats' GPU check is not installed)")
-    if requested in ("bf16", "gguf-file"):
-        what = "bf16 weights" if requested == "bf16" else "the format stored in the chosen .gguf file"
-        return QuantChoice(requested, "none", f"{requested} on {device}: {what}")
-    return QuantChoice(
-        requested,
-        LOAD_QUANT[requested],
-        f"{requested} on {device}: requested explicitly; the runtime checks the GPU when it loads",
-    )
-
-
-def _normalise(value: Any) -> str:
-    text = str(value).lower()
-    return "none" if text in ("bf16", "auto", "") else text
+        _, reason = support.choose_auto(device)
+        return QuantChoice("auto", "auto", f"{reason} (the Loader re-checks against its VRAM budget)")
+    if requested == "gguf-file":
+        return QuantChoice("gguf-file", "none", f"gguf-file on {device.name}: the block format stored in the "
+                           ".gguf file picked in the Loader, dequantised per layer")
+    return QuantChoice(requested, LOAD_QUANT[requested], support.format_reasons(device)[requested])
 
 
 class ErnieImageQuantConfig:
     DESCRIPTION = (
         "Chooses the weight format the ERNIE-Image Loader runs the DiT in: auto (best for this GPU), bf16, "
-        "fp8 (SM 8.9+ computes natively), nvfp4 (Blackwell computes natively), or whatever a .gguf file holds. "
+        "fp8 (SM 8.9+ computes natively), nvfp4 (Blackwell computes natively), q8_0 (GGUF blocks, near-lossless), "
+        "or whatever a .gguf file holds. "
         "Connect it to the Loader's quant_config input."
     )
     CATEGORY = CATEGORY
@@ -93,6 +73,6 @@ class ErnieImageQuantConfig:
             }
         }
 
-    def choose(self, format: str) -> tuple[QuantChoice, str]:  # noqa: A002 - the widget is called format
+    def choose(self, format: str) -> dict[str, Any]:  # noqa: A002 - the widget is called format
         choice = resolve_choice(format)
-        return (choice, choice.reason)
+        return {"ui": {"text": [choice.reason]}, "result": (choice, choice.reason)}

@@ -15,7 +15,8 @@ from ..runtime.request import (
     validate_size,
 )
 from .host import ComfyHost, raise_as_comfy_interrupt
-from .live_pipes import release_quietly
+from .live_pipes import generation_lock, release_quietly
+from .memory import bytes_to_free
 
 CATEGORY = "ERNIE-Image"
 PIPE_TYPE = "ERNIE_PIPE"
@@ -71,8 +72,12 @@ def run_generation(pipe: Any, request: GenerationRequest, node_id: Optional[str]
         raise InvalidInputError("the pipe input is not connected: wire an ERNIE-Image Loader or Remote Backend to it")
     request.validate()
     host = ComfyHost(node_id)
+    room = bytes_to_free(pipe)
+    if room is not None:
+        host.make_room(room, pipe.device)  # ComfyUI unloads its own models until this much is free
     try:
-        return pipe.generate(request, host)
+        with generation_lock:
+            return pipe.generate(request, host)
     except Cancelled as cancelled:
         release_quietly(pipe)
         raise_as_comfy_interrupt(cancelled)

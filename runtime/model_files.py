@@ -164,6 +164,8 @@ def build_text_tower(component, device: torch.device, dtype: torch.dtype, varian
     raw = text_config_for(component, variant)
     total_layers = int(raw["num_hidden_layers"])
     raw = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "dtype", "transformers_version")}
+    # Only Ministral3 (the PE) reads llama_4_scaling_beta; the reference text tower is a plain MistralModel.
+    raw["rope_parameters"] = {k: v for k, v in raw.get("rope_parameters", {}).items() if k != "llama_4_scaling_beta"}
     raw["num_hidden_layers"] = total_layers - 1
     config = MistralConfig(**raw)
     config._attn_implementation = "sdpa"

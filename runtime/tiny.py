@@ -46,7 +46,7 @@ class TinySizes:
     text_heads: int = 4
     text_kv_heads: int = 2
     text_ffn: int = 96
-    vae_channels: tuple[int, ...] = (16, 16, 32, 32)
+    vae_channels: tuple[int, ...] = (8, 16, 16, 32)
 
 
 def build_tokenizer():

@@ -18,10 +18,10 @@ import torch
 
 from ..errors import Cancelled, RemoteError
 from ..host import Host
-from ..request import GenerationRequest, GenerationResult
+from ..request import GenerationRequest, GenerationResult, nearest_valid_side
 from .fleet import Fleet, FleetSettings
 from .http import ApiKeySource, RetryPolicy, Timeouts, private_loop, run_sync
-from .sglang import GeneratedImage, ImageParams, ReadTimeoutPolicy, round_side
+from .sglang import GeneratedImage, ImageParams, ReadTimeoutPolicy
 
 POLL_S = 0.1
 PROGRESS_STEPS = 1000
@@ -60,9 +60,9 @@ class RemoteSettings:
 
 def rounded_request(request: GenerationRequest, host: Host) -> GenerationRequest:
     """Sizes rounded to multiples of 16 client-side (SGLang would floor them silently), with a notice."""
-    width, height = round_side(request.width), round_side(request.height)
+    width, height = nearest_valid_side(request.width), nearest_valid_side(request.height)
     if (width, height) != (request.width, request.height):
-        host.log(f"size {request.width}x{request.height} rounded to {width}x{height} (ERNIE-Image needs multiples of 16)")
+        host.log(f"size {request.width}x{request.height} rounded to {width}x{height} (ERNIE-Image needs multiples of 16 between 256 and 4096)")
         request = dataclasses.replace(request, width=width, height=height)
     request.validate()
     return request

@@ -149,7 +149,7 @@ class Fleet:
                         else:
                             what = f"retrying in {self.settings.retry_down_after_s:g} s"
                         moved = f"; image {index + 1} goes to {', '.join(others)}" if others else ""
-                        notify(f"server {slot.label} failed: {exc} ({what}{moved})")
+                        notify(f"server failed: {exc} ({what}{moved})")
                         wake.set()
                         continue
                     except BaseException as exc:  # 4xx, 500, bad response, cancel: the batch stops

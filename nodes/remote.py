@@ -1,0 +1,115 @@
+"""ErnieImageRemoteBackend: SGLang server URL(s) in, the same ERNIE_PIPE as the Loader out."""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Optional
+
+from ..runtime.errors import InvalidInputError
+from .live_pipes import track
+
+CATEGORY = "ERNIE-Image"
+PIPE_TYPE = "ERNIE_PIPE"
+DEFAULT_URL = "http://127.0.0.1:30000"
+MAX_KEY_FILE_BYTES = 4096
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def parse_urls(server_urls: str) -> list[str]:
+    """One URL per line (commas work too); blank lines and # comments are skipped."""
+    urls: list[str] = []
+    for line in server_urls.replace(",", "\n").splitlines():
+        url = line.split("#", 1)[0].strip()
+        if url and url not in urls:
+            urls.append(url)
+    if not urls:
+        raise InvalidInputError(f"no server URL given: write one SGLang server per line, e.g. {DEFAULT_URL}")
+    return urls
+
+
+def checked_key_source(api_key_env: str, api_key_file: str) -> tuple[Optional[str], Optional[str]]:
+    """The names of where the key lives, checked; the key itself is read only when a request is sent."""
+    env_name = api_key_env.strip() or None
+    key_file = api_key_file.strip() or None
+    if env_name is not None and not _ENV_NAME.match(env_name):
+        raise InvalidInputError(
+            f"api_key_env must be the NAME of an environment variable (letters, digits, _), not '{env_name[:4]}...'; "
+            "never paste the key itself into a workflow"
+        )
+    if key_file is not None:
+        path = os.path.expanduser(key_file)
+        if not os.path.isfile(path):
+            raise InvalidInputError(f"api_key_file {key_file} is not a file: give the path of a file holding only the key")
+        if os.path.getsize(path) > MAX_KEY_FILE_BYTES:
+            raise InvalidInputError(
+                f"api_key_file {key_file} is larger than {MAX_KEY_FILE_BYTES} bytes, so it is not a key file: "
+                "give the path of a file holding only the key"
+            )
+    return env_name, key_file
+
+
+def make_remote_pipe(urls: list[str], connect_timeout_s: float, read_timeout_s: float,
+                     api_key_env: Optional[str], api_key_file: Optional[str]) -> Any:
+    from ..runtime.remote.backend import RemotePipe, RemoteSettings
+
+    settings = RemoteSettings(
+        api_key_env=api_key_env,
+        api_key_file=api_key_file,
+        connect_timeout_s=float(connect_timeout_s),
+        read_timeout_base_s=float(read_timeout_s),
+    )
+    return RemotePipe(urls, settings)
+
+
+class ErnieImageRemoteBackend:
+    DESCRIPTION = (
+        "Runs ERNIE-Image on one or more SGLang diffusion servers instead of this machine. Outputs the same pipe "
+        "as the Loader: connect it to a Sampler. Several URLs spread a batch and fail over. The API key is read "
+        "from an environment variable or a key file, never stored in the workflow."
+    )
+    CATEGORY = CATEGORY
+    FUNCTION = "connect"
+    RETURN_TYPES = (PIPE_TYPE, "STRING")
+    RETURN_NAMES = ("pipe", "servers")
+    OUTPUT_TOOLTIPS = ("The remote model, for a Sampler or Turbo Sampler.", "The servers this pipe uses.")
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:
+        return {
+            "required": {
+                "server_urls": (
+                    "STRING",
+                    {"multiline": True, "default": DEFAULT_URL,
+                     "tooltip": "SGLang server base URLs, one per line (e.g. http://gpu-box:30000). "
+                     "With several, images are spread over them and a failed server is skipped."},
+                ),
+                "connect_timeout_s": (
+                    "FLOAT",
+                    {"default": 5.0, "min": 0.5, "max": 120.0, "step": 0.5,
+                     "tooltip": "Seconds to wait for a server to accept the connection before trying another."},
+                ),
+                "read_timeout_s": (
+                    "FLOAT",
+                    {"default": 120.0, "min": 5.0, "max": 3600.0, "step": 5.0,
+                     "tooltip": "Base seconds to wait for an image; it grows with steps and size."},
+                ),
+                "api_key_env": (
+                    "STRING",
+                    {"default": "", "tooltip": "NAME of the environment variable holding the server's API key "
+                     "(e.g. SGLANG_API_KEY). Never the key itself. Empty: no key."},
+                ),
+                "api_key_file": (
+                    "STRING",
+                    {"default": "", "tooltip": "PATH of a file holding only the API key, read when a request is sent. "
+                     "Empty: no key file."},
+                ),
+            }
+        }
+
+    def connect(self, server_urls: str, connect_timeout_s: float, read_timeout_s: float, api_key_env: str,
+                api_key_file: str) -> dict[str, Any]:
+        urls = parse_urls(server_urls)
+        env_name, key_file = checked_key_source(api_key_env, api_key_file)
+        pipe = track(make_remote_pipe(urls, connect_timeout_s, read_timeout_s, env_name, key_file))
+        description = pipe.describe()
+        return {"ui": {"text": [description]}, "result": (pipe, description)}

@@ -1,0 +1,192 @@
+"""`ernie-image`: the runtime from the command line (no ComfyUI needed).
+
+Subcommands: generate, plan, quantize, enhance, check-remote. Errors print one line and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from .errors import ErnieImageError
+
+DEMO_NOTICE = (
+    "no model given: using a tiny random ERNIE-Image model built in code at {path}. "
+    "Its pixels are noise from a demo model, not a real image; pass --model-dir or --dit/--text-encoder/--vae."
+)
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("ERNIE_IMAGE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ernie-image")
+    return Path(root)
+
+
+def demo_model_sources(variant: str = "turbo"):
+    """The tiny demo model, built once in the cache folder (a marker file says it is complete)."""
+    from .tiny import build_tiny_model
+
+    folder = default_cache_dir() / f"tiny-{variant}-v1"
+    marker = folder / ".complete"
+    if not marker.exists():
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        sources = build_tiny_model(folder, layout="diffusers", variant=variant)  # type: ignore[arg-type]
+        marker.write_text("ok")
+        return sources
+    from .model_files import ModelSources
+
+    return ModelSources(model_dir=folder)
+
+
+def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model-dir", type=Path, help="diffusers ERNIE-Image folder (model_index.json, transformer/, ...)")
+    parser.add_argument("--dit", type=Path, help="DiT file (safetensors, GGUF, FP8/NVFP4); overrides the folder's")
+    parser.add_argument("--text-encoder", type=Path, help="text-encoder file; overrides the folder's")
+    parser.add_argument("--vae", type=Path, help="VAE file (flux2-vae.safetensors or diffusers layout)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer folder or tokenizer.json (single files embed one)")
+    parser.add_argument("--pe", type=Path, help="prompt-enhancer folder or file")
+    parser.add_argument("--variant", choices=["base", "turbo"], help="default: detected")
+    parser.add_argument("--prompt", default="a red fox in fresh snow, morning light")
+    parser.add_argument("--negative", default="")
+    parser.add_argument("--width", type=int, default=None, help="multiple of 16 in 256..4096 (default 1024; demo 256)")
+    parser.add_argument("--height", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="default: 50 base, 8 turbo")
+    parser.add_argument("--cfg", type=float, default=None, help="default: 4.0 base, 1.0 turbo")
+    parser.add_argument("--shift", type=float, default=4.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--use-pe", action="store_true", help="rewrite the prompt with the prompt enhancer first")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--budget", default="auto", help="VRAM budget in GB, or auto")
+    parser.add_argument("--quant", default="none", help="none, auto, fp8, q8_0, nvfp4 (quantise on load)")
+    parser.add_argument("--out", type=Path, default=Path("ernie.png"), help="output PNG (batch: name_0.png, ...)")
+
+
+def _png_paths(out: Path, count: int) -> list[Path]:
+    if count == 1:
+        return [out]
+    return [out.with_name(f"{out.stem}_{index}{out.suffix or '.png'}") for index in range(count)]
+
+
+def save_pngs(images, out: Path, settings: dict) -> list[Path]:
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+
+    paths = _png_paths(out, images.shape[0])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for index, path in enumerate(paths):
+        info = PngInfo()
+        info.add_text("ernie-image", json.dumps({**settings, "seed": settings["seed"], "batch_index": index}))
+        pixels = (images[index].clamp(0, 1) * 255).round().to("cpu").byte().numpy()
+        Image.fromarray(pixels, mode="RGB").save(path, pnginfo=info)
+    return paths
+
+
+class _ConsoleHost:
+    """Progress on stderr; Ctrl-C cancels between steps."""
+
+    def __init__(self) -> None:
+        from .host import NullHost
+
+        self._null = NullHost()
+
+    def progress(self, value: int, total: int, preview=None) -> None:
+        print(f"\rstep {value}/{total}", end="" if value < total else "\n", file=sys.stderr, flush=True)
+
+    def check_cancel(self) -> None:
+        self._null.check_cancel()
+
+    def make_room(self, num_bytes: int, device) -> None:
+        return None
+
+    def log(self, message: str) -> None:
+        print(message, file=sys.stderr)
+
+
+def main_generate(argv: Sequence[str]) -> int:
+    from .local_pipe import LoadOptions, LocalPipe
+    from .model_files import ModelSources
+    from .request import GenerationRequest
+
+    parser = argparse.ArgumentParser(prog="ernie-image generate", description="Generate an image with ERNIE-Image.")
+    _add_generate_arguments(parser)
+    args = parser.parse_args(argv)
+    host = _ConsoleHost()
+    demo = not any([args.model_dir, args.dit, args.text_encoder, args.vae])
+    if demo:
+        sources = demo_model_sources(args.variant or "turbo")
+        host.log(DEMO_NOTICE.format(path=sources.model_dir))
+    else:
+        sources = ModelSources(model_dir=args.model_dir, dit=args.dit, text_encoder=args.text_encoder, vae=args.vae,
+                               tokenizer=args.tokenizer, pe=args.pe, variant=args.variant)
+    budget = None if args.budget == "auto" else float(args.budget)
+    options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=budget, quant=args.quant,
+                          keep_loaded=False)
+    pipe = LocalPipe.load(sources, options, host)
+    default_side = 256 if demo else 1024
+    request = GenerationRequest(
+        prompt=args.prompt, negative_prompt=args.negative,
+        width=args.width or default_side, height=args.height or default_side,
+        steps=args.steps or int(pipe.defaults["steps"]),
+        cfg=args.cfg if args.cfg is not None else pipe.defaults["cfg"],
+        shift=args.shift, seed=args.seed, batch=args.batch, use_pe=args.use_pe,
+    )
+    started = time.perf_counter()
+    result = pipe.generate(request, host)
+    elapsed = time.perf_counter() - started
+    settings = {**request.metadata(), "variant": pipe.variant, "prompts_used": result.prompts_used,
+                "demo_model": demo}
+    paths = save_pngs(result.images, args.out, settings)
+    for path in paths:
+        print(path)
+    host.log(f"{len(paths)} image(s) {request.width}x{request.height} in {elapsed:.2f} s ({pipe.describe()})")
+    return 0
+
+
+def _lazy(module: str, function: str) -> Callable[[Sequence[str]], int]:
+    def run(argv: Sequence[str]) -> int:
+        import importlib
+
+        try:
+            target = getattr(importlib.import_module(module, __package__), function)
+        except (ImportError, AttributeError) as error:
+            raise ErnieImageError(f"this command is not available in this build ({error})") from None
+        return int(target(list(argv)) or 0)
+
+    return run
+
+
+COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
+    "generate": ("generate an image (tiny demo model when no weights are given)", main_generate),
+    "plan": ("show the VRAM plan for a budget and size (no GPU, no weights)", _lazy(".offload.cli_plan", "main_plan")),
+    "quantize": ("write a quantised DiT file (fp8, q8_0, nvfp4) once", _lazy(".quant.cli_quantize", "main_quantize")),
+    "enhance": ("print the prompt enhancer's revised prompt", _lazy(".text.enhancer", "main_enhance")),
+    "check-remote": ("check SGLang servers: readiness, model, one tiny generation", _lazy(".remote.check", "main_check_remote")),
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        width = max(len(name) for name in COMMANDS)
+        lines = [f"  {name:<{width}}  {summary}" for name, (summary, _) in COMMANDS.items()]
+        print("usage: ernie-image COMMAND [options]\n\ncommands:\n" + "\n".join(lines), file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    try:
+        return COMMANDS[argv[0]][1](argv[1:])
+    except ErnieImageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ncancelled", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""A checked, memory-mapped view of one .safetensors file.
+
+The file is opened and mapped once; every tensor is a zero-copy view of the mapping, so reading a tensor costs
+page faults, not a copy, and a tensor that is never asked for is never read. The mapping is private
+copy-on-write (the file is never written) and lives as long as any tensor still refers to it.
+The header is validated before anything is returned, so a cut or corrupt file fails with one clear line
+instead of a crash deep inside a load.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+
+from ..errors import ModelFileError
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E8M0", "float8_e8m0fnu")):
+    if hasattr(torch, _attr):
+        DTYPES[_name] = getattr(torch, _attr)
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+PICKLE_MAGICS = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+REDOWNLOAD = "the file is damaged or was not fully downloaded: download it again"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offsets in the file
+    end: int
+
+
+class SafetensorsFile:
+    """One open, mapped safetensors file: header facts without I/O, tensors as zero-copy views."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.size = self.path.stat().st_size
+        with open(self.path, "rb") as handle:
+            self.infos, self.metadata = _read_header(handle, self.path, self.size)
+            self._mapping: Optional[mmap.mmap] = (
+                mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) if self.size else None
+            )
+
+    def keys(self) -> list[str]:
+        return list(self.infos)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.infos
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.infos)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.infos[key].shape
+
+    def nbytes(self) -> int:
+        return sum(info.end - info.begin for info in self.infos.values())
+
+    def tensor(self, key: str) -> torch.Tensor:
+        info = self.infos[key]
+        dtype = DTYPES[info.dtype]
+        count = 1
+        for dim in info.shape:
+            count *= dim
+        if count == 0:
+            return torch.empty(info.shape, dtype=dtype)
+        element = torch.empty((), dtype=dtype).element_size()
+        if info.begin % element:
+            # Misaligned data (a writer that did not pad its header): copy once rather than hand out a misaligned view.
+            raw = torch.frombuffer(self._mapping, dtype=torch.uint8, count=info.end - info.begin, offset=info.begin)
+            return raw.clone().view(dtype).view(info.shape)
+        flat = torch.frombuffer(self._mapping, dtype=dtype, count=count, offset=info.begin)
+        return flat.view(info.shape)
+
+
+def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    start = handle.read(8)
+    if start[:4] == b"GGUF":
+        raise ModelFileError(f"{path.name} is a GGUF file, not safetensors: load it through the GGUF path")
+    if any(start.startswith(magic) for magic in PICKLE_MAGICS):
+        raise ModelFileError(
+            f"{path.name} is a PyTorch pickle checkpoint, which this pack never loads (pickles can run code): "
+            f"use the .safetensors release of the model"
+        )
+    if len(start) < 8:
+        raise ModelFileError(f"{path.name} is only {size} bytes, too short for a safetensors file: {REDOWNLOAD}")
+    header_len = int.from_bytes(start, "little")
+    if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+        if header_len > MAX_HEADER_BYTES:
+            raise ModelFileError(f"{path.name} is not a safetensors file (its first bytes are not a safetensors "
+                                 f"header): pick the model's .safetensors file")
+        raise ModelFileError(
+            f"{path.name} is cut inside its header ({size} bytes, header needs {8 + header_len}): {REDOWNLOAD}"
+        )
+    try:
+        header = json.loads(handle.read(header_len).decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ModelFileError(f"{path.name} has a corrupt safetensors header ({err}): {REDOWNLOAD}") from None
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + header_len
+    infos: dict[str, TensorInfo] = {}
+    data_end = data_start
+    for key, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise ModelFileError(f"{path.name} has a corrupt header entry for {key!r}: {REDOWNLOAD}") from None
+        if dtype not in DTYPES:
+            raise ModelFileError(f"{path.name}: tensor {key!r} has dtype {dtype}, which this PyTorch cannot hold: "
+                                 f"update PyTorch or use a file in bf16/fp16/fp32")
+        count = 1
+        for dim in shape:
+            count *= dim
+        expected = count * torch.empty((), dtype=DTYPES[dtype]).element_size()
+        if end - begin != expected or begin < 0:
+            raise ModelFileError(f"{path.name}: tensor {key!r} spans {end - begin} bytes but shape {shape} in "
+                                 f"{dtype} needs {expected}: {REDOWNLOAD}")
+        infos[key] = TensorInfo(dtype, shape, data_start + int(begin), data_start + int(end))
+        data_end = max(data_end, data_start + int(end))
+    if data_end > size:
+        raise ModelFileError(
+            f"{path.name} is truncated: its header describes {data_end} bytes but the file has {size} "
+            f"({100 * size / data_end:.0f}%): {REDOWNLOAD}"
+        )
+    return infos, {str(k): str(v) for k, v in metadata.items()}
+
+
+def open_safetensors(path: Path) -> SafetensorsFile:
+    try:
+        return SafetensorsFile(path)
+    except PermissionError:
+        raise ModelFileError(f"{path} cannot be read (permission denied): fix the file's permissions") from None
+    except IsADirectoryError:
+        raise ModelFileError(f"{path} is a folder, not a weight file: give the .safetensors file") from None
+    except OSError as err:
+        raise ModelFileError(f"{path} cannot be read ({os.strerror(err.errno) if err.errno else err}): "
+                             f"check the disk and the path") from None

@@ -1,0 +1,109 @@
+"""Read quantised safetensors files into {key: tensor | QuantizedWeight}.
+
+Recognised per layer (a layer = a `<name>.weight` key), by tensors and metadata, never by file name:
+  * ComfyUI comfy_quant: `<name>.comfy_quant` (JSON as uint8) or the file metadata
+    `_quantization_metadata` = {"layers": {name: {"format": ...}}}; formats float8_e4m3fn, float8_e5m2,
+    nvfp4 (packed hi-first, blocked e4m3 `weight_scale`, fp32 `weight_scale_2`).
+  * ComfyUI legacy scaled fp8: root key `scaled_fp8`, fp8 `weight` + `<name>.scale_weight`.
+  * ModelOpt / diffusers-BFL: uint8 `weight` + e4m3 `weight_scale` [N, K/16] + `weight_scale_2` (NVFP4),
+    or fp8 `weight` + fp32 `weight_scale` (per tensor or per row).
+  * Plain fp8 weights without a scale (ComfyUI's unscaled fp8 files).
+Everything else comes back as plain tensors.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelFileError
+from .nvfp4 import from_modelopt
+from .qweight import QuantizedWeight
+
+_FP8_DTYPES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+_AUX_SUFFIXES = (".comfy_quant", ".weight_scale", ".weight_scale_2", ".input_scale", ".scale_weight",
+                 ".scale_input")
+
+
+def _read_all(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {k: handle.get_tensor(k) for k in handle.keys()}, dict(handle.metadata() or {})
+    except (SafetensorError, OSError) as err:
+        raise ModelFileError(f"{path.name} is not a readable safetensors file ({err}); re-download it") from err
+
+
+def _layer_formats(raw: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> dict[str, str]:
+    formats: dict[str, str] = {}
+    if "_quantization_metadata" in metadata:
+        try:
+            layers = json.loads(metadata["_quantization_metadata"]).get("layers", {})
+            formats.update({name: conf["format"] for name, conf in layers.items()})
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise ModelFileError(f"{path.name}: unreadable _quantization_metadata ({err}); re-export the file") from err
+    for key, tensor in raw.items():
+        if key.endswith(".comfy_quant"):
+            try:
+                formats[key[: -len(".comfy_quant")]] = json.loads(bytes(tensor.tolist()).decode("utf-8"))["format"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise ModelFileError(f"{path.name}: unreadable {key} ({err}); re-export the file") from err
+    return formats
+
+
+def _comfy_weight(layer: str, fmt: str, raw: dict[str, torch.Tensor], path: Path) -> QuantizedWeight:
+    weight = raw[f"{layer}.weight"]
+    input_scale = raw.get(f"{layer}.input_scale")
+    if fmt in ("float8_e4m3fn", "float8_e5m2"):
+        return QuantizedWeight("fp8", _FP8_DTYPES[weight.dtype], weight, tuple(weight.shape),
+                               scale=raw.get(f"{layer}.weight_scale"), input_scale=input_scale)
+    if fmt == "nvfp4":
+        try:
+            scale, scale_2 = raw[f"{layer}.weight_scale"], raw[f"{layer}.weight_scale_2"]
+        except KeyError as err:
+            raise ModelFileError(f"{path.name}: nvfp4 layer {layer} lacks {err}; the file is incomplete") from err
+        shape = (weight.shape[0], weight.shape[1] * 2)
+        return QuantizedWeight("nvfp4", "nvfp4", weight, shape, scale=scale.view(torch.float8_e4m3fn),
+                               scale_2=scale_2.to(torch.float32), input_scale=input_scale)
+    raise ModelFileError(f"{path.name}: layer {layer} uses comfy_quant format {fmt!r}, which this pack does not "
+                         f"load (supported: float8_e4m3fn, float8_e5m2, nvfp4); use an fp8/nvfp4/GGUF file")
+
+
+def _detect_weight(layer: str, raw: dict[str, torch.Tensor], legacy_fp8: bool) -> QuantizedWeight | None:
+    weight = raw[f"{layer}.weight"]
+    if weight.dim() != 2:
+        return None
+    if weight.dtype in _FP8_DTYPES:
+        scale = raw.get(f"{layer}.scale_weight") if legacy_fp8 else None
+        if scale is None:
+            scale = raw.get(f"{layer}.weight_scale")
+        return QuantizedWeight("fp8", _FP8_DTYPES[weight.dtype], weight, tuple(weight.shape),
+                               scale=None if scale is None else scale.to(torch.float32),
+                               input_scale=raw.get(f"{layer}.input_scale", raw.get(f"{layer}.scale_input")))
+    if weight.dtype == torch.uint8 and f"{layer}.weight_scale_2" in raw and f"{layer}.weight_scale" in raw:
+        data, blocked = from_modelopt(weight, raw[f"{layer}.weight_scale"])
+        return QuantizedWeight("nvfp4", "nvfp4", data, (weight.shape[0], weight.shape[1] * 2), scale=blocked,
+                               scale_2=raw[f"{layer}.weight_scale_2"].to(torch.float32),
+                               input_scale=raw.get(f"{layer}.input_scale"))
+    return None
+
+
+def load_quantized_safetensors(path: str | Path) -> dict[str, torch.Tensor | QuantizedWeight]:
+    path = Path(path)
+    raw, metadata = _read_all(path)
+    formats = _layer_formats(raw, metadata, path)
+    legacy_fp8 = "scaled_fp8" in raw
+    state: dict[str, torch.Tensor | QuantizedWeight] = {}
+    for key, tensor in raw.items():
+        if key == "scaled_fp8" or key.endswith(_AUX_SUFFIXES):
+            continue
+        if not key.endswith(".weight"):
+            state[key] = tensor
+            continue
+        layer = key[: -len(".weight")]
+        if layer in formats:
+            state[key] = _comfy_weight(layer, formats[layer], raw, path)
+        else:
+            state[key] = _detect_weight(layer, raw, legacy_fp8) or tensor
+    return state

@@ -1,0 +1,196 @@
+"""Quantise a bf16 DiT on load or once to a file (`ernie-image quantize`).
+
+Which weights are quantised: every 2-D `*.weight` whose input dim fits the format's block, except the
+ones in KEEP_HIGH_PRECISION (patch embedder and final projection: tiny, and closest to the pixels).
+Files written:
+  fp8, nvfp4  ComfyUI comfy_quant safetensors (per-layer `.comfy_quant` JSON tensors plus
+              `_quantization_metadata`), so ComfyUI loads them natively and this pack reloads them.
+              FP8 files carry a per-tensor scale, the form ComfyUI's float8_e4m3fn layout expects.
+  q8_0, q4_k  GGUF in the unsloth layout (diffusers names, 1-D tensors F32, other unquantised tensors
+              BF16, header `general.architecture = "wan"` because that is the name ComfyUI-GGUF accepts
+              for these files; this pack recognises ERNIE by its keys).
+Files are written to `<out>.partial` and renamed when complete, so a failure leaves nothing behind.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from ..errors import ErnieImageError, InvalidInputError, ModelFileError
+from .fp8 import quantize_fp8
+from .gguf_files import DIT_MARKER_KEYS, DIT_PREFIXES
+from .gguf_quantize import QUANTIZERS
+from .nvfp4 import quantize_nvfp4
+from .qweight import QuantizedWeight
+
+WRITE_FORMATS = ("fp8", "q8_0", "q4_k", "nvfp4")
+KEEP_HIGH_PRECISION = ("x_embedder.", "final_linear.")
+_BLOCK = {"fp8": 16, "q8_0": 32, "q4_k": 256, "nvfp4": 16}
+
+
+def quantize_weight(weight: torch.Tensor, fmt: str, per_row_fp8: bool = True) -> QuantizedWeight:
+    """[out, in] float weight -> QuantizedWeight in `fmt` (fp8: e4m3 with a per-row scale by default)."""
+    if fmt not in WRITE_FORMATS:
+        raise InvalidInputError(f"unknown quantisation format {fmt!r}: choose one of {', '.join(WRITE_FORMATS)}")
+    if weight.dim() != 2 or weight.shape[1] % _BLOCK[fmt] or (fmt == "nvfp4" and weight.shape[0] % 16):
+        raise InvalidInputError(f"cannot quantise a weight of shape {tuple(weight.shape)} to {fmt}: "
+                                f"needs a 2-D weight with in_features divisible by {_BLOCK[fmt]}")
+    shape = tuple(weight.shape)
+    if fmt == "fp8":
+        data, scale = quantize_fp8(weight, per_row=per_row_fp8)
+        return QuantizedWeight("fp8", "e4m3", data, shape, scale=scale, dtype=weight.dtype)
+    if fmt == "nvfp4":
+        data, blocked, tensor_scale = quantize_nvfp4(weight)
+        return QuantizedWeight("nvfp4", "nvfp4", data, shape, scale=blocked, scale_2=tensor_scale, dtype=weight.dtype)
+    qtype = fmt.upper()
+    _, quantizer = QUANTIZERS[qtype]
+    return QuantizedWeight("gguf", qtype, quantizer(weight), shape, dtype=weight.dtype)
+
+
+def should_quantize(name: str, tensor: torch.Tensor, fmt: str) -> bool:
+    if not name.endswith(".weight") or tensor.dim() != 2 or name.startswith(KEEP_HIGH_PRECISION):
+        return False
+    if not tensor.is_floating_point() or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return False
+    return tensor.shape[1] % _BLOCK[fmt] == 0 and (fmt != "nvfp4" or tensor.shape[0] % 16 == 0)
+
+
+def quantize_state_dict(state: dict[str, torch.Tensor], fmt: str, per_row_fp8: bool = True
+                        ) -> dict[str, torch.Tensor | QuantizedWeight]:
+    """Quantise-on-load: every eligible Linear weight becomes a QuantizedWeight, the rest stays as is."""
+    return {name: quantize_weight(t, fmt, per_row_fp8) if isinstance(t, torch.Tensor) and should_quantize(name, t, fmt)
+            else t for name, t in state.items()}
+
+
+# ---- writing ----------------------------------------------------------------------------------------
+
+def _comfy_tensors(name: str, qweight: QuantizedWeight) -> dict[str, torch.Tensor]:
+    layer = name[: -len(".weight")]
+    comfy_format = "nvfp4" if qweight.format == "nvfp4" else "float8_e4m3fn"
+    out = {f"{layer}.{k}": v.contiguous() for k, v in qweight.tensors().items()}
+    out[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps({"format": comfy_format}).encode()), dtype=torch.uint8)
+    return out
+
+
+def _write_comfy_safetensors(items: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], path: Path) -> None:
+    from safetensors.torch import save_file
+    tensors: dict[str, torch.Tensor] = {}
+    layers: dict[str, dict[str, str]] = {}
+    for name, entry in items:
+        if isinstance(entry, QuantizedWeight):
+            if entry.format == "gguf":
+                raise InvalidInputError(f"{name} is a GGUF block weight: it cannot go into a comfy_quant file")
+            tensors.update(_comfy_tensors(name, entry))
+            layers[name[: -len(".weight")]] = {"format": "nvfp4" if entry.format == "nvfp4" else "float8_e4m3fn"}
+        else:
+            tensors[name] = entry.contiguous()
+    metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def _write_gguf(items: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], path: Path) -> None:
+    import gguf
+    writer = gguf.GGUFWriter(str(path), arch="wan")
+    writer.add_string("general.name", "ERNIE-Image DiT")
+    writer.add_string("ernie_image.component", "dit")
+    try:
+        for name, entry in items:
+            if isinstance(entry, QuantizedWeight):
+                if entry.format != "gguf":
+                    raise InvalidInputError(f"{name} is {entry.format}: only GGUF block weights go into a GGUF file")
+                writer.add_tensor(name, entry.data.contiguous().numpy(),
+                                  raw_dtype=gguf.GGMLQuantizationType[entry.qtype])
+            elif entry.dim() <= 1:
+                writer.add_tensor(name, entry.to(torch.float32).contiguous().numpy())
+            else:
+                raw = entry.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
+                writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+    finally:
+        writer.close()
+
+
+def write_quantized_file(state: dict[str, torch.Tensor | QuantizedWeight], fmt: str, path: str | Path,
+                         overwrite: bool = False) -> Path:
+    """Quantise what is still plain (eligible weights only) and write a file this pack and ComfyUI load."""
+    if fmt not in WRITE_FORMATS:
+        raise InvalidInputError(f"unknown quantisation format {fmt!r}: choose one of {', '.join(WRITE_FORMATS)}")
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise InvalidInputError(f"{path} already exists: choose another --out or delete it first")
+    per_row_fp8 = False  # ComfyUI's float8_e4m3fn layout takes a per-tensor scale
+
+    def items() -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        for name, entry in state.items():
+            if isinstance(entry, torch.Tensor) and should_quantize(name, entry, fmt):
+                entry = quantize_weight(entry, fmt, per_row_fp8)
+            yield name, entry
+
+    partial = path.with_name(path.name + ".partial")
+    try:
+        if fmt in ("fp8", "nvfp4"):
+            _write_comfy_safetensors(items(), partial)
+        else:
+            _write_gguf(items(), partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+
+def _source_files(source: Path) -> list[Path]:
+    if source.is_dir():
+        files = sorted(source.glob("*.safetensors"))
+        if not files:
+            raise ModelFileError(f"{source} holds no .safetensors files: point --dit at the transformer folder "
+                                 f"or a single diffusion-model file")
+        return files
+    if not source.is_file():
+        raise ModelFileError(f"--dit {source} does not exist: check the path")
+    if source.suffix != ".safetensors":
+        raise ModelFileError(f"--dit {source.name} is not a .safetensors file: quantise from the bf16 weights")
+    return [source]
+
+
+def read_bf16_dit(source: str | Path) -> dict[str, torch.Tensor]:
+    """A diffusers transformer folder or single bf16 DiT file -> {diffusers key: tensor}."""
+    from safetensors import safe_open
+    state: dict[str, torch.Tensor] = {}
+    for file in _source_files(Path(source)):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():
+                name = next((key[len(p):] for p in DIT_PREFIXES if key.startswith(p)), key)
+                state[name] = handle.get_tensor(key)
+    missing = [k for k in DIT_MARKER_KEYS if k not in state]
+    if missing:
+        raise ModelFileError(f"{source} is not an ERNIE-Image DiT (missing {missing}): pass the transformer "
+                             f"folder or diffusion_models/ernie-image*.safetensors")
+    return state
+
+
+def main_quantize(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ernie-image quantize",
+                                     description="Write a quantised copy of the ERNIE-Image DiT.")
+    parser.add_argument("--dit", required=True, help="bf16 DiT: transformer folder or single .safetensors file")
+    parser.add_argument("--format", required=True, choices=WRITE_FORMATS)
+    parser.add_argument("--out", required=True, help="output file (.safetensors for fp8/nvfp4, .gguf for q8_0/q4_k)")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        state = read_bf16_dit(args.dit)
+        out = write_quantized_file(state, args.format, args.out, overwrite=args.overwrite)
+    except ErnieImageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB, {args.format})")
+    return 0

@@ -1,0 +1,148 @@
+"""Loading the prompt enhancer: a `Ministral3ForCausalLM` and its tokenizer, from either layout users have.
+
+- diffusers folder: `pe/` (config.json + safetensors, `model.`-prefixed keys) and `pe_tokenizer/` (tokenizer.json,
+  chat_template.jinja with the fixed system text);
+- ComfyUI single file `text_encoders/ernie-image-prompt-enhancer.safetensors`: `model.layers.N...` keys in Hugging
+  Face layout, no lm_head (tied to the embeddings), the Tekken tokenizer embedded as the uint8 tensor
+  `tekken_model`, no chat template (Baidu's is used, see pe_prompt.py).
+
+The model is built on the meta device and filled tensor by tensor from the memory-mapped file, so host RAM holds
+about one copy of the weights and no random init is ever materialised.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from ..errors import ModelFileError
+from ..formats import open_component
+from ..model_files import ModelSources, Variant, _assert_materialised, _fill_module, load_config
+from .token_sampler import TRANSFORMERS_DEFAULT_TOP_K
+
+_DROPPED_CONFIG_KEYS = ("architectures", "dtype", "torch_dtype", "transformers_version", "model_type")
+
+
+@dataclass
+class PeWeights:
+    """Where one PE's parts are."""
+
+    weights: Path  # pe/ folder or the single file
+    tokenizer_folder: Optional[Path]  # pe_tokenizer/ when there is one
+    generation_config: dict
+
+
+def locate_pe(sources: ModelSources) -> PeWeights:
+    if not sources.has_pe():
+        raise ModelFileError(
+            "no prompt enhancer found: give a diffusers folder with pe/ and pe_tokenizer/, or the "
+            "ernie-image-prompt-enhancer.safetensors file (--pe), or turn the prompt enhancer off"
+        )
+    weights = sources.component("pe")
+    tokenizer_folder = None
+    for candidate in ([weights.parent / "pe_tokenizer"] if weights.is_dir() else []) + (
+        [sources.model_dir / "pe_tokenizer"] if sources.model_dir is not None else []
+    ):
+        if (candidate / "tokenizer.json").exists() or (candidate / "tokenizer_config.json").exists():
+            tokenizer_folder = candidate
+            break
+    generation_config = {}
+    if weights.is_dir() and (weights / "generation_config.json").exists():
+        generation_config = json.loads((weights / "generation_config.json").read_text())
+    return PeWeights(weights, tokenizer_folder, generation_config)
+
+
+def default_top_k(located: PeWeights) -> int:
+    """The top_k transformers' generate() would use for this PE (the folder's generation_config, else 50)."""
+    value = located.generation_config.get("top_k")
+    return TRANSFORMERS_DEFAULT_TOP_K if value is None else int(value)
+
+
+def pe_config_for(component, variant: Variant = "base") -> dict:
+    config = component.config
+    if config is not None:
+        config = dict(config.get("text_config", config))
+    else:
+        config = load_config(variant, "pe")
+        width = tuple(component.tensor("embed_tokens.weight").shape)[1]
+        if width != config["hidden_size"]:
+            raise ModelFileError(
+                f"{component.path}: embedding width {width} is not the ERNIE-Image prompt enhancer's "
+                f"{config['hidden_size']}: give ernie-image-prompt-enhancer.safetensors"
+            )
+    return {k: v for k, v in config.items() if k not in _DROPPED_CONFIG_KEYS}
+
+
+def pe_weight_bytes(config: dict, dtype: torch.dtype) -> int:
+    """Bytes the PE's weights take on the device (tied head counted once), for make_room and the memory plan."""
+    hidden, layers = int(config["hidden_size"]), int(config["num_hidden_layers"])
+    heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    ffn, vocab = int(config["intermediate_size"]), int(config["vocab_size"])
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    per_layer = attention + 3 * hidden * ffn + 2 * hidden
+    count = layers * per_layer + vocab * hidden * (1 if config.get("tie_word_embeddings", True) else 2) + hidden
+    return count * torch.tensor([], dtype=dtype).element_size()
+
+
+def build_pe_model(component, device: torch.device, dtype: torch.dtype, variant: Variant = "base"):
+    """Ministral3ForCausalLM filled from a "pe" ComponentFile (canonical MistralModel keys)."""
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+
+    raw = pe_config_for(component, variant)
+    config = Ministral3Config(**raw)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = Ministral3ForCausalLM(config)
+    _fill_module(model.model, component, device, dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    elif "lm_head.weight" in component.keys:
+        model.lm_head.weight = torch.nn.Parameter(component.tensor("lm_head.weight").to(device=device, dtype=dtype),
+                                                  requires_grad=False)
+    else:
+        raise ModelFileError(
+            f"{component.path}: the prompt enhancer's config says its head is not tied to the embeddings but the "
+            f"file has no lm_head.weight: the file is incomplete"
+        )
+    # The rotary tables are non-persistent buffers (in no file): build them for real on the device.
+    with torch.device("cpu"):
+        model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)
+    _assert_materialised(model, component)
+    return model.eval().requires_grad_(False)
+
+
+def load_pe_tokenizer(located: PeWeights, sources: ModelSources) -> Any:
+    """pe_tokenizer/ if present, else the Tekken tokenizer embedded in the single file, else the text encoder's.
+
+    The last fallback is sound because the PE and the text encoder are both Ministral-3 3B with one vocabulary.
+    """
+    from transformers import AutoTokenizer
+
+    if located.tokenizer_folder is not None:
+        return AutoTokenizer.from_pretrained(str(located.tokenizer_folder))
+    if located.weights.is_file():
+        try:
+            from ..formats.tekken import tokenizer_from_text_encoder_file
+        except ImportError:
+            tokenizer_from_text_encoder_file = None
+        if tokenizer_from_text_encoder_file is not None:
+            tokenizer = tokenizer_from_text_encoder_file(located.weights)
+            if tokenizer is not None:
+                return tokenizer
+    from ..formats.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(sources)
+    except ModelFileError:
+        raise ModelFileError(
+            f"no tokenizer for the prompt enhancer {located.weights}: it embeds none and no pe_tokenizer/ or text-"
+            f"encoder tokenizer was given; pass the diffusers folder or the text-encoder file too"
+        ) from None
+
+
+def open_pe_component(located: PeWeights):
+    return open_component(located.weights, "pe")

@@ -1,0 +1,215 @@
+"""QuantLinear: packed buffers the offloader can stream, outputs equal F.linear on the dequantised weight,
+quantisation error within what each format allows, and a whole (tiny) ERNIE DiT within a stated tolerance."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ernie_image.runtime.errors import InvalidInputError
+from ernie_image.runtime.quant import (QuantLinear, load_quantized_into, load_quantized_state_dict, main_quantize,
+                                       quantize_linears, quantize_state_dict, quantize_weight, write_quantized_file)
+from ernie_image.runtime.quant.gpu_support import DIT_WEIGHT_BYTES, DeviceInfo, choose_auto, format_reasons
+from ernie_image.runtime.quant.nvfp4 import (E2M1_VALUES, from_blocked, quantize_nvfp4, to_blocked,
+                                             unpack_pairs_hi_first)
+
+FORMATS = ("fp8", "q8_0", "q4_k", "nvfp4")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quant_linear_equals_linear_on_dequantised_weight(fmt: str) -> None:
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(64, 256), torch.randn(64), torch.randn(3, 5, 256)
+    qweight = quantize_weight(weight, fmt)
+    layer = QuantLinear(qweight, bias, torch.float32, name="layers.0.mlp.up_proj")
+    expected = F.linear(x, qweight.dequantize(torch.float32), bias)
+    assert torch.equal(layer(x), expected)
+    y16 = layer(x.bfloat16())
+    assert y16.dtype == torch.bfloat16
+    assert torch.equal(y16, F.linear(x.bfloat16(), qweight.dequantize(torch.bfloat16), bias.bfloat16()))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_packed_tensors_are_buffers_the_offloader_can_swap(fmt: str) -> None:
+    qweight = quantize_weight(torch.randn(32, 256), fmt)
+    layer = QuantLinear(qweight, None, torch.float32)
+    buffers = dict(layer.named_buffers())
+    assert set(buffers) == set(qweight.tensors())
+    assert buffers["weight"].dtype in (torch.uint8, torch.float8_e4m3fn)
+    assert sum(b.numel() * b.element_size() for b in buffers.values()) == qweight.nbytes < 32 * 256 * 2
+    x = torch.randn(2, 256)
+    before = layer(x)
+    # Stream out and back in the way the offloader does: swap .data for other storage of the same bytes.
+    for name, tensor in layer.named_buffers():
+        tensor.data = tensor.data.clone()
+        assert getattr(layer, name).data_ptr() == tensor.data_ptr()
+    assert torch.equal(layer(x), before)
+    layer.weight.data = torch.zeros_like(layer.weight.data)  # forward reads the buffers at call time
+    assert not torch.equal(layer(x), before)
+
+
+def test_fp8_e4m3_error_bound() -> None:
+    # e4m3 keeps 3 mantissa bits: round-to-nearest is within 2^-4 relative for normal values; below the
+    # smallest normal (2^-6 after scaling) the step is 2^-9, so |err| <= 2^-4 |w| + 2^-10 * row_scale.
+    weight = torch.randn(128, 256) * torch.logspace(-3, 0, 128).unsqueeze(1)
+    q = quantize_weight(weight, "fp8")
+    assert q.scale.shape == (128,)
+    err = (q.dequantize(torch.float32) - weight).abs()
+    assert (err <= 2**-4 * weight.abs() + 2**-10 * q.scale.unsqueeze(1)).all()
+
+
+def test_nvfp4_error_bound_and_grid() -> None:
+    # Per 16 values the decode scale s = e4m3(amax/6/ts) * ts is within 2^-4 of amax/6 (plus 2^-10 ts where
+    # the e4m3 scale is subnormal); E2M1's widest gap (4 -> 6) is 2, so rounding errs <= 1 s, and clamping a
+    # value scaled to <= 6.4 onto 6 errs <= 0.4 s. Hence |err| <= (amax/6)(1 + 2^-4) + 2^-10 ts.
+    weight = torch.randn(64, 512) * torch.logspace(-2, 0, 64).unsqueeze(1)
+    data, blocked, ts = quantize_nvfp4(weight)
+    codes = unpack_pairs_hi_first(data)
+    assert codes.shape == weight.shape and int(codes.max()) <= 15
+    q = quantize_weight(weight, "nvfp4")
+    restored = q.dequantize(torch.float32)
+    block_amax = weight.reshape(64, -1, 16).abs().amax(-1, keepdim=True)
+    err = (restored - weight).reshape(64, -1, 16).abs()
+    assert (err <= block_amax / 6 * (1 + 2**-4) + 2**-10 * ts).all()
+    scale = from_blocked(q.scale, 64, 32).to(torch.float32).unsqueeze(-1) * ts
+    grid = torch.tensor(E2M1_VALUES)
+    distance_to_grid = ((restored.reshape(64, -1, 16) / scale).unsqueeze(-1) - grid).abs().amin(-1)
+    assert (distance_to_grid <= 1e-5).all()
+
+
+def test_nvfp4_swizzle_round_trip() -> None:
+    scales = torch.randint(0, 255, (300, 37), dtype=torch.uint8)
+    blocked = to_blocked(scales)
+    assert blocked.shape == (384, 40)  # padded to 128 rows x 4 columns
+    assert torch.equal(from_blocked(blocked, 300, 37), scales)
+    # Element (r, c) of a 128x4 tile sits at flat offset (r % 32) * 16 + (r // 32) * 4 + c within the tile.
+    tile = blocked[:128, :4].reshape(-1)
+    assert tile[(77 % 32) * 16 + (77 // 32) * 4 + 3] == scales[77, 3]
+
+
+def test_quantize_linears_replaces_only_quantised_linears() -> None:
+    model = nn.Sequential(nn.Linear(256, 64), nn.GELU(), nn.Linear(64, 16))
+    state = quantize_state_dict(dict(model.state_dict()), "q8_0")
+    assert isinstance(state["0.weight"], torch.Tensor) is False and isinstance(state["2.weight"], torch.Tensor)
+    replaced = load_quantized_into(model, state, torch.float32)
+    assert replaced == ["0"] and isinstance(model[0], QuantLinear) and isinstance(model[2], nn.Linear)
+    bad = {"0.weight": quantize_weight(torch.randn(32, 256), "q8_0")}
+    with pytest.raises(ValueError, match="does not fit"):
+        quantize_linears(nn.Sequential(nn.Linear(256, 64)), bad)
+
+
+def test_quantize_weight_rejects_bad_shapes_and_formats() -> None:
+    with pytest.raises(InvalidInputError, match="in_features divisible by 256"):
+        quantize_weight(torch.randn(8, 100), "q4_k")
+    with pytest.raises(InvalidInputError, match="unknown quantisation format 'int3'"):
+        quantize_weight(torch.randn(8, 256), "int3")
+
+
+# ---- whole tiny DiT ------------------------------------------------------------------------------
+
+def _tiny_dit():
+    from diffusers import ErnieImageTransformer2DModel
+    torch.manual_seed(0)
+    # head_dim 128 (the real one) so rope axes (32, 48, 48) sum to it; hidden 256 fits Q4_K's 256 blocks.
+    model = ErnieImageTransformer2DModel(hidden_size=256, num_attention_heads=2, num_layers=2, ffn_hidden_size=512,
+                                         in_channels=16, out_channels=16, text_in_dim=256,
+                                         rope_axes_dim=(32, 48, 48)).eval()
+    with torch.no_grad():  # no zero-init layers: every Linear must matter for the comparison
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, p[0].numel() ** -0.5)
+            else:
+                p.normal_(1.0 if "norm" in name or "_ln" in name else 0.0, 0.1)
+    inputs = (torch.randn(1, 16, 8, 8), torch.tensor([500.0]), torch.randn(1, 6, 256), torch.tensor([5]))
+    return model, inputs
+
+
+# Relative L2 error of the DiT output. Expected ~ the per-weight relative RMS rounding noise (step/sqrt(12)
+# over the weights' RMS): Q8_0 step amax/127 -> ~0.5%; e4m3 relative step 2^-3 -> ~2.5%; Q4_K step range/15
+# and NVFP4 grid gaps of 0.5-2 x amax/6 -> ~8%. Bounds are ~2.5x those, residual paths keep it from growing.
+WHOLE_MODEL_TOLERANCE = {"q8_0": 0.015, "fp8": 0.06, "q4_k": 0.2, "nvfp4": 0.2}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_tiny_dit_quantised_output_within_tolerance(fmt: str) -> None:
+    model, inputs = _tiny_dit()
+    with torch.no_grad():
+        reference = model(*inputs, return_dict=False)[0]
+    assert torch.isfinite(reference).all()
+    quantised = copy.deepcopy(model)
+    state = quantize_state_dict({k: v.clone() for k, v in model.state_dict().items()}, fmt)
+    replaced = load_quantized_into(quantised, state, torch.float32)
+    assert "layers.0.mlp.linear_fc2" in replaced and "final_linear" not in replaced
+    with torch.no_grad():
+        output = quantised(*inputs, return_dict=False)[0]
+    rel = ((output - reference).norm() / reference.norm()).item()
+    assert 0 < rel <= WHOLE_MODEL_TOLERANCE[fmt]
+
+
+# ---- files written by this pack ------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_write_and_reload_quantised_dit(tmp_path: Path, fmt: str) -> None:
+    model, inputs = _tiny_dit()
+    state = {k: v.bfloat16() for k, v in model.state_dict().items()}
+    path = write_quantized_file(state, fmt, tmp_path / f"ernie.{fmt}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"ernie.{fmt}"]  # no .partial left behind
+    loaded = load_quantized_state_dict(path)
+    assert set(loaded) == set(state)
+    expected = quantize_weight(state["layers.1.mlp.up_proj.weight"], fmt, per_row_fp8=False)
+    assert torch.equal(loaded["layers.1.mlp.up_proj.weight"].dequantize(torch.float32), expected.dequantize(torch.float32))
+    target = copy.deepcopy(model).to(torch.bfloat16)
+    load_quantized_into(target, loaded, torch.bfloat16)
+    with torch.no_grad():
+        out = target(*(t.bfloat16() if t.is_floating_point() else t for t in inputs), return_dict=False)[0]
+    assert torch.isfinite(out).all()
+    with pytest.raises(InvalidInputError, match="already exists"):
+        write_quantized_file(state, fmt, path)
+
+
+def test_cli_quantize_writes_a_loadable_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import save_file
+    model, _ = _tiny_dit()
+    source = tmp_path / "ernie-image.safetensors"
+    save_file({f"model.diffusion_model.{k}": v.bfloat16().contiguous() for k, v in model.state_dict().items()},
+              str(source))
+    out = tmp_path / "ernie-image-q8_0.gguf"
+    assert main_quantize(["--dit", str(source), "--format", "q8_0", "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    assert load_quantized_state_dict(out)["layers.0.self_attention.to_k.weight"].qtype == "Q8_0"
+    assert main_quantize(["--dit", str(tmp_path / "missing.safetensors"), "--format", "fp8", "--out",
+                          str(tmp_path / "x.safetensors")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# ---- format choice per GPU -----------------------------------------------------------------------
+
+H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0), 141 * 10**9)
+RTX3060 = DeviceInfo("cuda", "RTX 3060", (8, 6), 12 * 10**9)
+RTX5090 = DeviceInfo("cuda", "RTX 5090", (12, 0), 32 * 10**9)
+CPU = DeviceInfo("cpu", "CPU", None, 0)
+
+
+def test_reasons_say_what_runs_natively() -> None:
+    assert format_reasons(H200)["nvfp4"].startswith(
+        "NVFP4 stays packed on this GPU (SM 9.0) and runs at about bf16 speed; natively faster only on SM >= 10")
+    assert "runs natively" in format_reasons(H200)["fp8"]
+    assert "natively faster only on SM >= 8.9" in format_reasons(RTX3060)["fp8"]
+    assert "runs natively" in format_reasons(RTX5090)["nvfp4"]
+    assert all("CPU" in text or "no CUDA" in text for text in format_reasons(CPU).values())
+
+
+def test_auto_choice_by_gpu_and_budget() -> None:
+    assert choose_auto(H200)[0] == "fp8"
+    assert choose_auto(RTX3060)[0] == "q4_k"  # 12 GB card: 8 GB of weights leaves too little for activations
+    assert choose_auto(RTX3060, vram_budget=9 * 10**9)[0] == "q8_0"
+    assert choose_auto(RTX5090, vram_budget=6 * 10**9)[0] == "nvfp4"
+    assert choose_auto(DeviceInfo("cuda", "A100", (8, 0), 80 * 10**9))[0] == "bf16"
+    assert choose_auto(CPU)[0] == "bf16"
+    fmt, reason = choose_auto(RTX3060, vram_budget=2 * 10**9)
+    assert fmt == "q4_k" and "stream" in reason
+    assert DIT_WEIGHT_BYTES["q8_0"] <= 8.6e9 and DIT_WEIGHT_BYTES["q4_k"] <= 4.8e9 and DIT_WEIGHT_BYTES["nvfp4"] <= 4.8e9

@@ -1,0 +1,282 @@
+"""The SGLang client, the RemotePipe and the fleet, against fake SGLang servers on loopback."""
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ernie_image.runtime.errors import Cancelled, InvalidInputError, RemoteError
+from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.pipe import ErniePipe
+from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
+from ernie_image.runtime.remote.check import check_remote, format_check_table
+from ernie_image.runtime.remote.http import BadResponse, ServerRejected, run_sync
+from ernie_image.runtime.remote.sglang import ImageParams, SglangClient, build_payload, decode_image, mask_seed
+from ernie_image.runtime.request import GenerationRequest
+
+from fake_sglang import FakeSglang, free_port, render
+
+TURBO = dict(steps=8, cfg=1.0)  # what the Turbo Sampler puts into the request
+BASE = dict(steps=50, cfg=4.0)
+FAST = RemoteSettings(retry_attempts=2, retry_down_after_s=0.2, connect_timeout_s=1.0)
+
+
+def request(**overrides) -> GenerationRequest:
+    fields = dict(prompt="a red fox in snow", negative_prompt="blurry", width=256, height=256, seed=1234,
+                  batch=1, **TURBO)
+    fields.update(overrides)
+    return GenerationRequest(**fields)
+
+
+def test_remote_pipe_is_an_ernie_pipe():
+    pipe = RemotePipe(["http://127.0.0.1:1"])
+    assert isinstance(pipe, ErniePipe) and pipe.kind == "remote"
+    assert "127.0.0.1:1" in pipe.describe()
+
+
+def test_every_field_is_sent_explicitly_and_turbo_arrives_as_8_steps_cfg_1():
+    with FakeSglang(model_id="baidu/ERNIE-Image-Turbo") as server:
+        pipe = RemotePipe([server.url], FAST)
+        try:
+            result = pipe.generate(request(use_pe=True), NullHost())
+        finally:
+            pipe.release()
+    sent = server.generations[0].body
+    assert sent == {
+        "model": "baidu/ERNIE-Image-Turbo", "prompt": "a red fox in snow", "negative_prompt": "blurry",
+        "width": 256, "height": 256, "num_inference_steps": 8, "guidance_scale": 1.0, "seed": 1234, "n": 1,
+        "response_format": "b64_json", "output_format": "png", "use_pe": True,
+    }
+    assert isinstance(sent["use_pe"], bool) and isinstance(sent["guidance_scale"], float)
+    assert result.latents is None
+    assert result.images.shape == (1, 256, 256, 3) and result.images.dtype == torch.float32
+    expected = np.asarray(render("a red fox in snow", "blurry", 1234, 8, 1.0, True, 256, 256, 512), np.float32) / 255
+    assert torch.equal(result.images[0], torch.from_numpy(expected)), "PNG is lossless: pixels must match exactly"
+
+
+def test_base_preset_arrives_as_sent():
+    with FakeSglang(model_id="baidu/ERNIE-Image") as server:
+        pipe = RemotePipe([server.url], FAST)
+        pipe.generate(request(**BASE, use_pe=False), NullHost())
+        pipe.release()
+    sent = server.generations[0].body
+    assert (sent["num_inference_steps"], sent["guidance_scale"], sent["use_pe"]) == (50, 4.0, False)
+
+
+def test_batch_is_one_request_per_image_with_seed_plus_i_and_info_per_image():
+    with FakeSglang(peak_memory_mb=1234.5) as server:
+        pipe = RemotePipe([server.url], FAST)
+        result = pipe.generate(request(batch=3, seed=10), NullHost())
+        pipe.release()
+    assert [g.body["seed"] for g in server.generations] == [10, 11, 12]
+    assert all(g.body["n"] == 1 for g in server.generations)
+    assert result.images.shape == (3, 256, 256, 3)
+    assert not torch.equal(result.images[0], result.images[1])
+    assert [i["seed"] for i in result.info["images"]] == [10, 11, 12]
+    assert all(i["peak_memory_mb"] == 1234.5 and i["inference_time_s"] is not None for i in result.info["images"])
+    assert all(i["server"] == server.url for i in result.info["images"])
+    assert "peak memory 1234 MB" in result.info["summary"] or "peak memory 1235 MB" in result.info["summary"]
+
+
+def test_seed_is_masked_into_sglangs_range():
+    assert mask_seed(2**64 - 1) == 2**63 - 1
+    assert mask_seed(-1) == 2**63 - 1
+    with FakeSglang() as server:
+        pipe = RemotePipe([server.url], FAST)
+        pipe.generate(request(seed=2**63 - 1, batch=2), NullHost())
+        pipe.release()
+    assert [g.body["seed"] for g in server.generations] == [2**63 - 1, 0]
+
+
+def test_size_is_rounded_to_16_client_side_with_a_notice():
+    host = NullHost()
+    with FakeSglang() as server:
+        pipe = RemotePipe([server.url], FAST)
+        result = pipe.generate(request(width=1000, height=280), host)
+        pipe.release()
+    assert (server.generations[0].body["width"], server.generations[0].body["height"]) == (992, 288)
+    assert result.images.shape == (1, 288, 992, 3)
+    assert any("1000x280 rounded to 992x288" in m for m in host.messages)
+
+
+def test_invalid_request_fails_before_anything_is_sent():
+    with FakeSglang() as server:
+        pipe = RemotePipe([server.url], FAST)
+        with pytest.raises(InvalidInputError, match="steps 0"):
+            pipe.generate(request(steps=0), NullHost())
+        pipe.release()
+    assert server.generations == []
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("wrong_size", "returned a 128x128 image for a 256x256 request"),
+    ("bad_b64", "not valid base64"),
+    ("missing_data", "without images"),
+])
+def test_unusable_responses_are_rejected(fault, message):
+    with FakeSglang(faults=[fault]) as server:
+        pipe = RemotePipe([server.url], FAST)
+        with pytest.raises(BadResponse, match=message):
+            pipe.generate(request(), NullHost())
+        pipe.release()
+
+
+def test_decode_rejects_bytes_that_are_not_an_image():
+    with pytest.raises(BadResponse, match="not a readable image"):
+        decode_image(base64.b64encode(b"hello").decode(), 16, 16, "srv")
+
+
+def test_server_that_is_not_ernie_is_refused():
+    with FakeSglang(pipeline_name="FluxPipeline", model_id="black-forest-labs/FLUX.1-dev") as server:
+        pipe = RemotePipe([server.url], FAST)
+        with pytest.raises(BadResponse, match="FLUX.1-dev \\(FluxPipeline\\), not an ERNIE-Image pipeline"):
+            pipe.generate(request(), NullHost())
+        pipe.release()
+        assert server.generations == []
+
+
+def test_4xx_stops_the_batch_with_the_servers_message():
+    with FakeSglang() as server:
+        client = SglangClient(server.url)
+
+        async def bad():
+            try:
+                return await client.http.request_json("POST", "/v1/images/generations",
+                                                      {**build_payload(ImageParams("a", "", 64, 64, 1, 1.0, 1, False), "m"),
+                                                       "guidance_scale": -1})
+            finally:
+                await client.close()
+        with pytest.raises(ServerRejected, match="guidance_scale must be non-negative"):
+            run_sync(bad())
+
+
+def test_server_serves_one_request_at_a_time_in_order():
+    with FakeSglang(service_time_s=0.1) as server:
+        pipes = [RemotePipe([server.url], FAST) for _ in range(3)]
+        threads = [threading.Thread(target=p.generate, args=(request(seed=i), NullHost())) for i, p in enumerate(pipes)]
+        for t in threads:
+            t.start()
+            time.sleep(0.02)
+        for t in threads:
+            t.join()
+        for p in pipes:
+            p.release()
+    gaps = np.diff(server.completed)
+    assert len(server.completed) == 3 and all(g >= 0.09 for g in gaps)
+
+
+def test_fleet_spreads_a_batch_over_servers_concurrently():
+    with FakeSglang(service_time_s=0.3) as a, FakeSglang(service_time_s=0.3) as b, FakeSglang(service_time_s=0.3) as c:
+        pipe = RemotePipe([a.url, b.url, c.url], FAST)
+        started = time.monotonic()
+        result = pipe.generate(request(batch=6, seed=100), NullHost())
+        wall = time.monotonic() - started
+        pipe.release()
+    assert len(a.generations) == len(b.generations) == len(c.generations) == 2
+    assert wall < 6 * 0.3 * 0.6, f"3 servers should take ~2 rounds, took {wall:.2f} s"
+    assert sorted(g.body["seed"] for s in (a, b, c) for g in s.generations) == list(range(100, 106))
+    assert [i["seed"] for i in result.info["images"]] == list(range(100, 106)), "images come back in seed order"
+    assert {i["server"] for i in result.info["images"]} == {a.url, b.url, c.url}
+
+
+def test_fleet_completes_the_batch_after_one_server_dies():
+    host = NullHost()
+    with FakeSglang(service_time_s=0.05) as a, FakeSglang(service_time_s=0.05) as b:
+        a.kill_after(1)
+        pipe = RemotePipe([a.url, b.url], FAST)
+        result = pipe.generate(request(batch=6, seed=0), host)
+        pipe.release()
+    assert result.images.shape[0] == 6
+    assert [i["seed"] for i in result.info["images"]] == list(range(6))
+    assert len(a.generations) >= 1 and len(b.generations) >= 4
+    failed = [m for m in host.messages if m.startswith(f"server failed: {a.url}")]
+    assert failed and ("refused the connection" in failed[0] or "dropped the connection" in failed[0])
+    assert f"goes to {b.url}" in failed[0]
+
+
+def test_fleet_skips_a_warming_server_and_uses_it_once_ready():
+    host = NullHost()
+    with FakeSglang(service_time_s=0.1) as a, FakeSglang(service_time_s=0.1, faults=["503"]) as b:
+        pipe = RemotePipe([a.url, b.url], RemoteSettings(retry_attempts=2, retry_down_after_s=0.15))
+        result = pipe.generate(request(batch=6), host)
+        pipe.release()
+    assert result.images.shape[0] == 6
+    assert any(m.startswith(f"server failed: {b.url}") and "HTTP 503" in m for m in host.messages)
+    assert len(b.generations) >= 2, "the warmed-up server takes work again after the pause"
+
+
+def test_fleet_fails_clearly_when_every_server_is_down():
+    urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+    pipe = RemotePipe(urls, RemoteSettings(retry_attempts=1, retry_down_after_s=0.05, connect_timeout_s=0.5))
+    with pytest.raises(RemoteError, match="no server could take the remaining 2 of 2 images.*check-remote"):
+        pipe.generate(request(batch=2), NullHost())
+    pipe.release()
+
+
+def test_bare_500_stops_the_batch_without_rerunning_elsewhere():
+    with FakeSglang(faults=["500"]) as a, FakeSglang(service_time_s=0.5) as b:
+        pipe = RemotePipe([a.url, b.url], FAST)
+        with pytest.raises(RemoteError, match="the server failed to generate; see the server log"):
+            pipe.generate(request(batch=1), NullHost())
+        pipe.release()
+    assert len(a.generations) + len(b.generations) == 1
+
+
+def test_cancel_returns_within_a_second_while_the_server_hangs():
+    host = NullHost()
+    with FakeSglang(faults=["hang"]) as server:
+        pipe = RemotePipe([server.url], FAST)
+        threading.Timer(0.3, lambda: setattr(host, "cancel_requested", True)).start()
+        started = time.monotonic()
+        with pytest.raises(Cancelled, match="cannot cancel"):
+            pipe.generate(request(), host)
+        assert time.monotonic() - started < 1.3
+        pipe.release()
+
+
+def test_progress_is_reported_while_waiting():
+    host = NullHost()
+    with FakeSglang(service_time_s=0.6) as server:
+        pipe = RemotePipe([server.url], FAST)
+        pipe.generate(request(), host)
+        pipe.release()
+    values = [v for v, _ in host.progress_calls]
+    assert len(values) >= 4 and values == sorted(values) and values[-1] == host.progress_calls[-1][1]
+    assert any("Cancel stops waiting" in m for m in host.messages)
+
+
+def test_api_key_never_lands_in_logs_errors_or_results(monkeypatch):
+    secret = "sk-do-not-leak-42"
+    monkeypatch.setenv("ERNIE_SGLANG_API_KEY", secret)
+    host = NullHost()
+    with FakeSglang(api_key=secret) as server:
+        pipe = RemotePipe([server.url], RemoteSettings(api_key_env="ERNIE_SGLANG_API_KEY"))
+        result = pipe.generate(request(), host)
+        assert all(r.headers.get("Authorization") == f"Bearer {secret}" for r in server.received)
+        text = repr(pipe) + pipe.describe() + repr(result.info) + repr(pipe.settings) + " ".join(host.messages)
+        assert secret not in text
+        pipe.release()
+        monkeypatch.setenv("ERNIE_SGLANG_API_KEY", "bad")
+        pipe = RemotePipe([server.url], RemoteSettings(api_key_env="ERNIE_SGLANG_API_KEY"))
+        with pytest.raises(RemoteError, match="HTTP 403.*ERNIE_SGLANG_API_KEY") as caught:
+            pipe.generate(request(), NullHost())
+        assert "bad" not in str(caught.value).replace("bad URL", "")
+        pipe.release()
+
+
+def test_check_remote_reports_each_server():
+    with FakeSglang(num_gpus=4, dit_precision="fp8") as ready, FakeSglang(warmup_s=60) as warming:
+        rows = check_remote([ready.url, warming.url, f"http://127.0.0.1:{free_port()}"])
+        table = format_check_table(rows)
+    assert [r.readiness for r in rows] == ["ready", "warming up", "loading"]
+    assert rows[0].ok and rows[0].num_gpus == 4 and rows[0].precision == "fp8" and rows[0].version == "0.5.23"
+    assert rows[0].generation_s is not None and rows[0].pipeline == "ErnieImagePipeline"
+    sent = ready.generations[0].body
+    assert (sent["width"], sent["height"], sent["num_inference_steps"]) == (256, 256, 1)
+    assert "warming up" in table and "baidu/ERNIE-Image-Turbo" in table and "refused the connection" in table

@@ -1,0 +1,226 @@
+"""Every example workflow agrees with the node definitions, without ComfyUI.
+
+UI format (workflows/*.json, what the editor opens): node types exist, positional widget values fit their
+inputs (types, ranges, steps, combo choices), links join outputs to inputs of the same type, every required
+socket is connected, and a Note names every model file the workflow expects.
+API format (workflows/api/*.json, for POST /prompt): the same graph as its UI twin, every required input
+given, links pointing at existing outputs of the right type, and the nodes' own VALIDATE_INPUTS accepting it.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ernie_image.nodes import NODE_CLASS_MAPPINGS
+from ernie_image.nodes.comfy_env import NONE_CHOICE
+
+WORKFLOWS = Path(__file__).resolve().parent.parent / "workflows"
+UI_FILES = sorted(WORKFLOWS.glob("*.json"))
+API_FILES = sorted((WORKFLOWS / "api").glob("*.json"))
+SCENARIOS = {
+    "ernie_image_turbo_local", "ernie_image_base_prompt_enhancer", "ernie_image_turbo_12gb_budget",
+    "ernie_image_turbo_gguf", "ernie_image_remote_sglang",
+}
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN"}
+CONTROL_AFTER_GENERATE = {"fixed", "increment", "decrement", "randomize"}
+# Loader widgets whose choices are ComfyUI's model files (empty outside ComfyUI): the value is a file name.
+FILE_WIDGETS = {"diffusers_folder", "diffusion_model", "text_encoder", "vae", "prompt_enhancer"}
+
+# The ComfyUI core nodes the examples use, as ComfyUI v0.8.0 defines them (nodes.py, nodes_preview_any.py).
+# The e2e test runs the API workflows through a real ComfyUI, which checks these against the real thing.
+CORE_NODES: dict[str, dict[str, Any]] = {
+    "SaveImage": {"input": {"required": {"images": ("IMAGE",), "filename_prefix": ("STRING", {"default": "ComfyUI"})}},
+                  "output": ()},
+    "PreviewAny": {"input": {"required": {"source": ("*",)}}, "output": ()},
+    "Note": {"input": {"required": {"text": ("STRING", {"multiline": True})}}, "output": (), "virtual": True},
+}
+
+
+def node_definition(class_type: str) -> dict[str, Any]:
+    if class_type in CORE_NODES:
+        return CORE_NODES[class_type]
+    cls = NODE_CLASS_MAPPINGS.get(class_type)
+    assert cls is not None, f"unknown node type {class_type}"
+    return {"input": cls.INPUT_TYPES(), "output": tuple(cls.RETURN_TYPES)}
+
+
+def is_widget(spec: tuple) -> bool:
+    kind = spec[0]
+    return isinstance(kind, list) or kind in WIDGET_TYPES
+
+
+def sockets_and_widgets(definition: dict[str, Any]) -> tuple[dict[str, str], list[tuple[str, tuple]], set[str]]:
+    sockets: dict[str, str] = {}
+    widgets: list[tuple[str, tuple]] = []
+    required: set[str] = set()
+    for section in ("required", "optional"):
+        for name, spec in definition["input"].get(section, {}).items():
+            if section == "required":
+                required.add(name)
+            if is_widget(spec):
+                widgets.append((name, spec))
+            else:
+                sockets[name] = spec[0]
+    return sockets, widgets, required
+
+
+def check_widget_value(where: str, name: str, spec: tuple, value: Any) -> None:
+    kind, options = spec[0], (spec[1] if len(spec) > 1 else {})
+    if isinstance(kind, list):
+        assert isinstance(value, str), f"{where}: {name} must be a choice string, got {value!r}"
+        if name in FILE_WIDGETS:
+            assert value == NONE_CHOICE or "." in value or "/" not in value, f"{where}: {name} {value!r}"
+        else:
+            assert value in kind, f"{where}: {name} {value!r} is not one of {kind}"
+        return
+    if kind == "BOOLEAN":
+        assert isinstance(value, bool), f"{where}: {name} must be true/false, got {value!r}"
+        return
+    if kind == "STRING":
+        assert isinstance(value, str), f"{where}: {name} must be a string, got {value!r}"
+        return
+    if kind == "INT":
+        assert isinstance(value, int) and not isinstance(value, bool), f"{where}: {name} must be an integer, got {value!r}"
+    else:
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), f"{where}: {name} must be a number"
+    assert options.get("min", value) <= value <= options.get("max", value), (
+        f"{where}: {name} {value} outside {options.get('min')}..{options.get('max')}")
+    if kind == "INT" and "step" in options:
+        assert (value - options.get("min", 0)) % options["step"] == 0, f"{where}: {name} {value} off the step {options['step']}"
+
+
+def types_match(output_type: str, input_type: str) -> bool:
+    return output_type == input_type or "*" in (output_type, input_type)
+
+
+def load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def ui_widget_names(definition: dict[str, Any]) -> list[tuple[str, tuple]]:
+    """Widget slots in widgets_values order; a seed with control_after_generate takes one more slot."""
+    slots: list[tuple[str, tuple]] = []
+    for name, spec in sockets_and_widgets(definition)[1]:
+        slots.append((name, spec))
+        if len(spec) > 1 and spec[1].get("control_after_generate"):
+            slots.append(("control_after_generate", (list(CONTROL_AFTER_GENERATE),)))
+    return slots
+
+
+def ui_to_api(ui: dict[str, Any]) -> dict[str, Any]:
+    """What the editor's 'Export (API)' gives for a UI workflow (virtual nodes such as Note dropped)."""
+    links = {link[0]: link for link in ui["links"]}
+    api: dict[str, Any] = {}
+    for node in ui["nodes"]:
+        definition = node_definition(node["type"])
+        if definition.get("virtual"):
+            continue
+        inputs: dict[str, Any] = {}
+        for (name, _), value in zip(ui_widget_names(definition), node["widgets_values"]):
+            if name != "control_after_generate":
+                inputs[name] = value
+        for socket in node["inputs"]:
+            if socket.get("link") is not None:
+                link = links[socket["link"]]
+                inputs[socket["name"]] = [str(link[1]), link[2]]
+        api[str(node["id"])] = {"class_type": node["type"], "inputs": inputs}
+    return api
+
+
+def test_one_workflow_per_scenario_in_both_formats() -> None:
+    assert {p.stem for p in UI_FILES} == SCENARIOS
+    assert {p.stem for p in API_FILES} == SCENARIOS
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_ui_workflow_matches_node_definitions(path: Path) -> None:
+    ui = load(path)
+    nodes = {node["id"]: node for node in ui["nodes"]}
+    assert len(nodes) == len(ui["nodes"]), "node ids must be unique"
+    assert ui["last_node_id"] >= max(nodes) and ui["last_link_id"] >= max(link[0] for link in ui["links"])
+    for node in ui["nodes"]:
+        where = f"{path.name} node {node['id']} ({node['type']})"
+        definition = node_definition(node["type"])
+        slots = ui_widget_names(definition)
+        assert len(node["widgets_values"]) == len(slots), f"{where}: {len(node['widgets_values'])} widget values for {[n for n, _ in slots]}"
+        for (name, spec), value in zip(slots, node["widgets_values"]):
+            check_widget_value(where, name, spec, value)
+        sockets, _, required = sockets_and_widgets(definition)
+        assert [s["name"] for s in node["inputs"]] == list(sockets), f"{where}: input sockets differ from the definition"
+        for socket in node["inputs"]:
+            assert socket["type"] == sockets[socket["name"]], f"{where}: socket {socket['name']} type"
+            if socket["name"] in required:
+                assert socket["link"] is not None, f"{where}: required input {socket['name']} is not connected"
+        assert [o["type"] for o in node["outputs"]] == list(definition["output"]), f"{where}: outputs differ"
+    for link_id, source, source_slot, target, target_slot, link_type in ui["links"]:
+        output = nodes[source]["outputs"][source_slot]
+        socket = nodes[target]["inputs"][target_slot]
+        assert link_id in (output["links"] or []) and socket["link"] == link_id, f"{path.name}: link {link_id} is not wired both ways"
+        assert output["type"] == link_type and types_match(link_type, socket["type"]), (
+            f"{path.name}: link {link_id} joins {output['type']} to {socket['type']}")
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_ui_workflow_names_the_files_it_expects_in_a_note(path: Path) -> None:
+    ui = load(path)
+    notes = " ".join(node["widgets_values"][0] for node in ui["nodes"] if node["type"] == "Note")
+    assert notes, f"{path.name} has no Note"
+    for node in ui["nodes"]:
+        if node["type"] != "ErnieImageLoader":
+            continue
+        slots = [name for name, _ in ui_widget_names(node_definition(node["type"]))]
+        for name, value in zip(slots, node["widgets_values"]):
+            if name in FILE_WIDGETS and value != NONE_CHOICE:
+                assert value in notes, f"{path.name}: the Note does not name {name} file {value}"
+
+
+@pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.stem)
+def test_api_workflow_is_its_ui_twin(path: Path) -> None:
+    api = load(path)
+    expected = ui_to_api(load(WORKFLOWS / path.name))
+    stripped = {node_id: {"class_type": n["class_type"], "inputs": n["inputs"]} for node_id, n in api.items()}
+    assert stripped == expected
+
+
+@pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.stem)
+def test_api_workflow_matches_node_definitions(path: Path) -> None:
+    api = load(path)
+    for node_id, node in api.items():
+        where = f"{path.name} node {node_id} ({node['class_type']})"
+        definition = node_definition(node["class_type"])
+        sockets, widgets, required = sockets_and_widgets(definition)
+        known = set(sockets) | {name for name, _ in widgets}
+        assert set(node["inputs"]) <= known, f"{where}: unknown inputs {set(node['inputs']) - known}"
+        assert required <= set(node["inputs"]), f"{where}: missing {required - set(node['inputs'])}"
+        for name, spec in widgets:
+            if name in node["inputs"]:
+                check_widget_value(where, name, spec, node["inputs"][name])
+        for name, value in node["inputs"].items():
+            if name in sockets:
+                source_id, slot = value
+                source = api[source_id]
+                output_type = node_definition(source["class_type"])["output"][slot]
+                assert types_match(output_type, sockets[name]), f"{where}: {name} gets {output_type}, wants {sockets[name]}"
+        validate = getattr(NODE_CLASS_MAPPINGS.get(node["class_type"]), "VALIDATE_INPUTS", None)
+        if validate is not None:
+            import inspect
+
+            wanted = inspect.signature(validate).parameters
+            result = validate(**{k: v for k, v in node["inputs"].items() if k in wanted and not isinstance(v, list)})
+            assert result is True, f"{where}: VALIDATE_INPUTS says {result}"
+
+
+def test_a_bad_api_workflow_is_caught() -> None:
+    """The checks above are not vacuous: a wrong socket type and an off-step width are both reported."""
+    api = load(WORKFLOWS / "api" / "ernie_image_turbo_local.json")
+    sampler_id = next(k for k, n in api.items() if n["class_type"] == "ErnieImageTurboSampler")
+    loader_id = api[sampler_id]["inputs"]["pipe"][0]
+    definition = node_definition("ErnieImageTurboSampler")
+    width_spec = dict(sockets_and_widgets(definition)[1])["width"]
+    with pytest.raises(AssertionError, match="off the step"):
+        check_widget_value("test", "width", width_spec, 1000)
+    assert not types_match(node_definition("ErnieImageLoader")["output"][1], "ERNIE_PIPE")
+    assert api[loader_id]["class_type"] == "ErnieImageLoader"
