@@ -56,7 +56,14 @@ def _is_loaded(pipe: Any) -> bool:
     loaded = getattr(pipe, "is_loaded", None)
     if callable(loaded):
         return bool(loaded())
-    return bool(loaded) if loaded is not None else True
+    if loaded is not None:
+        return bool(loaded)
+    phases = getattr(pipe, "_loaded", None)  # LocalPipe has no public flag yet: its loaded phases live here
+    if phases is not None:
+        return any(getattr(phases, name, None) is not None for name in ("text_tower", "dit", "vae", "enhancer"))
+    if hasattr(pipe, "_fleet"):  # RemotePipe: open connections to its servers
+        return pipe._fleet is not None
+    return True
 
 
 def _describe(pipe: Any) -> str:

@@ -79,11 +79,24 @@ class Attention(nn.Module):
         self.norm_q = nn.RMSNorm(config.head_dim, eps=config.eps)
         self.norm_k = nn.RMSNorm(config.head_dim, eps=config.eps)
         self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=False)])
+        self.to_qkv: Optional[nn.Linear] = None  # set by fuse_projections(): one GEMM instead of three
+
+    def fuse_projections(self) -> bool:
+        fused = _fuse_linears([self.to_q, self.to_k, self.to_v])
+        if fused is None:
+            return False
+        self.to_qkv = fused
+        del self.to_q, self.to_k, self.to_v
+        return True
 
     def forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        q = self.norm_q(self.to_q(x).unflatten(-1, (self.heads, -1)))
-        k = self.norm_k(self.to_k(x).unflatten(-1, (self.heads, -1)))
-        v = self.to_v(x).unflatten(-1, (self.heads, -1))
+        if self.to_qkv is not None:
+            q, k, v = self.to_qkv(x).chunk(3, dim=-1)
+        else:
+            q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        q = self.norm_q(q.unflatten(-1, (self.heads, -1)))
+        k = self.norm_k(k.unflatten(-1, (self.heads, -1)))
+        v = v.unflatten(-1, (self.heads, -1))
         q, k = rope.apply(q), rope.apply(k)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask
@@ -97,9 +110,35 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
         self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
+        self.gate_up: Optional[nn.Linear] = None  # set by fuse_projections()
+
+    def fuse_projections(self) -> bool:
+        fused = _fuse_linears([self.gate_proj, self.up_proj])
+        if fused is None:
+            return False
+        self.gate_up = fused
+        del self.gate_proj, self.up_proj
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.up_proj(x) * F.gelu(self.gate_proj(x)))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.linear_fc2(up * F.gelu(gate))
+
+
+def _fuse_linears(linears: list[nn.Module]) -> Optional[nn.Linear]:
+    """Stack bias-free Linears sharing an input into one; None when any of them is not a plain Linear."""
+    if any(type(linear) is not nn.Linear or linear.bias is not None for linear in linears):
+        return None
+    weight = torch.cat([linear.weight.detach() for linear in linears], dim=0)
+    with torch.device("meta"):
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    for linear in linears:
+        linear.weight = None
+    return fused
 
 
 def _modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:

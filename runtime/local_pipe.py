@@ -17,6 +17,7 @@ from .errors import Cancelled, ModelFileError
 from .formats import open_component
 from .host import Host
 from .model_files import ModelSources, Variant, build_dit, build_text_tower, build_vae
+from .offload.session import PipeMemory
 from .preview import latent_preview
 from .request import GenerationRequest, GenerationResult
 from .sampling import initial_noise, sample_euler
@@ -36,6 +37,9 @@ class LoadOptions:
     keep_loaded: bool = True  # keep weights (in host RAM when they do not fit) between runs
     quant: str = "none"  # "none", "auto", "fp8", "q8_0", "nvfp4", or a quantised file given as the DiT
     previews: bool = True
+    # Prompt enhancer on an OpenAI-compatible chat server (text.remote_enhancer.ChatEndpoint; holds no secret).
+    # When set, requests with use_pe are revised there instead of by a local PE.
+    pe_endpoint: Optional[Any] = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -76,6 +80,7 @@ class LocalPipe:
         self.dtype = resolve_dtype(options.dtype, self.device)
         self._loaded = _Loaded()
         self.timings: dict[str, float] = {}
+        self.memory = PipeMemory(self.device, self.dtype, options.vram_budget_gb, options.quant)
 
     @classmethod
     def load(cls, sources: ModelSources, options: Optional[LoadOptions] = None, host: Optional[Host] = None) -> "LocalPipe":
@@ -109,13 +114,14 @@ class LocalPipe:
     def _text_tower(self):
         if self._loaded.text_tower is None:
             component = open_component(self.sources.component("text_encoder"), "text_encoder")
-            self._loaded.text_tower = build_text_tower(component, self.device, self.dtype, self.variant)
+            tower = build_text_tower(component, self.memory.build_device(), self.dtype, self.variant)
+            self._loaded.text_tower = self.memory.place_text(tower)
         return self._loaded.text_tower
 
     def _dit(self):
         if self._loaded.dit is None:
             component = open_component(self.sources.component("transformer"), "dit")
-            self._loaded.dit = build_dit(component, self.device, self.dtype)
+            self._loaded.dit = self.memory.place_dit(build_dit(component, self.memory.build_device(), self.dtype))
         return self._loaded.dit
 
     def _vae(self):
@@ -127,10 +133,12 @@ class LocalPipe:
     def encode(self, prompts: list[str]) -> list[torch.Tensor]:
         unique = list(dict.fromkeys(prompts))
         encoded = dict(zip(unique, encode_prompts(self._tokenizer(), self._text_tower(), unique)))
+        self.memory.after_text()
         return [encoded[p] for p in prompts]
 
     def sample(self, request: GenerationRequest, text: list[torch.Tensor], negative: Optional[list[torch.Tensor]],
                host: Host) -> torch.Tensor:
+        self.memory.set_host(host)
         dit = self._dit()
         rows = (negative + text) if negative is not None else text
         text_batch, text_lens = pad_text(rows, self.device, self.dtype)
@@ -146,14 +154,25 @@ class LocalPipe:
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
-            return decode_images(latents, self._vae())
+            images = decode_images(latents, self._vae())
+        if not self.memory.vae_is_persistent():
+            self._loaded.vae = None
+        return images
 
     # -- the whole job ------------------------------------------------------------------------------
 
     def generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         request.validate()
         try:
-            prompts = request.prompt_list()
+            self.memory.plan_job(request, self.sources, self.variant)  # MemoryBudgetError before any allocation
+            if self.memory.active and self.memory.dit is None:
+                self._loaded.dit = None
+            if self.memory.active and self.memory.text is None:
+                self._loaded.text_tower = None
+            self.memory.set_host(host)
+            revised = self._enhance(request, host)
+            prompts = revised.prompts
+            host.check_cancel()
             started = time.perf_counter()
             text = self.encode(prompts)
             negative = self.encode([request.negative_prompt] * request.batch) if request.uses_cfg else None
@@ -176,10 +195,46 @@ class LocalPipe:
             "text_s": round(encoded - started, 3),
             "sampling_s": round(sampled - encoded, 3),
             "decode_s": round(decoded - sampled, 3),
+            **revised.info(),
         }
         return GenerationResult(images=images, latents=latents.cpu(), prompts_used=prompts, info=info)
 
+    def _enhance(self, request: GenerationRequest, host: Host):
+        """The prompt-enhancer phase, before text encoding: returns text.enhancer.RevisedPrompts.
+
+        Local PE: loaded (or brought back from host RAM), run, then moved to host RAM (keep_loaded) or dropped, so
+        the device is free for the text encoder. Remote PE: nothing local is loaded.
+        """
+        from .text.enhancer import LocalEnhancer, RevisedPrompts, revise_prompts, validate_sampling
+
+        prompts = request.prompt_list()
+        if not request.use_pe:
+            return RevisedPrompts(prompts)
+        validate_sampling(request.pe_temperature, request.pe_top_p, request.pe_max_new_tokens)
+        if self.options.pe_endpoint is not None:
+            from .text.remote_enhancer import revise_prompts_remote
+
+            return revise_prompts_remote(self.options.pe_endpoint, prompts, request.width, request.height,
+                                         request.seed, request.pe_temperature, request.pe_top_p,
+                                         request.pe_max_new_tokens, host)
+        if not self.sources.has_pe():
+            host.log("prompt enhancer is on but this model has none (no pe/ folder, PE file or PE server): "
+                     "the prompt is used as written")
+            return RevisedPrompts(prompts)
+        enhancer = self._loaded.enhancer or LocalEnhancer.load(self.sources, self.device, self.dtype, self.variant, host)
+        self._loaded.enhancer = enhancer
+        try:
+            settings = enhancer.settings(request.pe_temperature, request.pe_top_p, request.pe_max_new_tokens)
+            return revise_prompts(enhancer, prompts, request.width, request.height, request.seed, settings, host)
+        finally:
+            if self.options.keep_loaded:
+                enhancer.offload()
+            else:
+                enhancer.release()
+                self._loaded.enhancer = None
+
     def release(self) -> None:
+        self.memory.release()
         self._loaded = _Loaded(tokenizer=self._loaded.tokenizer)
         gc.collect()
         if self.device.type == "cuda":

@@ -87,17 +87,17 @@ def test_nvfp4_swizzle_round_trip() -> None:
     assert blocked.shape == (384, 40)  # padded to 128 rows x 4 columns
     assert torch.equal(from_blocked(blocked, 300, 37), scales)
     # Element (r, c) of a 128x4 tile sits at flat offset (r % 32) * 16 + (r // 32) * 4 + c within the tile.
-    tile = blocked[:128, :4].reshape(-1)
+    tile = blocked.reshape(-1)[:512]  # tiles are contiguous 512-byte runs, the first is rows 0-127, cols 0-3
     assert tile[(77 % 32) * 16 + (77 // 32) * 4 + 3] == scales[77, 3]
 
 
 def test_quantize_linears_replaces_only_quantised_linears() -> None:
-    model = nn.Sequential(nn.Linear(256, 64), nn.GELU(), nn.Linear(64, 16))
+    model = nn.Sequential(nn.Linear(256, 48), nn.GELU(), nn.Linear(48, 16))  # 48 inputs: not whole Q8_0 blocks
     state = quantize_state_dict(dict(model.state_dict()), "q8_0")
     assert isinstance(state["0.weight"], torch.Tensor) is False and isinstance(state["2.weight"], torch.Tensor)
     replaced = load_quantized_into(model, state, torch.float32)
     assert replaced == ["0"] and isinstance(model[0], QuantLinear) and isinstance(model[2], nn.Linear)
-    bad = {"0.weight": quantize_weight(torch.randn(32, 256), "q8_0")}
+    bad = {"0.weight": quantize_weight(torch.randn(32, 256), "q8_0")}  # Linear(256, 64) needs [64, 256]
     with pytest.raises(ValueError, match="does not fit"):
         quantize_linears(nn.Sequential(nn.Linear(256, 64)), bad)
 

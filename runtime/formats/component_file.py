@@ -5,6 +5,11 @@ Canonical key spaces:
 - "text_encoder" / "pe": transformers' MistralModel names (`embed_tokens.weight`, `layers.N...`, `norm.weight`),
   plus `lm_head.weight` for the PE when it is not tied;
 - "vae": diffusers' AutoencoderKLFlux2 names.
+
+Layouts read: a diffusers folder (sharded or not), a single safetensors file (Comfy-Org's files: the DiT with or
+without `model.diffusion_model.`, the text encoder in Hugging Face `model.layers.N` names, the VAE in BFL's or
+diffusers' names), and quantised files (GGUF, comfy_quant / scaled-fp8 safetensors), which are handed to
+runtime/quant. What a file is comes from its keys and shapes (detect.py), never from its name.
 """
 from __future__ import annotations
 
@@ -14,105 +19,218 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import torch
-from safetensors import safe_open
 
 from ..errors import ModelFileError
+from .detect import Identity, identify, sample_keys
+from .safetensors_reader import SafetensorsFile, open_safetensors
+from .vae_keys import bfl_to_diffusers, config_from_shapes, num_up_blocks_bfl
 
 Kind = Literal["dit", "text_encoder", "vae", "pe"]
 
-# Prefixes stripped to reach the canonical names, tried in order.
-PREFIXES: dict[str, tuple[str, ...]] = {
-    "dit": ("model.diffusion_model.", "diffusion_model.", "transformer.", ""),
-    "text_encoder": ("model.language_model.", "language_model.model.", "language_model.", "model.", ""),
-    "pe": ("model.", ""),
-    "vae": ("vae.", ""),
+LABELS: dict[str, str] = {
+    "dit": "ERNIE-Image transformer",
+    "text_encoder": "ERNIE-Image text encoder",
+    "vae": "ERNIE-Image VAE",
+    "pe": "ERNIE-Image prompt enhancer",
 }
-# Weights the runtime never uses for text-to-image; never materialised.
-SKIPPED_PREFIXES: dict[str, tuple[str, ...]] = {
-    "text_encoder": ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
-                     "lm_head.", "tekken_model"),
-    "pe": ("tekken_model",),
+WHAT_TO_PICK: dict[str, str] = {
+    "dit": "pick diffusion_models/ernie-image.safetensors or ernie-image-turbo.safetensors (or a diffusers "
+           "ERNIE-Image folder's transformer/)",
+    "text_encoder": "pick text_encoders/ministral-3-3b.safetensors (or a diffusers ERNIE-Image folder's text_encoder/)",
+    "vae": "pick vae/flux2-vae.safetensors (or a diffusers ERNIE-Image folder's vae/)",
+    "pe": "pick text_encoders/ernie-image-prompt-enhancer.safetensors (or a diffusers ERNIE-Image folder's pe/)",
+}
+ROLE: dict[str, str] = {"dit": "transformer (DiT)", "text_encoder": "text encoder", "vae": "VAE"}
+
+# Weights text-to-image never uses: never given a loader, so never read.
+SKIPPED: dict[str, tuple[str, ...]] = {
+    "text_encoder": ("vision_tower.", "multi_modal_projector.", "lm_head.", "tekken_model"),
+    "pe": ("vision_tower.", "multi_modal_projector.", "tekken_model"),
     "dit": (),
     "vae": (),
 }
+QUANT_MARKERS = (".comfy_quant", ".scale_weight", ".weight_scale", ".weight_scale_2", ".input_scale")
+
+Loader = Callable[[], torch.Tensor]
 
 
 @dataclass
 class ComponentFile:
     kind: Kind
-    layout: str  # e.g. "diffusers-folder", "single-file"
+    layout: str  # "diffusers-folder", "single-file", "single-file-bfl", "gguf", "quantized-safetensors"
     path: Path
-    config: Optional[dict]  # the component's config.json (or one embedded in file metadata), if any
+    config: Optional[dict]  # the component's config.json, one embedded in file metadata, or inferred; else None
     keys: list[str]
-    _loaders: dict[str, Callable[[], torch.Tensor]] = field(repr=False, default_factory=dict)
+    _loaders: dict[str, Loader] = field(repr=False, default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
+    quantized: bool = False  # tensors may be runtime.quant.QuantizedWeight (build through runtime/quant)
 
     def tensor(self, key: str) -> torch.Tensor:
         try:
-            return self._loaders[key]()
+            loader = self._loaders[key]
         except KeyError:
             raise ModelFileError(f"{self.path} has no tensor {key!r}: the file is not a complete {self.kind}") from None
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        found = ", ".join(sorted(p.name for p in path.iterdir())[:8]) or "nothing"
-        raise ModelFileError(f"{path} holds no .safetensors weights (found {found}): give the component's folder or file")
-    return files
-
-
-def _canonical_name(kind: Kind, raw_keys: list[str]) -> Callable[[str], Optional[str]]:
-    probe = {"dit": "final_linear.weight", "text_encoder": "embed_tokens.weight", "pe": "embed_tokens.weight",
-             "vae": "decoder.conv_in.weight"}[kind]
-    prefix = next((p for p in PREFIXES[kind] if p + probe in raw_keys), "")
-    skipped = SKIPPED_PREFIXES[kind]
-
-    def rename(key: str) -> Optional[str]:
-        if any(key.startswith(s) for s in skipped) or not key.startswith(prefix):
-            return None
-        return key[len(prefix):]
-
-    return rename
+        return loader()
 
 
 def open_component(path: Path, kind: Kind) -> ComponentFile:
     path = Path(path)
     if not path.exists():
-        raise ModelFileError(f"{kind} weights not found at {path}: check the path")
-    files = _safetensors_files(path)
-    loaders: dict[str, Callable[[], torch.Tensor]] = {}
-    raw_to_file: dict[str, Path] = {}
+        raise ModelFileError(f"{LABELS[kind]} not found: {path} does not exist: check the path, or {WHAT_TO_PICK[kind]}")
+    if path.is_file() and _is_gguf(path):
+        return _open_quantized(path, kind, "gguf")
+    readers = [open_safetensors(file) for file in _safetensors_files(path, kind)]
+    owner: dict[str, SafetensorsFile] = {}
+    for reader in readers:
+        for key in reader.keys():
+            owner[key] = reader
+    shapes = {key: reader.shape(key) for key, reader in owner.items()}
     metadata: dict[str, str] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            metadata.update(handle.metadata() or {})
-            for key in handle.keys():
-                raw_to_file[key] = file
-    rename = _canonical_name(kind, list(raw_to_file))
-    for raw_key, file in raw_to_file.items():
-        name = rename(raw_key)
-        if name is not None:
-            loaders[name] = _lazy_tensor(file, raw_key)
+    for reader in readers:
+        metadata.update(reader.metadata)
+    if _is_quantized(owner, metadata):
+        if path.is_dir():
+            raise ModelFileError(f"{path} holds quantised weights in a folder: give the quantised .safetensors file itself")
+        return _open_quantized(path, kind, "quantized-safetensors")
+    identity = identify(shapes)
+    _check_kind(identity, kind, path, shapes)
+    loaders, bfl = _canonical_loaders(kind, identity, owner)
     config = _read_config(path, metadata)
-    layout = "diffusers-folder" if path.is_dir() else "single-file"
+    if kind == "vae" and config is None:
+        config = config_from_shapes(_canonical_shapes(loaders, kind, identity, shapes), _released_vae_config())
+    layout = "diffusers-folder" if path.is_dir() else ("single-file-bfl" if bfl else "single-file")
     return ComponentFile(kind=kind, layout=layout, path=path, config=config, keys=sorted(loaders),
                          _loaders=loaders, metadata=metadata)
 
 
-def _lazy_tensor(file: Path, key: str) -> Callable[[], torch.Tensor]:
-    def load() -> torch.Tensor:
-        with safe_open(str(file), framework="pt") as handle:
-            return handle.get_tensor(key)
+def _is_gguf(path: Path) -> bool:
+    with open(path, "rb") as handle:
+        return handle.read(4) == b"GGUF"
 
-    return load
+
+def _safetensors_files(path: Path, kind: str) -> list[Path]:
+    if path.is_file():
+        return [path]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        names = sorted(p.name for p in path.iterdir())
+        found = ", ".join(names[:8]) or "nothing"
+        if any(n.endswith((".bin", ".pt", ".ckpt", ".pth")) for n in names):
+            raise ModelFileError(f"{path} holds only PyTorch pickle weights ({found}), which this pack never loads: "
+                                 f"use the .safetensors release")
+        raise ModelFileError(f"{path} holds no .safetensors weights (found {found}): {WHAT_TO_PICK[kind]}")
+    return files
+
+
+def _is_quantized(owner: dict[str, SafetensorsFile], metadata: dict[str, str]) -> bool:
+    if "_quantization_metadata" in metadata or "scaled_fp8" in owner:
+        return True
+    if any(key.endswith(QUANT_MARKERS) for key in owner):
+        return True
+    return any(reader.infos[key].dtype.startswith("F8_") for key, reader in owner.items() if key.endswith(".weight"))
+
+
+def _check_kind(identity: Identity, kind: str, path: Path, shapes: dict) -> None:
+    wanted = "text_encoder" if kind == "pe" else kind
+    if identity.kind == wanted:
+        return
+    found = f"found keys like {sample_keys(shapes)}"
+    if identity.kind is not None:
+        details = "" if identity.kind == "dit" else identity.description + "; "
+        raise ModelFileError(
+            f"{path.name} is not an {LABELS[kind]}: it is the ERNIE-Image {ROLE[identity.kind]} ({details}{found}): "
+            f"give it as the {ROLE[identity.kind]}, and {WHAT_TO_PICK[kind]}"
+        )
+    if identity.description == "of an unknown layout":
+        raise ModelFileError(
+            f"{path.name} is not an {LABELS[kind]}: its layout is unknown ({len(shapes)} tensors, {found}): "
+            f"{WHAT_TO_PICK[kind]}"
+        )
+    raise ModelFileError(f"{path.name} is not an {LABELS[kind]}: it looks like {identity.description} ({found}): "
+                         f"{WHAT_TO_PICK[kind]}")
+
+
+def _view(reader: SafetensorsFile, raw_key: str, reshape=None) -> Loader:
+    if reshape is None:
+        return lambda: reader.tensor(raw_key)
+    return lambda: reshape(reader.tensor(raw_key))
+
+
+def _canonical_loaders(kind: str, identity: Identity, owner: dict[str, SafetensorsFile]) -> tuple[dict[str, Loader], bool]:
+    prefix = identity.prefix
+    loaders: dict[str, Loader] = {}
+    if kind == "vae" and identity.layout == "bfl":
+        inner = {key[len(prefix):]: reader for key, reader in owner.items() if key.startswith(prefix)}
+        count = num_up_blocks_bfl(inner)
+        for key, reader in inner.items():
+            name, reshape = bfl_to_diffusers(key, count)
+            if name is not None:
+                loaders[name] = _view(reader, prefix + key, reshape)
+    else:
+        for raw_key, reader in owner.items():
+            if kind == "pe" and raw_key == "lm_head.weight":
+                loaders["lm_head.weight"] = _view(reader, raw_key)
+                continue
+            if not raw_key.startswith(prefix):
+                continue
+            name = raw_key[len(prefix):]
+            if name.startswith(SKIPPED[kind]) or raw_key.startswith(SKIPPED[kind]):
+                continue
+            loaders[name] = _view(reader, raw_key)
+    if kind == "vae" and "bn.running_mean" in loaders and "bn.num_batches_tracked" not in loaders:
+        # BatchNorm's step counter: in diffusers' state dict, absent from some files, unused at inference.
+        loaders["bn.num_batches_tracked"] = lambda: torch.tensor(0, dtype=torch.int64)
+    return loaders, kind == "vae" and identity.layout == "bfl"
+
+
+def _canonical_shapes(loaders: dict[str, Loader], kind: str, identity: Identity, shapes: dict) -> dict:
+    # Views are free (no data is read for a mapped tensor's shape), so ask the loaders.
+    return {key: tuple(loader().shape) for key, loader in loaders.items() if key.startswith("decoder.")}
+
+
+def _released_vae_config() -> dict:
+    from ..model_files import load_config
+
+    return load_config("base", "vae")
+
+
+def _open_quantized(path: Path, kind: str, layout: str) -> ComponentFile:
+    try:
+        from .. import quant
+    except ImportError as err:
+        what = "GGUF" if layout == "gguf" else "quantised safetensors"
+        raise ModelFileError(f"{what} support is not available ({err}): reinstall the pack with its runtime/quant "
+                             f"module, or use the bf16 .safetensors file") from None
+    if kind == "vae":
+        raise ModelFileError(f"{path.name} is a quantised file, but the VAE is only read in bf16/fp32: "
+                             f"{WHAT_TO_PICK['vae']}")
+    if kind == "dit":
+        state = quant.load_dit_gguf(path) if layout == "gguf" else quant.load_quantized_state_dict(path, "dit")
+        prefix = ""
+    else:
+        state = quant.load_text_encoder_gguf(path) if layout == "gguf" else quant.load_quantized_state_dict(path, "any")
+        shapes = {k: tuple(getattr(v, "shape", ())) for k, v in state.items()}
+        identity = identify(shapes)
+        _check_kind(identity, kind, path, shapes)
+        prefix = identity.prefix
+    loaders: dict[str, Loader] = {}
+    for key, entry in state.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix):]
+        if name.startswith(SKIPPED[kind]) and not (kind == "pe" and name == "lm_head.weight"):
+            continue
+        loaders[name] = (lambda value=entry: value)
+    return ComponentFile(kind=kind, layout=layout, path=path, config=None, keys=sorted(loaders), _loaders=loaders,
+                         quantized=True)
 
 
 def _read_config(path: Path, metadata: dict[str, str]) -> Optional[dict]:
     if path.is_dir() and (path / "config.json").exists():
         return json.loads((path / "config.json").read_text())
     if "config" in metadata:
-        return json.loads(metadata["config"])
+        try:
+            return json.loads(metadata["config"])
+        except ValueError:
+            raise ModelFileError(f"{path.name} carries an unreadable 'config' in its metadata: re-export the file") from None
     return None

@@ -15,6 +15,7 @@ dot products are unchanged (block scales cover whole bytes, so they still line u
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -30,12 +31,14 @@ def _roundup(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def _e2m1_lut(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    key = (device, dtype)
-    lut = _lut_cache.get(key)
+def _byte_pair_lut(device: torch.device) -> torch.Tensor:
+    """[256, 2] float32: the two E2M1 values of every byte, hi-first order (one gather per byte)."""
+    lut = _lut_cache.get((device, torch.float32))
     if lut is None:
-        lut = torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
-        _lut_cache[key] = lut
+        values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        byte = torch.arange(256)
+        lut = torch.stack((values[byte >> 4], values[byte & 0x0F]), dim=-1).to(device)
+        _lut_cache[(device, torch.float32)] = lut
     return lut
 
 
@@ -101,7 +104,7 @@ def block_scales_plain(scale: torch.Tensor, shape: tuple[int, ...]) -> torch.Ten
 def dequantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,
                      shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     n, k = shape
-    values = _e2m1_lut(data.device, torch.float32)[unpack_pairs_hi_first(data).to(torch.int64)]
+    values = F.embedding(data.to(torch.int32), _byte_pair_lut(data.device))  # [n, k/2, 2]
     block = block_scales_plain(scale, shape).to(torch.float32) * scale_2.to(data.device, torch.float32)
     return (values.reshape(n, k // BLOCK, BLOCK) * block.unsqueeze(-1)).reshape(n, k).to(dtype)
 

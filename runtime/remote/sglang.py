@@ -5,6 +5,7 @@ relative URL instead of the image), so every request sets every field explicitly
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import io
@@ -250,7 +251,8 @@ class SglangClient:
         data = body.get("data")
         if not isinstance(data, list) or not data or not isinstance(data[0], dict):
             raise BadResponse(f"{self.label} answered the generation without images (no 'data'); see the server log")
-        image = decode_image(data[0].get("b64_json"), params.width, params.height, self.label)
+        # decoding a large PNG takes tens of ms: off the loop, so other servers' responses keep flowing
+        image = await asyncio.to_thread(decode_image, data[0].get("b64_json"), params.width, params.height, self.label)
         return GeneratedImage(
             image=image,
             seed=payload["seed"],

@@ -57,11 +57,11 @@ def _warpers(settings: SamplingSettings):
 
     warpers = LogitsProcessorList()
     if settings.temperature != 1.0:
-        warpers.append(TemperatureLogitsWarper(settings.temperature))
+        warpers.append(TemperatureLogitsWarper(float(settings.temperature)))
     if settings.top_k:
         warpers.append(TopKLogitsWarper(top_k=settings.top_k, min_tokens_to_keep=1))
     if settings.top_p < 1.0:
-        warpers.append(TopPLogitsWarper(top_p=settings.top_p, min_tokens_to_keep=1))
+        warpers.append(TopPLogitsWarper(top_p=float(settings.top_p), min_tokens_to_keep=1))
     return warpers
 
 
@@ -93,7 +93,7 @@ def sample_tokens(
     """New tokens after `prompt_ids` (the EOS that ended them not included)."""
     device = model.get_input_embeddings().weight.device
     generator = torch.Generator(device="cpu").manual_seed(int(seed) & SEED_MASK)
-    warpers = _warpers(settings)
+    warpers = None if settings.greedy else _warpers(settings)
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     cache = _new_cache(model)

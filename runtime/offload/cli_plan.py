@@ -1,0 +1,52 @@
+"""`ernie-image plan`: print the VRAM plan for a budget and a job. Needs no GPU and no weights."""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from ..errors import ErnieImageError
+from .planner import PCIE_GBPS, budget_bytes, plan_memory
+from .sizes import FORMAT_BYTES, ModelSizes
+from .workspace import Job
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ernie-image plan",
+                                     description="Show how ERNIE-Image is placed in a VRAM budget (no GPU needed).")
+    parser.add_argument("--budget", default="auto", help="VRAM budget in GB (GiB), or 'auto' (this machine's GPU)")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--height", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--cfg", type=float, default=1.0, help="CFG > 1 runs the DiT on a doubled batch")
+    parser.add_argument("--format", default="bf16", choices=sorted(FORMAT_BYTES), help="DiT weight format")
+    parser.add_argument("--variant", default="turbo", choices=("base", "turbo"))
+    parser.add_argument("--text-tokens", type=int, default=256, help="padded prompt length the DiT sees")
+    parser.add_argument("--pe", action="store_true", help="include the local prompt enhancer")
+    parser.add_argument("--pcie-gbps", type=float, default=PCIE_GBPS, help="host-to-GPU copy speed for the estimate")
+    return parser
+
+
+def main_plan(argv: Sequence[str]) -> int:
+    args = build_parser().parse_args(list(argv))
+    from ..request import validate_size
+
+    try:
+        validate_size(args.width, args.height)
+        if args.batch < 1:
+            raise ErnieImageError(f"--batch {args.batch} must be at least 1")
+        device = None
+        if args.budget == "auto":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ErnieImageError("--budget auto needs a CUDA GPU to measure: give the budget in GB, e.g. --budget 12")
+            device = torch.device("cuda")
+        budget = budget_bytes(args.budget, device)
+        sizes = ModelSizes.released(args.variant, args.format, with_pe=args.pe)
+        job = Job(args.width, args.height, args.batch, args.cfg, args.text_tokens, use_pe=args.pe)
+        print(plan_memory(budget, job, sizes).table(args.pcie_gbps))
+    except ErnieImageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,67 @@
+"""One page-locked host slab for many tensors, without PyTorch's power-of-two rounding.
+
+`torch.empty(..., pin_memory=True)` goes through the CachingHostAllocator, which rounds every request up to the
+next power of two (6.5 GB of weights would lock 8 GB). Here a plain host tensor is allocated once and locked
+in place with cudaHostRegister, so pinned bytes = weight bytes + alignment. Should registration fail, the slab
+falls back to the caching allocator and reports the rounded size it really locked.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+log = logging.getLogger(__name__)
+PAGE = 4096
+
+
+def _power_of_two_ceil(value: int) -> int:
+    return 1 << max(value - 1, 0).bit_length()
+
+
+class HostSlab:
+    """`nbytes` of host memory as a flat uint8 tensor; page-locked when `pin` (needs CUDA)."""
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.nbytes = int(nbytes)
+        self.pinned_bytes = 0
+        self._registered_ptr = 0
+        if not pin:
+            self.data = torch.empty(self.nbytes, dtype=torch.uint8)
+            return
+        raw = torch.empty(self.nbytes + PAGE, dtype=torch.uint8)
+        skip = (-raw.data_ptr()) % PAGE
+        data = raw[skip: skip + self.nbytes]
+        cudart = torch.cuda.cudart()
+        status = cudart.cudaHostRegister(data.data_ptr(), self.nbytes, 0)
+        if int(status) == 0:
+            self.data = data
+            self._registered_ptr = data.data_ptr()
+            self.pinned_bytes = self.nbytes
+            self._finalizer = weakref.finalize(self, _unregister, self._registered_ptr, raw)
+            return
+        log.warning("cudaHostRegister failed (%s); pinning through PyTorch, rounded up to a power of two", status)
+        del raw, data
+        self.data = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        self.pinned_bytes = _power_of_two_ceil(self.nbytes)
+
+    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= size
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        return self.data[offset: offset + nbytes].view(dtype).view(shape)
+
+    def free(self) -> None:
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+        self.data = torch.empty(0, dtype=torch.uint8)
+        self.pinned_bytes = 0
+
+
+def _unregister(ptr: int, raw: torch.Tensor) -> None:
+    # `raw` is held until the memory is unlocked: freeing locked pages first would leave them locked.
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+    del raw

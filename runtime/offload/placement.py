@@ -1,0 +1,132 @@
+"""Apply a plan to built modules: resident parts to the device, streamed layers into a LayerStreamer.
+
+The modules come in with every tensor materialised anywhere (a CPU build from memory-mapped files, or, in the
+bench, blocks made directly on the GPU); each part ends in its planned home and nothing else is kept.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..dit import Block, ErnieDiT, StepContext, run_block_in_place
+from .planner import DiTPlan, LayeredPlan
+from .streamer import FakeMode, LayerStreamer, StreamHooks
+
+
+def _move(module: nn.Module, device: torch.device) -> None:
+    module.to(device)
+
+
+class DiTPlacement:
+    """The DiT's stem and resident blocks on `device`, the streamed blocks behind `dit.block_runner`."""
+
+    def __init__(self, dit: ErnieDiT, plan: DiTPlan, device: torch.device, fake_mode: FakeMode = "lazy",
+                 place_resident: bool = True) -> None:
+        self.dit = dit
+        self.plan = plan
+        self.device = torch.device(device)
+        self.host = None
+        # Streamed blocks first: their source tensors are freed as they are ingested, before resident ones grow.
+        self.streamer: Optional[LayerStreamer] = None
+        if plan.streamed:
+            self.streamer = LayerStreamer(dit.layers, plan.streamed, plan.slots, self.device, fake_mode=fake_mode)
+        if place_resident:
+            for name, child in dit.named_children():
+                if name != "layers":
+                    _move(child, self.device)
+            for index in plan.resident:
+                _move(dit.layers[index], self.device)
+        dit._rope_cache.clear()
+        dit.block_runner = self.run_block
+
+    def run_block(self, index: int, block: Block, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        if self.host is not None:
+            self.host.check_cancel()
+        streamer = self.streamer
+        if streamer is None:
+            return block(x, ctx)
+        streamer.before(index)
+        out = block(x, ctx)
+        streamer.after(index)
+        return out
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.streamer.pinned_bytes if self.streamer else 0
+
+    @property
+    def streamed_weight_bytes(self) -> int:
+        return self.streamer.weight_bytes if self.streamer else 0
+
+    def release(self) -> None:
+        """Free the ring and the slab and point every weight at meta: the DiT holds no memory afterwards."""
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
+        self.dit.block_runner = run_block_in_place
+        self.dit._rope_cache.clear()
+        if _has_real_tensors(self.dit):
+            self.dit.to_empty(device="meta")
+        self.host = None
+
+
+def _has_real_tensors(module: nn.Module) -> bool:
+    return any(not t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+
+
+class HostEmbedding(nn.Module):
+    """Token embedding looked up on the host; only the [T, D] rows travel. Saves the 0.8 GB table on the GPU."""
+
+    def __init__(self, weight: torch.Tensor, device: torch.device) -> None:
+        super().__init__()
+        self.weight = weight.detach().to("cpu")
+        self.device = torch.device(device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids.cpu(), self.weight).to(self.device, non_blocking=False)
+
+
+class TextPlacement:
+    """A Mistral tower (text encoder or enhancer) resident on `device`, or streamed layer-wise through hooks."""
+
+    def __init__(self, tower: nn.Module, plan: LayeredPlan, device: torch.device, fake_mode: FakeMode = "lazy"
+                 ) -> None:
+        self.tower = tower
+        self.mode = plan.mode
+        self.device = torch.device(device)
+        self.streamer: Optional[LayerStreamer] = None
+        self.hooks: Optional[StreamHooks] = None
+        if plan.mode != "streamed":
+            tower.to(self.device)
+            return
+        layers = tower.layers
+        self.streamer = LayerStreamer(layers, list(range(len(layers))), plan.slots, self.device, fake_mode=fake_mode)
+        self.hooks = StreamHooks(layers, self.streamer)
+        if isinstance(tower.embed_tokens, nn.Embedding):
+            tower.embed_tokens = HostEmbedding(tower.embed_tokens.weight, self.device)
+        for name, child in tower.named_children():
+            if name not in ("layers", "embed_tokens"):
+                child.to(self.device)
+
+    def set_host(self, host) -> None:
+        if self.hooks is not None:
+            self.hooks.host = host
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.streamer.pinned_bytes if self.streamer else 0
+
+    def release(self) -> None:
+        if self.hooks is not None:
+            self.hooks.remove()
+            self.hooks = None
+        if self.streamer is not None:
+            self.streamer.close()
+            self.streamer = None
+        if isinstance(self.tower.embed_tokens, HostEmbedding):
+            self.tower.embed_tokens.weight = torch.empty(0)
+        if _has_real_tensors(self.tower):
+            self.tower.to_empty(device="meta")

@@ -1,0 +1,287 @@
+"""VRAM budget + job -> placement of every phase. Pure arithmetic: no GPU, no weights.
+
+Policy (fastest first):
+1. Everything resident (DiT, text tower, VAE, enhancer) when it fits with the largest phase's workspace.
+2. Otherwise the DiT keeps a persistent part on the GPU: its stem, R resident blocks and a ring of `slots`
+   staging buffers through which the other blocks stream each step. R is as large as the budget allows once
+   the headroom of the largest other phase is set aside: the text tower streams layer-wise (it runs once per
+   image, so streaming it costs the same copy as loading it whole and never evicts DiT blocks), the VAE decodes
+   whole or in tiles, the enhancer loads for its phase (streaming it per generated token would be far slower).
+3. Nothing fits: MemoryBudgetError naming the smallest budget that works at this size.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from ..errors import MemoryBudgetError
+from .sizes import ModelSizes
+from .workspace import Job, dit_workspace, pe_workspace, text_workspace, vae_workspace
+
+GiB = 1024**3
+DEFAULT_SLOTS = 2
+VAE_TILE = 512
+AUTO_RESERVE_MIN = 512 * 1024**2
+AUTO_RESERVE_FRACTION = 0.04
+PCIE_GBPS = 25.0  # a desktop PCIe 4.0 x16 link in practice; the H200 here measured 55
+
+LayerMode = Literal["resident", "phase", "streamed"]
+
+
+@dataclass(frozen=True)
+class DiTPlan:
+    layers: int
+    resident: tuple[int, ...]
+    streamed: tuple[int, ...]
+    slots: int
+    block_bytes: int
+    stem_bytes: int
+    workspace: int
+
+    @property
+    def gpu_weight_bytes(self) -> int:
+        return self.stem_bytes + (len(self.resident) + self.slots) * self.block_bytes
+
+    @property
+    def copy_bytes_per_step(self) -> int:
+        return len(self.streamed) * self.block_bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return len(self.streamed) * self.block_bytes
+
+
+@dataclass(frozen=True)
+class LayeredPlan:
+    """Text tower or prompt enhancer. resident: stays between runs; phase: loaded for its phase, then dropped;
+    streamed: layer-wise through `slots` staging buffers, embedding lookups on the host."""
+
+    mode: LayerMode
+    slots: int
+    gpu_bytes: int  # weights on the GPU during the phase
+    workspace: int
+    pinned_bytes: int
+    layers: int
+
+    @property
+    def phase_bytes(self) -> int:
+        return self.gpu_bytes + self.workspace
+
+
+@dataclass(frozen=True)
+class VaePlan:
+    persistent: bool
+    tile: Optional[int]  # pixels per tile side; None: whole-image decode
+    weight_bytes: int
+    workspace: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget: int
+    job: Job
+    sizes: ModelSizes
+    device_type: str
+    dit: DiTPlan
+    text: LayeredPlan
+    vae: VaePlan
+    pe: Optional[LayeredPlan]
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def all_resident(self) -> bool:
+        return not self.dit.streamed and self.text.mode == "resident" and self.vae.persistent
+
+    @property
+    def peak(self) -> int:
+        return max(self.phase_peaks.values())
+
+    @property
+    def pinned_bytes(self) -> int:
+        pe = self.pe.pinned_bytes if self.pe is not None else 0
+        return self.dit.pinned_bytes + self.text.pinned_bytes + pe
+
+    def table(self, pcie_gbps: float = PCIE_GBPS) -> str:
+        return render_plan(self, pcie_gbps)
+
+
+def auto_budget(free_bytes: int, total_bytes: int, held_by_us: int = 0) -> int:
+    """'auto': free VRAM (plus what this process already holds) minus a reserve for the CUDA context and others."""
+    reserve = max(AUTO_RESERVE_MIN, int(AUTO_RESERVE_FRACTION * total_bytes))
+    return max(free_bytes + held_by_us - reserve, 0)
+
+
+def budget_bytes(spec: "float | str | None", device=None) -> Optional[int]:
+    """'auto'/None -> measured on a CUDA device (None on the CPU: unbounded); a number -> that many GiB."""
+    if spec is not None and spec != "auto":
+        value = float(spec)
+        if not math.isfinite(value) or value <= 0:
+            raise MemoryBudgetError(f"VRAM budget {spec!r} is not a positive number of GB: give e.g. 12 or 'auto'")
+        return int(value * GiB)
+    import torch
+
+    if device is None or torch.device(device).type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return auto_budget(free, total, torch.cuda.memory_reserved(device))
+
+
+def spread(count: int, total: int) -> tuple[int, ...]:
+    """`count` indices spread evenly over range(total), so copies overlap resident blocks' compute."""
+    if count <= 0:
+        return ()
+    return tuple(sorted({min(total - 1, int((j + 0.5) * total / count)) for j in range(count)}))
+
+
+def _dit_plan(sizes: ModelSizes, resident_count: int, slots: int, workspace: int) -> DiTPlan:
+    layers = sizes.dit.layers
+    resident_count = max(0, min(layers, resident_count))
+    streamed = spread(layers - resident_count, layers)
+    resident = tuple(i for i in range(layers) if i not in streamed)
+    return DiTPlan(layers, resident, streamed, slots if streamed else 0, sizes.dit.layer_bytes,
+                   sizes.dit.stem_bytes, workspace)
+
+
+def _layered(size, mode: LayerMode, slots: int, workspace: int, host_stem: bool) -> LayeredPlan:
+    if mode == "streamed":
+        stem_on_gpu = 0 if host_stem else size.stem_bytes
+        return LayeredPlan(mode, slots, stem_on_gpu + slots * size.layer_bytes, workspace,
+                           size.layers * size.layer_bytes, size.layers)
+    return LayeredPlan(mode, 0, size.total_bytes, workspace, 0, size.layers)
+
+
+def plan_memory(budget: Optional[int], job: Job, sizes: ModelSizes, device_type: str = "cuda",
+                slots: int = DEFAULT_SLOTS) -> MemoryPlan:
+    """The placement for `job` within `budget` bytes (None: unbounded, everything resident)."""
+    dit_ws = dit_workspace(sizes, job, device_type)
+    text_ws = text_workspace(sizes, device_type)
+    pe_ws = pe_workspace(sizes, device_type) if job.use_pe and sizes.pe is not None else 0
+    vae_full = VaePlan(True, None, sizes.vae_bytes, vae_workspace(sizes, job, None, device_type))
+    use_pe = job.use_pe and sizes.pe is not None
+    pe_resident = _layered(sizes.pe, "resident", 0, pe_ws, False) if use_pe else None
+
+    dit_all = _dit_plan(sizes, sizes.dit.layers, 0, dit_ws)
+    text_resident = _layered(sizes.text, "resident", 0, text_ws, True)
+    everything = (dit_all.gpu_weight_bytes + text_resident.gpu_bytes + sizes.vae_bytes
+                  + (pe_resident.gpu_bytes if pe_resident else 0)
+                  + max(dit_ws, text_ws, vae_full.workspace, pe_ws))
+    if budget is None or everything <= budget:
+        return _finish(budget if budget is not None else everything, job, sizes, device_type, dit_all,
+                       text_resident, vae_full, pe_resident)
+
+    text_streamed = _layered(sizes.text, "streamed", slots, text_ws, True)
+    vae_tiled_ws = vae_workspace(sizes, job, VAE_TILE, device_type)
+    smallest_vae = min(vae_full.workspace, vae_tiled_ws)
+    pe_streamed = _layered(sizes.pe, "streamed", slots, pe_ws, False) if use_pe else None
+    dit_floor = sizes.dit.stem_bytes + slots * sizes.dit.layer_bytes
+    headroom_floor = max(dit_ws, text_streamed.phase_bytes, sizes.vae_bytes + smallest_vae,
+                         pe_streamed.phase_bytes if pe_streamed else 0)
+    smallest = dit_floor + headroom_floor
+    if smallest > budget:
+        raise MemoryBudgetError(
+            f"a {job.width}x{job.height} batch-{job.batch} job (CFG {job.cfg:g}, DiT {sizes.dit_format}) needs at "
+            f"least {_gib_up(smallest)} GB of VRAM with everything streamed; the budget is {budget / GiB:.2f} GB: "
+            f"raise the budget, lower the size or batch, or use a smaller weight format (q4_k, nvfp4)"
+        )
+    spare = budget - dit_floor
+    vae = vae_full if sizes.vae_bytes + vae_full.workspace <= spare else VaePlan(False, VAE_TILE, sizes.vae_bytes,
+                                                                                   vae_tiled_ws)
+    notes: list[str] = []
+    pe_plan = None
+    if use_pe:
+        pe_phase = _layered(sizes.pe, "phase", 0, pe_ws, False)
+        if pe_phase.phase_bytes <= spare:
+            pe_plan = pe_phase
+        else:
+            pe_plan = pe_streamed
+            notes.append("prompt enhancer streams layer-wise for every generated token: slow; "
+                         "consider a remote enhancer endpoint")
+    headroom = max(dit_ws, text_streamed.phase_bytes, sizes.vae_bytes + vae.workspace,
+                   pe_plan.phase_bytes if pe_plan else 0)
+    on_gpu = (budget - sizes.dit.stem_bytes - headroom) // sizes.dit.layer_bytes
+    resident_count = sizes.dit.layers if on_gpu >= sizes.dit.layers else max(0, on_gpu - slots)
+    dit = _dit_plan(sizes, resident_count, slots, dit_ws)
+
+    text = text_streamed
+    if dit.gpu_weight_bytes + text_resident.gpu_bytes + max(dit_ws, text_ws, sizes.vae_bytes + vae.workspace,
+                                                            pe_plan.phase_bytes if pe_plan else 0) <= budget:
+        text = text_resident
+    persistent_before_vae = dit.gpu_weight_bytes + (text.gpu_bytes if text.mode == "resident" else 0)
+    if vae.persistent and persistent_before_vae + sizes.vae_bytes + max(dit_ws, text.phase_bytes,
+                                                                        vae.workspace) > budget:
+        vae = VaePlan(False, vae.tile, vae.weight_bytes, vae.workspace)
+    return _finish(budget, job, sizes, device_type, dit, text, vae, pe_plan, tuple(notes))
+
+
+def _finish(budget: int, job: Job, sizes: ModelSizes, device_type: str, dit: DiTPlan, text: LayeredPlan,
+            vae: VaePlan, pe: Optional[LayeredPlan], notes: tuple[str, ...] = ()) -> MemoryPlan:
+    persistent = dit.gpu_weight_bytes + (text.gpu_bytes if text.mode == "resident" else 0) \
+        + (vae.weight_bytes if vae.persistent else 0) + (pe.gpu_bytes if pe is not None and pe.mode == "resident" else 0)
+    peaks = {
+        "text": persistent + (0 if text.mode == "resident" else text.gpu_bytes) + text.workspace,
+        "dit": persistent + dit.workspace,
+        "vae": persistent + (0 if vae.persistent else vae.weight_bytes) + vae.workspace,
+    }
+    if pe is not None:
+        peaks["pe"] = persistent + (0 if pe.mode == "resident" else pe.gpu_bytes) + pe.workspace
+    return MemoryPlan(budget, job, sizes, device_type, dit, text, vae, pe, peaks, notes)
+
+
+def _gib_up(num_bytes: int) -> str:
+    return f"{math.ceil(num_bytes / GiB * 10) / 10:.1f}"
+
+
+def _ranges(indices: tuple[int, ...]) -> str:
+    parts, start = [], None
+    for position, index in enumerate(indices):
+        if start is None:
+            start = index
+        if position + 1 == len(indices) or indices[position + 1] != index + 1:
+            parts.append(str(start) if start == index else f"{start}-{index}")
+            start = None
+    return ",".join(parts) or "none"
+
+
+def render_plan(plan: MemoryPlan, pcie_gbps: float = PCIE_GBPS) -> str:
+    job, dit = plan.job, plan.dit
+
+    def g(num_bytes: int) -> str:
+        return f"{num_bytes / GiB:6.2f}"
+
+    lines = [
+        f"VRAM plan: budget {plan.budget / GiB:.2f} GiB on {plan.device_type}; {job.width}x{job.height}, batch "
+        f"{job.batch}, CFG {job.cfg:g} (DiT batch {job.dit_batch}, {job.sequence} tokens), DiT {plan.sizes.dit_format}",
+        f"{'phase':<13}{'placement':<52}{'GPU GiB':>8}{'work GiB':>9}{'pinned GiB':>11}",
+    ]
+
+    def row(name: str, what: str, gpu: int, work: int, pinned: int) -> None:
+        lines.append(f"{name:<13}{what:<52}{g(gpu):>8}{g(work):>9}{g(pinned):>11}")
+
+    if plan.pe is not None:
+        row("enhancer", _layer_text(plan.pe), plan.pe.gpu_bytes, plan.pe.workspace, plan.pe.pinned_bytes)
+    row("text encoder", _layer_text(plan.text), plan.text.gpu_bytes, plan.text.workspace, plan.text.pinned_bytes)
+    if dit.streamed:
+        what = f"{len(dit.resident)}/{dit.layers} blocks resident, {len(dit.streamed)} streamed, {dit.slots} buffers"
+    else:
+        what = f"all {dit.layers} blocks resident"
+    row("DiT", what, dit.gpu_weight_bytes, dit.workspace, dit.pinned_bytes)
+    vae_what = ("resident" if plan.vae.persistent else "loaded per decode") + (
+        f", tiled {plan.vae.tile}px" if plan.vae.tile else ", whole image")
+    row("VAE decode", vae_what, plan.vae.weight_bytes, plan.vae.workspace, 0)
+    if dit.streamed:
+        lines.append(f"streamed DiT blocks: {_ranges(dit.streamed)}")
+        copy = dit.copy_bytes_per_step
+        lines.append(f"copy per DiT step: {copy / 1e9:.2f} GB, {1000 * copy / (pcie_gbps * 1e9):.0f} ms at "
+                     f"{pcie_gbps:g} GB/s (overlaps the resident blocks' compute)")
+    peaks = ", ".join(f"{name} {value / GiB:.2f}" for name, value in plan.phase_peaks.items())
+    lines.append(f"peak by phase (GiB): {peaks}; pinned host {plan.pinned_bytes / GiB:.2f} GiB")
+    lines.extend(f"note: {note}" for note in plan.notes)
+    return "\n".join(lines)
+
+
+def _layer_text(plan: LayeredPlan) -> str:
+    if plan.mode == "streamed":
+        return f"streamed layer-wise ({plan.layers} layers, {plan.slots} buffers)"
+    return "resident" if plan.mode == "resident" else "loaded for its phase, then dropped"

@@ -1,0 +1,150 @@
+"""What LocalPipe needs from the offloader, in one object: plan per job, place each phase, release.
+
+Active on CUDA (budget given or "auto") and on the CPU when a budget is given (the CPU then plays the device,
+which is how CI exercises streaming end to end). Inactive: every method is a no-op and the pipe behaves as if
+no offloader existed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..errors import MemoryBudgetError
+from .placement import DiTPlacement, TextPlacement
+from .planner import MemoryPlan, budget_bytes, plan_memory
+from .sizes import LayeredSize, ModelSizes
+from .streamer import layer_tensors
+from .workspace import Job
+
+TEXT_TOKENS_FOR_PLAN = 512  # the DiT's text length is known only after encoding; plan for a long prompt
+
+
+def _dtype_format(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, "bf16")
+
+
+def _nbytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for _, _, _, t in layer_tensors(module))
+
+
+class PipeMemory:
+    def __init__(self, device: torch.device, dtype: torch.dtype, budget_gb: Optional[float],
+                 quant: str = "none") -> None:
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.budget_gb = budget_gb
+        self.quant = quant
+        self.active = self.device.type == "cuda" or budget_gb is not None
+        self.plan: Optional[MemoryPlan] = None
+        self.dit: Optional[DiTPlacement] = None
+        self.text: Optional[TextPlacement] = None
+        self.host = None
+
+    # -- planning ---------------------------------------------------------------------------------------
+
+    def _sizes(self, sources, variant) -> ModelSizes:
+        from ..formats import open_component
+        from ..model_files import dit_config_for, load_config, text_config_for
+
+        dit_component = open_component(sources.component("transformer"), "dit")
+        dit_config = dataclasses.asdict(dit_config_for(dit_component))
+        text_config = text_config_for(open_component(sources.component("text_encoder"), "text_encoder"), variant)
+        vae_component = open_component(sources.component("vae"), "vae")
+        vae_config = vae_component.config or load_config("base", "vae")
+        fmt = self.quant if self.quant in ("fp8", "q8_0", "nvfp4") else _dtype_format(self.dtype)
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return ModelSizes.from_configs(dit_config, text_config, vae_config, None, fmt, element)
+
+    def plan_job(self, request, sources, variant) -> Optional[MemoryPlan]:
+        """The plan for `request`; raises MemoryBudgetError before anything is allocated. A placed DiT or text
+        tower that the new plan cannot keep is released here (`self.dit` / `self.text` become None)."""
+        if not self.active:
+            return None
+        budget = budget_bytes(self.budget_gb if self.budget_gb is not None else "auto", self.device)
+        job = Job(width=request.width, height=request.height, batch=request.batch, cfg=request.cfg,
+                  text_tokens=TEXT_TOKENS_FOR_PLAN)
+        sizes = self._sizes(sources, variant)
+        if self.dit is not None:
+            measured = self.dit.plan
+            sizes = dataclasses.replace(sizes, dit=LayeredSize(measured.layers, measured.block_bytes,
+                                                               measured.stem_bytes, sizes.dit.largest_linear_params))
+        plan = plan_memory(budget, job, sizes, self.device.type)
+        if self.text is not None and self.text.mode != plan.text.mode:
+            self.text.release()
+            self.text = None
+        if self.dit is not None and self.dit.plan.resident != plan.dit.resident:
+            others = plan.peak - plan.dit.gpu_weight_bytes
+            if self.dit.plan.gpu_weight_bytes + others <= plan.budget:
+                plan = dataclasses.replace(plan, dit=self.dit.plan)  # the placed DiT still fits: keep it
+            else:
+                self.release_dit()
+        self.plan = plan
+        return plan
+
+    def build_device(self) -> torch.device:
+        """Where model files are materialised: the host when the offloader places them, else the device."""
+        return torch.device("cpu") if self.active else self.device
+
+    # -- phases -----------------------------------------------------------------------------------------
+
+    def place_text(self, tower: nn.Module) -> nn.Module:
+        if self.plan is None:
+            return tower
+        self.text = TextPlacement(tower, self.plan.text, self.device)
+        self.text.set_host(self.host)
+        return tower
+
+    def after_text(self) -> None:
+        """Leave the text phase: a streamed tower gives its device buffers back (its host copy stays)."""
+        if self.text is not None and self.text.streamer is not None:
+            self.text.streamer.park()
+
+    def place_dit(self, dit: nn.Module) -> nn.Module:
+        if self.plan is None:
+            return dit
+        plan = self.plan
+        block_bytes = max(_nbytes(block) for block in dit.layers)
+        stem_bytes = _nbytes(dit) - sum(_nbytes(block) for block in dit.layers)
+        if block_bytes != plan.dit.block_bytes or stem_bytes != plan.dit.stem_bytes:
+            # The files' real sizes (a quantised DiT, another dtype) decide: plan again before placing anything.
+            sizes = dataclasses.replace(plan.sizes, dit=LayeredSize(plan.dit.layers, block_bytes, stem_bytes,
+                                                                    plan.sizes.dit.largest_linear_params))
+            plan = plan_memory(plan.budget, plan.job, sizes, self.device.type)
+            self.plan = plan
+        self.dit = DiTPlacement(dit, plan.dit, self.device)
+        self.dit.host = self.host
+        return dit
+
+    def set_host(self, host) -> None:
+        self.host = host
+        if self.dit is not None:
+            self.dit.host = host
+        if self.text is not None:
+            self.text.set_host(host)
+
+    def vae_is_persistent(self) -> bool:
+        return self.plan is None or self.plan.vae.persistent
+
+    def describe(self) -> str:
+        return self.plan.table() if self.plan is not None else "no VRAM plan (offloading inactive)"
+
+    # -- release ----------------------------------------------------------------------------------------
+
+    def release_dit(self) -> None:
+        if self.dit is not None:
+            self.dit.release()
+            self.dit = None
+
+    def release(self) -> None:
+        self.release_dit()
+        if self.text is not None:
+            self.text.release()
+            self.text = None
+        self.plan = None
+        self.host = None
+
+
+__all__ = ["PipeMemory", "MemoryBudgetError"]

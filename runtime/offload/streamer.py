@@ -1,0 +1,306 @@
+"""Stream layers' weights from one host slab through a ring of fixed device buffers.
+
+Setup (once): every tensor (parameters and buffers, whatever their dtype: bf16 weights or QuantLinear's packed
+uint8/fp8 data alike) of each streamed layer is copied into a host slab (page-locked on CUDA) at a 256-byte
+aligned offset; the layer's k-th position in the stream owns ring slot k % slots, and its tensors are rebound
+once and for all to views of that slot. A layer's bytes are contiguous in both places, so one copy moves it.
+
+Per layer, at run time, nothing is allocated:
+  before(i): the compute stream waits for slot(i)'s "ready" event;
+  after(i):  the compute stream records slot(i)'s "free" event; copies of the next positions are issued on
+             the side stream, each waiting for its slot's "free" event, then recording its "ready" event.
+The ring wraps around across steps, so the next step's first layers arrive during this step's last ones.
+
+On the CPU the same bookkeeping runs with `FakeSync`: the "device" ring is a second CPU tensor and copies are
+either run at once ("eager", catches a copy that overwrites a slot still in use) or deferred until the compute
+side waits for them ("lazy", catches a missing wait). Tests use both to check the ordering, not just the maths.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .pinned import HostSlab
+
+ALIGN = 256
+FakeMode = Literal["eager", "lazy"]
+
+
+@dataclass
+class _Entry:
+    module: nn.Module
+    name: str
+    is_param: bool
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _aligned(value: int) -> int:
+    return (value + ALIGN - 1) // ALIGN * ALIGN
+
+
+def layer_tensors(layer: nn.Module) -> list[tuple[nn.Module, str, bool, torch.Tensor]]:
+    """(owner, name, is_parameter, tensor) for every parameter and buffer of `layer`, shared ones once."""
+    seen: set[int] = set()
+    found = []
+    for module in layer.modules():
+        for is_param, table in ((True, module._parameters), (False, module._buffers)):
+            for name, tensor in table.items():
+                if tensor is None or id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                found.append((module, name, is_param, tensor))
+    return found
+
+
+def _layout(layer: nn.Module) -> tuple[list[_Entry], list[torch.Tensor], int]:
+    entries, sources, offset = [], [], 0
+    for module, name, is_param, tensor in layer_tensors(layer):
+        entries.append(_Entry(module, name, is_param, offset, tuple(tensor.shape), tensor.dtype))
+        sources.append(tensor)
+        offset = _aligned(offset + tensor.numel() * tensor.element_size())
+    return entries, sources, offset
+
+
+def _view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    numel = 1
+    for size in shape:
+        numel *= size
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    return flat[offset: offset + nbytes].view(dtype).view(shape)
+
+
+def _rebind(entry: _Entry, tensor: torch.Tensor) -> None:
+    if entry.is_param:
+        entry.module._parameters[entry.name].data = tensor
+    else:
+        entry.module._buffers[entry.name] = tensor
+
+
+class CudaSync:
+    """A side copy stream and, per ring slot, a "ready" (copy done) and a "free" (compute done) event."""
+
+    def __init__(self, device: torch.device, slots: int) -> None:
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device)
+        self.ready = [torch.cuda.Event() for _ in range(slots)]
+        self.free = [torch.cuda.Event() for _ in range(slots)]
+
+    def copy(self, slot: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.copy_stream.wait_event(self.free[slot])
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+        self.ready[slot].record(self.copy_stream)
+
+    def wait_ready(self, slot: int) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
+
+    def mark_free(self, slot: int) -> None:
+        self.free[slot].record(torch.cuda.current_stream(self.device))
+
+    def synchronize(self) -> None:
+        self.copy_stream.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
+
+
+class FakeSync:
+    """CPU stand-in for CudaSync (see the module docstring); `copies` counts copies actually performed."""
+
+    def __init__(self, slots: int, mode: FakeMode = "lazy") -> None:
+        self.mode = mode
+        self.pending: deque[tuple[int, torch.Tensor, torch.Tensor]] = deque()
+        self.copies = 0
+
+    def copy(self, slot: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.pending.append((slot, dst, src))
+        if self.mode == "eager":
+            self._run_until(len(self.pending))
+
+    def wait_ready(self, slot: int) -> None:
+        last = max((n + 1 for n, (s, _, _) in enumerate(self.pending) if s == slot), default=0)
+        self._run_until(last)
+
+    def _run_until(self, count: int) -> None:
+        for _ in range(count):
+            _, dst, src = self.pending.popleft()
+            dst.copy_(src)
+            self.copies += 1
+
+    def mark_free(self, slot: int) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        self._run_until(len(self.pending))
+
+
+class LayerStreamer:
+    """Streams `layers[i]` for i in `streamed` through `slots` device buffers; see the module docstring."""
+
+    def __init__(self, layers: Sequence[nn.Module], streamed: Sequence[int], slots: int, device: torch.device,
+                 pin: Optional[bool] = None, fake_mode: FakeMode = "lazy") -> None:
+        if not streamed:
+            raise ValueError("LayerStreamer needs at least one streamed layer")
+        self.device = torch.device(device)
+        self.streamed = list(streamed)
+        self.position = {index: k for k, index in enumerate(self.streamed)}
+        self.slots = max(1, min(slots, len(self.streamed)))
+        on_cuda = self.device.type == "cuda"
+        layouts = [_layout(layers[index]) for index in self.streamed]
+        self.layer_bytes = [size for _, _, size in layouts]
+        self.weight_bytes = sum(
+            sum(t.numel() * t.element_size() for t in sources) for _, sources, _ in layouts)
+        self.slot_bytes = max(self.layer_bytes)
+        starts = [0]
+        for size in self.layer_bytes[:-1]:
+            starts.append(starts[-1] + size)
+        self.slab = HostSlab(sum(self.layer_bytes), pin=on_cuda if pin is None else pin)
+        self.ring = torch.empty(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
+        self.sync = CudaSync(self.device, self.slots) if on_cuda else FakeSync(self.slots, fake_mode)
+        self._host: list[torch.Tensor] = []
+        self._dev: list[torch.Tensor] = []
+        self._entries: list[list[_Entry]] = []
+        for k, (entries, sources, size) in enumerate(layouts):
+            host = self.slab.data[starts[k]: starts[k] + size]
+            slot = self.ring[(k % self.slots) * self.slot_bytes: (k % self.slots) * self.slot_bytes + size]
+            for entry, source in zip(entries, sources):
+                _view(host, entry.offset, entry.dtype, entry.shape).copy_(source)
+                _rebind(entry, _view(slot, entry.offset, entry.dtype, entry.shape))
+            self._host.append(host)
+            self._dev.append(slot)
+            self._entries.append(entries)
+        del layouts
+        self._issued: deque[int] = deque()
+        self._next = 0
+        self.closed = False
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.slab.pinned_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        return self.slab.nbytes
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.ring.numel()
+
+    def _slot(self, k: int) -> int:
+        return k % self.slots
+
+    def _pump(self) -> None:
+        while len(self._issued) < self.slots:
+            k = self._next
+            slot = self._slot(k)
+            if any(self._slot(other) == slot for other in self._issued):
+                return
+            self.sync.copy(slot, self._dev[k], self._host[k])
+            self._issued.append(k)
+            self._next = (k + 1) % len(self.streamed)
+
+    def before(self, index: int) -> None:
+        k = self.position.get(index)
+        if k is None:
+            return
+        if self.parked:
+            self.unpark()
+        if not self._issued or self._issued[0] != k:
+            # First use, or a run that stopped part-way (cancel, error): start the ring again from here.
+            self._issued.clear()
+            self._next = k
+            self._pump()
+        self.sync.wait_ready(self._slot(k))
+
+    def after(self, index: int) -> None:
+        k = self.position.get(index)
+        if k is None:
+            return
+        if self._issued and self._issued[0] == k:
+            self._issued.popleft()
+        self.sync.mark_free(self._slot(k))
+        self._pump()
+
+    def park(self) -> None:
+        """Between phases: wait for copies, point the layers at their host copies and free the device ring."""
+        if self.closed or self.ring.numel() == 0:
+            return
+        self.sync.synchronize()
+        with torch.inference_mode(False):
+            for host, entries in zip(self._host, self._entries):
+                for entry in entries:
+                    _rebind(entry, _view(host, entry.offset, entry.dtype, entry.shape))
+        self._issued.clear()
+        self._dev = []
+        self.ring = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    def unpark(self) -> None:
+        """Allocate the ring again and point the layers back at their slots (contents arrive by streaming)."""
+        if self.closed or self.ring.numel() > 0:
+            return
+        with torch.inference_mode(False):  # may run inside the model's inference_mode; the ring must stay writable
+            self.ring = torch.empty(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
+            self._dev = []
+            for k, entries in enumerate(self._entries):
+                start = self._slot(k) * self.slot_bytes
+                slot = self.ring[start: start + self.layer_bytes[k]]
+                for entry in entries:
+                    _rebind(entry, _view(slot, entry.offset, entry.dtype, entry.shape))
+                self._dev.append(slot)
+
+    @property
+    def parked(self) -> bool:
+        return self.ring.numel() == 0
+
+    def close(self) -> None:
+        """Wait for in-flight copies, point the layers at meta tensors and free the ring and the slab."""
+        if self.closed:
+            return
+        self.sync.synchronize()
+        for entries in self._entries:
+            for entry in entries:
+                meta = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+                if entry.is_param:  # set_data cannot change the device type to meta: replace the Parameter
+                    entry.module._parameters[entry.name] = nn.Parameter(meta, requires_grad=False)
+                else:
+                    entry.module._buffers[entry.name] = meta
+        self._issued.clear()
+        self._host, self._dev, self._entries = [], [], []
+        self.ring = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.slab.free()
+        self.closed = True
+
+
+class StreamHooks:
+    """Drive a LayerStreamer from forward hooks, for models whose layer loop we do not own (Mistral)."""
+
+    def __init__(self, layers: Sequence[nn.Module], streamer: LayerStreamer, host=None) -> None:
+        self.streamer = streamer
+        self.host = host
+        self._handles = []
+        for index, layer in enumerate(layers):
+            self._handles.append(layer.register_forward_pre_hook(self._pre(index)))
+            self._handles.append(layer.register_forward_hook(self._post(index)))
+
+    def _pre(self, index: int):
+        def hook(module, args):
+            if self.host is not None:
+                self.host.check_cancel()
+            self.streamer.before(index)
+
+        return hook
+
+    def _post(self, index: int):
+        def hook(module, args, output):
+            self.streamer.after(index)
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,220 @@
+"""The prompt enhancer (PE): a short prompt in, the revised prompt the DiT is given out. Local or remote, seeded.
+
+A revision is a function of (prompt, width, height, seed, sampling settings, weights): each distinct prompt gets
+its own private generator seeded with `seed`, so a prompt's revision does not depend on the global RNG, on what
+ran before, or on its position in a batch. Only the positive prompt is revised (as diffusers and Baidu do).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..errors import InvalidInputError
+from ..host import Host, NullHost
+from ..model_files import ModelSources, Variant
+from .pe_model import PeWeights, build_pe_model, default_top_k, load_pe_tokenizer, locate_pe, open_pe_component
+from .pe_prompt import prompt_token_ids, render_chat
+from .token_sampler import SamplingSettings, sample_tokens
+
+
+@dataclass
+class Revision:
+    original: str
+    revised: str
+    tokens: int
+    seconds: float
+    source: str  # "local", "remote", or "original" (the PE failed or returned nothing; the prompt was kept)
+    truncated: bool = False  # hit the max-new-tokens cap before the model finished
+
+
+@dataclass
+class RevisedPrompts:
+    """One revised prompt per input prompt, plus what the user is shown about the PE's work."""
+
+    prompts: list[str]
+    revisions: list[Revision] = field(default_factory=list)
+
+    def info(self) -> dict[str, Any]:
+        if not self.revisions:
+            return {}
+        seconds = sum(r.seconds for r in self.revisions)
+        tokens = sum(r.tokens for r in self.revisions)
+        return {
+            "pe": "+".join(sorted({r.source for r in self.revisions})),
+            "pe_s": round(seconds, 3),
+            "pe_tokens": tokens,
+            "pe_tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
+        }
+
+
+def validate_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
+    if not 0.0 <= temperature <= 5.0:
+        raise InvalidInputError(f"PE temperature {temperature} is not allowed: use 0..5 (0.6 is Baidu's; 0 is greedy)")
+    if not 0.0 < top_p <= 1.0:
+        raise InvalidInputError(f"PE top_p {top_p} is not allowed: use a value in (0, 1] (0.95 is Baidu's)")
+    if not 1 <= max_new_tokens <= 8192:
+        raise InvalidInputError(f"PE max new tokens {max_new_tokens} is not allowed: use 1..8192 (default 512)")
+
+
+class LocalEnhancer:
+    """A loaded PE: weights on a device, its tokenizer and chat template. One memory phase of a generation."""
+
+    def __init__(self, model, tokenizer, located: PeWeights, device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.located = located
+        self.device = device
+        self.dtype = dtype
+        self.top_k = default_top_k(located)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        config_eos = getattr(model.config, "eos_token_id", None)
+        ids = {eos} if eos is not None else set()
+        ids |= set(config_eos if isinstance(config_eos, (list, tuple)) else [config_eos]) - {None}
+        self.eos_ids = sorted(ids)
+
+    @classmethod
+    def load(cls, sources: ModelSources, device: torch.device, dtype: torch.dtype, variant: Variant = "base",
+             host: Optional[Host] = None) -> "LocalEnhancer":
+        from .pe_model import pe_config_for, pe_weight_bytes
+
+        located = locate_pe(sources)
+        tokenizer = load_pe_tokenizer(located, sources)
+        component = open_pe_component(located)
+        if host is not None and device.type == "cuda":
+            host.make_room(pe_weight_bytes(pe_config_for(component, variant), dtype), device)
+        model = build_pe_model(component, device, dtype, variant)
+        return cls(model, tokenizer, located, device, dtype)
+
+    def settings(self, temperature: float, top_p: float, max_new_tokens: int, min_new_tokens: int = 0) -> SamplingSettings:
+        validate_sampling(temperature, top_p, max_new_tokens)
+        return SamplingSettings(temperature=temperature, top_p=top_p, top_k=self.top_k,
+                                max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens)
+
+    def input_ids(self, prompt: str, width: int, height: int) -> list[int]:
+        return prompt_token_ids(self.tokenizer, render_chat(self.tokenizer, prompt, width, height))
+
+    def revise(self, prompt: str, width: int, height: int, seed: int, settings: SamplingSettings,
+               host: Optional[Host] = None) -> Revision:
+        host = host or NullHost()
+        self.to_device()
+        ids = self.input_ids(prompt, width, height)
+        total = settings.max_new_tokens
+
+        def on_token(count: int) -> None:
+            if count % 16 == 0:
+                host.progress(count, total)
+
+        sampled = sample_tokens(self.model, ids, settings, seed, self.eos_ids, host.check_cancel, on_token)
+        revised = self.tokenizer.decode(sampled.token_ids, skip_special_tokens=True).strip()
+        truncated = not sampled.stopped_by_eos and len(sampled.token_ids) >= settings.max_new_tokens
+        if not revised:
+            host.log("prompt enhancer returned an empty prompt: the original prompt is used")
+            return Revision(prompt, prompt, len(sampled.token_ids), sampled.seconds, "original")
+        if truncated:
+            host.log(f"prompt enhancer stopped at the {settings.max_new_tokens}-token cap: the revised prompt may "
+                     f"end mid-sentence; raise the PE max new tokens")
+        return Revision(prompt, revised, len(sampled.token_ids), sampled.seconds, "local", truncated)
+
+    def to_device(self) -> None:
+        if self.model.get_input_embeddings().weight.device != self.device:
+            self.model.to(self.device)
+
+    def offload(self) -> None:
+        """End of the PE phase with weights kept: move them to host RAM so the device is free for the next phase."""
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            _empty_device_cache(self.device)
+
+    def release(self) -> None:
+        self.model = None
+        gc.collect()
+        _empty_device_cache(self.device)
+
+
+def _empty_device_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def revise_prompts(enhancer: LocalEnhancer, prompts: Sequence[str], width: int, height: int, seed: int,
+                   settings: SamplingSettings, host: Optional[Host] = None) -> RevisedPrompts:
+    """Each distinct prompt revised once (same seed for each), mapped back to every position it occupies."""
+    done: dict[str, Revision] = {}
+    for prompt in dict.fromkeys(prompts):
+        done[prompt] = enhancer.revise(prompt, width, height, seed, settings, host)
+    return RevisedPrompts([done[p].revised for p in prompts], list(done.values()))
+
+
+# ----------------------------------------------------------------------------------------------------- CLI
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ernie-image enhance",
+        description="Print the prompt enhancer's revised prompt (only that, on stdout).",
+    )
+    parser.add_argument("--model-dir", type=Path, help="diffusers ERNIE-Image folder with pe/ and pe_tokenizer/")
+    parser.add_argument("--pe", type=Path, help="prompt-enhancer file (ernie-image-prompt-enhancer.safetensors) or folder")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer folder, when the PE file embeds none")
+    parser.add_argument("--text-encoder", type=Path, help="text-encoder file whose embedded tokenizer the PE may share")
+    parser.add_argument("--pe-url", help="OpenAI-compatible server serving the PE (vLLM, SGLang), e.g. http://host:8000")
+    parser.add_argument("--pe-model", help="model name on that server (default: the first one it lists)")
+    parser.add_argument("--api-key-env", help="environment variable holding the server's API key")
+    parser.add_argument("--api-key-file", help="file holding the server's API key")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--height", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    parser.add_argument("--quiet", action="store_true", help="no timing line on stderr")
+    return parser
+
+
+class _StderrHost(NullHost):
+    def log(self, message: str) -> None:
+        print(message, file=sys.stderr)
+
+
+def main_enhance(argv: Sequence[str]) -> int:
+    from ..local_pipe import resolve_device, resolve_dtype
+    from ..request import validate_size
+    from .remote_enhancer import ChatEndpoint, revise_prompts_remote
+
+    args = _parser().parse_args(list(argv))
+    validate_size(args.width, args.height)
+    validate_sampling(args.temperature, args.top_p, args.max_new_tokens)
+    host = _StderrHost()
+    started = time.perf_counter()
+    if args.pe_url:
+        endpoint = ChatEndpoint(url=args.pe_url, model=args.pe_model, api_key_env=args.api_key_env,
+                                api_key_file=args.api_key_file)
+        result = revise_prompts_remote(endpoint, [args.prompt], args.width, args.height, args.seed,
+                                       args.temperature, args.top_p, args.max_new_tokens, host)
+    else:
+        if args.model_dir is None and args.pe is None:
+            raise InvalidInputError("no prompt enhancer given: pass --model-dir, --pe FILE or --pe-url URL")
+        sources = ModelSources(model_dir=args.model_dir, pe=args.pe, tokenizer=args.tokenizer,
+                               text_encoder=args.text_encoder)
+        device = resolve_device(args.device)
+        enhancer = LocalEnhancer.load(sources, device, resolve_dtype(args.dtype, device), host=host)
+        try:
+            settings = enhancer.settings(args.temperature, args.top_p, args.max_new_tokens)
+            result = revise_prompts(enhancer, [args.prompt], args.width, args.height, args.seed, settings, host)
+        finally:
+            enhancer.release()
+    print(result.prompts[0])
+    if not args.quiet:
+        info = result.info()
+        host.log(f"prompt enhancer ({info.get('pe', '?')}): {info.get('pe_tokens', 0)} tokens in "
+                 f"{info.get('pe_s', 0.0):.2f} s ({info.get('pe_tokens_per_s', 0.0)} tokens/s); total "
+                 f"{time.perf_counter() - started:.2f} s")
+    return 0

@@ -1,0 +1,189 @@
+"""The prompt enhancer behind an OpenAI-compatible chat endpoint (vLLM or SGLang serving Baidu's PE).
+
+Baidu's "Method 2": the PE runs on its own server, the DiT then gets the revised prompt with the PE off. The
+server applies the PE's own chat template (system text fixed inside it); we send only the user message, as JSON
+`{"prompt", "width", "height"}`, with the seed, so a server that honours `seed` gives the same revision again.
+
+Transport (timeouts, safe retries, size cap, API key, cancel) is `remote/http.py`'s. Failure policy:
+- the server is down, times out, fails (5xx), or answers something unusable or empty: the original prompt is
+  used and the user is told in one line (an image without the PE beats no image);
+- 401/403 and other 4xx (wrong key, wrong model name, wrong URL path) raise: those are settings to fix.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from ..errors import Cancelled, RemoteError
+from ..host import Host, NullHost
+from ..remote.http import (
+    ApiKeySource,
+    BadResponse,
+    ConnectionLost,
+    HttpClient,
+    RetryPolicy,
+    ServerFailed,
+    ServerRejected,
+    ServerUnavailable,
+    Timeouts,
+    private_loop,
+)
+from .enhancer import RevisedPrompts, Revision, validate_sampling
+from .pe_prompt import chat_messages
+
+CHAT_PATH = "/v1/chat/completions"
+MODELS_PATH = "/v1/models"
+POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class ChatEndpoint:
+    """Where the remote PE is. Holds no secret: only where the API key is read from."""
+
+    url: str
+    model: Optional[str] = None  # None: the first model the server lists
+    api_key_env: Optional[str] = None
+    api_key_file: Optional[str] = None
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 120.0
+    retry_attempts: int = 3
+    max_response_mb: int = 8
+
+    def base_url(self) -> str:
+        url = self.url.strip().rstrip("/")
+        for suffix in (CHAT_PATH, "/v1"):
+            if url.endswith(suffix):
+                url = url[: -len(suffix)]
+        return url
+
+    def client(self) -> HttpClient:
+        return HttpClient(
+            self.base_url(),
+            api_key=ApiKeySource(env_var=self.api_key_env or None, file=self.api_key_file or None),
+            timeouts=Timeouts(connect_s=self.connect_timeout_s, read_s=self.read_timeout_s),
+            retry=RetryPolicy(attempts=max(1, self.retry_attempts)),
+            max_body_bytes=self.max_response_mb * 1024 * 1024,
+        )
+
+
+class _Unusable(RemoteError):
+    """The reply parsed but holds no revised prompt."""
+
+
+def _reply_text(data: Any, label: str) -> tuple[str, bool, Optional[int]]:
+    """(content, cut at max_tokens, completion tokens) from a chat-completions reply."""
+    try:
+        choice = data["choices"][0]
+        content = choice["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+        raise _Unusable(f"{label} answered without choices[0].message.content: is it an OpenAI-compatible "
+                        f"chat endpoint?") from None
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise _Unusable(f"{label} answered a non-text message content")
+    usage = data.get("usage") if isinstance(data, dict) else None
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return content, choice.get("finish_reason") == "length", tokens if isinstance(tokens, int) else None
+
+
+async def _model_name(client: HttpClient, endpoint: ChatEndpoint) -> str:
+    if endpoint.model:
+        return endpoint.model
+    reply = await client.request_json("GET", MODELS_PATH)
+    try:
+        return str(reply.data["data"][0]["id"])
+    except (KeyError, IndexError, TypeError):
+        raise _Unusable(f"{client.label} lists no model at {MODELS_PATH}: give the PE model name") from None
+
+
+async def _revise_all(endpoint: ChatEndpoint, prompts: Sequence[str], width: int, height: int, seed: int,
+                      temperature: float, top_p: float, max_new_tokens: int, notes: list[str]) -> list[Revision]:
+    client = endpoint.client()
+    revisions: list[Revision] = []
+    try:
+        try:
+            model = await _model_name(client, endpoint)
+        except (ServerUnavailable, ConnectionLost, ServerFailed, BadResponse, _Unusable) as error:
+            notes.append(_fallback_note(error))
+            return [Revision(p, p, 0, 0.0, "original") for p in prompts]
+        for prompt in prompts:
+            body = {
+                "model": model,
+                "messages": chat_messages(prompt, width, height),
+                "temperature": temperature,
+                "top_p": top_p,
+                "max_tokens": max_new_tokens,
+                "seed": int(seed),
+                "stream": False,
+            }
+            started = time.perf_counter()
+            try:
+                reply = await client.request_json("POST", CHAT_PATH, body)
+                content, truncated, tokens = _reply_text(reply.data, client.label)
+            except (ServerUnavailable, ConnectionLost, ServerFailed, BadResponse, _Unusable) as error:
+                notes.append(_fallback_note(error))
+                revisions.append(Revision(prompt, prompt, 0, time.perf_counter() - started, "original"))
+                continue
+            seconds = time.perf_counter() - started
+            revised = content.strip()
+            if not revised:
+                notes.append(f"remote prompt enhancer at {client.label} returned an empty prompt: the original "
+                             f"prompt is used")
+                revisions.append(Revision(prompt, prompt, tokens or 0, seconds, "original"))
+                continue
+            if truncated:
+                notes.append(f"remote prompt enhancer stopped at the {max_new_tokens}-token cap: the revised "
+                             f"prompt may end mid-sentence; raise the PE max new tokens")
+            revisions.append(Revision(prompt, revised, tokens or 0, seconds, "remote", truncated))
+        return revisions
+    finally:
+        await client.close()
+
+
+def _fallback_note(error: Exception) -> str:
+    return f"remote prompt enhancer failed, the original prompt is used: {error}"
+
+
+def revise_prompts_remote(endpoint: ChatEndpoint, prompts: Sequence[str], width: int, height: int, seed: int,
+                          temperature: float = 0.6, top_p: float = 0.95, max_new_tokens: int = 512,
+                          host: Optional[Host] = None) -> RevisedPrompts:
+    """Revise each distinct prompt on the endpoint. Blocks; Cancel is checked on this thread every 0.1 s.
+
+    Raises `AuthenticationError` (401/403) and `ServerRejected` (other 4xx) with a one-line fix; every other fault
+    keeps the original prompt and is reported through `host.log`.
+    """
+    validate_sampling(temperature, top_p, max_new_tokens)
+    host = host or NullHost()
+    unique = list(dict.fromkeys(prompts))
+    notes: list[str] = []
+    future = asyncio.run_coroutine_threadsafe(
+        _revise_all(endpoint, unique, width, height, seed, temperature, top_p, max_new_tokens, notes), private_loop()
+    )
+    try:
+        while True:
+            try:
+                revisions = future.result(timeout=POLL_S)
+                break
+            except TimeoutError:
+                host.check_cancel()
+    except (Cancelled, KeyboardInterrupt):
+        future.cancel()
+        raise
+    except ServerRejected as error:
+        raise _rejected(error, endpoint) from None
+    finally:
+        for note in notes:
+            host.log(note)
+    done = dict(zip(unique, revisions))
+    return RevisedPrompts([done[p].revised for p in prompts], revisions)
+
+
+def _rejected(error: ServerRejected, endpoint: ChatEndpoint) -> ServerRejected:
+    if error.status in (0, 401, 403):
+        return error  # already says which key source to check
+    hint = (f"check the PE model name ({endpoint.model!r}) and that {endpoint.base_url()} serves the OpenAI API "
+            f"at {CHAT_PATH}")
+    return type(error)(f"remote prompt enhancer: {error}; {hint}", error.status)

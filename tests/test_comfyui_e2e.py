@@ -1,0 +1,420 @@
+"""The pack inside a real ComfyUI, driven through ComfyUI's own HTTP and WebSocket API.
+
+Needs a ComfyUI checkout: ERNIE_COMFYUI_DIR (its folder, with main.py) and ERNIE_COMFYUI_PYTHON (a Python with
+ComfyUI's requirements and this pack's dependencies; default: this one). The server runs headless on the CPU
+(`--cpu --listen 127.0.0.1`) with a temporary --base-directory: the pack is linked into its custom_nodes/ and
+tiny random models built with the real classes are put in its models/ folders under the released file names,
+so the example workflows run as shipped (only their size and step count are shrunk for the CPU).
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+COMFY_DIR = os.environ.get("ERNIE_COMFYUI_DIR", "")
+COMFY_PYTHON = os.environ.get("ERNIE_COMFYUI_PYTHON", sys.executable)
+PACK_NAME = "ernie_image"
+API_WORKFLOWS = sorted((REPO_ROOT / "workflows" / "api").glob("*.json"))
+NODE_IDS = ("ErnieImageLoader", "ErnieImageSampler", "ErnieImageTurboSampler", "ErnieImageQuantConfig",
+            "ErnieImageRemoteBackend")
+TEST_SIDE = 256
+MAX_TEST_STEPS = 4
+START_TIMEOUT_S = 180
+RUN_TIMEOUT_S = 300
+
+pytestmark = [
+    pytest.mark.comfyui,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not COMFY_DIR or not (Path(COMFY_DIR) / "main.py").is_file(),
+        reason="needs a real ComfyUI: set ERNIE_COMFYUI_DIR to a ComfyUI checkout (v0.8.0 tested) and "
+               "ERNIE_COMFYUI_PYTHON to a Python with its requirements and this pack's dependencies",
+    ),
+]
+
+aiohttp = pytest.importorskip("aiohttp")
+
+
+# ------------------------------------------------------------------------------------------ the server
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def place_tiny_models(models: Path, scratch: Path) -> dict[str, Path]:
+    """Tiny models under the file names the example workflows expect; returns name -> path."""
+    from ernie_image.runtime.quant.writer import read_bf16_dit, write_quantized_file
+    from ernie_image.runtime.tiny import build_tiny_model
+
+    turbo = build_tiny_model(scratch / "turbo", layout="comfy", variant="turbo")
+    base = build_tiny_model(scratch / "base", layout="comfy", variant="base", with_pe=True)
+    placed = {
+        "diffusion_models/ernie-image-turbo.safetensors": turbo.dit,
+        "diffusion_models/ernie-image.safetensors": base.dit,
+        "text_encoders/ministral-3-3b.safetensors": turbo.text_encoder,
+        "text_encoders/ernie-image-prompt-enhancer.safetensors": base.pe,
+        "vae/flux2-vae.safetensors": turbo.vae,
+    }
+    paths: dict[str, Path] = {}
+    for relative, source in placed.items():
+        target = models / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+        paths[Path(relative).name] = target
+    gguf = models / "diffusion_models" / "ernie-image-turbo-UD-Q4_K_M.gguf"
+    write_quantized_file(read_bf16_dit(turbo.dit), "q8_0", gguf)
+    paths[gguf.name] = gguf
+    return paths
+
+
+@dataclass
+class Comfy:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    base: Path
+    models: dict[str, Path]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory: pytest.TempPathFactory):
+    base = tmp_path_factory.mktemp("comfy_base")
+    (base / "custom_nodes").mkdir()
+    (base / "custom_nodes" / PACK_NAME).symlink_to(REPO_ROOT, target_is_directory=True)
+    models = place_tiny_models(base / "models", tmp_path_factory.mktemp("tiny"))
+    port = free_port()
+    log_path = base / "comfyui.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [COMFY_PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+             "--base-directory", str(base), "--preview-method", "auto"],
+            cwd=COMFY_DIR, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    server = Comfy(f"http://127.0.0.1:{port}", process, log_path, base, models)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"ComfyUI exited with {process.returncode} while starting:\n{server.log()[-3000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"ComfyUI did not listen within {START_TIMEOUT_S} s:\n{server.log()[-3000:]}")
+                time.sleep(0.5)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+# --------------------------------------------------------------------------------------------- the API
+async def get_json(comfy: Comfy, path: str) -> Any:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(comfy.url + path) as response:
+            assert response.status == 200, f"GET {path} -> {response.status}"
+            return await response.json()
+
+
+async def post(comfy: Comfy, path: str, body: Any) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(comfy.url + path, json=body) as response:
+            text = await response.text()
+            return response.status, (json.loads(text) if text.strip().startswith(("{", "[")) else text)
+
+
+@dataclass
+class Run:
+    prompt_id: str
+    outcome: str  # execution_success, execution_error or execution_interrupted
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    previews: int = 0
+    history: dict[str, Any] = field(default_factory=dict)
+
+    def of_type(self, kind: str) -> list[dict[str, Any]]:
+        return [m["data"] for m in self.messages if m["type"] == kind]
+
+    @property
+    def error(self) -> Optional[dict[str, Any]]:
+        errors = self.of_type("execution_error")
+        return errors[0] if errors else None
+
+
+async def run_prompt(comfy: Comfy, graph: dict[str, Any], interrupt_on_progress_of: Optional[str] = None) -> Run:
+    """Queue a prompt and follow it on the WebSocket to its end; optionally press Cancel at its first step."""
+    client_id = uuid.uuid4().hex
+    async with aiohttp.ClientSession() as session:
+        async with session.ws_connect(f"{comfy.url}/ws?clientId={client_id}") as ws:
+            async with session.post(f"{comfy.url}/prompt", json={"prompt": graph, "client_id": client_id}) as response:
+                body = await response.json()
+                assert response.status == 200, f"POST /prompt -> {response.status}: {json.dumps(body)[:2000]}"
+            run = Run(prompt_id=body["prompt_id"], outcome="")
+            interrupted = False
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while not run.outcome:
+                message = await ws.receive(timeout=max(1.0, deadline - time.monotonic()))
+                if message.type == aiohttp.WSMsgType.BINARY:
+                    run.previews += 1
+                    continue
+                if message.type != aiohttp.WSMsgType.TEXT:
+                    pytest.fail(f"WebSocket closed: {message}")
+                event = json.loads(message.data)
+                data = event.get("data") or {}
+                if data.get("prompt_id") not in (None, run.prompt_id):
+                    continue
+                run.messages.append(event)
+                if (interrupt_on_progress_of and not interrupted and event["type"] == "progress"
+                        and data.get("node") == interrupt_on_progress_of):
+                    interrupted = True
+                    async with session.post(f"{comfy.url}/interrupt", json={}) as answer:
+                        assert answer.status == 200
+                if event["type"] in ("execution_success", "execution_error", "execution_interrupted"):
+                    run.outcome = event["type"]
+        # ComfyUI sends execution_success before it writes the history entry: wait for the entry.
+        deadline = time.monotonic() + 30
+        while not run.history and time.monotonic() < deadline:
+            async with session.get(f"{comfy.url}/history/{run.prompt_id}") as response:
+                run.history = (await response.json()).get(run.prompt_id, {})
+            if not run.history:
+                await asyncio.sleep(0.1)
+    return run
+
+
+async def view_image(comfy: Comfy, image: dict[str, str]):
+    from PIL import Image
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{comfy.url}/view", params={**image}) as response:
+            assert response.status == 200
+            return Image.open(io.BytesIO(await response.read())).convert("RGB")
+
+
+def node_of(graph: dict[str, Any], class_type: str) -> tuple[str, dict[str, Any]]:
+    return next((node_id, node) for node_id, node in graph.items() if node["class_type"] == class_type)
+
+
+def shrunk(graph: dict[str, Any]) -> dict[str, Any]:
+    """The shipped workflow, at 256x256 and at most 4 steps so it runs in seconds on a CPU."""
+    graph = copy.deepcopy(graph)
+    for node in graph.values():
+        if node["class_type"] in ("ErnieImageSampler", "ErnieImageTurboSampler"):
+            node["inputs"].update(resolution="custom", width=TEST_SIDE, height=TEST_SIDE,
+                                  steps=min(node["inputs"]["steps"], MAX_TEST_STEPS))
+    return graph
+
+
+def load_workflow(name: str) -> dict[str, Any]:
+    return json.loads((REPO_ROOT / "workflows" / "api" / f"{name}.json").read_text())
+
+
+def saved_images(run: Run) -> list[dict[str, str]]:
+    return [image for output in run.history.get("outputs", {}).values() for image in output.get("images", [])]
+
+
+# ----------------------------------------------------------------------------------------------- tests
+def test_pack_imports_cleanly(comfy: Comfy) -> None:
+    log = comfy.log()
+    pack_path = str(comfy.base / "custom_nodes" / PACK_NAME)
+    assert f"Cannot import {pack_path}" not in log and "IMPORT FAILED" not in log.split("Import times for custom nodes:")[-1].split(PACK_NAME)[0]
+    assert "(IMPORT FAILED)" not in next(line for line in log.splitlines() if line.rstrip().endswith(pack_path))
+
+
+async def test_object_info_lists_every_node_with_its_inputs(comfy: Comfy) -> None:
+    from ernie_image.nodes import NODE_CLASS_MAPPINGS
+
+    info = await get_json(comfy, "/object_info")
+    for node_id in NODE_IDS:
+        assert node_id in info, f"{node_id} missing from /object_info"
+        served = info[node_id]
+        declared = NODE_CLASS_MAPPINGS[node_id].INPUT_TYPES()
+        assert served["category"] == "ERNIE-Image" and served["description"]
+        for section in ("required", "optional"):
+            assert list(served["input"].get(section, {})) == list(declared.get(section, {}))
+            for name, spec in served["input"].get(section, {}).items():
+                assert spec[1].get("tooltip"), f"{node_id}.{name} has no tooltip in ComfyUI"
+        assert served["output"] == list(NODE_CLASS_MAPPINGS[node_id].RETURN_TYPES)
+    # The Loader lists the files placed in ComfyUI's folders, .gguf included through the pack's own key.
+    loader = info["ErnieImageLoader"]["input"]["required"]
+    assert "ernie-image-turbo.safetensors" in loader["diffusion_model"][0]
+    assert "ernie-image-turbo-UD-Q4_K_M.gguf" in loader["diffusion_model"][0]
+    assert "ministral-3-3b.safetensors" in loader["text_encoder"][0]
+    assert "flux2-vae.safetensors" in loader["vae"][0]
+    seed = info["ErnieImageSampler"]["input"]["required"]["seed"][1]
+    assert seed.get("control_after_generate") is True
+
+
+async def test_web_extension_docs_and_templates_are_served(comfy: Comfy) -> None:
+    async with aiohttp.ClientSession() as session:
+        extensions = await (await session.get(f"{comfy.url}/extensions")).json()
+        assert f"/extensions/{PACK_NAME}/ernie_image.js" in extensions
+        async with session.get(f"{comfy.url}/extensions/{PACK_NAME}/ernie_image.js") as response:
+            assert response.status == 200 and "registerExtension" in await response.text()
+        for node_id in NODE_IDS:
+            async with session.get(f"{comfy.url}/extensions/{PACK_NAME}/docs/{node_id}.md") as response:
+                assert response.status == 200, f"help page of {node_id} not served"
+        templates = await (await session.get(f"{comfy.url}/api/workflow_templates")).json()
+        assert sorted(templates[PACK_NAME]) == sorted(p.stem for p in (REPO_ROOT / "workflows").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", API_WORKFLOWS, ids=lambda p: p.stem)
+async def test_every_api_workflow_runs_headless(comfy: Comfy, path: Path) -> None:
+    graph = shrunk(json.loads(path.read_text()))
+    fake = None
+    if any(n["class_type"] == "ErnieImageRemoteBackend" for n in graph.values()):
+        from fake_sglang import FakeSglang
+
+        fake = FakeSglang(model_id="baidu/ERNIE-Image-Turbo")
+        fake.start()
+        node_of(graph, "ErnieImageRemoteBackend")[1]["inputs"]["server_urls"] = fake.url
+    try:
+        run = await run_prompt(comfy, graph)
+    finally:
+        if fake is not None:
+            fake.stop()
+    assert run.outcome == "execution_success", f"{path.stem}: {run.error}"
+    images = saved_images(run)
+    assert len(images) == 1
+    picture = await view_image(comfy, images[0])
+    assert picture.size == (TEST_SIDE, TEST_SIDE)
+    progress = [m for m in run.of_type("progress")]
+    assert progress and progress[-1]["value"] == progress[-1]["max"], "no progress reached the UI"
+    if fake is not None:
+        assert len(fake.generations) == 1
+
+
+async def test_view_returns_the_runtimes_own_image_for_the_same_seed(comfy: Comfy) -> None:
+    import numpy as np
+    import torch
+
+    from ernie_image.runtime.host import NullHost
+    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+    from ernie_image.runtime.model_files import ModelSources
+    from ernie_image.runtime.request import GenerationRequest
+
+    graph = shrunk(load_workflow("ernie_image_turbo_local"))
+    sampler = node_of(graph, "ErnieImageTurboSampler")[1]["inputs"]
+    sampler.update(seed=1234, width=320, height=256)
+    run = await run_prompt(comfy, graph)
+    assert run.outcome == "execution_success", run.error
+    served = np.asarray(await view_image(comfy, saved_images(run)[0]))
+    assert served.shape == (256, 320, 3)
+
+    sources = ModelSources(dit=comfy.models["ernie-image-turbo.safetensors"],
+                           text_encoder=comfy.models["ministral-3-3b.safetensors"],
+                           vae=comfy.models["flux2-vae.safetensors"])
+    request = GenerationRequest(prompt=sampler["prompt"], width=320, height=256, steps=sampler["steps"],
+                                cfg=sampler["cfg"], shift=sampler["shift"], seed=1234, use_pe=sampler["use_pe"])
+    reference = LocalPipe.load(sources, LoadOptions(device="cpu")).generate(request, NullHost()).images[0]
+    expected = (reference.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+    difference = np.abs(served.astype(int) - expected.astype(int))
+    assert difference.max() <= 1, f"ComfyUI's image differs from the runtime's by up to {difference.max()} levels"
+
+
+async def test_cancel_mid_run_interrupts_and_releases_memory(comfy: Comfy) -> None:
+    graph = shrunk(load_workflow("ernie_image_base_prompt_enhancer"))
+    sampler_id, sampler = node_of(graph, "ErnieImageSampler")
+    sampler["inputs"].update(steps=400, seed=77)
+    run = await run_prompt(comfy, graph, interrupt_on_progress_of=sampler_id)
+    assert run.outcome == "execution_interrupted", f"ended with {run.outcome}: {run.error}"
+    steps_seen = [m["value"] for m in run.of_type("progress") if m["node"] == sampler_id]
+    assert steps_seen and max(steps_seen) < 400
+    assert run.previews >= 1, "no latent preview frame reached the UI"
+    memory = await get_json(comfy, "/ernie_image/memory")
+    local = [p for p in memory["pipes"] if p["kind"] == "local"]
+    assert local and not any(p["loaded"] for p in local), f"weights still held after Cancel: {memory}"
+
+
+async def test_width_1000_is_refused_before_running_with_a_clear_message(comfy: Comfy) -> None:
+    graph = shrunk(load_workflow("ernie_image_turbo_local"))
+    sampler_id, sampler = node_of(graph, "ErnieImageTurboSampler")
+    sampler["inputs"]["width"] = 1000
+    status, body = await post(comfy, "/prompt", {"prompt": graph, "client_id": "e2e"})
+    assert status == 400
+    errors = body["node_errors"][sampler_id]["errors"]
+    assert any("width 1000 is not allowed" in e["details"] and "multiple of 16" in e["details"]
+               and "use 992" in e["details"] for e in errors), errors
+
+
+async def test_a_bad_model_file_reaches_the_ui_as_a_clear_error_and_frees_memory(comfy: Comfy) -> None:
+    graph = shrunk(load_workflow("ernie_image_turbo_local"))
+    loader_id, loader = node_of(graph, "ErnieImageLoader")
+    loader["inputs"]["vae"] = "flux2-vae.safetensors"
+    loader["inputs"]["text_encoder"] = "ernie-image.safetensors"  # a DiT where the text encoder belongs
+    loader["inputs"]["diffusion_model"] = "ernie-image-turbo.safetensors"
+    run = await run_prompt(comfy, graph)
+    assert run.outcome == "execution_error"
+    message = run.error["exception_message"]
+    assert "\n" not in message.strip() and "text" in message.lower(), message
+    assert run.error["exception_type"].split(".")[-1] in ("ModelFileError", "InvalidInputError", "ErnieImageError")
+
+
+async def test_keep_loaded_and_comfyuis_free_button(comfy: Comfy) -> None:
+    graph = shrunk(load_workflow("ernie_image_turbo_local"))
+    node_of(graph, "ErnieImageTurboSampler")[1]["inputs"]["seed"] = 5
+    run = await run_prompt(comfy, graph)
+    assert run.outcome == "execution_success", run.error
+    memory = await get_json(comfy, "/ernie_image/memory")
+    assert any(p["kind"] == "local" and p["loaded"] for p in memory["pipes"]), "keep_loaded did not keep the weights"
+
+    # "Unload models" only reaches ComfyUI's own model list: the pack's weights stay (documented limit).
+    status, _ = await post(comfy, "/free", {"unload_models": True})
+    assert status == 200
+    await asyncio.sleep(2)
+    memory = await get_json(comfy, "/ernie_image/memory")
+    assert any(p["loaded"] for p in memory["pipes"])
+
+    # "Free model and node cache" drops the node cache, and with it the Loader's pipe and its weights.
+    status, _ = await post(comfy, "/free", {"unload_models": True, "free_memory": True})
+    assert status == 200
+    deadline = time.monotonic() + 20
+    while (await get_json(comfy, "/ernie_image/memory"))["live_pipes"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    assert (await get_json(comfy, "/ernie_image/memory"))["live_pipes"] == 0
+
+
+async def test_keep_loaded_off_frees_weights_after_the_run(comfy: Comfy) -> None:
+    graph = shrunk(load_workflow("ernie_image_turbo_12gb_budget"))
+    run = await run_prompt(comfy, graph)
+    assert run.outcome == "execution_success", run.error
+    plan = [m for m in run.of_type("executed") if m["node"] == node_of(graph, "ErnieImageLoader")[0]]
+    assert plan and plan[0]["output"]["text"][0], "the Loader sent no memory plan to the UI"
+    memory = await get_json(comfy, "/ernie_image/memory")
+    assert memory["pipes"] and not any(p["loaded"] for p in memory["pipes"] if p["kind"] == "local")
+
+
+async def test_remote_test_connection_route(comfy: Comfy) -> None:
+    from fake_sglang import FakeSglang
+
+    with FakeSglang(model_id="baidu/ERNIE-Image-Turbo") as fake:
+        status, body = await post(comfy, "/ernie_image/test_connection", {"server_urls": fake.url})
+        assert status == 200 and body["ok"], body
+        assert body["servers"][0]["model"] == "baidu/ERNIE-Image-Turbo"
+        assert not fake.generations, "Test connection must not generate"
+    status, body = await post(comfy, "/ernie_image/test_connection", {"server_urls": fake.url})
+    assert status == 200 and not body["ok"] and body["servers"][0]["problems"]
+    status, body = await post(comfy, "/ernie_image/test_connection", {"server_urls": fake.url, "api_key_env": "sk-123 secret"})
+    assert status == 400 and "NAME of an environment variable" in body["error"] and "secret" not in body["error"]

@@ -1,0 +1,96 @@
+"""LocalPipe with a VRAM budget, on the CPU playing the device: the streamed image equals the resident one,
+a budget that cannot fit fails before anything loads, and a cancel in mid-step releases everything."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ernie_image.runtime.errors import Cancelled, MemoryBudgetError
+from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.offload.planner import GiB, plan_memory
+from ernie_image.runtime.offload.session import TEXT_TOKENS_FOR_PLAN
+from ernie_image.runtime.offload.workspace import Job
+from ernie_image.runtime.request import GenerationRequest
+from ernie_image.runtime.tiny import TinySizes, build_tiny_model
+
+SIZES = TinySizes(dit_layers=6)
+REQUEST = GenerationRequest(prompt="a red fox", negative_prompt="blurry", width=256, height=256, steps=2, cfg=3.0,
+                            seed=7, batch=1)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), variant="turbo", sizes=SIZES)
+
+
+@pytest.fixture(scope="module")
+def resident_result(model):
+    pipe = LocalPipe.load(model, LoadOptions(device="cpu"))
+    return pipe.generate(REQUEST, NullHost())
+
+
+def job() -> Job:
+    return Job(REQUEST.width, REQUEST.height, REQUEST.batch, REQUEST.cfg, TEXT_TOKENS_FOR_PLAN)
+
+
+def streaming_budget_gb(model) -> float:
+    """A budget (GiB) at which the tiny DiT streams some of its blocks and the text tower streams."""
+    pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=1.0))
+    sizes = pipe.memory._sizes(model, pipe.variant)
+    for step in range(1, 4000):
+        budget = step * 4096 * 16
+        try:
+            plan = plan_memory(budget, job(), sizes, "cpu")
+        except MemoryBudgetError:
+            continue
+        if 0 < len(plan.dit.streamed) < SIZES.dit_layers - 1 and plan.text.mode == "streamed":
+            return budget / GiB
+    raise AssertionError("no budget streams part of the tiny DiT")
+
+
+def test_streamed_pipe_gives_the_resident_image(model, resident_result):
+    budget = streaming_budget_gb(model)
+    pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=budget, keep_loaded=True))
+    for _ in range(2):  # the second run reuses the placed DiT and the parked text tower
+        result = pipe.generate(REQUEST, NullHost())
+        assert torch.equal(result.latents, resident_result.latents)
+        assert torch.equal(result.images, resident_result.images)
+    plan = pipe.memory.plan
+    assert plan.dit.streamed and plan.dit.resident and plan.text.mode == "streamed"
+    assert pipe.memory.dit.streamer is not None and pipe.memory.text.streamer.parked
+    pipe.release()
+    assert pipe.memory.dit is None and pipe._loaded.dit is None
+
+
+def test_budget_too_small_fails_before_loading_anything(model):
+    pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=1e-6))
+    with pytest.raises(MemoryBudgetError, match=r"needs at least .* GB of VRAM"):
+        pipe.generate(REQUEST, NullHost())
+    assert pipe._loaded.dit is None and pipe._loaded.text_tower is None and pipe.memory.plan is None
+
+
+class CancelAfterBlocks(NullHost):
+    """Cancels once `blocks` DiT blocks have run: check_cancel is called between blocks, not only steps."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.calls = 0
+        self.blocks = blocks
+
+    def check_cancel(self) -> None:
+        self.calls += 1
+        if self.calls > self.blocks:
+            raise Cancelled("generation cancelled by the user")
+
+
+def test_cancel_in_mid_step_releases_everything(model, resident_result):
+    budget = streaming_budget_gb(model)
+    pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=budget, keep_loaded=True))
+    host = CancelAfterBlocks(blocks=8)  # a few checks before sampling, then blocks of the first step
+    with pytest.raises(Cancelled):
+        pipe.generate(REQUEST, host)
+    assert host.progress_calls == []  # it stopped inside the first step
+    assert pipe.memory.dit is None and pipe.memory.text is None
+    assert pipe._loaded.dit is None and pipe._loaded.text_tower is None
+    assert torch.equal(pipe.generate(REQUEST, NullHost()).latents, resident_result.latents)
