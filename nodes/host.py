@@ -20,12 +20,6 @@ def _model_management() -> Optional[Any]:
     return model_management
 
 
-def interrupted_exception() -> type[BaseException]:
-    """ComfyUI's own interrupt exception: raising it makes the run end with execution_interrupted."""
-    mm = _model_management()
-    return mm.InterruptProcessingException if mm is not None else Cancelled
-
-
 def _preview_size() -> int:
     try:
         from comfy.cli_args import args  # type: ignore[import-not-found]

@@ -28,7 +28,7 @@ MAX_BODY_BYTES = 16 * 1024
 
 async def _check_rows(urls: list[str], env_name: Optional[str], key_file: Optional[str],
                       connect_timeout_s: float) -> list[dict[str, Any]]:
-    from ..runtime.remote.check import check_one, format_check_table  # noqa: F401 - table used by callers
+    from ..runtime.remote.check import check_one
     from ..runtime.remote.http import ApiKeySource
 
     api_key = ApiKeySource(env_var=env_name, file=key_file)
@@ -76,8 +76,9 @@ def register_routes() -> bool:
     """Add the routes when running inside ComfyUI's server; a no-op anywhere else (tests, CLI)."""
     server_module = sys.modules.get("server")
     prompt_server = getattr(getattr(server_module, "PromptServer", None), "instance", None)
-    if prompt_server is None:
-        return False
+    if prompt_server is None or getattr(prompt_server, "_ernie_image_routes", False):
+        return False  # outside ComfyUI, or already added (aiohttp refuses a route registered twice)
+    prompt_server._ernie_image_routes = True
     from aiohttp import web
 
     routes = prompt_server.routes

@@ -92,8 +92,6 @@ def run_generation(pipe: Any, request: GenerationRequest, node_id: Optional[str]
                 f"out of GPU memory while generating ({error}); set a lower VRAM budget on the Loader, "
                 "a smaller size or batch, or a quantised format"
             ) from error
-        if type(error).__name__ == "InterruptProcessingException":
-            raise
         raise
 
 

@@ -41,5 +41,5 @@ def compile_blocks(dit: ErnieDiT) -> bool:
         return False
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for block in dit.layers:
-        block.compile(fullgraph=True)
+        block.compile()
     return True

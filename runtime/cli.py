@@ -165,13 +165,16 @@ def _lazy(module: str, function: str) -> Callable[[Sequence[str]], int]:
 COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
     "generate": ("generate an image (tiny demo model when no weights are given)", main_generate),
     "plan": ("show the VRAM plan for a budget and size (no GPU, no weights)", _lazy(".offload.cli_plan", "main_plan")),
-    "quantize": ("write a quantised DiT file (fp8, q8_0, nvfp4) once", _lazy(".quant.cli_quantize", "main_quantize")),
+    "quantize": ("write a quantised DiT file (fp8, q8_0, nvfp4) once", _lazy(".quant.writer", "main_quantize")),
     "enhance": ("print the prompt enhancer's revised prompt", _lazy(".text.enhancer", "main_enhance")),
     "check-remote": ("check SGLang servers: readiness, model, one tiny generation", _lazy(".remote.check", "main_check_remote")),
 }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # Streaming weights through fixed buffers while activations change size fragments the caching allocator;
+    # expandable segments avoid that. Set before torch initialises CUDA; a user's own setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         width = max(len(name) for name in COMMANDS)

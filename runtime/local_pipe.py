@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import torch
 
+from .acceleration import compile_blocks, fuse_projections
 from .decode import decode_images
 from .errors import Cancelled, ModelFileError
 from .formats import open_component
@@ -37,6 +38,7 @@ class LoadOptions:
     keep_loaded: bool = True  # keep weights (in host RAM when they do not fit) between runs
     quant: str = "none"  # "none", "auto", "fp8", "q8_0", "nvfp4", or a quantised file given as the DiT
     previews: bool = True
+    compile: str = "auto"  # "auto" (on when a CUDA compiler is there), "on", "off": regional torch.compile of the DiT
     # Prompt enhancer on an OpenAI-compatible chat server (text.remote_enhancer.ChatEndpoint; holds no secret).
     # When set, requests with use_pe are revised there instead of by a local PE.
     pe_endpoint: Optional[Any] = None
@@ -80,6 +82,7 @@ class LocalPipe:
         self.dtype = resolve_dtype(options.dtype, self.device)
         self._loaded = _Loaded()
         self.timings: dict[str, float] = {}
+        self.compiled = False
         self.memory = PipeMemory(self.device, self.dtype, options.vram_budget_gb, options.quant)
 
     @classmethod
@@ -121,7 +124,13 @@ class LocalPipe:
     def _dit(self):
         if self._loaded.dit is None:
             component = open_component(self.sources.component("transformer"), "dit")
-            self._loaded.dit = self.memory.place_dit(build_dit(component, self.memory.build_device(), self.dtype))
+            dit = build_dit(component, self.memory.build_device(), self.dtype)
+            if self.device.type == "cuda":
+                fuse_projections(dit)
+            dit = self.memory.place_dit(dit)
+            if self.options.compile != "off" and compile_blocks(dit):
+                self.compiled = True
+            self._loaded.dit = dit
         return self._loaded.dit
 
     def _vae(self):

@@ -101,6 +101,8 @@ def _fill_module(module: torch.nn.Module, component, device: torch.device, dtype
         if not tensor.is_floating_point():
             want = tensor.dtype
         loaded[key] = tensor.to(device=device, dtype=want)
+        if loaded[key].data_ptr() != tensor.data_ptr() and hasattr(component, "release"):
+            component.release(key)  # a converted copy exists: the mapped file pages need not stay in RAM
     module.load_state_dict(loaded, strict=True, assign=True)
     return module.eval().requires_grad_(False)
 

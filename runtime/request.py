@@ -26,7 +26,7 @@ RESOLUTION_PRESETS: tuple[tuple[int, int], ...] = (
 
 
 def nearest_valid_side(value: int) -> int:
-    snapped = int(round(value / SIDE_MULTIPLE)) * SIDE_MULTIPLE
+    snapped = (value + SIDE_MULTIPLE // 2) // SIDE_MULTIPLE * SIDE_MULTIPLE  # half rounds up: 1000 -> 1008
     return max(MIN_SIDE, min(MAX_SIDE, snapped))
 
 

@@ -13,7 +13,7 @@ LATENT_DOWNSCALE = 16
 
 def initial_noise(seed: int, batch: int, width: int, height: int) -> torch.Tensor:
     """Exactly ComfyUI's draw: one float32 CPU generator for the whole batch, so a seed is machine-independent."""
-    generator = torch.manual_seed(seed)
+    generator = torch.Generator(device="cpu").manual_seed(seed)  # same numbers as torch.manual_seed(seed), no global side effect
     shape = (batch, LATENT_CHANNELS, height // LATENT_DOWNSCALE, width // LATENT_DOWNSCALE)
     return torch.randn(shape, dtype=torch.float32, generator=generator, device="cpu")
 

@@ -1,7 +1,6 @@
 """The local prompt enhancer: Baidu's prompt format, diffusers' sampling maths, private seeding, both file layouts."""
 from __future__ import annotations
 
-import json
 import types
 from pathlib import Path
 
@@ -167,3 +166,19 @@ def test_cli_prints_only_the_revised_prompt(pe_dir, enhancer, capsys):
 def test_cli_refuses_a_bad_size(pe_dir):
     with pytest.raises(InvalidInputError, match="width 1000"):
         main_enhance(["--model-dir", str(pe_dir), "--prompt", "x", "--width", "1000"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_a_seed_gives_one_revision_and_the_phase_hands_the_memory_back(pe_dir):
+    cuda = torch.device("cuda")
+    gpu = LocalEnhancer.load(ModelSources(model_dir=pe_dir), cuda, torch.bfloat16)
+    settings = gpu.settings(0.6, 0.95, 16)
+    first = gpu.revise(PROMPTS[1], 1024, 1024, 5, settings)
+    torch.cuda.manual_seed_all(77)
+    torch.rand(10, device=cuda)
+    assert gpu.revise(PROMPTS[1], 1024, 1024, 5, settings).revised == first.revised
+    gpu.offload()
+    assert gpu.model.get_input_embeddings().weight.device.type == "cpu"
+    assert gpu.revise(PROMPTS[1], 1024, 1024, 5, settings).revised == first.revised  # back on the GPU for the phase
+    gpu.release()

@@ -87,10 +87,13 @@ class CancelAfterBlocks(NullHost):
 def test_cancel_in_mid_step_releases_everything(model, resident_result):
     budget = streaming_budget_gb(model)
     pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=budget, keep_loaded=True))
-    host = CancelAfterBlocks(blocks=8)  # a few checks before sampling, then blocks of the first step
+    counting = CancelAfterBlocks(blocks=10**6)
+    pipe.generate(REQUEST, counting)
+    # the last checks: step 2's own check, its 6 blocks, the one before decode; stop 3 blocks into step 2
+    host = CancelAfterBlocks(blocks=counting.calls - 5)
     with pytest.raises(Cancelled):
         pipe.generate(REQUEST, host)
-    assert host.progress_calls == []  # it stopped inside the first step
+    assert host.progress_calls == [(1, 2)]  # it stopped inside the second step
     assert pipe.memory.dit is None and pipe.memory.text is None
     assert pipe._loaded.dit is None and pipe._loaded.text_tower is None
     assert torch.equal(pipe.generate(REQUEST, NullHost()).latents, resident_result.latents)

@@ -1,7 +1,6 @@
 // ERNIE-Image nodes in ComfyUI's editor: resolution presets, the Loader's memory plan, Remote "Test connection".
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
-import { ComfyWidgets } from "../../scripts/widgets.js";
 
 const SAMPLERS = new Set(["ErnieImageSampler", "ErnieImageTurboSampler"]);
 const SHOWS_TEXT = new Set(["ErnieImageLoader", "ErnieImageRemoteBackend", "ErnieImageQuantConfig"]);
@@ -53,13 +52,19 @@ function attachResolutionPicker(node) {
   requestAnimationFrame(applyPreset);
 }
 
+// A read-only text box on the node (a DOM widget: ComfyUI's public way to put HTML on a node).
 function textWidget(node, name) {
   let shown = widget(node, name);
   if (!shown) {
-    shown = ComfyWidgets.STRING(node, name, ["STRING", { multiline: true }], app).widget;
-    shown.inputEl.readOnly = true;
-    shown.inputEl.style.opacity = 0.8;
-    shown.serialize = false; // display only: never saved into the workflow
+    const box = document.createElement("textarea");
+    box.readOnly = true;
+    box.style.cssText = "width:100%;min-height:4.5em;font:11px monospace;opacity:0.85;resize:none;";
+    shown = node.addDOMWidget(name, "ernie_text", box, {
+      getValue: () => box.value,
+      setValue: (text) => { box.value = text; },
+      serialize: false, // display only: never saved into the workflow
+    });
+    shown.serialize = false;
   }
   return shown;
 }

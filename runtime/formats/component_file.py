@@ -64,6 +64,7 @@ class ComponentFile:
     _loaders: dict[str, Loader] = field(repr=False, default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
     quantized: bool = False  # tensors may be runtime.quant.QuantizedWeight (build through runtime/quant)
+    _releasers: dict[str, Callable[[], None]] = field(repr=False, default_factory=dict)
 
     def tensor(self, key: str) -> torch.Tensor:
         try:
@@ -71,6 +72,12 @@ class ComponentFile:
         except KeyError:
             raise ModelFileError(f"{self.path} has no tensor {key!r}: the file is not a complete {self.kind}") from None
         return loader()
+
+    def release(self, key: str) -> None:
+        """The caller holds its own converted copy of `key`: let the mapped file pages go from RAM."""
+        releaser = self._releasers.get(key)
+        if releaser is not None:
+            releaser()
 
 
 def open_component(path: Path, kind: Kind) -> ComponentFile:
@@ -94,13 +101,13 @@ def open_component(path: Path, kind: Kind) -> ComponentFile:
         return _open_quantized(path, kind, "quantized-safetensors")
     identity = identify(shapes)
     _check_kind(identity, kind, path, shapes)
-    loaders, bfl = _canonical_loaders(kind, identity, owner)
+    loaders, bfl, releasers = _canonical_loaders(kind, identity, owner)
     config = _read_config(path, metadata)
     if kind == "vae" and config is None:
-        config = config_from_shapes(_canonical_shapes(loaders, kind, identity, shapes), _released_vae_config())
+        config = config_from_shapes(_decoder_shapes(loaders), _released_vae_config())
     layout = "diffusers-folder" if path.is_dir() else ("single-file-bfl" if bfl else "single-file")
     return ComponentFile(kind=kind, layout=layout, path=path, config=config, keys=sorted(loaders),
-                         _loaders=loaders, metadata=metadata)
+                         _loaders=loaders, metadata=metadata, _releasers=releasers)
 
 
 def _is_gguf(path: Path) -> bool:
@@ -156,9 +163,11 @@ def _view(reader: SafetensorsFile, raw_key: str, reshape=None) -> Loader:
     return lambda: reshape(reader.tensor(raw_key))
 
 
-def _canonical_loaders(kind: str, identity: Identity, owner: dict[str, SafetensorsFile]) -> tuple[dict[str, Loader], bool]:
+def _canonical_loaders(kind: str, identity: Identity, owner: dict[str, SafetensorsFile]
+                       ) -> tuple[dict[str, Loader], bool, dict[str, Callable[[], None]]]:
     prefix = identity.prefix
     loaders: dict[str, Loader] = {}
+    releasers: dict[str, Callable[[], None]] = {}
     if kind == "vae" and identity.layout == "bfl":
         inner = {key[len(prefix):]: reader for key, reader in owner.items() if key.startswith(prefix)}
         count = num_up_blocks_bfl(inner)
@@ -166,10 +175,12 @@ def _canonical_loaders(kind: str, identity: Identity, owner: dict[str, Safetenso
             name, reshape = bfl_to_diffusers(key, count)
             if name is not None:
                 loaders[name] = _view(reader, prefix + key, reshape)
+                releasers[name] = lambda reader=reader, raw=prefix + key: reader.release(raw)
     else:
         for raw_key, reader in owner.items():
             if kind == "pe" and raw_key == "lm_head.weight":
                 loaders["lm_head.weight"] = _view(reader, raw_key)
+                releasers["lm_head.weight"] = lambda reader=reader, raw=raw_key: reader.release(raw)
                 continue
             if not raw_key.startswith(prefix):
                 continue
@@ -177,13 +188,14 @@ def _canonical_loaders(kind: str, identity: Identity, owner: dict[str, Safetenso
             if name.startswith(SKIPPED[kind]) or raw_key.startswith(SKIPPED[kind]):
                 continue
             loaders[name] = _view(reader, raw_key)
+            releasers[name] = lambda reader=reader, raw=raw_key: reader.release(raw)
     if kind == "vae" and "bn.running_mean" in loaders and "bn.num_batches_tracked" not in loaders:
         # BatchNorm's step counter: in diffusers' state dict, absent from some files, unused at inference.
         loaders["bn.num_batches_tracked"] = lambda: torch.tensor(0, dtype=torch.int64)
-    return loaders, kind == "vae" and identity.layout == "bfl"
+    return loaders, kind == "vae" and identity.layout == "bfl", releasers
 
 
-def _canonical_shapes(loaders: dict[str, Loader], kind: str, identity: Identity, shapes: dict) -> dict:
+def _decoder_shapes(loaders: dict[str, Loader]) -> dict:
     # Views are free (no data is read for a mapped tensor's shape), so ask the loaders.
     return {key: tuple(loader().shape) for key, loader in loaders.items() if key.startswith("decoder.")}
 

@@ -85,6 +85,19 @@ class SafetensorsFile:
         return flat.view(info.shape)
 
 
+    def release(self, key: str) -> None:
+        """Drop the pages holding `key` from this process's memory once a converted copy exists (the kernel
+        re-reads them from the file if they are ever touched again). Only whole pages inside the tensor."""
+        if self._mapping is None or not hasattr(self._mapping, "madvise"):
+            return
+        info = self.infos[key]
+        page = mmap.PAGESIZE
+        start = -(-info.begin // page) * page
+        end = info.end // page * page
+        if end > start:
+            self._mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
 def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     start = handle.read(8)
     if start[:4] == b"GGUF":

@@ -101,6 +101,8 @@ class PipeMemory:
         """Leave the text phase: a streamed tower gives its device buffers back (its host copy stays)."""
         if self.text is not None and self.text.streamer is not None:
             self.text.streamer.park()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the text phase's freed blocks back before the DiT's workspace is carved
 
     def place_dit(self, dit: nn.Module) -> nn.Module:
         if self.plan is None:

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence
 
 from ..errors import Cancelled, RemoteError
 from ..host import Host, NullHost
+from ..request import SEED_MASK
 from ..remote.http import (
     ApiKeySource,
     BadResponse,
@@ -116,7 +117,7 @@ async def _revise_all(endpoint: ChatEndpoint, prompts: Sequence[str], width: int
                 "temperature": temperature,
                 "top_p": top_p,
                 "max_tokens": max_new_tokens,
-                "seed": int(seed),
+                "seed": int(seed) & SEED_MASK,  # vLLM and SGLang take a signed 64-bit seed
                 "stream": False,
             }
             started = time.perf_counter()
@@ -184,6 +185,6 @@ def revise_prompts_remote(endpoint: ChatEndpoint, prompts: Sequence[str], width:
 def _rejected(error: ServerRejected, endpoint: ChatEndpoint) -> ServerRejected:
     if error.status in (0, 401, 403):
         return error  # already says which key source to check
-    hint = (f"check the PE model name ({endpoint.model!r}) and that {endpoint.base_url()} serves the OpenAI API "
-            f"at {CHAT_PATH}")
-    return type(error)(f"remote prompt enhancer: {error}; {hint}", error.status)
+    named = f"the PE model name {endpoint.model!r}" if endpoint.model else "the PE model name"
+    hint = f"check {named} and that {endpoint.base_url()} serves the OpenAI API at {CHAT_PATH}"
+    return type(error)(f"remote prompt enhancer: {str(error).rstrip('. ')}; {hint}", error.status)

@@ -1,0 +1,104 @@
+"""The prompt enhancer as a phase of LocalPipe.generate: the DiT gets the revised prompt, and the user sees it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.request import GenerationRequest
+from ernie_image.runtime.text.enhancer import LocalEnhancer
+from ernie_image.runtime.text.remote_enhancer import ChatEndpoint
+from ernie_image.runtime.text.tiny_pe import build_tiny_pe_folder
+from ernie_image.runtime.tiny import build_tiny_model
+
+from test_enhancer_remote import ChatServer
+
+PROMPT = "a lighthouse at dusk"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-with-pe")
+    build_tiny_model(folder, layout="diffusers", variant="turbo")
+    return build_tiny_pe_folder(folder, seed=6)
+
+
+def request(**overrides) -> GenerationRequest:
+    settings = dict(prompt=PROMPT, width=256, height=256, steps=2, cfg=1.0, seed=21, use_pe=True,
+                    pe_max_new_tokens=12)
+    settings.update(overrides)
+    return GenerationRequest(**settings)
+
+
+def cpu_pipe(sources: ModelSources, **options) -> LocalPipe:
+    return LocalPipe.load(sources, LoadOptions(device="cpu", dtype="fp32", previews=False, **options))
+
+
+def test_generation_uses_and_reports_the_revised_prompt(model_dir):
+    enhancer = LocalEnhancer.load(ModelSources(model_dir=model_dir), torch.device("cpu"), torch.float32)
+    expected = enhancer.revise(PROMPT, 256, 256, 21, enhancer.settings(0.6, 0.95, 12)).revised
+    assert expected != PROMPT
+
+    pipe = cpu_pipe(ModelSources(model_dir=model_dir), keep_loaded=False)
+    result = pipe.generate(request(), NullHost())
+    assert result.prompts_used == [expected]
+    assert result.info["pe"] == "local" and result.info["pe_tokens"] > 0
+    assert result.info["pe_s"] > 0 and result.info["pe_tokens_per_s"] > 0
+    assert pipe._loaded.enhancer is None, "keep_loaded=False: the PE phase leaves nothing behind"
+
+    # The DiT saw exactly the revised prompt: same image as asking for it with the PE off.
+    plain = cpu_pipe(ModelSources(model_dir=model_dir), keep_loaded=False).generate(
+        request(prompt=expected, use_pe=False), NullHost())
+    assert plain.prompts_used == [expected] and "pe_s" not in plain.info
+    assert torch.equal(result.images, plain.images)
+
+
+def test_kept_pe_is_reused_and_gives_the_same_revision(model_dir):
+    pipe = cpu_pipe(ModelSources(model_dir=model_dir), keep_loaded=True)
+    first = pipe.generate(request(batch=2), NullHost())
+    kept = pipe._loaded.enhancer
+    assert kept is not None
+    second = pipe.generate(request(batch=2), NullHost())
+    assert pipe._loaded.enhancer is kept
+    assert first.prompts_used == second.prompts_used and first.prompts_used[0] == first.prompts_used[1]
+    pipe.release()
+    assert pipe._loaded.enhancer is None
+
+
+def test_pe_switch_off_leaves_the_prompt_alone(model_dir):
+    result = cpu_pipe(ModelSources(model_dir=model_dir)).generate(request(use_pe=False), NullHost())
+    assert result.prompts_used == [PROMPT] and "pe_s" not in result.info
+
+
+def test_pe_on_without_a_pe_says_so_and_goes_on(tmp_path):
+    sources = build_tiny_model(tmp_path / "no-pe", layout="diffusers", variant="turbo")
+    host = NullHost()
+    result = cpu_pipe(sources).generate(request(), host)
+    assert result.prompts_used == [PROMPT]
+    assert any("has none" in message for message in host.messages)
+
+
+def test_remote_pe_revises_then_the_local_dit_runs_with_the_pe_off(model_dir):
+    with ChatServer() as server:
+        endpoint = ChatEndpoint(url=server.url, read_timeout_s=5.0)
+        pipe = cpu_pipe(ModelSources(model_dir=model_dir), pe_endpoint=endpoint)
+        result = pipe.generate(request(seed=4), NullHost())
+        server.faults.append("500")
+        host = NullHost()
+        fallback = pipe.generate(request(seed=4), host)
+    assert result.prompts_used == [f"revised: {PROMPT} @4"] and result.info["pe"] == "remote"
+    assert pipe._loaded.enhancer is None, "a remote PE loads nothing locally"
+    assert fallback.prompts_used == [PROMPT] and fallback.info["pe"] == "original"
+    assert any("original prompt is used" in message for message in host.messages)

@@ -1,0 +1,260 @@
+"""The remote prompt enhancer against a real aiohttp server on loopback speaking OpenAI's chat-completions protocol.
+
+Faults (timeouts, 5xx, malformed or empty replies, a server that is down) keep the original prompt and tell the
+user in one line; a refused key or a wrong model name is an error to fix.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import pytest
+from aiohttp import web
+
+from ernie_image.runtime.errors import Cancelled, RemoteError
+from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.remote.http import AuthenticationError, ServerRejected
+from ernie_image.runtime.text.enhancer import main_enhance
+from ernie_image.runtime.text.remote_enhancer import ChatEndpoint, revise_prompts_remote
+
+SECRET = "sk-test-0123456789"
+
+
+@dataclass
+class ChatServer:
+    """vLLM-like: /v1/models lists one model, /v1/chat/completions answers `revised: <prompt> @<seed>`.
+
+    `faults` are consumed one per chat request: "500", "503", "hang", "not_json", "no_choices", "empty",
+    "length" (finish_reason length), "404".
+    """
+
+    model: str = "baidu/ERNIE-Image-PE"
+    api_key: Optional[str] = None
+    faults: list[str] = field(default_factory=list)
+    received: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+
+    def __enter__(self) -> "ChatServer":
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        sock.close()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._serve, args=(started,), daemon=True)
+        self._thread.start()
+        assert started.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._loop.call_soon_threadsafe(self._release.set)  # let hanging handlers finish so shutdown is quick
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _serve(self, started: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._release = asyncio.Event()
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        started.set()
+        self._loop.run_forever()
+
+    def _authorised(self, request: web.Request) -> bool:
+        return self.api_key is None or request.headers.get("Authorization") == f"Bearer {self.api_key}"
+
+    async def _models(self, request: web.Request) -> web.Response:
+        if not self._authorised(request):
+            return web.json_response({"error": {"message": "invalid api key"}}, status=401)
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self.headers.append(dict(request.headers))
+        if not self._authorised(request):
+            return web.json_response({"error": {"message": "invalid api key"}}, status=401)
+        body = await request.json()
+        self.received.append(body)
+        fault = self.faults.pop(0) if self.faults else None
+        if fault == "500":
+            return web.Response(status=500, text="Internal Server Error")
+        if fault == "503":
+            return web.json_response({"error": {"message": "overloaded"}}, status=503)
+        if fault == "hang":
+            try:
+                await asyncio.wait_for(self._release.wait(), 30)
+            except asyncio.TimeoutError:
+                pass
+        if fault == "not_json":
+            return web.Response(text="<html>gateway</html>", content_type="text/html")
+        if fault == "no_choices":
+            return web.json_response({"id": "x", "object": "chat.completion", "choices": []})
+        if body.get("model") != self.model or fault == "404":
+            message = f"The model `{body.get('model')}` does not exist."
+            return web.json_response({"error": {"message": message, "code": 404}}, status=404)
+        user = json.loads(body["messages"][-1]["content"])
+        content = "" if fault == "empty" else f"  revised: {user['prompt']} @{body.get('seed')}\n"
+        return web.json_response({
+            "id": "chatcmpl-1", "object": "chat.completion", "model": self.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                         "finish_reason": "length" if fault == "length" else "stop"}],
+            "usage": {"prompt_tokens": 90, "completion_tokens": 17, "total_tokens": 107},
+        })
+
+
+def fast_endpoint(url: str, **overrides) -> ChatEndpoint:
+    settings = dict(url=url, connect_timeout_s=1.0, read_timeout_s=1.0, retry_attempts=2)
+    settings.update(overrides)
+    return ChatEndpoint(**settings)
+
+
+def test_request_is_the_pe_user_message_with_baidus_settings_and_seed():
+    with ChatServer() as server:
+        host = NullHost()
+        result = revise_prompts_remote(fast_endpoint(server.url + "/v1"), ["a cat 猫"], 848, 1264, seed=42,
+                                       host=host)
+    assert result.prompts == ["revised: a cat 猫 @42"]
+    body = server.received[0]
+    assert body["model"] == "baidu/ERNIE-Image-PE"  # discovered from /v1/models
+    assert body["messages"] == [{"role": "user", "content": '{"prompt": "a cat 猫", "width": 848, "height": 1264}'}]
+    assert (body["temperature"], body["top_p"], body["max_tokens"], body["seed"]) == (0.6, 0.95, 512, 42)
+    assert result.revisions[0].source == "remote" and result.revisions[0].tokens == 17
+    assert result.info()["pe"] == "remote" and result.info()["pe_tokens"] == 17
+    assert host.messages == []
+
+
+def test_distinct_prompts_are_sent_once_each():
+    with ChatServer() as server:
+        result = revise_prompts_remote(fast_endpoint(server.url, model="baidu/ERNIE-Image-PE"),
+                                       ["a", "b", "a"], 1024, 1024, seed=1)
+    assert result.prompts == ["revised: a @1", "revised: b @1", "revised: a @1"]
+    assert len(server.received) == 2
+
+
+@pytest.mark.parametrize("fault, said", [
+    ("500", "(HTTP 500)"),
+    ("hang", "read timeout"),
+    ("not_json", "not JSON"),
+    ("no_choices", "choices[0].message.content"),
+])
+def test_faults_keep_the_original_prompt_and_tell_the_user(fault, said):
+    with ChatServer(faults=[fault]) as server:
+        host = NullHost()
+        started = time.monotonic()
+        result = revise_prompts_remote(fast_endpoint(server.url), ["a red fox"], 1024, 1024, seed=0, host=host)
+    assert result.prompts == ["a red fox"]
+    assert result.revisions[0].source == "original"
+    assert len(host.messages) == 1 and "original prompt is used" in host.messages[0] and said in host.messages[0]
+    assert time.monotonic() - started < 10
+
+
+def test_empty_reply_keeps_the_original_prompt():
+    with ChatServer(faults=["empty"]) as server:
+        host = NullHost()
+        result = revise_prompts_remote(fast_endpoint(server.url), ["a red fox"], 1024, 1024, seed=0, host=host)
+    assert result.prompts == ["a red fox"]
+    assert host.messages == [f"remote prompt enhancer at {server.url} returned an empty prompt: the original "
+                             f"prompt is used"]
+
+
+def test_busy_server_is_retried_then_answers():
+    with ChatServer(faults=["503"]) as server:
+        host = NullHost()
+        result = revise_prompts_remote(fast_endpoint(server.url), ["a red fox"], 1024, 1024, seed=3, host=host)
+    assert result.prompts == ["revised: a red fox @3"] and len(server.received) == 2 and host.messages == []
+
+
+def test_cut_at_the_token_cap_is_used_but_said():
+    with ChatServer(faults=["length"]) as server:
+        host = NullHost()
+        result = revise_prompts_remote(fast_endpoint(server.url), ["a red fox"], 1024, 1024, seed=3,
+                                       max_new_tokens=64, host=host)
+    assert result.prompts == ["revised: a red fox @3"] and result.revisions[0].truncated
+    assert "64-token cap" in host.messages[0]
+
+
+def test_server_down_keeps_the_original_prompt():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    host = NullHost()
+    result = revise_prompts_remote(fast_endpoint(f"http://127.0.0.1:{port}", retry_attempts=1), ["a fox"], 1024, 1024,
+                                   seed=0, host=host)
+    assert result.prompts == ["a fox"] and "refused the connection" in host.messages[0]
+
+
+def test_api_key_comes_from_the_environment_and_is_never_shown(monkeypatch):
+    monkeypatch.setenv("ERNIE_PE_KEY", SECRET)
+    with ChatServer(api_key=SECRET) as server:
+        host = NullHost()
+        result = revise_prompts_remote(fast_endpoint(server.url, api_key_env="ERNIE_PE_KEY"), ["a fox"], 1024, 1024,
+                                       seed=0, host=host)
+        assert result.prompts == ["revised: a fox @0"]
+        assert server.headers[0]["Authorization"] == f"Bearer {SECRET}"
+        monkeypatch.setenv("ERNIE_PE_KEY", "wrong")
+        with pytest.raises(AuthenticationError) as refused:
+            revise_prompts_remote(fast_endpoint(server.url, api_key_env="ERNIE_PE_KEY"), ["a fox"], 1024, 1024, seed=0)
+    assert "ERNIE_PE_KEY" in str(refused.value) and SECRET not in str(refused.value) and "wrong" not in str(refused.value)
+    assert SECRET not in repr(fast_endpoint(server.url, api_key_env="ERNIE_PE_KEY"))
+
+
+def test_key_file_is_read(tmp_path):
+    key_file = tmp_path / "pe.key"
+    key_file.write_text(SECRET + "\n")
+    with ChatServer(api_key=SECRET) as server:
+        result = revise_prompts_remote(fast_endpoint(server.url, api_key_file=str(key_file)), ["a fox"], 1024, 1024,
+                                       seed=0)
+    assert result.prompts == ["revised: a fox @0"]
+
+
+def test_missing_key_is_a_clear_error():
+    with ChatServer(api_key=SECRET) as server:
+        with pytest.raises(AuthenticationError, match="needs an API key"):
+            revise_prompts_remote(fast_endpoint(server.url), ["a fox"], 1024, 1024, seed=0)
+
+
+def test_wrong_model_name_is_a_setting_to_fix():
+    with ChatServer() as server:
+        with pytest.raises(ServerRejected, match="does not exist; check the PE model name 'nope'"):
+            revise_prompts_remote(fast_endpoint(server.url, model="nope"), ["a fox"], 1024, 1024, seed=0)
+
+
+def test_cancel_stops_waiting_within_a_second():
+    class CancelSoon(NullHost):
+        def __init__(self) -> None:
+            super().__init__()
+            self.started = time.monotonic()
+
+        def check_cancel(self) -> None:
+            if time.monotonic() - self.started > 0.3:
+                raise Cancelled("generation cancelled by the user")
+
+    with ChatServer(faults=["hang"]) as server:
+        started = time.monotonic()
+        with pytest.raises(Cancelled):
+            revise_prompts_remote(fast_endpoint(server.url, read_timeout_s=20.0), ["a fox"], 1024, 1024, seed=0,
+                                  host=CancelSoon())
+        assert time.monotonic() - started < 1.5
+
+
+def test_credentials_in_the_url_are_refused():
+    with pytest.raises(RemoteError, match="do not put credentials"):
+        revise_prompts_remote(ChatEndpoint(url=f"http://user:{SECRET}@127.0.0.1:9"), ["a"], 1024, 1024, seed=0)
+
+
+def test_cli_with_a_pe_server_prints_only_the_revision(capsys):
+    with ChatServer() as server:
+        code = main_enhance(["--pe-url", server.url, "--prompt", "a fox", "--width", "1264", "--height", "848",
+                             "--seed", "9", "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 0 and captured.out == "revised: a fox @9\n" and captured.err == ""
+    assert server.received[0]["messages"][0]["content"] == '{"prompt": "a fox", "width": 1264, "height": 848}'
