@@ -62,6 +62,50 @@ def inputs(batch: int, padded: bool = False):
     return latents, timestep, text, lens
 
 
+def quantised_copy(model: ErnieDiT, fmt: str) -> ErnieDiT:
+    """A second DiT sharing `model`'s non-Linear tensors, every block Linear packed to `fmt` on the GPU."""
+    from ernie_image.runtime.quant.linear import quantize_linears
+    from ernie_image.runtime.quant.writer import quantize_weight
+
+    with torch.device("meta"):
+        copy = ErnieDiT(model.config)
+    if model.layers[0].self_attention.to_qkv is not None:
+        for block in copy.layers:
+            block.self_attention.fuse_projections()
+            block.mlp.fuse_projections()
+    state = {}
+    for key, value in model.state_dict().items():
+        if key.startswith("layers.") and key.endswith(".weight") and value.dim() == 2:
+            state[key] = quantize_weight(value, fmt)
+        else:
+            state[key] = value
+    quantize_linears(copy, state)
+    copy.load_state_dict({k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, strict=False, assign=True)
+    return copy.eval().requires_grad_(False).cuda()
+
+
+def fp8_rows(ours: ErnieDiT, measure) -> None:
+    """FP8 weights (e4m3, per-row scales, torch._scaled_mm on SM >= 8.9), per-Linear and with fused projections."""
+    from ernie_image.runtime.acceleration import compile_blocks
+
+    for label in ("ours FP8 compiled, fused projections",):
+        try:
+            fp8 = quantised_copy(ours, "fp8")
+        except Exception as error:
+            print(f"# {label}: FAILED to build: {type(error).__name__}: {error}")
+            continue
+        compile_blocks(fp8)
+        lat, ts, txt, lens = inputs(1)
+        started = time.perf_counter()
+        fp8(lat, ts, txt, lens)
+        torch.cuda.synchronize()
+        measure(label, 1, lambda: fp8(lat, ts, txt, lens), time.perf_counter() - started)
+        weights = sum(t.numel() * t.element_size() for t in list(fp8.parameters()) + list(fp8.buffers()))
+        print(f"# {label}: DiT weights {weights / 1e9:.2f} GB")
+        del fp8
+        torch.cuda.empty_cache()
+
+
 def dit_rows(ours, reference, skip_compile: bool) -> list[dict]:
     rows = []
     outputs = {}
@@ -112,6 +156,25 @@ def dit_rows(ours, reference, skip_compile: bool) -> list[dict]:
             torch.cuda.synchronize()
             measure("ours compiled, unequal CFG texts", 2, lambda: ours(lat, ts, txt, lens),
                     time.perf_counter() - started, padded=True)
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            lat, ts, txt, lens = inputs(1)
+            for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+                def run_with_backend(backend=backend):
+                    with sdpa_kernel([backend]):
+                        return ours(lat, ts, txt, lens)
+                try:
+                    torch._dynamo.reset()
+                    compile_blocks(ours)
+                    started = time.perf_counter()
+                    run_with_backend()
+                    torch.cuda.synchronize()
+                    measure(f"ours compiled, SDPA {backend.name}", 1, run_with_backend, time.perf_counter() - started)
+                except Exception as error:
+                    print(f"# SDPA {backend.name}: {type(error).__name__}: {error}"[:200])
+            torch._dynamo.reset()
+            compile_blocks(ours)
+            fp8_rows(ours, measure)
             reference.compile_repeated_blocks(fullgraph=True)
             for batch in (1, 2):
                 lat, ts, txt, lens = inputs(batch)

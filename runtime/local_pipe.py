@@ -17,7 +17,7 @@ from .decode import decode_images
 from .errors import Cancelled, ModelFileError
 from .formats import open_component
 from .host import Host
-from .model_files import ModelSources, Variant, build_dit, build_text_tower, build_vae
+from .model_files import QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae
 from .offload.session import PipeMemory
 from .preview import latent_preview
 from .request import GenerationRequest, GenerationResult
@@ -71,6 +71,31 @@ class _Loaded:
     enhancer: Any = None
 
 
+def length_grouped_denoiser(dit, rows: list[torch.Tensor], device, dtype):
+    """The DiT call for a batch of text rows. Rows of equal length run together without a mask; rows of other
+    lengths (CFG's short negative, a batch of different prompts) run as separate groups instead of being padded:
+    the result is the same as the reference's padded, masked batch, and every group gets SDPA's flash kernel
+    (measured on the H200: 2 x 129 ms unmasked against 273 ms for a masked batch of 2)."""
+    groups: dict[int, list[int]] = {}
+    for index, row in enumerate(rows):
+        groups.setdefault(int(row.shape[0]), []).append(index)
+    prepared = []
+    for length, indices in groups.items():
+        text_batch, text_lens = pad_text([rows[i] for i in indices], device, dtype)
+        prepared.append((torch.tensor(indices, device=device), text_batch, text_lens))
+    if len(prepared) == 1:
+        _, text_batch, text_lens = prepared[0]
+        return lambda latents, timestep: dit(latents, timestep, text_batch, text_lens)
+
+    def denoise(latents: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        velocity = torch.empty_like(latents)
+        for indices, text_batch, text_lens in prepared:
+            velocity[indices] = dit(latents[indices], timestep[indices], text_batch, text_lens)
+        return velocity
+
+    return denoise
+
+
 class LocalPipe:
     kind = "local"
 
@@ -83,6 +108,7 @@ class LocalPipe:
         self._loaded = _Loaded()
         self.timings: dict[str, float] = {}
         self.compiled = False
+        self.quant_reason = ""
         self.memory = PipeMemory(self.device, self.dtype, options.vram_budget_gb, options.quant)
 
     @classmethod
@@ -124,7 +150,8 @@ class LocalPipe:
     def _dit(self):
         if self._loaded.dit is None:
             component = open_component(self.sources.component("transformer"), "dit")
-            dit = build_dit(component, self.memory.build_device(), self.dtype)
+            dit = build_dit(component, self.memory.build_device(), self.dtype, quant=self._quant_on_load(component),
+                            quant_device=self.device)
             if self.device.type == "cuda":
                 fuse_projections(dit)
             dit = self.memory.place_dit(dit)
@@ -132,6 +159,21 @@ class LocalPipe:
                 self.compiled = True
             self._loaded.dit = dit
         return self._loaded.dit
+
+    def _quant_on_load(self, component) -> str:
+        """The format to quantise a bf16 DiT into while loading ("none" keeps the file's weights as they are)."""
+        choice = self.options.quant
+        if component.quantized or choice in ("none", "bf16"):
+            return "none"
+        if choice == "auto":
+            from .quant.gpu_support import choose_auto, detect_device
+
+            budget = None if self.options.vram_budget_gb is None else int(self.options.vram_budget_gb * 1024**3)
+            choice, self.quant_reason = choose_auto(detect_device(self.device), budget)
+        if choice not in QUANT_ON_LOAD_FORMATS and choice not in ("bf16", "none"):
+            raise ModelFileError(f"quantisation {choice!r} is not available on load: use one of "
+                                 f"{', '.join(QUANT_ON_LOAD_FORMATS)}, or give a quantised DiT file")
+        return choice if choice in QUANT_ON_LOAD_FORMATS else "none"
 
     def _vae(self):
         if self._loaded.vae is None:
@@ -150,11 +192,8 @@ class LocalPipe:
         self.memory.set_host(host)
         dit = self._dit()
         rows = (negative + text) if negative is not None else text
-        text_batch, text_lens = pad_text(rows, self.device, self.dtype)
+        denoise = length_grouped_denoiser(dit, rows, self.device, self.dtype)
         noise = initial_noise(request.seed, request.batch, request.width, request.height).to(self.device)
-
-        def denoise(latents: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
-            return dit(latents, timestep, text_batch, text_lens)
 
         preview = latent_preview if self.options.previews else None
         with torch.inference_mode():
@@ -182,16 +221,16 @@ class LocalPipe:
             revised = self._enhance(request, host)
             prompts = revised.prompts
             host.check_cancel()
-            started = time.perf_counter()
+            started = self._clock()
             text = self.encode(prompts)
             negative = self.encode([request.negative_prompt] * request.batch) if request.uses_cfg else None
-            encoded = time.perf_counter()
+            encoded = self._clock()
             host.check_cancel()
             latents = self.sample(request, text, negative, host)
-            sampled = time.perf_counter()
+            sampled = self._clock()
             host.check_cancel()
             images = self.decode(latents)
-            decoded = time.perf_counter()
+            decoded = self._clock()
         except BaseException:
             self.release()
             raise
@@ -207,6 +246,12 @@ class LocalPipe:
             **revised.info(),
         }
         return GenerationResult(images=images, latents=latents.cpu(), prompts_used=prompts, info=info)
+
+    def _clock(self) -> float:
+        """Wall time at a phase boundary; waits for queued GPU work so each phase is charged its own time."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _enhance(self, request: GenerationRequest, host: Host):
         """The prompt-enhancer phase, before text encoding: returns text.enhancer.RevisedPrompts.

@@ -134,12 +134,62 @@ def dit_config_for(component) -> "DiTConfig":
     })
 
 
-def build_dit(component, device: torch.device, dtype: torch.dtype):
+QUANT_ON_LOAD_FORMATS = ("fp8", "q8_0", "q4_k", "nvfp4")
+
+
+def _build_quantized(module: torch.nn.Module, component, device: torch.device, dtype: torch.dtype,
+                     quant: str, quant_device: torch.device) -> torch.nn.Module:
+    """Fill a meta module whose Linears take packed weights: from a quantised file (GGUF, comfy_quant FP8/NVFP4)
+    and/or by quantising bf16 weights on load (`quant` in QUANT_ON_LOAD_FORMATS), one tensor at a time."""
+    from .quant.linear import quantize_linears
+    from .quant.qweight import QuantizedWeight
+    from .quant.writer import quantize_weight, should_quantize
+
+    linear_weights = {f"{name}.weight" for name, child in module.named_modules() if isinstance(child, torch.nn.Linear)}
+    state: dict[str, object] = {}
+    for key in module.state_dict(keep_vars=True):
+        if key not in component.keys:
+            raise ModelFileError(f"{component.path} has no tensor {key!r}: the file is not a complete ERNIE-Image "
+                                 f"{component.kind}")
+        value = component.tensor(key)
+        if isinstance(value, QuantizedWeight) and key not in linear_weights:
+            value = value.dequantize(dtype, key)  # e.g. a quantised embedding table: used by lookup, not matmul
+        elif (quant in QUANT_ON_LOAD_FORMATS and key in linear_weights and isinstance(value, torch.Tensor)
+              and should_quantize(key, value, quant)):
+            packed = quantize_weight(value.to(quant_device, dtype), quant)
+            value = _moved(packed, device)
+        state[key] = value
+    replaced = quantize_linears(module, state, dtype)
+    for name in replaced:
+        module.get_submodule(name).to(device)
+    plain = {}
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise ModelFileError(f"{component.path}: {key} is quantised but is not a Linear weight here")
+        plain[key] = value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
+    module.load_state_dict(plain, strict=False, assign=True)
+    return module.eval().requires_grad_(False)
+
+
+def _moved(packed, device: torch.device):
+    import dataclasses
+
+    fields = ("data", "scale", "scale_2", "input_scale")
+    return dataclasses.replace(packed, **{name: getattr(packed, name).to(device) for name in fields
+                                          if getattr(packed, name) is not None})
+
+
+def build_dit(component, device: torch.device, dtype: torch.dtype, quant: str = "none",
+              quant_device: Optional[torch.device] = None):
+    """The DiT on `device`; `quant` quantises bf16 Linear weights on load (on `quant_device`, default `device`)."""
     from .dit import ErnieDiT
 
     with torch.device("meta"):
         model = ErnieDiT(dit_config_for(component))
-    model = _fill_module(model, component, device, dtype)
+    if component.quantized or quant in QUANT_ON_LOAD_FORMATS:
+        model = _build_quantized(model, component, device, dtype, quant, quant_device or device)
+    else:
+        model = _fill_module(model, component, device, dtype)
     _assert_materialised(model, component)
     return model
 
@@ -174,7 +224,10 @@ def build_text_tower(component, device: torch.device, dtype: torch.dtype, varian
     with torch.device("meta"):
         tower = MistralModel(config)
     tower.norm = torch.nn.Identity()
-    tower = _fill_module(tower, component, device, dtype)
+    if component.quantized:
+        tower = _build_quantized(tower, component, device, dtype, "none", device)
+    else:
+        tower = _fill_module(tower, component, device, dtype)
     # The rotary tables are non-persistent buffers (not in any file): build them for real on the device.
     with torch.device("cpu"):
         tower.rotary_emb = type(tower.rotary_emb)(config).to(device)

@@ -11,7 +11,8 @@ Contract with the offloader (runtime/offload/) and anything else that moves modu
   * Format metadata (format, qtype, logical shape) are plain attributes and never move.
 
 Forward: native FP8 GEMM on SM >= 8.9, native FP4 GEMM on SM >= 10, else dequantise this one layer's
-weight in torch to the activation dtype, `F.linear`, and drop it (transient memory = one bf16 weight).
+weight to the activation dtype (one Triton kernel on CUDA where the type has one, else torch), `F.linear`,
+and drop it (transient memory = one bf16 weight).
 """
 from __future__ import annotations
 
@@ -25,12 +26,32 @@ from torch import nn
 from .fp8 import fp8_linear_native, native_fp8_supported
 from .nvfp4 import native_fp4_supported, nvfp4_linear_native
 from .qweight import QuantizedWeight, dequantize_packed
+from .triton_dequant import dequantize_triton
 
 log = logging.getLogger(__name__)
 _BUFFER_NAMES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
 # Optional replacement for dequantize_packed, e.g. a torch.compile'd one (see `enable_compiled_dequant`).
 _dequant_impl: Callable[..., torch.Tensor] = dequantize_packed
+# On CUDA, a one-pass Triton kernel (triton_dequant.py) goes first for the types it covers; same result.
+_triton_enabled = True
+
+
+def enable_triton_dequant(enabled: bool = True) -> None:
+    """Use the Triton dequant kernels on CUDA (the default) or always the torch path (for benchmarks)."""
+    global _triton_enabled
+    _triton_enabled = enabled
+
+
+def _dequant_on_cuda_with_triton(*args: object) -> torch.Tensor | None:
+    global _triton_enabled
+    try:
+        return dequantize_triton(*args)
+    except Exception as err:  # e.g. a compile failure on an untested GPU: the torch path gives the same values
+        _triton_enabled = False
+        log.warning("Triton dequantisation failed (%s: %s); using the torch path from now on",
+                    type(err).__name__, err)
+        return None
 
 
 def enable_compiled_dequant(enabled: bool = True) -> None:
@@ -68,9 +89,13 @@ class QuantLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         # No per-layer values (like the layer name) go in: a compiled impl would recompile for each one.
-        return _dequant_impl(self.format, self.qtype, self.shape, self.weight,
-                             getattr(self, "weight_scale", None), getattr(self, "weight_scale_2", None),
-                             dtype or self.compute_dtype)
+        args = (self.format, self.qtype, self.shape, self.weight, getattr(self, "weight_scale", None),
+                getattr(self, "weight_scale_2", None), dtype or self.compute_dtype)
+        if _triton_enabled and self.weight.is_cuda:
+            weight = _dequant_on_cuda_with_triton(*args)
+            if weight is not None:
+                return weight
+        return _dequant_impl(*args)
 
     def _native(self, x: torch.Tensor) -> torch.Tensor | None:
         if self._native_failed or x.device.type != "cuda" or self.weight.device != x.device:

@@ -1,0 +1,157 @@
+"""Dequantise a whole packed weight with one Triton kernel (GGUF block types and NVFP4).
+
+`dequantize_triton` returns the same tensor as `qweight.dequantize_packed`, bit for bit after rounding to
+the output dtype (see triton_kernels.py for why), or None when there is no kernel for the type, the shapes
+do not fit one, or Triton cannot run here; the caller then takes the torch path, which also reports bad
+inputs. Triton is imported on first use only, so the pack imports without it.
+
+Where the kernels run: CUDA tensors, compiled; CPU tensors only when TRITON_INTERPRET=1 is set (Triton's
+interpreter, for tests; never in production, it is slow). Each mode loads its own copy of the kernel
+module because `triton.jit` decides compiled vs interpreted when a kernel is defined.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from .gguf_blocks import BLOCK_GEOMETRY
+
+log = logging.getLogger(__name__)
+
+# GGML type -> kernel name in triton_kernels.py.
+GGUF_KERNELS = {"Q8_0": "q8_0_kernel", "Q4_0": "q4_0_kernel", "Q4_1": "q4_1_kernel", "Q5_0": "q5_0_kernel",
+                "Q5_1": "q5_1_kernel", "IQ4_NL": "iq4_nl_kernel", "Q2_K": "q2_k_kernel", "Q3_K": "q3_k_kernel",
+                "Q4_K": "q4_k_kernel", "Q5_K": "q5_k_kernel", "Q6_K": "q6_k_kernel", "IQ4_XS": "iq4_xs_kernel"}
+OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Output values per program: 4096 with 8 warps = 16 values (32 bytes of bf16) per thread, ~12k programs
+# for a 12288x4096 weight, i.e. ~90 waves over an H100/H200's 132 SMs: enough to hide memory latency.
+DEFAULT_TILE = 4096
+NVFP4_TILE_COLS = 256  # tile = [DEFAULT_TILE / 256 rows, 256 columns]: 128 packed bytes per row, 512 B out
+
+_modules: dict[bool, ModuleType | None] = {}
+_lock = threading.Lock()
+
+
+def triton_available(device: torch.device) -> bool:
+    """True when Triton kernels can run on tensors on `device` (see the module docstring)."""
+    interpret = device.type != "cuda"
+    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    return _kernel_module(interpret) is not None
+
+
+def _kernel_module(interpret: bool) -> ModuleType | None:
+    with _lock:
+        if interpret not in _modules:
+            _modules[interpret] = _load_kernel_module(interpret)
+        return _modules[interpret]
+
+
+def _load_kernel_module(interpret: bool) -> ModuleType | None:
+    name = f"{__package__}._triton_kernels_{'interpreted' if interpret else 'compiled'}"
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("triton_kernels.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # triton looks kernels' modules up by name
+        spec.loader.exec_module(module)
+        return module
+    except ImportError:  # no triton: the torch path is the only one
+        sys.modules.pop(name, None)
+        return None
+    except Exception as err:  # a broken triton install must not break the torch path
+        sys.modules.pop(name, None)
+        log.warning("Triton kernels unavailable (%s: %s); dequantising in torch", type(err).__name__, err)
+        return None
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+def _num_warps(tile: int) -> int:
+    return max(1, min(8, tile // 512))
+
+
+def dequantize_triton(fmt: str, qtype: str, shape: tuple[int, ...], data: torch.Tensor,
+                      scale: torch.Tensor | None, scale_2: torch.Tensor | None, dtype: torch.dtype,
+                      tile: int = DEFAULT_TILE) -> torch.Tensor | None:
+    """Packed weight -> `dtype` tensor of `shape` in one kernel, or None (then use the torch path).
+
+    Arguments as `qweight.dequantize_packed`; `tile` (output values per program, a power of two >= 256)
+    is for benchmarking tile sizes.
+    """
+    if dtype not in OUTPUT_DTYPES or data.dtype != torch.uint8:
+        return None
+    if fmt == "gguf" and qtype in GGUF_KERNELS:
+        launch = _launch_gguf
+    elif fmt == "nvfp4" and scale is not None and scale_2 is not None and len(shape) == 2:
+        launch = _launch_nvfp4
+    else:
+        return None
+    if not triton_available(data.device):
+        return None
+    kernels = _kernel_module(data.device.type != "cuda")
+    with torch.cuda.device(data.device) if data.device.type == "cuda" else _no_context():
+        return launch(kernels, qtype, tuple(int(s) for s in shape), data, scale, scale_2, dtype, tile)
+
+
+class _no_context:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _launch_gguf(kernels: ModuleType, qtype: str, shape: tuple[int, ...], data: torch.Tensor,
+                 scale: torch.Tensor | None, scale_2: torch.Tensor | None, dtype: torch.dtype,
+                 tile: int) -> torch.Tensor | None:
+    block_size, type_size = BLOCK_GEOMETRY[qtype]
+    numel = 1
+    for s in shape:
+        numel *= s
+    n_blocks = numel // block_size
+    if numel % block_size or data.numel() != n_blocks * type_size:
+        return None
+    out = torch.empty(shape, dtype=dtype, device=data.device)
+    if n_blocks == 0:
+        return out
+    blocks_per_program = max(1, tile // block_size)
+    grid = (triton_cdiv(n_blocks, blocks_per_program),)
+    getattr(kernels, GGUF_KERNELS[qtype])[grid](data.contiguous(), out, n_blocks, BLOCKS=blocks_per_program,
+                                                num_warps=_num_warps(tile))
+    return out
+
+
+def _launch_nvfp4(kernels: ModuleType, qtype: str, shape: tuple[int, ...], data: torch.Tensor,
+                  scale: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype, tile: int) -> torch.Tensor | None:
+    rows, cols = shape
+    scale_rows, scale_cols = -(-rows // 128) * 128, -(-(cols // 16) // 4) * 4
+    if cols % 16 or tuple(data.shape) != (rows, cols // 2) or scale.numel() != scale_rows * scale_cols \
+            or scale.element_size() != 1 or scale_2.numel() != 1:
+        return None
+    out = torch.empty(shape, dtype=dtype, device=data.device)
+    if out.numel() == 0:
+        return out
+    tile_cols = min(NVFP4_TILE_COLS, tile)
+    tile_rows = max(1, tile // tile_cols)
+    grid = (triton_cdiv(rows, tile_rows), triton_cdiv(cols, tile_cols))
+    scale_bytes = scale.contiguous().view(torch.uint8)
+    tensor_scale = scale_2.to(device=data.device, dtype=torch.float32).reshape(1)
+    kernels.nvfp4_kernel[grid](data.contiguous(), scale_bytes, tensor_scale, out, rows, cols, scale_cols,
+                               ROWS=tile_rows, COLS=tile_cols, num_warps=_num_warps(tile))
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
