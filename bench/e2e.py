@@ -75,22 +75,25 @@ def fp8_rows(ours: LocalPipe, dit: ErnieDiT, compile_dit: bool, presets: dict) -
     ours._loaded.dit = quantised_copy(dit, "fp8")
     if compile_dit:
         compile_blocks(ours._loaded.dit)
-    rows = []
-    for preset, (steps, cfg) in presets.items():
-        request = GenerationRequest(prompt=PROMPT, steps=steps, cfg=cfg, width=1024, height=1024, seed=3)
-        timings = []
-        for _ in range(2):
-            started = time.perf_counter()
-            result = ours.generate(request, NullHost())
-            torch.cuda.synchronize()
-            timings.append(time.perf_counter() - started)
-        assert torch.isfinite(result.images).all()
-        info = result.info
-        rows.append({"pipeline": "ours, FP8 DiT" + (" (compiled)" if compile_dit else ""), "preset": preset,
-                     "cold s": f"{timings[0]:.2f}", "warm s": f"{timings[1]:.2f}",
-                     "text ms": f"{info['text_s'] * 1000:.0f}", "steps s": f"{info['sampling_s']:.2f}",
-                     "decode ms": f"{info['decode_s'] * 1000:.0f}"})
-    return rows
+    label = "ours, FP8 DiT" + (" (compiled)" if compile_dit else "")
+    return [ours_row(ours, label, preset, steps, cfg) for preset, (steps, cfg) in presets.items()]
+
+
+def ours_row(ours: LocalPipe, label: str, preset: str, steps: int, cfg: float) -> dict:
+    """A cold and a warm whole image through LocalPipe, with its own per-phase timings."""
+    request = GenerationRequest(prompt=PROMPT, steps=steps, cfg=cfg, width=1024, height=1024, seed=3)
+    timings = []
+    for _ in range(2):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        result = ours.generate(request, NullHost())
+        torch.cuda.synchronize()
+        timings.append(time.perf_counter() - started)
+    assert torch.isfinite(result.images).all()
+    info = result.info
+    return {"pipeline": label, "preset": preset, "cold s": f"{timings[0]:.2f}", "warm s": f"{timings[1]:.2f}",
+            "text ms": f"{info['text_s'] * 1000:.0f}", "steps s": f"{info['sampling_s']:.2f}",
+            "decode ms": f"{info['decode_s'] * 1000:.0f}"}
 
 
 def end_to_end_rows(compile_dit: bool) -> list[dict]:
@@ -112,20 +115,7 @@ def end_to_end_rows(compile_dit: bool) -> list[dict]:
     rows = []
     presets = {"Turbo 8 steps CFG 1": (8, 1.0), "Base 50 steps CFG 4": (50, 4.0)}
     for preset, (steps, cfg) in presets.items():
-        request = GenerationRequest(prompt=PROMPT, steps=steps, cfg=cfg, width=1024, height=1024, seed=3)
-        timings = []
-        for _ in range(2):
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            result = ours.generate(request, NullHost())
-            torch.cuda.synchronize()
-            timings.append(time.perf_counter() - started)
-        assert torch.isfinite(result.images).all()
-        info = result.info
-        rows.append({"pipeline": "ours" + (" (compiled DiT)" if compile_dit else ""), "preset": preset,
-                     "cold s": f"{timings[0]:.2f}", "warm s": f"{timings[1]:.2f}",
-                     "text ms": f"{info['text_s'] * 1000:.0f}", "steps s": f"{info['sampling_s']:.2f}",
-                     "decode ms": f"{info['decode_s'] * 1000:.0f}"})
+        rows.append(ours_row(ours, "ours" + (" (compiled DiT)" if compile_dit else ""), preset, steps, cfg))
         reference_times = []
         for _ in range(2):
             torch.cuda.synchronize()

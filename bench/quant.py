@@ -5,10 +5,16 @@ blocks stay finite), then for each format swaps QuantLinear modules in for the L
 quantised on the GPU from the same bf16 weights), and reports:
   forward ms (1024x1024, 256 text tokens, batch 1, eager), ratio to bf16, DiT weight bytes resident,
   relative L2 error vs bf16 of one Linear (layers.0.mlp.up_proj on random inputs) and of the whole forward.
-Modes ending in "+compile" route per-layer dequantisation through torch.compile (one fused kernel per
-layer instead of ~10 eager ones); the first call's compile time is reported separately.
+Modes: "q8_0" etc. dequantise per layer in eager torch; "+compile" routes that through torch.compile (one
+fused kernel per layer instead of ~10 eager ones; the first call's compile time is reported separately);
+"+triton" uses the one-pass Triton kernels (runtime/quant/triton_dequant.py), the default on CUDA.
+`--micro` first times each Triton dequant kernel alone on one 12288x4096 weight (GB/s = packed bytes read
+plus output bytes written, over the kernel time), against the eager torch dequant, and checks that both give
+the same bf16 bits.
 
-    python bench/quant.py                      # full size, needs ~40 GB of GPU memory, ~3-4 minutes
+    python bench/quant.py                      # full size, needs ~40 GB of GPU memory, ~4-5 minutes
+    python bench/quant.py --micro --modes bf16,q8_0+triton,q4_k+triton,nvfp4+triton   # ~2 minutes
+    python bench/quant.py --micro-only         # the kernel table alone, ~20 s
     python bench/quant.py --tiny --device cpu  # a smoke run of the same code on a tiny model
 """
 from __future__ import annotations
@@ -39,9 +45,21 @@ def _import_pack():
 
 _import_pack()
 from ernie_image.runtime.quant import QuantLinear, enable_compiled_dequant, quantize_weight  # noqa: E402
+from ernie_image.runtime.quant.gguf_blocks import BLOCK_GEOMETRY  # noqa: E402
+from ernie_image.runtime.quant.linear import enable_triton_dequant  # noqa: E402
+from ernie_image.runtime.quant.qweight import QuantizedWeight, dequantize_packed  # noqa: E402
+from ernie_image.runtime.quant.triton_dequant import (DEFAULT_TILE, GGUF_KERNELS, dequantize_triton,  # noqa: E402
+                                                      triton_available)
 from ernie_image.runtime.quant.writer import should_quantize  # noqa: E402
 
-DEFAULT_MODES = ("bf16", "fp8", "q8_0", "q8_0+compile", "q4_k", "q4_k+compile", "nvfp4", "nvfp4+compile")
+DEFAULT_MODES = ("bf16", "fp8", "q8_0", "q8_0+compile", "q8_0+triton", "q4_k", "q4_k+compile", "q4_k+triton",
+                 "nvfp4", "nvfp4+compile", "nvfp4+triton")
+MICRO_SHAPE = (12288, 4096)  # the DiT's largest Linear (mlp up/gate: 4096 -> 12288)
+MICRO_TILES = (1024, 2048, 4096, 8192)
+# Byte offsets of the fp16 scale fields per GGUF type, set to sane values in random blocks.
+FP16_SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
+                      "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+                      "IQ4_XS": (0,)}
 PROBE_LAYER = "layers.0.mlp.up_proj"
 
 
@@ -134,14 +152,77 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def micro_weights(device: torch.device) -> dict[str, QuantizedWeight]:
+    """One MICRO_SHAPE weight per type: Q8_0, Q4_K and NVFP4 quantised from random values, the other GGUF
+    types random blocks with sane fp16 scales (the kernels' speed does not depend on the values)."""
+    torch.manual_seed(0)
+    rows, cols = MICRO_SHAPE
+    dense = torch.randn(MICRO_SHAPE, device=device) * 0.02
+    out = {"Q8_0": quantize_weight(dense, "q8_0"), "Q4_K": quantize_weight(dense, "q4_k"),
+           "NVFP4": quantize_weight(dense, "nvfp4")}
+    for qtype in sorted(set(GGUF_KERNELS) - set(out)):
+        block_size, type_size = BLOCK_GEOMETRY[qtype]
+        raw = torch.randint(0, 256, (rows * cols // block_size, type_size), dtype=torch.uint8, device=device)
+        for offset in FP16_SCALE_OFFSETS[qtype]:
+            scales = (torch.rand(raw.shape[0], device=device) * 0.01).to(torch.float16)
+            raw[:, offset:offset + 2] = scales.view(torch.uint8).reshape(-1, 2)
+        out[qtype] = QuantizedWeight("gguf", qtype, raw.reshape(rows, -1), MICRO_SHAPE)
+    return out
+
+
+def time_cuda(fn, iters: int = 20) -> float:
+    """Mean milliseconds of `fn()` on the current stream (after 3 warm-up calls)."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def micro_bench(device: torch.device) -> None:
+    if device.type != "cuda" or not triton_available(device):
+        print("# micro-bench skipped: needs CUDA and triton")
+        return
+    rows, cols = MICRO_SHAPE
+    written = rows * cols * 2
+    print(f"# dequant kernels, one {rows}x{cols} weight -> bf16 (GB/s = (packed bytes + bf16 bytes) / time)")
+    print(f"| type | packed MB | triton us (tile {DEFAULT_TILE}) | triton GB/s | best tile | best us | "
+          f"torch eager us | torch GB/s | speed-up | same bf16 bits |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for qtype, q in micro_weights(device).items():
+        fmt = q.format
+        args = (fmt, q.qtype, q.shape, q.data, q.scale, q.scale_2, torch.bfloat16)
+        moved = q.nbytes + written
+        per_tile = {tile: time_cuda(lambda: dequantize_triton(*args, tile=tile)) for tile in MICRO_TILES}
+        best_tile = min(per_tile, key=per_tile.get)
+        default_ms = per_tile[DEFAULT_TILE]
+        torch_ms = time_cuda(lambda: dequantize_packed(*args), iters=5)
+        same = torch.equal(dequantize_triton(*args).view(torch.int16), dequantize_packed(*args).view(torch.int16))
+        print(f"| {qtype} | {q.nbytes / 1e6:.1f} | {default_ms * 1e3:.1f} | {moved / default_ms / 1e6:.0f} | "
+              f"{best_tile} | {per_tile[best_tile] * 1e3:.1f} | {torch_ms * 1e3:.0f} | {moved / torch_ms / 1e6:.0f} | "
+              f"{torch_ms / default_ms:.1f}x | {'yes' if same else 'NO'} |", flush=True)
+        del q
+    torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES))
+    parser.add_argument("--micro", action="store_true", help="first time each Triton dequant kernel alone")
+    parser.add_argument("--micro-only", action="store_true", help="only the kernel micro-benchmark")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    if args.micro or args.micro_only:
+        micro_bench(device)
+        if args.micro_only:
+            return 0
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
     model, config = build_model(args.tiny, device)
@@ -164,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     for mode in [m for m in args.modes.split(",") if m and m != "bf16"]:
         fmt, _, option = mode.partition("+")
         enable_compiled_dequant(option == "compile")
+        enable_triton_dequant(option == "triton")
+        if option == "triton" and not triton_available(device):
+            print(f"  {mode}: triton unavailable on {device}, the row below is the torch path")
         start = time.perf_counter()
         replacements = quantised_linears(model, fmt)
         _sync(device)
@@ -181,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             swap_modules(model, originals)
             del replacements
             enable_compiled_dequant(False)
+            enable_triton_dequant(True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 

@@ -1,6 +1,7 @@
 """ComfyUI adapter: thin node classes over runtime/ (V1 node API, works in ComfyUI v0.8.0 and later)."""
 from __future__ import annotations
 
+from .enhancer import ErnieImagePromptEnhancer
 from .loader import ErnieImageLoader
 from .quant_config import ErnieImageQuantConfig
 from .remote import ErnieImageRemoteBackend
@@ -13,6 +14,7 @@ NODE_CLASS_MAPPINGS: dict[str, type] = {
     "ErnieImageTurboSampler": ErnieImageTurboSampler,
     "ErnieImageQuantConfig": ErnieImageQuantConfig,
     "ErnieImageRemoteBackend": ErnieImageRemoteBackend,
+    "ErnieImagePromptEnhancer": ErnieImagePromptEnhancer,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {
@@ -21,6 +23,7 @@ NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {
     "ErnieImageTurboSampler": "ERNIE-Image Turbo Sampler",
     "ErnieImageQuantConfig": "ERNIE-Image Quant Config",
     "ErnieImageRemoteBackend": "ERNIE-Image Remote Backend (SGLang)",
+    "ErnieImagePromptEnhancer": "ERNIE-Image Prompt Enhancer",
 }
 
 register_routes()

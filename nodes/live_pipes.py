@@ -58,9 +58,6 @@ def _is_loaded(pipe: Any) -> bool:
         return bool(loaded())
     if loaded is not None:
         return bool(loaded)
-    phases = getattr(pipe, "_loaded", None)  # LocalPipe has no public flag yet: its loaded phases live here
-    if phases is not None:
-        return any(getattr(phases, name, None) is not None for name in ("text_tower", "dit", "vae", "enhancer"))
     if hasattr(pipe, "_fleet"):  # RemotePipe: open connections to its servers
         return pipe._fleet is not None
     return True

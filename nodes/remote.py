@@ -48,8 +48,27 @@ def checked_key_source(api_key_env: str, api_key_file: str) -> tuple[Optional[st
     return env_name, key_file
 
 
+def chat_endpoint(pe_url: str, pe_model: str, pe_api_key_env: str, pe_api_key_file: str,
+                  connect_timeout_s: float = 5.0) -> Optional[Any]:
+    """The PE chat endpoint the widgets describe, checked now; None when pe_url is empty."""
+    from ..runtime.remote.http import normalize_base_url
+    from ..runtime.text.remote_enhancer import ChatEndpoint
+
+    url = pe_url.strip()
+    if not url:
+        return None
+    try:
+        env_name, key_file = checked_key_source(pe_api_key_env, pe_api_key_file)
+    except InvalidInputError as error:
+        raise InvalidInputError(f"pe_{error}") from None  # the same rule, named after the pe_ widget
+    endpoint = ChatEndpoint(url=url, model=pe_model.strip() or None, api_key_env=env_name, api_key_file=key_file,
+                            connect_timeout_s=float(connect_timeout_s))
+    normalize_base_url(endpoint.base_url())  # a malformed URL fails here, before anything is sent
+    return endpoint
+
+
 def make_remote_pipe(urls: list[str], connect_timeout_s: float, read_timeout_s: float,
-                     api_key_env: Optional[str], api_key_file: Optional[str]) -> Any:
+                     api_key_env: Optional[str], api_key_file: Optional[str], pe_endpoint: Optional[Any] = None) -> Any:
     from ..runtime.remote.backend import RemotePipe, RemoteSettings
 
     settings = RemoteSettings(
@@ -57,8 +76,33 @@ def make_remote_pipe(urls: list[str], connect_timeout_s: float, read_timeout_s: 
         api_key_file=api_key_file,
         connect_timeout_s=float(connect_timeout_s),
         read_timeout_base_s=float(read_timeout_s),
+        pe_endpoint=pe_endpoint,
     )
     return RemotePipe(urls, settings)
+
+
+def pe_endpoint_inputs(role: str) -> dict[str, Any]:
+    """Optional widgets naming a PE chat endpoint (vLLM or SGLang serving the PE); the key only by name or path."""
+    return {
+        "pe_url": (
+            "STRING",
+            {"default": "", "tooltip": f"Base URL of an OpenAI-compatible chat server serving ERNIE-Image's prompt "
+             f"enhancer (vLLM, SGLang), e.g. http://pe-box:8000. {role}"},
+        ),
+        "pe_model": (
+            "STRING",
+            {"default": "", "tooltip": "Model name on the PE server. Empty: the first model it lists at /v1/models."},
+        ),
+        "pe_api_key_env": (
+            "STRING",
+            {"default": "", "tooltip": "NAME of the environment variable holding the PE server's API key. "
+             "Never the key itself. Empty: no key."},
+        ),
+        "pe_api_key_file": (
+            "STRING",
+            {"default": "", "tooltip": "PATH of a file holding only the PE server's API key. Empty: no key file."},
+        ),
+    }
 
 
 class ErnieImageRemoteBackend:
@@ -103,13 +147,20 @@ class ErnieImageRemoteBackend:
                     {"default": "", "tooltip": "PATH of a file holding only the API key, read when a request is sent. "
                      "Empty: no key file."},
                 ),
-            }
+            },
+            "optional": pe_endpoint_inputs(
+                "When set, a Sampler's use_pe revises the prompt there first and the SGLang server gets the revised "
+                "prompt with its own PE off (Baidu's Method 2); the Sampler outputs that prompt. Empty: the "
+                "SGLang server's own PE."
+            ),
         }
 
     def connect(self, server_urls: str, connect_timeout_s: float, read_timeout_s: float, api_key_env: str,
-                api_key_file: str) -> dict[str, Any]:
+                api_key_file: str, pe_url: str = "", pe_model: str = "", pe_api_key_env: str = "",
+                pe_api_key_file: str = "") -> dict[str, Any]:
         urls = parse_urls(server_urls)
         env_name, key_file = checked_key_source(api_key_env, api_key_file)
-        pipe = track(make_remote_pipe(urls, connect_timeout_s, read_timeout_s, env_name, key_file))
+        pe_endpoint = chat_endpoint(pe_url, pe_model, pe_api_key_env, pe_api_key_file, connect_timeout_s)
+        pipe = track(make_remote_pipe(urls, connect_timeout_s, read_timeout_s, env_name, key_file, pe_endpoint))
         description = pipe.describe()
         return {"ui": {"text": [description]}, "result": (pipe, description)}

@@ -14,9 +14,9 @@ import torch
 
 from .acceleration import compile_blocks, fuse_projections
 from .decode import decode_images
-from .errors import Cancelled, ModelFileError
+from .errors import Cancelled, ErnieImageError, ModelFileError
 from .formats import open_component
-from .host import Host
+from .host import Host, NullHost
 from .model_files import QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae
 from .offload.session import PipeMemory
 from .preview import latent_preview
@@ -124,12 +124,29 @@ class LocalPipe:
     def defaults(self) -> dict[str, float]:
         return PRESETS[self.variant]
 
-    def describe(self) -> str:
-        return (
+    def describe(self, request: Optional[GenerationRequest] = None) -> str:
+        """The variant, device, formats and the VRAM plan (of the last job, else of a default 1024x1024 job)."""
+        lines = [
             f"ERNIE-Image {'Turbo' if self.variant == 'turbo' else '(base)'} on {self.device} in "
             f"{str(self.dtype).replace('torch.', '')}; defaults {int(self.defaults['steps'])} steps, "
-            f"CFG {self.defaults['cfg']}"
-        )
+            f"CFG {self.defaults['cfg']}; DiT compile {'on' if self.compiled else self.options.compile}"
+        ]
+        if self.quant_reason:
+            lines.append(self.quant_reason)
+        if self.memory.plan is not None and request is None:
+            lines.append(self.memory.describe())
+        else:
+            job = request or GenerationRequest(prompt="", steps=int(self.defaults["steps"]), cfg=self.defaults["cfg"])
+            try:
+                lines.append(self.memory.preview(job, self.sources, self.variant))
+            except ErnieImageError as error:
+                lines.append(f"VRAM plan unavailable: {error}")
+        return "\n".join(lines)
+
+    def is_loaded(self) -> bool:
+        """Whether any weights (text encoder, DiT, VAE, prompt enhancer) are held by this pipe."""
+        loaded = self._loaded
+        return any(part is not None for part in (loaded.text_tower, loaded.dit, loaded.vae, loaded.enhancer))
 
     # -- phases ---------------------------------------------------------------------------------------
 
@@ -252,6 +269,34 @@ class LocalPipe:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def has_enhancer(self) -> bool:
+        """Whether `enhance` can run: a PE in the model files or a PE chat endpoint in the options."""
+        return self.options.pe_endpoint is not None or self.sources.has_pe()
+
+    def enhance(self, prompt: str, width: int, height: int, seed: int, temperature: float = 0.6, top_p: float = 0.95,
+                max_new_tokens: int = 512, host: Optional[Host] = None):
+        """The PE phase on its own (the standalone enhancer node): text.enhancer.RevisedPrompts for one prompt.
+
+        The same revision `generate` gives the DiT for this prompt, size and seed. A failure or a cancel releases
+        the pipe's memory, as `generate` does.
+        """
+        from .request import validate_size
+        from .text.enhancer import validate_sampling
+
+        if not self.has_enhancer():
+            raise ModelFileError("this model has no prompt enhancer: pick one on the Loader (prompt_enhancer, or "
+                                 "a diffusers folder with pe/), or give a PE chat endpoint URL")
+        validate_size(width, height)
+        validate_sampling(temperature, top_p, max_new_tokens)
+        host = host or NullHost()
+        request = GenerationRequest(prompt=prompt, width=width, height=height, seed=seed, use_pe=True,
+                                    pe_temperature=temperature, pe_top_p=top_p, pe_max_new_tokens=max_new_tokens)
+        try:
+            return self._enhance(request, host)
+        except BaseException:
+            self.release()
+            raise
 
     def _enhance(self, request: GenerationRequest, host: Host):
         """The prompt-enhancer phase, before text encoding: returns text.enhancer.RevisedPrompts.

@@ -224,6 +224,12 @@ def _save_diffusers_layout(dest: Path, config_root: Path, dit, text_encoder, vae
         index.pop("pe_tokenizer", None)
     (dest / "model_index.json").write_text(json.dumps(index, indent=2))
     dit.save_pretrained(dest / "transformer")
+    if config_root.name.endswith("Turbo"):
+        # The released Turbo transformer config carries LoRA fields (unused at inference); keep that trait.
+        config_path = dest / "transformer" / "config.json"
+        config = json.loads(config_path.read_text())
+        config.update({"use_lora": False, "lora_rank": 4})
+        config_path.write_text(json.dumps(config, indent=2))
     text_encoder.save_pretrained(dest / "text_encoder")
     vae.save_pretrained(dest / "vae")
     save_tokenizer(dest / "tokenizer")

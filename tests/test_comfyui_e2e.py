@@ -31,7 +31,7 @@ COMFY_PYTHON = os.environ.get("ERNIE_COMFYUI_PYTHON", sys.executable)
 PACK_NAME = "ernie_image"
 API_WORKFLOWS = sorted((REPO_ROOT / "workflows" / "api").glob("*.json"))
 NODE_IDS = ("ErnieImageLoader", "ErnieImageSampler", "ErnieImageTurboSampler", "ErnieImageQuantConfig",
-            "ErnieImageRemoteBackend")
+            "ErnieImageRemoteBackend", "ErnieImagePromptEnhancer")
 TEST_SIDE = 256
 MAX_TEST_STEPS = 4
 START_TIMEOUT_S = 180
@@ -365,7 +365,7 @@ async def test_width_1000_is_refused_before_running_with_a_clear_message(comfy: 
     assert status == 400
     errors = body["node_errors"][sampler_id]["errors"]
     assert any("width 1000 is not allowed" in e["details"] and "multiple of 16" in e["details"]
-               and "use 992" in e["details"] for e in errors), errors
+               and "use 1008" in e["details"] for e in errors), errors
 
 
 async def test_a_bad_model_file_reaches_the_ui_as_a_clear_error_and_frees_memory(comfy: Comfy) -> None:

@@ -100,6 +100,7 @@ def test_nvfp4_kernel_is_bit_exact_against_torch(interpret: None, shape: tuple[i
     data = torch.from_numpy(rng.integers(0, 256, size=(shape[0], shape[1] // 2), dtype=np.uint8))
     scale_bytes = rng.integers(0, 256, size=blocked.shape, dtype=np.uint8)
     scale_bytes[np.isin(scale_bytes, NVFP4_NAN_CODES)] = 0x38  # 1.0
+    scale_bytes.flat[:3] = (0x80, 0x01, 0x87)  # -0.0, the smallest subnormal, a negative subnormal
     scales = torch.from_numpy(scale_bytes).view(torch.float8_e4m3fn)
     tensor_scale = torch.tensor(3.7e-3)
     reference = dequantize_packed("nvfp4", "nvfp4", shape, data, scales, tensor_scale, dtype)

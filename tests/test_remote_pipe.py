@@ -100,9 +100,9 @@ def test_size_is_rounded_to_16_client_side_with_a_notice():
         pipe = RemotePipe([server.url], FAST)
         result = pipe.generate(request(width=1000, height=280), host)
         pipe.release()
-    assert (server.generations[0].body["width"], server.generations[0].body["height"]) == (992, 288)
-    assert result.images.shape == (1, 288, 992, 3)
-    assert any("1000x280 rounded to 992x288" in m for m in host.messages)
+    assert (server.generations[0].body["width"], server.generations[0].body["height"]) == (1008, 288)
+    assert result.images.shape == (1, 288, 1008, 3)
+    assert any("1000x280 rounded to 1008x288" in m for m in host.messages)
 
 
 def test_invalid_request_fails_before_anything_is_sent():

@@ -148,12 +148,17 @@ def test_ui_workflow_matches_node_definitions(path: Path) -> None:
         assert len(node["widgets_values"]) == len(slots), f"{where}: {len(node['widgets_values'])} widget values for {[n for n, _ in slots]}"
         for (name, spec), value in zip(slots, node["widgets_values"]):
             check_widget_value(where, name, spec, value)
-        sockets, _, required = sockets_and_widgets(definition)
-        assert [s["name"] for s in node["inputs"]] == list(sockets), f"{where}: input sockets differ from the definition"
-        for socket in node["inputs"]:
+        sockets, widgets, required = sockets_and_widgets(definition)
+        plain = [s for s in node["inputs"] if "widget" not in s]
+        assert [s["name"] for s in plain] == list(sockets), f"{where}: input sockets differ from the definition"
+        for socket in plain:
             assert socket["type"] == sockets[socket["name"]], f"{where}: socket {socket['name']} type"
             if socket["name"] in required:
                 assert socket["link"] is not None, f"{where}: required input {socket['name']} is not connected"
+        for socket in node["inputs"]:
+            if "widget" in socket:  # a widget fed by a link (e.g. a prompt from the Prompt Enhancer)
+                assert socket["widget"]["name"] == socket["name"] and socket["link"] is not None, f"{where}: {socket}"
+                assert socket["type"] == dict(widgets)[socket["name"]][0], f"{where}: widget input {socket['name']} type"
         assert [o["type"] for o in node["outputs"]] == list(definition["output"]), f"{where}: outputs differ"
     for link_id, source, source_slot, target, target_slot, link_type in ui["links"]:
         output = nodes[source]["outputs"][source_slot]
@@ -195,15 +200,17 @@ def test_api_workflow_matches_node_definitions(path: Path) -> None:
         known = set(sockets) | {name for name, _ in widgets}
         assert set(node["inputs"]) <= known, f"{where}: unknown inputs {set(node['inputs']) - known}"
         assert required <= set(node["inputs"]), f"{where}: missing {required - set(node['inputs'])}"
+        linked_widgets = {name: spec[0] for name, spec in widgets if isinstance(node["inputs"].get(name), list)}
         for name, spec in widgets:
-            if name in node["inputs"]:
+            if name in node["inputs"] and name not in linked_widgets:
                 check_widget_value(where, name, spec, node["inputs"][name])
         for name, value in node["inputs"].items():
-            if name in sockets:
+            if name in sockets or name in linked_widgets:
+                wanted = sockets.get(name) or linked_widgets[name]
                 source_id, slot = value
                 source = api[source_id]
                 output_type = node_definition(source["class_type"])["output"][slot]
-                assert types_match(output_type, sockets[name]), f"{where}: {name} gets {output_type}, wants {sockets[name]}"
+                assert types_match(output_type, wanted), f"{where}: {name} gets {output_type}, wants {wanted}"
         validate = getattr(NODE_CLASS_MAPPINGS.get(node["class_type"]), "VALIDATE_INPUTS", None)
         if validate is not None:
             import inspect

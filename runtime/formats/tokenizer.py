@@ -27,5 +27,5 @@ def load_tokenizer(sources):
             return tokenizer
     raise ModelFileError(
         "no tokenizer found: use a text-encoder file with an embedded tokenizer (ComfyUI's ministral-3-3b), "
-        "a diffusers folder with tokenizer/, or pass --tokenizer"
+        "a diffusers folder with tokenizer/, or a tokenizer folder (CLI: --tokenizer)"
     )

@@ -13,7 +13,6 @@ import weakref
 import torch
 
 log = logging.getLogger(__name__)
-PAGE = 4096
 
 
 def _power_of_two_ceil(value: int) -> int:
@@ -30,19 +29,18 @@ class HostSlab:
         if not pin:
             self.data = torch.empty(self.nbytes, dtype=torch.uint8)
             return
-        raw = torch.empty(self.nbytes + PAGE, dtype=torch.uint8)
-        skip = (-raw.data_ptr()) % PAGE
-        data = raw[skip: skip + self.nbytes]
-        cudart = torch.cuda.cudart()
-        status = cudart.cudaHostRegister(data.data_ptr(), self.nbytes, 0)
+        # The whole tensor is registered from its storage's first byte: PyTorch's `is_pinned()` (which decides
+        # whether a copy may be asynchronous) looks at the storage base, so a registered inner slice reads False.
+        raw = torch.empty(self.nbytes, dtype=torch.uint8)
+        status = torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), self.nbytes, 0)
         if int(status) == 0:
-            self.data = data
-            self._registered_ptr = data.data_ptr()
+            self.data = raw
+            self._registered_ptr = raw.data_ptr()
             self.pinned_bytes = self.nbytes
             self._finalizer = weakref.finalize(self, _unregister, self._registered_ptr, raw)
             return
         log.warning("cudaHostRegister failed (%s); pinning through PyTorch, rounded up to a power of two", status)
-        del raw, data
+        del raw
         self.data = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
         self.pinned_bytes = _power_of_two_ceil(self.nbytes)
 

@@ -84,6 +84,18 @@ class PipeMemory:
         self.plan = plan
         return plan
 
+    def preview(self, request, sources, variant) -> str:
+        """The plan `request` would get, as text, without placing or releasing anything."""
+        if not self.active:
+            return f"VRAM plan: none on {self.device.type} (weights stay in host memory)"
+        budget = budget_bytes(self.budget_gb if self.budget_gb is not None else "auto", self.device)
+        job = Job(width=request.width, height=request.height, batch=request.batch, cfg=request.cfg,
+                  text_tokens=TEXT_TOKENS_FOR_PLAN)
+        try:
+            return plan_memory(budget, job, self._sizes(sources, variant), self.device.type).table()
+        except MemoryBudgetError as error:
+            return f"VRAM plan: {error}"
+
     def build_device(self) -> torch.device:
         """Where model files are materialised: the host when the offloader places them, else the device."""
         return torch.device("cpu") if self.active else self.device

@@ -13,8 +13,13 @@ and per-sub-block scales are decoded once on a [BLOCKS, groups, 1] slice and bro
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+# This module is loaded once per mode (see triton_dequant._load_kernel_module), with the env var set.
+SOFTWARE_BF16_ROUNDING = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
@@ -32,26 +37,32 @@ def _f16(ptr, offset, mask):
 
 @triton.jit
 def _to_output(value, out):
-    """float32 -> out's dtype, rounding to nearest even. bf16 is rounded with integer ops (as torch does) so
-    Triton's interpreter, whose fp32 -> bf16 cast truncates, gives what the GPU gives."""
-    if out.dtype.element_ty == tl.bfloat16:
-        bits = value.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(value != value, 0x7FC0, rounded)  # NaN: torch's canonical quiet NaN
-        return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return value.to(out.dtype.element_ty)
+    """float32 -> out's dtype, rounding to nearest even (compiled: the hardware's cvt.rn). The interpreter's
+    fp32 -> bf16 cast truncates, so there bf16 is rounded with integer ops, exactly as torch does."""
+    result = value.to(out.dtype.element_ty)
+    if SOFTWARE_BF16_ROUNDING:
+        if out.dtype.element_ty == tl.bfloat16:
+            bits = value.to(tl.uint32, bitcast=True)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            rounded = tl.where(value != value, 0x7FC0, rounded)  # NaN: torch's canonical quiet NaN
+            result = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return result
 
 
 @triton.jit
 def _block_ids(n_blocks, BLOCKS: tl.constexpr):
-    blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
-    return blk[:, None, None], (blk < n_blocks)[:, None, None]
+    """(index of this program's first block, int64; its blocks' local indices [B, 1, 1], int32; valid mask).
+    Kernels advance their pointers by the first block once, so per-element offsets stay 32-bit."""
+    first = tl.program_id(0).to(tl.int64) * BLOCKS
+    blk = tl.arange(0, BLOCKS)
+    return first, blk[:, None, None], (first + blk < n_blocks)[:, None, None]
 
 
 @triton.jit
 def q8_0_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    blk, valid = _block_ids(n_blocks, BLOCKS)
+    first, blk, valid = _block_ids(n_blocks, BLOCKS)
+    data += first * 34
+    out += first * 32
     t = tl.arange(0, 32)[None, None, :]
     base = blk * 34
     d = _f16(data, base, valid)
@@ -75,7 +86,9 @@ def _high_bit32(data, qh, t, valid):
 
 @triton.jit
 def q4_0_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    blk, valid = _block_ids(n_blocks, BLOCKS)
+    first, blk, valid = _block_ids(n_blocks, BLOCKS)
+    data += first * 18
+    out += first * 32
     base = blk * 18
     d = _f16(data, base, valid)
     nib, t = _nibble32(data, base + 2, valid)
@@ -84,7 +97,9 @@ def q4_0_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
 
 @triton.jit
 def q4_1_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    blk, valid = _block_ids(n_blocks, BLOCKS)
+    first, blk, valid = _block_ids(n_blocks, BLOCKS)
+    data += first * 20
+    out += first * 32
     base = blk * 20
     d = _f16(data, base, valid)
     m = _f16(data, base + 2, valid)
@@ -94,7 +109,9 @@ def q4_1_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
 
 @triton.jit
 def q5_0_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    blk, valid = _block_ids(n_blocks, BLOCKS)
+    first, blk, valid = _block_ids(n_blocks, BLOCKS)
+    data += first * 22
+    out += first * 32
     base = blk * 22
     d = _f16(data, base, valid)
     nib, t = _nibble32(data, base + 6, valid)
@@ -104,7 +121,9 @@ def q5_0_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
 
 @triton.jit
 def q5_1_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    blk, valid = _block_ids(n_blocks, BLOCKS)
+    first, blk, valid = _block_ids(n_blocks, BLOCKS)
+    data += first * 24
+    out += first * 32
     base = blk * 24
     d = _f16(data, base, valid)
     m = _f16(data, base + 2, valid)
@@ -127,7 +146,9 @@ def _iq4_value(idx):
 
 @triton.jit
 def iq4_nl_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    blk, valid = _block_ids(n_blocks, BLOCKS)
+    first, blk, valid = _block_ids(n_blocks, BLOCKS)
+    data += first * 18
+    out += first * 32
     base = blk * 18
     d = _f16(data, base, valid)
     nib, t = _nibble32(data, base + 2, valid)
@@ -148,7 +169,9 @@ def _k_scale_min(data, scales, j, valid):
 
 @triton.jit
 def q4_k_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    blk, valid = _block_ids(n_blocks, BLOCKS)
+    first, blk, valid = _block_ids(n_blocks, BLOCKS)
+    data += first * 144
+    out += first * 256
     j = tl.arange(0, 8)[None, :, None]
     w = tl.arange(0, 32)[None, None, :]
     base = blk * 144
@@ -161,7 +184,9 @@ def q4_k_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
 
 @triton.jit
 def q5_k_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    blk, valid = _block_ids(n_blocks, BLOCKS)
+    first, blk, valid = _block_ids(n_blocks, BLOCKS)
+    data += first * 176
+    out += first * 256
     j = tl.arange(0, 8)[None, :, None]
     w = tl.arange(0, 32)[None, None, :]
     base = blk * 176
@@ -176,7 +201,9 @@ def q5_k_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
 
 @triton.jit
 def q6_k_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    blk, valid = _block_ids(n_blocks, BLOCKS)
+    first, blk, valid = _block_ids(n_blocks, BLOCKS)
+    data += first * 210
+    out += first * 256
     s = tl.arange(0, 16)[None, :, None]  # 16-value sub-block (one int8 scale each)
     t = s * 16 + tl.arange(0, 16)[None, None, :]
     base = blk * 210
@@ -191,14 +218,21 @@ def q6_k_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
 
 
 @triton.jit
+def _with_sign(magnitude, sign_bit, shift: tl.constexpr):
+    """Set the float sign from `sign_bit << shift` (bit 31). Not `-x`: Triton computes that as 0 - x, +0.0
+    for x = 0, and E2M1 code 8 / an E4M3 scale 0x80 must give -0.0 as torch's conversion does."""
+    bits = magnitude.to(tl.uint32, bitcast=True) | (sign_bit.to(tl.uint32) << shift)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _e2m1(code):
     """E2M1 code (sign in bit 3) -> float32: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; code 8 is -0.0."""
     mag = code & 7
     e = mag >> 1
     m = mag & 1
     twice = tl.where(e == 0, m, (2 + m) << tl.maximum(e - 1, 0))  # 2 * |value|, an integer
-    value = twice.to(tl.float32) * 0.5
-    return tl.where((code & 8) != 0, -value, value)
+    return _with_sign(twice.to(tl.float32) * 0.5, code & 8, 28)
 
 
 @triton.jit
@@ -208,29 +242,35 @@ def _e4m3fn(byte):
     m = byte & 7
     normal = tl.where((e == 15) & (m == 7), 0x7FC00000, ((e + 120) << 23) | (m << 20))  # 0x7FC00000: NaN
     magnitude = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))  # m * 2^-9
-    return tl.where((byte & 128) != 0, -magnitude, magnitude)
+    return _with_sign(magnitude, byte & 128, 24)
 
 
 @triton.jit
 def nvfp4_kernel(data, scale, scale_2, out, n_rows, n_cols, scale_cols,
                  ROWS: tl.constexpr, COLS: tl.constexpr):
     """One [ROWS, COLS] tile of the [n_rows, n_cols] output, viewed as [ROWS, COLS/16, 16]."""
-    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)[:, None, None]
-    c = tl.program_id(1).to(tl.int64) * (COLS // 16) + tl.arange(0, COLS // 16)[None, :, None]  # 16-value block
+    first_row = tl.program_id(0).to(tl.int64) * ROWS
+    data += first_row * (n_cols // 2)
+    out += first_row * n_cols
+    r = tl.arange(0, ROWS)[:, None, None]  # local row; first_row + r below where the global row is needed
+    c = tl.program_id(1) * (COLS // 16) + tl.arange(0, COLS // 16)[None, :, None]  # 16-value block column
     e = tl.arange(0, 16)[None, None, :]
-    valid = (r < n_rows) & (c < n_cols // 16)
+    valid = (first_row + r < n_rows) & (c < n_cols // 16)
     byte = _byte(data, r * (n_cols // 2) + c * 8 + (e >> 1), valid)
     code = (byte >> ((1 - (e & 1)) * 4)) & 0xF  # element 2i in the high nibble
     # cuBLAS blocked layout: 128x4 tiles, row-major over (rows/128, cols/4); inside one, row r of the tile
     # is stored at (r % 32, (r // 32) * 4 + col) of a 32x16 block.
-    blocked = ((r >> 7) * (scale_cols >> 2) + (c >> 2)) * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4 + (c & 3)
+    row = first_row + r
+    blocked = ((row >> 7) * (scale_cols >> 2) + (c >> 2)) * 512 + (row & 31) * 16 + ((row >> 5) & 3) * 4 + (c & 3)
     block_scale = _e4m3fn(_byte(scale, blocked, valid)) * tl.load(scale_2)
     tl.store(out + r * n_cols + c * 16 + e, _to_output(_e2m1(code) * block_scale, out), mask=valid)
 
 
 @triton.jit
 def iq4_xs_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    blk, valid = _block_ids(n_blocks, BLOCKS)
+    first, blk, valid = _block_ids(n_blocks, BLOCKS)
+    data += first * 136
+    out += first * 256
     j = tl.arange(0, 8)[None, :, None]
     w = tl.arange(0, 32)[None, None, :]
     base = blk * 136
@@ -244,7 +284,9 @@ def iq4_xs_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
 
 @triton.jit
 def q2_k_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    blk, valid = _block_ids(n_blocks, BLOCKS)
+    first, blk, valid = _block_ids(n_blocks, BLOCKS)
+    data += first * 84
+    out += first * 256
     s = tl.arange(0, 16)[None, :, None]
     t = s * 16 + tl.arange(0, 16)[None, None, :]
     base = blk * 84
@@ -257,7 +299,9 @@ def q2_k_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
 
 @triton.jit
 def q3_k_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    blk, valid = _block_ids(n_blocks, BLOCKS)
+    first, blk, valid = _block_ids(n_blocks, BLOCKS)
+    data += first * 110
+    out += first * 256
     s = tl.arange(0, 16)[None, :, None]
     t = s * 16 + tl.arange(0, 16)[None, None, :]
     base = blk * 110

@@ -12,16 +12,20 @@ import dataclasses
 import queue
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
-from ..errors import Cancelled, RemoteError
+from ..errors import Cancelled, InvalidInputError, RemoteError
 from ..host import Host
 from ..request import GenerationRequest, GenerationResult, nearest_valid_side
 from .fleet import Fleet, FleetSettings
-from .http import ApiKeySource, RetryPolicy, Timeouts, private_loop, run_sync
+from .http import ApiKeySource, RetryPolicy, Timeouts, private_loop, run_sync, server_label
 from .sglang import GeneratedImage, ImageParams, ReadTimeoutPolicy
+
+if TYPE_CHECKING:
+    from ..text.enhancer import RevisedPrompts
+    from ..text.remote_enhancer import ChatEndpoint
 
 POLL_S = 0.1
 PROGRESS_STEPS = 1000
@@ -42,6 +46,9 @@ class RemoteSettings:
     retry_attempts: int = 4
     retry_down_after_s: float = 10.0
     max_response_mb: int = 256
+    # Baidu's "Method 2": the PE on its own OpenAI-compatible chat server. When set, prompts of a request with
+    # use_pe are revised there and the DiT server gets the revised prompts with its own PE off.
+    pe_endpoint: Optional["ChatEndpoint"] = None
 
     def fleet_settings(self) -> FleetSettings:
         return FleetSettings(
@@ -117,10 +124,40 @@ class RemotePipe:
             slot = next((s for s in slots if s.client.http.base_url == url.rstrip("/")), None)
             model = f" serving {slot.model.id} ({slot.model.num_gpus} GPU, {slot.model.dit_precision})" if slot and slot.model else ""
             lines.append(f"  {url}{model}")
+        if self.settings.pe_endpoint is not None:
+            lines.append(f"prompt enhancer: chat endpoint {server_label(self.settings.pe_endpoint.base_url())} "
+                         f"(the SGLang server gets the revised prompt with its PE off)")
         return "\n".join(lines)
+
+    def has_enhancer(self) -> bool:
+        """Whether `enhance` can run: only with a PE chat endpoint (SGLang's own PE never returns its text)."""
+        return self.settings.pe_endpoint is not None
+
+    def enhance(self, prompt: str, width: int, height: int, seed: int, temperature: float = 0.6, top_p: float = 0.95,
+                max_new_tokens: int = 512, host: Optional[Host] = None) -> "RevisedPrompts":
+        """The revised prompt for one prompt from the PE chat endpoint (the standalone enhancer node)."""
+        from ..text.remote_enhancer import revise_prompts_remote
+
+        if self.settings.pe_endpoint is None:
+            raise InvalidInputError("this Remote Backend has no PE endpoint (an SGLang server never returns the "
+                                    "prompt its PE wrote): set pe_url on the Remote Backend or on this node")
+        return revise_prompts_remote(self.settings.pe_endpoint, [prompt], width, height, seed, temperature, top_p,
+                                     max_new_tokens, host)
+
+    def _revise(self, request: GenerationRequest, host: Host) -> tuple[GenerationRequest, Optional["RevisedPrompts"]]:
+        """Method 2: prompts revised on the PE endpoint, then the request as the DiT server gets it (PE off)."""
+        if not request.use_pe or self.settings.pe_endpoint is None:
+            return request, None
+        from ..text.remote_enhancer import revise_prompts_remote
+
+        revised = revise_prompts_remote(self.settings.pe_endpoint, request.prompt_list(), request.width,
+                                        request.height, request.seed, request.pe_temperature, request.pe_top_p,
+                                        request.pe_max_new_tokens, host)
+        return dataclasses.replace(request, prompts=tuple(revised.prompts), use_pe=False), revised
 
     def generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         request = rounded_request(request, host)
+        request, revised = self._revise(request, host)
         if request.shift != SERVER_SHIFT:
             host.log(f"shift {request.shift:g} is not sent: the SGLang server uses its own scheduler (shift {SERVER_SHIFT:g})")
         jobs = image_jobs(request)
@@ -173,7 +210,8 @@ class RemotePipe:
             "peak_memory_mb": [image.peak_memory_mb for image in images],
             "wall_time_s": round(wall_s, 3),
             "summary": summarize(images, wall_s),
-            "prompt_enhancer": "run on the server; its rewritten prompt is not returned" if request.use_pe else "off",
+            "prompt_enhancer": _pe_note(request, revised),
+            **(revised.info() if revised is not None else {}),
         }
         return GenerationResult(
             images=torch.stack([image.image for image in images]),
@@ -189,6 +227,12 @@ class RemotePipe:
                 run_sync(fleet.close())
             except RemoteError:
                 pass
+
+
+def _pe_note(request: GenerationRequest, revised: Optional["RevisedPrompts"]) -> str:
+    if revised is not None:
+        return "run on the PE chat endpoint; the DiT server got the revised prompt with its PE off"
+    return "run on the server; its rewritten prompt is not returned" if request.use_pe else "off"
 
 
 def _submit(coro: Any) -> "concurrent.futures.Future[Any]":

@@ -1,0 +1,136 @@
+"""ErnieImagePromptEnhancer: a prompt in, the prompt enhancer's revised prompt out, as a STRING to read or edit."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..runtime.errors import Cancelled, InvalidInputError
+from ..runtime.request import MAX_SIDE, MIN_SIDE, SEED_MASK, SIDE_MULTIPLE
+from .host import ComfyHost, raise_as_comfy_interrupt
+from .live_pipes import generation_lock
+from .remote import chat_endpoint, pe_endpoint_inputs
+from .sampler import RESOLUTION_CHOICES, ErnieImageSampler, resolve_size
+
+CATEGORY = "ERNIE-Image"
+PIPE_TYPE = "ERNIE_PIPE"
+MAX_NEW_TOKENS = 8192
+NO_ENHANCER = ("no prompt enhancer to run: connect a Loader whose model has a PE (prompt_enhancer file or a "
+               "diffusers folder with pe/), or set pe_url to an OpenAI-compatible chat server serving the PE")
+
+
+def timing_text(info: dict[str, Any], notes: list[str]) -> str:
+    """What the user is shown about the run: where the PE ran, tokens, seconds, tokens per second, notices."""
+    source = info.get("pe", "?")
+    if source == "original":
+        head = "prompt enhancer did not revise the prompt: the original prompt is passed on"
+    else:
+        head = (f"prompt enhancer ({source}): {info.get('pe_tokens', 0)} tokens in {info.get('pe_s', 0.0):.2f} s, "
+                f"{info.get('pe_tokens_per_s', 0.0)} tokens/s")
+    return "\n".join([head, *notes])
+
+
+class _NoteHost(ComfyHost):
+    """ComfyHost that also keeps the notices, so they reach the node's info output and not only the log."""
+
+    def __init__(self, node_id: Optional[str]) -> None:
+        super().__init__(node_id)
+        self.notes: list[str] = []
+
+    def log(self, message: str) -> None:
+        self.notes.append(message)
+        super().log(message)
+
+
+class ErnieImagePromptEnhancer:
+    DESCRIPTION = (
+        "Rewrites a short prompt with ERNIE-Image's prompt enhancer (PE) and outputs the revised prompt as text, "
+        "to read, edit and wire into a Sampler's prompt (with the Sampler's use_pe off). Runs the PE of a "
+        "connected Loader, or an OpenAI-compatible chat server (pe_url). Seeded: the same seed, prompt and size "
+        "give the same revision."
+    )
+    CATEGORY = CATEGORY
+    FUNCTION = "enhance"
+    RETURN_TYPES = ("STRING", "STRING")
+    RETURN_NAMES = ("revised_prompt", "info")
+    OUTPUT_TOOLTIPS = (
+        "The prompt the PE wrote (the original prompt when the PE server failed or answered nothing).",
+        "Where the PE ran, tokens generated, seconds and tokens per second, and any notice.",
+    )
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:
+        return {
+            "required": {
+                "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "The short prompt to enhance. Chinese and English both work."}),
+                "resolution": (
+                    RESOLUTION_CHOICES,
+                    {"default": RESOLUTION_CHOICES[0], "tooltip": "The image size the PE writes for (it is told width and "
+                     "height); 'custom' uses width and height below. Match the Sampler's."},
+                ),
+                "width": ("INT", {"default": 1024, "min": MIN_SIDE, "max": MAX_SIDE, "step": SIDE_MULTIPLE,
+                                  "tooltip": f"Width in pixels when resolution is 'custom' (a multiple of {SIDE_MULTIPLE})."}),
+                "height": ("INT", {"default": 1024, "min": MIN_SIDE, "max": MAX_SIDE, "step": SIDE_MULTIPLE,
+                                   "tooltip": f"Height in pixels when resolution is 'custom' (a multiple of {SIDE_MULTIPLE})."}),
+                "seed": (
+                    "INT",
+                    {"default": 0, "min": 0, "max": SEED_MASK, "control_after_generate": True,
+                     "tooltip": "Sampling seed of the PE: the same seed gives the same revised prompt. Use the "
+                     "Sampler's seed to get the revision its own use_pe would make."},
+                ),
+                "temperature": ("FLOAT", {"default": 0.6, "min": 0.0, "max": 5.0, "step": 0.05,
+                                          "tooltip": "PE sampling temperature (Baidu's 0.6; 0 is greedy)."}),
+                "top_p": ("FLOAT", {"default": 0.95, "min": 0.01, "max": 1.0, "step": 0.01,
+                                    "tooltip": "PE nucleus sampling (Baidu's 0.95)."}),
+                "max_new_tokens": ("INT", {"default": 512, "min": 1, "max": MAX_NEW_TOKENS,
+                                           "tooltip": "Cap on the revised prompt's length in tokens."}),
+            },
+            "optional": {
+                "pipe": (PIPE_TYPE, {"tooltip": "Optional: a Loader (runs its PE here) or a Remote Backend with a PE "
+                                     "endpoint. Not needed when pe_url is set on this node."}),
+                **pe_endpoint_inputs("When set it is used instead of the pipe's PE."),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, resolution: Optional[str] = None, width: Optional[int] = None, height: Optional[int] = None) -> Any:
+        return ErnieImageSampler.VALIDATE_INPUTS(resolution=resolution, width=width, height=height)
+
+    def enhance(self, prompt: str, resolution: str, width: int, height: int, seed: int, temperature: float,
+                top_p: float, max_new_tokens: int, pipe: Any = None, pe_url: str = "", pe_model: str = "",
+                pe_api_key_env: str = "", pe_api_key_file: str = "",
+                unique_id: Optional[str] = None) -> dict[str, Any]:
+        width, height = resolve_size(resolution, width, height)
+        if not prompt.strip():
+            raise InvalidInputError("the prompt is empty: write what to draw, the PE expands it")
+        endpoint = chat_endpoint(pe_url, pe_model, pe_api_key_env, pe_api_key_file)
+        settings = dict(prompt=prompt, width=width, height=height, seed=int(seed) & SEED_MASK,
+                        temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_new_tokens))
+        host = _NoteHost(unique_id)
+        if endpoint is not None:
+            from ..runtime.text.remote_enhancer import revise_prompts_remote
+
+            revised = _cancellable(lambda: revise_prompts_remote(endpoint, [prompt], width, height, settings["seed"],
+                                                                 settings["temperature"], settings["top_p"],
+                                                                 settings["max_new_tokens"], host))
+        else:
+            if pipe is None or not callable(getattr(pipe, "enhance", None)) or not pipe.has_enhancer():
+                raise InvalidInputError(NO_ENHANCER)
+            revised = _run_on_pipe(pipe, settings, host)
+        text = revised.prompts[0]
+        info = timing_text(revised.info(), host.notes)
+        return {"ui": {"text": [text]}, "result": (text, info)}
+
+
+def _cancellable(call: Any) -> Any:
+    try:
+        return call()
+    except Cancelled as cancelled:
+        raise_as_comfy_interrupt(cancelled)
+        raise
+
+
+def _run_on_pipe(pipe: Any, settings: dict[str, Any], host: ComfyHost) -> Any:
+    """The pipe's PE under the generation lock (one job on the device at a time). The pipe frees its own device
+    memory after a failure or a cancel."""
+    with generation_lock:
+        return _cancellable(lambda: pipe.enhance(host=host, **settings))

@@ -1,0 +1,176 @@
+"""The standalone Prompt Enhancer node: the revised prompt as a STRING, from a Loader's PE or a chat server.
+
+Local: a tiny PE built in code gives the node the same revision the pipe's own use_pe gives the DiT. Remote: a
+real aiohttp chat-completions server on loopback. Missing or wrong inputs stop with a one-line error.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ernie_image.nodes import NODE_CLASS_MAPPINGS
+from ernie_image.nodes.enhancer import ErnieImagePromptEnhancer
+from ernie_image.nodes.remote import ErnieImageRemoteBackend
+from ernie_image.runtime.errors import InvalidInputError, ModelFileError, RemoteError
+from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.remote.backend import RemotePipe
+from ernie_image.runtime.request import GenerationRequest
+from ernie_image.runtime.text.tiny_pe import build_tiny_pe_folder
+from ernie_image.runtime.tiny import build_tiny_model
+
+from test_enhancer_remote import SECRET, ChatServer
+
+PROMPT = "a lighthouse at dusk"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-with-pe")
+    build_tiny_model(folder, layout="diffusers", variant="turbo")
+    return build_tiny_pe_folder(folder, seed=6)
+
+
+def cpu_pipe(sources: ModelSources, **options) -> LocalPipe:
+    return LocalPipe.load(sources, LoadOptions(device="cpu", dtype="fp32", previews=False, **options))
+
+
+def enhance(**changes):
+    """The node's outputs (revised_prompt, info) and the text it shows on itself."""
+    inputs = dict(prompt=PROMPT, resolution="custom", width=256, height=256, seed=21, temperature=0.6, top_p=0.95,
+                  max_new_tokens=12)
+    inputs.update(changes)
+    output = ErnieImagePromptEnhancer().enhance(**inputs)
+    assert output["ui"]["text"] == [output["result"][0]]
+    return output["result"]
+
+
+# -------------------------------------------------------------------------------------------- definition
+def test_definition_has_baidus_defaults_a_seed_widget_and_optional_sources() -> None:
+    node = NODE_CLASS_MAPPINGS["ErnieImagePromptEnhancer"]
+    assert node is ErnieImagePromptEnhancer and node.CATEGORY == "ERNIE-Image"
+    assert node.RETURN_TYPES == ("STRING", "STRING") and node.RETURN_NAMES == ("revised_prompt", "info")
+    required, optional = node.INPUT_TYPES()["required"], node.INPUT_TYPES()["optional"]
+    assert list(required) == ["prompt", "resolution", "width", "height", "seed", "temperature", "top_p",
+                              "max_new_tokens"]
+    assert required["prompt"][1]["multiline"]
+    assert required["seed"][1]["control_after_generate"] is True
+    assert (required["temperature"][1]["default"], required["top_p"][1]["default"],
+            required["max_new_tokens"][1]["default"]) == (0.6, 0.95, 512)
+    assert required["width"][1]["step"] == required["height"][1]["step"] == 16
+    assert optional["pipe"][0] == "ERNIE_PIPE"
+    assert list(optional) == ["pipe", "pe_url", "pe_model", "pe_api_key_env", "pe_api_key_file"]
+    for section in (required, optional):
+        assert all(spec[1].get("tooltip") for spec in section.values())
+    assert node.VALIDATE_INPUTS(resolution="custom", width=1000, height=1024) != True  # noqa: E712
+    assert node.VALIDATE_INPUTS(resolution="custom", width=1008, height=1024) is True
+
+
+# ------------------------------------------------------------------------------------------ local PE
+def test_local_pe_gives_the_revision_the_pipes_use_pe_gives_the_dit(model_dir) -> None:
+    generated = cpu_pipe(ModelSources(model_dir=model_dir), keep_loaded=False).generate(
+        GenerationRequest(prompt=PROMPT, width=256, height=256, steps=1, cfg=1.0, seed=21, use_pe=True,
+                          pe_max_new_tokens=12), NullHost())
+    pipe = cpu_pipe(ModelSources(model_dir=model_dir), keep_loaded=False)
+    revised, info = enhance(pipe=pipe)
+    assert revised == generated.prompts_used[0] != PROMPT
+    assert info.startswith("prompt enhancer (local): ") and "tokens/s" in info
+    assert pipe._loaded.enhancer is None, "keep_loaded off: the PE is freed after the node ran"
+    assert enhance(pipe=pipe)[0] == revised, "same seed, same revision"
+    assert enhance(pipe=pipe, seed=22)[0] != revised
+
+
+def test_preset_resolution_is_what_the_pe_is_told(model_dir) -> None:
+    pipe = cpu_pipe(ModelSources(model_dir=model_dir), keep_loaded=True)
+    revised, _ = enhance(pipe=pipe, resolution="848x1264 (2:3)", width=256, height=256)
+    expected = pipe.enhance(PROMPT, 848, 1264, 21, max_new_tokens=12).prompts[0]
+    assert revised == expected
+    assert pipe._loaded.enhancer is not None, "keep_loaded on: the PE is kept (in host RAM) for the next run"
+    pipe.release()
+
+
+# ----------------------------------------------------------------------------------------- remote PE
+def test_chat_endpoint_revises_with_the_nodes_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ERNIE_TEST_PE_KEY", SECRET)
+    with ChatServer(api_key=SECRET) as server:
+        revised, info = enhance(pe_url=server.url, pe_api_key_env="ERNIE_TEST_PE_KEY", resolution="1264x848 (3:2)",
+                                seed=7, temperature=0.3, top_p=0.9, max_new_tokens=300)
+    assert revised == f"revised: {PROMPT} @7"
+    body = server.received[0]
+    assert body["messages"][-1]["content"] == f'{{"prompt": "{PROMPT}", "width": 1264, "height": 848}}'
+    assert (body["temperature"], body["top_p"], body["max_tokens"], body["seed"]) == (0.3, 0.9, 300, 7)
+    assert server.headers[0]["Authorization"] == f"Bearer {SECRET}"
+    assert info.startswith("prompt enhancer (remote): 17 tokens in ") and "tokens/s" in info
+    assert SECRET not in revised + info
+
+
+def test_the_endpoint_wins_over_the_pipe_and_loads_nothing_locally(model_dir) -> None:
+    pipe = cpu_pipe(ModelSources(model_dir=model_dir))
+    with ChatServer() as server:
+        revised, _ = enhance(pipe=pipe, pe_url=server.url + "/v1", pe_model="baidu/ERNIE-Image-PE")
+    assert revised == f"revised: {PROMPT} @21"
+    assert not pipe.is_loaded()
+
+
+def test_a_failing_server_passes_the_original_prompt_on_and_says_so() -> None:
+    with ChatServer(faults=["500", "500", "500"]) as server:
+        revised, info = enhance(pe_url=server.url)
+    assert revised == PROMPT
+    assert info.splitlines()[0] == "prompt enhancer did not revise the prompt: the original prompt is passed on"
+    assert "original prompt is used" in info
+
+
+def test_a_remote_backend_with_a_pe_endpoint_feeds_the_node() -> None:
+    with ChatServer() as server:
+        backend = ErnieImageRemoteBackend().connect(
+            server_urls="http://127.0.0.1:1", connect_timeout_s=1.0, read_timeout_s=30.0, api_key_env="",
+            api_key_file="", pe_url=server.url)
+        pipe = backend["result"][0]
+        assert "prompt enhancer: chat endpoint" in backend["result"][1]
+        revised, _ = enhance(pipe=pipe, seed=3)
+        pipe.release()
+    assert revised == f"revised: {PROMPT} @3"
+
+
+# ------------------------------------------------------------------------------------------ bad inputs
+def test_neither_a_pipe_nor_an_endpoint_is_a_one_line_error() -> None:
+    with pytest.raises(InvalidInputError, match="no prompt enhancer to run: connect a Loader") as error:
+        enhance()
+    assert "\n" not in str(error.value)
+
+
+def test_a_pipe_without_a_pe_says_what_to_do(tmp_path) -> None:
+    without_pe = cpu_pipe(build_tiny_model(tmp_path / "no-pe", layout="diffusers", variant="turbo"))
+    with pytest.raises(InvalidInputError, match="no prompt enhancer to run"):
+        enhance(pipe=without_pe)
+    with pytest.raises(ModelFileError, match="this model has no prompt enhancer"):
+        without_pe.enhance(PROMPT, 256, 256, 0)
+    with pytest.raises(InvalidInputError, match="no prompt enhancer to run"):
+        enhance(pipe=RemotePipe(["http://127.0.0.1:1"]))
+    with pytest.raises(InvalidInputError, match="no PE endpoint"):
+        RemotePipe(["http://127.0.0.1:1"]).enhance(PROMPT, 256, 256, 0)
+
+
+def test_bad_endpoint_settings_are_refused_before_anything_is_sent(tmp_path) -> None:
+    with pytest.raises(InvalidInputError, match="pe_api_key_env must be the NAME") as error:
+        enhance(pe_url="http://127.0.0.1:1", pe_api_key_env="sk-live-1234567890")
+    assert "1234567890" not in str(error.value)
+    with pytest.raises(InvalidInputError, match="pe_api_key_file .* is not a file"):
+        enhance(pe_url="http://127.0.0.1:1", pe_api_key_file=str(tmp_path / "missing"))
+    with pytest.raises(RemoteError, match="is not an http"):
+        enhance(pe_url="ftp://pe-box:8000")
+    with pytest.raises(InvalidInputError, match="prompt is empty"):
+        enhance(prompt="  ", pe_url="http://127.0.0.1:1")
+    with pytest.raises(InvalidInputError, match="temperature"):
+        enhance(pe_url="http://127.0.0.1:1", temperature=9.0)
