@@ -119,6 +119,53 @@ def budget_row(name: str, budget_gb: Optional[float], batch: int, all_streamed: 
         clean()
 
 
+def quantised_budget_row(fmt: str, budget_gb: Optional[float], batch: int = 1) -> dict:
+    """A DiT whose block Linears are packed to `fmt` (Triton dequant on the GPU), streamed compressed within a
+    budget (None: all resident in that format)."""
+    import dataclasses
+
+    from ernie_image.runtime.offload.session import _nbytes
+    from ernie_image.runtime.offload.sizes import LayeredSize, ModelSizes
+    from ernie_image.runtime.quant.linear import quantize_linears
+    from ernie_image.runtime.quant.writer import quantize_weight
+
+    job = Job(1024, 1024, batch, 1.0, TEXT_TOKENS)
+    sizes = ModelSizes.released("turbo", fmt)
+    dit, _ = build_dit(None)
+    state = {key: quantize_weight(value, fmt) for key, value in dit.state_dict().items()
+             if key.startswith("layers.") and key.endswith(".weight") and value.dim() == 2}
+    quantize_linears(dit, state)
+    clean()
+    budget = None if budget_gb is None else int(budget_gb * GiB)
+    block_bytes = max(_nbytes(block) for block in dit.layers)  # the packed sizes decide, as LocalPipe re-plans
+    stem_bytes = _nbytes(dit) - sum(_nbytes(block) for block in dit.layers)
+    sizes = dataclasses.replace(sizes, dit=LayeredSize(36, block_bytes, stem_bytes, sizes.dit.largest_linear_params))
+    plan = None if budget is None else plan_memory(budget, job, sizes).dit
+    placement = DiTPlacement(dit, plan, DEVICE) if plan is not None and plan.streamed else None
+    args = dit_inputs(batch)
+    clean()
+    enforce(budget)
+    try:
+        with torch.inference_mode():
+            out = dit(*args)
+            if not torch.isfinite(out).all():
+                raise AssertionError("non-finite DiT output")
+            ms = cuda_time_ms(lambda: dit(*args), warmup=2, iters=5)
+        peak = torch.cuda.max_memory_allocated()
+        if budget is not None and peak > budget:
+            raise AssertionError(f"peak {peak / GiB:.2f} GiB above the budget {budget / GiB:.2f} GiB")
+        return {"row": f"{fmt} {'resident' if budget is None else f'{budget_gb:g} GiB'}", "batch": batch,
+                "budget GiB": "-" if budget is None else f"{budget_gb:.2f}",
+                "resident": 36 if plan is None else len(plan.resident), "peak GiB": f"{peak / GiB:.2f}",
+                "pinned GiB": f"{(placement.pinned_bytes if placement else 0) / GiB:.2f}", "step ms": round(ms, 1),
+                "_ms": ms}
+    finally:
+        if placement is not None:
+            placement.release()
+        del dit, placement
+        clean()
+
+
 def diffusers_row(batch: int) -> dict:
     from diffusers import ErnieImageTransformer2DModel
 
@@ -300,8 +347,21 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--skip-image", action="store_true")
     parser.add_argument("--batches", default="1,2")
+    parser.add_argument("--quant-rows", action="store_true", help="only the 4 GiB rows with Q4_K / NVFP4 weights")
     args = parser.parse_args()
     print_environment()
+    if args.quant_rows:
+        rows = []
+        guarded(rows, "bf16 resident", lambda: budget_row("bf16 resident", None, 1))
+        for fmt in ("q4_k", "nvfp4"):
+            guarded(rows, f"{fmt} resident", lambda: quantised_budget_row(fmt, None))
+            guarded(rows, f"{fmt} 4 GiB", lambda: quantised_budget_row(fmt, 4.0))
+        for row in rows:
+            if "_ms" in row and "_ms" in rows[0]:
+                row["x bf16 resident"] = f"{row['_ms'] / rows[0]['_ms']:.2f}"
+        print(table(rows, ["row", "batch", "budget GiB", "resident", "peak GiB", "pinned GiB", "step ms",
+                           "x bf16 resident", "error"]))
+        return
     if args.soak:
         soak(12.0, args.runs)
         return
