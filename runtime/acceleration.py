@@ -18,11 +18,9 @@ log = logging.getLogger(__name__)
 def compile_available(device: torch.device) -> bool:
     if device.type != "cuda":
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def fuse_projections(dit: ErnieDiT) -> int:

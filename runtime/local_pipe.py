@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from .acceleration import compile_blocks, fuse_projections
 from .decode import decode_images
-from .errors import Cancelled, ErnieImageError, ModelFileError
+from .errors import ErnieImageError, ModelFileError
 from .formats import open_component
 from .host import Host, NullHost
 from .model_files import QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae
@@ -138,7 +138,7 @@ class LocalPipe:
         else:
             job = request or GenerationRequest(prompt="", steps=int(self.defaults["steps"]), cfg=self.defaults["cfg"])
             try:
-                lines.append(self.memory.preview(job, self.sources, self.variant))
+                lines.append(self.memory.preview(job, self.sources, self.variant, self._local_pe()))
             except ErnieImageError as error:
                 lines.append(f"VRAM plan unavailable: {error}")
         return "\n".join(lines)
@@ -229,12 +229,7 @@ class LocalPipe:
     def generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         request.validate()
         try:
-            self.memory.plan_job(request, self.sources, self.variant)  # MemoryBudgetError before any allocation
-            if self.memory.active and self.memory.dit is None:
-                self._loaded.dit = None
-            if self.memory.active and self.memory.text is None:
-                self._loaded.text_tower = None
-            self.memory.set_host(host)
+            self._plan(request, host)  # MemoryBudgetError before any allocation
             revised = self._enhance(request, host)
             prompts = revised.prompts
             host.check_cancel()
@@ -263,6 +258,21 @@ class LocalPipe:
             **revised.info(),
         }
         return GenerationResult(images=images, latents=latents.cpu(), prompts_used=prompts, info=info)
+
+    def _plan(self, request: GenerationRequest, host: Host) -> None:
+        """Plan the job; drop the parts the new plan released (they are rebuilt on use)."""
+        self.memory.plan_job(request, self.sources, self.variant, self._local_pe())
+        if self.memory.active and self.memory.dit is None:
+            self._loaded.dit = None
+        if self.memory.active and self.memory.text is None:
+            self._loaded.text_tower = None
+        if self.memory.active and self.memory.pe is None:
+            self._loaded.enhancer = None
+        self.memory.set_host(host)
+
+    def _local_pe(self) -> bool:
+        """Whether prompts asking for the PE are revised here (no PE chat endpoint set)."""
+        return self.options.pe_endpoint is None
 
     def _clock(self) -> float:
         """Wall time at a phase boundary; waits for queued GPU work so each phase is charged its own time."""
@@ -293,6 +303,7 @@ class LocalPipe:
         request = GenerationRequest(prompt=prompt, width=width, height=height, seed=seed, use_pe=True,
                                     pe_temperature=temperature, pe_top_p=top_p, pe_max_new_tokens=max_new_tokens)
         try:
+            self._plan(request, host)
             return self._enhance(request, host)
         except BaseException:
             self.release()
@@ -302,7 +313,9 @@ class LocalPipe:
         """The prompt-enhancer phase, before text encoding: returns text.enhancer.RevisedPrompts.
 
         Local PE: loaded (or brought back from host RAM), run, then moved to host RAM (keep_loaded) or dropped, so
-        the device is free for the text encoder. Remote PE: nothing local is loaded.
+        the device is free for the text encoder. With a VRAM plan the PE is built on the host and placed by the
+        plan's PE mode (loaded for the phase, or its layers streamed); see PipeMemory.place_pe. Remote PE: nothing
+        local is loaded.
         """
         from .text.enhancer import LocalEnhancer, RevisedPrompts, revise_prompts, validate_sampling
 
@@ -320,12 +333,20 @@ class LocalPipe:
             host.log("prompt enhancer is on but this model has none (no pe/ folder, PE file or PE server): "
                      "the prompt is used as written")
             return RevisedPrompts(prompts)
-        enhancer = self._loaded.enhancer or LocalEnhancer.load(self.sources, self.device, self.dtype, self.variant, host)
+        placed = self.memory.places_pe()
+        enhancer = self._loaded.enhancer or LocalEnhancer.load(
+            self.sources, self.device, self.dtype, self.variant, host,
+            build_device=self.memory.build_device() if placed else None)
         self._loaded.enhancer = enhancer
         try:
+            if placed:
+                self.memory.place_pe(enhancer.model)
+                enhancer.placed = True
             settings = enhancer.settings(request.pe_temperature, request.pe_top_p, request.pe_max_new_tokens)
             return revise_prompts(enhancer, prompts, request.width, request.height, request.seed, settings, host)
         finally:
+            if placed:
+                self.memory.after_pe(self.options.keep_loaded)
             if self.options.keep_loaded:
                 enhancer.offload()
             else:

@@ -7,13 +7,16 @@ mappings, so no random init is ever materialised and host RAM stays near one cop
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 import torch
 
 from .errors import ModelFileError
+
+if TYPE_CHECKING:
+    from .dit import DiTConfig
 
 CONFIG_ROOT = Path(__file__).parent / "configs"
 Variant = Literal["base", "turbo"]

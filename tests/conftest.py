@@ -20,3 +20,27 @@ def _register_package() -> None:
 
 
 _register_package()
+
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread: tiny models only lose to threading overhead on a 2-core runner."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_turbo_with_pe(tmp_path_factory) -> Path:
+    """A tiny Turbo diffusers folder with a prompt enhancer in Baidu's layout (pe/, pe_tokenizer/)."""
+    from ernie_image.runtime.text.tiny_pe import build_tiny_pe_folder
+    from ernie_image.runtime.tiny import build_tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny-with-pe")
+    build_tiny_model(folder, layout="diffusers", variant="turbo")
+    return build_tiny_pe_folder(folder, seed=6)

@@ -20,11 +20,8 @@ PROMPTS = ["a cat", 'a sign that reads "OPEN" 开门']
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threading only adds overhead on a 2-core CI runner
+def _single_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from ernie_image.runtime.model_files import ModelSources
 from ernie_image.runtime.request import GenerationRequest
 from ernie_image.runtime.text.enhancer import LocalEnhancer
 from ernie_image.runtime.text.remote_enhancer import ChatEndpoint
-from ernie_image.runtime.text.tiny_pe import build_tiny_pe_folder
 from ernie_image.runtime.tiny import build_tiny_model
 
 from test_enhancer_remote import ChatServer
@@ -21,18 +20,13 @@ PROMPT = "a lighthouse at dusk"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-with-pe")
-    build_tiny_model(folder, layout="diffusers", variant="turbo")
-    return build_tiny_pe_folder(folder, seed=6)
+def model_dir(tiny_turbo_with_pe) -> Path:
+    return tiny_turbo_with_pe
 
 
 def request(**overrides) -> GenerationRequest:

@@ -2,7 +2,6 @@
 same image as diffusers' ErnieImagePipeline: max abs difference of the decoded image <= 1e-4 (fp32, CPU)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

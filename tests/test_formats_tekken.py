@@ -3,7 +3,6 @@ the same ids as the reference tokenizer: BOS first, no EOS, byte-level BPE by ti
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import regex

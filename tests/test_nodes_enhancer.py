@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from ernie_image.nodes import NODE_CLASS_MAPPINGS
 from ernie_image.nodes.enhancer import ErnieImagePromptEnhancer
@@ -19,7 +18,6 @@ from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.model_files import ModelSources
 from ernie_image.runtime.remote.backend import RemotePipe
 from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.text.tiny_pe import build_tiny_pe_folder
 from ernie_image.runtime.tiny import build_tiny_model
 
 from test_enhancer_remote import SECRET, ChatServer
@@ -28,18 +26,13 @@ PROMPT = "a lighthouse at dusk"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _single_thread(one_thread):
     yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-with-pe")
-    build_tiny_model(folder, layout="diffusers", variant="turbo")
-    return build_tiny_pe_folder(folder, seed=6)
+def model_dir(tiny_turbo_with_pe) -> Path:
+    return tiny_turbo_with_pe
 
 
 def cpu_pipe(sources: ModelSources, **options) -> LocalPipe:

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import base64
-import io
 import threading
 import time
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from ernie_image.runtime.errors import Cancelled, InvalidInputError, RemoteError
 from ernie_image.runtime.host import NullHost

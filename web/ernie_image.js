@@ -3,7 +3,7 @@ import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
 const SAMPLERS = new Set(["ErnieImageSampler", "ErnieImageTurboSampler"]);
-const SHOWS_TEXT = new Set(["ErnieImageLoader", "ErnieImageRemoteBackend", "ErnieImageQuantConfig"]);
+const SHOWS_TEXT = new Set(["ErnieImageLoader", "ErnieImageRemoteBackend", "ErnieImageQuantConfig", "ErnieImagePromptEnhancer"]);
 const CUSTOM = "custom";
 const PRESET = /^(\d+)x(\d+)\b/;
 

@@ -92,8 +92,8 @@ class HostEmbedding(nn.Module):
 class TextPlacement:
     """A Mistral tower (text encoder or enhancer) resident on `device`, or streamed layer-wise through hooks."""
 
-    def __init__(self, tower: nn.Module, plan: LayeredPlan, device: torch.device, fake_mode: FakeMode = "lazy"
-                 ) -> None:
+    def __init__(self, tower: nn.Module, plan: LayeredPlan, device: torch.device, fake_mode: FakeMode = "lazy",
+                 host_embedding: bool = True) -> None:
         self.tower = tower
         self.mode = plan.mode
         self.device = torch.device(device)
@@ -105,7 +105,7 @@ class TextPlacement:
         layers = tower.layers
         self.streamer = LayerStreamer(layers, list(range(len(layers))), plan.slots, self.device, fake_mode=fake_mode)
         self.hooks = StreamHooks(layers, self.streamer)
-        if isinstance(tower.embed_tokens, nn.Embedding):
+        if host_embedding and isinstance(tower.embed_tokens, nn.Embedding):
             tower.embed_tokens = HostEmbedding(tower.embed_tokens.weight, self.device)
         for name, child in tower.named_children():
             if name not in ("layers", "embed_tokens"):
@@ -130,3 +130,56 @@ class TextPlacement:
             self.tower.embed_tokens.weight = torch.empty(0)
         if _has_real_tensors(self.tower):
             self.tower.to_empty(device="meta")
+
+
+class PePlacement:
+    """The prompt enhancer (a Ministral3ForCausalLM) placed for its phase by its plan's mode.
+
+    resident: on the device for good; phase: on the device for the PE phase, in host memory between phases;
+    streamed: the decoder layers stream through a TextPlacement's ring for every forward (prefill and each token).
+    The stem (embedding, final norm, rotary tables, LM head) stays on the device during a streamed phase: the
+    planner counts it there (a budget that cannot hold it fails with MemoryBudgetError before anything loads), the
+    head is tied to the embedding (one table serves both), and the head runs for every token, so a host head
+    would put a vocab x hidden matmul on the CPU per token.
+    """
+
+    def __init__(self, model: nn.Module, plan: LayeredPlan, device: torch.device, fake_mode: FakeMode = "lazy"
+                 ) -> None:
+        self.model = model
+        self.mode = plan.mode
+        self.device = torch.device(device)
+        self.text = TextPlacement(model.model, plan, self.device, fake_mode, host_embedding=False)
+        model.lm_head.to(self.device)  # tied: already there; untied: its own table joins the stem
+
+    @property
+    def streamer(self) -> Optional[LayerStreamer]:
+        return self.text.streamer
+
+    def set_host(self, host) -> None:
+        self.text.set_host(host)
+
+    def _stem(self) -> list[nn.Module]:
+        return [child for name, child in self.model.model.named_children() if name != "layers"] + [self.model.lm_head]
+
+    def enter(self) -> None:
+        """Start of a PE phase: bring what `leave` sent to host memory back (streamed layers come by streaming)."""
+        if self.mode == "streamed":
+            for part in self._stem():
+                part.to(self.device)
+        elif self.mode == "phase":
+            self.model.to(self.device)
+
+    def leave(self) -> None:
+        """End of a PE phase with its weights kept: everything but a resident PE goes back to host memory."""
+        if self.mode == "streamed":
+            self.text.streamer.park()
+            for part in self._stem():
+                part.to("cpu")
+        elif self.mode == "phase":
+            self.model.to("cpu")
+
+    def release(self) -> None:
+        """Hooks off, ring and slab freed, every weight (the head included, tied or not) pointed at meta."""
+        self.text.release()
+        if _has_real_tensors(self.model):
+            self.model.to_empty(device="meta")

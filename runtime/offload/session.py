@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import MemoryBudgetError
-from .placement import DiTPlacement, TextPlacement
+from .placement import DiTPlacement, PePlacement, TextPlacement
 from .planner import MemoryPlan, budget_bytes, plan_memory
 from .sizes import LayeredSize, ModelSizes
 from .streamer import layer_tensors
@@ -41,11 +41,12 @@ class PipeMemory:
         self.plan: Optional[MemoryPlan] = None
         self.dit: Optional[DiTPlacement] = None
         self.text: Optional[TextPlacement] = None
+        self.pe: Optional[PePlacement] = None
         self.host = None
 
     # -- planning ---------------------------------------------------------------------------------------
 
-    def _sizes(self, sources, variant) -> ModelSizes:
+    def _sizes(self, sources, variant, with_pe: bool = False) -> ModelSizes:
         from ..formats import open_component
         from ..model_files import dit_config_for, load_config, text_config_for
 
@@ -54,19 +55,26 @@ class PipeMemory:
         text_config = text_config_for(open_component(sources.component("text_encoder"), "text_encoder"), variant)
         vae_component = open_component(sources.component("vae"), "vae")
         vae_config = vae_component.config or load_config("base", "vae")
+        pe_config = _pe_config(sources, variant) if with_pe else None
         fmt = self.quant if self.quant in ("fp8", "q8_0", "nvfp4") else _dtype_format(self.dtype)
         element = torch.empty((), dtype=self.dtype).element_size()
-        return ModelSizes.from_configs(dit_config, text_config, vae_config, None, fmt, element)
+        return ModelSizes.from_configs(dit_config, text_config, vae_config, pe_config, fmt, element)
 
-    def plan_job(self, request, sources, variant) -> Optional[MemoryPlan]:
-        """The plan for `request`; raises MemoryBudgetError before anything is allocated. A placed DiT or text
-        tower that the new plan cannot keep is released here (`self.dit` / `self.text` become None)."""
+    @staticmethod
+    def _job(request, use_pe: bool) -> Job:
+        return Job(width=request.width, height=request.height, batch=request.batch, cfg=request.cfg,
+                   text_tokens=TEXT_TOKENS_FOR_PLAN, use_pe=use_pe)
+
+    def plan_job(self, request, sources, variant, local_pe: bool = True) -> Optional[MemoryPlan]:
+        """The plan for `request`; raises MemoryBudgetError before anything is allocated. A placed DiT, text
+        tower or prompt enhancer that the new plan cannot keep is released here (`self.dit` / `self.text` /
+        `self.pe` become None). `local_pe`: False when a remote PE endpoint revises the prompts instead."""
         if not self.active:
             return None
         budget = budget_bytes(self.budget_gb if self.budget_gb is not None else "auto", self.device)
-        job = Job(width=request.width, height=request.height, batch=request.batch, cfg=request.cfg,
-                  text_tokens=TEXT_TOKENS_FOR_PLAN)
-        sizes = self._sizes(sources, variant)
+        use_pe = _plans_pe(request, sources, local_pe)
+        job = self._job(request, use_pe)
+        sizes = self._sizes(sources, variant, use_pe)
         if self.dit is not None:
             measured = self.dit.plan
             sizes = dataclasses.replace(sizes, dit=LayeredSize(measured.layers, measured.block_bytes,
@@ -75,6 +83,10 @@ class PipeMemory:
         if self.text is not None and self.text.mode != plan.text.mode:
             self.text.release()
             self.text = None
+        if self.pe is not None and plan.pe is not None and self.pe.mode != plan.pe.mode:
+            self.release_pe()
+        elif self.pe is not None and plan.pe is None and self.pe.mode == "resident":
+            self.release_pe()  # a job without the PE: its plan has no room for a resident one (others are parked)
         if self.dit is not None and self.dit.plan.resident != plan.dit.resident:
             others = plan.peak - plan.dit.gpu_weight_bytes
             if self.dit.plan.gpu_weight_bytes + others <= plan.budget:
@@ -84,21 +96,25 @@ class PipeMemory:
         self.plan = plan
         return plan
 
-    def preview(self, request, sources, variant) -> str:
+    def preview(self, request, sources, variant, local_pe: bool = True) -> str:
         """The plan `request` would get, as text, without placing or releasing anything."""
         if not self.active:
             return f"VRAM plan: none on {self.device.type} (weights stay in host memory)"
         budget = budget_bytes(self.budget_gb if self.budget_gb is not None else "auto", self.device)
-        job = Job(width=request.width, height=request.height, batch=request.batch, cfg=request.cfg,
-                  text_tokens=TEXT_TOKENS_FOR_PLAN)
+        use_pe = _plans_pe(request, sources, local_pe)
         try:
-            return plan_memory(budget, job, self._sizes(sources, variant), self.device.type).table()
+            return plan_memory(budget, self._job(request, use_pe), self._sizes(sources, variant, use_pe),
+                               self.device.type).table()
         except MemoryBudgetError as error:
             return f"VRAM plan: {error}"
 
     def build_device(self) -> torch.device:
         """Where model files are materialised: the host when the offloader places them, else the device."""
         return torch.device("cpu") if self.active else self.device
+
+    def places_pe(self) -> bool:
+        """Whether the current plan has a PE phase: then the PE is built on the host and given to `place_pe`."""
+        return self.plan is not None and self.plan.pe is not None
 
     # -- phases -----------------------------------------------------------------------------------------
 
@@ -113,8 +129,35 @@ class PipeMemory:
         """Leave the text phase: a streamed tower gives its device buffers back (its host copy stays)."""
         if self.text is not None and self.text.streamer is not None:
             self.text.streamer.park()
+        self._empty_cache()  # hand the text phase's freed blocks back before the DiT's workspace is carved
+
+    def place_pe(self, model: nn.Module) -> nn.Module:
+        """Start the PE phase by the plan's mode (see PePlacement): `model` comes built on the host, or is the
+        one placed before (its parked parts come back). Without a PE plan the model is left as it is."""
+        if self.plan is None or self.plan.pe is None:
+            return model
+        if self.pe is not None and self.pe.model is not model:
+            self.release_pe()
+        if self.pe is None:
+            self.pe = PePlacement(model, self.plan.pe, self.device)
+        else:
+            self.pe.enter()
+        self.pe.set_host(self.host)
+        return model
+
+    def after_pe(self, keep: bool) -> None:
+        """Leave the PE phase before the text encoder's: its device buffers are parked in host memory (`keep`) or
+        the PE is released; either way its freed blocks go back to the driver."""
+        if self.pe is not None:
+            if keep:
+                self.pe.leave()
+            else:
+                self.release_pe()
+        self._empty_cache()
+
+    def _empty_cache(self) -> None:
         if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # hand the text phase's freed blocks back before the DiT's workspace is carved
+            torch.cuda.empty_cache()
 
     def place_dit(self, dit: nn.Module) -> nn.Module:
         if self.plan is None:
@@ -138,6 +181,8 @@ class PipeMemory:
             self.dit.host = host
         if self.text is not None:
             self.text.set_host(host)
+        if self.pe is not None:
+            self.pe.set_host(host)
 
     def vae_is_persistent(self) -> bool:
         return self.plan is None or self.plan.vae.persistent
@@ -152,13 +197,30 @@ class PipeMemory:
             self.dit.release()
             self.dit = None
 
+    def release_pe(self) -> None:
+        if self.pe is not None:
+            self.pe.release()
+            self.pe = None
+
     def release(self) -> None:
         self.release_dit()
+        self.release_pe()
         if self.text is not None:
             self.text.release()
             self.text = None
         self.plan = None
         self.host = None
+
+
+def _plans_pe(request, sources, local_pe: bool) -> bool:
+    """The PE is a phase of this plan only when it runs here: asked for, in the model files, not on a server."""
+    return bool(getattr(request, "use_pe", False)) and local_pe and sources.has_pe()
+
+
+def _pe_config(sources, variant) -> dict:
+    from ..text.pe_model import locate_pe, open_pe_component, pe_config_for
+
+    return pe_config_for(open_pe_component(locate_pe(sources)), variant)
 
 
 __all__ = ["PipeMemory", "MemoryBudgetError"]

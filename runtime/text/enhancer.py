@@ -72,6 +72,9 @@ class LocalEnhancer:
         self.located = located
         self.device = device
         self.dtype = dtype
+        # True when an offloader (offload.session.PipeMemory.place_pe) moves the weights: to_device and offload
+        # then leave them where the plan put them (a streamed PE's layers live in a host slab, not in the model).
+        self.placed = False
         self.top_k = default_top_k(located)
         eos = getattr(tokenizer, "eos_token_id", None)
         config_eos = getattr(model.config, "eos_token_id", None)
@@ -81,15 +84,18 @@ class LocalEnhancer:
 
     @classmethod
     def load(cls, sources: ModelSources, device: torch.device, dtype: torch.dtype, variant: Variant = "base",
-             host: Optional[Host] = None) -> "LocalEnhancer":
+             host: Optional[Host] = None, build_device: Optional[torch.device] = None) -> "LocalEnhancer":
+        """`build_device`: where the weights are materialised when not on `device` (the host, for an offloader
+        that places them itself)."""
         from .pe_model import pe_config_for, pe_weight_bytes
 
         located = locate_pe(sources)
         tokenizer = load_pe_tokenizer(located, sources)
         component = open_pe_component(located)
-        if host is not None and device.type == "cuda":
-            host.make_room(pe_weight_bytes(pe_config_for(component, variant), dtype), device)
-        model = build_pe_model(component, device, dtype, variant)
+        build_device = torch.device(build_device) if build_device is not None else device
+        if host is not None and build_device.type == "cuda":
+            host.make_room(pe_weight_bytes(pe_config_for(component, variant), dtype), build_device)
+        model = build_pe_model(component, build_device, dtype, variant)
         return cls(model, tokenizer, located, device, dtype)
 
     def settings(self, temperature: float, top_p: float, max_new_tokens: int, min_new_tokens: int = 0) -> SamplingSettings:
@@ -123,12 +129,14 @@ class LocalEnhancer:
         return Revision(prompt, revised, len(sampled.token_ids), sampled.seconds, "local", truncated)
 
     def to_device(self) -> None:
+        if self.placed:
+            return
         if self.model.get_input_embeddings().weight.device != self.device:
             self.model.to(self.device)
 
     def offload(self) -> None:
         """End of the PE phase with weights kept: move them to host RAM so the device is free for the next phase."""
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" and not self.placed:
             self.model.to("cpu")
             _empty_device_cache(self.device)
 

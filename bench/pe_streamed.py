@@ -1,0 +1,99 @@
+"""The prompt enhancer streamed layer-wise under a VRAM plan (offload.placement.PePlacement), full-size random
+weights (runtime/configs/ERNIE-Image/pe/config.json), against the same PE resident on the GPU.
+
+    python bench/pe_streamed.py [--new-tokens 64] [--prompt-tokens 128]
+
+Checks that the streamed PE samples the resident PE's tokens for one seed, and measures what streaming costs:
+tokens/s (every token copies all decoder layers over PCIe), peak GPU memory during the phase, and the GPU memory
+left once the phase is over (ring parked, stem back in host memory). Prints JSON lines and a summary line.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+
+from common import import_package, print_environment
+from enhancer import EOS_ID, PE_CONFIG, full_size_pe
+
+import_package()
+
+from ernie_image.runtime.offload.placement import PePlacement  # noqa: E402
+from ernie_image.runtime.offload.planner import LayeredPlan  # noqa: E402
+from ernie_image.runtime.text.token_sampler import SamplingSettings, sample_tokens  # noqa: E402
+
+
+def run(model, prompt_ids: list[int], settings: SamplingSettings) -> tuple[list[int], float]:
+    torch.cuda.synchronize()
+    sampled = sample_tokens(model, prompt_ids, settings, seed=3, eos_ids=[EOS_ID], check_cancel=lambda: None)
+    torch.cuda.synchronize()
+    return sampled.token_ids, sampled.seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--slots", type=int, default=2)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/pe_streamed.py needs a CUDA GPU")
+    print_environment()
+    cuda = torch.device("cuda")
+    model, raw = full_size_pe(cuda, PE_CONFIG)
+    prompt = torch.randint(1000, raw["vocab_size"], (args.prompt_tokens,), generator=torch.Generator().manual_seed(1))
+    prompt_ids = [1] + prompt.tolist()[1:]
+    settings = SamplingSettings(temperature=0.6, top_p=0.95, top_k=50, max_new_tokens=args.new_tokens,
+                                min_new_tokens=args.new_tokens)
+    run(model, prompt_ids, SamplingSettings(max_new_tokens=4, min_new_tokens=4))  # warm-up
+    resident_ids, resident_s = run(model, prompt_ids, settings)
+
+    model.to("cpu")
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    layers = len(model.model.layers)
+    plan = LayeredPlan("streamed", args.slots, 0, 0, 0, layers)  # PePlacement reads only mode and slots
+    started = time.perf_counter()
+    placed = PePlacement(model, plan, cuda)
+    torch.cuda.synchronize()
+    place_s = time.perf_counter() - started
+    torch.cuda.reset_peak_memory_stats()
+    streamed_ids, streamed_s = run(model, prompt_ids, settings)
+    peak = torch.cuda.max_memory_allocated()
+    started = time.perf_counter()
+    placed.leave()
+    torch.cuda.empty_cache()
+    leave_s = time.perf_counter() - started
+    after = torch.cuda.memory_allocated()
+    started = time.perf_counter()
+    placed.enter()
+    again_ids, _ = run(model, prompt_ids, settings)
+    enter_s = time.perf_counter() - started
+    placed.release()
+
+    tokens = len(streamed_ids)
+    result = {
+        "same_tokens_as_resident": streamed_ids == resident_ids, "same_after_leave_enter": again_ids == resident_ids,
+        "new_tokens": tokens, "resident_tokens_per_s": round(tokens / resident_s, 1),
+        "streamed_tokens_per_s": round(tokens / streamed_s, 1), "place_s": round(place_s, 2),
+        "peak_gpu_gb": round(peak / 1e9, 2), "ring_gb": round(args.slots * placed_ring_bytes(model) / 1e9, 2),
+        "gpu_gb_after_leave": round((after - before) / 1e9, 3), "leave_s": round(leave_s, 2),
+        "enter_and_run_s": round(enter_s, 2),
+    }
+    print(json.dumps(result))
+    print(f"streamed PE: {result['streamed_tokens_per_s']} tokens/s (resident {result['resident_tokens_per_s']}), "
+          f"peak {result['peak_gpu_gb']} GB, {result['gpu_gb_after_leave']} GB left after the phase, same tokens: "
+          f"{result['same_tokens_as_resident'] and result['same_after_leave_enter']}")
+
+
+def placed_ring_bytes(model) -> int:
+    layer = model.model.layers[0]
+    return sum(t.numel() * t.element_size() for t in list(layer.parameters()) + list(layer.buffers()))
+
+
+if __name__ == "__main__":
+    main()
