@@ -1,6 +1,8 @@
 """From normalised DiT latents to images: BatchNorm de-normalisation, 2x2 unpatchify, VAE decode."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 # diffusers hard-codes this epsilon (the VAE config says 1e-4); the reference image depends on it.
@@ -20,16 +22,30 @@ def unpatchify(latents: torch.Tensor) -> torch.Tensor:
     return latents.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // 4, h * 2, w * 2)
 
 
+def configure_tiling(vae, tile: Optional[int]) -> None:
+    """Decode in overlapping `tile`-pixel tiles, one image at a time (None: whole images, the reference's way)."""
+    if tile is None:
+        vae.disable_tiling()
+        vae.disable_slicing()
+        return
+    vae.enable_tiling()
+    vae.enable_slicing()
+    vae.tile_sample_min_size = tile
+    vae.tile_latent_min_size = tile // 8
+
+
 @torch.no_grad()
-def decode_images(latents: torch.Tensor, vae) -> torch.Tensor:
-    """Normalised latents -> float32 [B, H, W, 3] in 0..1 on the CPU (ComfyUI's IMAGE)."""
+def decode_images(latents: torch.Tensor, vae, tile: Optional[int] = None) -> torch.Tensor:
+    """Normalised latents -> float32 [B, H, W, 3] in 0..1 on the CPU (ComfyUI's IMAGE).
+
+    `tile`: the memory plan's tile size when a whole image does not fit; large images tile by themselves.
+    """
     vae_dtype = vae.post_quant_conv.weight.dtype
     device = vae.post_quant_conv.weight.device
     spatial = unpatchify(denormalise(latents.to(device, torch.float32), vae)).to(vae_dtype)
     pixels = spatial.shape[-1] * spatial.shape[-2] * 64
-    if pixels > TILED_DECODE_ABOVE_PIXELS:
-        vae.enable_tiling()
-    else:
-        vae.disable_tiling()
+    if tile is None and pixels > TILED_DECODE_ABOVE_PIXELS:
+        tile = int(vae.config.sample_size)
+    configure_tiling(vae, tile)
     decoded = vae.decode(spatial, return_dict=False)[0]
     return (decoded.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu().contiguous()

@@ -218,8 +218,9 @@ class LocalPipe:
                                 self.dtype, host, preview)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        tile = self.memory.plan.vae.tile if self.memory.plan is not None else None
         with torch.inference_mode():
-            images = decode_images(latents, self._vae())
+            images = decode_images(latents, self._vae(), tile)
         if not self.memory.vae_is_persistent():
             self._loaded.vae = None
         return images
@@ -234,8 +235,9 @@ class LocalPipe:
             prompts = revised.prompts
             host.check_cancel()
             started = self._clock()
-            text = self.encode(prompts)
-            negative = self.encode([request.negative_prompt] * request.batch) if request.uses_cfg else None
+            negatives = [request.negative_prompt] * request.batch if request.uses_cfg else []
+            encoded_rows = self.encode(prompts + negatives)  # one text phase for prompts and negatives
+            text, negative = encoded_rows[: len(prompts)], (encoded_rows[len(prompts):] or None)
             encoded = self._clock()
             host.check_cancel()
             latents = self.sample(request, text, negative, host)

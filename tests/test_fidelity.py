@@ -110,3 +110,17 @@ def test_progress_and_cancel_between_steps(pipe):
     with pytest.raises(Cancelled):
         pipe.generate(GenerationRequest(prompt="x", steps=6, cfg=1.0, width=256, height=256), host)
     assert host.progress_calls == [(1, 6), (2, 6)]
+
+
+def test_tiled_decode_is_used_when_the_plan_asks_and_stays_close(pipe):
+    from ernie_image.runtime.decode import decode_images
+
+    latents = pipe.generate(GenerationRequest(prompt="x", steps=2, cfg=1.0, width=512, height=512), NullHost()).latents
+    vae = pipe._vae()
+    whole = decode_images(latents, vae)
+    tiled = decode_images(latents, vae, tile=256)
+    assert vae.use_tiling and vae.tile_latent_min_size == 32
+    assert tiled.shape == whole.shape == (1, 512, 512, 3)
+    assert (tiled - whole).abs().mean().item() < 0.05  # overlapping tiles are blended: close, not identical
+    decode_images(latents, vae)
+    assert not vae.use_tiling
