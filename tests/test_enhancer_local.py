@@ -19,9 +19,7 @@ CPU = torch.device("cpu")
 PROMPTS = ["a cat", 'a sign that reads "OPEN" 开门']
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread(one_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,7 @@ from test_enhancer_remote import SECRET, ChatServer
 PROMPT = "a lighthouse at dusk"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread(one_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
