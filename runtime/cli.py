@@ -126,8 +126,9 @@ def main_generate(argv: Sequence[str]) -> int:
         sources = ModelSources(model_dir=args.model_dir, dit=args.dit, text_encoder=args.text_encoder, vae=args.vae,
                                tokenizer=args.tokenizer, pe=args.pe, variant=args.variant)
     budget = None if args.budget == "auto" else float(args.budget)
+    # The console shows no pictures: skip the per-step latent preview (it costs a device-to-host copy per step).
     options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=budget, quant=args.quant,
-                          keep_loaded=False)
+                          keep_loaded=False, previews=False)
     pipe = LocalPipe.load(sources, options, host)
     default_side = 256 if demo else 1024
     request = GenerationRequest(
