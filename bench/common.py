@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 import platform
 import statistics
@@ -16,15 +15,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def import_package() -> None:
-    """Make the repository importable as `ernie_image` without installing it."""
-    if "ernie_image" in sys.modules:
-        return
-    spec = importlib.util.spec_from_file_location(
-        "ernie_image", REPO_ROOT / "__init__.py", submodule_search_locations=[str(REPO_ROOT)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ernie_image"] = module
-    spec.loader.exec_module(module)
+    """Make the repository importable as `ernie_image` without installing it, the way the tests do."""
+    tests = str(REPO_ROOT / "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import conftest  # noqa: F401  (registers the package on import)
 
 
 def environment() -> dict:
@@ -85,6 +80,16 @@ def randomise_dit_(model: torch.nn.Module, seed: int = 0) -> None:
             param.fill_(1.0)
         else:
             param.zero_()
+
+
+def quantise_block_linears_(model: torch.nn.Module, fmt: str) -> None:
+    """Pack every Linear of a DiT's blocks to `fmt` in place (QuantLinear, quantised on the weights' device)."""
+    from ernie_image.runtime.quant.linear import quantize_linears
+    from ernie_image.runtime.quant.writer import quantize_weight
+
+    state = {key: quantize_weight(value, fmt) for key, value in model.state_dict().items()
+             if key.startswith("layers.") and key.endswith(".weight") and value.dim() == 2}
+    quantize_linears(model, state)
 
 
 def dit_flops(width: int = 1024, height: int = 1024, text_tokens: int = 256, layers: int = 36,

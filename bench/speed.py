@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from common import (cuda_time_ms, dit_config, dit_flops, import_package, print_environment, randomise_dit_,
-                    table)
+from common import (cuda_time_ms, dit_config, dit_flops, import_package, print_environment, quantise_block_linears_,
+                    randomise_dit_, table)
 
 import_package()
 
@@ -64,24 +64,15 @@ def inputs(batch: int, padded: bool = False):
 
 def quantised_copy(model: ErnieDiT, fmt: str) -> ErnieDiT:
     """A second DiT sharing `model`'s non-Linear tensors, every block Linear packed to `fmt` on the GPU."""
-    from ernie_image.runtime.quant.linear import quantize_linears
-    from ernie_image.runtime.quant.writer import quantize_weight
-
     with torch.device("meta"):
         copy = ErnieDiT(model.config)
     if model.layers[0].self_attention.to_qkv is not None:
         for block in copy.layers:
             block.self_attention.fuse_projections()
             block.mlp.fuse_projections()
-    state = {}
-    for key, value in model.state_dict().items():
-        if key.startswith("layers.") and key.endswith(".weight") and value.dim() == 2:
-            state[key] = quantize_weight(value, fmt)
-        else:
-            state[key] = value
-    quantize_linears(copy, state)
-    copy.load_state_dict({k: v for k, v in state.items() if isinstance(v, torch.Tensor)}, strict=False, assign=True)
-    return copy.eval().requires_grad_(False).cuda()
+    copy.load_state_dict(model.state_dict(), assign=True)
+    quantise_block_linears_(copy, fmt)
+    return copy.eval().requires_grad_(False)
 
 
 def fp8_rows(ours: ErnieDiT, measure) -> None:

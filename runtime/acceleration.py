@@ -6,13 +6,9 @@ kernels. Sequence length changes (prompt lengths) make the compiler switch to a 
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from .dit import ErnieDiT
-
-log = logging.getLogger(__name__)
 
 
 def compile_available(device: torch.device) -> bool:

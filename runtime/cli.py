@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from .errors import ErnieImageError
+from .host import NullHost
 
 DEMO_NOTICE = (
     "no model given: using a tiny random ERNIE-Image model built in code at {path}. "
@@ -82,28 +83,17 @@ def save_pngs(images, out: Path, settings: dict) -> list[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     for index, path in enumerate(paths):
         info = PngInfo()
-        info.add_text("ernie-image", json.dumps({**settings, "seed": settings["seed"], "batch_index": index}))
+        info.add_text("ernie-image", json.dumps({**settings, "batch_index": index}))
         pixels = (images[index].clamp(0, 1) * 255).round().to("cpu").byte().numpy()
         Image.fromarray(pixels, mode="RGB").save(path, pnginfo=info)
     return paths
 
 
-class _ConsoleHost:
-    """Progress on stderr; Ctrl-C cancels between steps."""
-
-    def __init__(self) -> None:
-        from .host import NullHost
-
-        self._null = NullHost()
+class _ConsoleHost(NullHost):
+    """Progress and notices on stderr; Ctrl-C (KeyboardInterrupt) is the cancel."""
 
     def progress(self, value: int, total: int, preview=None) -> None:
         print(f"\rstep {value}/{total}", end="" if value < total else "\n", file=sys.stderr, flush=True)
-
-    def check_cancel(self) -> None:
-        self._null.check_cancel()
-
-    def make_room(self, num_bytes: int, device) -> None:
-        return None
 
     def log(self, message: str) -> None:
         print(message, file=sys.stderr)

@@ -21,8 +21,8 @@ from .model_files import QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit
 from .offload.session import PipeMemory
 from .preview import latent_preview
 from .request import GenerationRequest, GenerationResult
-from .sampling import initial_noise, sample_euler
-from .text.encoder import encode_prompts, pad_text
+from .sampling import initial_noise, length_grouped_denoiser, sample_euler
+from .text.encoder import encode_prompts
 
 PRESETS: dict[str, dict[str, float]] = {
     "base": {"steps": 50, "cfg": 4.0},
@@ -38,7 +38,7 @@ class LoadOptions:
     keep_loaded: bool = True  # keep weights (in host RAM when they do not fit) between runs
     quant: str = "none"  # "none", "auto", "fp8", "q8_0", "nvfp4", or a quantised file given as the DiT
     previews: bool = True
-    compile: str = "auto"  # "auto" (on when a CUDA compiler is there), "on", "off": regional torch.compile of the DiT
+    compile: bool = True  # regional torch.compile of the DiT, on CUDA when Triton is installed
     # Prompt enhancer on an OpenAI-compatible chat server (text.remote_enhancer.ChatEndpoint; holds no secret).
     # When set, requests with use_pe are revised there instead of by a local PE.
     pe_endpoint: Optional[Any] = None
@@ -71,31 +71,6 @@ class _Loaded:
     enhancer: Any = None
 
 
-def length_grouped_denoiser(dit, rows: list[torch.Tensor], device, dtype):
-    """The DiT call for a batch of text rows. Rows of equal length run together without a mask; rows of other
-    lengths (CFG's short negative, a batch of different prompts) run as separate groups instead of being padded:
-    the result is the same as the reference's padded, masked batch, and every group gets SDPA's flash kernel
-    (measured on the H200: 2 x 129 ms unmasked against 273 ms for a masked batch of 2)."""
-    groups: dict[int, list[int]] = {}
-    for index, row in enumerate(rows):
-        groups.setdefault(int(row.shape[0]), []).append(index)
-    prepared = []
-    for length, indices in groups.items():
-        text_batch, text_lens = pad_text([rows[i] for i in indices], device, dtype)
-        prepared.append((torch.tensor(indices, device=device), text_batch, text_lens))
-    if len(prepared) == 1:
-        _, text_batch, text_lens = prepared[0]
-        return lambda latents, timestep: dit(latents, timestep, text_batch, text_lens)
-
-    def denoise(latents: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
-        velocity = torch.empty_like(latents)
-        for indices, text_batch, text_lens in prepared:
-            velocity[indices] = dit(latents[indices], timestep[indices], text_batch, text_lens)
-        return velocity
-
-    return denoise
-
-
 class LocalPipe:
     kind = "local"
 
@@ -106,7 +81,6 @@ class LocalPipe:
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self._loaded = _Loaded()
-        self.timings: dict[str, float] = {}
         self.compiled = False
         self.quant_reason = ""
         self.memory = PipeMemory(self.device, self.dtype, options.vram_budget_gb, options.quant)
@@ -129,7 +103,7 @@ class LocalPipe:
         lines = [
             f"ERNIE-Image {'Turbo' if self.variant == 'turbo' else '(base)'} on {self.device} in "
             f"{str(self.dtype).replace('torch.', '')}; defaults {int(self.defaults['steps'])} steps, "
-            f"CFG {self.defaults['cfg']}; DiT compile {'on' if self.compiled else self.options.compile}"
+            f"CFG {self.defaults['cfg']}; DiT {'compiled' if self.compiled else 'eager'}"
         ]
         if self.quant_reason:
             lines.append(self.quant_reason)
@@ -172,7 +146,7 @@ class LocalPipe:
             if self.device.type == "cuda":
                 fuse_projections(dit)
             dit = self.memory.place_dit(dit)
-            if self.options.compile != "off" and compile_blocks(dit):
+            if self.options.compile and compile_blocks(dit):
                 self.compiled = True
             self._loaded.dit = dit
         return self._loaded.dit

@@ -82,6 +82,20 @@ def load_config(variant: Variant, component: str) -> dict:
     return json.loads((CONFIG_ROOT / folder / component / "config.json").read_text())
 
 
+def fill_from_file(module: torch.nn.Module, component, device: torch.device, dtype: torch.dtype, quant: str = "none",
+          quant_device: Optional[torch.device] = None, keep_fp32: tuple[str, ...] = ()) -> torch.nn.Module:
+    """Fill a meta-device module from `component` (packed Linears when the file is quantised or `quant` asks),
+    then check that nothing is left on the meta device."""
+    if component.quantized or quant in QUANT_ON_LOAD_FORMATS:
+        module = _build_quantized(module, component, device, dtype, quant, quant_device or device)
+    else:
+        module = _fill_module(module, component, device, dtype, keep_fp32)
+    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+        if tensor.is_meta:
+            raise ModelFileError(f"{component.path}: {name} was not filled from the file: report this as a bug")
+    return module
+
+
 def _fill_module(module: torch.nn.Module, component, device: torch.device, dtype: torch.dtype,
                  keep_fp32: tuple[str, ...] = ()) -> torch.nn.Module:
     """Load every parameter and buffer of a meta-device module from `component`, one tensor at a time."""
@@ -100,20 +114,15 @@ def _fill_module(module: torch.nn.Module, component, device: torch.device, dtype
                 f"{component.path}: tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}: "
                 f"the file does not match the ERNIE-Image {component.kind} configuration"
             )
-        want = torch.float32 if any(key.endswith(k) for k in keep_fp32) or not tensor.is_floating_point() else dtype
         if not tensor.is_floating_point():
             want = tensor.dtype
+        else:
+            want = torch.float32 if any(key.endswith(k) for k in keep_fp32) else dtype
         loaded[key] = tensor.to(device=device, dtype=want)
         if loaded[key].data_ptr() != tensor.data_ptr() and hasattr(component, "release"):
             component.release(key)  # a converted copy exists: the mapped file pages need not stay in RAM
     module.load_state_dict(loaded, strict=True, assign=True)
     return module.eval().requires_grad_(False)
-
-
-def _assert_materialised(module: torch.nn.Module, component) -> None:
-    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-        if tensor.is_meta:
-            raise ModelFileError(f"{component.path}: {name} was not filled from the file: report this as a bug")
 
 
 def dit_config_for(component) -> "DiTConfig":
@@ -127,8 +136,8 @@ def dit_config_for(component) -> "DiTConfig":
     head_dim = shape["layers.0.self_attention.norm_q.weight"][0]
     num_layers = 1 + max(int(key.split(".")[1]) for key in component.keys if key.startswith("layers."))
     text_in = tuple(component.tensor("text_proj.weight").shape)[1] if "text_proj.weight" in component.keys else hidden
-    released_axes = (32, 48, 48)
-    axes = tuple(a * head_dim // 128 for a in released_axes)
+    released = DiTConfig()  # the rope axes scale with the head dim
+    axes = tuple(a * head_dim // released.head_dim for a in released.rope_axes_dim)
     return DiTConfig.from_dict({
         "hidden_size": hidden, "num_attention_heads": hidden // head_dim, "num_layers": num_layers,
         "ffn_hidden_size": shape["layers.0.mlp.gate_proj.weight"][0], "in_channels": in_channels,
@@ -189,12 +198,7 @@ def build_dit(component, device: torch.device, dtype: torch.dtype, quant: str = 
 
     with torch.device("meta"):
         model = ErnieDiT(dit_config_for(component))
-    if component.quantized or quant in QUANT_ON_LOAD_FORMATS:
-        model = _build_quantized(model, component, device, dtype, quant, quant_device or device)
-    else:
-        model = _fill_module(model, component, device, dtype)
-    _assert_materialised(model, component)
-    return model
+    return fill_from_file(model, component, device, dtype, quant, quant_device)
 
 
 def text_config_for(component, variant: Variant = "base") -> dict:
@@ -212,6 +216,12 @@ def text_config_for(component, variant: Variant = "base") -> dict:
     return dict(released)
 
 
+def rebuild_rotary_tables(model: torch.nn.Module, config, device: torch.device) -> None:
+    """A meta-built Mistral-family model's rotary tables are non-persistent buffers, in no file: compute them."""
+    with torch.device("cpu"):
+        model.rotary_emb = type(model.rotary_emb)(config).to(device)
+
+
 def build_text_tower(component, device: torch.device, dtype: torch.dtype, variant: Variant = "base"):
     """Mistral text tower cut at the layer whose output is hidden_states[-2]: later layers and norm never load."""
     from transformers import MistralConfig, MistralModel
@@ -227,15 +237,8 @@ def build_text_tower(component, device: torch.device, dtype: torch.dtype, varian
     with torch.device("meta"):
         tower = MistralModel(config)
     tower.norm = torch.nn.Identity()
-    if component.quantized:
-        tower = _build_quantized(tower, component, device, dtype, "none", device)
-    else:
-        tower = _fill_module(tower, component, device, dtype)
-    # The rotary tables are non-persistent buffers (not in any file): build them for real on the device.
-    with torch.device("cpu"):
-        tower.rotary_emb = type(tower.rotary_emb)(config).to(device)
-    _assert_materialised(tower, component)
-    return tower
+    rebuild_rotary_tables(tower, config, device)
+    return fill_from_file(tower, component, device, dtype)
 
 
 def build_vae(component, device: torch.device, dtype: torch.dtype):
@@ -248,6 +251,4 @@ def build_vae(component, device: torch.device, dtype: torch.dtype):
     # Text-to-image never encodes: drop the encoder before anything is materialised.
     vae.encoder = None
     vae.quant_conv = None
-    vae = _fill_module(vae, component, device, dtype, keep_fp32=("bn.running_mean", "bn.running_var"))
-    _assert_materialised(vae, component)
-    return vae
+    return fill_from_file(vae, component, device, dtype, keep_fp32=("bn.running_mean", "bn.running_var"))

@@ -22,14 +22,29 @@ _FACTORS = [
 _BIAS = [-0.0329, -0.0718, -0.0851]
 
 
+_projection_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _projection(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    cached = _projection_cache.get(device)
+    if cached is None:
+        cached = (torch.tensor(_FACTORS, dtype=torch.float32, device=device),
+                  torch.tensor(_BIAS, dtype=torch.float32, device=device))
+        _projection_cache[device] = cached
+    return cached
+
+
 def latent_preview(latents: torch.Tensor, max_side: int = 512):
-    """First image of normalised DiT latents [B,128,h,w] -> a PIL image of (2h, 2w) pixels, capped at max_side."""
+    """First image of normalised DiT latents [B,128,h,w] -> a PIL image of (2h, 2w) pixels, capped at max_side.
+
+    Called every step: the projection runs where the latents are and only the small RGB image is copied back.
+    """
     from PIL import Image
 
-    spatial = unpatchify(latents[:1].float().cpu())[0]  # [32, 2h, 2w]
-    factors = torch.tensor(_FACTORS, dtype=torch.float32)
-    rgb = torch.einsum("chw,cr->hwr", spatial, factors) + torch.tensor(_BIAS)
-    pixels = ((rgb + 1) / 2).clamp(0, 1).mul(255).round().to(torch.uint8).numpy()
+    factors, bias = _projection(latents.device)
+    spatial = unpatchify(latents[:1].float())[0]  # [32, 2h, 2w]
+    rgb = torch.einsum("chw,cr->hwr", spatial, factors) + bias
+    pixels = ((rgb + 1) / 2).clamp(0, 1).mul(255).round().to(torch.uint8).cpu().numpy()
     image = Image.fromarray(pixels, mode="RGB")
     if max(image.size) > max_side:
         image.thumbnail((max_side, max_side))

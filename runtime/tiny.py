@@ -26,13 +26,6 @@ SPECIAL_TOKENS = [
 ]
 BOS_ID, EOS_ID, PAD_ID = 1, 2, 11
 
-# A chat template in the shape of the PE's: the system text is fixed inside it.
-PE_CHAT_TEMPLATE = (
-    "{{ bos_token }}[SYSTEM_PROMPT]You rewrite image prompts into detailed descriptions.[/SYSTEM_PROMPT]"
-    "{% for message in messages %}{% if message['role'] == 'user' %}[INST]{{ message['content'] }}\nOutput:[/INST]"
-    "{% elif message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
-)
-
 
 @dataclass(frozen=True)
 class TinySizes:
@@ -208,7 +201,11 @@ def build_tiny_model(
     dest = Path(dest)
     config_root = Path(__file__).parent / "configs" / ("ERNIE-Image-Turbo" if variant == "turbo" else "ERNIE-Image")
     dit, text_encoder, vae = build_dit(sizes, seed), build_text_encoder(sizes, seed + 1), build_vae(sizes, seed + 2)
-    pe = build_prompt_enhancer(sizes, seed + 3) if with_pe else None
+    pe = None
+    if with_pe:
+        from .text.tiny_pe import lively_prompt_enhancer
+
+        pe = lively_prompt_enhancer(sizes, seed + 3)
     if layout == "diffusers":
         return _save_diffusers_layout(dest, config_root, dit, text_encoder, vae, pe)
     from .formats.comfy_files import save_comfy_layout
@@ -235,6 +232,8 @@ def _save_diffusers_layout(dest: Path, config_root: Path, dit, text_encoder, vae
     save_tokenizer(dest / "tokenizer")
     _write_scheduler(dest / "scheduler", config_root)
     if pe is not None:
+        from .text.tiny_pe import write_pe_tokenizer
+
         pe.save_pretrained(dest / "pe")
-        save_tokenizer(dest / "pe_tokenizer", chat_template=PE_CHAT_TEMPLATE)
+        write_pe_tokenizer(dest / "pe_tokenizer")  # Baidu's layout: the chat template writes BOS
     return ModelSources(model_dir=dest)

@@ -11,7 +11,7 @@ import torch
 
 from ernie_image.runtime.acceleration import compile_blocks, fuse_projections
 from ernie_image.runtime.dit import DiTConfig, ErnieDiT
-from ernie_image.runtime.local_pipe import length_grouped_denoiser
+from ernie_image.runtime.sampling import length_grouped_denoiser
 
 CONFIG = DiTConfig(hidden_size=256, num_attention_heads=2, num_layers=3, ffn_hidden_size=512, text_in_dim=96,
                    rope_axes_dim=(32, 48, 48))

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import ModelFileError
 from ..formats import open_component
-from ..model_files import ModelSources, Variant, _assert_materialised, _fill_module, load_config
+from ..model_files import ModelSources, Variant, fill_from_file, load_config, rebuild_rotary_tables
 from .token_sampler import TRANSFORMERS_DEFAULT_TOP_K
 
 _DROPPED_CONFIG_KEYS = ("architectures", "dtype", "torch_dtype", "transformers_version", "model_type")
@@ -97,7 +97,8 @@ def build_pe_model(component, device: torch.device, dtype: torch.dtype, variant:
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = Ministral3ForCausalLM(config)
-    _fill_module(model.model, component, device, dtype)
+    rebuild_rotary_tables(model.model, config, device)
+    fill_from_file(model.model, component, device, dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     elif "lm_head.weight" in component.keys:
@@ -108,10 +109,6 @@ def build_pe_model(component, device: torch.device, dtype: torch.dtype, variant:
             f"{component.path}: the prompt enhancer's config says its head is not tied to the embeddings but the "
             f"file has no lm_head.weight: the file is incomplete"
         )
-    # The rotary tables are non-persistent buffers (in no file): build them for real on the device.
-    with torch.device("cpu"):
-        model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)
-    _assert_materialised(model, component)
     return model.eval().requires_grad_(False)
 
 
