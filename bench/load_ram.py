@@ -21,7 +21,6 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 HIDDEN, FFN, LATENT, TEXT = 4096, 12288, 128, 3072
 
 
@@ -79,9 +78,10 @@ def _status(field: str) -> int:
 
 
 def measure(path: Path, device: str, dtype_name: str) -> dict:
-    sys.path.insert(0, str(REPO / "tests"))
-    import conftest  # noqa: F401  (registers the repository as the package `ernie_image`)
     import torch
+    from common import import_package  # bench/ is on sys.path: this script runs from there
+
+    import_package()
 
     from ernie_image.runtime.formats import open_component
     from ernie_image.runtime.model_files import build_dit

@@ -21,16 +21,19 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import torch
 
-from common import cuda_time_ms, dit_config, import_package, print_environment, randomise_dit_, table
+from common import (cuda_time_ms, dit_config, import_package, print_environment, quantise_block_linears_,
+                    randomise_dit_, table)
 
 import_package()
 
 from ernie_image.runtime.dit import DiTConfig, ErnieDiT  # noqa: E402
 from ernie_image.runtime.host import NullHost  # noqa: E402
 from ernie_image.runtime.offload.placement import DiTPlacement, TextPlacement  # noqa: E402
-from ernie_image.runtime.offload.planner import GiB, allocator_slack, DiTPlan, MemoryPlan, _dit_plan, plan_memory  # noqa: E402
+from ernie_image.runtime.offload.planner import (  # noqa: E402
+    GiB, DiTPlan, MemoryPlan, allocator_slack, plan_dit, plan_memory)
+from ernie_image.runtime.offload.session import measured_dit_size  # noqa: E402
 from ernie_image.runtime.offload.sizes import ModelSizes  # noqa: E402
-from ernie_image.runtime.offload.streamer import _view  # noqa: E402
+from ernie_image.runtime.offload.streamer import typed_view  # noqa: E402
 from ernie_image.runtime.offload.workspace import Job, dit_workspace  # noqa: E402
 
 DEVICE = torch.device("cuda")
@@ -82,7 +85,7 @@ def budget_row(name: str, budget_gb: Optional[float], batch: int, all_streamed: 
     job = Job(1024, 1024, batch, 1.0, TEXT_TOKENS)
     workspace = dit_workspace(SIZES, job)
     if all_streamed:
-        plan = _dit_plan(SIZES, 0, 2, workspace)
+        plan = plan_dit(SIZES, 0, 2, workspace)
         budget = plan.gpu_weight_bytes + workspace
         budget += allocator_slack(budget)
     elif budget_gb is None:
@@ -115,7 +118,7 @@ def budget_row(name: str, budget_gb: Optional[float], batch: int, all_streamed: 
     finally:
         if placement is not None:
             placement.release()
-        del dit, placement
+        dit = placement = None  # free the weights before clean()
         clean()
 
 
@@ -124,22 +127,15 @@ def quantised_budget_row(fmt: str, budget_gb: Optional[float], batch: int = 1) -
     budget (None: all resident in that format)."""
     import dataclasses
 
-    from ernie_image.runtime.offload.session import _nbytes
-    from ernie_image.runtime.offload.sizes import LayeredSize, ModelSizes
-    from ernie_image.runtime.quant.linear import quantize_linears
-    from ernie_image.runtime.quant.writer import quantize_weight
 
     job = Job(1024, 1024, batch, 1.0, TEXT_TOKENS)
     sizes = ModelSizes.released("turbo", fmt)
     dit, _ = build_dit(None)
-    state = {key: quantize_weight(value, fmt) for key, value in dit.state_dict().items()
-             if key.startswith("layers.") and key.endswith(".weight") and value.dim() == 2}
-    quantize_linears(dit, state)
+    quantise_block_linears_(dit, fmt)
     clean()
     budget = None if budget_gb is None else int(budget_gb * GiB)
-    block_bytes = max(_nbytes(block) for block in dit.layers)  # the packed sizes decide, as LocalPipe re-plans
-    stem_bytes = _nbytes(dit) - sum(_nbytes(block) for block in dit.layers)
-    sizes = dataclasses.replace(sizes, dit=LayeredSize(36, block_bytes, stem_bytes, sizes.dit.largest_linear_params))
+    # the packed sizes decide, as LocalPipe re-plans
+    sizes = dataclasses.replace(sizes, dit=measured_dit_size(dit, sizes.dit.largest_linear_params))
     plan = None if budget is None else plan_memory(budget, job, sizes).dit
     placement = DiTPlacement(dit, plan, DEVICE) if plan is not None and plan.streamed else None
     args = dit_inputs(batch)
@@ -162,7 +158,7 @@ def quantised_budget_row(fmt: str, budget_gb: Optional[float], batch: int = 1) -
     finally:
         if placement is not None:
             placement.release()
-        del dit, placement
+        dit = placement = None  # free the weights before clean()
         clean()
 
 
@@ -170,7 +166,7 @@ def diffusers_row(batch: int) -> dict:
     from diffusers import ErnieImageTransformer2DModel
 
     config = {k: v for k, v in dit_config("ERNIE-Image-Turbo").items() if not k.startswith("_")}
-    dit, placement = build_dit(_dit_plan(SIZES, 0, 2, 0))  # every block in our pinned slab: same host memory
+    dit, placement = build_dit(plan_dit(SIZES, 0, 2, 0))  # every block in our pinned slab: same host memory
     state = {}
     for name, tensor in dit.state_dict().items():
         if not name.startswith("layers."):
@@ -181,7 +177,7 @@ def diffusers_row(batch: int) -> dict:
         for entry in streamer._entries[k]:
             owner = next(n for n, m in dit.layers[index].named_modules() if m is entry.module)
             key = f"layers.{index}.{owner + '.' if owner else ''}{entry.name}"
-            state[key] = _view(host, entry.offset, entry.dtype, entry.shape)
+            state[key] = typed_view(host, entry.offset, entry.dtype, entry.shape)
     with torch.device("meta"):
         model = ErnieImageTransformer2DModel.from_config(config)
     model.load_state_dict(state, assign=True)
@@ -204,9 +200,9 @@ def diffusers_row(batch: int) -> dict:
                 "peak GiB": f"{peak / GiB:.2f}", "pinned GiB": "(ours)", "step ms": round(ms, 1), "_ms": ms,
                 "_out": out.float().cpu()}
     finally:
-        del model, state
+        model = state = None
         placement.release()
-        del dit, placement
+        dit = placement = None  # free the weights before clean()
         clean()
 
 

@@ -61,6 +61,7 @@ def main() -> None:
     placed = PePlacement(model, plan, cuda)
     torch.cuda.synchronize()
     place_s = time.perf_counter() - started
+    ring_bytes = placed.streamer.ring_bytes  # `leave` parks the ring: read it while it is allocated
     torch.cuda.reset_peak_memory_stats()
     streamed_ids, streamed_s = run(model, prompt_ids, settings)
     peak = torch.cuda.max_memory_allocated()
@@ -80,7 +81,7 @@ def main() -> None:
         "same_tokens_as_resident": streamed_ids == resident_ids, "same_after_leave_enter": again_ids == resident_ids,
         "new_tokens": tokens, "resident_tokens_per_s": round(tokens / resident_s, 1),
         "streamed_tokens_per_s": round(tokens / streamed_s, 1), "place_s": round(place_s, 2),
-        "peak_gpu_gb": round(peak / 1e9, 2), "ring_gb": round(args.slots * placed_ring_bytes(model) / 1e9, 2),
+        "peak_gpu_gb": round(peak / 1e9, 2), "ring_gb": round(ring_bytes / 1e9, 2),
         "gpu_gb_after_leave": round((after - before) / 1e9, 3), "leave_s": round(leave_s, 2),
         "enter_and_run_s": round(enter_s, 2),
     }
@@ -88,11 +89,6 @@ def main() -> None:
     print(f"streamed PE: {result['streamed_tokens_per_s']} tokens/s (resident {result['resident_tokens_per_s']}), "
           f"peak {result['peak_gpu_gb']} GB, {result['gpu_gb_after_leave']} GB left after the phase, same tokens: "
           f"{result['same_tokens_as_resident'] and result['same_after_leave_enter']}")
-
-
-def placed_ring_bytes(model) -> int:
-    layer = model.model.layers[0]
-    return sum(t.numel() * t.element_size() for t in list(layer.parameters()) + list(layer.buffers()))
 
 
 if __name__ == "__main__":

@@ -20,32 +20,17 @@ the same bf16 bits.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import cuda_time_ms, dit_config, import_package, randomise_dit_
 
-
-def _import_pack():
-    """Import the repo as the package `ernie_image` whatever the checkout folder is called."""
-    import importlib.util
-    if "ernie_image" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("ernie_image", ROOT / "__init__.py",
-                                                      submodule_search_locations=[str(ROOT)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["ernie_image"] = module
-        spec.loader.exec_module(module)
-
-
-_import_pack()
+import_package()
 from ernie_image.runtime.quant import QuantLinear, enable_compiled_dequant, quantize_weight  # noqa: E402
-from ernie_image.runtime.quant.gguf_blocks import BLOCK_GEOMETRY  # noqa: E402
+from ernie_image.runtime.quant.gguf_blocks import BLOCK_GEOMETRY, FP16_SCALE_OFFSETS  # noqa: E402
 from ernie_image.runtime.quant.linear import enable_triton_dequant  # noqa: E402
 from ernie_image.runtime.quant.qweight import QuantizedWeight, dequantize_packed  # noqa: E402
 from ernie_image.runtime.quant.triton_dequant import (DEFAULT_TILE, GGUF_KERNELS, dequantize_triton,  # noqa: E402
@@ -56,33 +41,17 @@ DEFAULT_MODES = ("bf16", "fp8", "q8_0", "q8_0+compile", "q8_0+triton", "q4_k", "
                  "nvfp4", "nvfp4+compile", "nvfp4+triton")
 MICRO_SHAPE = (12288, 4096)  # the DiT's largest Linear (mlp up/gate: 4096 -> 12288)
 MICRO_TILES = (1024, 2048, 4096, 8192)
-# Byte offsets of the fp16 scale fields per GGUF type, set to sane values in random blocks.
-FP16_SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
-                      "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-                      "IQ4_XS": (0,)}
 PROBE_LAYER = "layers.0.mlp.up_proj"
 
 
 def build_model(tiny: bool, device: torch.device) -> tuple[nn.Module, dict]:
     from diffusers import ErnieImageTransformer2DModel
-    config = json.loads((ROOT / "runtime/configs/ERNIE-Image/transformer/config.json").read_text())
-    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    config = {k: v for k, v in dit_config().items() if not k.startswith("_")}
     if tiny:
         config.update(hidden_size=256, num_attention_heads=2, num_layers=2, ffn_hidden_size=512, text_in_dim=256)
-    torch.manual_seed(0)
     with torch.device(device):
         model = ErnieImageTransformer2DModel(**config).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                fan_in = p[0].numel()
-                # Modulation and gates small so 36 residual blocks stay finite with random weights.
-                gain = 0.1 if "adaLN_modulation" in name else 1.0
-                p.normal_(0.0, gain / fan_in ** 0.5)
-            elif "norm" in name or "_ln" in name:
-                p.fill_(1.0)
-            else:
-                p.zero_()
+    randomise_dit_(model)
     return model, config
 
 
@@ -170,19 +139,6 @@ def micro_weights(device: torch.device) -> dict[str, QuantizedWeight]:
     return out
 
 
-def time_cuda(fn, iters: int = 20) -> float:
-    """Mean milliseconds of `fn()` on the current stream (after 3 warm-up calls)."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def micro_bench(device: torch.device) -> None:
     if device.type != "cuda" or not triton_available(device):
         print("# micro-bench skipped: needs CUDA and triton")
@@ -197,10 +153,10 @@ def micro_bench(device: torch.device) -> None:
         fmt = q.format
         args = (fmt, q.qtype, q.shape, q.data, q.scale, q.scale_2, torch.bfloat16)
         moved = q.nbytes + written
-        per_tile = {tile: time_cuda(lambda: dequantize_triton(*args, tile=tile)) for tile in MICRO_TILES}
+        per_tile = {tile: cuda_time_ms(lambda: dequantize_triton(*args, tile=tile), iters=20) for tile in MICRO_TILES}
         best_tile = min(per_tile, key=per_tile.get)
         default_ms = per_tile[DEFAULT_TILE]
-        torch_ms = time_cuda(lambda: dequantize_packed(*args), iters=5)
+        torch_ms = cuda_time_ms(lambda: dequantize_packed(*args), iters=5)
         same = torch.equal(dequantize_triton(*args).view(torch.int16), dequantize_packed(*args).view(torch.int16))
         print(f"| {qtype} | {q.nbytes / 1e6:.1f} | {default_ms * 1e3:.1f} | {moved / default_ms / 1e6:.0f} | "
               f"{best_tile} | {per_tile[best_tile] * 1e3:.1f} | {torch_ms * 1e3:.0f} | {moved / torch_ms / 1e6:.0f} | "
@@ -269,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    print(f"| mode | forward ms | x bf16 | DiT weights GB | Linear rel err | forward rel err | first call s |")
+    print("| mode | forward ms | x bf16 | DiT weights GB | Linear rel err | forward rel err | first call s |")
     print("|---|---|---|---|---|---|---|")
     for mode, ms, ratio, resident, lin, fwd, first, fell_back in rows:
         note = f" ({fell_back} layers fell back from native)" if fell_back else ""

@@ -10,25 +10,18 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import importlib.util
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-if "ernie_image" not in sys.modules:
-    spec = importlib.util.spec_from_file_location("ernie_image", REPO / "__init__.py",
-                                                  submodule_search_locations=[str(REPO)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ernie_image"] = module
-    spec.loader.exec_module(module)
+import aiohttp
+import torch
 
-import aiohttp  # noqa: E402
-import torch  # noqa: E402
+from common import REPO_ROOT, import_package
+
+sys.path.insert(0, str(REPO_ROOT / "tests"))
+import_package()
 
 from fake_sglang import FakeSglang  # noqa: E402
 from ernie_image.runtime.host import NullHost  # noqa: E402

@@ -93,7 +93,7 @@ def fp8_rows(ours: ErnieDiT, measure) -> None:
         measure(label, 1, lambda: fp8(lat, ts, txt, lens), time.perf_counter() - started)
         weights = sum(t.numel() * t.element_size() for t in list(fp8.parameters()) + list(fp8.buffers()))
         print(f"# {label}: DiT weights {weights / 1e9:.2f} GB")
-        del fp8
+        fp8 = None
         torch.cuda.empty_cache()
 
 

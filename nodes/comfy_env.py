@@ -42,7 +42,7 @@ def register_gguf_folder_key() -> None:
     fp = folder_paths_module()
     if fp is None:
         return
-    folders = folder_list("diffusion_models") + [f for f in folder_list("text_encoders") if f not in folder_list("diffusion_models")]
+    folders = list(dict.fromkeys(folder_list("diffusion_models") + folder_list("text_encoders")))
     current = fp.folder_names_and_paths.get(GGUF_FOLDER_KEY)
     if current is None or list(current[0]) != folders:
         fp.folder_names_and_paths[GGUF_FOLDER_KEY] = (folders, set(GGUF_EXTENSIONS))

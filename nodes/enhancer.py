@@ -3,15 +3,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..runtime.errors import Cancelled, InvalidInputError
-from ..runtime.request import MAX_SIDE, MIN_SIDE, SEED_MASK, SIDE_MULTIPLE
-from .host import ComfyHost, raise_as_comfy_interrupt
+from ..runtime.errors import InvalidInputError
+from ..runtime.request import SEED_MASK
+from .common import CATEGORY, PIPE_TYPE, shown_on_node
+from .host import ComfyHost, cancel_as_comfy_interrupt
 from .live_pipes import generation_lock
 from .remote import chat_endpoint, pe_endpoint_inputs
-from .sampler import RESOLUTION_CHOICES, ErnieImageSampler, resolve_size
+from .sampler import resolve_size, seed_input, size_inputs, validate_size_inputs
 
-CATEGORY = "ERNIE-Image"
-PIPE_TYPE = "ERNIE_PIPE"
 MAX_NEW_TOKENS = 8192
 NO_ENHANCER = ("no prompt enhancer to run: connect a Loader whose model has a PE (prompt_enhancer file or a "
                "diffusers folder with pe/), or set pe_url to an OpenAI-compatible chat server serving the PE")
@@ -61,21 +60,10 @@ class ErnieImagePromptEnhancer:
         return {
             "required": {
                 "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "The short prompt to enhance. Chinese and English both work."}),
-                "resolution": (
-                    RESOLUTION_CHOICES,
-                    {"default": RESOLUTION_CHOICES[0], "tooltip": "The image size the PE writes for (it is told width and "
-                     "height); 'custom' uses width and height below. Match the Sampler's."},
-                ),
-                "width": ("INT", {"default": 1024, "min": MIN_SIDE, "max": MAX_SIDE, "step": SIDE_MULTIPLE,
-                                  "tooltip": f"Width in pixels when resolution is 'custom' (a multiple of {SIDE_MULTIPLE})."}),
-                "height": ("INT", {"default": 1024, "min": MIN_SIDE, "max": MAX_SIDE, "step": SIDE_MULTIPLE,
-                                   "tooltip": f"Height in pixels when resolution is 'custom' (a multiple of {SIDE_MULTIPLE})."}),
-                "seed": (
-                    "INT",
-                    {"default": 0, "min": 0, "max": SEED_MASK, "control_after_generate": True,
-                     "tooltip": "Sampling seed of the PE: the same seed gives the same revised prompt. Use the "
-                     "Sampler's seed to get the revision its own use_pe would make."},
-                ),
+                **size_inputs("The image size the PE writes for (it is told width and height); 'custom' uses "
+                              "width and height below. Match the Sampler's."),
+                "seed": seed_input("Sampling seed of the PE: the same seed gives the same revised prompt. Use the "
+                                   "Sampler's seed to get the revision its own use_pe would make."),
                 "temperature": ("FLOAT", {"default": 0.6, "min": 0.0, "max": 5.0, "step": 0.05,
                                           "tooltip": "PE sampling temperature (Baidu's 0.6; 0 is greedy)."}),
                 "top_p": ("FLOAT", {"default": 0.95, "min": 0.01, "max": 1.0, "step": 0.01,
@@ -93,7 +81,7 @@ class ErnieImagePromptEnhancer:
 
     @classmethod
     def VALIDATE_INPUTS(cls, resolution: Optional[str] = None, width: Optional[int] = None, height: Optional[int] = None) -> Any:
-        return ErnieImageSampler.VALIDATE_INPUTS(resolution=resolution, width=width, height=height)
+        return validate_size_inputs(resolution, width, height)
 
     def enhance(self, prompt: str, resolution: str, width: int, height: int, seed: int, temperature: float,
                 top_p: float, max_new_tokens: int, pipe: Any = None, pe_url: str = "", pe_model: str = "",
@@ -103,34 +91,21 @@ class ErnieImagePromptEnhancer:
         if not prompt.strip():
             raise InvalidInputError("the prompt is empty: write what to draw, the PE expands it")
         endpoint = chat_endpoint(pe_url, pe_model, pe_api_key_env, pe_api_key_file)
-        settings = dict(prompt=prompt, width=width, height=height, seed=int(seed) & SEED_MASK,
-                        temperature=float(temperature), top_p=float(top_p), max_new_tokens=int(max_new_tokens))
+        sampling = dict(seed=int(seed) & SEED_MASK, temperature=float(temperature), top_p=float(top_p),
+                        max_new_tokens=int(max_new_tokens))
         host = _NoteHost(unique_id)
         if endpoint is not None:
             from ..runtime.text.remote_enhancer import revise_prompts_remote
 
-            revised = _cancellable(lambda: revise_prompts_remote(endpoint, [prompt], width, height, settings["seed"],
-                                                                 settings["temperature"], settings["top_p"],
-                                                                 settings["max_new_tokens"], host))
+            with cancel_as_comfy_interrupt():
+                revised = revise_prompts_remote(endpoint, [prompt], width, height, host=host, **sampling)
         else:
             if pipe is None or not callable(getattr(pipe, "enhance", None)) or not pipe.has_enhancer():
                 raise InvalidInputError(NO_ENHANCER)
-            revised = _run_on_pipe(pipe, settings, host)
+            # One job on the device at a time; the pipe frees its own memory after a failure or a cancel.
+            with generation_lock, cancel_as_comfy_interrupt():
+                revised = pipe.enhance(prompt, width, height, host=host, **sampling)
         text = revised.prompts[0]
         info = timing_text(revised.info(), host.notes)
-        return {"ui": {"text": [text]}, "result": (text, info)}
+        return shown_on_node(text, text, info)
 
-
-def _cancellable(call: Any) -> Any:
-    try:
-        return call()
-    except Cancelled as cancelled:
-        raise_as_comfy_interrupt(cancelled)
-        raise
-
-
-def _run_on_pipe(pipe: Any, settings: dict[str, Any], host: ComfyHost) -> Any:
-    """The pipe's PE under the generation lock (one job on the device at a time). The pipe frees its own device
-    memory after a failure or a cancel."""
-    with generation_lock:
-        return _cancellable(lambda: pipe.enhance(host=host, **settings))

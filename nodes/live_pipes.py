@@ -53,14 +53,7 @@ def summary() -> dict[str, Any]:
 
 
 def _is_loaded(pipe: Any) -> bool:
-    loaded = getattr(pipe, "is_loaded", None)
-    if callable(loaded):
-        return bool(loaded())
-    if loaded is not None:
-        return bool(loaded)
-    if hasattr(pipe, "_fleet"):  # RemotePipe: open connections to its servers
-        return pipe._fleet is not None
-    return True
+    return bool(pipe.is_loaded())
 
 
 def _describe(pipe: Any) -> str:

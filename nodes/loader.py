@@ -3,15 +3,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..runtime.errors import Cancelled, InvalidInputError
+from ..runtime.errors import InvalidInputError
 from . import comfy_env
 from .comfy_env import GGUF_FOLDER_KEY, NONE_CHOICE
-from .host import ComfyHost, raise_as_comfy_interrupt
+from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .live_pipes import track
 from .quant_config import QUANT_TYPE, QuantChoice
 
-CATEGORY = "ERNIE-Image"
-PIPE_TYPE = "ERNIE_PIPE"
 VARIANTS = ("auto", "base", "turbo")
 MAX_BUDGET_GB = 1024.0
 
@@ -105,23 +103,18 @@ class ErnieImageLoader:
             "optional": {
                 "quant_config": (QUANT_TYPE, {"tooltip": "Optional: an ERNIE-Image Quant Config node choosing the weight format. Default: bf16 or the file's own format."}),
             },
-            "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def load(self, diffusers_folder: str, diffusion_model: str, text_encoder: str, vae: str, prompt_enhancer: str,
-             variant: str, vram_budget_gb: float, keep_loaded: bool, quant_config: Optional[QuantChoice] = None,
-             unique_id: Optional[str] = None) -> dict[str, Any]:
+             variant: str, vram_budget_gb: float, keep_loaded: bool,
+             quant_config: Optional[QuantChoice] = None) -> dict[str, Any]:
         from ..runtime.local_pipe import LocalPipe
 
         sources = build_sources(diffusers_folder, diffusion_model, text_encoder, vae, prompt_enhancer, variant)
         options = build_options(vram_budget_gb, keep_loaded, quant_config)
-        try:
-            pipe = LocalPipe.load(sources, options, ComfyHost(unique_id))
-        except Cancelled as cancelled:
-            raise_as_comfy_interrupt(cancelled)
-            raise
+        pipe = LocalPipe.load(sources, options)  # reads no weights yet: nothing to cancel here
         track(pipe)
         plan = pipe.describe()
         if quant_config is not None:
             plan = f"{plan}\nquant: {quant_config.reason}"
-        return {"ui": {"text": [plan]}, "result": (pipe, plan)}
+        return shown_on_node(plan, pipe, plan)

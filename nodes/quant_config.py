@@ -1,15 +1,17 @@
 """ErnieImageQuantConfig: the weight format the Loader should run the DiT in, with the reason for this GPU."""
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
-CATEGORY = "ERNIE-Image"
+from ..runtime.errors import InvalidInputError
+from .common import CATEGORY, shown_on_node
+
 QUANT_TYPE = "ERNIE_QUANT"
-FORMATS = ("auto", "bf16", "fp8", "nvfp4", "q8_0", "gguf-file")
+# The runtime's selector choices (runtime/quant/gpu_support.SELECTOR_CHOICES) plus keeping a .gguf file's blocks.
+FORMATS = ("auto", "bf16", "fp8", "nvfp4", "q8_0", "q4_k", "gguf-file")
 # What LoadOptions.quant is given for each explicit choice; "auto" is resolved by the GPU check.
-LOAD_QUANT = {"bf16": "none", "fp8": "fp8", "nvfp4": "nvfp4", "q8_0": "q8_0", "gguf-file": "none"}
+LOAD_QUANT = {"bf16": "none", "fp8": "fp8", "nvfp4": "nvfp4", "q8_0": "q8_0", "q4_k": "q4_k", "gguf-file": "none"}
 
 
 @dataclass(frozen=True)
@@ -21,38 +23,26 @@ class QuantChoice:
     reason: str  # one line for the user
 
 
-def _gpu_support_module() -> Optional[Any]:
-    """runtime/quant/gpu_support.py (the quant issue); without it this node offers bf16/auto only."""
-    try:
-        return importlib.import_module("..runtime.quant.gpu_support", __package__)
-    except ImportError:
-        return None
-
-
 def resolve_choice(requested: str) -> QuantChoice:
     if requested not in FORMATS:
-        from ..runtime.errors import InvalidInputError
-
         raise InvalidInputError(f"format '{requested}' is not one of {list(FORMATS)}; pick one of them")
-    support = _gpu_support_module()
-    if support is None:
-        return QuantChoice(requested, "none" if requested != "auto" else "auto",
-                           f"{requested}: bf16 weights (the quantised formats are not installed in this build)")
-    device = support.detect_device()
+    from ..runtime.quant import gpu_support  # imports torch: only when the node runs
+
+    device = gpu_support.detect_device()
     if requested == "auto":
-        _, reason = support.choose_auto(device)
+        _, reason = gpu_support.choose_auto(device)
         return QuantChoice("auto", "auto", f"{reason} (the Loader re-checks against its VRAM budget)")
     if requested == "gguf-file":
         return QuantChoice("gguf-file", "none", f"gguf-file on {device.name}: the block format stored in the "
                            ".gguf file picked in the Loader, dequantised per layer")
-    return QuantChoice(requested, LOAD_QUANT[requested], support.format_reasons(device)[requested])
+    return QuantChoice(requested, LOAD_QUANT[requested], gpu_support.format_reasons(device)[requested])
 
 
 class ErnieImageQuantConfig:
     DESCRIPTION = (
         "Chooses the weight format the ERNIE-Image Loader runs the DiT in: auto (best for this GPU), bf16, "
         "fp8 (SM 8.9+ computes natively), nvfp4 (Blackwell computes natively), q8_0 (GGUF blocks, near-lossless), "
-        "or whatever a .gguf file holds. "
+        "q4_k (GGUF blocks, for 8-12 GB cards), or whatever a .gguf file holds. "
         "Connect it to the Loader's quant_config input."
     )
     CATEGORY = CATEGORY
@@ -75,4 +65,4 @@ class ErnieImageQuantConfig:
 
     def choose(self, format: str) -> dict[str, Any]:  # noqa: A002 - the widget is called format
         choice = resolve_choice(format)
-        return {"ui": {"text": [choice.reason]}, "result": (choice, choice.reason)}
+        return shown_on_node(choice.reason, choice, choice.reason)

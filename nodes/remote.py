@@ -6,10 +6,9 @@ import re
 from typing import Any, Optional
 
 from ..runtime.errors import InvalidInputError
+from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .live_pipes import track
 
-CATEGORY = "ERNIE-Image"
-PIPE_TYPE = "ERNIE_PIPE"
 DEFAULT_URL = "http://127.0.0.1:30000"
 MAX_KEY_FILE_BYTES = 4096
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -163,4 +162,4 @@ class ErnieImageRemoteBackend:
         pe_endpoint = chat_endpoint(pe_url, pe_model, pe_api_key_env, pe_api_key_file, connect_timeout_s)
         pipe = track(make_remote_pipe(urls, connect_timeout_s, read_timeout_s, env_name, key_file, pe_endpoint))
         description = pipe.describe()
-        return {"ui": {"text": [description]}, "result": (pipe, description)}
+        return shown_on_node(description, pipe, description)

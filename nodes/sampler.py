@@ -10,16 +10,16 @@ from ..runtime.request import (
     RESOLUTION_PRESETS,
     SEED_MASK,
     SIDE_MULTIPLE,
+    VARIANT_DEFAULTS,
     GenerationRequest,
     GenerationResult,
     validate_size,
 )
+from .common import CATEGORY, PIPE_TYPE
 from .host import ComfyHost, raise_as_comfy_interrupt
 from .live_pipes import generation_lock, release_quietly
 from .memory import bytes_to_free
 
-CATEGORY = "ERNIE-Image"
-PIPE_TYPE = "ERNIE_PIPE"
 CUSTOM_RESOLUTION = "custom"
 MAX_BATCH = 64
 
@@ -81,7 +81,6 @@ def run_generation(pipe: Any, request: GenerationRequest, node_id: Optional[str]
     except Cancelled as cancelled:
         release_quietly(pipe)
         raise_as_comfy_interrupt(cancelled)
-        raise  # unreachable: keeps type checkers content
     except ErnieImageError:
         release_quietly(pipe)
         raise
@@ -95,16 +94,44 @@ def run_generation(pipe: Any, request: GenerationRequest, node_id: Optional[str]
         raise
 
 
-def _size_tooltip(name: str) -> str:
-    return (
-        f"Image {name} in pixels, used when resolution is 'custom': a multiple of {SIDE_MULTIPLE} "
-        f"from {MIN_SIDE} to {MAX_SIDE}. ERNIE-Image is trained around 1 megapixel."
-    )
+def size_inputs(resolution_tooltip: str) -> dict[str, Any]:
+    """The resolution preset and custom width/height widgets (shared with the Prompt Enhancer node)."""
+    def side(name: str) -> tuple[str, dict[str, Any]]:
+        return ("INT", {"default": 1024, "min": MIN_SIDE, "max": MAX_SIDE, "step": SIDE_MULTIPLE,
+                        "tooltip": f"Image {name} in pixels, used when resolution is 'custom': a multiple of "
+                        f"{SIDE_MULTIPLE} from {MIN_SIDE} to {MAX_SIDE}. ERNIE-Image is trained around 1 megapixel."})
+
+    return {
+        "resolution": (RESOLUTION_CHOICES, {"default": RESOLUTION_CHOICES[0], "tooltip": resolution_tooltip}),
+        "width": side("width"),
+        "height": side("height"),
+    }
+
+
+def seed_input(tooltip: str) -> tuple[str, dict[str, Any]]:
+    return ("INT", {"default": 0, "min": 0, "max": SEED_MASK, "control_after_generate": True, "tooltip": tooltip})
+
+
+def validate_size_inputs(resolution: Optional[str], width: Optional[int], height: Optional[int]) -> Any:
+    """VALIDATE_INPUTS of the size widgets: True, or the message ComfyUI shows before anything runs.
+
+    Inputs named in VALIDATE_INPUTS skip ComfyUI's own range check, so the size rule is checked in full; a
+    linked value is None during validation and is checked again when the node runs.
+    """
+    if resolution is not None and resolution != CUSTOM_RESOLUTION:
+        return True if resolution in _PRESET_SIZES else f"resolution '{resolution}' is not one of {RESOLUTION_CHOICES}"
+    if width is None or height is None:
+        return True
+    try:
+        validate_size(int(width), int(height))
+    except InvalidInputError as error:
+        return str(error)
+    return True
 
 
 class ErnieImageSampler:
-    DEFAULT_STEPS = 50
-    DEFAULT_CFG = 4.0
+    DEFAULT_STEPS = int(VARIANT_DEFAULTS["base"]["steps"])
+    DEFAULT_CFG = VARIANT_DEFAULTS["base"]["cfg"]
     HAS_NEGATIVE = True
 
     DESCRIPTION = (
@@ -134,23 +161,14 @@ class ErnieImageSampler:
             )
         required.update(
             {
-                "resolution": (
-                    RESOLUTION_CHOICES,
-                    {"default": RESOLUTION_CHOICES[0], "tooltip": "Baidu's seven ~1 MP sizes; 'custom' uses width and height below."},
-                ),
-                "width": ("INT", {"default": 1024, "min": MIN_SIDE, "max": MAX_SIDE, "step": SIDE_MULTIPLE, "tooltip": _size_tooltip("width")}),
-                "height": ("INT", {"default": 1024, "min": MIN_SIDE, "max": MAX_SIDE, "step": SIDE_MULTIPLE, "tooltip": _size_tooltip("height")}),
+                **size_inputs("Baidu's seven ~1 MP sizes; 'custom' uses width and height below."),
                 "steps": ("INT", {"default": cls.DEFAULT_STEPS, "min": 1, "max": 1000, "tooltip": "Denoising steps: 50 for ERNIE-Image, 8 for Turbo."}),
                 "cfg": (
                     "FLOAT",
                     {"default": cls.DEFAULT_CFG, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01,
                      "tooltip": "Classifier-free guidance: 4.0 for ERNIE-Image, 1.0 (off, twice as fast) for Turbo."},
                 ),
-                "seed": (
-                    "INT",
-                    {"default": 0, "min": 0, "max": SEED_MASK, "control_after_generate": True,
-                     "tooltip": "Noise seed; the same seed gives the same image on any device."},
-                ),
+                "seed": seed_input("Noise seed; the same seed gives the same image on any device."),
                 "batch_size": ("INT", {"default": 1, "min": 1, "max": MAX_BATCH, "tooltip": "Images per run."}),
                 "shift": ("FLOAT", {"default": 4.0, "min": 0.01, "max": 100.0, "step": 0.1, "tooltip": "Flow-matching timestep shift (Baidu's value is 4.0)."}),
                 "use_pe": (
@@ -164,17 +182,7 @@ class ErnieImageSampler:
 
     @classmethod
     def VALIDATE_INPUTS(cls, resolution: Optional[str] = None, width: Optional[int] = None, height: Optional[int] = None) -> Any:
-        # Inputs named here skip ComfyUI's own range check, so the size rule is checked in full; a linked
-        # value is None during validation and is checked again when the node runs.
-        if resolution is not None and resolution != CUSTOM_RESOLUTION:
-            return True if resolution in _PRESET_SIZES else f"resolution '{resolution}' is not one of {RESOLUTION_CHOICES}"
-        if width is None or height is None:
-            return True
-        try:
-            validate_size(int(width), int(height))
-        except InvalidInputError as error:
-            return str(error)
-        return True
+        return validate_size_inputs(resolution, width, height)
 
     def generate(self, pipe: Any, prompt: str, resolution: str, width: int, height: int, steps: int, cfg: float,
                  seed: int, batch_size: int, shift: float, use_pe: bool, negative_prompt: str = "",
@@ -197,8 +205,8 @@ class ErnieImageSampler:
 
 
 class ErnieImageTurboSampler(ErnieImageSampler):
-    DEFAULT_STEPS = 8
-    DEFAULT_CFG = 1.0
+    DEFAULT_STEPS = int(VARIANT_DEFAULTS["turbo"]["steps"])
+    DEFAULT_CFG = VARIANT_DEFAULTS["turbo"]["cfg"]
     HAS_NEGATIVE = False
 
     DESCRIPTION = (

@@ -119,7 +119,7 @@ def main_generate(argv: Sequence[str]) -> int:
     # The console shows no pictures: skip the per-step latent preview (it costs a device-to-host copy per step).
     options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=budget, quant=args.quant,
                           keep_loaded=False, previews=False)
-    pipe = LocalPipe.load(sources, options, host)
+    pipe = LocalPipe.load(sources, options)
     default_side = 256 if demo else 1024
     request = GenerationRequest(
         prompt=args.prompt, negative_prompt=args.negative,

@@ -20,15 +20,9 @@ from .host import Host, NullHost
 from .model_files import QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae
 from .offload.session import PipeMemory
 from .preview import latent_preview
-from .request import GenerationRequest, GenerationResult
+from .request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult
 from .sampling import initial_noise, length_grouped_denoiser, sample_euler
 from .text.encoder import encode_prompts
-
-PRESETS: dict[str, dict[str, float]] = {
-    "base": {"steps": 50, "cfg": 4.0},
-    "turbo": {"steps": 8, "cfg": 1.0},
-}
-
 
 @dataclass
 class LoadOptions:
@@ -86,7 +80,7 @@ class LocalPipe:
         self.memory = PipeMemory(self.device, self.dtype, options.vram_budget_gb, options.quant)
 
     @classmethod
-    def load(cls, sources: ModelSources, options: Optional[LoadOptions] = None, host: Optional[Host] = None) -> "LocalPipe":
+    def load(cls, sources: ModelSources, options: Optional[LoadOptions] = None) -> "LocalPipe":
         """Check the files and prepare; weights are read on first use, one phase at a time."""
         options = options or LoadOptions()
         pipe = cls(sources, options, sources.detect_variant())
@@ -96,7 +90,7 @@ class LocalPipe:
 
     @property
     def defaults(self) -> dict[str, float]:
-        return PRESETS[self.variant]
+        return VARIANT_DEFAULTS[self.variant]
 
     def describe(self, request: Optional[GenerationRequest] = None) -> str:
         """The variant, device, formats and the VRAM plan (of the last job, else of a default 1024x1024 job)."""

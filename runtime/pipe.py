@@ -5,7 +5,7 @@ Local (in-process) and remote (SGLang) backends both implement `ErniePipe`; the 
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, runtime_checkable
 
 from .host import Host
 from .request import GenerationRequest, GenerationResult
@@ -23,3 +23,13 @@ class ErniePipe(Protocol):
 
     def release(self) -> None:
         """Free device memory held by this backend (weights, buffers). Safe to call twice."""
+
+    def is_loaded(self) -> bool:
+        """Whether the backend holds anything `release` would free (weights locally, connections remotely)."""
+
+    def has_enhancer(self) -> bool:
+        """Whether `enhance` can run (a local prompt enhancer, or a PE chat endpoint)."""
+
+    def enhance(self, prompt: str, width: int, height: int, seed: int, temperature: float = 0.6,
+                top_p: float = 0.95, max_new_tokens: int = 512, host: Optional[Host] = None) -> Any:
+        """The prompt enhancer's revision of one prompt (text.enhancer.RevisedPrompts), nothing else."""

@@ -94,7 +94,7 @@ class FakeSglang:
             ready.set()
             self._loop.run_forever()
 
-        self._thread = threading.Thread(target=serve, name=f"fake-sglang", daemon=True)
+        self._thread = threading.Thread(target=serve, name="fake-sglang", daemon=True)
         self._thread.start()
         ready.wait(10)
 

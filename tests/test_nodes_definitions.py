@@ -41,6 +41,10 @@ def test_every_node_is_documented_and_every_input_has_a_tooltip(node_id: str) ->
             assert len(spec) == 2 and spec[1].get("tooltip"), f"{node_id}.{name} has no tooltip"
     help_page = REPO_ROOT / "web" / "docs" / f"{node_id}.md"
     assert help_page.is_file() and help_page.read_text().startswith("# "), f"no help page for {node_id}"
+    text = help_page.read_text()
+    names = [name for section in ("required", "optional") for name in inputs.get(section, {})] + list(cls.RETURN_NAMES)
+    undocumented = [name for name in names if not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", text)]
+    assert not undocumented, f"the help page of {node_id} does not mention {undocumented}"
 
 
 def test_file_dropdowns_fall_back_to_none_outside_comfyui() -> None:
@@ -87,6 +91,13 @@ def test_validate_inputs_gives_the_clear_size_message() -> None:
     # A preset ignores the widgets; a linked width is None while validating and is checked at run time.
     assert ErnieImageSampler.VALIDATE_INPUTS(resolution=RESOLUTION_CHOICES[0], width=1000, height=1000) is True
     assert ErnieImageSampler.VALIDATE_INPUTS(resolution="custom", width=None, height=1024) is True
+
+
+def test_web_extension_syncs_presets_on_every_node_with_a_resolution_widget() -> None:
+    script = (REPO_ROOT / "web" / "ernie_image.js").read_text()
+    listed = set(re.findall(r'"(ErnieImage\w+)"', re.search(r"const HAS_RESOLUTION = new Set\(\[([^\]]*)\]", script)[1]))
+    with_resolution = {node_id for node_id, cls in NODE_CLASS_MAPPINGS.items() if "resolution" in cls.INPUT_TYPES()["required"]}
+    assert listed == with_resolution == {"ErnieImageSampler", "ErnieImageTurboSampler", "ErnieImagePromptEnhancer"}
 
 
 def test_web_extension_talks_only_to_the_packs_routes() -> None:

@@ -75,7 +75,10 @@ def test_a_failed_run_releases_the_weights(tiny_sources, tmp_path: Path) -> None
 
 def test_keep_loaded_keeps_weights_between_runs(tiny_sources) -> None:
     pipe = track(LocalPipe.load(tiny_sources, LoadOptions(device="cpu", keep_loaded=True)))
-    ErnieImageTurboSampler().generate(pipe=pipe, **turbo_inputs(batch_size=1))
-    assert any(p["loaded"] for p in summary()["pipes"])
+    first, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **turbo_inputs(batch_size=1))
+    assert pipe.is_loaded() and any(p["kind"] == "local" and p["loaded"] for p in summary()["pipes"])
+    second, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **turbo_inputs(batch_size=1))
+    assert pipe.is_loaded() and torch.equal(first, second)
     pipe.release()
+    assert not pipe.is_loaded()
     assert not any(p["loaded"] for p in summary()["pipes"] if p["kind"] == "local")

@@ -38,10 +38,7 @@ def unbudgeted(model):
 
 
 def pe_streaming_budget_gb(model, device: str = "cpu", dtype: str = "auto") -> float:
-    """The largest budget (GiB) at which the plan streams the tiny PE's layers (its phase does not fit whole).
-
-    The largest, because the config-derived DiT sizes count its stem in bf16 while the fp32 tiny DiT's is twice
-    that: place_dit plans again with the measured sizes, and the smallest streaming budget would then fail."""
+    """The largest budget (GiB) at which the plan streams the tiny PE's layers (its phase does not fit whole)."""
     pipe = LocalPipe.load(model, LoadOptions(device=device, dtype=dtype, vram_budget_gb=1.0))
     sizes = pipe.memory._sizes(model, pipe.variant, with_pe=True)
     job = pipe.memory._job(request(), use_pe=True)

@@ -9,7 +9,7 @@ from ernie_image.runtime.errors import Cancelled, MemoryBudgetError
 from ernie_image.runtime.host import NullHost
 from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.offload.planner import GiB, plan_memory
-from ernie_image.runtime.offload.session import TEXT_TOKENS_FOR_PLAN
+from ernie_image.runtime.offload.session import TEXT_TOKENS_FOR_PLAN, measured_dit_size
 from ernie_image.runtime.offload.workspace import Job
 from ernie_image.runtime.request import GenerationRequest
 from ernie_image.runtime.tiny import TinySizes, build_tiny_model
@@ -61,6 +61,14 @@ def test_streamed_pipe_gives_the_resident_image(model, resident_result):
     assert pipe.memory.dit.streamer is not None and pipe.memory.text.streamer.parked
     pipe.release()
     assert pipe.memory.dit is None and pipe._loaded.dit is None
+
+
+def test_config_sizes_are_the_built_fp32_dits_so_placing_it_plans_once(model):
+    pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=1.0))
+    estimate = pipe.memory._sizes(model, pipe.variant).dit
+    assert pipe.dtype == torch.float32 and pipe.memory.plan is None
+    built = pipe._dit()  # no plan yet: built on the host and left unplaced
+    assert measured_dit_size(built, estimate.largest_linear_params) == estimate
 
 
 def test_budget_too_small_fails_before_loading_anything(model):

@@ -6,7 +6,8 @@ import pytest
 from ernie_image.runtime.errors import InvalidInputError, MemoryBudgetError
 from ernie_image.runtime.offload.cli_plan import main_plan
 from ernie_image.runtime.offload.planner import allocator_slack, GiB, auto_budget, plan_memory, spread
-from ernie_image.runtime.offload.sizes import ModelSizes, format_bytes
+from ernie_image.runtime.model_files import load_config
+from ernie_image.runtime.offload.sizes import ModelSizes, dit_size, format_bytes
 from ernie_image.runtime.offload.workspace import Job, dit_workspace
 
 SIZES = ModelSizes.released("turbo")
@@ -31,6 +32,15 @@ def test_quantised_formats_shrink_only_the_block_linears():
         format_bytes("int3")
 
 
+def test_dit_norms_and_stem_are_counted_in_the_compute_dtype():
+    config = load_config("turbo", "transformer")
+    bf16, fp32 = dit_size(config, "bf16", 2), dit_size(config, "fp32", 4)
+    assert fp32.stem_bytes == 2 * bf16.stem_bytes and fp32.layer_bytes == 2 * bf16.layer_bytes
+    q4_fp32 = dit_size(config, "q4_k", 4)
+    assert q4_fp32.stem_bytes == fp32.stem_bytes  # the stem is never quantised
+    assert q4_fp32.layer_bytes - ModelSizes.released("turbo", "q4_k").dit.layer_bytes == 2 * (2 * 4096 + 2 * 128)
+
+
 def test_workspace_scales_with_tokens_batch_and_cfg():
     one = dit_workspace(SIZES, Job(1024, 1024, 1, 1.0))
     cfg = dit_workspace(SIZES, Job(1024, 1024, 1, 4.0))
@@ -41,9 +51,10 @@ def test_workspace_scales_with_tokens_batch_and_cfg():
     assert dit_workspace(SIZES, Job(1376, 768)) < dit_workspace(SIZES, Job(1024, 1024)) * 1.05
 
 
-def test_24_gb_keeps_the_whole_dit_resident_and_phases_the_rest():
+def test_24_gb_keeps_the_whole_dit_resident_and_streams_the_text_tower():
     plan = plan_memory(24 * GiB, Job(), SIZES)
     assert plan.dit.resident == tuple(range(36)) and plan.dit.slots == 0
+    assert plan.text.mode == "streamed" and plan.vae.persistent  # the tower's 6.6 GB do not fit beside the DiT
     assert plan.peak + allocator_slack(plan.budget) <= plan.budget
 
 

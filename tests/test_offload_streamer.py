@@ -13,7 +13,7 @@ from ernie_image.runtime.dit import DiTConfig, ErnieDiT
 from ernie_image.runtime.offload.pinned import HostSlab
 from ernie_image.runtime.offload.placement import DiTPlacement, TextPlacement
 from ernie_image.runtime.offload.planner import DiTPlan, LayeredPlan
-from ernie_image.runtime.offload.streamer import LayerStreamer
+from ernie_image.runtime.offload.streamer import LayerStreamer, typed_view
 from ernie_image.runtime.quant.fp8 import quantize_fp8
 from ernie_image.runtime.quant.linear import quantize_linears
 from ernie_image.runtime.quant.qweight import QuantizedWeight
@@ -102,7 +102,7 @@ def test_a_premature_copy_is_caught_by_the_eager_mode(reference):
     placement.release()
 
 
-def test_the_loop_allocates_nothing_and_weights_keep_their_slots(reference):
+def test_the_ring_is_allocated_once_and_weights_keep_their_slots(reference):
     dit, _ = reference
     model = copy_of(dit)
     placement = DiTPlacement(model, dit_plan((0, 2, 4), 2), CPU)
@@ -163,7 +163,6 @@ def test_quantised_blocks_stream_packed(reference):
                 data, scale = quantize_fp8(module.weight.detach())
                 state[f"{name}.weight"] = QuantizedWeight("fp8", "F8_E4M3", data, tuple(module.weight.shape), scale)
         quantize_linears(block, state, compute_dtype=torch.float32)
-    resident = copy_of_quantised = None
     with torch.inference_mode():
         resident = model(*inputs(1)).clone()
     packed_bytes = sum(t.numel() * t.element_size() for t in model.layers[2].buffers())
@@ -173,7 +172,6 @@ def test_quantised_blocks_stream_packed(reference):
     with torch.inference_mode():
         assert torch.equal(model(*inputs(1)), resident)
     placement.release()
-    del copy_of_quantised
 
 
 def test_text_tower_streams_layer_by_layer_through_hooks():
@@ -197,8 +195,8 @@ def test_text_tower_streams_layer_by_layer_through_hooks():
 def test_host_slab_without_cuda_is_plain_memory():
     slab = HostSlab(1000, pin=False)
     assert slab.nbytes == 1000 and slab.pinned_bytes == 0
-    view = slab.view(256, torch.float32, (10, 2))
-    view.fill_(3.0)
+    assert slab.data.dtype == torch.uint8 and slab.data.numel() == 1000 and not slab.data.is_pinned()
+    typed_view(slab.data, 256, torch.float32, (10, 2)).fill_(3.0)  # a typed window writes through to the slab
     assert slab.data[256:336].view(torch.float32).sum().item() == 60.0
 
 

@@ -9,15 +9,13 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
 from ernie_image.runtime.errors import ModelFileError  # noqa: E402
-from ernie_image.runtime.quant.gguf_blocks import BLOCK_GEOMETRY, KERNELS  # noqa: E402
+from ernie_image.runtime.quant.gguf_blocks import BLOCK_GEOMETRY, FP16_SCALE_OFFSETS, KERNELS  # noqa: E402
 from ernie_image.runtime.quant.gguf_quantize import quantize_q4_k, quantize_q8_0  # noqa: E402
 from ernie_image.runtime.quant.qweight import dequantize_gguf  # noqa: E402
 
 # Types gguf-py can quantise itself: the test blocks come from its own quantiser.
 QUANTISABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 # The others: random bytes, with each fp16 scale field overwritten by a sane positive value.
-FP16_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-                      "IQ4_NL": (0,), "IQ4_XS": (0,)}
 ROWS, COLS = 8, 512
 
 

@@ -52,6 +52,16 @@ def test_packed_tensors_are_buffers_the_offloader_can_swap(fmt: str) -> None:
     assert not torch.equal(layer(x), before)
 
 
+def test_native_gemm_is_chosen_once_from_format_and_shape() -> None:
+    # FP8 GEMMs need e4m3 and in/out % 16; FP4 GEMMs in % 32; GGUF never multiplies natively.
+    assert QuantLinear(quantize_weight(torch.randn(32, 256), "fp8"), None)._native_format == "fp8"
+    assert QuantLinear(quantize_weight(torch.randn(24, 256), "fp8"), None)._native_format is None
+    assert QuantLinear(quantize_weight(torch.randn(32, 256), "nvfp4"), None)._native_format == "nvfp4"
+    assert QuantLinear(quantize_weight(torch.randn(32, 256), "q8_0"), None)._native_format is None
+    layer = QuantLinear(quantize_weight(torch.randn(32, 256), "fp8"), None, torch.float32)
+    assert layer._native(torch.randn(2, 256)) is None  # CPU input: always the dequantise path
+
+
 def test_fp8_e4m3_error_bound() -> None:
     # e4m3 keeps 3 mantissa bits: round-to-nearest is within 2^-4 relative for normal values; below the
     # smallest normal (2^-6 after scaling) the step is 2^-9, so |err| <= 2^-4 |w| + 2^-10 * row_scale.

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ernie_image.runtime.quant import QuantLinear, quantize_weight
 from ernie_image.runtime.quant import linear as linear_module
-from ernie_image.runtime.quant.gguf_blocks import BLOCK_GEOMETRY
+from ernie_image.runtime.quant.gguf_blocks import BLOCK_GEOMETRY, FP16_SCALE_OFFSETS
 from ernie_image.runtime.quant.nvfp4 import quantize_nvfp4
 from ernie_image.runtime.quant.qweight import dequantize_packed
 from ernie_image.runtime.quant.triton_dequant import GGUF_KERNELS, dequantize_triton
@@ -30,10 +30,6 @@ except ImportError:
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
 needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Byte offsets of each type's fp16 scale fields (overwritten in random blocks so values stay finite).
-FP16_SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "IQ4_NL": (0,),
-                      "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-                      "IQ4_XS": (0,)}
 NVFP4_NAN_CODES = (0x7F, 0xFF)
 
 

@@ -13,6 +13,7 @@ from ernie_image.runtime.remote.http import (
     BadResponse,
     ConnectionLost,
     HttpClient,
+    HttpSettings,
     RetryPolicy,
     ServerFailed,
     ServerRejected,
@@ -46,7 +47,7 @@ def server():
 def test_connect_timeout_is_told_apart_from_read_timeout(server):
     listener = UnacceptingListener()
     try:
-        client = HttpClient(listener.url, timeouts=Timeouts(connect_s=0.3), retry=RetryPolicy(attempts=1))
+        client = HttpClient(listener.url, HttpSettings(timeouts=Timeouts(connect_s=0.3), retry=RetryPolicy(attempts=1)))
         started = time.monotonic()
         with pytest.raises(ServerUnavailable, match="did not accept a connection within 0.3 s"):
             call(client, "GET", "/health")
@@ -55,7 +56,7 @@ def test_connect_timeout_is_told_apart_from_read_timeout(server):
         listener.close()
 
     server.faults.append("hang")
-    client = HttpClient(server.url, retry=FAST_RETRY)
+    client = HttpClient(server.url, HttpSettings(retry=FAST_RETRY))
     with pytest.raises(ConnectionLost, match=r"within 0.4 s \(read timeout\).*may still be working"):
         call(client, "POST", GEN, BODY, read_timeout_s=0.4)
     assert len(server.generations) == 1, "a POST the server may be working on must never be re-sent"
@@ -63,7 +64,7 @@ def test_connect_timeout_is_told_apart_from_read_timeout(server):
 
 def test_refused_connection_is_retried_then_reported():
     port = free_port()
-    client = HttpClient(f"http://127.0.0.1:{port}", retry=FAST_RETRY)
+    client = HttpClient(f"http://127.0.0.1:{port}", HttpSettings(retry=FAST_RETRY))
     with pytest.raises(ServerUnavailable, match="refused the connection.*not running or still loading"):
         call(client, "GET", "/health")
 
@@ -74,7 +75,8 @@ def test_server_started_late_is_reached_by_the_retries():
     timer = threading.Timer(0.3, late.start)
     timer.start()
     try:
-        client = HttpClient(f"http://127.0.0.1:{port}", retry=RetryPolicy(attempts=6, base_delay_s=0.1, max_delay_s=0.4))
+        patient = RetryPolicy(attempts=6, base_delay_s=0.1, max_delay_s=0.4)
+        client = HttpClient(f"http://127.0.0.1:{port}", HttpSettings(retry=patient))
         assert call(client, "GET", "/health").data == {"status": "ok"}
     finally:
         timer.join()
@@ -84,11 +86,11 @@ def test_server_started_late_is_reached_by_the_retries():
 def test_reset_after_a_post_is_not_resent_but_a_get_is_retried(server):
     server.faults.append("reset")
     with pytest.raises(ConnectionLost, match="dropped the connection during POST"):
-        call(HttpClient(server.url, retry=FAST_RETRY), "POST", GEN, BODY)
+        call(HttpClient(server.url, HttpSettings(retry=FAST_RETRY)), "POST", GEN, BODY)
     assert len(server.generations) == 1
 
     server.faults.append("models:reset")
-    response = call(HttpClient(server.url, retry=FAST_RETRY), "GET", "/v1/models")
+    response = call(HttpClient(server.url, HttpSettings(retry=FAST_RETRY)), "GET", "/v1/models")
     assert response.data["data"][0]["pipeline_name"] == "ErnieImagePipeline"
     assert sum(1 for r in server.received if r.path == "/v1/models") == 2
 
@@ -96,7 +98,7 @@ def test_reset_after_a_post_is_not_resent_but_a_get_is_retried(server):
 @pytest.mark.parametrize("status", ["503", "429", "408"])
 def test_busy_statuses_are_retried_with_backoff(server, status):
     server.faults.extend([status, status])
-    response = call(HttpClient(server.url, retry=FAST_RETRY), "POST", GEN, BODY)
+    response = call(HttpClient(server.url, HttpSettings(retry=FAST_RETRY)), "POST", GEN, BODY)
     assert response.status == 200 and response.data["data"][0]["b64_json"]
     assert len(server.generations) == 3
 
@@ -104,7 +106,7 @@ def test_busy_statuses_are_retried_with_backoff(server, status):
 def test_busy_status_gives_up_after_the_bounded_attempts(server):
     server.faults.extend(["503"] * 5)
     with pytest.raises(ServerUnavailable, match=r"not ready or overloaded \(HTTP 503\)"):
-        call(HttpClient(server.url, retry=FAST_RETRY), "POST", GEN, BODY)
+        call(HttpClient(server.url, HttpSettings(retry=FAST_RETRY)), "POST", GEN, BODY)
     assert len(server.generations) == 3
 
 
@@ -119,7 +121,7 @@ def test_4xx_shows_the_servers_own_message(server):
 def test_bare_500_is_explained(server):
     server.faults.append("500")
     with pytest.raises(ServerFailed) as caught:
-        call(HttpClient(server.url, retry=FAST_RETRY), "POST", GEN, BODY)
+        call(HttpClient(server.url, HttpSettings(retry=FAST_RETRY)), "POST", GEN, BODY)
     assert "the server failed to generate; see the server log" in str(caught.value)
     assert len(server.generations) == 1
 
@@ -138,7 +140,7 @@ def test_huge_body_is_refused_over_the_cap(server):
     server.faults.append("huge")
     started = time.monotonic()
     with pytest.raises(BadResponse, match="more than 1 MiB; refused"):
-        call(HttpClient(server.url, max_body_bytes=1024 * 1024), "POST", GEN, BODY)
+        call(HttpClient(server.url, HttpSettings(max_body_bytes=1024 * 1024)), "POST", GEN, BODY)
     assert time.monotonic() - started < 5
 
 
@@ -172,14 +174,14 @@ SECRET = "sk-test-very-secret-123"
 def test_api_key_is_sent_as_bearer_and_never_shown(monkeypatch, tmp_path):
     monkeypatch.setenv("ERNIE_TEST_KEY", SECRET)
     with FakeSglang(api_key=SECRET) as server:
-        client = HttpClient(server.url, api_key=ApiKeySource(env_var="ERNIE_TEST_KEY"))
+        client = HttpClient(server.url, HttpSettings(api_key=ApiKeySource(env_var="ERNIE_TEST_KEY")))
         assert SECRET not in repr(client)
         call(client, "GET", "/v1/models")
         assert server.received[-1].headers["Authorization"] == f"Bearer {SECRET}"
 
         key_file = tmp_path / "key.txt"
         key_file.write_text(SECRET + "\n")
-        call(HttpClient(server.url, api_key=ApiKeySource(file=str(key_file))), "GET", "/v1/models")
+        call(HttpClient(server.url, HttpSettings(api_key=ApiKeySource(file=str(key_file)))), "GET", "/v1/models")
         assert server.received[-1].headers["Authorization"] == f"Bearer {SECRET}"
 
         with pytest.raises(AuthenticationError) as missing:
@@ -188,7 +190,8 @@ def test_api_key_is_sent_as_bearer_and_never_shown(monkeypatch, tmp_path):
 
         monkeypatch.setenv("ERNIE_TEST_KEY", "wrong-" + SECRET)
         with pytest.raises(AuthenticationError) as wrong:
-            call(HttpClient(server.url, api_key=ApiKeySource(env_var="ERNIE_TEST_KEY")), "GET", "/v1/models")
+            call(HttpClient(server.url, HttpSettings(api_key=ApiKeySource(env_var="ERNIE_TEST_KEY"))), "GET",
+                 "/v1/models")
         assert "HTTP 403" in str(wrong.value) and "ERNIE_TEST_KEY" in str(wrong.value)
         assert SECRET not in str(wrong.value)
 

@@ -14,8 +14,9 @@ from ernie_image.runtime.host import NullHost
 from ernie_image.runtime.pipe import ErniePipe
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
 from ernie_image.runtime.remote.check import check_remote, format_check_table
+from ernie_image.runtime.remote.fleet import Fleet
 from ernie_image.runtime.remote.http import BadResponse, ServerRejected, run_sync
-from ernie_image.runtime.remote.sglang import ImageParams, SglangClient, build_payload, decode_image, mask_seed
+from ernie_image.runtime.remote.sglang import ImageParams, decode_image, mask_seed
 from ernie_image.runtime.request import GenerationRequest
 
 from fake_sglang import FakeSglang, free_port, render
@@ -140,18 +141,32 @@ def test_server_that_is_not_ernie_is_refused():
 
 
 def test_4xx_stops_the_batch_with_the_servers_message():
-    with FakeSglang() as server:
-        client = SglangClient(server.url)
+    """A rejected request is not re-sent to another server: each server is asked at most once, no failover."""
+    notes: list[str] = []
+    with FakeSglang() as a, FakeSglang() as b:
+        jobs = [ImageParams("a", "", 64, 64, 1, -1.0, seed, False) for seed in range(4)]
 
-        async def bad():
+        async def run():
+            fleet = Fleet([a.url, b.url])
             try:
-                return await client.http.request_json("POST", "/v1/images/generations",
-                                                      {**build_payload(ImageParams("a", "", 64, 64, 1, 1.0, 1, False), "m"),
-                                                       "guidance_scale": -1})
+                return await fleet.generate(jobs, notify=notes.append)
             finally:
-                await client.close()
+                await fleet.close()
         with pytest.raises(ServerRejected, match="guidance_scale must be non-negative"):
-            run_sync(bad())
+            run_sync(run())
+    assert len(a.generations) <= 1 and len(b.generations) <= 1 and len(a.generations) + len(b.generations) >= 1
+    assert notes == [], "a 4xx is not a server failure to route around"
+
+
+def test_describe_names_the_model_each_server_serves_once_known():
+    with FakeSglang(model_id="baidu/ERNIE-Image", dit_precision="fp8") as server:
+        pipe = RemotePipe([server.url.removeprefix("http://")], FAST)  # a URL without scheme works as well
+        try:
+            assert "serving" not in pipe.describe()
+            pipe.generate(request(), NullHost())
+            assert "serving baidu/ERNIE-Image (1 GPU, fp8)" in pipe.describe()
+        finally:
+            pipe.release()
 
 
 def test_server_serves_one_request_at_a_time_in_order():
@@ -277,4 +292,5 @@ def test_check_remote_reports_each_server():
     assert rows[0].generation_s is not None and rows[0].pipeline == "ErnieImagePipeline"
     sent = ready.generations[0].body
     assert (sent["width"], sent["height"], sent["num_inference_steps"]) == (256, 256, 1)
+    assert sum(r.path == "/v1/models" for r in ready.received) == 1, "the model list is asked for once"
     assert "warming up" in table and "baidu/ERNIE-Image-Turbo" in table and "refused the connection" in table

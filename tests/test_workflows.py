@@ -190,11 +190,10 @@ def test_api_workflow_is_its_ui_twin(path: Path) -> None:
     assert stripped == expected
 
 
-@pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.stem)
-def test_api_workflow_matches_node_definitions(path: Path) -> None:
-    api = load(path)
+def check_api_workflow(name: str, api: dict[str, Any]) -> None:
+    """Every node's inputs against its definition, every link against its source's output type, VALIDATE_INPUTS."""
     for node_id, node in api.items():
-        where = f"{path.name} node {node_id} ({node['class_type']})"
+        where = f"{name} node {node_id} ({node['class_type']})"
         definition = node_definition(node["class_type"])
         sockets, widgets, required = sockets_and_widgets(definition)
         known = set(sockets) | {name for name, _ in widgets}
@@ -220,14 +219,31 @@ def test_api_workflow_matches_node_definitions(path: Path) -> None:
             assert result is True, f"{where}: VALIDATE_INPUTS says {result}"
 
 
+@pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.stem)
+def test_api_workflow_matches_node_definitions(path: Path) -> None:
+    check_api_workflow(path.name, load(path))
+
+
 def test_a_bad_api_workflow_is_caught() -> None:
-    """The checks above are not vacuous: a wrong socket type and an off-step width are both reported."""
+    """The checks above are not vacuous: a wrong socket type, an off-step width and a missing input are reported."""
+    import copy
+
     api = load(WORKFLOWS / "api" / "ernie_image_turbo_local.json")
+    check_api_workflow("shipped", api)
     sampler_id = next(k for k, n in api.items() if n["class_type"] == "ErnieImageTurboSampler")
     loader_id = api[sampler_id]["inputs"]["pipe"][0]
-    definition = node_definition("ErnieImageTurboSampler")
-    width_spec = dict(sockets_and_widgets(definition)[1])["width"]
-    with pytest.raises(AssertionError, match="off the step"):
-        check_widget_value("test", "width", width_spec, 1000)
-    assert not types_match(node_definition("ErnieImageLoader")["output"][1], "ERNIE_PIPE")
-    assert api[loader_id]["class_type"] == "ErnieImageLoader"
+
+    wrong_socket = copy.deepcopy(api)
+    wrong_socket[sampler_id]["inputs"]["pipe"] = [loader_id, 1]  # the Loader's memory_plan STRING
+    with pytest.raises(AssertionError, match="pipe gets STRING, wants ERNIE_PIPE"):
+        check_api_workflow("wrong socket", wrong_socket)
+
+    off_step = copy.deepcopy(api)
+    off_step[sampler_id]["inputs"].update(resolution="custom", width=1000)
+    with pytest.raises(AssertionError, match="width 1000 off the step"):
+        check_api_workflow("off step", off_step)
+
+    missing = copy.deepcopy(api)
+    del missing[sampler_id]["inputs"]["seed"]
+    with pytest.raises(AssertionError, match="missing {'seed'}"):
+        check_api_workflow("missing input", missing)

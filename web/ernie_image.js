@@ -1,8 +1,9 @@
-// ERNIE-Image nodes in ComfyUI's editor: resolution presets, the Loader's memory plan, Remote "Test connection".
+// ERNIE-Image nodes in ComfyUI's editor: resolution presets, text shown on the nodes, Remote "Test connection".
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
-const SAMPLERS = new Set(["ErnieImageSampler", "ErnieImageTurboSampler"]);
+// Nodes with the resolution / width / height widgets (nodes/sampler.py size_inputs).
+const HAS_RESOLUTION = new Set(["ErnieImageSampler", "ErnieImageTurboSampler", "ErnieImagePromptEnhancer"]);
 const SHOWS_TEXT = new Set(["ErnieImageLoader", "ErnieImageRemoteBackend", "ErnieImageQuantConfig", "ErnieImagePromptEnhancer"]);
 const CUSTOM = "custom";
 const PRESET = /^(\d+)x(\d+)\b/;
@@ -100,7 +101,7 @@ app.registerExtension({
   name: "ErnieImage.nodes",
   async beforeRegisterNodeDef(nodeType, nodeData) {
     const name = nodeData.name;
-    if (SAMPLERS.has(name)) {
+    if (HAS_RESOLUTION.has(name)) {
       const onNodeCreated = nodeType.prototype.onNodeCreated;
       nodeType.prototype.onNodeCreated = function () {
         const result = onNodeCreated?.apply(this, arguments);

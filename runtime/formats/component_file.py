@@ -22,7 +22,7 @@ import torch
 
 from ..errors import ModelFileError
 from .detect import Identity, identify, sample_keys
-from .safetensors_reader import SafetensorsFile, open_safetensors
+from .safetensors_reader import SafetensorsFile, is_gguf, open_safetensors
 from .vae_keys import bfl_to_diffusers, config_from_shapes, num_up_blocks_bfl
 
 Kind = Literal["dit", "text_encoder", "vae", "pe"]
@@ -84,7 +84,7 @@ def open_component(path: Path, kind: Kind) -> ComponentFile:
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"{LABELS[kind]} not found: {path} does not exist: check the path, or {WHAT_TO_PICK[kind]}")
-    if path.is_file() and _is_gguf(path):
+    if path.is_file() and is_gguf(path):
         return _open_quantized(path, kind, "gguf")
     readers = [open_safetensors(file) for file in _safetensors_files(path, kind)]
     owner: dict[str, SafetensorsFile] = {}
@@ -108,11 +108,6 @@ def open_component(path: Path, kind: Kind) -> ComponentFile:
     layout = "diffusers-folder" if path.is_dir() else ("single-file-bfl" if bfl else "single-file")
     return ComponentFile(kind=kind, layout=layout, path=path, config=config, keys=sorted(loaders),
                          _loaders=loaders, metadata=metadata, _releasers=releasers)
-
-
-def _is_gguf(path: Path) -> bool:
-    with open(path, "rb") as handle:
-        return handle.read(4) == b"GGUF"
 
 
 def _safetensors_files(path: Path, kind: str) -> list[Path]:
@@ -217,7 +212,7 @@ def _open_quantized(path: Path, kind: str, layout: str) -> ComponentFile:
         raise ModelFileError(f"{path.name} is a quantised file, but the VAE is only read in bf16/fp32: "
                              f"{WHAT_TO_PICK['vae']}")
     if kind == "dit":
-        state = quant.load_dit_gguf(path) if layout == "gguf" else quant.load_quantized_state_dict(path, "dit")
+        state = quant.load_quantized_state_dict(path, "dit")
         prefix = ""
     else:
         state = quant.load_text_encoder_gguf(path) if layout == "gguf" else quant.load_quantized_state_dict(path, "any")

@@ -29,6 +29,7 @@ for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("
         DTYPES[_name] = getattr(torch, _attr)
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+GGUF_MAGIC = b"GGUF"
 PICKLE_MAGICS = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
 REDOWNLOAD = "the file is damaged or was not fully downloaded: download it again"
 
@@ -98,9 +99,15 @@ class SafetensorsFile:
             self._mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
+def is_gguf(path: Path) -> bool:
+    """The file starts with GGUF's magic bytes (whatever its name says)."""
+    with open(path, "rb") as handle:
+        return handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+
+
 def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     start = handle.read(8)
-    if start[:4] == b"GGUF":
+    if start.startswith(GGUF_MAGIC):
         raise ModelFileError(f"{path.name} is a GGUF file, not safetensors: load it through the GGUF path")
     if any(start.startswith(magic) for magic in PICKLE_MAGICS):
         raise ModelFileError(

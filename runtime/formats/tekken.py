@@ -119,14 +119,11 @@ def tokenizer_from_tekken_json(data: Union[bytes, str], max_length: int = MAX_LE
 
 def read_tekken_bytes(path: Path) -> Optional[bytes]:
     """The embedded tekken.json of a single-file text encoder, or None when the file carries none."""
-    from .safetensors_reader import open_safetensors
+    from .safetensors_reader import is_gguf, open_safetensors
 
     path = Path(path)
-    if not path.is_file():
+    if not path.is_file() or is_gguf(path):
         return None
-    with open(path, "rb") as handle:
-        if handle.read(4) == b"GGUF":
-            return None
     reader = open_safetensors(path)
     if TEKKEN_KEY not in reader:
         return None

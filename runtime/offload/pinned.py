@@ -44,13 +44,6 @@ class HostSlab:
         self.data = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
         self.pinned_bytes = _power_of_two_ceil(self.nbytes)
 
-    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        numel = 1
-        for size in shape:
-            numel *= size
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        return self.data[offset: offset + nbytes].view(dtype).view(shape)
-
     def free(self) -> None:
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:

@@ -16,15 +16,10 @@ from .planner import DiTPlan, LayeredPlan
 from .streamer import FakeMode, LayerStreamer, StreamHooks
 
 
-def _move(module: nn.Module, device: torch.device) -> None:
-    module.to(device)
-
-
 class DiTPlacement:
     """The DiT's stem and resident blocks on `device`, the streamed blocks behind `dit.block_runner`."""
 
-    def __init__(self, dit: ErnieDiT, plan: DiTPlan, device: torch.device, fake_mode: FakeMode = "lazy",
-                 place_resident: bool = True) -> None:
+    def __init__(self, dit: ErnieDiT, plan: DiTPlan, device: torch.device, fake_mode: FakeMode = "lazy") -> None:
         self.dit = dit
         self.plan = plan
         self.device = torch.device(device)
@@ -33,12 +28,11 @@ class DiTPlacement:
         self.streamer: Optional[LayerStreamer] = None
         if plan.streamed:
             self.streamer = LayerStreamer(dit.layers, plan.streamed, plan.slots, self.device, fake_mode=fake_mode)
-        if place_resident:
-            for name, child in dit.named_children():
-                if name != "layers":
-                    _move(child, self.device)
-            for index in plan.resident:
-                _move(dit.layers[index], self.device)
+        for name, child in dit.named_children():
+            if name != "layers":
+                child.to(self.device)
+        for index in plan.resident:
+            dit.layers[index].to(self.device)
         dit._rope_cache.clear()
         dit.block_runner = self.run_block
 
@@ -56,10 +50,6 @@ class DiTPlacement:
     @property
     def pinned_bytes(self) -> int:
         return self.streamer.pinned_bytes if self.streamer else 0
-
-    @property
-    def streamed_weight_bytes(self) -> int:
-        return self.streamer.weight_bytes if self.streamer else 0
 
     def release(self) -> None:
         """Free the ring and the slab and point every weight at meta: the DiT holds no memory afterwards."""
@@ -114,10 +104,6 @@ class TextPlacement:
     def set_host(self, host) -> None:
         if self.hooks is not None:
             self.hooks.host = host
-
-    @property
-    def pinned_bytes(self) -> int:
-        return self.streamer.pinned_bytes if self.streamer else 0
 
     def release(self) -> None:
         if self.hooks is not None:

@@ -136,7 +136,8 @@ def spread(count: int, total: int) -> tuple[int, ...]:
     return tuple(sorted({min(total - 1, int((j + 0.5) * total / count)) for j in range(count)}))
 
 
-def _dit_plan(sizes: ModelSizes, resident_count: int, slots: int, workspace: int) -> DiTPlan:
+def plan_dit(sizes: ModelSizes, resident_count: int, slots: int, workspace: int) -> DiTPlan:
+    """The DiT with `resident_count` blocks on the device and the rest, spread out, streamed through `slots`."""
     layers = sizes.dit.layers
     resident_count = max(0, min(layers, resident_count))
     streamed = spread(layers - resident_count, layers)
@@ -177,12 +178,12 @@ def plan_memory(budget: Optional[int], job: Job, sizes: ModelSizes, device_type:
     usable = None if budget is None else budget - allocator_slack(budget, device_type)
     dit_ws = dit_workspace(sizes, job, device_type)
     text_ws = text_workspace(sizes, device_type)
-    pe_ws = pe_workspace(sizes, device_type) if job.use_pe and sizes.pe is not None else 0
-    vae_full = VaePlan(True, None, sizes.vae_bytes, vae_workspace(sizes, job, None, device_type))
     use_pe = job.use_pe and sizes.pe is not None
+    pe_ws = pe_workspace(sizes, device_type) if use_pe else 0
+    vae_full = VaePlan(True, None, sizes.vae_bytes, vae_workspace(sizes, job, None, device_type))
     pe_resident = _layered(sizes.pe, "resident", 0, pe_ws, False) if use_pe else None
 
-    dit_all = _dit_plan(sizes, sizes.dit.layers, 0, dit_ws)
+    dit_all = plan_dit(sizes, sizes.dit.layers, 0, dit_ws)
     text_resident = _layered(sizes.text, "resident", 0, text_ws, True)
     everything = (dit_all.gpu_weight_bytes + text_resident.gpu_bytes + sizes.vae_bytes
                   + (pe_resident.gpu_bytes if pe_resident else 0)
@@ -222,7 +223,7 @@ def plan_memory(budget: Optional[int], job: Job, sizes: ModelSizes, device_type:
                    pe_plan.phase_bytes if pe_plan else 0)
     on_gpu = (usable - sizes.dit.stem_bytes - headroom) // sizes.dit.layer_bytes
     resident_count = sizes.dit.layers if on_gpu >= sizes.dit.layers else max(0, on_gpu - slots)
-    dit = _dit_plan(sizes, resident_count, slots, dit_ws)
+    dit = plan_dit(sizes, resident_count, slots, dit_ws)
 
     text = text_streamed
     if dit.gpu_weight_bytes + text_resident.gpu_bytes + max(dit_ws, text_ws, sizes.vae_bytes + vae.workspace,

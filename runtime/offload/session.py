@@ -16,7 +16,7 @@ from ..errors import MemoryBudgetError
 from .placement import DiTPlacement, PePlacement, TextPlacement
 from .planner import MemoryPlan, budget_bytes, plan_memory
 from .sizes import LayeredSize, ModelSizes
-from .streamer import layer_tensors
+from .streamer import module_bytes
 from .workspace import Job
 
 TEXT_TOKENS_FOR_PLAN = 512  # the DiT's text length is known only after encoding; plan for a long prompt
@@ -26,8 +26,10 @@ def _dtype_format(dtype: torch.dtype) -> str:
     return {torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, "bf16")
 
 
-def _nbytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for _, _, _, t in layer_tensors(module))
+def measured_dit_size(dit: nn.Module, largest_linear_params: int) -> LayeredSize:
+    """The built DiT's real block and stem bytes (its dtype, its packed Linears): what placing it takes."""
+    blocks = [module_bytes(block) for block in dit.layers]
+    return LayeredSize(len(blocks), max(blocks), module_bytes(dit) - sum(blocks), largest_linear_params)
 
 
 class PipeMemory:
@@ -57,13 +59,18 @@ class PipeMemory:
         vae_config = vae_component.config or load_config("base", "vae")
         pe_config = _pe_config(sources, variant) if with_pe else None
         fmt = self.quant if self.quant in ("fp8", "q8_0", "nvfp4") else _dtype_format(self.dtype)
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return ModelSizes.from_configs(dit_config, text_config, vae_config, pe_config, fmt, element)
+        return ModelSizes.from_configs(dit_config, text_config, vae_config, pe_config, fmt, self.dtype.itemsize)
 
     @staticmethod
     def _job(request, use_pe: bool) -> Job:
         return Job(width=request.width, height=request.height, batch=request.batch, cfg=request.cfg,
                    text_tokens=TEXT_TOKENS_FOR_PLAN, use_pe=use_pe)
+
+    def _plan_inputs(self, request, sources, variant, local_pe: bool) -> tuple[Optional[int], Job, ModelSizes]:
+        """Budget (None: 'auto' off CUDA, unbounded), job and config-derived sizes for `request`."""
+        use_pe = _plans_pe(request, sources, local_pe)
+        return (budget_bytes(self.budget_gb, self.device), self._job(request, use_pe),
+                self._sizes(sources, variant, use_pe))
 
     def plan_job(self, request, sources, variant, local_pe: bool = True) -> Optional[MemoryPlan]:
         """The plan for `request`; raises MemoryBudgetError before anything is allocated. A placed DiT, text
@@ -71,18 +78,14 @@ class PipeMemory:
         `self.pe` become None). `local_pe`: False when a remote PE endpoint revises the prompts instead."""
         if not self.active:
             return None
-        budget = budget_bytes(self.budget_gb if self.budget_gb is not None else "auto", self.device)
-        use_pe = _plans_pe(request, sources, local_pe)
-        job = self._job(request, use_pe)
-        sizes = self._sizes(sources, variant, use_pe)
-        if self.dit is not None:
-            measured = self.dit.plan
-            sizes = dataclasses.replace(sizes, dit=LayeredSize(measured.layers, measured.block_bytes,
-                                                               measured.stem_bytes, sizes.dit.largest_linear_params))
+        budget, job, sizes = self._plan_inputs(request, sources, variant, local_pe)
+        if self.dit is not None:  # the placed DiT's measured sizes, not the config's estimate
+            placed = self.dit.plan
+            sizes = dataclasses.replace(sizes, dit=dataclasses.replace(
+                sizes.dit, layer_bytes=placed.block_bytes, stem_bytes=placed.stem_bytes))
         plan = plan_memory(budget, job, sizes, self.device.type)
         if self.text is not None and self.text.mode != plan.text.mode:
-            self.text.release()
-            self.text = None
+            self.release_text()
         if self.pe is not None and plan.pe is not None and self.pe.mode != plan.pe.mode:
             self.release_pe()
         elif self.pe is not None and plan.pe is None and self.pe.mode == "resident":
@@ -100,11 +103,8 @@ class PipeMemory:
         """The plan `request` would get, as text, without placing or releasing anything."""
         if not self.active:
             return f"VRAM plan: none on {self.device.type} (weights stay in host memory)"
-        budget = budget_bytes(self.budget_gb if self.budget_gb is not None else "auto", self.device)
-        use_pe = _plans_pe(request, sources, local_pe)
         try:
-            return plan_memory(budget, self._job(request, use_pe), self._sizes(sources, variant, use_pe),
-                               self.device.type).table()
+            return plan_memory(*self._plan_inputs(request, sources, variant, local_pe), self.device.type).table()
         except MemoryBudgetError as error:
             return f"VRAM plan: {error}"
 
@@ -163,13 +163,10 @@ class PipeMemory:
         if self.plan is None:
             return dit
         plan = self.plan
-        block_bytes = max(_nbytes(block) for block in dit.layers)
-        stem_bytes = _nbytes(dit) - sum(_nbytes(block) for block in dit.layers)
-        if block_bytes != plan.dit.block_bytes or stem_bytes != plan.dit.stem_bytes:
-            # The files' real sizes (a quantised DiT, another dtype) decide: plan again before placing anything.
-            sizes = dataclasses.replace(plan.sizes, dit=LayeredSize(plan.dit.layers, block_bytes, stem_bytes,
-                                                                    plan.sizes.dit.largest_linear_params))
-            plan = plan_memory(plan.budget, plan.job, sizes, self.device.type)
+        measured = measured_dit_size(dit, plan.sizes.dit.largest_linear_params)
+        if (measured.layer_bytes, measured.stem_bytes) != (plan.dit.block_bytes, plan.dit.stem_bytes):
+            # The built DiT's real sizes (a quantised file, packed on load) decide: plan again before placing.
+            plan = plan_memory(plan.budget, plan.job, dataclasses.replace(plan.sizes, dit=measured), self.device.type)
             self.plan = plan
         self.dit = DiTPlacement(dit, plan.dit, self.device)
         self.dit.host = self.host
@@ -202,12 +199,15 @@ class PipeMemory:
             self.pe.release()
             self.pe = None
 
-    def release(self) -> None:
-        self.release_dit()
-        self.release_pe()
+    def release_text(self) -> None:
         if self.text is not None:
             self.text.release()
             self.text = None
+
+    def release(self) -> None:
+        self.release_dit()
+        self.release_pe()
+        self.release_text()
         self.plan = None
         self.host = None
 

@@ -53,10 +53,11 @@ def _linear_bytes(params: int, fmt: str) -> int:
     return int(round(params * format_bytes(fmt)))
 
 
-def dit_size(config: dict, fmt: str = "bf16") -> LayeredSize:
-    """diffusers' ErnieImageTransformer2DModel config -> bytes: block Linears in `fmt`, norms and stem in bf16.
+def dit_size(config: dict, fmt: str = "bf16", dtype_bytes: int = 2) -> LayeredSize:
+    """diffusers' ErnieImageTransformer2DModel config -> bytes: block Linears in `fmt`, norms and stem in the
+    compute dtype (`dtype_bytes` per value: 2 for bf16/fp16, 4 for fp32).
 
-    Quantised files keep the small stem Linears in bf16 too (ComfyUI and GGUF both do), so the stem is bf16.
+    Quantised files keep the small stem Linears unquantised too (ComfyUI and GGUF both do).
     """
     d = int(config["hidden_size"])
     f = int(config["ffn_hidden_size"])
@@ -66,7 +67,7 @@ def dit_size(config: dict, fmt: str = "bf16") -> LayeredSize:
     in_ch, out_ch = int(config["in_channels"]), int(config["out_channels"])
     block_linear = 4 * d * d + 3 * d * f
     block_norms = 2 * d + 2 * head_dim
-    block = _linear_bytes(block_linear, fmt) + 2 * block_norms
+    block = _linear_bytes(block_linear, fmt) + dtype_bytes * block_norms
     stem_params = (
         in_ch * d + d  # x_embedder (1x1 conv)
         + (text_in * d if text_in != d else 0)  # text_proj
@@ -75,7 +76,7 @@ def dit_size(config: dict, fmt: str = "bf16") -> LayeredSize:
         + d * 2 * d + 2 * d  # final_norm
         + d * out_ch + out_ch  # final_linear
     )
-    return LayeredSize(int(config["num_layers"]), block, 2 * stem_params, max(d * f, d * d))
+    return LayeredSize(int(config["num_layers"]), block, dtype_bytes * stem_params, max(d * f, d * d))
 
 
 def _mistral_layer_params(text: dict) -> int:
@@ -161,7 +162,7 @@ class ModelSizes:
         heads = int(text["num_attention_heads"])
         head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
         return cls(
-            dit=dit_size(dit_config, dit_format),
+            dit=dit_size(dit_config, dit_format, activation_bytes),
             text=text_tower_size(text_config, activation_bytes),
             vae_bytes=vae_decoder_bytes(vae_config, activation_bytes),
             pe=prompt_enhancer_size(pe_config, activation_bytes) if pe_config is not None else None,

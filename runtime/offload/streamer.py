@@ -17,6 +17,7 @@ side waits for them ("lazy", catches a missing wait). Tests use both to check th
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
@@ -67,11 +68,14 @@ def _layout(layer: nn.Module) -> tuple[list[_Entry], list[torch.Tensor], int]:
     return entries, sources, offset
 
 
-def _view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of every parameter and buffer of `module` (shared ones once), whatever their dtype."""
+    return sum(t.numel() * t.element_size() for _, _, _, t in layer_tensors(module))
+
+
+def typed_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The bytes of flat uint8 `flat` from `offset` seen as a `dtype` tensor of `shape` (no copy)."""
+    nbytes = math.prod(shape) * dtype.itemsize
     return flat[offset: offset + nbytes].view(dtype).view(shape)
 
 
@@ -111,7 +115,7 @@ class CudaSync:
 class FakeSync:
     """CPU stand-in for CudaSync (see the module docstring); `copies` counts copies actually performed."""
 
-    def __init__(self, slots: int, mode: FakeMode = "lazy") -> None:
+    def __init__(self, mode: FakeMode = "lazy") -> None:
         self.mode = mode
         self.pending: deque[tuple[int, torch.Tensor, torch.Tensor]] = deque()
         self.copies = 0
@@ -152,28 +156,24 @@ class LayerStreamer:
         on_cuda = self.device.type == "cuda"
         layouts = [_layout(layers[index]) for index in self.streamed]
         self.layer_bytes = [size for _, _, size in layouts]
-        self.weight_bytes = sum(
-            sum(t.numel() * t.element_size() for t in sources) for _, sources, _ in layouts)
+        self.weight_bytes = sum(module_bytes(layers[index]) for index in self.streamed)
         self.slot_bytes = max(self.layer_bytes)
         starts = [0]
         for size in self.layer_bytes[:-1]:
             starts.append(starts[-1] + size)
         self.slab = HostSlab(sum(self.layer_bytes), pin=on_cuda if pin is None else pin)
-        self.ring = torch.empty(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
-        self.sync = CudaSync(self.device, self.slots) if on_cuda else FakeSync(self.slots, fake_mode)
+        self.sync = CudaSync(self.device, self.slots) if on_cuda else FakeSync(fake_mode)
         self._host: list[torch.Tensor] = []
-        self._dev: list[torch.Tensor] = []
         self._entries: list[list[_Entry]] = []
         for k, (entries, sources, size) in enumerate(layouts):
             host = self.slab.data[starts[k]: starts[k] + size]
-            slot = self.ring[(k % self.slots) * self.slot_bytes: (k % self.slots) * self.slot_bytes + size]
             for entry, source in zip(entries, sources):
-                _view(host, entry.offset, entry.dtype, entry.shape).copy_(source)
-                _rebind(entry, _view(slot, entry.offset, entry.dtype, entry.shape))
+                typed_view(host, entry.offset, entry.dtype, entry.shape).copy_(source)
             self._host.append(host)
-            self._dev.append(slot)
             self._entries.append(entries)
         del layouts
+        self._dev: list[torch.Tensor] = []
+        self._bind_ring()
         self._issued: deque[int] = deque()
         self._next = 0
         self.closed = False
@@ -233,7 +233,7 @@ class LayerStreamer:
         with torch.inference_mode(False):
             for host, entries in zip(self._host, self._entries):
                 for entry in entries:
-                    _rebind(entry, _view(host, entry.offset, entry.dtype, entry.shape))
+                    _rebind(entry, typed_view(host, entry.offset, entry.dtype, entry.shape))
         self._issued.clear()
         self._dev = []
         self.ring = torch.empty(0, dtype=torch.uint8, device=self.device)
@@ -243,14 +243,18 @@ class LayerStreamer:
         if self.closed or self.ring.numel() > 0:
             return
         with torch.inference_mode(False):  # may run inside the model's inference_mode; the ring must stay writable
-            self.ring = torch.empty(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
-            self._dev = []
-            for k, entries in enumerate(self._entries):
-                start = self._slot(k) * self.slot_bytes
-                slot = self.ring[start: start + self.layer_bytes[k]]
-                for entry in entries:
-                    _rebind(entry, _view(slot, entry.offset, entry.dtype, entry.shape))
-                self._dev.append(slot)
+            self._bind_ring()
+
+    def _bind_ring(self) -> None:
+        """Allocate the device ring and point each streamed layer's tensors at views of its slot."""
+        self.ring = torch.empty(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
+        self._dev = []
+        for k, entries in enumerate(self._entries):
+            start = self._slot(k) * self.slot_bytes
+            slot = self.ring[start: start + self.layer_bytes[k]]
+            for entry in entries:
+                _rebind(entry, typed_view(slot, entry.offset, entry.dtype, entry.shape))
+            self._dev.append(slot)
 
     @property
     def parked(self) -> bool:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .gpu_support import cuda_capability
+
 E4M3_MAX = 448.0
 _MIN_SCALE = 1e-12
 
@@ -33,7 +35,7 @@ def dequantize_fp8(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.
 def native_fp8_supported(device: torch.device) -> bool:
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return cuda_capability(device) >= (8, 9)
 
 
 def _quantize_activation(x2d: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,12 @@ BLOCK_GEOMETRY: dict[str, tuple[int, int]] = {
     "IQ4_XS": (QK_K, 136),
 }
 
+# Byte offsets of each type's fp16 scale fields inside a block (d, and dmin where the type has one).
+FP16_SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,),
+    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+}
+
 # Types stored as plain floats in a GGUF file: passed through, never dequantised.
 FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 

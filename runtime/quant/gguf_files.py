@@ -73,31 +73,33 @@ def _tensor_entry(reader_tensor, name: str) -> torch.Tensor | QuantizedWeight:
     return QuantizedWeight("gguf", qtype, data, shape)
 
 
-def _strip_prefix(name: str) -> str:
+def strip_dit_prefix(name: str) -> str:
+    """`model.diffusion_model.layers.0...` (ComfyUI), `transformer.layers.0...` -> `layers.0...`."""
     for prefix in DIT_PREFIXES:
         if name.startswith(prefix):
             return name[len(prefix):]
     return name
 
 
-def load_dit_gguf(path: str | Path) -> dict[str, torch.Tensor | QuantizedWeight]:
+def load_dit_gguf(path: str | Path, require_dit: bool = True) -> dict[str, torch.Tensor | QuantizedWeight]:
     """An ERNIE-Image DiT GGUF -> {diffusers key: tensor | QuantizedWeight}.
 
     The header's `general.architecture` is ignored (unsloth's files say `wan`): ERNIE is recognised by
-    its keys. 1-D and float tensors come back as plain tensors (mmap-backed, in the file's dtype).
+    its keys (`require_dit=False` skips that check). 1-D and float tensors come back as plain tensors
+    (mmap-backed, in the file's dtype).
     """
     path = Path(path)
     reader = _open_reader(path)
     state: dict[str, torch.Tensor | QuantizedWeight] = {}
     for tensor in reader.tensors:
-        name = _strip_prefix(tensor.name)
+        name = strip_dit_prefix(tensor.name)
         entry = _tensor_entry(tensor, name)
         orig_shape = _orig_shape(reader, tensor.name)
         if orig_shape is not None and isinstance(entry, torch.Tensor):
             entry = entry.reshape(orig_shape)
         state[name] = entry
     missing = [k for k in DIT_MARKER_KEYS if k not in state]
-    if missing:
+    if missing and require_dit:
         arch = _field_str(reader, "general.architecture")
         raise ModelFileError(
             f"{path.name} is not an ERNIE-Image DiT GGUF (header says {arch!r}; missing {missing}; first keys: "

@@ -7,6 +7,7 @@ dequantised per layer per step, which costs a little time and saves the memory.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -37,6 +38,16 @@ class DeviceInfo:
     @property
     def sm(self) -> str:
         return f"SM {self.capability[0]}.{self.capability[1]}" if self.capability else "no GPU"
+
+
+@lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device, asked of the driver once per device (it is checked per forward)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def detect_device(device: torch.device | str | None = None) -> DeviceInfo:

@@ -82,6 +82,9 @@ class QuantLinear(nn.Module):
         self._native_failed = False
         for buffer_name, tensor in qweight.tensors().items():
             self.register_buffer(buffer_name, tensor)
+        # Format, dtype and shape never change (a streamer swaps same-dtype data), so the GEMM a layer may use
+        # natively is decided once; only the device is checked per forward.
+        self._native_format = self._native_candidate()
         self.bias = None if bias is None else nn.Parameter(bias.to(compute_dtype), requires_grad=False)
 
     def packed_tensors(self) -> dict[str, torch.Tensor]:
@@ -97,15 +100,22 @@ class QuantLinear(nn.Module):
                 return weight
         return _dequant_impl(*args)
 
+    def _native_candidate(self) -> str | None:
+        if self.format == "fp8" and self.weight.dtype == torch.float8_e4m3fn \
+                and self.in_features % 16 == 0 and self.out_features % 16 == 0:
+            return "fp8"
+        if self.format == "nvfp4" and self.in_features % 32 == 0:
+            return "nvfp4"
+        return None
+
     def _native(self, x: torch.Tensor) -> torch.Tensor | None:
-        if self._native_failed or x.device.type != "cuda" or self.weight.device != x.device:
+        if self._native_format is None or self._native_failed or x.device.type != "cuda" \
+                or self.weight.device != x.device:
             return None
         try:
-            if self.format == "fp8" and self.weight.dtype == torch.float8_e4m3fn \
-                    and self.in_features % 16 == 0 and self.out_features % 16 == 0 \
-                    and native_fp8_supported(x.device):
+            if self._native_format == "fp8" and native_fp8_supported(x.device):
                 return fp8_linear_native(x, self.weight, getattr(self, "weight_scale", None), self.bias)
-            if self.format == "nvfp4" and self.in_features % 32 == 0 and native_fp4_supported(x.device):
+            if self._native_format == "nvfp4" and native_fp4_supported(x.device):
                 return nvfp4_linear_native(x, self.weight, self.weight_scale, self.weight_scale_2,
                                            self.shape, self.bias)
         except (RuntimeError, TypeError) as err:  # an unsupported shape/dtype combination in this torch build

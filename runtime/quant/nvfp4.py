@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .gpu_support import cuda_capability
+
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 BLOCK = 16
@@ -24,7 +26,7 @@ BLOCK = 16
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # Midpoints between neighbouring magnitudes, and whether a tie rounds up (to the even code).
 _MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
-_lut_cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_lut_cache: dict[torch.device, torch.Tensor] = {}
 
 
 def _roundup(n: int, m: int) -> int:
@@ -33,12 +35,12 @@ def _roundup(n: int, m: int) -> int:
 
 def _byte_pair_lut(device: torch.device) -> torch.Tensor:
     """[256, 2] float32: the two E2M1 values of every byte, hi-first order (one gather per byte)."""
-    lut = _lut_cache.get((device, torch.float32))
+    lut = _lut_cache.get(device)
     if lut is None:
         values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
         byte = torch.arange(256)
         lut = torch.stack((values[byte >> 4], values[byte & 0x0F]), dim=-1).to(device)
-        _lut_cache[(device, torch.float32)] = lut
+        _lut_cache[device] = lut
     return lut
 
 
@@ -122,7 +124,7 @@ def to_modelopt(data: torch.Tensor, scale: torch.Tensor, shape: tuple[int, ...])
 def native_fp4_supported(device: torch.device) -> bool:
     if device.type != "cuda" or not hasattr(torch, "float4_e2m1fn_x2"):
         return False
-    return torch.cuda.get_device_capability(device) >= (10, 0)
+    return cuda_capability(device) >= (10, 0)
 
 
 def nvfp4_linear_native(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor,

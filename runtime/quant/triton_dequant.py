@@ -11,6 +11,7 @@ module because `triton.jit` decides compiled vs interpreted when a kernel is def
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -41,13 +42,19 @@ _lock = threading.Lock()
 
 def triton_available(device: torch.device) -> bool:
     """True when Triton kernels can run on tensors on `device` (see the module docstring)."""
+    return _kernels_for(device) is not None
+
+
+def _kernels_for(device: torch.device) -> ModuleType | None:
     interpret = device.type != "cuda"
     if interpret and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    return _kernel_module(interpret) is not None
+        return None
+    return _kernel_module(interpret)
 
 
 def _kernel_module(interpret: bool) -> ModuleType | None:
+    if interpret in _modules:  # every forward asks: no lock once loaded
+        return _modules[interpret]
     with _lock:
         if interpret not in _modules:
             _modules[interpret] = _load_kernel_module(interpret)
@@ -98,19 +105,11 @@ def dequantize_triton(fmt: str, qtype: str, shape: tuple[int, ...], data: torch.
         launch = _launch_nvfp4
     else:
         return None
-    if not triton_available(data.device):
+    kernels = _kernels_for(data.device)
+    if kernels is None:
         return None
-    kernels = _kernel_module(data.device.type != "cuda")
-    with torch.cuda.device(data.device) if data.device.type == "cuda" else _no_context():
+    with torch.cuda.device(data.device) if data.device.type == "cuda" else contextlib.nullcontext():
         return launch(kernels, qtype, tuple(int(s) for s in shape), data, scale, scale_2, dtype, tile)
-
-
-class _no_context:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _launch_gguf(kernels: ModuleType, qtype: str, shape: tuple[int, ...], data: torch.Tensor,
@@ -127,7 +126,7 @@ def _launch_gguf(kernels: ModuleType, qtype: str, shape: tuple[int, ...], data: 
     if n_blocks == 0:
         return out
     blocks_per_program = max(1, tile // block_size)
-    grid = (triton_cdiv(n_blocks, blocks_per_program),)
+    grid = (_cdiv(n_blocks, blocks_per_program),)
     getattr(kernels, GGUF_KERNELS[qtype])[grid](data.contiguous(), out, n_blocks, BLOCKS=blocks_per_program,
                                                 num_warps=_num_warps(tile))
     return out
@@ -145,7 +144,7 @@ def _launch_nvfp4(kernels: ModuleType, qtype: str, shape: tuple[int, ...], data:
         return out
     tile_cols = min(NVFP4_TILE_COLS, tile)
     tile_rows = max(1, tile // tile_cols)
-    grid = (triton_cdiv(rows, tile_rows), triton_cdiv(cols, tile_cols))
+    grid = (_cdiv(rows, tile_rows), _cdiv(cols, tile_cols))
     scale_bytes = scale.contiguous().view(torch.uint8)
     tensor_scale = scale_2.to(device=data.device, dtype=torch.float32).reshape(1)
     kernels.nvfp4_kernel[grid](data.contiguous(), scale_bytes, tensor_scale, out, rows, cols, scale_cols,
@@ -153,5 +152,5 @@ def _launch_nvfp4(kernels: ModuleType, qtype: str, shape: tuple[int, ...], data:
     return out
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return -(-a // b)

@@ -50,24 +50,22 @@ def _to_output(value, out):
 
 
 @triton.jit
-def _block_ids(n_blocks, BLOCKS: tl.constexpr):
-    """(index of this program's first block, int64; its blocks' local indices [B, 1, 1], int32; valid mask).
-    Kernels advance their pointers by the first block once, so per-element offsets stay 32-bit."""
+def _program_blocks(data, out, n_blocks, BLOCKS: tl.constexpr, TYPE_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """This program's BLOCKS blocks: (data and out advanced to its first block, each block's first byte and
+    first output value as [B, 1, 1] offsets, valid mask [B, 1, 1]). The pointers move by the first block
+    once, in 64-bit, so the per-element offsets stay 32-bit."""
     first = tl.program_id(0).to(tl.int64) * BLOCKS
-    blk = tl.arange(0, BLOCKS)
-    return first, blk[:, None, None], (first + blk < n_blocks)[:, None, None]
+    blk = tl.arange(0, BLOCKS)[:, None, None]
+    return data + first * TYPE_SIZE, out + first * BLOCK_SIZE, blk * TYPE_SIZE, blk * BLOCK_SIZE, first + blk < n_blocks
 
 
 @triton.jit
 def q8_0_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    first, blk, valid = _block_ids(n_blocks, BLOCKS)
-    data += first * 34
-    out += first * 32
+    data, out, base, dst, valid = _program_blocks(data, out, n_blocks, BLOCKS, 34, 32)
     t = tl.arange(0, 32)[None, None, :]
-    base = blk * 34
     d = _f16(data, base, valid)
     q = tl.load(data + base + 2 + t, mask=valid, other=0).to(tl.int8, bitcast=True).to(tl.float32)
-    tl.store(out + blk * 32 + t, _to_output(d * q, out), mask=valid)
+    tl.store(out + dst + t, _to_output(d * q, out), mask=valid)
 
 
 @triton.jit
@@ -86,50 +84,38 @@ def _high_bit32(data, qh, t, valid):
 
 @triton.jit
 def q4_0_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    first, blk, valid = _block_ids(n_blocks, BLOCKS)
-    data += first * 18
-    out += first * 32
-    base = blk * 18
+    data, out, base, dst, valid = _program_blocks(data, out, n_blocks, BLOCKS, 18, 32)
     d = _f16(data, base, valid)
     nib, t = _nibble32(data, base + 2, valid)
-    tl.store(out + blk * 32 + t, _to_output(d * (nib - 8).to(tl.float32), out), mask=valid)
+    tl.store(out + dst + t, _to_output(d * (nib - 8).to(tl.float32), out), mask=valid)
 
 
 @triton.jit
 def q4_1_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    first, blk, valid = _block_ids(n_blocks, BLOCKS)
-    data += first * 20
-    out += first * 32
-    base = blk * 20
+    data, out, base, dst, valid = _program_blocks(data, out, n_blocks, BLOCKS, 20, 32)
     d = _f16(data, base, valid)
     m = _f16(data, base + 2, valid)
     nib, t = _nibble32(data, base + 4, valid)
-    tl.store(out + blk * 32 + t, _to_output(d * nib.to(tl.float32) + m, out), mask=valid)
+    tl.store(out + dst + t, _to_output(d * nib.to(tl.float32) + m, out), mask=valid)
 
 
 @triton.jit
 def q5_0_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    first, blk, valid = _block_ids(n_blocks, BLOCKS)
-    data += first * 22
-    out += first * 32
-    base = blk * 22
+    data, out, base, dst, valid = _program_blocks(data, out, n_blocks, BLOCKS, 22, 32)
     d = _f16(data, base, valid)
     nib, t = _nibble32(data, base + 6, valid)
     q = nib | _high_bit32(data, base + 2, t, valid)
-    tl.store(out + blk * 32 + t, _to_output(d * (q - 16).to(tl.float32), out), mask=valid)
+    tl.store(out + dst + t, _to_output(d * (q - 16).to(tl.float32), out), mask=valid)
 
 
 @triton.jit
 def q5_1_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    first, blk, valid = _block_ids(n_blocks, BLOCKS)
-    data += first * 24
-    out += first * 32
-    base = blk * 24
+    data, out, base, dst, valid = _program_blocks(data, out, n_blocks, BLOCKS, 24, 32)
     d = _f16(data, base, valid)
     m = _f16(data, base + 2, valid)
     nib, t = _nibble32(data, base + 8, valid)
     q = nib | _high_bit32(data, base + 4, t, valid)
-    tl.store(out + blk * 32 + t, _to_output(d * q.to(tl.float32) + m, out), mask=valid)
+    tl.store(out + dst + t, _to_output(d * q.to(tl.float32) + m, out), mask=valid)
 
 
 @triton.jit
@@ -146,13 +132,10 @@ def _iq4_value(idx):
 
 @triton.jit
 def iq4_nl_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    first, blk, valid = _block_ids(n_blocks, BLOCKS)
-    data += first * 18
-    out += first * 32
-    base = blk * 18
+    data, out, base, dst, valid = _program_blocks(data, out, n_blocks, BLOCKS, 18, 32)
     d = _f16(data, base, valid)
     nib, t = _nibble32(data, base + 2, valid)
-    tl.store(out + blk * 32 + t, _to_output(d * _iq4_value(nib), out), mask=valid)
+    tl.store(out + dst + t, _to_output(d * _iq4_value(nib), out), mask=valid)
 
 
 @triton.jit
@@ -169,44 +152,35 @@ def _k_scale_min(data, scales, j, valid):
 
 @triton.jit
 def q4_k_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    first, blk, valid = _block_ids(n_blocks, BLOCKS)
-    data += first * 144
-    out += first * 256
+    data, out, base, dst, valid = _program_blocks(data, out, n_blocks, BLOCKS, 144, 256)
     j = tl.arange(0, 8)[None, :, None]
     w = tl.arange(0, 32)[None, None, :]
-    base = blk * 144
     sc, mn = _k_scale_min(data, base + 4, j, valid)
     dl = _f16(data, base, valid) * sc
     ml = _f16(data, base + 2, valid) * mn
     q = (_byte(data, base + 16 + (j >> 1) * 32 + w, valid) >> ((j & 1) * 4)) & 0xF
-    tl.store(out + blk * 256 + j * 32 + w, _to_output(dl * q.to(tl.float32) - ml, out), mask=valid)
+    tl.store(out + dst + j * 32 + w, _to_output(dl * q.to(tl.float32) - ml, out), mask=valid)
 
 
 @triton.jit
 def q5_k_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    first, blk, valid = _block_ids(n_blocks, BLOCKS)
-    data += first * 176
-    out += first * 256
+    data, out, base, dst, valid = _program_blocks(data, out, n_blocks, BLOCKS, 176, 256)
     j = tl.arange(0, 8)[None, :, None]
     w = tl.arange(0, 32)[None, None, :]
-    base = blk * 176
     sc, mn = _k_scale_min(data, base + 4, j, valid)
     dl = _f16(data, base, valid) * sc
     ml = _f16(data, base + 2, valid) * mn
     low = (_byte(data, base + 48 + (j >> 1) * 32 + w, valid) >> ((j & 1) * 4)) & 0xF
     high = ((_byte(data, base + 16 + w, valid) >> j) & 1) << 4
     q = (low | high).to(tl.float32)
-    tl.store(out + blk * 256 + j * 32 + w, _to_output(dl * q - ml, out), mask=valid)
+    tl.store(out + dst + j * 32 + w, _to_output(dl * q - ml, out), mask=valid)
 
 
 @triton.jit
 def q6_k_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    first, blk, valid = _block_ids(n_blocks, BLOCKS)
-    data += first * 210
-    out += first * 256
+    data, out, base, dst, valid = _program_blocks(data, out, n_blocks, BLOCKS, 210, 256)
     s = tl.arange(0, 16)[None, :, None]  # 16-value sub-block (one int8 scale each)
     t = s * 16 + tl.arange(0, 16)[None, None, :]
-    base = blk * 210
     half = t >> 7  # each 128-value half: 64 bytes of low nibbles, 32 bytes of 2-bit high parts
     r = t & 127
     low = (_byte(data, base + half * 64 + (r & 63), valid) >> ((r >> 6) * 4)) & 0xF
@@ -214,7 +188,7 @@ def q6_k_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
     scale = tl.load(data + base + 192 + s, mask=valid, other=0).to(tl.int8, bitcast=True).to(tl.float32)
     dl = _f16(data, base + 208, valid) * scale
     q = ((low | (high << 4)) - 32).to(tl.float32)
-    tl.store(out + blk * 256 + t, _to_output(dl * q, out), mask=valid)
+    tl.store(out + dst + t, _to_output(dl * q, out), mask=valid)
 
 
 @triton.jit
@@ -268,46 +242,37 @@ def nvfp4_kernel(data, scale, scale_2, out, n_rows, n_cols, scale_cols,
 
 @triton.jit
 def iq4_xs_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    first, blk, valid = _block_ids(n_blocks, BLOCKS)
-    data += first * 136
-    out += first * 256
+    data, out, base, dst, valid = _program_blocks(data, out, n_blocks, BLOCKS, 136, 256)
     j = tl.arange(0, 8)[None, :, None]
     w = tl.arange(0, 32)[None, None, :]
-    base = blk * 136
     low = (_byte(data, base + 4 + (j >> 1), valid) >> ((j & 1) * 4)) & 0xF
     scales_h = _byte(data, base + 2, valid) | (_byte(data, base + 3, valid) << 8)
     sc = (low | (((scales_h >> (2 * j)) & 3) << 4)) - 32
     dl = _f16(data, base, valid) * sc.to(tl.float32)
     idx = (_byte(data, base + 8 + j * 16 + (w & 15), valid) >> ((w >> 4) * 4)) & 0xF
-    tl.store(out + blk * 256 + j * 32 + w, _to_output(dl * _iq4_value(idx), out), mask=valid)
+    tl.store(out + dst + j * 32 + w, _to_output(dl * _iq4_value(idx), out), mask=valid)
 
 
 @triton.jit
 def q2_k_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    first, blk, valid = _block_ids(n_blocks, BLOCKS)
-    data += first * 84
-    out += first * 256
+    data, out, base, dst, valid = _program_blocks(data, out, n_blocks, BLOCKS, 84, 256)
     s = tl.arange(0, 16)[None, :, None]
     t = s * 16 + tl.arange(0, 16)[None, None, :]
-    base = blk * 84
     packed_scale = _byte(data, base + s, valid)
     dl = _f16(data, base + 80, valid) * (packed_scale & 0xF).to(tl.float32)
     ml = _f16(data, base + 82, valid) * (packed_scale >> 4).to(tl.float32)
     q = (_byte(data, base + 16 + (t >> 7) * 32 + (t & 31), valid) >> (((t >> 5) & 3) * 2)) & 3
-    tl.store(out + blk * 256 + t, _to_output(dl * q.to(tl.float32) - ml, out), mask=valid)
+    tl.store(out + dst + t, _to_output(dl * q.to(tl.float32) - ml, out), mask=valid)
 
 
 @triton.jit
 def q3_k_kernel(data, out, n_blocks, BLOCKS: tl.constexpr):
-    first, blk, valid = _block_ids(n_blocks, BLOCKS)
-    data += first * 110
-    out += first * 256
+    data, out, base, dst, valid = _program_blocks(data, out, n_blocks, BLOCKS, 110, 256)
     s = tl.arange(0, 16)[None, :, None]
     t = s * 16 + tl.arange(0, 16)[None, None, :]
-    base = blk * 110
     low = (_byte(data, base + 96 + (s & 7), valid) >> ((s >> 3) * 4)) & 0xF
     high = (_byte(data, base + 104 + (s & 3), valid) >> ((s >> 2) * 2)) & 3
     dl = _f16(data, base + 108, valid) * ((low | (high << 4)) - 32).to(tl.float32)
     ql = (_byte(data, base + 32 + (t >> 7) * 32 + (t & 31), valid) >> (((t >> 5) & 3) * 2)) & 3
     qh = ((_byte(data, base + (t & 31), valid) >> (t >> 5)) & 1) ^ 1
-    tl.store(out + blk * 256 + t, _to_output(dl * (ql - (qh << 2)).to(tl.float32), out), mask=valid)
+    tl.store(out + dst + t, _to_output(dl * (ql - (qh << 2)).to(tl.float32), out), mask=valid)

@@ -24,7 +24,7 @@ import torch
 
 from ..errors import ErnieImageError, InvalidInputError, ModelFileError
 from .fp8 import quantize_fp8
-from .gguf_files import DIT_MARKER_KEYS, DIT_PREFIXES
+from .gguf_files import DIT_MARKER_KEYS, strip_dit_prefix
 from .gguf_quantize import QUANTIZERS
 from .nvfp4 import quantize_nvfp4
 from .qweight import QuantizedWeight
@@ -169,8 +169,7 @@ def read_bf16_dit(source: str | Path) -> dict[str, torch.Tensor]:
     for file in _source_files(Path(source)):
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():
-                name = next((key[len(p):] for p in DIT_PREFIXES if key.startswith(p)), key)
-                state[name] = handle.get_tensor(key)
+                state[strip_dit_prefix(key)] = handle.get_tensor(key)
     missing = [k for k in DIT_MARKER_KEYS if k not in state]
     if missing:
         raise ModelFileError(f"{source} is not an ERNIE-Image DiT (missing {missing}): pass the transformer "

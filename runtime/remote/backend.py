@@ -7,7 +7,6 @@ The server itself cannot cancel a generation: Cancel stops waiting, the server f
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import queue
 import time
@@ -20,14 +19,13 @@ from ..errors import Cancelled, InvalidInputError, RemoteError
 from ..host import Host
 from ..request import GenerationRequest, GenerationResult, nearest_valid_side
 from .fleet import Fleet, FleetSettings
-from .http import ApiKeySource, RetryPolicy, Timeouts, private_loop, run_sync, server_label
+from .http import HttpSettings, normalize_base_url, run_sync, server_label
 from .sglang import GeneratedImage, ImageParams, ReadTimeoutPolicy
 
 if TYPE_CHECKING:
     from ..text.enhancer import RevisedPrompts
     from ..text.remote_enhancer import ChatEndpoint
 
-POLL_S = 0.1
 PROGRESS_STEPS = 1000
 # Scheduler shift of both released checkpoints; the server uses its own scheduler config, shift is not sent.
 SERVER_SHIFT = 4.0
@@ -52,17 +50,15 @@ class RemoteSettings:
 
     def fleet_settings(self) -> FleetSettings:
         return FleetSettings(
-            timeouts=Timeouts(connect_s=self.connect_timeout_s, read_s=self.read_timeout_base_s),
-            retry=RetryPolicy(attempts=max(1, self.retry_attempts)),
+            http=HttpSettings.from_widgets(
+                api_key_env=self.api_key_env, api_key_file=self.api_key_file, connect_timeout_s=self.connect_timeout_s,
+                read_timeout_s=self.read_timeout_base_s, retry_attempts=self.retry_attempts,
+                max_response_mb=self.max_response_mb),
             read_timeout=ReadTimeoutPolicy(base_s=self.read_timeout_base_s,
                                            per_step_megapixel_s=self.read_timeout_per_step_megapixel_s,
                                            scale=self.read_timeout_scale),
             retry_down_after_s=self.retry_down_after_s,
-            max_body_bytes=self.max_response_mb * 1024 * 1024,
         )
-
-    def api_key(self) -> ApiKeySource:
-        return ApiKeySource(env_var=self.api_key_env or None, file=self.api_key_file or None)
 
 
 def rounded_request(request: GenerationRequest, host: Host) -> GenerationRequest:
@@ -104,7 +100,7 @@ class RemotePipe:
         self.settings = settings
         self.urls = [u for u in (u.strip() for u in urls) if u]
         # Fail on a bad URL now (the node shows it at once), before any connection is tried.
-        Fleet(self.urls, settings.api_key(), settings.fleet_settings())
+        Fleet(self.urls, settings.fleet_settings())
         self._fleet: Optional[Fleet] = None
 
     def __repr__(self) -> str:
@@ -113,21 +109,25 @@ class RemotePipe:
     def _get_fleet(self) -> Fleet:
         if self._fleet is None:
             async def build() -> Fleet:  # asyncio objects of the fleet belong to the private loop
-                return Fleet(self.urls, self.settings.api_key(), self.settings.fleet_settings())
+                return Fleet(self.urls, self.settings.fleet_settings())
             self._fleet = run_sync(build())
         return self._fleet
 
     def describe(self) -> str:
         lines = [f"remote: {len(self.urls)} SGLang server(s)"]
-        slots = self._fleet.slots if self._fleet else []
+        served = {slot.client.http.base_url: slot.model for slot in self._fleet.slots} if self._fleet else {}
         for url in self.urls:
-            slot = next((s for s in slots if s.client.http.base_url == url.rstrip("/")), None)
-            model = f" serving {slot.model.id} ({slot.model.num_gpus} GPU, {slot.model.dit_precision})" if slot and slot.model else ""
-            lines.append(f"  {url}{model}")
+            model = served.get(normalize_base_url(url))
+            about = f" serving {model.id} ({model.num_gpus} GPU, {model.dit_precision})" if model else ""
+            lines.append(f"  {url}{about}")
         if self.settings.pe_endpoint is not None:
             lines.append(f"prompt enhancer: chat endpoint {server_label(self.settings.pe_endpoint.base_url())} "
                          f"(the SGLang server gets the revised prompt with its PE off)")
         return "\n".join(lines)
+
+    def is_loaded(self) -> bool:
+        """Whether connections to the servers are open (what `release` closes)."""
+        return self._fleet is not None
 
     def has_enhancer(self) -> bool:
         """Whether `enhance` can run: only with a PE chat endpoint (SGLang's own PE never returns its text)."""
@@ -172,30 +172,22 @@ class RemotePipe:
                                         on_image=lambda index, image: events.put(("image", index)))
 
         started = time.monotonic()
-        future = _submit(run())
         done_images = 0
+
+        def poll() -> None:  # on this thread every 0.1 s while the fleet works
+            nonlocal done_images
+            done_images += _drain(events, host)
+            host.check_cancel()
+            fraction = min(0.99, max(done_images / len(jobs), (time.monotonic() - started) / estimate_s))
+            host.progress(int(fraction * PROGRESS_STEPS), PROGRESS_STEPS)
+
         try:
-            while True:
-                try:
-                    images = future.result(timeout=POLL_S)
-                    break
-                except concurrent.futures.TimeoutError:
-                    pass
-                done_images += _drain(events, host)
-                host.check_cancel()
-                elapsed = time.monotonic() - started
-                fraction = min(0.99, max(done_images / len(jobs), elapsed / estimate_s))
-                host.progress(int(fraction * PROGRESS_STEPS), PROGRESS_STEPS)
+            images = run_sync(run(), poll)  # anything raised cancels the fleet's task; open connections close
         except Cancelled:
-            future.cancel()  # cancels the task on the private loop; open connections are closed
-            _drain(events, host)
             raise Cancelled("cancelled: stopped waiting for the SGLang server(s); a server cannot cancel and "
                             "finishes the image it started") from None
-        except BaseException:
-            future.cancel()
+        finally:
             _drain(events, host)
-            raise
-        _drain(events, host)
         host.progress(PROGRESS_STEPS, PROGRESS_STEPS)
         wall_s = time.monotonic() - started
         info = {
@@ -233,12 +225,6 @@ def _pe_note(request: GenerationRequest, revised: Optional["RevisedPrompts"]) ->
     if revised is not None:
         return "run on the PE chat endpoint; the DiT server got the revised prompt with its PE off"
     return "run on the server; its rewritten prompt is not returned" if request.use_pe else "off"
-
-
-def _submit(coro: Any) -> "concurrent.futures.Future[Any]":
-    import asyncio
-
-    return asyncio.run_coroutine_threadsafe(coro, private_loop())
 
 
 def _drain(events: "queue.SimpleQueue[tuple[str, Any]]", host: Host) -> int:

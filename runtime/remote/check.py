@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from ..errors import ErnieImageError
-from .http import ApiKeySource, RetryPolicy, Timeouts, run_sync
+from .http import ApiKeySource, HttpSettings, RetryPolicy, Timeouts, run_sync
 from .sglang import ImageParams, ReadTimeoutPolicy, SglangClient
 
 TINY_IMAGE = ImageParams(prompt="a red fox in snow", negative_prompt="", width=256, height=256, steps=1,
@@ -41,9 +41,8 @@ async def check_one(url: str, api_key: ApiKeySource, generate: bool, connect_tim
                     generation_timeout_s: float) -> CheckRow:
     row = CheckRow(url=url)
     try:
-        client = SglangClient(url, api_key=api_key, timeouts=Timeouts(connect_s=connect_timeout_s),
-                              retry=RetryPolicy(attempts=1),
-                              read_timeout=ReadTimeoutPolicy(base_s=generation_timeout_s))
+        settings = HttpSettings(api_key, Timeouts(connect_s=connect_timeout_s), RetryPolicy(attempts=1))
+        client = SglangClient(url, settings, ReadTimeoutPolicy(base_s=generation_timeout_s))
     except ErnieImageError as exc:
         row.readiness, row.problems = "bad URL", [str(exc)]
         return row
@@ -60,7 +59,7 @@ async def check_one(url: str, api_key: ApiKeySource, generate: bool, connect_tim
             row.model_id, row.pipeline = ernie.id, ernie.pipeline_name
             row.num_gpus, row.precision = ernie.num_gpus, ernie.dit_precision
         try:
-            await client.ernie_model()
+            client.choose_ernie(models)
         except ErnieImageError as exc:
             row.problems.append(str(exc))
             return row
@@ -80,7 +79,7 @@ def check_remote(urls: Sequence[str], api_key_env: Optional[str] = None, api_key
                  generate: bool = True, connect_timeout_s: float = 5.0,
                  generation_timeout_s: float = 120.0) -> list[CheckRow]:
     """Check every server concurrently; never raises for a server problem (it lands in the row)."""
-    api_key = ApiKeySource(env_var=api_key_env or None, file=api_key_file or None)
+    api_key = ApiKeySource(env_var=api_key_env, file=api_key_file)  # empty names mean no key, as None does
 
     async def run() -> list[CheckRow]:
         return list(await asyncio.gather(*(

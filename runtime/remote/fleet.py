@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from ..errors import RemoteError
-from .http import ApiKeySource, CancelCheck, ConnectionLost, RetryPolicy, ServerUnavailable, Timeouts
+from .http import CancelCheck, ConnectionLost, HttpSettings, RetryPolicy, ServerUnavailable
 from .sglang import GeneratedImage, ImageParams, ReadTimeoutPolicy, ServerModel, SglangClient
 
 Notify = Callable[[str], None]
@@ -25,14 +25,12 @@ DEFAULT_SECONDS_PER_STEP_MEGAPIXEL = 0.3
 SINGLE_ATTEMPT = RetryPolicy(attempts=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class FleetSettings:
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    retry: RetryPolicy = field(default_factory=RetryPolicy)
-    read_timeout: ReadTimeoutPolicy = field(default_factory=ReadTimeoutPolicy)
+    http: HttpSettings = HttpSettings()  # the same key, timeouts, retries and size cap for every server
+    read_timeout: ReadTimeoutPolicy = ReadTimeoutPolicy()
     retry_down_after_s: float = 10.0  # how long a failed server is left alone before it is tried again
     max_failures_per_server: int = 3  # consecutive failures in one batch before a server is given up on
-    max_body_bytes: int = 256 * 1024 * 1024
 
 
 @dataclass
@@ -60,16 +58,14 @@ class ServerSlot:
 class Fleet:
     """Servers and their state; lives on the private event loop (create it there)."""
 
-    def __init__(self, urls: Sequence[str], api_key: ApiKeySource = ApiKeySource(),
-                 settings: Optional[FleetSettings] = None) -> None:
+    def __init__(self, urls: Sequence[str], settings: FleetSettings = FleetSettings()) -> None:
         if not urls:
             raise RemoteError("no server URL given: add at least one, like http://127.0.0.1:30000")
-        self.settings = settings or FleetSettings()
+        self.settings = settings
         seen: set[str] = set()
         self.slots: list[ServerSlot] = []
         for url in urls:
-            client = SglangClient(url, api_key=api_key, timeouts=self.settings.timeouts, retry=self.settings.retry,
-                                  read_timeout=self.settings.read_timeout, max_body_bytes=self.settings.max_body_bytes)
+            client = SglangClient(url, settings.http, settings.read_timeout)
             if client.http.base_url in seen:
                 continue
             seen.add(client.http.base_url)
@@ -135,7 +131,7 @@ class Fleet:
                     try:
                         await self.discover(slot, cancel)
                         result = await slot.client.generate(
-                            params, cancel, retry=self.settings.retry if alone else SINGLE_ATTEMPT)
+                            params, cancel, retry=self.settings.http.retry if alone else SINGLE_ATTEMPT)
                     except (ServerUnavailable, ConnectionLost) as exc:
                         pending.appendleft(index)
                         failures[id(slot)] += 1

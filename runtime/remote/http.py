@@ -17,6 +17,7 @@ What it guarantees:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import random
@@ -139,6 +140,27 @@ class RetryPolicy:
         if retry_after is not None:
             backoff = max(backoff, min(retry_after, self.max_delay_s))
         return backoff
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """How a client talks to its server: where the key is read from, timeouts, retries, the response cap."""
+
+    api_key: ApiKeySource = ApiKeySource()
+    timeouts: Timeouts = Timeouts()
+    retry: RetryPolicy = RetryPolicy()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    @classmethod
+    def from_widgets(cls, *, api_key_env: Optional[str], api_key_file: Optional[str], connect_timeout_s: float,
+                     read_timeout_s: float, retry_attempts: int, max_response_mb: int) -> "HttpSettings":
+        """From the flat values a node or CLI exposes (an empty key name or path means no key)."""
+        return cls(
+            api_key=ApiKeySource(env_var=api_key_env, file=api_key_file),
+            timeouts=Timeouts(connect_s=connect_timeout_s, read_s=read_timeout_s),
+            retry=RetryPolicy(attempts=max(1, retry_attempts)),
+            max_body_bytes=max_response_mb * 1024 * 1024,
+        )
 
 
 @dataclass
@@ -286,27 +308,16 @@ async def sleep_cancellable(seconds: float, cancel: Optional[CancelCheck]) -> No
 class HttpClient:
     """JSON over HTTP to one server. Create and use it on one event loop (the private one for sync callers)."""
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        api_key: ApiKeySource = ApiKeySource(),
-        timeouts: Timeouts = Timeouts(),
-        retry: RetryPolicy = RetryPolicy(),
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        user_agent: str = "ernie-image-comfyui",
-    ) -> None:
+    def __init__(self, base_url: str, settings: HttpSettings = HttpSettings(), *,
+                 user_agent: str = "ernie-image-comfyui") -> None:
         self.base_url = normalize_base_url(base_url)
         self.label = server_label(self.base_url)
-        self.api_key = api_key
-        self.timeouts = timeouts
-        self.retry = retry
-        self.max_body_bytes = max_body_bytes
+        self.settings = settings
         self.user_agent = user_agent
         self._session: Optional[aiohttp.ClientSession] = None
 
     def __repr__(self) -> str:
-        return f"HttpClient({self.label}, key from {self.api_key.describe()})"
+        return f"HttpClient({self.label}, key from {self.settings.api_key.describe()})"
 
     async def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -338,7 +349,7 @@ class HttpClient:
         raised, e.g. 503 for a readiness probe that wants to tell "warming up" from "down".
         """
         method = method.upper()
-        policy = retry or self.retry
+        policy = retry or self.settings.retry
         attempt = 0
         while True:
             try:
@@ -362,11 +373,12 @@ class HttpClient:
         session = await self._get_session()
         url = self.base_url + path
         headers = {"Accept": "application/json", "User-Agent": self.user_agent}
-        key = self.api_key.read()
+        key = self.settings.api_key.read()
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        read_s = read_timeout_s if read_timeout_s is not None else self.timeouts.read_s
-        timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.timeouts.connect_s, sock_read=read_s)
+        read_s = read_timeout_s if read_timeout_s is not None else self.settings.timeouts.read_s
+        timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.settings.timeouts.connect_s,
+                                        sock_read=read_s)
         started = time.monotonic()
         try:
             async with session.request(method, url, json=body, headers=headers, timeout=timeout,
@@ -376,7 +388,7 @@ class HttpClient:
                 resp_headers = dict(resp.headers)
         except aiohttp.ConnectionTimeoutError:
             raise ServerUnavailable(
-                f"{self.label} did not accept a connection within {self.timeouts.connect_s:g} s: check the "
+                f"{self.label} did not accept a connection within {self.settings.timeouts.connect_s:g} s: check the "
                 f"URL and that the server is running"
             ) from None
         except aiohttp.ClientConnectorError as exc:
@@ -405,7 +417,7 @@ class HttpClient:
                 f"followed: use the final server URL"
             )
         if status >= 400 and status not in accept_statuses:
-            error = _status_error(self.label, method, path, status, "", raw, content_type, self.api_key)
+            error = _status_error(self.label, method, path, status, "", raw, content_type, self.settings.api_key)
             if isinstance(error, ServerUnavailable):
                 error.retry_after = _retry_after(resp_headers)  # type: ignore[attr-defined]
             raise error
@@ -423,7 +435,7 @@ class HttpClient:
         return JsonResponse(status=status, data=data, headers=resp_headers, num_bytes=len(raw), elapsed_s=elapsed)
 
     async def _read_capped(self, resp: aiohttp.ClientResponse, method: str, path: str) -> bytes:
-        cap = self.max_body_bytes
+        cap = self.settings.max_body_bytes
         too_big = BadResponse(
             f"{self.label} answered {method} {path} with more than {cap // (1024 * 1024)} MiB; refused "
             f"(raise the response size cap if the images are really that large)"
@@ -474,22 +486,25 @@ class _LoopThread:
 _LOOP = _LoopThread()
 
 
-def private_loop() -> asyncio.AbstractEventLoop:
-    return _LOOP.loop()
-
-
-def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+def run_sync(coro: Coroutine[Any, Any, T], poll: Optional[Callable[[], None]] = None) -> T:
     """Run `coro` on the private loop thread and block this (non-loop) thread until it finishes.
 
-    Blocking here is fine: ComfyUI runs node functions on a worker thread, not on its asyncio loop. Pass a
-    `cancel` callable into the coroutine for ComfyUI's Cancel; Ctrl-C in the CLI cancels the coroutine too.
+    Blocking here is fine: ComfyUI runs node functions on a worker thread, not on its asyncio loop. `poll` runs
+    on this thread every 0.1 s while waiting (`Host.check_cancel`, progress): whatever it raises (Cancelled)
+    cancels the coroutine and propagates, and so does Ctrl-C in the CLI.
     """
     if _LOOP.in_loop_thread():
         coro.close()
         raise RuntimeError("run_sync called from the remote loop thread itself; await the coroutine instead")
     future = asyncio.run_coroutine_threadsafe(coro, _LOOP.loop())
     try:
-        return future.result()
-    except KeyboardInterrupt:
-        future.cancel()
+        while True:
+            try:
+                return future.result(timeout=CANCEL_POLL_S if poll is not None else None)
+            except concurrent.futures.TimeoutError:
+                if future.done() or poll is None:
+                    raise  # the coroutine's own TimeoutError, not the end of a poll slice
+                poll()
+    except BaseException:
+        future.cancel()  # no-op once the coroutine has finished (it raised)
         raise

@@ -17,16 +17,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from ..request import SEED_MASK, SIDE_MULTIPLE
-from .http import (
-    ApiKeySource,
-    BadResponse,
-    CancelCheck,
-    ConnectionLost,
-    HttpClient,
-    RetryPolicy,
-    ServerUnavailable,
-    Timeouts,
-)
+from .http import BadResponse, CancelCheck, ConnectionLost, HttpClient, HttpSettings, RetryPolicy, ServerUnavailable
 
 ERNIE_PIPELINE = "ErnieImagePipeline"
 GENERATE_PATH = "/v1/images/generations"
@@ -140,16 +131,18 @@ def decode_image(b64: Any, width: int, height: int, label: str) -> torch.Tensor:
     try:
         with Image.open(io.BytesIO(raw)) as image:
             image.load()
-            rgb = image.convert("RGB")
+            size = image.size
+            # one float copy of the pixels, scaled in place (convert only when the PNG is not RGB already)
+            array = np.asarray(image if image.mode == "RGB" else image.convert("RGB"), dtype=np.float32)
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise BadResponse(f"{label} returned bytes that are not a readable image ({type(exc).__name__})") from None
-    if rgb.size != (width, height):
+    if size != (width, height):
         raise BadResponse(
-            f"{label} returned a {rgb.size[0]}x{rgb.size[1]} image for a {width}x{height} request; the server "
+            f"{label} returned a {size[0]}x{size[1]} image for a {width}x{height} request; the server "
             f"may floor sizes or be misconfigured"
         )
-    array = np.asarray(rgb, dtype=np.float32) / 255.0
-    return torch.from_numpy(array.copy())
+    array /= 255.0
+    return torch.from_numpy(array)
 
 
 def _number(value: Any) -> Optional[float]:
@@ -159,18 +152,9 @@ def _number(value: Any) -> Optional[float]:
 class SglangClient:
     """One SGLang server: readiness, discovery and one-image generation. Use on one event loop."""
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        api_key: ApiKeySource = ApiKeySource(),
-        timeouts: Timeouts = Timeouts(),
-        retry: RetryPolicy = RetryPolicy(),
-        read_timeout: ReadTimeoutPolicy = ReadTimeoutPolicy(),
-        max_body_bytes: int = 256 * 1024 * 1024,
-    ) -> None:
-        self.http = HttpClient(base_url, api_key=api_key, timeouts=timeouts, retry=retry,
-                               max_body_bytes=max_body_bytes)
+    def __init__(self, base_url: str, settings: HttpSettings = HttpSettings(),
+                 read_timeout: ReadTimeoutPolicy = ReadTimeoutPolicy()) -> None:
+        self.http = HttpClient(base_url, settings)
         self.read_timeout = read_timeout
         self.model_id: Optional[str] = None
 
@@ -222,7 +206,10 @@ class SglangClient:
 
     async def ernie_model(self, cancel: Optional[CancelCheck] = None) -> ServerModel:
         """The served ERNIE-Image model; raises when the server serves something else."""
-        models = await self.models(cancel)
+        return self.choose_ernie(await self.models(cancel))
+
+    def choose_ernie(self, models: list[ServerModel]) -> ServerModel:
+        """The ERNIE-Image model among the listed ones, used from now on; raises when there is none."""
         for model in models:
             if model.is_ernie:
                 self.model_id = model.id
@@ -240,9 +227,9 @@ class SglangClient:
 
     # --------------------------------------------------------------------------------- generation
     async def generate(self, params: ImageParams, cancel: Optional[CancelCheck] = None,
-                       read_timeout_s: Optional[float] = None, retry: Optional[RetryPolicy] = None) -> GeneratedImage:
+                       retry: Optional[RetryPolicy] = None) -> GeneratedImage:
         payload = build_payload(params, self.model_id or "")
-        wait_s = read_timeout_s or self.read_timeout.seconds(params.steps, params.width, params.height)
+        wait_s = self.read_timeout.seconds(params.steps, params.width, params.height)
         response = await self.http.request_json("POST", GENERATE_PATH, payload, read_timeout_s=wait_s, cancel=cancel,
                                                 retry=retry)
         body = response.data

@@ -11,32 +11,28 @@ Transport (timeouts, safe retries, size cap, API key, cancel) is `remote/http.py
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from ..errors import Cancelled, RemoteError
+from ..errors import RemoteError
 from ..host import Host, NullHost
 from ..request import SEED_MASK
 from ..remote.http import (
-    ApiKeySource,
     BadResponse,
     ConnectionLost,
     HttpClient,
-    RetryPolicy,
+    HttpSettings,
     ServerFailed,
     ServerRejected,
     ServerUnavailable,
-    Timeouts,
-    private_loop,
+    run_sync,
 )
 from .enhancer import RevisedPrompts, Revision, validate_sampling
 from .pe_prompt import chat_messages
 
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
-POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -60,13 +56,10 @@ class ChatEndpoint:
         return url
 
     def client(self) -> HttpClient:
-        return HttpClient(
-            self.base_url(),
-            api_key=ApiKeySource(env_var=self.api_key_env or None, file=self.api_key_file or None),
-            timeouts=Timeouts(connect_s=self.connect_timeout_s, read_s=self.read_timeout_s),
-            retry=RetryPolicy(attempts=max(1, self.retry_attempts)),
-            max_body_bytes=self.max_response_mb * 1024 * 1024,
-        )
+        return HttpClient(self.base_url(), HttpSettings.from_widgets(
+            api_key_env=self.api_key_env, api_key_file=self.api_key_file, connect_timeout_s=self.connect_timeout_s,
+            read_timeout_s=self.read_timeout_s, retry_attempts=self.retry_attempts,
+            max_response_mb=self.max_response_mb))
 
 
 class _Unusable(RemoteError):
@@ -160,19 +153,11 @@ def revise_prompts_remote(endpoint: ChatEndpoint, prompts: Sequence[str], width:
     host = host or NullHost()
     unique = list(dict.fromkeys(prompts))
     notes: list[str] = []
-    future = asyncio.run_coroutine_threadsafe(
-        _revise_all(endpoint, unique, width, height, seed, temperature, top_p, max_new_tokens, notes), private_loop()
-    )
     try:
-        while True:
-            try:
-                revisions = future.result(timeout=POLL_S)
-                break
-            except TimeoutError:
-                host.check_cancel()
-    except (Cancelled, KeyboardInterrupt):
-        future.cancel()
-        raise
+        revisions = run_sync(
+            _revise_all(endpoint, unique, width, height, seed, temperature, top_p, max_new_tokens, notes),
+            host.check_cancel,
+        )
     except ServerRejected as error:
         raise _rejected(error, endpoint) from None
     finally:
