@@ -5,7 +5,9 @@ import datetime
 import json
 import platform
 import statistics
+import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -58,6 +60,76 @@ def cuda_time_ms(run: Callable[[], object], warmup: int = 3, iters: int = 10) ->
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+class GpuSampler:
+    """nvidia-smi samples of SM clock, power and throttle reasons, every 100 ms while a phase runs."""
+
+    def __init__(self) -> None:
+        self.samples: list[list[str]] = []
+        self.query = "clocks.sm,power.draw,temperature.gpu"
+        for reasons in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
+            try:
+                probe = subprocess.run(["nvidia-smi", f"--query-gpu={reasons}", "--format=csv,noheader"],
+                                       capture_output=True, text=True)
+            except OSError:
+                break
+            if probe.returncode == 0:
+                self.query += "," + reasons
+                break
+
+    @contextmanager
+    def phase(self):
+        try:
+            proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={self.query}", "--format=csv,noheader,nounits",
+                                     "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            proc = None
+        try:
+            yield self
+        finally:
+            if proc is not None:
+                proc.terminate()
+                out, _ = proc.communicate(timeout=5)
+                self.samples = [[f.strip() for f in line.split(",")] for line in out.splitlines() if "," in line]
+
+    REASONS = {0x4: "power cap", 0x8: "HW slowdown", 0x20: "SW thermal", 0x40: "HW thermal", 0x80: "power brake"}
+
+    def summary(self) -> str:
+        """Median SM clock and power while the phase ran, and why the clock was held down (if it was)."""
+        rows = [s for s in self.samples if len(s) >= 2 and s[0].replace(".", "").isdigit()]
+        if not rows:
+            return "no clock samples"
+        clock = statistics.median(float(s[0]) for s in rows)
+        power = statistics.median(float(s[1]) for s in rows if s[1].replace(".", "").isdigit())
+        bits = 0
+        for sample in rows:
+            if len(sample) > 3 and sample[3].startswith("0x"):
+                bits |= int(sample[3], 16)
+        reasons = [name for bit, name in self.REASONS.items() if bits & bit]
+        return f"SM {clock:.0f} MHz, {power:.0f} W" + (f", {'+'.join(reasons)}" if reasons else "")
+
+
+def block_matmuls(dit: torch.nn.Module, batch: int, seq: int) -> Callable[[], None]:
+    """A step's 144 block GEMMs and 36 attentions back to back, on the fused model's own weights and nothing else:
+    the floor a step can reach at the clocks the card holds while it runs."""
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    tokens = batch * seq
+    x = torch.randn((tokens, dit.config.hidden_size), device="cuda", generator=generator).bfloat16()
+    hidden = torch.randn((tokens, dit.config.ffn_hidden_size), device="cuda", generator=generator).bfloat16()
+    q, k, v = (torch.randn((batch, dit.config.num_attention_heads, seq, dit.config.head_dim), device="cuda",
+                           generator=generator).bfloat16() for _ in range(3))
+    weights = [(b.self_attention.to_qkv.weight, b.self_attention.to_out[0].weight, b.mlp.gate_up.weight,
+                b.mlp.linear_fc2.weight) for b in dit.layers]
+
+    def run() -> None:
+        for qkv, out, gate_up, down in weights:
+            torch.mm(x, qkv.t())
+            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            torch.mm(x, out.t())
+            torch.mm(x, gate_up.t())
+            torch.mm(hidden, down.t())
+    return run
 
 
 def dit_config(variant: str = "ERNIE-Image") -> dict:

@@ -13,6 +13,7 @@ from ernie_image.runtime.model_files import ModelSources
 from ernie_image.runtime.text.enhancer import LocalEnhancer, main_enhance, revise_prompts
 from ernie_image.runtime.text.pe_prompt import ERNIE_PE_SYSTEM_TEXT, render_chat, user_message
 from ernie_image.runtime.text.tiny_pe import build_tiny_pe_folder, lively_prompt_enhancer
+from ernie_image.runtime.text.token_sampler import ExponentialDraws
 from ernie_image.runtime.tiny import TinySizes
 
 CPU = torch.device("cpu")
@@ -99,6 +100,19 @@ def test_batch_revises_each_distinct_prompt_once_independent_of_position(enhance
     info = batch.info()
     assert info["pe"] == "local" and info["pe_tokens"] == sum(r.tokens for r in batch.revisions)
     assert info["pe_s"] > 0 and info["pe_tokens_per_s"] > 0
+
+
+def test_prefetched_draws_pick_multinomials_tokens_seed_for_seed():
+    draws, reference = ExponentialDraws(torch.Generator().manual_seed(11), 4096), torch.Generator().manual_seed(11)
+    try:
+        for step in range(40):
+            logits = torch.randn((1, 4096), generator=torch.Generator().manual_seed(step)) * 4
+            if step % 2:  # a top-k-like support: most entries impossible
+                logits[:, torch.randperm(4096, generator=torch.Generator().manual_seed(step))[:4000]] = -float("inf")
+            probs = torch.softmax(logits, dim=-1)
+            assert draws.sample(probs) == torch.multinomial(probs, 1, generator=reference).item()
+    finally:
+        draws.close()
 
 
 def test_size_is_part_of_the_request(enhancer):

@@ -1,14 +1,17 @@
 """Seeded autoregressive sampling for the prompt enhancer, with transformers' sampling semantics.
 
 Same maths as `model.generate(do_sample=True, temperature, top_k, top_p)` (the warpers are transformers' own,
-applied in generate's order to float32 logits), but every draw comes from a private CPU `torch.Generator`: the
+applied in generate's order to float32 logits), but every draw comes from a private CPU `torch.Generator` (the
+draws multinomial would make, prepared on a worker thread while the device computes the logits): the
 global RNG is neither read nor changed, and a seed gives the same tokens whatever ran before. Drawing on the
 CPU also keeps a seed's tokens independent of the GPU model, as long as the logits agree.
-Cancel is checked between tokens.
+Cancel is checked between tokens. A PE resident on one CUDA device decodes through static_decoder.py (one CUDA
+graph per token); a CPU or streamed PE runs transformers' forward.
 """
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -65,19 +68,68 @@ def _warpers(settings: SamplingSettings):
     return warpers
 
 
-def _new_cache(model):
-    from transformers import DynamicCache
+class ExponentialDraws:
+    """`torch.multinomial(probs, 1, generator=cpu_generator)`, seed for seed, off the critical path.
 
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:  # older transformers
-        return DynamicCache()
+    ATen samples one token without replacement as argmax(probs / q), q ~ Exp(1) drawn from the generator for every
+    vocabulary entry. Those 131072 draws take ~3.4 ms on the CPU and do not depend on the logits, so a worker thread
+    draws the next token's q while the device computes its logits (tests check the equality with multinomial).
+    """
+
+    def __init__(self, generator: torch.Generator, size: int) -> None:
+        self.generator = generator
+        self.size = size
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ernie-pe-draws")
+        self._next = self._worker.submit(self._draw)
+
+    def _draw(self) -> torch.Tensor:
+        return torch.empty(self.size).exponential_(1, generator=self.generator)
+
+    def sample(self, probs: torch.Tensor) -> int:
+        """One token from CPU float32 `probs` [1, vocab]."""
+        noise = self._next.result()
+        self._next = self._worker.submit(self._draw)
+        return int(torch.argmax(probs.reshape(-1) / noise))
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
 
 
-def _next_logits(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
-    # The cache goes positionally: its keyword is `past_key_values` before transformers 5.2x and `cache` after.
-    output = model(input_ids, None, None, cache, use_cache=True, logits_to_keep=1)
-    return output.logits[:, -1, :].to(dtype=torch.float32)
+class TransformersDecoder:
+    """transformers' own forward with a growing DynamicCache: the reference path (CPU, streamed layers)."""
+
+    def __init__(self, model) -> None:
+        from transformers import DynamicCache
+
+        self.model = model
+        self.device = model.get_input_embeddings().weight.device
+        try:
+            self.cache = DynamicCache(config=model.config)
+        except TypeError:  # older transformers
+            self.cache = DynamicCache()
+
+    def prefill(self, prompt_ids: Sequence[int]) -> torch.Tensor:
+        return self._logits(torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device))
+
+    def next_logits(self, token: int) -> torch.Tensor:
+        return self._logits(torch.tensor([[token]], dtype=torch.long, device=self.device))
+
+    def close(self) -> None:
+        self.cache = None
+
+    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # The cache goes positionally: its keyword is `past_key_values` before transformers 5.2x and `cache` after.
+        output = self.model(input_ids, None, None, self.cache, use_cache=True, logits_to_keep=1)
+        return output.logits[:, -1, :].to(dtype=torch.float32)
+
+
+def open_decoder(model, capacity: int, fast: bool = True):
+    """The static-cache CUDA-graph decoder for a resident PE on a CUDA device, else transformers'."""
+    from .static_decoder import StaticCacheDecoder, static_decoding_device
+
+    if fast and static_decoding_device(model) is not None:
+        return StaticCacheDecoder(model, capacity, use_graph=True)
+    return TransformersDecoder(model)
 
 
 @torch.inference_mode()
@@ -89,42 +141,49 @@ def sample_tokens(
     eos_ids: Sequence[int],
     check_cancel: Optional[Callable[[], None]] = None,
     on_token: Optional[Callable[[int], None]] = None,
+    fast: bool = True,
 ) -> SampledTokens:
-    """New tokens after `prompt_ids` (the EOS that ended them not included)."""
+    """New tokens after `prompt_ids` (the EOS that ended them not included). `fast`: allow the CUDA-graph decoder."""
     device = model.get_input_embeddings().weight.device
     generator = torch.Generator(device="cpu").manual_seed(int(seed) & SEED_MASK)
     warpers = None if settings.greedy else _warpers(settings)
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    cache = _new_cache(model)
     generated: list[int] = []
     stopped_by_eos = False
 
     started = time.perf_counter()
-    logits = _next_logits(model, ids, cache)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    prefilled = time.perf_counter()
-    while len(generated) < settings.max_new_tokens:
-        if check_cancel is not None:
-            check_cancel()
-        if len(generated) < settings.min_new_tokens and eos.numel():
-            logits[:, eos] = -float("inf")
-        if settings.greedy:
-            token = int(torch.argmax(logits, dim=-1).item())
-        else:
-            scores = warpers(ids, logits)  # these warpers ignore the ids
-            probs = torch.softmax(scores, dim=-1).cpu()
-            token = int(torch.multinomial(probs, num_samples=1, generator=generator).item())
-        if token in eos_ids and len(generated) >= settings.min_new_tokens:
-            stopped_by_eos = True
-            break
-        generated.append(token)
-        if on_token is not None:
-            on_token(len(generated))
-        if len(generated) >= settings.max_new_tokens:
-            break
-        logits = _next_logits(model, torch.tensor([[token]], dtype=torch.long, device=device), cache)
-    finished = time.perf_counter()
-    del cache
+    decoder = open_decoder(model, len(prompt_ids) + settings.max_new_tokens, fast)
+    draws: Optional[ExponentialDraws] = None
+    try:
+        logits = decoder.prefill(prompt_ids)
+        if not settings.greedy:
+            draws = ExponentialDraws(generator, logits.shape[-1])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        prefilled = time.perf_counter()
+        while len(generated) < settings.max_new_tokens:
+            if check_cancel is not None:
+                check_cancel()
+            if len(generated) < settings.min_new_tokens and eos.numel():
+                logits[:, eos] = -float("inf")
+            if settings.greedy:
+                token = int(torch.argmax(logits, dim=-1).item())
+            else:
+                scores = warpers(ids, logits)  # these warpers ignore the ids
+                token = draws.sample(torch.softmax(scores, dim=-1).cpu())
+            if token in eos_ids and len(generated) >= settings.min_new_tokens:
+                stopped_by_eos = True
+                break
+            generated.append(token)
+            if on_token is not None:
+                on_token(len(generated))
+            if len(generated) >= settings.max_new_tokens:
+                break
+            logits = decoder.next_logits(token)
+        finished = time.perf_counter()
+    finally:
+        decoder.close()  # a cancel must not leave the cache or the graph's memory behind
+        if draws is not None:
+            draws.close()
     return SampledTokens(generated, prefilled - started, finished - prefilled, stopped_by_eos)

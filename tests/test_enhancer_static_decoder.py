@@ -1,0 +1,122 @@
+"""The prompt enhancer's fast decoder (static KV cache, one CUDA graph per token) computes transformers' Ministral3
+logits: checked token by token on the CPU in fp32 (graph off), past the position where the Llama-4 query scaling
+steps up, and on the GPU with the graph on, where it must also hand back every byte it took."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ernie_image.runtime.errors import Cancelled
+from ernie_image.runtime.text.static_decoder import (CACHE_ROUNDING, StaticCacheDecoder, has_forward_hooks,
+                                                     static_decoding_device)
+from ernie_image.runtime.text.tiny_pe import lively_prompt_enhancer
+from ernie_image.runtime.text.token_sampler import (SamplingSettings, TransformersDecoder, open_decoder,
+                                                   sample_tokens)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# The tiny PE's YaRN span is 256 positions: a 40-token prompt plus 240 forced tokens crosses it.
+PROMPT_IDS = [1] + [(7 * i) % 200 + 20 for i in range(39)]
+STEPS = 240
+
+
+@pytest.fixture(scope="module")
+def model():
+    return lively_prompt_enhancer(seed=4).float().eval().requires_grad_(False)
+
+
+def teacher_forced_difference(decoder, model, steps: int) -> tuple[float, list[int]]:
+    """Largest logit difference from transformers after the prompt and after each of `steps` tokens, the tokens
+    chosen greedily by transformers; and those tokens."""
+    reference = TransformersDecoder(model)
+    expected = reference.prefill(PROMPT_IDS)
+    worst = (expected - decoder.prefill(PROMPT_IDS)).abs().max().item()
+    tokens = []
+    for _ in range(steps):
+        token = int(expected.argmax())
+        tokens.append(token)
+        expected = reference.next_logits(token)
+        worst = max(worst, (expected - decoder.next_logits(token)).abs().max().item())
+    reference.close()
+    return worst, tokens
+
+
+class CancelAfter:
+    def __init__(self, checks: int) -> None:
+        self.left = checks
+
+    def __call__(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise Cancelled("cancelled by the test")
+
+
+@torch.inference_mode()
+def test_static_cache_logits_equal_transformers_token_by_token(model):
+    decoder = StaticCacheDecoder(model, len(PROMPT_IDS) + STEPS, use_graph=False)
+    worst, tokens = teacher_forced_difference(decoder, model, STEPS)
+    assert worst < 1e-4
+    assert len(set(tokens)) > 20, "the tiny PE must not just repeat one token"
+
+
+def test_cache_capacity_is_rounded_and_enforced(model):
+    decoder = StaticCacheDecoder(model, 10, use_graph=False)
+    assert decoder.capacity == CACHE_ROUNDING
+    with pytest.raises(ValueError, match="does not fit a cache of 256"):
+        decoder.prefill(list(range(1, CACHE_ROUNDING + 1)))
+    with torch.inference_mode():
+        decoder.prefill(list(range(1, CACHE_ROUNDING)))
+        decoder.next_logits(5)
+        with pytest.raises(ValueError, match="cache of 256 positions is full"):
+            decoder.next_logits(5)
+
+
+def test_cpu_models_keep_transformers_path(model):
+    assert static_decoding_device(model) is None
+    assert isinstance(open_decoder(model, 64), TransformersDecoder)
+
+
+def test_hooked_layers_keep_transformers_path():
+    """A streamed PE's weights are all on the device (ring slots), but only its layer hooks fill them."""
+    model = lively_prompt_enhancer(seed=4).eval()
+    assert not has_forward_hooks(model)
+    handle = model.model.layers[3].register_forward_pre_hook(lambda module, args: None)
+    assert has_forward_hooks(model)
+    handle.remove()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_on_the_gpu_the_graph_decoder_matches_transformers_and_frees_its_memory():
+    cuda_model = lively_prompt_enhancer(seed=4).float().eval().requires_grad_(False).cuda()
+    assert isinstance(open_decoder(cuda_model, 64, fast=False), TransformersDecoder)
+    open_decoder(cuda_model, 64).close()  # the process's one capture stream and its cuBLAS workspace, kept for good
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+
+    graph_decoder = open_decoder(cuda_model, len(PROMPT_IDS) + STEPS)
+    assert isinstance(graph_decoder, StaticCacheDecoder) and graph_decoder.graph is not None
+    worst, tokens = teacher_forced_difference(graph_decoder, cuda_model, STEPS)
+    assert worst < 1e-3
+
+    eager = StaticCacheDecoder(cuda_model, len(PROMPT_IDS) + STEPS, use_graph=False)
+    eager.prefill(PROMPT_IDS)
+    graph_decoder.prefill(PROMPT_IDS)
+    for token in tokens[:32]:  # replaying the captured kernels gives exactly the eager decoder's logits
+        assert torch.equal(graph_decoder.next_logits(token), eager.next_logits(token))
+    graph_decoder.close()
+    eager.close()
+    del graph_decoder, eager
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+    settings = SamplingSettings(max_new_tokens=48, min_new_tokens=48)
+    fast = sample_tokens(cuda_model, PROMPT_IDS, settings, seed=9, eos_ids=[2])
+    reference = sample_tokens(cuda_model, PROMPT_IDS, settings, seed=9, eos_ids=[2], fast=False)
+    assert fast.token_ids == reference.token_ids  # fp32: the logits agree far inside the sampler's margins
+
+    with pytest.raises(Cancelled):
+        sample_tokens(cuda_model, PROMPT_IDS, settings, seed=9, eos_ids=[2], check_cancel=CancelAfter(5))
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before, "a cancel leaves no cache or graph memory behind"
