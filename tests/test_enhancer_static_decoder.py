@@ -85,6 +85,18 @@ def test_hooked_layers_keep_transformers_path():
     handle.remove()
 
 
+def test_a_model_the_graph_cannot_capture_falls_back_to_transformers(model, monkeypatch, caplog):
+    import ernie_image.runtime.text.static_decoder as static_decoder
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(static_decoder, "static_decoding_device", lambda model: torch.device("cuda", 0))
+    monkeypatch.setattr(static_decoder, "StaticCacheDecoder", refuse)
+    assert isinstance(open_decoder(model, 64), TransformersDecoder)
+    assert "CUDA-graph decoding unavailable (operation not permitted when stream is capturing)" in caplog.text
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
