@@ -1,7 +1,7 @@
 """Fast token-by-token decoding for a prompt enhancer whose weights are all on one CUDA device.
 
-transformers' eager decode spends ~30 ms per token of a 3.4B model on the H200, almost all of it launching ~600
-small kernels from Python; reading the weights once takes ~1.6 ms. This decoder keeps the KV cache in fixed
+transformers' eager decode spends ~26 ms per token of a 3.4B model on the H200, almost all of it launching about
+1,400 small kernels from Python; reading the weights once takes ~1.6 ms. This decoder keeps the KV cache in fixed
 buffers (one slot per position, later slots masked out) so every token runs the same kernels on the same
 addresses, and replays them as one CUDA graph per token.
 
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-CACHE_ROUNDING = 256  # cache slots are rounded up to this, so nearby request lengths share one graph's shapes
+CACHE_ROUNDING = 256  # slot counts are rounded up to this: a regular key length for the attention kernels
 
 
 def static_decoding_device(model: nn.Module) -> Optional[torch.device]:
