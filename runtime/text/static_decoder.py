@@ -107,7 +107,8 @@ class StaticCacheDecoder:
             self._decode_step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=side):
+        # thread_local: only this thread is barred from unsafe CUDA calls while it captures, not the host app's others
+        with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
             self.graph_logits = self._decode_step()
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
