@@ -1,6 +1,6 @@
 """DiT step and whole-image speed on the GPU, against diffusers on the same random weights in the same run.
 
-    python bench/speed.py [--skip-dit | --skip-e2e] [--skip-compile]
+    python bench/speed.py [--skip-dit | --skip-e2e] [--skip-compile] [--compile-variants]
 
 Prints: per variant, ms per DiT forward at 1024x1024 with 256 text tokens, TFLOP/s, ratio to diffusers eager,
 ratio to two floors, and the SM clock and power while it ran; then whole Turbo and Base images (cold and warm) next
@@ -115,7 +115,7 @@ COMPILE_VARIANTS = {
 }
 
 
-def compiled_rows(ours: ErnieDiT, reference, measure, outputs: dict) -> None:
+def compiled_rows(ours: ErnieDiT, reference, measure, outputs: dict, variants: bool) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ernie_image.runtime.acceleration import compile_blocks, fuse_projections
@@ -152,7 +152,7 @@ def compiled_rows(ours: ErnieDiT, reference, measure, outputs: dict) -> None:
             first_then_warm(f"ours compiled, SDPA {backend.name}", 1, run=run_with_backend)
         except Exception as error:
             print(f"# SDPA {backend.name}: {type(error).__name__}: {error}"[:200])
-    for label, settings in COMPILE_VARIANTS.items():
+    for label, settings in (COMPILE_VARIANTS.items() if variants else ()):
         torch._dynamo.reset()
         for block in ours.layers:
             block.compile(**settings)
@@ -169,7 +169,7 @@ def compiled_rows(ours: ErnieDiT, reference, measure, outputs: dict) -> None:
                         run=lambda: reference(lat, ts, txt, lens_t, return_dict=False))
 
 
-def dit_rows(ours, reference, skip_compile: bool) -> list[dict]:
+def dit_rows(ours, reference, skip_compile: bool, variants: bool = False) -> list[dict]:
     rows = []
     outputs = {}
     sampler = GpuSampler()
@@ -200,7 +200,7 @@ def dit_rows(ours, reference, skip_compile: bool) -> list[dict]:
         measure("ours eager, CFG texts of unequal length", 2, lambda: ours(lat, ts, txt, lens), padded=True)
 
         if not skip_compile:
-            compiled_rows(ours, reference, measure, outputs)
+            compiled_rows(ours, reference, measure, outputs, variants)
 
     for batch in (1, 2):
         base = outputs[("diffusers", batch)].float()
@@ -226,11 +226,13 @@ def main() -> None:
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-dit", action="store_true", help="whole images only")
+    parser.add_argument("--compile-variants", action="store_true",
+                        help="also inductor's coordinate-descent and max-autotune compiles (about 3 more minutes)")
     args = parser.parse_args()
     print_environment()
     if not args.skip_dit:
         ours, reference = build_models()
-        rows = dit_rows(ours, reference, args.skip_compile)
+        rows = dit_rows(ours, reference, args.skip_compile, args.compile_variants)
         print(f"\nDiT forward, {WIDTH}x{HEIGHT}, {TEXT_TOKENS} text tokens, bf16 (burst floor: GEMMs at "
               f"{GEMM_TFLOPS_BF16:.0f} TFLOP/s + flash attention, {burst_floor_ms(1):.0f} ms b1; measured floor: the row)")
         print(table(rows, ["variant", "batch", "ms", "TFLOP/s", "x diffusers", "x floor", "x burst floor",
