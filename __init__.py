@@ -1,9 +1,12 @@
 """ERNIE-Image for ComfyUI.
 
-ComfyUI imports this folder as a custom-node package. Outside ComfyUI (pip install, CLI, tests) the
-import must not fail, so the node mappings are built only when ComfyUI's modules are importable.
+ComfyUI imports this folder as a custom-node package. The node modules import no ComfyUI module at import
+time, so the package also imports outside ComfyUI (pip install, CLI, tests). Should the nodes fail to import,
+the runtime and CLI stay usable and the reason is logged, since ComfyUI then shows the pack with no nodes.
 """
 from __future__ import annotations
+
+import logging
 
 WEB_DIRECTORY = "./web"
 
@@ -12,6 +15,6 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the host
     NODE_CLASS_MAPPINGS: dict = {}
     NODE_DISPLAY_NAME_MAPPINGS: dict = {}
-    _IMPORT_ERROR = error
+    logging.getLogger("ernie_image").error("[ERNIE-Image] the nodes could not be imported: %s", error)
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]

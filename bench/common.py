@@ -7,6 +7,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
@@ -44,6 +45,15 @@ def print_environment() -> dict:
     record = environment()
     print("# " + json.dumps(record))
     return record
+
+
+def wall_time(run: Callable[[], object]) -> tuple[object, float]:
+    """One call's result and its wall seconds, the GPU drained before and after (first calls: compile included)."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    result = run()
+    torch.cuda.synchronize()
+    return result, time.perf_counter() - started
 
 
 def cuda_time_ms(run: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
@@ -110,6 +120,15 @@ class GpuSampler:
         return f"SM {clock:.0f} MHz, {power:.0f} W" + (f", {'+'.join(reasons)}" if reasons else "")
 
 
+BLOCK_GEMMS = ("qkv", "out", "gate_up", "down")  # a fused block's GEMMs, in the order the block runs them
+
+
+def block_gemm_weights(dit: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+    """Per block, the weight of each GEMM of a model whose projections are fused (acceleration.fuse_projections)."""
+    return [{"qkv": b.self_attention.to_qkv.weight, "out": b.self_attention.to_out[0].weight,
+             "gate_up": b.mlp.gate_up.weight, "down": b.mlp.linear_fc2.weight} for b in dit.layers]
+
+
 def block_matmuls(dit: torch.nn.Module, batch: int, seq: int) -> Callable[[], None]:
     """A step's 144 block GEMMs and 36 attentions back to back, on the fused model's own weights and nothing else:
     the floor a step can reach at the clocks the card holds while it runs."""
@@ -119,16 +138,15 @@ def block_matmuls(dit: torch.nn.Module, batch: int, seq: int) -> Callable[[], No
     hidden = torch.randn((tokens, dit.config.ffn_hidden_size), device="cuda", generator=generator).bfloat16()
     q, k, v = (torch.randn((batch, dit.config.num_attention_heads, seq, dit.config.head_dim), device="cuda",
                            generator=generator).bfloat16() for _ in range(3))
-    weights = [(b.self_attention.to_qkv.weight, b.self_attention.to_out[0].weight, b.mlp.gate_up.weight,
-                b.mlp.linear_fc2.weight) for b in dit.layers]
+    blocks = block_gemm_weights(dit)
 
     def run() -> None:
-        for qkv, out, gate_up, down in weights:
-            torch.mm(x, qkv.t())
+        for weights in blocks:
+            torch.mm(x, weights["qkv"].t())
             torch.nn.functional.scaled_dot_product_attention(q, k, v)
-            torch.mm(x, out.t())
-            torch.mm(x, gate_up.t())
-            torch.mm(hidden, down.t())
+            torch.mm(x, weights["out"].t())
+            torch.mm(x, weights["gate_up"].t())
+            torch.mm(hidden, weights["down"].t())
     return run
 
 

@@ -3,11 +3,10 @@ sharing the same DiT, text-encoder and VAE tensors on one GPU."""
 from __future__ import annotations
 
 import json
-import time
 
 import torch
 
-from common import REPO_ROOT, dit_config, import_package, randomise_dit_
+from common import REPO_ROOT, dit_config, import_package, randomise_dit_, wall_time
 
 import_package()
 
@@ -84,11 +83,8 @@ def ours_row(ours: LocalPipe, label: str, preset: str, steps: int, cfg: float) -
     request = GenerationRequest(prompt=PROMPT, steps=steps, cfg=cfg, width=1024, height=1024, seed=3)
     timings = []
     for _ in range(2):
-        torch.cuda.synchronize()
-        started = time.perf_counter()
-        result = ours.generate(request, NullHost())
-        torch.cuda.synchronize()
-        timings.append(time.perf_counter() - started)
+        result, seconds = wall_time(lambda: ours.generate(request, NullHost()))
+        timings.append(seconds)
     assert torch.isfinite(result.images).all()
     info = result.info
     return {"pipeline": label, "preset": preset, "cold s": f"{timings[0]:.2f}", "warm s": f"{timings[1]:.2f}",
@@ -118,13 +114,10 @@ def end_to_end_rows(compile_dit: bool) -> list[dict]:
         rows.append(ours_row(ours, "ours" + (" (compiled DiT)" if compile_dit else ""), preset, steps, cfg))
         reference_times = []
         for _ in range(2):
-            torch.cuda.synchronize()
-            started = time.perf_counter()
-            reference(prompt=PROMPT, negative_prompt="", width=1024, height=1024, num_inference_steps=steps,
-                      guidance_scale=cfg, latents=initial_noise(3, 1, 1024, 1024).cuda().bfloat16(),
-                      output_type="np", use_pe=False)
-            torch.cuda.synchronize()
-            reference_times.append(time.perf_counter() - started)
+            reference_times.append(wall_time(lambda: reference(
+                prompt=PROMPT, negative_prompt="", width=1024, height=1024, num_inference_steps=steps,
+                guidance_scale=cfg, latents=initial_noise(3, 1, 1024, 1024).cuda().bfloat16(), output_type="np",
+                use_pe=False))[1])
         rows.append({"pipeline": "diffusers ErnieImagePipeline", "preset": preset,
                      "cold s": f"{reference_times[0]:.2f}", "warm s": f"{reference_times[1]:.2f}"})
     rows.extend(fp8_rows(ours, dit, compile_dit, presets))

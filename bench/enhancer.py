@@ -22,6 +22,7 @@ from common import REPO_ROOT, import_package, print_environment, table
 
 import_package()
 
+from ernie_image.runtime.model_files import rebuild_rotary_tables  # noqa: E402
 from ernie_image.runtime.text.pe_model import pe_weight_bytes  # noqa: E402
 from ernie_image.runtime.text.token_sampler import SamplingSettings, sample_tokens  # noqa: E402
 
@@ -49,7 +50,7 @@ def full_size_pe(device: torch.device, config_path=PE_CONFIG):
                             .mul_(0.02).to(param.dtype))
             else:
                 param.fill_(1.0)
-        model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)
+    rebuild_rotary_tables(model.model, config, device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval().requires_grad_(False), raw
@@ -78,7 +79,7 @@ def main() -> None:
     print(json.dumps({"what": "built", "params_b": round(params / 1e9, 3), "build_s": round(build_s, 2),
                       "weights_gb": round(pe_weight_bytes(raw, torch.bfloat16) / 1e9, 2)}))
 
-    prompt = torch.randint(1000, raw["vocab_size"], (args.prompt_tokens,), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(min(1000, raw["vocab_size"] // 2), raw["vocab_size"], (args.prompt_tokens,), generator=torch.Generator().manual_seed(1))
     prompt_ids = [1] + prompt.tolist()[1:]
     settings = SamplingSettings(temperature=0.6, top_p=0.95, top_k=50, max_new_tokens=args.new_tokens,
                                 min_new_tokens=args.new_tokens)

@@ -11,6 +11,7 @@ error and the run goes on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import time
@@ -81,6 +82,21 @@ def dit_inputs(batch: int):
     return latents, timestep, text, [TEXT_TOKENS] * batch
 
 
+def timed_forward(dit: ErnieDiT, args, budget: Optional[int]) -> tuple[torch.Tensor, float, int]:
+    """One checked forward (its output, fp32 on the host), the median step ms and the peak VRAM, which must stay
+    within `budget` (None: unbounded)."""
+    with torch.inference_mode():
+        out = dit(*args)
+        if not torch.isfinite(out).all():
+            raise AssertionError("non-finite DiT output: fix the random init before trusting the numbers")
+        ms = cuda_time_ms(lambda: dit(*args), warmup=2, iters=5)
+        out = out.float().cpu()
+    peak = torch.cuda.max_memory_allocated()
+    if budget is not None and peak > budget:
+        raise AssertionError(f"peak {peak / GiB:.2f} GiB above the budget {budget / GiB:.2f} GiB")
+    return out, ms, peak
+
+
 def budget_row(name: str, budget_gb: Optional[float], batch: int, all_streamed: bool = False) -> dict:
     job = Job(1024, 1024, batch, 1.0, TEXT_TOKENS)
     workspace = dit_workspace(SIZES, job)
@@ -99,21 +115,13 @@ def budget_row(name: str, budget_gb: Optional[float], batch: int, all_streamed: 
     weights = torch.cuda.memory_allocated()
     enforce(budget)
     try:
-        with torch.inference_mode():
-            out = dit(*args)
-            if not torch.isfinite(out).all():
-                raise AssertionError("non-finite DiT output: fix the random init before trusting the numbers")
-            ms = cuda_time_ms(lambda: dit(*args), warmup=2, iters=5)
-            reference = out.float().cpu()
-        peak = torch.cuda.max_memory_allocated()
-        if budget is not None and peak > budget:
-            raise AssertionError(f"peak {peak / GiB:.2f} GiB above the budget {budget / GiB:.2f} GiB")
+        out, ms, peak = timed_forward(dit, args, budget)
         return {
             "row": name, "batch": batch, "budget GiB": "-" if budget is None else f"{budget / GiB:.2f}",
             "resident": 36 if plan is None else len(plan.resident), "peak GiB": f"{peak / GiB:.2f}",
             "pinned GiB": f"{(placement.pinned_bytes if placement else 0) / GiB:.2f}",
             "step ms": round(ms, 1), "ws est GiB": f"{workspace / GiB:.2f}",
-            "ws meas GiB": f"{(peak - weights) / GiB:.2f}", "_ms": ms, "_out": reference,
+            "ws meas GiB": f"{(peak - weights) / GiB:.2f}", "_ms": ms, "_out": out,
         }
     finally:
         if placement is not None:
@@ -125,9 +133,6 @@ def budget_row(name: str, budget_gb: Optional[float], batch: int, all_streamed: 
 def quantised_budget_row(fmt: str, budget_gb: Optional[float], batch: int = 1) -> dict:
     """A DiT whose block Linears are packed to `fmt` (Triton dequant on the GPU), streamed compressed within a
     budget (None: all resident in that format)."""
-    import dataclasses
-
-
     job = Job(1024, 1024, batch, 1.0, TEXT_TOKENS)
     sizes = ModelSizes.released("turbo", fmt)
     dit, _ = build_dit(None)
@@ -142,14 +147,7 @@ def quantised_budget_row(fmt: str, budget_gb: Optional[float], batch: int = 1) -
     clean()
     enforce(budget)
     try:
-        with torch.inference_mode():
-            out = dit(*args)
-            if not torch.isfinite(out).all():
-                raise AssertionError("non-finite DiT output")
-            ms = cuda_time_ms(lambda: dit(*args), warmup=2, iters=5)
-        peak = torch.cuda.max_memory_allocated()
-        if budget is not None and peak > budget:
-            raise AssertionError(f"peak {peak / GiB:.2f} GiB above the budget {budget / GiB:.2f} GiB")
+        _, ms, peak = timed_forward(dit, args, budget)
         return {"row": f"{fmt} {'resident' if budget is None else f'{budget_gb:g} GiB'}", "batch": batch,
                 "budget GiB": "-" if budget is None else f"{budget_gb:.2f}",
                 "resident": 36 if plan is None else len(plan.resident), "peak GiB": f"{peak / GiB:.2f}",

@@ -44,7 +44,7 @@ def main() -> None:
     print_environment()
     cuda = torch.device("cuda")
     model, raw = full_size_pe(cuda, PE_CONFIG)
-    prompt = torch.randint(1000, raw["vocab_size"], (args.prompt_tokens,), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(min(1000, raw["vocab_size"] // 2), raw["vocab_size"], (args.prompt_tokens,), generator=torch.Generator().manual_seed(1))
     prompt_ids = [1] + prompt.tolist()[1:]
     settings = SamplingSettings(temperature=0.6, top_p=0.95, top_k=50, max_new_tokens=args.new_tokens,
                                 min_new_tokens=args.new_tokens)

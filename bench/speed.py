@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import time
 
 import torch
 
-from common import (GpuSampler, block_matmuls, cuda_time_ms, dit_config, dit_flops, import_package, print_environment,
+from common import (GpuSampler, block_matmuls, cuda_time_ms, wall_time, dit_config, dit_flops, import_package, print_environment,
                     quantise_block_linears_, randomise_dit_, table)
 
 import_package()
@@ -97,10 +96,8 @@ def fp8_rows(ours: ErnieDiT, measure) -> None:
             continue
         compile_blocks(fp8)
         lat, ts, txt, lens = inputs(1)
-        started = time.perf_counter()
-        fp8(lat, ts, txt, lens)
-        torch.cuda.synchronize()
-        measure(label, 1, lambda: fp8(lat, ts, txt, lens), time.perf_counter() - started)
+        _, first_s = wall_time(lambda: fp8(lat, ts, txt, lens))
+        measure(label, 1, lambda: fp8(lat, ts, txt, lens), first_s)
         weights = sum(t.numel() * t.element_size() for t in list(fp8.parameters()) + list(fp8.buffers()))
         print(f"# {label}: DiT weights {weights / 1e9:.2f} GB")
         fp8 = None
@@ -123,12 +120,10 @@ def compiled_rows(ours: ErnieDiT, reference, measure, outputs: dict, variants: b
     def first_then_warm(name: str, batch: int, padded: bool = False, run=None, keep: str | None = None):
         lat, ts, txt, lens = inputs(batch, padded=padded)
         run = run or (lambda: ours(lat, ts, txt, lens))
-        started = time.perf_counter()
-        result = run()
-        torch.cuda.synchronize()
+        result, first_s = wall_time(run)
         if keep:
             outputs[(keep, batch)] = result
-        measure(name, batch, run, time.perf_counter() - started, padded=padded)
+        measure(name, batch, run, first_s, padded=padded)
 
     compile_blocks(ours)
     for batch in (1, 2):

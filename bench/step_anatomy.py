@@ -18,7 +18,8 @@ from typing import Callable
 
 import torch
 
-from common import GpuSampler, block_matmuls, cuda_time_ms, dit_flops, import_package, print_environment, table
+from common import (BLOCK_GEMMS, GpuSampler, block_gemm_weights, block_matmuls, cuda_time_ms, dit_flops, import_package,
+                    print_environment, table, wall_time)
 
 import_package()
 
@@ -38,22 +39,13 @@ def timed(name: str, run: Callable[[], object], flops: float, sampler: GpuSample
     return ms
 
 
-def block_gemm_shapes(dit: ErnieDiT) -> dict[str, list[torch.Tensor]]:
-    """The step's GEMM weights per role, one per block, as the fused model holds them."""
-    return {
-        "qkv": [b.self_attention.to_qkv.weight for b in dit.layers],
-        "out": [b.self_attention.to_out[0].weight for b in dit.layers],
-        "gate_up": [b.mlp.gate_up.weight for b in dit.layers],
-        "down": [b.mlp.linear_fc2.weight for b in dit.layers],
-    }
-
-
 def floors(dit: ErnieDiT, batch: int, sampler: GpuSampler, rows: list) -> None:
     tokens = SEQ * batch
     generator = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn((tokens, 4096), device="cuda", generator=generator).bfloat16()
     hidden = torch.randn((tokens, 12288), device="cuda", generator=generator).bfloat16()
-    shapes = block_gemm_shapes(dit)
+    blocks = block_gemm_weights(dit)
+    shapes = {role: [weights[role] for weights in blocks] for role in BLOCK_GEMMS}
     outs = {role: torch.empty((tokens, ws[0].shape[0]), device="cuda", dtype=torch.bfloat16)
             for role, ws in shapes.items()}
 
@@ -134,11 +126,8 @@ def profile_step(run: Callable[[], object], label: str) -> None:
 
 def step_rows(dit: ErnieDiT, batch: int, sampler: GpuSampler, rows: list, label: str) -> Callable[[], object]:
     lat, ts, txt, lens = inputs(batch)
-    started = time.perf_counter()
-    dit(lat, ts, txt, lens)
-    torch.cuda.synchronize()
-    print(f"# {label} b{batch} first call {time.perf_counter() - started:.1f} s", flush=True)
     run = lambda: dit(lat, ts, txt, lens)  # noqa: E731
+    print(f"# {label} b{batch} first call {wall_time(run)[1]:.1f} s", flush=True)
     timed(f"b{batch} step, {label}", run, dit_flops() * batch, sampler, rows)
     return run
 
@@ -185,16 +174,13 @@ def autotune_rows(dit: ErnieDiT, batch: int, sampler: GpuSampler, rows: list) ->
     inductor.triton.enable_persistent_tma_matmul = True
     tokens = SEQ * batch
     generator = torch.Generator(device="cuda").manual_seed(0)
-    for role, weights in block_gemm_shapes(dit).items():
-        weight = weights[0]
+    for role in BLOCK_GEMMS:
+        weight = block_gemm_weights(dit)[0][role]
         x = torch.randn((tokens, weight.shape[1]), device="cuda", generator=generator).bfloat16()
         torch._dynamo.reset()
         compiled = torch.compile(lambda a, w: a @ w.t(), mode="max-autotune-no-cudagraphs", dynamic=False)
-        started = time.perf_counter()
-        compiled(x, weight)
-        torch.cuda.synchronize()
         flops = 2 * tokens * weight.shape[0] * weight.shape[1]
-        print(f"# autotune {role}: {time.perf_counter() - started:.1f} s", flush=True)
+        print(f"# autotune {role}: {wall_time(lambda: compiled(x, weight))[1]:.1f} s", flush=True)
         timed(f"b{batch} {role} max-autotune (ATEN,TRITON persistent TMA)", lambda: compiled(x, weight), flops,
               sampler, rows, iters=50)
         timed(f"b{batch} {role} cuBLAS", lambda: x @ weight.t(), flops, sampler, rows, iters=50)

@@ -48,12 +48,8 @@ def summary() -> dict[str, Any]:
     pipes = live_pipes()
     return {
         "live_pipes": len(pipes),
-        "pipes": [{"kind": getattr(p, "kind", "?"), "loaded": _is_loaded(p), "plan": _describe(p)} for p in pipes],
+        "pipes": [{"kind": getattr(p, "kind", "?"), "loaded": bool(p.is_loaded()), "plan": _describe(p)} for p in pipes],
     }
-
-
-def _is_loaded(pipe: Any) -> bool:
-    return bool(pipe.is_loaded())
 
 
 def _describe(pipe: Any) -> str:

@@ -26,22 +26,32 @@ def parse_urls(server_urls: str) -> list[str]:
     return urls
 
 
-def checked_key_source(api_key_env: str, api_key_file: str) -> tuple[Optional[str], Optional[str]]:
-    """The names of where the key lives, checked; the key itself is read only when a request is sent."""
+def checked_key_source(api_key_env: str, api_key_file: str, widget_prefix: str = "") -> tuple[Optional[str], Optional[str]]:
+    """The names of where the key lives, checked; the key itself is read only when a request is sent.
+
+    A value that is not a set variable's name may be a pasted key, so messages show only its first characters.
+    `widget_prefix` names the widgets in the messages ("pe_" for the PE endpoint's).
+    """
     env_name = api_key_env.strip() or None
     key_file = api_key_file.strip() or None
+    env_widget, file_widget = f"{widget_prefix}api_key_env", f"{widget_prefix}api_key_file"
     if env_name is not None and not _ENV_NAME.match(env_name):
         raise InvalidInputError(
-            f"api_key_env must be the NAME of an environment variable (letters, digits, _), not '{env_name[:4]}...'; "
+            f"{env_widget} must be the NAME of an environment variable (letters, digits, _), not '{env_name[:4]}...'; "
             "never paste the key itself into a workflow"
+        )
+    if env_name is not None and key_file is None and env_name not in os.environ:
+        raise InvalidInputError(
+            f"{env_widget} names a variable ('{env_name[:4]}...') that ComfyUI's environment does not have: export "
+            "it before starting ComfyUI, or give a key file; write only the variable's NAME here, never the key"
         )
     if key_file is not None:
         path = os.path.expanduser(key_file)
         if not os.path.isfile(path):
-            raise InvalidInputError(f"api_key_file {key_file} is not a file: give the path of a file holding only the key")
+            raise InvalidInputError(f"{file_widget} {key_file} is not a file: give the path of a file holding only the key")
         if os.path.getsize(path) > MAX_KEY_FILE_BYTES:
             raise InvalidInputError(
-                f"api_key_file {key_file} is larger than {MAX_KEY_FILE_BYTES} bytes, so it is not a key file: "
+                f"{file_widget} {key_file} is larger than {MAX_KEY_FILE_BYTES} bytes, so it is not a key file: "
                 "give the path of a file holding only the key"
             )
     return env_name, key_file
@@ -56,10 +66,7 @@ def chat_endpoint(pe_url: str, pe_model: str, pe_api_key_env: str, pe_api_key_fi
     url = pe_url.strip()
     if not url:
         return None
-    try:
-        env_name, key_file = checked_key_source(pe_api_key_env, pe_api_key_file)
-    except InvalidInputError as error:
-        raise InvalidInputError(f"pe_{error}") from None  # the same rule, named after the pe_ widget
+    env_name, key_file = checked_key_source(pe_api_key_env, pe_api_key_file, widget_prefix="pe_")
     endpoint = ChatEndpoint(url=url, model=pe_model.strip() or None, api_key_env=env_name, api_key_file=key_file,
                             connect_timeout_s=float(connect_timeout_s))
     normalize_base_url(endpoint.base_url())  # a malformed URL fails here, before anything is sent

@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Any, Optional
 
-from ..runtime.errors import ErnieImageError
+from ..runtime.errors import ErnieImageError, InvalidInputError
 from . import live_pipes
 from .remote import checked_key_source, parse_urls
 
@@ -57,7 +57,11 @@ def check_servers(body: dict[str, Any]) -> dict[str, Any]:
 
     urls = parse_urls(str(body.get("server_urls", "")))[:MAX_SERVERS_PER_CHECK]
     env_name, key_file = checked_key_source(str(body.get("api_key_env", "")), str(body.get("api_key_file", "")))
-    connect_timeout_s = min(MAX_CONNECT_TIMEOUT_S, max(0.5, float(body.get("connect_timeout_s", MAX_CONNECT_TIMEOUT_S))))
+    try:
+        connect_timeout_s = float(body.get("connect_timeout_s", MAX_CONNECT_TIMEOUT_S))
+    except (TypeError, ValueError):
+        raise InvalidInputError("connect_timeout_s must be a number of seconds") from None
+    connect_timeout_s = min(MAX_CONNECT_TIMEOUT_S, max(0.5, connect_timeout_s))
     rows = run_sync(_check_rows(urls, env_name, key_file, connect_timeout_s))
     return {"ok": all(row["ok"] for row in rows), "servers": rows, "text": format_rows(rows)}
 

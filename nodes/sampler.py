@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..runtime.errors import Cancelled, ErnieImageError, InvalidInputError
+from ..runtime.errors import ErnieImageError, InvalidInputError
 from ..runtime.request import (
     MAX_SIDE,
     MIN_SIDE,
@@ -16,8 +16,8 @@ from ..runtime.request import (
     validate_size,
 )
 from .common import CATEGORY, PIPE_TYPE
-from .host import ComfyHost, raise_as_comfy_interrupt
-from .live_pipes import generation_lock, release_quietly
+from .host import ComfyHost, cancel_as_comfy_interrupt
+from .live_pipes import generation_lock
 from .memory import bytes_to_free
 
 CUSTOM_RESOLUTION = "custom"
@@ -67,25 +67,18 @@ def latent_output(result: GenerationResult) -> Any:
 
 
 def run_generation(pipe: Any, request: GenerationRequest, node_id: Optional[str]) -> GenerationResult:
-    """Generate with ComfyUI as host; after an error or a cancel the pipe's device memory is released."""
+    """Generate with ComfyUI as host. The pipe frees its own device memory after an error or a cancel."""
     if pipe is None or not hasattr(pipe, "generate"):
         raise InvalidInputError("the pipe input is not connected: wire an ERNIE-Image Loader or Remote Backend to it")
-    request.validate()
+    request.validate()  # before make_room, so a bad request unloads nothing of ComfyUI's
     host = ComfyHost(node_id)
     room = bytes_to_free(pipe)
     if room is not None:
         host.make_room(room, pipe.device)  # ComfyUI unloads its own models until this much is free
     try:
-        with generation_lock:
+        with generation_lock, cancel_as_comfy_interrupt():
             return pipe.generate(request, host)
-    except Cancelled as cancelled:
-        release_quietly(pipe)
-        raise_as_comfy_interrupt(cancelled)
-    except ErnieImageError:
-        release_quietly(pipe)
-        raise
     except Exception as error:
-        release_quietly(pipe)
         if type(error).__name__ == "OutOfMemoryError":
             raise ErnieImageError(
                 f"out of GPU memory while generating ({error}); set a lower VRAM budget on the Loader, "
@@ -130,8 +123,7 @@ def validate_size_inputs(resolution: Optional[str], width: Optional[int], height
 
 
 class ErnieImageSampler:
-    DEFAULT_STEPS = int(VARIANT_DEFAULTS["base"]["steps"])
-    DEFAULT_CFG = VARIANT_DEFAULTS["base"]["cfg"]
+    VARIANT = "base"  # whose defaults (runtime VARIANT_DEFAULTS) the widgets start at
     HAS_NEGATIVE = True
 
     DESCRIPTION = (
@@ -150,6 +142,7 @@ class ErnieImageSampler:
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:
+        defaults = VARIANT_DEFAULTS[cls.VARIANT]
         required: dict[str, Any] = {
             "pipe": (PIPE_TYPE, {"tooltip": "The model to run: an ERNIE-Image Loader or Remote Backend output."}),
             "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "What to draw. Chinese and English both work."}),
@@ -162,10 +155,10 @@ class ErnieImageSampler:
         required.update(
             {
                 **size_inputs("Baidu's seven ~1 MP sizes; 'custom' uses width and height below."),
-                "steps": ("INT", {"default": cls.DEFAULT_STEPS, "min": 1, "max": 1000, "tooltip": "Denoising steps: 50 for ERNIE-Image, 8 for Turbo."}),
+                "steps": ("INT", {"default": int(defaults["steps"]), "min": 1, "max": 1000, "tooltip": "Denoising steps: 50 for ERNIE-Image, 8 for Turbo."}),
                 "cfg": (
                     "FLOAT",
-                    {"default": cls.DEFAULT_CFG, "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01,
+                    {"default": defaults["cfg"], "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01,
                      "tooltip": "Classifier-free guidance: 4.0 for ERNIE-Image, 1.0 (off, twice as fast) for Turbo."},
                 ),
                 "seed": seed_input("Noise seed; the same seed gives the same image on any device."),
@@ -190,7 +183,7 @@ class ErnieImageSampler:
         width, height = resolve_size(resolution, width, height)
         request = GenerationRequest(
             prompt=prompt,
-            negative_prompt=negative_prompt if self.HAS_NEGATIVE else "",
+            negative_prompt=negative_prompt,
             width=width,
             height=height,
             steps=int(steps),
@@ -205,9 +198,8 @@ class ErnieImageSampler:
 
 
 class ErnieImageTurboSampler(ErnieImageSampler):
-    DEFAULT_STEPS = int(VARIANT_DEFAULTS["turbo"]["steps"])
-    DEFAULT_CFG = VARIANT_DEFAULTS["turbo"]["cfg"]
-    HAS_NEGATIVE = False
+    VARIANT = "turbo"
+    HAS_NEGATIVE = False  # Turbo runs at CFG 1, where a negative prompt does nothing
 
     DESCRIPTION = (
         "Generates images with ERNIE-Image-Turbo: 8 steps at CFG 1.0 (no negative prompt, one model pass per "

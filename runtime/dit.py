@@ -3,7 +3,8 @@
 Parameter names are diffusers' (`ErnieImageTransformer2DModel`), so every weight file in diffusers key space
 loads with `load_state_dict`. The maths is the reference's; what differs is how it is scheduled:
 
-- the shared AdaLN modulation is broadcast as [B, 1, D] instead of being materialised six times as [S, B, D];
+- the shared AdaLN modulation is broadcast as [B, 1, D] instead of being materialised six times as [S, B, D],
+  and its `1 + scale` terms are formed once per step, not in every block;
 - the attention mask is dropped when no text key is padded, which lets SDPA pick its flash kernel;
 - RoPE tables are cached per (image grid, text lengths);
 - the block loop goes through `block_runner`, the hook the offloader uses to stream weights in.
@@ -141,8 +142,8 @@ def _fuse_linears(linears: list[nn.Module]) -> Optional[nn.Linear]:
     return fused
 
 
-def _modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    return (x.float() * (1 + scale) + shift).to(x.dtype)
+def _modulate(x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    return (x.float() * one_plus_scale + shift).to(x.dtype)
 
 
 class Block(nn.Module):
@@ -154,10 +155,11 @@ class Block(nn.Module):
         self.mlp = FeedForward(config)
 
     def forward(self, x: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ctx.modulation
-        attn = self.self_attention(_modulate(self.adaLN_sa_ln(x), scale_msa, shift_msa), ctx.rope, ctx.key_mask)
+        shift_msa, one_plus_scale_msa, gate_msa, shift_mlp, one_plus_scale_mlp, gate_mlp = ctx.modulation
+        attn_in = _modulate(self.adaLN_sa_ln(x), one_plus_scale_msa, shift_msa)
+        attn = self.self_attention(attn_in, ctx.rope, ctx.key_mask)
         x = x + (gate_msa * attn.float()).to(x.dtype)
-        mlp = self.mlp(_modulate(self.adaLN_mlp_ln(x), scale_mlp, shift_mlp))
+        mlp = self.mlp(_modulate(self.adaLN_mlp_ln(x), one_plus_scale_mlp, shift_mlp))
         return x + (gate_mlp * mlp.float()).to(x.dtype)
 
 
@@ -185,7 +187,8 @@ def _axis_angles(pos: torch.Tensor, dim: int, theta: int) -> torch.Tensor:
 
 @dataclass
 class StepContext:
-    modulation: tuple[torch.Tensor, ...]  # six fp32 [B, 1, D] tensors shared by every block
+    # Six fp32 [B, 1, D] tensors shared by every block: shift, 1 + scale, gate for attention, then for the MLP.
+    modulation: tuple[torch.Tensor, ...]
     rope: RopeTables
     key_mask: Optional[torch.Tensor]  # bool [B, 1, 1, S] or None when no key is padded
 
@@ -279,7 +282,10 @@ class ErnieDiT(nn.Module):
         key_mask = _key_mask(batch, height * width, text_lens, text_max, latents.device)
 
         conditioning = self.time_embedding(sinusoidal_timestep(timestep, self.config.hidden_size).to(dtype))
-        modulation = tuple(m.float().unsqueeze(1) for m in self.adaLN_modulation(conditioning).chunk(6, dim=-1))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+            m.float().unsqueeze(1) for m in self.adaLN_modulation(conditioning).chunk(6, dim=-1)
+        )
+        modulation = (shift_msa, 1 + scale_msa, gate_msa, shift_mlp, 1 + scale_mlp, gate_mlp)
         ctx = StepContext(modulation=modulation, rope=rope, key_mask=key_mask)
         for index, block in enumerate(self.layers):
             x = self.block_runner(index, block, x, ctx)

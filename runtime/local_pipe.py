@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from .acceleration import compile_blocks, fuse_projections
+from .acceleration import compile_available, compile_blocks, fuse_projections
 from .decode import decode_images
 from .errors import ErnieImageError, ModelFileError
 from .formats import open_component
@@ -20,7 +20,7 @@ from .host import Host, NullHost
 from .model_files import QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae
 from .offload.session import PipeMemory
 from .preview import latent_preview
-from .request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult
+from .request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
 from .sampling import initial_noise, length_grouped_denoiser, sample_euler
 from .text.encoder import encode_prompts
 
@@ -75,7 +75,6 @@ class LocalPipe:
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self._loaded = _Loaded()
-        self.compiled = False
         self.quant_reason = ""
         self.memory = PipeMemory(self.device, self.dtype, options.vram_budget_gb, options.quant)
 
@@ -92,12 +91,17 @@ class LocalPipe:
     def defaults(self) -> dict[str, float]:
         return VARIANT_DEFAULTS[self.variant]
 
+    @property
+    def compiles_dit(self) -> bool:
+        """Whether the DiT's blocks are (or, once loaded, will be) compiled: asked for and possible here."""
+        return self.options.compile and compile_available(self.device)
+
     def describe(self, request: Optional[GenerationRequest] = None) -> str:
         """The variant, device, formats and the VRAM plan (of the last job, else of a default 1024x1024 job)."""
         lines = [
             f"ERNIE-Image {'Turbo' if self.variant == 'turbo' else '(base)'} on {self.device} in "
             f"{str(self.dtype).replace('torch.', '')}; defaults {int(self.defaults['steps'])} steps, "
-            f"CFG {self.defaults['cfg']}; DiT {'compiled' if self.compiled else 'eager'}"
+            f"CFG {self.defaults['cfg']}; DiT {'compiled' if self.compiles_dit else 'eager'}"
         ]
         if self.quant_reason:
             lines.append(self.quant_reason)
@@ -140,8 +144,8 @@ class LocalPipe:
             if self.device.type == "cuda":
                 fuse_projections(dit)
             dit = self.memory.place_dit(dit)
-            if self.options.compile and compile_blocks(dit):
-                self.compiled = True
+            if self.compiles_dit:
+                compile_blocks(dit)
             self._loaded.dit = dit
         return self._loaded.dit
 
@@ -182,8 +186,8 @@ class LocalPipe:
 
         preview = latent_preview if self.options.previews else None
         with torch.inference_mode():
-            return sample_euler(denoise, noise, request.steps, request.shift, request.cfg if negative is not None else 1.0,
-                                self.dtype, host, preview)
+            cfg = request.cfg if negative is not None else 1.0
+            return sample_euler(denoise, noise, request.steps, request.shift, cfg, self.dtype, host, preview)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         tile = self.memory.plan.vae.tile if self.memory.plan is not None else None
@@ -232,12 +236,13 @@ class LocalPipe:
     def _plan(self, request: GenerationRequest, host: Host) -> None:
         """Plan the job; drop the parts the new plan released (they are rebuilt on use)."""
         self.memory.plan_job(request, self.sources, self.variant, self._local_pe())
-        if self.memory.active and self.memory.dit is None:
-            self._loaded.dit = None
-        if self.memory.active and self.memory.text is None:
-            self._loaded.text_tower = None
-        if self.memory.active and self.memory.pe is None:
-            self._loaded.enhancer = None
+        if self.memory.active:
+            if self.memory.dit is None:
+                self._loaded.dit = None
+            if self.memory.text is None:
+                self._loaded.text_tower = None
+            if self.memory.pe is None:
+                self._loaded.enhancer = None
         self.memory.set_host(host)
 
     def _local_pe(self) -> bool:
@@ -261,7 +266,6 @@ class LocalPipe:
         The same revision `generate` gives the DiT for this prompt, size and seed. A failure or a cancel releases
         the pipe's memory, as `generate` does.
         """
-        from .request import validate_size
         from .text.enhancer import validate_sampling
 
         if not self.has_enhancer():

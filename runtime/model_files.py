@@ -83,7 +83,7 @@ def load_config(variant: Variant, component: str) -> dict:
 
 
 def fill_from_file(module: torch.nn.Module, component, device: torch.device, dtype: torch.dtype, quant: str = "none",
-          quant_device: Optional[torch.device] = None, keep_fp32: tuple[str, ...] = ()) -> torch.nn.Module:
+                   quant_device: Optional[torch.device] = None, keep_fp32: tuple[str, ...] = ()) -> torch.nn.Module:
     """Fill a meta-device module from `component` (packed Linears when the file is quantised or `quant` asks),
     then check that nothing is left on the meta device."""
     if component.quantized or quant in QUANT_ON_LOAD_FORMATS:

@@ -14,9 +14,8 @@ from typing import Literal
 
 import torch
 
-from .model_files import ModelSources
+from .model_files import CONFIG_ROOT, ModelSources, Variant
 
-Variant = Literal["base", "turbo"]
 Layout = Literal["diffusers", "comfy"]
 
 # Tekken-style special tokens: <s> = 1, </s> = 2, [IMG] = 10, <pad> = 11, as in Ministral-3B.
@@ -199,7 +198,7 @@ def build_tiny_model(
     diffusion_models/, text_encoders/ (tokenizer embedded as `tekken_model`) and vae/ (BFL key layout).
     """
     dest = Path(dest)
-    config_root = Path(__file__).parent / "configs" / ("ERNIE-Image-Turbo" if variant == "turbo" else "ERNIE-Image")
+    config_root = CONFIG_ROOT / ("ERNIE-Image-Turbo" if variant == "turbo" else "ERNIE-Image")
     dit, text_encoder, vae = build_dit(sizes, seed), build_text_encoder(sizes, seed + 1), build_vae(sizes, seed + 2)
     pe = None
     if with_pe:

@@ -155,6 +155,6 @@ def test_size_not_allowed_suggests_the_nearest_valid_one(width, suggestion):
         GenerationRequest(prompt="x", width=width).validate()
 
 
-def test_empty_prompt_is_valid_and_is_one_bos_token(comfy):
+def test_empty_prompt_is_valid_and_is_one_bos_token():
     GenerationRequest(prompt="").validate()
     assert token_ids(tokenizer_from_tekken_json(tiny_tekken_bytes()), "") == [BOS_ID]

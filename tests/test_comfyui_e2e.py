@@ -36,6 +36,9 @@ TEST_SIDE = 256
 MAX_TEST_STEPS = 4
 START_TIMEOUT_S = 180
 RUN_TIMEOUT_S = 300
+# An API key only ComfyUI's environment holds: it must reach the server and nothing else.
+KEY_VARIABLE = "ERNIE_E2E_SGLANG_KEY"
+SECRET_KEY = "e2e-s3cret-" + uuid.uuid4().hex
 
 pytestmark = [
     pytest.mark.comfyui,
@@ -110,7 +113,7 @@ def comfy(tmp_path_factory: pytest.TempPathFactory):
         process = subprocess.Popen(
             [COMFY_PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
              "--base-directory", str(base), "--preview-method", "auto"],
-            cwd=COMFY_DIR, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=COMFY_DIR, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", KEY_VARIABLE: SECRET_KEY},
         )
     server = Comfy(f"http://127.0.0.1:{port}", process, log_path, base, models)
     try:
@@ -427,3 +430,22 @@ async def test_remote_test_connection_route(comfy: Comfy) -> None:
     assert status == 200 and not body["ok"] and body["servers"][0]["problems"]
     status, body = await post(comfy, "/ernie_image/test_connection", {"server_urls": fake.url, "api_key_env": "sk-123 secret"})
     assert status == 400 and "NAME of an environment variable" in body["error"] and "secret" not in body["error"]
+
+
+async def test_the_api_key_reaches_the_server_and_never_the_png_history_or_log(comfy: Comfy) -> None:
+    from fake_sglang import FakeSglang
+
+    graph = shrunk(load_workflow("ernie_image_remote_sglang"))
+    backend = node_of(graph, "ErnieImageRemoteBackend")[1]["inputs"]
+    with FakeSglang(model_id="baidu/ERNIE-Image-Turbo", api_key=SECRET_KEY) as fake:
+        backend.update(server_urls=fake.url, api_key_env=KEY_VARIABLE)
+        run = await run_prompt(comfy, graph)
+        assert run.outcome == "execution_success", run.error
+        assert fake.generations[0].headers.get("Authorization") == f"Bearer {SECRET_KEY}"
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{comfy.url}/view", params={**saved_images(run)[0]}) as response:
+            png = await response.read()
+    assert png.startswith(b"\x89PNG") and KEY_VARIABLE.encode() in png, "the PNG should record the variable's name"
+    assert SECRET_KEY.encode() not in png
+    assert SECRET_KEY not in json.dumps(run.history) + json.dumps(run.messages)
+    assert SECRET_KEY not in comfy.log()

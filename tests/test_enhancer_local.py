@@ -1,6 +1,7 @@
 """The local prompt enhancer: Baidu's prompt format, diffusers' sampling maths, private seeding, both file layouts."""
 from __future__ import annotations
 
+import dataclasses
 import types
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from ernie_image.runtime.model_files import ModelSources
 from ernie_image.runtime.text.enhancer import LocalEnhancer, main_enhance, revise_prompts
 from ernie_image.runtime.text.pe_prompt import ERNIE_PE_SYSTEM_TEXT, render_chat, user_message
 from ernie_image.runtime.text.tiny_pe import build_tiny_pe_folder, lively_prompt_enhancer
-from ernie_image.runtime.text.token_sampler import ExponentialDraws
+from ernie_image.runtime.text.token_sampler import ExponentialDraws, SamplingSettings, sample_tokens
 from ernie_image.runtime.tiny import TinySizes
 
 CPU = torch.device("cpu")
@@ -127,11 +128,21 @@ def test_greedy_revision_ignores_the_seed(enhancer):
                                                                                          settings).revised
 
 
-def test_cap_and_min_tokens(enhancer):
+def test_the_token_cap_truncates_and_says_so(enhancer):
     host = NullHost()
     capped = enhancer.revise(PROMPTS[0], 1024, 1024, 0, enhancer.settings(0.6, 0.95, 4, min_new_tokens=4), host)
     assert capped.tokens == 4 and capped.truncated
     assert any("4-token cap" in message for message in host.messages)
+
+
+def test_min_new_tokens_masks_eos_until_reached(enhancer):
+    ids = enhancer.input_ids(PROMPTS[0], 1024, 1024)
+    greedy = SamplingSettings(temperature=0.0, max_new_tokens=6)
+    first = sample_tokens(enhancer.model, ids, greedy, 0, eos_ids=[]).token_ids[0]
+    # The token greedy decoding starts with, declared EOS: it ends the answer at once unless masked.
+    assert sample_tokens(enhancer.model, ids, greedy, 0, eos_ids=[first]).token_ids == []
+    held = sample_tokens(enhancer.model, ids, dataclasses.replace(greedy, min_new_tokens=3), 0, eos_ids=[first])
+    assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
 
 
 def test_bad_settings_are_refused_with_the_fix(enhancer):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ernie_image.runtime.errors import Cancelled
-from ernie_image.runtime.text.static_decoder import (CACHE_ROUNDING, StaticCacheDecoder, has_forward_hooks,
+from ernie_image.runtime.text.static_decoder import (CACHE_ROUNDING, StaticCacheDecoder, computes_like_transformers,
                                                      static_decoding_device)
 from ernie_image.runtime.text.tiny_pe import lively_prompt_enhancer
 from ernie_image.runtime.text.token_sampler import (SamplingSettings, TransformersDecoder, open_decoder,
@@ -76,13 +76,17 @@ def test_cpu_models_keep_transformers_path(model):
     assert isinstance(open_decoder(model, 64), TransformersDecoder)
 
 
-def test_hooked_layers_keep_transformers_path():
-    """A streamed PE's weights are all on the device (ring slots), but only its layer hooks fill them."""
+def test_hooked_layers_and_sliding_windows_keep_transformers_path():
+    """A streamed PE's weights are all on the device (ring slots), but only its layer hooks fill them; a sliding
+    window is maths this decoder does not do. (On the GPU the test below checks open_decoder's choice itself.)"""
     model = lively_prompt_enhancer(seed=4).eval()
-    assert not has_forward_hooks(model)
+    assert computes_like_transformers(model)
     handle = model.model.layers[3].register_forward_pre_hook(lambda module, args: None)
-    assert has_forward_hooks(model)
+    assert not computes_like_transformers(model)
     handle.remove()
+    assert computes_like_transformers(model)
+    model.config.sliding_window = 64
+    assert not computes_like_transformers(model)
 
 
 def test_a_model_the_graph_cannot_capture_falls_back_to_transformers(model, monkeypatch, caplog):
@@ -103,7 +107,13 @@ def test_a_model_the_graph_cannot_capture_falls_back_to_transformers(model, monk
 def test_on_the_gpu_the_graph_decoder_matches_transformers_and_frees_its_memory():
     cuda_model = lively_prompt_enhancer(seed=4).float().eval().requires_grad_(False).cuda()
     assert isinstance(open_decoder(cuda_model, 64, fast=False), TransformersDecoder)
-    open_decoder(cuda_model, 64).close()  # the process's one capture stream and its cuBLAS workspace, kept for good
+    handle = cuda_model.model.layers[0].register_forward_hook(lambda module, args, output: None)
+    assert isinstance(open_decoder(cuda_model, 64), TransformersDecoder), "a hooked (streamed) PE"
+    handle.remove()
+    # Kept for good, so taken before measuring: the process's one capture stream and the cuBLAS workspaces of it
+    # and of this thread's current stream (cuBLAS allocates one per stream on its first matmul there).
+    open_decoder(cuda_model, 64).close()
+    teacher_forced_difference(StaticCacheDecoder(cuda_model, 64, use_graph=False), cuda_model, 2)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
 

@@ -93,8 +93,12 @@ def test_noise_is_comfyui_draw():
 
 
 def test_latent_output_is_normalised_dit_space(pipe):
+    from ernie_image.runtime.decode import decode_images
+
     result = pipe.generate(GenerationRequest(prompt="x", steps=2, cfg=1.0, width=256, height=320), NullHost())
-    assert result.latents.shape == (1, 128, 20, 16)
+    assert result.latents.shape == (1, 128, 20, 16)  # the DiT's 128 channels at 1/16 of the image, not the VAE's 32
+    # Still BatchNorm-normalised: the decoder's de-normalisation turns them into exactly the returned image.
+    assert torch.equal(decode_images(result.latents, pipe._vae()), result.images)
 
 
 def test_progress_and_cancel_between_steps(pipe):
@@ -112,7 +116,7 @@ def test_progress_and_cancel_between_steps(pipe):
     assert host.progress_calls == [(1, 6), (2, 6)]
 
 
-def test_tiled_decode_is_used_when_the_plan_asks_and_stays_close(pipe):
+def test_tiled_decode_stays_close_to_whole_and_is_switched_off_again(pipe):
     from ernie_image.runtime.decode import decode_images
 
     latents = pipe.generate(GenerationRequest(prompt="x", steps=2, cfg=1.0, width=512, height=512), NullHost()).latents

@@ -157,6 +157,8 @@ def test_bad_endpoint_settings_are_refused_before_anything_is_sent(tmp_path) -> 
     with pytest.raises(InvalidInputError, match="pe_api_key_env must be the NAME") as error:
         enhance(pe_url="http://127.0.0.1:1", pe_api_key_env="sk-live-1234567890")
     assert "1234567890" not in str(error.value)
+    with pytest.raises(InvalidInputError, match="pe_api_key_env names a variable"):
+        enhance(pe_url="http://127.0.0.1:1", pe_api_key_env="ERNIE_TEST_UNSET_PE_KEY")
     with pytest.raises(InvalidInputError, match="pe_api_key_file .* is not a file"):
         enhance(pe_url="http://127.0.0.1:1", pe_api_key_file=str(tmp_path / "missing"))
     with pytest.raises(RemoteError, match="is not an http"):

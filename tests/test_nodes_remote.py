@@ -42,10 +42,15 @@ def test_remote_pipe_drives_the_same_sampler() -> None:
     assert latent is None  # no latents from a server; inside ComfyUI this is an ExecutionBlocker with a message
 
 
-def test_the_api_key_is_named_never_given(tmp_path: Path) -> None:
+def test_the_api_key_is_named_never_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(InvalidInputError, match="NAME of an environment variable") as error:
         connect(api_key_env="sk-live-1234567890")
     assert "1234567890" not in str(error.value)
+    # A pasted key that looks like a name names no variable of ComfyUI's: refused, and not echoed either.
+    monkeypatch.delenv("mysecretkey42", raising=False)
+    with pytest.raises(InvalidInputError, match="api_key_env names a variable .* does not have") as error:
+        connect(api_key_env="mysecretkey42")
+    assert "secretkey42" not in str(error.value)
     big = tmp_path / "not_a_key.txt"
     big.write_bytes(b"x" * 10_000)
     with pytest.raises(InvalidInputError, match="not a key file"):
@@ -72,6 +77,11 @@ def test_check_reports_the_served_model_without_generating() -> None:
     assert result["ok"] and result["servers"][0]["model"] == "baidu/ERNIE-Image" and result["servers"][0]["gpus"] == 2
     assert paths <= {"/health", "/v1/models", "/server_info"}
     assert result["text"].startswith("OK ")
+
+
+def test_check_refuses_a_timeout_that_is_not_a_number() -> None:
+    with pytest.raises(InvalidInputError, match="connect_timeout_s must be a number"):
+        check_servers({"server_urls": "http://127.0.0.1:1", "connect_timeout_s": "soon"})
 
 
 def test_check_reports_a_dead_server_as_a_row_not_an_exception() -> None:

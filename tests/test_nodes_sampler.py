@@ -56,6 +56,7 @@ def test_an_invalid_custom_size_is_refused_before_anything_runs(tiny_sources) ->
     pipe = LocalPipe.load(tiny_sources, LoadOptions(device="cpu"))
     with pytest.raises(InvalidInputError, match="width 300 is not allowed"):
         ErnieImageTurboSampler().generate(pipe=pipe, **turbo_inputs(width=300))
+    assert not pipe.is_loaded()
 
 
 def test_an_unconnected_pipe_is_a_clear_error() -> None:
@@ -67,10 +68,10 @@ def test_a_failed_run_releases_the_weights(tiny_sources, tmp_path: Path) -> None
     broken = build_tiny_model(tmp_path / "broken", layout="comfy", variant="turbo")
     broken.vae.write_bytes(b"not a safetensors file")
     pipe = track(LocalPipe.load(broken, LoadOptions(device="cpu")))
-    with pytest.raises(ModelFileError):
+    with pytest.raises(ModelFileError):  # the VAE fails after the text encoder and the DiT have run
         ErnieImageTurboSampler().generate(pipe=pipe, **turbo_inputs(batch_size=1))
-    state = [p for p in summary()["pipes"] if p["kind"] == "local"]
-    assert state and not any(p["loaded"] for p in state)
+    assert not pipe.is_loaded()
+    assert summary()["pipes"] and not any(p["loaded"] for p in summary()["pipes"] if p["kind"] == "local")
 
 
 def test_keep_loaded_keeps_weights_between_runs(tiny_sources) -> None:

@@ -67,10 +67,21 @@ def enhancer_row(plan_text: str) -> str:
 def test_streamed_pe_gives_the_unbudgeted_revision(model, unbudgeted):
     assert unbudgeted.prompts_used[0] != PROMPT and unbudgeted.info["pe"] == "local"
     pipe = budgeted_pipe(model, keep_loaded=True)
-    for _ in range(2):  # the second run re-enters the parked PE instead of building it again
-        result = pipe.generate(request(), NullHost())
-        assert result.prompts_used == unbudgeted.prompts_used
-        assert torch.equal(result.latents, unbudgeted.latents)
+    result = pipe.generate(request(), NullHost())
+    assert result.prompts_used == unbudgeted.prompts_used
+    assert torch.equal(result.latents, unbudgeted.latents)
+    # The second run re-enters the parked PE instead of building it again; every forward of it (the prefill, then
+    # one per generated token) streams all the layers.
+    tower = pipe._loaded.enhancer.model.model
+    forwards = []
+    counter = tower.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    copies_before = pipe.memory.pe.streamer.sync.copies
+    result = pipe.generate(request(), NullHost())
+    counter.remove()
+    assert result.prompts_used == unbudgeted.prompts_used
+    assert torch.equal(result.latents, unbudgeted.latents)
+    assert len(forwards) > 1
+    assert pipe.memory.pe.streamer.sync.copies - copies_before >= len(forwards) * SIZES.text_layers
     plan = pipe.memory.plan
     assert plan.pe.mode == "streamed" and plan.pe.layers == SIZES.text_layers
     assert f"streamed layer-wise ({SIZES.text_layers} layers, 2 buffers)" in enhancer_row(pipe.describe())
@@ -79,7 +90,6 @@ def test_streamed_pe_gives_the_unbudgeted_revision(model, unbudgeted):
     assert placed is not None and placed.model is pipe._loaded.enhancer.model
     # Between phases the PE's ring is parked: its layers point at the host slab, nothing stays on the device.
     assert placed.streamer.parked
-    assert placed.streamer.sync.copies >= 2 * SIZES.text_layers  # the prefill and every token streamed the layers
     pipe.release()
     assert pipe.memory.pe is None and pipe._loaded.enhancer is None
     assert all(p.is_meta for p in placed.model.parameters()), "release leaves no PE weight behind"
@@ -160,3 +170,27 @@ def test_on_the_gpu_the_streamed_pe_matches_the_resident_one_and_hands_its_memor
         assert torch.cuda.memory_allocated() == before, "the parked PE holds no device memory between phases"
         assert pipe._loaded.enhancer.model.lm_head.weight.device.type == "cpu"
     pipe.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_a_streamed_untied_pe_keeps_its_whole_stem_on_the_device():
+    from ernie_image.runtime.offload.placement import PePlacement
+    from ernie_image.runtime.offload.planner import LayeredPlan
+    from ernie_image.runtime.tiny import build_prompt_enhancer
+
+    model = build_prompt_enhancer(SIZES, seed=5).requires_grad_(False)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone(), requires_grad=False)
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44]])
+    with torch.inference_mode():
+        want = model(input_ids=ids).logits.clone()
+    placement = PePlacement(model, LayeredPlan("streamed", 2, 0, 0, 0, SIZES.text_layers), torch.device("cuda"))
+    stem = [name for name, t in list(model.named_parameters()) + list(model.named_buffers())
+            if not name.startswith("model.layers.") and t.device.type != "cuda"]
+    assert stem == [], "the embedding, norm, rotary tables and untied head all sit on the device"
+    with torch.inference_mode():
+        got = model(input_ids=ids.cuda()).logits.cpu()
+    torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
+    placement.release()
+    assert all(t.is_meta for t in model.parameters())

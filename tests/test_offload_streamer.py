@@ -183,9 +183,12 @@ def test_text_tower_streams_layer_by_layer_through_hooks():
         want = tower(input_ids=ids).last_hidden_state.clone()
     placement = TextPlacement(tower, LayeredPlan("streamed", 2, 0, 0, 0, len(tower.layers)), CPU)
     assert type(tower.embed_tokens).__name__ == "HostEmbedding"
-    for _ in range(2):  # park between phases frees the ring; the next use brings it back
+    layers = len(tower.layers)
+    assert placement.streamer.slots == 2 < layers
+    for run in range(1, 3):  # park between phases frees the ring; the next use brings it back
         with torch.inference_mode():
             assert torch.equal(tower(input_ids=ids).last_hidden_state, want)
+        assert placement.streamer.sync.copies >= run * layers  # every layer came through the 2-slot ring
         placement.streamer.park()
         assert placement.streamer.parked and placement.streamer.ring_bytes == 0
     placement.release()

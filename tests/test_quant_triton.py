@@ -5,6 +5,7 @@ the GPU compiles. Skipped when triton is not installed. The @gpu tests run the c
 """
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +22,7 @@ from ernie_image.runtime.quant.nvfp4 import quantize_nvfp4
 from ernie_image.runtime.quant.qweight import dequantize_packed
 from ernie_image.runtime.quant.triton_dequant import GGUF_KERNELS, dequantize_triton
 
-try:
-    import triton  # noqa: F401
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
 needs_cuda = pytest.mark.skipif(not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton")
@@ -75,8 +72,8 @@ def test_gguf_kernel_is_bit_exact_against_torch(interpret: None, qtype: str, dty
 def test_quantised_real_weights_and_small_tiles(interpret: None, fmt: str) -> None:
     weight = torch.randn(24, 1024) * 0.02
     q = quantize_weight(weight, fmt)
+    reference = q.dequantize(torch.bfloat16)
     for tile in (256, 4096):
-        reference = q.dequantize(torch.bfloat16)
         assert_same_bits(dequantize_triton("gguf", q.qtype, q.shape, q.data, None, None, torch.bfloat16, tile),
                          reference)
 

@@ -63,10 +63,17 @@ def test_connect_timeout_is_told_apart_from_read_timeout(server):
 
 
 def test_refused_connection_is_retried_then_reported():
-    port = free_port()
-    client = HttpClient(f"http://127.0.0.1:{port}", HttpSettings(retry=FAST_RETRY))
+    backoffs: list[int] = []
+
+    class RecordingRetry(RetryPolicy):
+        def delay(self, attempt: int, retry_after=None) -> float:
+            backoffs.append(attempt)
+            return 0.01
+
+    client = HttpClient(f"http://127.0.0.1:{free_port()}", HttpSettings(retry=RecordingRetry(attempts=3)))
     with pytest.raises(ServerUnavailable, match="refused the connection.*not running or still loading"):
-        call(client, "GET", "/health")
+        call(client, "POST", GEN, BODY)  # refused: the server never saw it, so even a POST is tried again
+    assert backoffs == [0, 1], "3 attempts: two waits between them"
 
 
 def test_server_started_late_is_reached_by_the_retries():

@@ -169,7 +169,7 @@ def test_describe_names_the_model_each_server_serves_once_known():
             pipe.release()
 
 
-def test_server_serves_one_request_at_a_time_in_order():
+def test_the_fake_server_serves_one_request_at_a_time_like_sglang():
     with FakeSglang(service_time_s=0.1) as server:
         pipes = [RemotePipe([server.url], FAST) for _ in range(3)]
         threads = [threading.Thread(target=p.generate, args=(request(seed=i), NullHost())) for i, p in enumerate(pipes)]

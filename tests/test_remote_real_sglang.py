@@ -60,7 +60,7 @@ def finished_params(log: str) -> list[dict[str, float]]:
     return found
 
 
-def test_readiness_went_through_sglangs_states(servers):
+def test_readiness_reports_only_sglangs_states_and_ends_ready(servers):
     _, states = servers
     for seen in states.values():
         assert seen[-1] == "ready"

@@ -113,7 +113,9 @@ app.registerExtension({
       const onNodeCreated = nodeType.prototype.onNodeCreated;
       nodeType.prototype.onNodeCreated = function () {
         const result = onNodeCreated?.apply(this, arguments);
-        this.addWidget("button", "Test connection", null, () => testConnection(this));
+        // An action, not a setting: kept out of the saved workflow and the queued prompt.
+        const button = this.addWidget("button", "Test connection", null, () => testConnection(this), { serialize: false });
+        button.serialize = false;
         return result;
       };
     }

@@ -98,8 +98,8 @@ class TextPlacement:
         if host_embedding and isinstance(tower.embed_tokens, nn.Embedding):
             tower.embed_tokens = HostEmbedding(tower.embed_tokens.weight, self.device)
         for name, child in tower.named_children():
-            if name not in ("layers", "embed_tokens"):
-                child.to(self.device)
+            if name != "layers" and not isinstance(child, HostEmbedding):
+                child.to(self.device)  # a device-side embedding (the PE's, tied or not) joins the stem
 
     def set_host(self, host) -> None:
         if self.hooks is not None:
@@ -135,7 +135,7 @@ class PePlacement:
         self.mode = plan.mode
         self.device = torch.device(device)
         self.text = TextPlacement(model.model, plan, self.device, fake_mode, host_embedding=False)
-        model.lm_head.to(self.device)  # tied: already there; untied: its own table joins the stem
+        model.lm_head.to(self.device)  # tied: moved with the embedding already; untied: its own table joins the stem
 
     @property
     def streamer(self) -> Optional[LayerStreamer]:

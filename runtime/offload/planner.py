@@ -50,7 +50,7 @@ class DiTPlan:
 
     @property
     def pinned_bytes(self) -> int:
-        return len(self.streamed) * self.block_bytes
+        return self.copy_bytes_per_step  # every streamed block is copied from its pinned host copy once a step
 
 
 @dataclass(frozen=True)

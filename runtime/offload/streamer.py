@@ -59,13 +59,13 @@ def layer_tensors(layer: nn.Module) -> list[tuple[nn.Module, str, bool, torch.Te
     return found
 
 
-def _layout(layer: nn.Module) -> tuple[list[_Entry], list[torch.Tensor], int]:
-    entries, sources, offset = [], [], 0
+def _layout(layer: nn.Module) -> tuple[list[_Entry], int]:
+    """Where each tensor of `layer` sits in its contiguous block, and the block's aligned size."""
+    entries, offset = [], 0
     for module, name, is_param, tensor in layer_tensors(layer):
         entries.append(_Entry(module, name, is_param, offset, tuple(tensor.shape), tensor.dtype))
-        sources.append(tensor)
         offset = _aligned(offset + tensor.numel() * tensor.element_size())
-    return entries, sources, offset
+    return entries, offset
 
 
 def module_bytes(module: nn.Module) -> int:
@@ -79,11 +79,19 @@ def typed_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple
     return flat[offset: offset + nbytes].view(dtype).view(shape)
 
 
-def _rebind(entry: _Entry, tensor: torch.Tensor) -> None:
-    if entry.is_param:
-        entry.module._parameters[entry.name].data = tensor
-    else:
-        entry.module._buffers[entry.name] = tensor
+def _bound(entry: _Entry) -> torch.Tensor:
+    table = entry.module._parameters if entry.is_param else entry.module._buffers
+    return table[entry.name]
+
+
+def _point(entries: list[_Entry], flat: torch.Tensor) -> None:
+    """Rebind each entry's parameter or buffer to its typed window of the layer block `flat`."""
+    for entry in entries:
+        view = typed_view(flat, entry.offset, entry.dtype, entry.shape)
+        if entry.is_param:
+            entry.module._parameters[entry.name].data = view
+        else:
+            entry.module._buffers[entry.name] = view
 
 
 class CudaSync:
@@ -155,23 +163,22 @@ class LayerStreamer:
         self.slots = max(1, min(slots, len(self.streamed)))
         on_cuda = self.device.type == "cuda"
         layouts = [_layout(layers[index]) for index in self.streamed]
-        self.layer_bytes = [size for _, _, size in layouts]
-        self.weight_bytes = sum(module_bytes(layers[index]) for index in self.streamed)
+        self._entries: list[list[_Entry]] = [entries for entries, _ in layouts]
+        self.layer_bytes = [size for _, size in layouts]
+        self.weight_bytes = sum(math.prod(e.shape) * e.dtype.itemsize for entries in self._entries for e in entries)
         self.slot_bytes = max(self.layer_bytes)
-        starts = [0]
-        for size in self.layer_bytes[:-1]:
-            starts.append(starts[-1] + size)
         self.slab = HostSlab(sum(self.layer_bytes), pin=on_cuda if pin is None else pin)
         self.sync = CudaSync(self.device, self.slots) if on_cuda else FakeSync(fake_mode)
         self._host: list[torch.Tensor] = []
-        self._entries: list[list[_Entry]] = []
-        for k, (entries, sources, size) in enumerate(layouts):
-            host = self.slab.data[starts[k]: starts[k] + size]
-            for entry, source in zip(entries, sources):
-                typed_view(host, entry.offset, entry.dtype, entry.shape).copy_(source)
-            self._host.append(host)
-            self._entries.append(entries)
-        del layouts
+        start = 0
+        with torch.no_grad():
+            for entries, size in layouts:
+                host = self.slab.data[start: start + size]
+                for entry in entries:
+                    typed_view(host, entry.offset, entry.dtype, entry.shape).copy_(_bound(entry))
+                _point(entries, host)  # the layer's source tensors are dropped here, one layer at a time
+                self._host.append(host)
+                start += size
         self._dev: list[torch.Tensor] = []
         self._bind_ring()
         self._issued: deque[int] = deque()
@@ -232,8 +239,7 @@ class LayerStreamer:
         self.sync.synchronize()
         with torch.inference_mode(False):
             for host, entries in zip(self._host, self._entries):
-                for entry in entries:
-                    _rebind(entry, typed_view(host, entry.offset, entry.dtype, entry.shape))
+                _point(entries, host)
         self._issued.clear()
         self._dev = []
         self.ring = torch.empty(0, dtype=torch.uint8, device=self.device)
@@ -252,8 +258,7 @@ class LayerStreamer:
         for k, entries in enumerate(self._entries):
             start = self._slot(k) * self.slot_bytes
             slot = self.ring[start: start + self.layer_bytes[k]]
-            for entry in entries:
-                _rebind(entry, typed_view(slot, entry.offset, entry.dtype, entry.shape))
+            _point(entries, slot)
             self._dev.append(slot)
 
     @property

@@ -3,7 +3,8 @@
 Native path: the activation is quantised to e4m3 dynamically (per row when the output is bf16, which
 cuBLASLt's row-wise scaling needs; per tensor otherwise) and `torch._scaled_mm` multiplies it with the
 e4m3 weight. A per-tensor weight scale is broadcast to a [1, out] row so both kinds of file use the same
-row-wise kernel. A file's static `input_scale` is ignored: the dynamic scale is never less accurate.
+row-wise kernel (QuantLinear builds that row once, see linear.py). A file's static `input_scale` is ignored: the
+dynamic scale is never less accurate.
 """
 from __future__ import annotations
 
@@ -47,25 +48,24 @@ def _quantize_activation(x2d: torch.Tensor, per_row: bool) -> tuple[torch.Tensor
 
 
 def fp8_linear_native(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None,
-                      bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x @ (weight * weight_scale).T + bias with one FP8 GEMM. Needs SM >= 8.9, in/out % 16 == 0."""
+                      weight_scale_row: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x @ (weight * weight_scale).T + bias with one FP8 GEMM. Needs SM >= 8.9, in/out % 16 == 0.
+
+    `weight_scale_row`: the same scale as a contiguous fp32 [1, out] row (1.0 where `weight_scale` is None)."""
     out_features, in_features = weight.shape
     x2d = x.reshape(-1, in_features)
     if x2d.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         x2d = x2d.to(torch.bfloat16)
-    w_scale = (weight_scale if weight_scale is not None else torch.ones((), device=x.device)).to(torch.float32)
-    row_wise = x.dtype == torch.bfloat16
-    if row_wise:
+    if x.dtype == torch.bfloat16:  # row-wise scaling
         xq, x_scale = _quantize_activation(x2d, per_row=True)
-        scale_b = w_scale.reshape(1, -1).expand(1, out_features).contiguous()
-        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale_b, out_dtype=torch.bfloat16,
-                             use_fast_accum=True)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale_row,
+                             out_dtype=torch.bfloat16, use_fast_accum=True)
     else:
-        if w_scale.numel() != 1:
+        if weight_scale is not None and weight_scale.numel() != 1:
             raise RuntimeError("per-row FP8 weights need bf16 activations for the native path")
         xq, x_scale = _quantize_activation(x2d, per_row=False)
-        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.reshape(()), scale_b=w_scale.reshape(()),
-                             out_dtype=x.dtype)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.reshape(()),
+                             scale_b=weight_scale_row[:, :1].reshape(()), out_dtype=x.dtype)
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*x.shape[:-1], out_features)

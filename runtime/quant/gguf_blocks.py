@@ -59,18 +59,21 @@ def _f16(raw: torch.Tensor) -> torch.Tensor:
     return raw.contiguous().view(torch.float16).to(torch.float32)
 
 
+def _fields(raw: torch.Tensor, width: int, group: int = 32) -> torch.Tensor:
+    """Split bytes [n, k] into `width`-bit fields, per run of `group` bytes: [n, k/group, 8/width, group] uint8,
+    the lowest field of every byte first (the order all llama.cpp formats pack sub-byte values in)."""
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=raw.device).reshape(1, 1, -1, 1)
+    return (raw.reshape(raw.shape[0], -1, 1, group) >> shifts) & ((1 << width) - 1)
+
+
 def _nibbles(qs: torch.Tensor, group: int) -> torch.Tensor:
-    """Split bytes [n, k] in groups of `group` bytes into (low nibbles, high nibbles) per group:
-    [n, k/group, 2, group] uint8, low nibbles first (the order every llama.cpp 4-bit format uses)."""
-    n = qs.shape[0]
-    q = qs.reshape(n, -1, 1, group)
-    return torch.cat((q & 0x0F, q >> 4), dim=2)
+    """[n, k] bytes -> [n, k/group, 2, group]: each run's low nibbles, then its high nibbles."""
+    return _fields(qs, 4, group)
 
 
 def _bits(raw: torch.Tensor) -> torch.Tensor:
-    """[n, k] bytes -> [n, k, 8] single bits, bit 0 first (little-endian bit order)."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=raw.device)
-    return (raw.unsqueeze(-1) >> shifts) & 1
+    """[n, k] bytes -> [n, 8k] single bits, bit 0 of byte 0 first (a little-endian bit field)."""
+    return _fields(raw, 1, 1).reshape(raw.shape[0], -1)
 
 
 def dequant_q8_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -96,7 +99,7 @@ def dequant_q4_1(blocks: torch.Tensor) -> torch.Tensor:
 
 def _q5_values(qh_raw: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
     n = qs.shape[0]
-    qh = _bits(qh_raw).reshape(n, 32)
+    qh = _bits(qh_raw)
     ql = _nibbles(qs, 16).reshape(n, 32)
     return ql | (qh << 4)
 
@@ -122,27 +125,22 @@ def dequant_q2_k(blocks: torch.Tensor) -> torch.Tensor:
     dmin = _f16(blocks[:, 82:84])
     dl = (d * (scales & 0x0F).to(torch.float32)).reshape(n, 16, 1)
     ml = (dmin * (scales >> 4).to(torch.float32)).reshape(n, 16, 1)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device).reshape(1, 1, 4, 1)
-    q = ((qs.reshape(n, -1, 1, 32) >> shifts) & 3).reshape(n, 16, 16).to(torch.float32)
+    q = _fields(qs, 2).reshape(n, 16, 16).to(torch.float32)
     return (dl * q - ml).reshape(n, QK_K)
 
 
 def dequant_q3_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    device = blocks.device
     hmask = blocks[:, :32]
     qs = blocks[:, 32:96]
     scales = blocks[:, 96:108]
     d = _f16(blocks[:, 108:110])
-    low = scales[:, :8].reshape(n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8, device=device).reshape(1, 2, 1)
-    high = scales[:, 8:].reshape(n, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=device).reshape(1, 4, 1)
-    sc = (low.reshape(n, 16) & 0x0F) | ((high.reshape(n, 16) & 0x03) << 4)
-    sc = (sc.to(torch.int8) - 32).to(torch.float32)
+    low = _nibbles(scales[:, :8], 8).reshape(n, 16)
+    high = _fields(scales[:, 8:], 2, 4).reshape(n, 16)
+    sc = ((low | (high << 4)).to(torch.int8) - 32).to(torch.float32)
     dl = (d * sc).reshape(n, 16, 1)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=device).reshape(1, 1, 4, 1)
-    ql = ((qs.reshape(n, -1, 1, 32) >> shifts) & 3).reshape(n, 16, 16)
-    bit_shifts = torch.arange(8, dtype=torch.uint8, device=device).reshape(1, 1, 8, 1)
-    qh = ((hmask.reshape(n, -1, 1, 32) >> bit_shifts) & 1).reshape(n, 16, 16) ^ 1
+    ql = _fields(qs, 2).reshape(n, 16, 16)
+    qh = _fields(hmask, 1).reshape(n, 16, 16) ^ 1
     q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).to(torch.float32)
     return (dl * q).reshape(n, QK_K)
 
@@ -170,7 +168,6 @@ def dequant_q4_k(blocks: torch.Tensor) -> torch.Tensor:
 
 def dequant_q5_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    device = blocks.device
     d = _f16(blocks[:, :2])
     dmin = _f16(blocks[:, 2:4])
     sc, mn = k_scale_min(blocks[:, 4:16])
@@ -179,23 +176,20 @@ def dequant_q5_k(blocks: torch.Tensor) -> torch.Tensor:
     dl = (d * sc.to(torch.float32)).reshape(n, 8, 1)
     ml = (dmin * mn.to(torch.float32)).reshape(n, 8, 1)
     ql = _nibbles(qs, 32).reshape(n, 8, 32)
-    bit_shifts = torch.arange(8, dtype=torch.uint8, device=device).reshape(1, 1, 8, 1)
-    qh = ((qh_raw.reshape(n, 1, 1, 32) >> bit_shifts) & 1).reshape(n, 8, 32)
+    qh = _fields(qh_raw, 1).reshape(n, 8, 32)
     q = (ql | (qh << 4)).to(torch.float32)
     return (dl * q - ml).reshape(n, QK_K)
 
 
 def dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
-    device = blocks.device
     ql_raw = blocks[:, :128]
     qh_raw = blocks[:, 128:192]
     scales = blocks[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
     d = _f16(blocks[:, 208:210])
     dl = (d * scales).reshape(n, 16, 1)
     ql = _nibbles(ql_raw, 64).reshape(n, 8, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=device).reshape(1, 1, 4, 1)
-    qh = ((qh_raw.reshape(n, -1, 1, 32) >> shifts) & 3).reshape(n, 8, 32)
+    qh = _fields(qh_raw, 2).reshape(n, 8, 32)
     q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).to(torch.float32)
     return (dl * q).reshape(n, QK_K)
 

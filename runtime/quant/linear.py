@@ -6,9 +6,12 @@ Contract with the offloader (runtime/offload/) and anything else that moves modu
     `weight_scale_2`, `input_scale` (those the format has; absent ones are not registered) and the
     parameter `bias` (or None). Dtypes are the file's packed dtypes (uint8, float8_e4m3fn, fp32).
   * A streamer may replace any of them by swapping `.data` (same shape and dtype, any device).
-    Nothing derived from them is cached: `forward` reads the tensors at call time and dequantises on
+    Nothing else derived from them is cached: `forward` reads the tensors at call time and dequantises on
     the device where `weight` currently lives, so a block streamed in compressed is usable as is.
   * Format metadata (format, qtype, logical shape) are plain attributes and never move.
+  * One derived tensor, built once: FP8 layers that may multiply natively also hold the non-persistent
+    buffer `weight_scale_row` (the weight scale as the contiguous fp32 [1, out] row cuBLASLt's row-wise
+    scaling takes), so no forward expands a per-tensor scale again. It streams like the others.
 
 Forward: native FP8 GEMM on SM >= 8.9, native FP4 GEMM on SM >= 10, else dequantise this one layer's
 weight to the activation dtype (one Triton kernel on CUDA where the type has one, else torch), `F.linear`,
@@ -26,10 +29,9 @@ from torch import nn
 from .fp8 import fp8_linear_native, native_fp8_supported
 from .nvfp4 import native_fp4_supported, nvfp4_linear_native
 from .qweight import QuantizedWeight, dequantize_packed
-from .triton_dequant import dequantize_triton
+from .triton_dequant import dequantize_triton, has_triton_kernel
 
 log = logging.getLogger(__name__)
-_BUFFER_NAMES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
 
 # Optional replacement for dequantize_packed, e.g. a torch.compile'd one (see `enable_compiled_dequant`).
 _dequant_impl: Callable[..., torch.Tensor] = dequantize_packed
@@ -83,18 +85,21 @@ class QuantLinear(nn.Module):
         for buffer_name, tensor in qweight.tensors().items():
             self.register_buffer(buffer_name, tensor)
         # Format, dtype and shape never change (a streamer swaps same-dtype data), so the GEMM a layer may use
-        # natively is decided once; only the device is checked per forward.
+        # natively and whether a Triton kernel covers its type are decided once; only the device is checked
+        # per forward.
         self._native_format = self._native_candidate()
+        self._triton_kernel = has_triton_kernel(self.format, self.qtype)
+        if self._native_format == "fp8":
+            scale = qweight.scale if qweight.scale is not None else torch.ones((), device=qweight.data.device)
+            row = scale.to(torch.float32).reshape(1, -1).expand(1, self.out_features).contiguous()
+            self.register_buffer("weight_scale_row", row, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(compute_dtype), requires_grad=False)
-
-    def packed_tensors(self) -> dict[str, torch.Tensor]:
-        return {n: getattr(self, n) for n in _BUFFER_NAMES if getattr(self, n, None) is not None}
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         # No per-layer values (like the layer name) go in: a compiled impl would recompile for each one.
         args = (self.format, self.qtype, self.shape, self.weight, getattr(self, "weight_scale", None),
                 getattr(self, "weight_scale_2", None), dtype or self.compute_dtype)
-        if _triton_enabled and self.weight.is_cuda:
+        if _triton_enabled and self._triton_kernel and self.weight.is_cuda:
             weight = _dequant_on_cuda_with_triton(*args)
             if weight is not None:
                 return weight
@@ -114,7 +119,8 @@ class QuantLinear(nn.Module):
             return None
         try:
             if self._native_format == "fp8" and native_fp8_supported(x.device):
-                return fp8_linear_native(x, self.weight, getattr(self, "weight_scale", None), self.bias)
+                return fp8_linear_native(x, self.weight, getattr(self, "weight_scale", None), self.weight_scale_row,
+                                         self.bias)
             if self._native_format == "nvfp4" and native_fp4_supported(x.device):
                 return nvfp4_linear_native(x, self.weight, self.weight_scale, self.weight_scale_2,
                                            self.shape, self.bias)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import math
 import os
 import sys
 import threading
@@ -23,6 +24,7 @@ from types import ModuleType
 import torch
 
 from .gguf_blocks import BLOCK_GEOMETRY
+from .nvfp4 import BLOCK as NVFP4_BLOCK, _roundup
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,11 @@ NVFP4_TILE_COLS = 256  # tile = [DEFAULT_TILE / 256 rows, 256 columns]: 128 pack
 
 _modules: dict[bool, ModuleType | None] = {}
 _lock = threading.Lock()
+
+
+def has_triton_kernel(fmt: str, qtype: str) -> bool:
+    """Whether a kernel covers this packed type (shapes, dtypes and the device are checked per call)."""
+    return (fmt == "gguf" and qtype in GGUF_KERNELS) or fmt == "nvfp4"
 
 
 def triton_available(device: torch.device) -> bool:
@@ -97,14 +104,11 @@ def dequantize_triton(fmt: str, qtype: str, shape: tuple[int, ...], data: torch.
     Arguments as `qweight.dequantize_packed`; `tile` (output values per program, a power of two >= 256)
     is for benchmarking tile sizes.
     """
-    if dtype not in OUTPUT_DTYPES or data.dtype != torch.uint8:
+    if dtype not in OUTPUT_DTYPES or data.dtype != torch.uint8 or not has_triton_kernel(fmt, qtype):
         return None
-    if fmt == "gguf" and qtype in GGUF_KERNELS:
-        launch = _launch_gguf
-    elif fmt == "nvfp4" and scale is not None and scale_2 is not None and len(shape) == 2:
-        launch = _launch_nvfp4
-    else:
+    if fmt == "nvfp4" and (scale is None or scale_2 is None or len(shape) != 2):
         return None
+    launch = _launch_gguf if fmt == "gguf" else _launch_nvfp4
     kernels = _kernels_for(data.device)
     if kernels is None:
         return None
@@ -116,9 +120,7 @@ def _launch_gguf(kernels: ModuleType, qtype: str, shape: tuple[int, ...], data: 
                  scale: torch.Tensor | None, scale_2: torch.Tensor | None, dtype: torch.dtype,
                  tile: int) -> torch.Tensor | None:
     block_size, type_size = BLOCK_GEOMETRY[qtype]
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     n_blocks = numel // block_size
     if numel % block_size or data.numel() != n_blocks * type_size:
         return None
@@ -135,8 +137,8 @@ def _launch_gguf(kernels: ModuleType, qtype: str, shape: tuple[int, ...], data: 
 def _launch_nvfp4(kernels: ModuleType, qtype: str, shape: tuple[int, ...], data: torch.Tensor,
                   scale: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype, tile: int) -> torch.Tensor | None:
     rows, cols = shape
-    scale_rows, scale_cols = -(-rows // 128) * 128, -(-(cols // 16) // 4) * 4
-    if cols % 16 or tuple(data.shape) != (rows, cols // 2) or scale.numel() != scale_rows * scale_cols \
+    scale_rows, scale_cols = _roundup(rows, 128), _roundup(cols // NVFP4_BLOCK, 4)
+    if cols % NVFP4_BLOCK or tuple(data.shape) != (rows, cols // 2) or scale.numel() != scale_rows * scale_cols \
             or scale.element_size() != 1 or scale_2.numel() != 1:
         return None
     out = torch.empty(shape, dtype=dtype, device=data.device)

@@ -267,15 +267,16 @@ def _retry_after(headers: Mapping[str, str]) -> Optional[float]:
 
 
 # ---------------------------------------------------------------------------------------- cancellation
-def _cancel_requested(cancel: Optional[CancelCheck]) -> bool:
-    if cancel is None:
-        return False
+def _cancel_requested(cancel: CancelCheck) -> bool:
     return bool(cancel())  # a Host.check_cancel raises Cancelled itself and returns None otherwise
 
 
 async def wait_cancellable(awaitable: Awaitable[T], cancel: Optional[CancelCheck],
                            message: str = "cancelled while waiting for the server") -> T:
-    """Await `awaitable`, polling `cancel` every 0.1 s; on cancel the awaitable is cancelled and Cancelled raised."""
+    """Await `awaitable`, polling `cancel` every 0.1 s; on cancel the awaitable is cancelled and Cancelled raised.
+    Without `cancel` it is a plain await (run_sync's poll cancels the whole task), not a 0.1 s wake-up loop."""
+    if cancel is None:
+        return await awaitable
     task = asyncio.ensure_future(awaitable)
     try:
         while True:
@@ -294,6 +295,9 @@ async def wait_cancellable(awaitable: Awaitable[T], cancel: Optional[CancelCheck
 
 
 async def sleep_cancellable(seconds: float, cancel: Optional[CancelCheck]) -> None:
+    if cancel is None:
+        await asyncio.sleep(seconds)
+        return
     deadline = time.monotonic() + seconds
     while True:
         if _cancel_requested(cancel):

@@ -51,11 +51,6 @@ class ServerModel:
     def is_ernie(self) -> bool:
         return self.pipeline_name == ERNIE_PIPELINE
 
-    @property
-    def looks_turbo(self) -> bool:
-        """The API cannot tell Turbo from base; the served model id is the only hint."""
-        return "turbo" in self.id.lower()
-
 
 @dataclass(frozen=True)
 class Readiness:
@@ -89,10 +84,6 @@ class GeneratedImage:
     inference_time_s: Optional[float]
     peak_memory_mb: Optional[float]
     elapsed_s: float
-
-
-def round_side(value: int) -> int:
-    return max(SIDE_MULTIPLE, int(round(value / SIDE_MULTIPLE)) * SIDE_MULTIPLE)
 
 
 def mask_seed(seed: int) -> int:

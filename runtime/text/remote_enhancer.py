@@ -66,6 +66,10 @@ class _Unusable(RemoteError):
     """The reply parsed but holds no revised prompt."""
 
 
+# Faults after which the original prompt is kept (see the module docstring); 4xx ones raise.
+_KEEP_ORIGINAL = (ServerUnavailable, ConnectionLost, ServerFailed, BadResponse, _Unusable)
+
+
 def _reply_text(data: Any, label: str) -> tuple[str, bool, Optional[int]]:
     """(content, cut at max_tokens, completion tokens) from a chat-completions reply."""
     try:
@@ -100,7 +104,7 @@ async def _revise_all(endpoint: ChatEndpoint, prompts: Sequence[str], width: int
     try:
         try:
             model = await _model_name(client, endpoint)
-        except (ServerUnavailable, ConnectionLost, ServerFailed, BadResponse, _Unusable) as error:
+        except _KEEP_ORIGINAL as error:
             notes.append(_fallback_note(error))
             return [Revision(p, p, 0, 0.0, "original") for p in prompts]
         for prompt in prompts:
@@ -117,7 +121,7 @@ async def _revise_all(endpoint: ChatEndpoint, prompts: Sequence[str], width: int
             try:
                 reply = await client.request_json("POST", CHAT_PATH, body)
                 content, truncated, tokens = _reply_text(reply.data, client.label)
-            except (ServerUnavailable, ConnectionLost, ServerFailed, BadResponse, _Unusable) as error:
+            except _KEEP_ORIGINAL as error:
                 notes.append(_fallback_note(error))
                 revisions.append(Revision(prompt, prompt, 0, time.perf_counter() - started, "original"))
                 continue

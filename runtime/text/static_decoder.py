@@ -22,10 +22,9 @@ CACHE_ROUNDING = 256  # slot counts are rounded up to this: a regular key length
 
 
 def static_decoding_device(model: nn.Module) -> Optional[torch.device]:
-    """The CUDA device this decoder can run `model` on, or None: every parameter and buffer must sit on that one
-    device, and no module may carry forward hooks. A streamed PE's layers point at device ring slots that only its
-    layer hooks fill, and this decoder calls the layers' parts directly, so hooks would silently not run."""
-    if has_forward_hooks(model):
+    """The CUDA device this decoder can run `model` on, or None: `computes_like_transformers(model)`, and every
+    parameter and buffer sits on that one device."""
+    if not computes_like_transformers(model):
         return None
     devices = {t.device for t in list(model.parameters()) + list(model.buffers())}
     if len(devices) != 1:
@@ -34,8 +33,14 @@ def static_decoding_device(model: nn.Module) -> Optional[torch.device]:
     return device if device.type == "cuda" else None
 
 
-def has_forward_hooks(model: nn.Module) -> bool:
-    return any(module._forward_pre_hooks or module._forward_hooks for module in model.modules())
+def computes_like_transformers(model: nn.Module) -> bool:
+    """Whether this decoder's maths is `model`'s forward. Not when a module carries forward hooks: a streamed
+    PE's layers point at device ring slots that only its layer hooks fill, and this decoder calls the layers'
+    parts directly, so hooks would silently not run. Not with a sliding attention window, which transformers
+    applies and this decoder does not (Baidu's PE config has none)."""
+    if getattr(model.config, "sliding_window", None) is not None:
+        return False
+    return not any(module._forward_pre_hooks or module._forward_hooks for module in model.modules())
 
 
 class StaticCacheDecoder:
