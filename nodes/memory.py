@@ -1,31 +1,14 @@
-"""How much device memory a local pipe asks ComfyUI to free before it runs."""
+"""How much device memory a pipe would ask ComfyUI to free for a request.
+
+The local pipe plans this itself (LocalPipe.device_bytes_needed, runtime/offload/reserve.py) and asks its host
+at the start of `generate` / `enhance`; this adapter is for callers that want the number without running.
+"""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Optional
 
-ACTIVATION_RESERVE_BYTES = 2 * 1024**3
-COMPONENTS = ("transformer", "text_encoder", "vae")
 
-
-def _size_on_disk(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.suffix in (".safetensors", ".gguf"))
-
-
-def bytes_to_free(pipe: Any) -> Optional[int]:
-    """The room a local pipe on a GPU needs: its budget when one is set, else its largest phase plus activations.
-
-    Phases (text encoder, DiT, VAE) are resident one at a time, so the largest one bounds the weights.
-    None when the pipe is not local or not on a GPU: nothing to ask of ComfyUI then.
-    """
-    device = getattr(pipe, "device", None)
-    if getattr(pipe, "kind", None) != "local" or getattr(device, "type", None) != "cuda":
-        return None
-    budget_gb = getattr(getattr(pipe, "options", None), "vram_budget_gb", None)
-    if budget_gb:
-        return int(budget_gb * 1024**3)
-    sources = pipe.sources
-    largest = max(_size_on_disk(sources.component(name)) for name in COMPONENTS)
-    return largest + ACTIVATION_RESERVE_BYTES
+def bytes_to_free(pipe: Any, request: Any) -> Optional[int]:
+    """The pipe's own answer; None for a pipe that holds no device memory here (remote) or is off the GPU."""
+    needed = getattr(pipe, "device_bytes_needed", None)
+    return needed(request) if callable(needed) else None

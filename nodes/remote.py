@@ -1,8 +1,6 @@
 """ErnieImageRemoteBackend: SGLang server URL(s) in, the same ERNIE_PIPE as the Loader out."""
 from __future__ import annotations
 
-import os
-import re
 from typing import Any, Optional
 
 from ..runtime.errors import InvalidInputError
@@ -10,8 +8,6 @@ from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .live_pipes import track
 
 DEFAULT_URL = "http://127.0.0.1:30000"
-MAX_KEY_FILE_BYTES = 4096
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 def parse_urls(server_urls: str) -> list[str]:
@@ -27,34 +23,15 @@ def parse_urls(server_urls: str) -> list[str]:
 
 
 def checked_key_source(api_key_env: str, api_key_file: str, widget_prefix: str = "") -> tuple[Optional[str], Optional[str]]:
-    """The names of where the key lives, checked; the key itself is read only when a request is sent.
+    """The names of where the key lives, checked by the runtime; the key itself is read only when a request is sent.
 
-    A value that is not a set variable's name may be a pasted key, so messages show only its first characters.
     `widget_prefix` names the widgets in the messages ("pe_" for the PE endpoint's).
     """
-    env_name = api_key_env.strip() or None
-    key_file = api_key_file.strip() or None
-    env_widget, file_widget = f"{widget_prefix}api_key_env", f"{widget_prefix}api_key_file"
-    if env_name is not None and not _ENV_NAME.match(env_name):
-        raise InvalidInputError(
-            f"{env_widget} must be the NAME of an environment variable (letters, digits, _), not '{env_name[:4]}...'; "
-            "never paste the key itself into a workflow"
-        )
-    if env_name is not None and key_file is None and env_name not in os.environ:
-        raise InvalidInputError(
-            f"{env_widget} names a variable ('{env_name[:4]}...') that ComfyUI's environment does not have: export "
-            "it before starting ComfyUI, or give a key file; write only the variable's NAME here, never the key"
-        )
-    if key_file is not None:
-        path = os.path.expanduser(key_file)
-        if not os.path.isfile(path):
-            raise InvalidInputError(f"{file_widget} {key_file} is not a file: give the path of a file holding only the key")
-        if os.path.getsize(path) > MAX_KEY_FILE_BYTES:
-            raise InvalidInputError(
-                f"{file_widget} {key_file} is larger than {MAX_KEY_FILE_BYTES} bytes, so it is not a key file: "
-                "give the path of a file holding only the key"
-            )
-    return env_name, key_file
+    from ..runtime.remote.http import ApiKeySource
+
+    source = ApiKeySource.checked(api_key_env, api_key_file, env_label=f"{widget_prefix}api_key_env",
+                                  file_label=f"{widget_prefix}api_key_file", program="ComfyUI")
+    return source.env_var, source.file
 
 
 def chat_endpoint(pe_url: str, pe_model: str, pe_api_key_env: str, pe_api_key_file: str,

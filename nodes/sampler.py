@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..runtime.errors import ErnieImageError, InvalidInputError
+from ..runtime.errors import InvalidInputError
 from ..runtime.request import (
     MAX_SIDE,
     MIN_SIDE,
@@ -18,7 +18,6 @@ from ..runtime.request import (
 from .common import CATEGORY, PIPE_TYPE
 from .host import ComfyHost, cancel_as_comfy_interrupt
 from .live_pipes import generation_lock
-from .memory import bytes_to_free
 
 CUSTOM_RESOLUTION = "custom"
 MAX_BATCH = 64
@@ -67,24 +66,13 @@ def latent_output(result: GenerationResult) -> Any:
 
 
 def run_generation(pipe: Any, request: GenerationRequest, node_id: Optional[str]) -> GenerationResult:
-    """Generate with ComfyUI as host. The pipe frees its own device memory after an error or a cancel."""
+    """Generate with ComfyUI as host. The pipe asks the host to make room on its device, frees its own memory
+    after an error or a cancel, and reports running out of memory as a MemoryBudgetError."""
     if pipe is None or not hasattr(pipe, "generate"):
         raise InvalidInputError("the pipe input is not connected: wire an ERNIE-Image Loader or Remote Backend to it")
-    request.validate()  # before make_room, so a bad request unloads nothing of ComfyUI's
-    host = ComfyHost(node_id)
-    room = bytes_to_free(pipe)
-    if room is not None:
-        host.make_room(room, pipe.device)  # ComfyUI unloads its own models until this much is free
-    try:
-        with generation_lock, cancel_as_comfy_interrupt():
-            return pipe.generate(request, host)
-    except Exception as error:
-        if type(error).__name__ == "OutOfMemoryError":
-            raise ErnieImageError(
-                f"out of GPU memory while generating ({error}); set a lower VRAM budget on the Loader, "
-                "a smaller size or batch, or a quantised format"
-            ) from error
-        raise
+    request.validate()  # before anything runs, so a bad request unloads nothing of ComfyUI's
+    with generation_lock, cancel_as_comfy_interrupt():
+        return pipe.generate(request, ComfyHost(node_id))
 
 
 def size_inputs(resolution_tooltip: str) -> dict[str, Any]:

@@ -5,6 +5,7 @@ or a cancel, device memory is released according to `keep_loaded`; nothing stays
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass
@@ -14,11 +15,14 @@ import torch
 
 from .acceleration import compile_available, compile_blocks, fuse_projections
 from .decode import decode_images
-from .errors import ErnieImageError, ModelFileError
+from .errors import ErnieImageError, MemoryBudgetError, ModelFileError
 from .formats import open_component
 from .host import Host, NullHost
 from .model_files import QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae
-from .offload.session import PipeMemory
+from .offload.planner import budget_bytes
+from .offload.reserve import device_bytes_held, device_bytes_needed, file_dit_size, phase_needs
+from .offload.session import PipeMemory, measured_dit_size
+from .out_of_memory import out_of_memory_message, without_tracebacks
 from .preview import latent_preview
 from .request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
 from .sampling import initial_noise, length_grouped_denoiser, sample_euler
@@ -77,6 +81,8 @@ class LocalPipe:
         self._loaded = _Loaded()
         self.quant_reason = ""
         self.memory = PipeMemory(self.device, self.dtype, options.vram_budget_gb, options.quant)
+        self.memory.held_bytes = lambda: sum(self.device_bytes_held().values())
+        self._phase = "setup"  # the phase running now ("pe", "text", "dit", "vae"): named when memory runs out
 
     @classmethod
     def load(cls, sources: ModelSources, options: Optional[LoadOptions] = None) -> "LocalPipe":
@@ -171,6 +177,7 @@ class LocalPipe:
         return self._loaded.vae
 
     def encode(self, prompts: list[str]) -> list[torch.Tensor]:
+        self._phase = "text"
         unique = list(dict.fromkeys(prompts))
         encoded = dict(zip(unique, encode_prompts(self._tokenizer(), self._text_tower(), unique)))
         self.memory.after_text()
@@ -178,6 +185,7 @@ class LocalPipe:
 
     def sample(self, request: GenerationRequest, text: list[torch.Tensor], negative: Optional[list[torch.Tensor]],
                host: Host) -> torch.Tensor:
+        self._phase = "dit"
         self.memory.set_host(host)
         dit = self._dit()
         rows = (negative + text) if negative is not None else text
@@ -190,6 +198,7 @@ class LocalPipe:
             return sample_euler(denoise, noise, request.steps, request.shift, cfg, self.dtype, host, preview)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        self._phase = "vae"
         tile = self.memory.plan.vae.tile if self.memory.plan is not None else None
         with torch.inference_mode():
             images = decode_images(latents, self._vae(), tile)
@@ -200,26 +209,45 @@ class LocalPipe:
     # -- the whole job ------------------------------------------------------------------------------
 
     def generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
+        """Run the job. Any failure or cancel releases the pipe's device memory; running out of it is a
+        MemoryBudgetError naming the phase and the fix."""
         request.validate()
+        return self._releasing_on_error(request, lambda: self._generate(request, host))
+
+    def _releasing_on_error(self, request: GenerationRequest, job):
         try:
-            self._plan(request, host)  # MemoryBudgetError before any allocation
-            revised = self._enhance(request, host)
-            prompts = revised.prompts
-            host.check_cancel()
-            started = self._clock()
-            negatives = [request.negative_prompt] * request.batch if request.uses_cfg else []
-            encoded_rows = self.encode(prompts + negatives)  # one text phase for prompts and negatives
-            text, negative = encoded_rows[: len(prompts)], (encoded_rows[len(prompts):] or None)
-            encoded = self._clock()
-            host.check_cancel()
-            latents = self.sample(request, text, negative, host)
-            sampled = self._clock()
-            host.check_cancel()
-            images = self.decode(latents)
-            decoded = self._clock()
-        except BaseException:
-            self.release()
-            raise
+            return job()
+        except BaseException as error:
+            message = out_of_memory_message(error, self._phase, request, self.device, self.options.vram_budget_gb)
+            if message is None:
+                self.release()
+                raise
+            cause = without_tracebacks(error)
+        # Out of device memory: past the except block the failed phase's frames, and the tensors they held, are
+        # gone, so releasing now gives their memory back too.
+        self.release()
+        raise MemoryBudgetError(message) from cause
+
+    def _generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
+        self._phase = "setup"
+        room = self.device_bytes_needed(request)
+        if room:
+            host.make_room(room, self.device)  # ComfyUI unloads its own models; the CLI has nothing to unload
+        self._plan(request, host)  # MemoryBudgetError before any allocation
+        revised = self._enhance(request, host)
+        prompts = revised.prompts
+        host.check_cancel()
+        started = self._clock()
+        negatives = [request.negative_prompt] * request.batch if request.uses_cfg else []
+        encoded_rows = self.encode(prompts + negatives)  # one text phase for prompts and negatives
+        text, negative = encoded_rows[: len(prompts)], (encoded_rows[len(prompts):] or None)
+        encoded = self._clock()
+        host.check_cancel()
+        latents = self.sample(request, text, negative, host)
+        sampled = self._clock()
+        host.check_cancel()
+        images = self.decode(latents)
+        decoded = self._clock()
         if not self.options.keep_loaded:
             self.release()
         info: dict[str, Any] = {
@@ -232,6 +260,47 @@ class LocalPipe:
             **revised.info(),
         }
         return GenerationResult(images=images, latents=latents.cpu(), prompts_used=prompts, info=info)
+
+    # -- device memory ------------------------------------------------------------------------------
+
+    def device_bytes_needed(self, request: GenerationRequest, phases: Optional[tuple[str, ...]] = None
+                            ) -> Optional[int]:
+        """Free device memory to ask the host for before `request` (offload.reserve): None off the GPU (or with
+        the memory manager switched off); with a
+        VRAM budget, the budget less what this pipe holds on the device; else the largest phase's weights not yet
+        on the device plus that phase's activation peak for this size, batch and CFG.
+
+        `phases`: only these of "pe", "text", "dit", "vae" (the enhancer node runs ("pe",)); None: the whole job.
+        """
+        if self.device.type != "cuda" or not self.memory.active:
+            return None
+        held = self.device_bytes_held()
+        spec = self.options.vram_budget_gb
+        if spec is not None and spec != "auto":
+            return device_bytes_needed(self.device.type, budget_bytes(spec), {}, held)
+        use_pe = bool(request.use_pe) and self._local_pe() and self.sources.has_pe()
+        sizes = self._weight_sizes(use_pe)
+        needs = phase_needs(sizes, PipeMemory._job(request, use_pe), self.device.type, phases)
+        return device_bytes_needed(self.device.type, None, needs, held)
+
+    def device_bytes_held(self) -> dict[str, int]:
+        """Bytes of weights (and streaming buffers) this pipe holds on its device now, by phase."""
+        loaded = self._loaded
+        enhancer = loaded.enhancer.model if loaded.enhancer is not None else None
+        parts = {"pe": enhancer, "text": loaded.text_tower, "dit": loaded.dit, "vae": loaded.vae}
+        return {phase: device_bytes_held(module, self.device) for phase, module in parts.items()}
+
+    def _weight_sizes(self, use_pe: bool):
+        """Config-derived sizes, with the DiT's real ones once it is built or when its file is quantised."""
+        sizes = self.memory._sizes(self.sources, self.variant, use_pe)
+        largest = sizes.dit.largest_linear_params
+        if self._loaded.dit is not None:
+            return dataclasses.replace(sizes, dit=measured_dit_size(self._loaded.dit, largest))
+        component = open_component(self.sources.component("transformer"), "dit")
+        if not component.quantized:
+            return sizes
+        dit, fmt = file_dit_size(component, self.dtype.itemsize, largest)
+        return dataclasses.replace(sizes, dit=dit, dit_format=fmt or sizes.dit_format)
 
     def _plan(self, request: GenerationRequest, host: Host) -> None:
         """Plan the job; drop the parts the new plan released (they are rebuilt on use)."""
@@ -276,12 +345,15 @@ class LocalPipe:
         host = host or NullHost()
         request = GenerationRequest(prompt=prompt, width=width, height=height, seed=seed, use_pe=True,
                                     pe_temperature=temperature, pe_top_p=top_p, pe_max_new_tokens=max_new_tokens)
-        try:
-            self._plan(request, host)
-            return self._enhance(request, host)
-        except BaseException:
-            self.release()
-            raise
+        return self._releasing_on_error(request, lambda: self._enhance_alone(request, host))
+
+    def _enhance_alone(self, request: GenerationRequest, host: Host):
+        self._phase = "setup"
+        room = self.device_bytes_needed(request, phases=("pe",))
+        if room:
+            host.make_room(room, self.device)
+        self._plan(request, host)
+        return self._enhance(request, host)
 
     def _enhance(self, request: GenerationRequest, host: Host):
         """The prompt-enhancer phase, before text encoding: returns text.enhancer.RevisedPrompts.
@@ -307,6 +379,7 @@ class LocalPipe:
             host.log("prompt enhancer is on but this model has none (no pe/ folder, PE file or PE server): "
                      "the prompt is used as written")
             return RevisedPrompts(prompts)
+        self._phase = "pe"
         placed = self.memory.places_pe()
         enhancer = self._loaded.enhancer or LocalEnhancer.load(
             self.sources, self.device, self.dtype, self.variant, host,
@@ -333,3 +406,4 @@ class LocalPipe:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+

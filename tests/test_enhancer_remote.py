@@ -30,7 +30,8 @@ class ChatServer:
     """vLLM-like: /v1/models lists one model, /v1/chat/completions answers `revised: <prompt> @<seed>`.
 
     `faults` are consumed one per chat request: "500", "503", "hang", "not_json", "no_choices", "empty",
-    "length" (finish_reason length), "404".
+    "length" (finish_reason length), "404". Assigning `model` while it runs is a server restarted with another
+    model: it lists the new one, and a chat request naming the old one gets vLLM's 404 "does not exist".
     """
 
     model: str = "baidu/ERNIE-Image-PE"
@@ -38,12 +39,15 @@ class ChatServer:
     faults: list[str] = field(default_factory=list)
     received: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
+    models_asked: int = 0  # GET /v1/models requests, answered or not
+    port: int = 0  # 0: a free one
 
     def __enter__(self) -> "ChatServer":
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        sock.close()
+        if not self.port:
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+            sock.close()
         self.url = f"http://127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
         started = threading.Event()
@@ -74,6 +78,7 @@ class ChatServer:
         return self.api_key is None or request.headers.get("Authorization") == f"Bearer {self.api_key}"
 
     async def _models(self, request: web.Request) -> web.Response:
+        self.models_asked += 1
         if not self._authorised(request):
             return web.json_response({"error": {"message": "invalid api key"}}, status=401)
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})

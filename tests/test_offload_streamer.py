@@ -13,7 +13,7 @@ from ernie_image.runtime.dit import DiTConfig, ErnieDiT
 from ernie_image.runtime.offload.pinned import HostSlab
 from ernie_image.runtime.offload.placement import DiTPlacement, TextPlacement
 from ernie_image.runtime.offload.planner import DiTPlan, LayeredPlan
-from ernie_image.runtime.offload.streamer import LayerStreamer, typed_view
+from ernie_image.runtime.offload.streamer import CudaSync, LayerStreamer, typed_view
 from ernie_image.runtime.quant.fp8 import quantize_fp8
 from ernie_image.runtime.quant.linear import quantize_linears
 from ernie_image.runtime.quant.qweight import QuantizedWeight
@@ -93,8 +93,8 @@ def test_a_premature_copy_is_caught_by_the_eager_mode(reference):
 
     def greedy_pump():  # ignores the "slot still in use" rule: issues one copy too many
         original_pump()
-        k = streamer._next
-        streamer.sync.copy(streamer._slot(k), streamer._dev[k], streamer._host[k])
+        k, slot = streamer._next, streamer._cursor
+        streamer.sync.copy(slot, streamer._dev[k][slot], streamer._host[k])
 
     streamer._pump = greedy_pump
     with torch.inference_mode():
@@ -105,7 +105,7 @@ def test_a_premature_copy_is_caught_by_the_eager_mode(reference):
 def test_the_ring_is_allocated_once_and_weights_keep_their_slots(reference):
     dit, _ = reference
     model = copy_of(dit)
-    placement = DiTPlacement(model, dit_plan((0, 2, 4), 2), CPU)
+    placement = DiTPlacement(model, dit_plan((0, 2, 4, 5), 2), CPU)  # 4 streamed, 2 slots: same slot every step
     streamer = placement.streamer
     pointers = {name: p.data_ptr() for name, p in model.named_parameters()}
     ring = streamer.ring.data_ptr()
@@ -117,7 +117,32 @@ def test_the_ring_is_allocated_once_and_weights_keep_their_slots(reference):
     # blocks 0 and 4 share ring slot 0: their weights are views of the same device bytes
     assert model.layers[0].mlp.up_proj.weight.data_ptr() == model.layers[4].mlp.up_proj.weight.data_ptr()
     assert streamer.ring_bytes == 2 * streamer.slot_bytes
-    assert streamer.weight_bytes <= streamer.host_bytes < streamer.weight_bytes + 256 * 20 * 3
+    assert streamer.weight_bytes <= streamer.host_bytes < streamer.weight_bytes + 256 * 20 * 4
+    placement.release()
+
+
+def test_with_a_count_that_is_no_multiple_of_the_slots_weights_rotate_through_the_ring(reference):
+    dit, expected = reference
+    model = copy_of(dit)
+    placement = DiTPlacement(model, dit_plan((0, 2, 4), 2), CPU)  # 3 streamed, 2 slots
+    streamer = placement.streamer
+    ring = streamer.ring.data_ptr()
+
+    def slot_of(index: int) -> int:
+        offsets = {p.data_ptr() - ring for p in model.layers[index].parameters()}
+        assert all(0 <= offset < streamer.ring_bytes for offset in offsets)
+        return min(offsets) // streamer.slot_bytes
+
+    seen = []
+    with torch.inference_mode():
+        for seed, want in zip((1, 2), expected):
+            assert torch.equal(model(*inputs(seed)), want)
+            seen.append([slot_of(index) for index in (0, 2, 4)])
+            assert streamer.ring.data_ptr() == ring
+    # The j-th copy goes to slot j % 2, and a block points at its slot from the moment its copy is issued. Step 1
+    # copies blocks 0,2,4 to slots 0,1,0 and, while blocks 2 and 4 run, the next step's 0,2 to slots 1,0; step 2
+    # copies 4 to slot 1 and then the third step's 0,2 to slots 0,1.
+    assert seen == [[1, 0, 0], [0, 1, 1]]
     placement.release()
 
 
@@ -208,6 +233,138 @@ def test_streamer_rejects_an_empty_stream():
         LayerStreamer([torch.nn.Linear(2, 2)], [], 2, CPU)
 
 
+# -- the ring across step boundaries ---------------------------------------------------------------------
+#
+# With s slots, the copy for a layer can start only once the layer that used its slot before has finished. At
+# best that layer is the one s positions earlier (all s slots are taken by the s-1 layers in between and the one
+# that just finished), so a copy overlaps at most s-1 layers of compute. A "stall" is a copy into a slot that had
+# a previous user and overlaps fewer than s-1 layers: the compute then waits for it unless a copy takes under
+# that many layers' time. Fixed slots (k % s) stall the first s-1 copies of every step when n % s != 0 (with
+# n % s == 1, layer 0 shares layer n-1's slot and overlaps nothing): 2 (s-1) over 3 steps. The rotating ring
+# reaches the minimum, 0. Only the cold start is unavoidable: the very first s copies overlap 0..s-1 layers.
+
+SEVEN = DiTConfig(hidden_size=64, num_attention_heads=2, num_layers=7, ffn_hidden_size=128, text_in_dim=48,
+                  rope_axes_dim=(8, 12, 12))
+STREAMED_OF_SEVEN = {5: (0, 1, 3, 4, 6), 6: (0, 1, 2, 3, 5, 6), 7: tuple(range(7))}
+STEPS = (1, 2, 3)  # input seeds, one per step
+
+
+def seven_layer_dit() -> ErnieDiT:
+    torch.manual_seed(7)
+    dit = ErnieDiT(SEVEN).eval().requires_grad_(False)
+    with torch.no_grad():
+        for param in dit.parameters():
+            param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 if param.ndim > 1 else 0.02)
+    return dit
+
+
+@pytest.fixture(scope="module")
+def seven_layers():
+    dit = seven_layer_dit()
+    with torch.inference_mode():
+        outputs = [dit(*inputs(seed)).clone() for seed in STEPS]
+    return dit.state_dict(), outputs
+
+
+def traced(streamer: LayerStreamer, layers) -> list[tuple]:
+    """The streamer's FakeSync calls in issue order, plus ("run", index, slot its weights point into) per layer."""
+    trace: list[tuple] = []
+    streamer.sync.trace = trace
+    ring, original_before = streamer.ring.data_ptr(), streamer.before
+
+    def before(index: int) -> None:
+        original_before(index)
+        if index in streamer.position:
+            offsets = {t.data_ptr() - ring for t in list(layers[index].parameters()) + list(layers[index].buffers())}
+            slots = {offset // streamer.slot_bytes for offset in offsets}
+            assert all(0 <= offset < streamer.ring_bytes for offset in offsets) and len(slots) == 1
+            trace.append(("run", index, slots.pop()))
+
+    streamer.before = before
+    return trace
+
+
+def replay(trace: list[tuple], streamer: LayerStreamer) -> tuple[list[int], list[int], int]:
+    """Check the ordering of `trace`; returns (overlaps of the cold-start copies, of all other consumed copies,
+    copies issued). A copy's overlap is the number of streamed layers that finished between its issue and its use.
+    """
+    position_of_source = {host.data_ptr(): k for k, host in enumerate(streamer._host)}
+    state = ["empty"] * streamer.slots  # empty -> loaded (copy) -> in use (wait) -> free (released) -> loaded ...
+    holds: list[int] = [-1] * streamer.slots  # stream position whose bytes a slot holds
+    issued_at = [0] * streamer.slots  # layers finished when the slot's copy was issued
+    first_fill = [True] * streamer.slots
+    finished, issued, in_use = 0, 0, None
+    cold, warm = [], []
+    for event in trace:
+        kind, *rest = event
+        if kind == "copy":
+            slot, source = rest
+            # (2) a slot is refilled only once the layer that used it last has released it
+            assert state[slot] in ("empty", "free"), f"copy {issued} into slot {slot} while it is {state[slot]}"
+            first_fill[slot] = state[slot] == "empty"
+            state[slot], holds[slot], issued_at[slot] = "loaded", position_of_source[source], finished
+            issued += 1
+        elif kind == "wait":
+            (slot,) = rest
+            assert state[slot] == "loaded" and in_use is None
+            state[slot], in_use = "in use", slot
+            (cold if first_fill[slot] else warm).append(finished - issued_at[slot])
+        elif kind == "run":
+            index, pointed = rest
+            # (1) the layer runs on its own bytes: its tensors point at the slot it waited for, holding its copy
+            assert pointed == in_use and holds[pointed] == streamer.position[index], f"layer {index}"
+        else:
+            (slot,) = rest
+            assert kind == "free" and slot == in_use
+            state[slot], in_use, finished = "free", None, finished + 1
+    return cold, warm, issued
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+@pytest.mark.parametrize("slots", [2, 3])
+@pytest.mark.parametrize("n", [5, 6, 7])
+def test_every_copy_is_issued_slots_minus_one_layers_ahead_across_steps(seven_layers, n, slots, mode):
+    state, expected = seven_layers
+    model = ErnieDiT(SEVEN).eval().requires_grad_(False)
+    model.load_state_dict(state)
+    streamed = STREAMED_OF_SEVEN[n]
+    plan = DiTPlan(7, tuple(i for i in range(7) if i not in streamed), streamed, slots, 0, 0, 0)
+    placement = DiTPlacement(model, plan, CPU, fake_mode=mode)
+    trace = traced(placement.streamer, model.layers)
+    with torch.inference_mode():
+        for seed, want in zip(STEPS, expected):
+            assert torch.equal(model(*inputs(seed)), want)  # (1) bit-exact with the resident model
+    cold, warm, issued = replay(trace, placement.streamer)
+    assert cold == list(range(slots))  # the first fill: copy j is issued with layer 0 and used by layer j
+    assert len(cold) + len(warm) == 3 * n  # every layer of every step waited for exactly one copy
+    assert issued == 3 * n + slots  # and the next step's first `slots` layers are prefetched
+    stalls = [overlap for overlap in warm if overlap < slots - 1]
+    assert stalls == [] and set(warm) == {slots - 1}  # (3) 0 stalls: the minimum
+    placement.release()
+
+
+def test_a_run_that_fails_inside_a_streamed_block_restarts_cleanly(seven_layers):
+    state, expected = seven_layers
+    model = ErnieDiT(SEVEN).eval().requires_grad_(False)
+    model.load_state_dict(state)
+    placement = DiTPlacement(model, DiTPlan(7, (), tuple(range(7)), 3, 0, 0, 0), CPU, fake_mode="lazy")
+    failing = model.layers[4]
+
+    def fail_once(*args, **kwargs):
+        del failing.forward  # the next call uses the class's forward again
+        raise RuntimeError("out of memory")
+
+    with torch.inference_mode():
+        assert torch.equal(model(*inputs(1)), expected[0])
+        failing.forward = fail_once
+        with pytest.raises(RuntimeError, match="out of memory"):
+            model(*inputs(2))
+        assert placement.streamer._running is not None  # block 4 began and never ended
+        assert torch.equal(model(*inputs(2)), expected[1])
+        assert torch.equal(model(*inputs(3)), expected[2])
+    placement.release()
+
+
 # -- CUDA ------------------------------------------------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -246,3 +403,35 @@ def test_cuda_streamed_dit_is_bitwise_resident(reference, streamed, slots):
     placement.release()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= before
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_seven_streamed_through_three_slots_equal_resident_over_three_steps(seven_layers):
+    # 7 % 3 == 1: with fixed slots block 0 would share block 6's slot at every step boundary; the rotating ring
+    # re-points blocks between slots, on real CUDA events and a side copy stream.
+    state, _ = seven_layers
+    device = torch.device("cuda")
+    resident = ErnieDiT(SEVEN).eval().requires_grad_(False)
+    resident.load_state_dict(state)
+    resident.to(device, torch.bfloat16)
+
+    def step_args(seed: int):
+        latents, timestep, text, lens = inputs(seed)
+        return (latents.to(device, torch.bfloat16), timestep.to(device, torch.bfloat16),
+                text.to(device, torch.bfloat16), lens)
+
+    with torch.inference_mode():
+        wants = [resident(*step_args(seed)).clone() for seed in STEPS]
+    del resident
+    model = ErnieDiT(SEVEN).eval().requires_grad_(False)
+    model.load_state_dict(state)
+    model.to(torch.bfloat16)
+    placement = DiTPlacement(model, DiTPlan(7, (), tuple(range(7)), 3, 0, 0, 0), device)
+    streamer = placement.streamer
+    assert isinstance(streamer.sync, CudaSync) and streamer.slab.data.is_pinned()
+    with torch.inference_mode():
+        for seed, want in zip(STEPS, wants):
+            assert torch.equal(model(*step_args(seed)), want)
+    assert streamer._at != [k % 3 for k in range(7)]  # blocks did move between slots
+    placement.release()

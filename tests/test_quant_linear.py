@@ -14,6 +14,8 @@ from ernie_image.runtime.errors import InvalidInputError
 from ernie_image.runtime.quant import (QuantLinear, load_quantized_into, load_quantized_state_dict, main_quantize,
                                        quantize_linears, quantize_state_dict, quantize_weight, write_quantized_file)
 from ernie_image.runtime.quant.fp8 import fp8_linear_native
+from ernie_image.runtime.quant import linear as linear_module
+from ernie_image.runtime.quant.linear import native_kernel_accepts
 from ernie_image.runtime.quant.gpu_support import DIT_WEIGHT_BYTES, DeviceInfo, choose_auto, format_reasons
 from ernie_image.runtime.quant.nvfp4 import (E2M1_VALUES, from_blocked, quantize_nvfp4, to_blocked,
                                              unpack_pairs_hi_first)
@@ -64,6 +66,78 @@ def test_native_gemm_is_chosen_once_from_format_and_shape() -> None:
     assert layer._native(torch.randn(2, 256)) is None  # CPU input: always the dequantise path
 
 
+def test_native_kernels_take_bf16_or_per_tensor_fp16_activations_of_the_layer_width_only() -> None:
+    bf16 = torch.randn(3, 5, 256, dtype=torch.bfloat16)
+    for fmt in ("fp8", "nvfp4"):
+        assert native_kernel_accepts(bf16, fmt, 256)
+        for dtype in (torch.float32, torch.float64):  # the caller wants that precision
+            assert not native_kernel_accepts(bf16.to(dtype), fmt, 256, per_tensor_fp8=True)
+        assert not native_kernel_accepts(bf16.half(), fmt, 256)  # row-wise scaling writes bf16 only
+    assert native_kernel_accepts(bf16.half(), "fp8", 256, per_tensor_fp8=True)  # tensor-wise scaling writes fp16
+    assert not native_kernel_accepts(bf16.half(), "nvfp4", 256, per_tensor_fp8=True)
+    for fmt in ("fp8", "nvfp4"):
+        assert not native_kernel_accepts(bf16, fmt, 128)  # F.linear's own error says what is wrong
+        assert not native_kernel_accepts(bf16[:0], fmt, 256)
+    assert not native_kernel_accepts(bf16, None, 256)  # GGUF and odd FP8 shapes have no native GEMM
+
+
+@pytest.fixture
+def fp8_native_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Treat the CPU as an FP8 device: torch's CPU _scaled_mm is the same GEMM, so the path runs for real."""
+    monkeypatch.setattr(linear_module, "native_fp8_supported", lambda device: True)
+    monkeypatch.setattr(linear_module, "_reported_native_errors", set())
+
+
+def _fp8_layer(seed: int = 0, name: str = "layers.0.mlp.up_proj") -> QuantLinear:
+    torch.manual_seed(seed)
+    return QuantLinear(quantize_weight(torch.randn(32, 256), "fp8"), torch.randn(32), torch.bfloat16, name=name)
+
+
+def test_an_fp32_call_dequantises_without_turning_native_off(fp8_native_on_cpu: None) -> None:
+    layer = _fp8_layer()
+    x = torch.randn(3, 5, 256)
+    native = fp8_linear_native(x.bfloat16(), layer.weight, layer.weight_scale, layer.weight_scale_row, layer.bias)
+    dequantised = F.linear(x.bfloat16(), layer.dequantized_weight(torch.bfloat16), layer.bias)
+    assert not torch.equal(native, dequantised)  # the two paths are told apart by their bits
+    assert torch.equal(layer(x.bfloat16()), native)
+    assert torch.equal(layer(x), F.linear(x, layer.dequantized_weight(torch.float32), layer.bias.float()))
+    assert not layer._native_failed
+    assert torch.equal(layer(x.bfloat16()), native)  # the fp32 call changed nothing for later bf16 calls
+
+
+def test_a_kernel_error_on_bf16_turns_native_off_for_that_layer_with_one_warning(
+        fp8_native_on_cpu: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    calls = []
+
+    def kernel_missing(x, *args):
+        calls.append(x.dtype)
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(linear_module, "fp8_linear_native", kernel_missing)
+    first, second = _fp8_layer(0, "layers.0.mlp.up_proj"), _fp8_layer(1, "layers.1.mlp.up_proj")
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    with caplog.at_level("WARNING", logger=linear_module.__name__):
+        for layer in (first, second, first, second):
+            assert torch.equal(layer(x), F.linear(x, layer.dequantized_weight(), layer.bias))
+    assert calls == [torch.bfloat16, torch.bfloat16]  # each layer tried once, then dequantised
+    assert first._native_failed and second._native_failed
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "layers.0.mlp.up_proj: native fp8 matmul failed" in warnings[0]
+    assert "CUBLAS_STATUS_NOT_SUPPORTED" in warnings[0]
+
+
+def test_out_of_memory_in_the_native_gemm_propagates_and_keeps_native_on(
+        fp8_native_on_cpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    def out_of_memory(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(linear_module, "fp8_linear_native", out_of_memory)
+    layer = _fp8_layer()
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        layer(torch.randn(4, 256, dtype=torch.bfloat16))
+    assert not layer._native_failed
+
+
 @pytest.mark.parametrize("per_row", (True, False), ids=("per-row scale", "per-tensor scale"))
 def test_fp8_native_gemm_uses_the_scale_row_built_once(per_row: bool) -> None:
     # cuBLASLt's row-wise scaling takes the weight scale as a contiguous fp32 [1, out] row: built with the layer
@@ -102,6 +176,24 @@ def test_on_the_gpu_fp8_layers_multiply_natively_with_their_scale_row(per_row: b
     assert native is not None and not layer._native_failed
     dequantised = torch.nn.functional.linear(x, layer.dequantized_weight(), layer.bias)
     assert ((native.float() - dequantised.float()).norm() / dequantised.float().norm()).item() < 0.04
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a CUDA GPU with FP8 (SM >= 8.9)")
+@pytest.mark.parametrize("per_row", (True, False), ids=("per-row scale", "per-tensor scale"))
+def test_on_the_gpu_an_fp32_call_leaves_bf16_calls_native(per_row: bool) -> None:
+    torch.manual_seed(0)
+    layer = QuantLinear(quantize_weight(torch.randn(64, 256), "fp8", per_row_fp8=per_row), torch.randn(64),
+                        torch.bfloat16, name="layers.0.mlp.up_proj").cuda()
+    x = torch.randn(3, 5, 256, device="cuda")
+    y32 = layer(x)
+    assert y32.dtype == torch.float32 and not layer._native_failed
+    assert torch.equal(y32, F.linear(x, layer.dequantized_weight(torch.float32), layer.bias.float()))
+    native = fp8_linear_native(x.bfloat16(), layer.weight, layer.weight_scale, layer.weight_scale_row, layer.bias)
+    assert torch.equal(layer(x.bfloat16()), native) and not layer._native_failed
+    dequantised = F.linear(x.bfloat16(), layer.dequantized_weight(), layer.bias)
+    assert not torch.equal(native, dequantised)  # so the bf16 call above did multiply natively
 
 
 def test_fp8_e4m3_error_bound() -> None:

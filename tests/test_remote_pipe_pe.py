@@ -15,6 +15,7 @@ from ernie_image.nodes.sampler import ErnieImageTurboSampler
 from ernie_image.runtime.errors import Cancelled
 from ernie_image.runtime.host import NullHost
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
+from ernie_image.runtime.remote.http import ServerRejected
 from ernie_image.runtime.request import GenerationRequest
 from ernie_image.runtime.text.remote_enhancer import ChatEndpoint
 
@@ -108,3 +109,86 @@ def test_remote_backend_node_and_sampler_output_the_revised_prompt():
     assert prompt_used == f"revised: {PROMPT} @5"
     assert sglang.generations[0].body["prompt"] == prompt_used and sglang.generations[0].body["use_pe"] is False
     assert chat.received[0]["model"] == "baidu/ERNIE-Image-PE"
+
+
+def test_the_pe_model_is_asked_for_once_per_pipe_not_once_per_prompt():
+    with FakeSglang() as sglang, ChatServer() as chat:
+        pipe = pipe_for(sglang, chat)
+        host = NullHost()
+        try:
+            first = pipe.enhance("a fox", 256, 256, seed=1, host=host)
+            second = pipe.enhance("a hare", 256, 256, seed=2, host=host)
+            result = pipe.generate(request(), host)
+        finally:
+            pipe.release()
+    assert chat.models_asked == 1, "three revisions, one model list"
+    assert [body["model"] for body in chat.received] == ["baidu/ERNIE-Image-PE"] * 3
+    assert (first.prompts, second.prompts) == (["revised: a fox @1"], ["revised: a hare @2"])
+    assert result.prompts_used == [f"revised: {PROMPT} @1234"]
+    assert not any("original prompt" in message for message in host.messages)
+
+
+def test_a_pe_server_restarted_with_another_model_is_asked_again_once():
+    with ChatServer() as chat:
+        pipe = RemotePipe(["http://127.0.0.1:1"], RemoteSettings(pe_endpoint=ChatEndpoint(url=chat.url)))
+        host = NullHost()
+        pipe.enhance("a fox", 256, 256, seed=1, host=host)
+        chat.model = "baidu/ERNIE-Image-PE-v2"
+        result = pipe.enhance("a fox", 256, 256, seed=1, host=host)
+        pipe.enhance("a hare", 256, 256, seed=1, host=host)
+    assert result.prompts == ["revised: a fox @1"] and result.revisions[0].source == "remote"
+    assert chat.models_asked == 2
+    assert [body["model"] for body in chat.received] == [
+        "baidu/ERNIE-Image-PE",  # kept from the first model list
+        "baidu/ERNIE-Image-PE",  # 404 "does not exist": forgotten, the list asked again
+        "baidu/ERNIE-Image-PE-v2",
+        "baidu/ERNIE-Image-PE-v2",  # kept again
+    ]
+    assert host.messages == [f"the PE server at {chat.url} now serves baidu/ERNIE-Image-PE-v2 instead of "
+                             f"baidu/ERNIE-Image-PE: using it"]
+
+
+def test_a_404_under_the_same_listed_name_is_raised_after_one_new_look():
+    with ChatServer() as chat:
+        pipe = RemotePipe(["http://127.0.0.1:1"], RemoteSettings(pe_endpoint=ChatEndpoint(url=chat.url)))
+        pipe.enhance("a fox", 256, 256, seed=1)
+        chat.faults = ["404"]  # the chat path fails while the list still names the same model
+        with pytest.raises(ServerRejected, match="HTTP 404.*does not exist"):
+            pipe.enhance("a fox", 256, 256, seed=1)
+    assert chat.models_asked == 2 and len(chat.received) == 2, "one new look, no second chat request"
+
+
+def test_a_named_pe_model_never_asks_the_model_list():
+    with ChatServer() as chat:
+        pipe = RemotePipe(["http://127.0.0.1:1"],
+                          RemoteSettings(pe_endpoint=ChatEndpoint(url=chat.url, model="baidu/ERNIE-Image-PE")))
+        pipe.enhance("a fox", 256, 256, seed=1)
+        pipe.enhance("a hare", 256, 256, seed=1)
+        chat.model = "other"
+        with pytest.raises(ServerRejected, match="check the PE model name 'baidu/ERNIE-Image-PE'"):
+            pipe.enhance("a fox", 256, 256, seed=1)
+    assert chat.models_asked == 0 and len(chat.received) == 3
+
+
+def test_release_forgets_the_pe_model():
+    with ChatServer() as chat:
+        pipe = RemotePipe(["http://127.0.0.1:1"], RemoteSettings(pe_endpoint=ChatEndpoint(url=chat.url)))
+        pipe.enhance("a fox", 256, 256, seed=1)
+        pipe.release()
+        pipe.enhance("a fox", 256, 256, seed=1)
+    assert chat.models_asked == 2
+
+
+def test_a_pe_server_that_is_down_keeps_the_original_prompt_and_is_asked_again_next_time():
+    from fake_sglang import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    pipe = RemotePipe(["http://127.0.0.1:1"],
+                      RemoteSettings(pe_endpoint=ChatEndpoint(url=url, connect_timeout_s=1.0, retry_attempts=1)))
+    host = NullHost()
+    result = pipe.enhance("a fox", 256, 256, seed=1, host=host)
+    assert result.prompts == ["a fox"] and result.revisions[0].source == "original"
+    assert len(host.messages) == 1 and "refused the connection" in host.messages[0]
+    with ChatServer(port=int(url.rsplit(":", 1)[1])) as chat:  # the server came up: nothing stale was kept
+        assert pipe.enhance("a fox", 256, 256, seed=1).prompts == ["revised: a fox @1"]
+    assert chat.models_asked == 1

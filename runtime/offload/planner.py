@@ -114,8 +114,13 @@ def auto_budget(free_bytes: int, total_bytes: int, held_by_us: int = 0) -> int:
     return max(free_bytes + held_by_us - reserve, 0)
 
 
-def budget_bytes(spec: "float | str | None", device=None) -> Optional[int]:
-    """'auto'/None -> measured on a CUDA device (None on the CPU: unbounded); a number -> that many GiB."""
+def budget_bytes(spec: "float | str | None", device=None, held_by_pipe: int = 0) -> Optional[int]:
+    """'auto'/None -> measured on a CUDA device (None on the CPU: unbounded); a number -> that many GiB.
+
+    'auto' counts as usable: free device memory, the allocator's cached but unused blocks, and `held_by_pipe`
+    (weights the pipe already holds and will reuse). Not the process's whole reserved memory: inside ComfyUI that
+    includes ComfyUI's own loaded models.
+    """
     if spec is not None and spec != "auto":
         value = float(spec)
         if not math.isfinite(value) or value <= 0:
@@ -126,7 +131,8 @@ def budget_bytes(spec: "float | str | None", device=None) -> Optional[int]:
     if device is None or torch.device(device).type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
-    return auto_budget(free, total, torch.cuda.memory_reserved(device))
+    cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return auto_budget(free, total, cached_unused + held_by_pipe)
 
 
 def spread(count: int, total: int) -> tuple[int, ...]:

@@ -7,7 +7,7 @@ no offloader existed.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -45,6 +45,7 @@ class PipeMemory:
         self.text: Optional[TextPlacement] = None
         self.pe: Optional[PePlacement] = None
         self.host = None
+        self.held_bytes: Callable[[], int] = lambda: 0  # device bytes the pipe's loaded weights hold ('auto' reuses them)
 
     # -- planning ---------------------------------------------------------------------------------------
 
@@ -69,7 +70,7 @@ class PipeMemory:
     def _plan_inputs(self, request, sources, variant, local_pe: bool) -> tuple[Optional[int], Job, ModelSizes]:
         """Budget (None: 'auto' off CUDA, unbounded), job and config-derived sizes for `request`."""
         use_pe = _plans_pe(request, sources, local_pe)
-        return (budget_bytes(self.budget_gb, self.device), self._job(request, use_pe),
+        return (budget_bytes(self.budget_gb, self.device, self.held_bytes()), self._job(request, use_pe),
                 self._sizes(sources, variant, use_pe))
 
     def plan_job(self, request, sources, variant, local_pe: bool = True) -> Optional[MemoryPlan]:

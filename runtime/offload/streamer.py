@@ -2,14 +2,23 @@
 
 Setup (once): every tensor (parameters and buffers, whatever their dtype: bf16 weights or QuantLinear's packed
 uint8/fp8 data alike) of each streamed layer is copied into a host slab (page-locked on CUDA) at a 256-byte
-aligned offset; the layer's k-th position in the stream owns ring slot k % slots, and its tensors are rebound
-once and for all to views of that slot. A layer's bytes are contiguous in both places, so one copy moves it.
+aligned offset. A layer's bytes are contiguous in both places, so one copy moves it.
+
+Slots are handed out by a cursor that keeps rotating across steps: the j-th copy ever issued goes to slot
+j % slots, and the layer's tensors are re-pointed at that slot (precomputed views, no allocation) when its copy
+is issued. So the previous user of every slot is always the layer `slots` positions earlier in the stream, and
+every copy is issued as soon as that layer is done: `slots - 1` layers ahead, across step boundaries too.
+(A fixed slot per layer, k % slots, breaks this whenever r = n % slots != 0: the previous user of a next-step
+layer k < r is then only r positions back, and copies go in stream order, so the first `slots - 1` copies of
+every step overlap fewer than `slots - 1` layers; with r == 1 layer 0 even shares the slot of layer n-1.)
+When n is a multiple of `slots` the cursor gives every layer the same slot each step and nothing is re-pointed.
 
 Per layer, at run time, nothing is allocated:
-  before(i): the compute stream waits for slot(i)'s "ready" event;
-  after(i):  the compute stream records slot(i)'s "free" event; copies of the next positions are issued on
+  before(i): the compute stream waits for the "ready" event of the slot layer i's copy went to;
+  after(i):  the compute stream records that slot's "free" event; copies of the next positions are issued on
              the side stream, each waiting for its slot's "free" event, then recording its "ready" event.
-The ring wraps around across steps, so the next step's first layers arrive during this step's last ones.
+A layer is never re-pointed while it runs: the copies in flight are of the `slots` positions from the running
+one on, which are distinct layers because `slots` <= n.
 
 On the CPU the same bookkeeping runs with `FakeSync`: the "device" ring is a second CPU tensor and copies are
 either run at once ("eager", catches a copy that overwrites a slot still in use) or deferred until the compute
@@ -84,14 +93,18 @@ def _bound(entry: _Entry) -> torch.Tensor:
     return table[entry.name]
 
 
-def _point(entries: list[_Entry], flat: torch.Tensor) -> None:
-    """Rebind each entry's parameter or buffer to its typed window of the layer block `flat`."""
-    for entry in entries:
-        view = typed_view(flat, entry.offset, entry.dtype, entry.shape)
+def _point_views(entries: list[_Entry], views: Sequence[torch.Tensor]) -> None:
+    """Rebind each entry's parameter or buffer to its view (same shape and dtype)."""
+    for entry, view in zip(entries, views):
         if entry.is_param:
             entry.module._parameters[entry.name].data = view
         else:
             entry.module._buffers[entry.name] = view
+
+
+def _point(entries: list[_Entry], flat: torch.Tensor) -> None:
+    """Rebind each entry's parameter or buffer to its typed window of the layer block `flat`."""
+    _point_views(entries, [typed_view(flat, e.offset, e.dtype, e.shape) for e in entries])
 
 
 class CudaSync:
@@ -121,19 +134,27 @@ class CudaSync:
 
 
 class FakeSync:
-    """CPU stand-in for CudaSync (see the module docstring); `copies` counts copies actually performed."""
+    """CPU stand-in for CudaSync (see the module docstring); `copies` counts copies actually performed.
+
+    Set `trace` to a list to have every call appended in issue order, for tests of the ordering:
+    ("copy", slot, source data_ptr), ("wait", slot), ("free", slot)."""
 
     def __init__(self, mode: FakeMode = "lazy") -> None:
         self.mode = mode
         self.pending: deque[tuple[int, torch.Tensor, torch.Tensor]] = deque()
         self.copies = 0
+        self.trace: Optional[list[tuple[str, int, int] | tuple[str, int]]] = None
 
     def copy(self, slot: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.trace is not None:
+            self.trace.append(("copy", slot, src.data_ptr()))
         self.pending.append((slot, dst, src))
         if self.mode == "eager":
             self._run_until(len(self.pending))
 
     def wait_ready(self, slot: int) -> None:
+        if self.trace is not None:
+            self.trace.append(("wait", slot))
         last = max((n + 1 for n, (s, _, _) in enumerate(self.pending) if s == slot), default=0)
         self._run_until(last)
 
@@ -144,7 +165,8 @@ class FakeSync:
             self.copies += 1
 
     def mark_free(self, slot: int) -> None:
-        return None
+        if self.trace is not None:
+            self.trace.append(("free", slot))
 
     def synchronize(self) -> None:
         self._run_until(len(self.pending))
@@ -179,10 +201,15 @@ class LayerStreamer:
                 _point(entries, host)  # the layer's source tensors are dropped here, one layer at a time
                 self._host.append(host)
                 start += size
-        self._dev: list[torch.Tensor] = []
+        # Per layer k and slot j: the layer's window of slot j (copy target) and its tensors' views in it.
+        self._dev: list[list[torch.Tensor]] = []
+        self._views: list[list[list[torch.Tensor]]] = []
+        self._at: list[int] = []  # the slot each layer's tensors point at now
+        self._issued: deque[tuple[int, int]] = deque()  # (position, slot) of copies not yet released, in order
+        self._next = 0  # the stream position the next copy is of
+        self._cursor = 0  # the slot the next copy goes to
+        self._running: Optional[int] = None  # the slot of a layer between before() and after()
         self._bind_ring()
-        self._issued: deque[int] = deque()
-        self._next = 0
         self.closed = False
 
     @property
@@ -197,18 +224,26 @@ class LayerStreamer:
     def ring_bytes(self) -> int:
         return self.ring.numel()
 
-    def _slot(self, k: int) -> int:
-        return k % self.slots
-
     def _pump(self) -> None:
+        # The cursor's slot is free: the copies not yet released hold the len(_issued) < slots slots before it.
         while len(self._issued) < self.slots:
-            k = self._next
-            slot = self._slot(k)
-            if any(self._slot(other) == slot for other in self._issued):
-                return
-            self.sync.copy(slot, self._dev[k], self._host[k])
-            self._issued.append(k)
+            k, slot = self._next, self._cursor
+            if self._at[k] != slot:
+                _point_views(self._entries[k], self._views[k][slot])
+                self._at[k] = slot
+            self.sync.copy(slot, self._dev[k][slot], self._host[k])
+            self._issued.append((k, slot))
             self._next = (k + 1) % len(self.streamed)
+            self._cursor = (slot + 1) % self.slots
+
+    def _restart(self, k: int) -> None:
+        """First use, or a run that stopped part-way (cancel, error): start the ring again from position k."""
+        if self._running is not None:  # stopped inside a layer: later copies into its slot wait for its kernels
+            self.sync.mark_free(self._running)
+            self._running = None
+        self._issued.clear()
+        self._next = k
+        self._pump()
 
     def before(self, index: int) -> None:
         k = self.position.get(index)
@@ -216,20 +251,20 @@ class LayerStreamer:
             return
         if self.parked:
             self.unpark()
-        if not self._issued or self._issued[0] != k:
-            # First use, or a run that stopped part-way (cancel, error): start the ring again from here.
-            self._issued.clear()
-            self._next = k
-            self._pump()
-        self.sync.wait_ready(self._slot(k))
+        if not self._issued or self._issued[0][0] != k:
+            self._restart(k)
+        slot = self._issued[0][1]
+        self.sync.wait_ready(slot)
+        self._running = slot
 
     def after(self, index: int) -> None:
         k = self.position.get(index)
         if k is None:
             return
-        if self._issued and self._issued[0] == k:
-            self._issued.popleft()
-        self.sync.mark_free(self._slot(k))
+        if self._issued and self._issued[0][0] == k:
+            _, slot = self._issued.popleft()
+            self.sync.mark_free(slot)
+            self._running = None
         self._pump()
 
     def park(self) -> None:
@@ -241,7 +276,8 @@ class LayerStreamer:
             for host, entries in zip(self._host, self._entries):
                 _point(entries, host)
         self._issued.clear()
-        self._dev = []
+        self._running = None
+        self._dev, self._views, self._at = [], [], []
         self.ring = torch.empty(0, dtype=torch.uint8, device=self.device)
 
     def unpark(self) -> None:
@@ -252,14 +288,19 @@ class LayerStreamer:
             self._bind_ring()
 
     def _bind_ring(self) -> None:
-        """Allocate the device ring and point each streamed layer's tensors at views of its slot."""
+        """Allocate the device ring, make each layer's views into every slot, point layer k at slot k % slots."""
         self.ring = torch.empty(self.slots * self.slot_bytes, dtype=torch.uint8, device=self.device)
-        self._dev = []
+        self._dev, self._views, self._at = [], [], []
         for k, entries in enumerate(self._entries):
-            start = self._slot(k) * self.slot_bytes
-            slot = self.ring[start: start + self.layer_bytes[k]]
-            _point(entries, slot)
-            self._dev.append(slot)
+            windows = [self.ring[j * self.slot_bytes: j * self.slot_bytes + self.layer_bytes[k]]
+                       for j in range(self.slots)]
+            self._dev.append(windows)
+            self._views.append([[typed_view(window, e.offset, e.dtype, e.shape) for e in entries]
+                                for window in windows])
+            _point_views(entries, self._views[k][k % self.slots])
+            self._at.append(k % self.slots)
+        self._issued.clear()
+        self._cursor = 0
 
     @property
     def parked(self) -> bool:
@@ -278,7 +319,8 @@ class LayerStreamer:
                 else:
                     entry.module._buffers[entry.name] = meta
         self._issued.clear()
-        self._host, self._dev, self._entries = [], [], []
+        self._running = None
+        self._host, self._dev, self._views, self._at, self._entries = [], [], [], [], []
         self.ring = torch.empty(0, dtype=torch.uint8, device=self.device)
         self.slab.free()
         self.closed = True

@@ -16,6 +16,9 @@ Contract with the offloader (runtime/offload/) and anything else that moves modu
 Forward: native FP8 GEMM on SM >= 8.9, native FP4 GEMM on SM >= 10, else dequantise this one layer's
 weight to the activation dtype (one Triton kernel on CUDA where the type has one, else torch), `F.linear`,
 and drop it (transient memory = one bf16 weight).
+The choice is made per call: an activation the native kernels do not take (see `native_kernel_accepts`, e.g.
+an fp32 one) is dequantised for that call only. Only a kernel error on an activation they do take turns native
+off, for that layer and for good (one warning per distinct error); out-of-memory errors propagate.
 """
 from __future__ import annotations
 
@@ -32,6 +35,25 @@ from .qweight import QuantizedWeight, dequantize_packed
 from .triton_dequant import dequantize_triton, has_triton_kernel
 
 log = logging.getLogger(__name__)
+
+NATIVE_FORMATS = ("fp8", "nvfp4")
+# Kernel errors already logged, as (format, message): the same torch limitation hits every layer alike.
+_reported_native_errors: set[tuple[str, str]] = set()
+
+
+def native_kernel_accepts(x: torch.Tensor, native_format: str | None, in_features: int,
+                          per_tensor_fp8: bool = False) -> bool:
+    """Whether the native GEMM for `native_format` ("fp8", "nvfp4"; None: the layer has none) takes activation `x`.
+
+    Both take bf16; an FP8 weight with one per-tensor scale also takes fp16 (tensor-wise scaling writes fp16).
+    An fp32 (or fp64) caller wants that precision, which quantising its activation to e4m3 or e2m1 would lose:
+    it goes to the dequantise path. So does an input F.linear would reject anyway (wrong last dimension: the
+    dequantise path raises the clear error) and an empty one. Devices are checked by the caller.
+    """
+    dtype_ok = x.dtype == torch.bfloat16 or (x.dtype == torch.float16 and native_format == "fp8" and per_tensor_fp8)
+    return native_format in NATIVE_FORMATS and dtype_ok and x.dim() >= 1 and x.shape[-1] == in_features \
+        and x.numel() > 0
+
 
 # Optional replacement for dequantize_packed, e.g. a torch.compile'd one (see `enable_compiled_dequant`).
 _dequant_impl: Callable[..., torch.Tensor] = dequantize_packed
@@ -89,6 +111,7 @@ class QuantLinear(nn.Module):
         # per forward.
         self._native_format = self._native_candidate()
         self._triton_kernel = has_triton_kernel(self.format, self.qtype)
+        self._per_tensor_fp8 = qweight.scale is None or qweight.scale.numel() == 1
         if self._native_format == "fp8":
             scale = qweight.scale if qweight.scale is not None else torch.ones((), device=qweight.data.device)
             row = scale.to(torch.float32).reshape(1, -1).expand(1, self.out_features).contiguous()
@@ -114,20 +137,28 @@ class QuantLinear(nn.Module):
         return None
 
     def _native(self, x: torch.Tensor) -> torch.Tensor | None:
-        if self._native_format is None or self._native_failed or x.device.type != "cuda" \
+        """The native GEMM's output, or None: this call (or, after a kernel error, this layer) dequantises."""
+        if self._native_failed or not native_kernel_accepts(x, self._native_format, self.in_features,
+                                                             self._per_tensor_fp8) \
                 or self.weight.device != x.device:
             return None
         try:
+            # The *_supported checks are False off CUDA and below the SM the kernel needs.
             if self._native_format == "fp8" and native_fp8_supported(x.device):
                 return fp8_linear_native(x, self.weight, getattr(self, "weight_scale", None), self.weight_scale_row,
                                          self.bias)
             if self._native_format == "nvfp4" and native_fp4_supported(x.device):
                 return nvfp4_linear_native(x, self.weight, self.weight_scale, self.weight_scale_2,
                                            self.shape, self.bias)
-        except (RuntimeError, TypeError) as err:  # an unsupported shape/dtype combination in this torch build
+        except torch.cuda.OutOfMemoryError:  # says nothing about the kernel; dequantising would need more memory
+            raise
+        except (RuntimeError, TypeError) as err:  # the kernel rejects an input it should take: this torch lacks it
             self._native_failed = True
-            log.warning("%s: native %s matmul unavailable (%s); dequantising per forward instead",
-                        self.layer_name or "QuantLinear", self.format, err)
+            if (self.format, str(err)) not in _reported_native_errors:
+                _reported_native_errors.add((self.format, str(err)))
+                log.warning("%s: native %s matmul failed on a %s input (%s: %s); this layer and any other "
+                            "failing the same way dequantise per forward from now on",
+                            self.layer_name or "QuantLinear", self.format, tuple(x.shape), type(err).__name__, err)
         return None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from ..errors import Cancelled, InvalidInputError, RemoteError
 from ..host import Host
 from ..request import GenerationRequest, GenerationResult, nearest_valid_side
 from .fleet import Fleet, FleetSettings
-from .http import HttpSettings, normalize_base_url, run_sync, server_label
+from .http import ApiKeySource, HttpSettings, normalize_base_url, run_sync, server_label
 from .sglang import GeneratedImage, ImageParams, ReadTimeoutPolicy
 
 if TYPE_CHECKING:
@@ -99,7 +99,12 @@ class RemotePipe:
     def __init__(self, urls: Sequence[str], settings: RemoteSettings = RemoteSettings()) -> None:
         self.settings = settings
         self.urls = [u for u in (u.strip() for u in urls) if u]
-        # Fail on a bad URL now (the node shows it at once), before any connection is tried.
+        # Fail on a bad URL or key source now (the node shows it at once), before any connection is tried.
+        ApiKeySource.checked(settings.api_key_env, settings.api_key_file)
+        if settings.pe_endpoint is not None:
+            ApiKeySource.checked(settings.pe_endpoint.api_key_env, settings.pe_endpoint.api_key_file,
+                                 env_label="the PE endpoint's API key variable",
+                                 file_label="the PE endpoint's API key file")
         Fleet(self.urls, settings.fleet_settings())
         self._fleet: Optional[Fleet] = None
 
@@ -213,6 +218,10 @@ class RemotePipe:
         )
 
     def release(self) -> None:
+        if self.settings.pe_endpoint is not None:  # what the PE server listed is asked again after a release
+            from ..text.remote_enhancer import forget_listed_model
+
+            forget_listed_model(self.settings.pe_endpoint)
         fleet, self._fleet = self._fleet, None
         if fleet is not None:
             try:

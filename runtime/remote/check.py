@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from ..cli import CLI_KEY_LABELS
 from ..errors import ErnieImageError
 from .http import ApiKeySource, HttpSettings, RetryPolicy, Timeouts, run_sync
 from .sglang import ImageParams, ReadTimeoutPolicy, SglangClient
@@ -78,8 +79,11 @@ async def check_one(url: str, api_key: ApiKeySource, generate: bool, connect_tim
 def check_remote(urls: Sequence[str], api_key_env: Optional[str] = None, api_key_file: Optional[str] = None,
                  generate: bool = True, connect_timeout_s: float = 5.0,
                  generation_timeout_s: float = 120.0) -> list[CheckRow]:
-    """Check every server concurrently; never raises for a server problem (it lands in the row)."""
-    api_key = ApiKeySource(env_var=api_key_env, file=api_key_file)  # empty names mean no key, as None does
+    """Check every server concurrently; never raises for a server problem (it lands in the row).
+
+    Raises InvalidInputError for a key source that cannot work (see ApiKeySource.checked); blank means no key.
+    """
+    api_key = ApiKeySource.checked(api_key_env, api_key_file)
 
     async def run() -> list[CheckRow]:
         return list(await asyncio.gather(*(
@@ -119,11 +123,14 @@ def main_check_remote(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-generate", action="store_true", help="skip the tiny test generation")
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds (default 5)")
     args = parser.parse_args(argv)
-    rows = check_remote(args.urls, api_key_env=args.api_key_env, api_key_file=args.api_key_file,
+    api_key = ApiKeySource.checked(args.api_key_env, args.api_key_file, **CLI_KEY_LABELS)
+    rows = check_remote(args.urls, api_key_env=api_key.env_var, api_key_file=api_key.file,
                         generate=not args.no_generate, connect_timeout_s=args.connect_timeout)
     print(format_check_table(rows))
     return 0 if all(row.ok for row in rows) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main_check_remote())
+    from ..cli import main  # one-line errors and exit code 2, as `ernie-image check-remote`
+
+    sys.exit(main(["check-remote", *sys.argv[1:]]))

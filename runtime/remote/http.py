@@ -21,6 +21,7 @@ import concurrent.futures
 import json
 import os
 import random
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from ..errors import Cancelled, RemoteError
+from ..errors import Cancelled, InvalidInputError, RemoteError
 
 T = TypeVar("T")
 CancelCheck = Callable[[], Optional[bool]]
@@ -39,6 +40,9 @@ CANCEL_POLL_S = 0.1
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 RETRYABLE_STATUSES = frozenset({408, 429, 503})
+MAX_KEY_FILE_BYTES = 4096  # a key is a few hundred bytes at most; anything larger is the wrong file
+SHOWN_CHARS = 4  # of a value that may be a pasted key, at most this many characters appear in a message
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -86,6 +90,25 @@ class ApiKeySource:
     env_var: Optional[str] = None
     file: Optional[str] = None
 
+    @classmethod
+    def checked(cls, env_var: Optional[str], file: Optional[str], *, env_label: str = "the API key variable",
+                file_label: str = "the API key file", program: str = "this program") -> "ApiKeySource":
+        """The source the user named, checked before anything is sent; blank or None means none.
+
+        The variable must be a valid name that `program`'s environment has (set and not blank) unless a key file
+        is also given; the file must be a readable, non-empty file of at most MAX_KEY_FILE_BYTES. Raises
+        InvalidInputError, one line, naming the setting by `env_label` / `file_label` (a widget or a CLI flag).
+        A value that is not a set variable's name may be the key itself, pasted in the wrong place, so at most
+        SHOWN_CHARS of it appear in a message. The key itself is still read only when a request is sent.
+        """
+        env_name = (env_var or "").strip() or None
+        key_file = (file or "").strip() or None
+        if env_name is not None:
+            _check_env_name(env_name, has_file=key_file is not None, label=env_label, program=program)
+        if key_file is not None:
+            _check_key_file(key_file, label=file_label)
+        return cls(env_var=env_name, file=key_file)
+
     def describe(self) -> str:
         parts = []
         if self.env_var:
@@ -119,6 +142,57 @@ class ApiKeySource:
                 f"before starting ComfyUI or the CLI", status=0
             )
         return None
+
+
+def _peek(value: str) -> str:
+    """The first SHOWN_CHARS characters of a value that may be a pasted key, on one line, marked as cut."""
+    head = "".join(char if char.isprintable() else "?" for char in value[:SHOWN_CHARS])
+    return f"'{head}...'" if len(value) > SHOWN_CHARS else f"'{head}'"
+
+
+def _check_env_name(name: str, *, has_file: bool, label: str, program: str) -> None:
+    if not _ENV_NAME.fullmatch(name):
+        raise InvalidInputError(
+            f"{label} must be the NAME of an environment variable (letters, digits, _), not {_peek(name)}: put "
+            f"the key in an environment variable and give its name, never the key itself"
+        )
+    if has_file:
+        return  # an unset variable falls back to the key file, as ApiKeySource.read does
+    if name not in os.environ:
+        raise InvalidInputError(
+            f"{label} names a variable ({_peek(name)}) that {program}'s environment does not have: export it "
+            f"before starting {program}, or give a key file; write only the variable's NAME there, never the key"
+        )
+    if not os.environ[name].strip():
+        raise InvalidInputError(
+            f"{label} names a variable ({_peek(name)}) that is empty in {program}'s environment: export the key "
+            f"in it before starting {program}, or give a key file"
+        )
+
+
+def _shown_path(value: str) -> str:
+    """A path as typed when it is plainly one (it exists, or its folder does); else it may be a pasted key: cut."""
+    path = os.path.expanduser(value)
+    folder = os.path.dirname(path)
+    if value.isprintable() and (os.path.exists(path) or (folder and os.path.isdir(folder))):
+        return value
+    return _peek(value)
+
+
+def _check_key_file(value: str, *, label: str) -> None:
+    path = os.path.expanduser(value)
+    shown = _shown_path(value)
+    fix = "give the path of a file holding only the key"
+    if not os.path.isfile(path):
+        raise InvalidInputError(f"{label} {shown} is not a file: {fix}")
+    size = os.path.getsize(path)
+    if size > MAX_KEY_FILE_BYTES:
+        raise InvalidInputError(f"{label} {shown} is larger than {MAX_KEY_FILE_BYTES} bytes, so it is not a key "
+                                f"file: {fix}")
+    if not os.access(path, os.R_OK):
+        raise InvalidInputError(f"{label} {shown} cannot be read by this process: check its permissions")
+    if not Path(path).read_bytes().strip():
+        raise InvalidInputError(f"{label} {shown} is empty: write the key into it")
 
 
 # -------------------------------------------------------------------------------------------- settings

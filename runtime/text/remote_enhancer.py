@@ -87,14 +87,48 @@ def _reply_text(data: Any, label: str) -> tuple[str, bool, Optional[int]]:
     return content, choice.get("finish_reason") == "length", tokens if isinstance(tokens, int) else None
 
 
+# The model each endpoint listed when the user named none, by base URL: asked once, not before every prompt.
+_listed_models: dict[str, str] = {}
+
+
+def forget_listed_model(endpoint: ChatEndpoint) -> None:
+    _listed_models.pop(endpoint.base_url(), None)
+
+
 async def _model_name(client: HttpClient, endpoint: ChatEndpoint) -> str:
     if endpoint.model:
         return endpoint.model
-    reply = await client.request_json("GET", MODELS_PATH)
+    key = endpoint.base_url()
+    if key not in _listed_models:
+        reply = await client.request_json("GET", MODELS_PATH)
+        try:
+            _listed_models[key] = str(reply.data["data"][0]["id"])
+        except (KeyError, IndexError, TypeError):
+            raise _Unusable(f"{client.label} lists no model at {MODELS_PATH}: give the PE model name") from None
+    return _listed_models[key]
+
+
+def _model_not_found(error: ServerRejected) -> bool:
+    """vLLM answers 404 "The model `x` does not exist."; other servers say "not found" with a 4xx."""
+    text = str(error).lower()
+    return error.status == 404 or "does not exist" in text or "not found" in text
+
+
+async def _chat(client: HttpClient, endpoint: ChatEndpoint, model: str, body: dict, notes: list[str]
+                ) -> tuple[Any, str]:
+    """The chat reply and the model that gave it. A listed model the server no longer serves (restarted with
+    another) is looked up again, once, and the request repeated under the new name."""
     try:
-        return str(reply.data["data"][0]["id"])
-    except (KeyError, IndexError, TypeError):
-        raise _Unusable(f"{client.label} lists no model at {MODELS_PATH}: give the PE model name") from None
+        return await client.request_json("POST", CHAT_PATH, {**body, "model": model}), model
+    except ServerRejected as error:
+        if endpoint.model or not _model_not_found(error):
+            raise
+        forget_listed_model(endpoint)
+        renamed = await _model_name(client, endpoint)
+        if renamed == model:
+            raise  # listed again under the same name: the name is not what is wrong
+    notes.append(f"the PE server at {client.label} now serves {renamed} instead of {model}: using it")
+    return await client.request_json("POST", CHAT_PATH, {**body, "model": renamed}), renamed
 
 
 async def _revise_all(endpoint: ChatEndpoint, prompts: Sequence[str], width: int, height: int, seed: int,
@@ -109,7 +143,6 @@ async def _revise_all(endpoint: ChatEndpoint, prompts: Sequence[str], width: int
             return [Revision(p, p, 0, 0.0, "original") for p in prompts]
         for prompt in prompts:
             body = {
-                "model": model,
                 "messages": chat_messages(prompt, width, height),
                 "temperature": temperature,
                 "top_p": top_p,
@@ -119,7 +152,7 @@ async def _revise_all(endpoint: ChatEndpoint, prompts: Sequence[str], width: int
             }
             started = time.perf_counter()
             try:
-                reply = await client.request_json("POST", CHAT_PATH, body)
+                reply, model = await _chat(client, endpoint, model, body, notes)
                 content, truncated, tokens = _reply_text(reply.data, client.label)
             except _KEEP_ORIGINAL as error:
                 notes.append(_fallback_note(error))

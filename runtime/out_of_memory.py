@@ -1,0 +1,68 @@
+"""Running out of device memory, said in one line: the phase, the job, the allocation that failed, and the fix.
+
+A failed phase's tensors are referenced from the exception's traceback frames; a host that keeps the exception
+(ComfyUI shows it later) would keep them allocated, so the chain is stripped of its tracebacks before re-raising.
+"""
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+import torch
+
+from .request import GenerationRequest
+
+
+PHASE_NAMES = {"setup": "setup", "pe": "prompt enhancer", "text": "text encoder", "dit": "DiT", "vae": "VAE decode"}
+PHASE_FIXES = {
+    "pe": "or revise prompts on a PE chat endpoint (pe_url)",
+    "text": "or use a quantised (GGUF) text encoder",
+    "vae": "or a smaller size or batch (under a budget the VAE decodes in tiles)",
+}
+DIT_FIX = "a smaller size or batch, or a quantised DiT (quant fp8/q8_0/nvfp4, or a GGUF file)"
+_ALLOCATION = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
+
+
+def _out_of_memory(error: BaseException) -> Optional[BaseException]:
+    """`error` or the exception it wraps (torch.compile and others re-raise) when it is the device running out."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, torch.OutOfMemoryError):
+            return error
+        if isinstance(error, RuntimeError) and "CUDA error: out of memory" in str(error):
+            return error
+        error = error.__cause__ or error.__context__
+        seen += 1
+    return None
+
+
+def out_of_memory_message(error: BaseException, phase: str, request: GenerationRequest, device: torch.device,
+                          budget_gb: Optional[float]) -> Optional[str]:
+    """One line for a device that ran out of memory (None when `error` is something else): phase, job, the
+    allocation that failed, and what to change."""
+    oom = _out_of_memory(error)
+    if oom is None:
+        return None
+    allocation = _ALLOCATION.search(str(oom))
+    tried = f", tried to allocate {allocation.group(1)}" if allocation else ""
+    cfg = f" CFG {request.cfg:g}" if request.uses_cfg else ""
+    job = f"{request.width}x{request.height} batch {request.batch}{cfg}"
+    if budget_gb is not None and budget_gb != "auto":
+        budget = f"lower the VRAM budget ({float(budget_gb):g} GB now) on the Loader or with --budget in the CLI"
+    else:
+        budget = "set a VRAM budget on the Loader (vram_budget_gb) or with --budget GB in the CLI"
+    fix = PHASE_FIXES.get(phase, DIT_FIX)
+    return (f"out of GPU memory on {device} in the {PHASE_NAMES.get(phase, phase)} phase ({job}{tried}): "
+            f"{budget}, {fix}")
+
+
+def without_tracebacks(error: BaseException) -> BaseException:
+    """`error` and the exceptions chained to it, stripped of their tracebacks: those hold the failed phase's frames
+    and with them its device tensors, which would stay allocated while a host (ComfyUI) keeps the exception."""
+    seen: set[int] = set()
+    link: Optional[BaseException] = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return error

@@ -1,0 +1,182 @@
+"""Where the API key comes from, checked by the runtime before anything is sent (ApiKeySource.checked).
+
+The same check serves the nodes (their widget names in the messages) and the CLI (its flags). Every refusal is
+one InvalidInputError line naming the setting, the cause and the fix, and a value that may be a pasted key
+shows at most its first 4 characters.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ernie_image.runtime.cli import main
+from ernie_image.runtime.errors import InvalidInputError
+from ernie_image.runtime.remote.http import MAX_KEY_FILE_BYTES, ApiKeySource
+from test_enhancer_remote import ChatServer
+
+PASTED_KEY = "sk-live-0123456789abcdef"
+KEY_AS_NAME = "SKlive0123456789abcdef"  # a pasted key that happens to look like a variable name
+UNSET = "ERNIE_TEST_KEY_NOBODY_SET"
+
+
+@pytest.fixture(autouse=True)
+def no_stray_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (UNSET, KEY_AS_NAME, "ERNIE_TEST_KEY_EMPTY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def refusal(env_var=None, file=None, **labels) -> str:
+    with pytest.raises(InvalidInputError) as caught:
+        ApiKeySource.checked(env_var, file, **labels)
+    message = str(caught.value)
+    assert "\n" not in message and "\r" not in message, "one line"
+    return message
+
+
+def assert_key_hidden(message: str, value: str) -> None:
+    assert value[:5] not in message, f"more than 4 characters of {value!r} shown: {message}"
+
+
+# ----------------------------------------------------------------------------------------- accepted
+def test_blank_means_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ApiKeySource.checked(None, None) == ApiKeySource()
+    assert ApiKeySource.checked("  ", "\t") == ApiKeySource()
+    assert ApiKeySource.checked("", "").read() is None
+
+
+def test_a_set_variable_and_a_key_file_are_accepted_by_name_only(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("ERNIE_TEST_KEY_SET", PASTED_KEY)
+    key_file = tmp_path / "server.key"
+    key_file.write_text(PASTED_KEY + "\n")
+    source = ApiKeySource.checked(" ERNIE_TEST_KEY_SET ", f" {key_file} ")
+    assert source == ApiKeySource(env_var="ERNIE_TEST_KEY_SET", file=str(key_file))
+    assert PASTED_KEY not in repr(source) and source.read() == PASTED_KEY
+
+
+def test_an_unset_variable_is_fine_when_a_key_file_backs_it_up(tmp_path: Path) -> None:
+    key_file = tmp_path / "server.key"
+    key_file.write_text(PASTED_KEY)
+    source = ApiKeySource.checked(UNSET, str(key_file))
+    assert source.read() == PASTED_KEY  # read() falls back to the file the same way
+
+
+def test_a_key_file_under_home_is_expanded(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "pe.key").write_text(PASTED_KEY)
+    assert ApiKeySource.checked(None, "~/pe.key").read() == PASTED_KEY
+
+
+# ----------------------------------------------------------------------------------------- refused
+def test_a_pasted_key_instead_of_a_variable_name() -> None:
+    message = refusal(PASTED_KEY, env_label="api_key_env")
+    assert message == ("api_key_env must be the NAME of an environment variable (letters, digits, _), not "
+                       "'sk-l...': put the key in an environment variable and give its name, never the key itself")
+    assert_key_hidden(message, PASTED_KEY)
+
+
+def test_a_pasted_key_that_looks_like_a_name_names_no_variable() -> None:
+    message = refusal(KEY_AS_NAME, env_label="--api-key-env", program="ernie-image")
+    assert message.startswith("--api-key-env names a variable ('SKli...') that ernie-image's environment does "
+                              "not have: export it before starting ernie-image, or give a key file")
+    assert_key_hidden(message, KEY_AS_NAME)
+
+
+def test_a_variable_that_is_set_but_empty(monkeypatch) -> None:
+    monkeypatch.setenv("ERNIE_TEST_KEY_EMPTY", "  ")
+    message = refusal("ERNIE_TEST_KEY_EMPTY", env_label="api_key_env", program="ComfyUI")
+    assert message == ("api_key_env names a variable ('ERNI...') that is empty in ComfyUI's environment: export "
+                       "the key in it before starting ComfyUI, or give a key file")
+
+
+def test_a_multiline_paste_stays_one_line() -> None:
+    message = refusal("ab\ncd-" + PASTED_KEY)
+    assert "'ab?c...'" in message
+    assert_key_hidden(message, PASTED_KEY)
+
+
+def test_a_missing_key_file_is_named_when_it_is_plainly_a_path(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.key"
+    assert refusal(None, str(missing), file_label="api_key_file") == (
+        f"api_key_file {missing} is not a file: give the path of a file holding only the key")
+
+
+def test_a_key_pasted_into_the_key_file_setting_is_not_echoed() -> None:
+    message = refusal(None, PASTED_KEY, file_label="pe_api_key_file")
+    assert message == "pe_api_key_file 'sk-l...' is not a file: give the path of a file holding only the key"
+    slashed = "sk/" + PASTED_KEY  # base64 keys may hold a slash; their "folder" does not exist
+    assert_key_hidden(refusal(None, slashed), PASTED_KEY)
+
+
+def test_a_folder_is_not_a_key_file(tmp_path: Path) -> None:
+    assert refusal(None, str(tmp_path), file_label="api_key_file") == (
+        f"api_key_file {tmp_path} is not a file: give the path of a file holding only the key")
+
+
+def test_a_large_file_is_not_a_key_file(tmp_path: Path) -> None:
+    big = tmp_path / "model.safetensors"
+    big.write_bytes(b"x" * (MAX_KEY_FILE_BYTES + 1))
+    assert refusal(None, str(big), file_label="api_key_file") == (
+        f"api_key_file {big} is larger than {MAX_KEY_FILE_BYTES} bytes, so it is not a key file: give the path "
+        f"of a file holding only the key")
+
+
+def test_an_empty_key_file(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.key"
+    empty.write_text(" \n")
+    assert refusal(None, str(empty)) == f"the API key file {empty} is empty: write the key into it"
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root reads any file")
+def test_an_unreadable_key_file(tmp_path: Path) -> None:
+    locked = tmp_path / "locked.key"
+    locked.write_text(PASTED_KEY)
+    locked.chmod(0)
+    try:
+        assert refusal(None, str(locked)) == (
+            f"the API key file {locked} cannot be read by this process: check its permissions")
+    finally:
+        locked.chmod(0o600)
+
+
+# --------------------------------------------------------------------------------------------- CLI
+def test_cli_refuses_an_unset_variable_before_anything_is_sent(capsys) -> None:
+    with ChatServer() as server:
+        code = main(["enhance", "--pe-url", server.url, "--prompt", "a fox", "--api-key-env", UNSET])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"error: --api-key-env names a variable ('ERNI...') that ernie-image's environment "
+                          f"does not have")
+    assert not server.received and server.models_asked == 0
+
+
+def test_cli_never_echoes_a_key_pasted_as_an_option(capsys) -> None:
+    code = main(["check-remote", "http://127.0.0.1:1", "--no-generate", f"--api-key-env={PASTED_KEY}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: --api-key-env must be the NAME")
+    assert_key_hidden(err, PASTED_KEY)
+    code = main(["check-remote", "http://127.0.0.1:1", "--no-generate", "--api-key-file", PASTED_KEY])
+    err = capsys.readouterr().err
+    assert code == 2 and err == "error: --api-key-file 'sk-l...' is not a file: give the path of a file holding " \
+                                "only the key\n"
+
+
+def test_check_remote_runs_the_same_check_when_called_directly() -> None:
+    from ernie_image.runtime.remote.check import check_remote, main_check_remote
+
+    with pytest.raises(InvalidInputError, match=r"^--api-key-env names a variable"):
+        main_check_remote(["http://127.0.0.1:1", "--api-key-env", UNSET])
+    with pytest.raises(InvalidInputError, match=r"^the API key variable must be the NAME"):
+        check_remote(["http://127.0.0.1:1"], api_key_env=PASTED_KEY)
+
+
+def test_a_remote_pipe_refuses_a_key_source_that_cannot_work() -> None:
+    from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
+    from ernie_image.runtime.text.remote_enhancer import ChatEndpoint
+
+    with pytest.raises(InvalidInputError, match="the API key variable names a variable"):
+        RemotePipe(["http://127.0.0.1:1"], RemoteSettings(api_key_env=UNSET))
+    with pytest.raises(InvalidInputError, match="the PE endpoint's API key file 'sk-l...' is not a file"):
+        RemotePipe(["http://127.0.0.1:1"],
+                   RemoteSettings(pe_endpoint=ChatEndpoint(url="http://127.0.0.1:2", api_key_file=PASTED_KEY)))
