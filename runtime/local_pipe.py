@@ -280,7 +280,7 @@ class LocalPipe:
             return device_bytes_needed(self.device.type, budget_bytes(spec), {}, held)
         use_pe = bool(request.use_pe) and self._local_pe() and self.sources.has_pe()
         sizes = self._weight_sizes(use_pe)
-        needs = phase_needs(sizes, PipeMemory._job(request, use_pe), self.device.type, phases)
+        needs = phase_needs(sizes, PipeMemory.job_for(request, use_pe), self.device.type, phases)
         return device_bytes_needed(self.device.type, None, needs, held)
 
     def device_bytes_held(self) -> dict[str, int]:
@@ -292,7 +292,7 @@ class LocalPipe:
 
     def _weight_sizes(self, use_pe: bool):
         """Config-derived sizes, with the DiT's real ones once it is built or when its file is quantised."""
-        sizes = self.memory._sizes(self.sources, self.variant, use_pe)
+        sizes = self.memory.sizes_for(self.sources, self.variant, use_pe)
         largest = sizes.dit.largest_linear_params
         if self._loaded.dit is not None:
             return dataclasses.replace(sizes, dit=measured_dit_size(self._loaded.dit, largest))

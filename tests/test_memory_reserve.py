@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-from ernie_image.nodes.memory import bytes_to_free
 from ernie_image.nodes.sampler import ErnieImageTurboSampler
 from ernie_image.runtime.cli import main as cli_main
 from ernie_image.runtime.errors import MemoryBudgetError
@@ -65,15 +64,7 @@ def test_a_pipe_on_the_cpu_asks_for_nothing(model) -> None:
     for budget in (None, 4.0):
         pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=budget))
         assert pipe.device_bytes_needed(REQUEST) is None
-        assert bytes_to_free(pipe, REQUEST) is None
     assert device_bytes_needed("cpu", 12 * GiB, {}, {}) is None
-
-
-def test_a_pipe_without_device_memory_here_asks_for_nothing() -> None:
-    class RemoteLike:
-        kind = "remote"
-
-    assert bytes_to_free(RemoteLike(), REQUEST) is None
 
 
 def test_with_a_budget_the_ask_is_the_budget_less_what_the_pipe_holds(released) -> None:
@@ -169,7 +160,7 @@ def test_a_quantised_dit_file_is_sized_as_packed(model, tmp_path) -> None:
     folder = str(model.model_dir / "transformer")
     assert cli_main(["quantize", "--dit", folder, "--format", "q8_0", "--out", str(out)]) == 0
     pipe = LocalPipe.load(model, LoadOptions(device="cpu"))
-    estimate = pipe.memory._sizes(model, pipe.variant).dit
+    estimate = pipe.memory.sizes_for(model, pipe.variant).dit
     size, fmt = file_dit_size(open_component(out, "dit"), pipe.dtype.itemsize, estimate.largest_linear_params)
     assert fmt == "q8_0" and size.layers == estimate.layers
     assert size.layer_bytes < estimate.layer_bytes / 3  # fp32 on the CPU vs 8.5 bits a weight

@@ -40,8 +40,8 @@ def unbudgeted(model):
 def pe_streaming_budget_gb(model, device: str = "cpu", dtype: str = "auto") -> float:
     """The largest budget (GiB) at which the plan streams the tiny PE's layers (its phase does not fit whole)."""
     pipe = LocalPipe.load(model, LoadOptions(device=device, dtype=dtype, vram_budget_gb=1.0))
-    sizes = pipe.memory._sizes(model, pipe.variant, with_pe=True)
-    job = pipe.memory._job(request(), use_pe=True)
+    sizes = pipe.memory.sizes_for(model, pipe.variant, with_pe=True)
+    job = pipe.memory.job_for(request(), use_pe=True)
     streaming = []
     for step in range(1, 4000 if device == "cpu" else 24000):  # CUDA adds allocator slack and fixed overheads
         budget = step * 4096 * 16

@@ -37,7 +37,7 @@ def job() -> Job:
 def streaming_budget_gb(model) -> float:
     """A budget (GiB) at which the tiny DiT streams some of its blocks and the text tower streams."""
     pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=1.0))
-    sizes = pipe.memory._sizes(model, pipe.variant)
+    sizes = pipe.memory.sizes_for(model, pipe.variant)
     for step in range(1, 4000):
         budget = step * 4096 * 16
         try:
@@ -65,7 +65,7 @@ def test_streamed_pipe_gives_the_resident_image(model, resident_result):
 
 def test_config_sizes_are_the_built_fp32_dits_so_placing_it_plans_once(model):
     pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=1.0))
-    estimate = pipe.memory._sizes(model, pipe.variant).dit
+    estimate = pipe.memory.sizes_for(model, pipe.variant).dit
     assert pipe.dtype == torch.float32 and pipe.memory.plan is None
     built = pipe._dit()  # no plan yet: built on the host and left unplaced
     assert measured_dit_size(built, estimate.largest_linear_params) == estimate

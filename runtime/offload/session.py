@@ -49,7 +49,7 @@ class PipeMemory:
 
     # -- planning ---------------------------------------------------------------------------------------
 
-    def _sizes(self, sources, variant, with_pe: bool = False) -> ModelSizes:
+    def sizes_for(self, sources, variant, with_pe: bool = False) -> ModelSizes:
         from ..formats import open_component
         from ..model_files import dit_config_for, load_config, text_config_for
 
@@ -63,15 +63,15 @@ class PipeMemory:
         return ModelSizes.from_configs(dit_config, text_config, vae_config, pe_config, fmt, self.dtype.itemsize)
 
     @staticmethod
-    def _job(request, use_pe: bool) -> Job:
+    def job_for(request, use_pe: bool) -> Job:
         return Job(width=request.width, height=request.height, batch=request.batch, cfg=request.cfg,
                    text_tokens=TEXT_TOKENS_FOR_PLAN, use_pe=use_pe)
 
     def _plan_inputs(self, request, sources, variant, local_pe: bool) -> tuple[Optional[int], Job, ModelSizes]:
         """Budget (None: 'auto' off CUDA, unbounded), job and config-derived sizes for `request`."""
         use_pe = _plans_pe(request, sources, local_pe)
-        return (budget_bytes(self.budget_gb, self.device, self.held_bytes()), self._job(request, use_pe),
-                self._sizes(sources, variant, use_pe))
+        return (budget_bytes(self.budget_gb, self.device, self.held_bytes()), self.job_for(request, use_pe),
+                self.sizes_for(sources, variant, use_pe))
 
     def plan_job(self, request, sources, variant, local_pe: bool = True) -> Optional[MemoryPlan]:
         """The plan for `request`; raises MemoryBudgetError before anything is allocated. A placed DiT, text
