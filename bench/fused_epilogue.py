@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -117,6 +117,24 @@ def check(config: dict, tokens: int) -> float:
     return error
 
 
+def checked_configs(configs: list[dict]) -> list[dict]:
+    """The configurations that compile, each checked against the unfused maths (a full and a ragged M tile)
+    before it is timed; one that compiles but computes something else stops the run."""
+    usable = []
+    for config in configs:
+        try:
+            differences = [(tokens, check(config, tokens)) for tokens in (4352, 300)]
+        except AssertionError:
+            raise
+        except Exception as error:  # a tile configuration the compiler rejects is reported, not fatal
+            print(f"# {config_name(config)}: {type(error).__name__}: {str(error)[:160]}", flush=True)
+            continue
+        for tokens, difference in differences:
+            print(f"# check M={tokens} {config_name(config)}: relative L2 {difference:.2e}", flush=True)
+        usable.append(config)
+    return usable
+
+
 def layer_rows(tokens: int, configs: list[dict], sampler: GpuSampler) -> list[dict]:
     """The step's 36 gate_up GEMMs back to back: cuBLAS alone, cuBLAS + compiled gelu * up, each fused kernel."""
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -124,15 +142,15 @@ def layer_rows(tokens: int, configs: list[dict], sampler: GpuSampler) -> list[di
     weights = [(torch.randn((2 * FFN, HIDDEN), device="cuda", generator=generator) / HIDDEN**0.5).bfloat16()
                for _ in range(LAYERS)]
     gelu_up = torch.compile(lambda gu: gu[:, FFN:] * torch.nn.functional.gelu(gu[:, :FFN]))
-    variants: dict[str, Callable[[], object]] = {
-        "cuBLAS gate_up alone (ceiling of any fusion)": lambda: [x @ w.t() for w in weights],
-        "cuBLAS gate_up + compiled gelu*up (today)": lambda: [gelu_up(x @ w.t()) for w in weights],
+    variants: dict[str, tuple[Callable[[], object], Optional[dict]]] = {  # name: (run, fused config or None)
+        "cuBLAS gate_up alone (ceiling of any fusion)": (lambda: [x @ w.t() for w in weights], None),
+        "cuBLAS gate_up + compiled gelu*up (today)": (lambda: [gelu_up(x @ w.t()) for w in weights], None),
     }
     for config in configs:
-        variants[config_name(config)] = lambda config=config: [gate_up_gelu(x, w, config) for w in weights]
+        variants[config_name(config)] = (lambda config=config: [gate_up_gelu(x, w, config) for w in weights], config)
     flops = 2 * tokens * HIDDEN * 2 * FFN * LAYERS
     rows = []
-    for name, run in variants.items():
+    for name, (run, config) in variants.items():
         try:
             with sampler.phase():
                 ms = cuda_time_ms(run, warmup=2, iters=5)
@@ -140,7 +158,7 @@ def layer_rows(tokens: int, configs: list[dict], sampler: GpuSampler) -> list[di
             print(f"# M={tokens} {name}: {type(error).__name__}: {str(error)[:160]}", flush=True)
             continue
         rows.append({"what": f"M={tokens} x36 {name}", "ms": f"{ms:.2f}", "TFLOP/s": f"{flops / ms / 1e9:.0f}",
-                     "clocks": sampler.summary(), "_ms": ms})
+                     "clocks": sampler.summary(), "_ms": ms, "_tokens": tokens, "_config": config})
         print(f"# {rows[-1]['what']}: {ms:.2f} ms", flush=True)
     return rows
 
@@ -159,7 +177,7 @@ def step_rows(config: dict, sampler: GpuSampler, rounds: int) -> list[dict]:
                 "compiled step, fused gate_up": lambda self, x: self.linear_fc2(fused_op(x, self.gate_up.weight))}
     dit = build_ours()
     fuse_projections(dit)
-    times: dict[str, list[float]] = {}
+    times: dict[tuple[int, str], list[tuple[float, str]]] = {}  # (batch, variant): (ms, clocks) per round
     try:
         for batch in (1, 2):
             lat, ts, txt, lens = inputs(batch)
@@ -172,8 +190,8 @@ def step_rows(config: dict, sampler: GpuSampler, rounds: int) -> list[dict]:
                     run = lambda: dit(lat, ts, txt, lens)  # noqa: E731
                     outputs[name] = run().float()
                     with sampler.phase():
-                        times.setdefault(f"b{batch} {name}", []).append(cuda_time_ms(run, warmup=2, iters=10))
-                    times[f"b{batch} {name} clocks"] = [sampler.summary()]
+                        ms = cuda_time_ms(run, warmup=2, iters=10)
+                    times.setdefault((batch, name), []).append((ms, sampler.summary()))
             plain, fused = outputs.values()
             assert torch.isfinite(fused).all(), "the fused step produced non-finite values"
             print(f"# b{batch} relative L2, fused against compiled step: "
@@ -181,13 +199,11 @@ def step_rows(config: dict, sampler: GpuSampler, rounds: int) -> list[dict]:
     finally:
         dit_module.FeedForward.forward = plain_forward
     rows = []
-    for name, values in times.items():
-        if name.endswith("clocks"):
-            continue
-        best = min(values)
-        rows.append({"what": f"{name} (best of {rounds}: {', '.join(f'{v:.1f}' for v in values)})",
-                     "ms": f"{best:.2f}", "TFLOP/s": f"{dit_flops() * int(name[1]) / best / 1e9:.0f}",
-                     "clocks": times[f"{name} clocks"][0]})
+    for (batch, name), rounds_timed in times.items():
+        best, clocks = min(rounds_timed)
+        every = ", ".join(f"{ms:.1f}" for ms, _ in rounds_timed)
+        rows.append({"what": f"b{batch} {name} (best of {rounds}: {every})", "ms": f"{best:.2f}",
+                     "TFLOP/s": f"{dit_flops() * batch / best / 1e9:.0f}", "clocks": clocks})
     return rows
 
 
@@ -197,17 +213,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     print_environment()
-    configs = CONFIGS[: args.configs]
-    for config in configs[:1]:
-        for tokens in (4352, 300):
-            print(f"# check M={tokens} {config_name(config)}: relative L2 {check(config, tokens):.2e}", flush=True)
+    configs = checked_configs(CONFIGS[: args.configs])
     sampler = GpuSampler()
     rows: list[dict] = []
     for tokens in (4352, 8704):
         rows += layer_rows(tokens, configs, sampler)
-    fused_rows = [row for row in rows if row["what"].startswith("M=4352") and "fused" in row["what"]]
-    best = min(fused_rows, key=lambda row: row["_ms"])["what"] if fused_rows else config_name(configs[0])
-    best_config = next(config for config in configs if best.endswith(config_name(config)))
+    fused_rows = [row for row in rows if row["_tokens"] == 4352 and row["_config"] is not None]
+    if not fused_rows:
+        print("\n" + table(rows, ["what", "ms", "TFLOP/s", "clocks"]))
+        raise SystemExit("no fused configuration compiled: nothing to try in the step")
+    best_config = min(fused_rows, key=lambda row: row["_ms"])["_config"]
     started = time.perf_counter()
     with torch.inference_mode():
         rows += step_rows(best_config, sampler, args.rounds)

@@ -20,7 +20,7 @@ from .formats import open_component
 from .host import Host, NullHost
 from .model_files import QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae
 from .offload.planner import budget_bytes
-from .offload.reserve import device_bytes_held, device_bytes_needed, file_dit_size, phase_needs
+from .offload.reserve import device_bytes_held, device_bytes_needed, phase_needs
 from .offload.session import PipeMemory, measured_dit_size
 from .out_of_memory import out_of_memory_message, without_tracebacks
 from .preview import latent_preview
@@ -80,7 +80,11 @@ class LocalPipe:
         self.dtype = resolve_dtype(options.dtype, self.device)
         self._loaded = _Loaded()
         self.quant_reason = ""
-        self.memory = PipeMemory(self.device, self.dtype, options.vram_budget_gb, options.quant)
+        # quant 'auto' decided once for this device and budget: the DiT is sized (the host's ask, the plan) in the
+        # format it will be built in, not as bf16 until it is built.
+        self._auto_quant = self._choose_auto_quant() if options.quant == "auto" else None
+        planned_quant = self._auto_quant[0] if self._auto_quant is not None else options.quant
+        self.memory = PipeMemory(self.device, self.dtype, options.vram_budget_gb, planned_quant)
         self.memory.held_bytes = lambda: sum(self.device_bytes_held().values())
         self._phase = "setup"  # the phase running now ("pe", "text", "dit", "vae"): named when memory runs out
 
@@ -161,14 +165,18 @@ class LocalPipe:
         if component.quantized or choice in ("none", "bf16"):
             return "none"
         if choice == "auto":
-            from .quant.gpu_support import choose_auto, detect_device
-
-            budget = None if self.options.vram_budget_gb is None else int(self.options.vram_budget_gb * 1024**3)
-            choice, self.quant_reason = choose_auto(detect_device(self.device), budget)
+            choice, self.quant_reason = self._auto_quant
         if choice not in QUANT_ON_LOAD_FORMATS and choice not in ("bf16", "none"):
             raise ModelFileError(f"quantisation {choice!r} is not available on load: use one of "
                                  f"{', '.join(QUANT_ON_LOAD_FORMATS)}, or give a quantised DiT file")
         return choice if choice in QUANT_ON_LOAD_FORMATS else "none"
+
+    def _choose_auto_quant(self) -> tuple[str, str]:
+        """quant 'auto' on this device under this budget: (format, reason)."""
+        from .quant.gpu_support import choose_auto, detect_device
+
+        budget = None if self.options.vram_budget_gb is None else int(self.options.vram_budget_gb * 1024**3)
+        return choose_auto(detect_device(self.device), budget)
 
     def _vae(self):
         if self._loaded.vae is None:
@@ -265,14 +273,13 @@ class LocalPipe:
 
     def device_bytes_needed(self, request: GenerationRequest, phases: Optional[tuple[str, ...]] = None
                             ) -> Optional[int]:
-        """Free device memory to ask the host for before `request` (offload.reserve): None off the GPU (or with
-        the memory manager switched off); with a
-        VRAM budget, the budget less what this pipe holds on the device; else the largest phase's weights not yet
-        on the device plus that phase's activation peak for this size, batch and CFG.
+        """Free device memory to ask the host for before `request` (offload.reserve): None off the GPU; with a VRAM
+        budget, the budget less what this pipe holds on the device; else the largest phase's weights not yet on the
+        device plus that phase's activation peak for this size, batch and CFG.
 
         `phases`: only these of "pe", "text", "dit", "vae" (the enhancer node runs ("pe",)); None: the whole job.
         """
-        if self.device.type != "cuda" or not self.memory.active:
+        if self.device.type != "cuda":  # the memory manager is always active on CUDA
             return None
         held = self.device_bytes_held()
         spec = self.options.vram_budget_gb
@@ -291,16 +298,11 @@ class LocalPipe:
         return {phase: device_bytes_held(module, self.device) for phase, module in parts.items()}
 
     def _weight_sizes(self, use_pe: bool):
-        """Config-derived sizes, with the DiT's real ones once it is built or when its file is quantised."""
+        """The files' sizes (PipeMemory.sizes_for), with the DiT's measured ones once it is built."""
         sizes = self.memory.sizes_for(self.sources, self.variant, use_pe)
-        largest = sizes.dit.largest_linear_params
-        if self._loaded.dit is not None:
-            return dataclasses.replace(sizes, dit=measured_dit_size(self._loaded.dit, largest))
-        component = open_component(self.sources.component("transformer"), "dit")
-        if not component.quantized:
+        if self._loaded.dit is None:
             return sizes
-        dit, fmt = file_dit_size(component, self.dtype.itemsize, largest)
-        return dataclasses.replace(sizes, dit=dit, dit_format=fmt or sizes.dit_format)
+        return dataclasses.replace(sizes, dit=measured_dit_size(self._loaded.dit, sizes.dit.largest_linear_params))
 
     def _plan(self, request: GenerationRequest, host: Host) -> None:
         """Plan the job; drop the parts the new plan released (they are rebuilt on use)."""
@@ -406,4 +408,3 @@ class LocalPipe:
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-

@@ -6,7 +6,7 @@ A failed phase's tensors are referenced from the exception's traceback frames; a
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -19,20 +19,32 @@ PHASE_FIXES = {
     "text": "or use a quantised (GGUF) text encoder",
     "vae": "or a smaller size or batch (under a budget the VAE decodes in tiles)",
 }
-DIT_FIX = "a smaller size or batch, or a quantised DiT (quant fp8/q8_0/nvfp4, or a GGUF file)"
+DIT_FIX = "a smaller size or batch, or a quantised DiT (quant fp8/q8_0/q4_k/nvfp4, or a GGUF file)"
+# Out of memory outside the caching allocator: a kernel launch, or cuBLAS creating its handle or workspace.
+DRIVER_OUT_OF_MEMORY = ("CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 _ALLOCATION = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """`error` and every exception chained to it (`raise ... from`, or raised while handling), each once."""
+    seen: set[int] = set()
+    pending = [error]
+    while pending:
+        link = pending.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        yield link
+        pending += [link.__context__, link.__cause__]
 
 
 def _out_of_memory(error: BaseException) -> Optional[BaseException]:
     """`error` or the exception it wraps (torch.compile and others re-raise) when it is the device running out."""
-    seen = 0
-    while error is not None and seen < 8:
-        if isinstance(error, torch.OutOfMemoryError):
-            return error
-        if isinstance(error, RuntimeError) and "CUDA error: out of memory" in str(error):
-            return error
-        error = error.__cause__ or error.__context__
-        seen += 1
+    for link in _chain(error):
+        if isinstance(link, torch.OutOfMemoryError):
+            return link
+        if isinstance(link, RuntimeError) and any(marker in str(link) for marker in DRIVER_OUT_OF_MEMORY):
+            return link
     return None
 
 
@@ -59,10 +71,6 @@ def out_of_memory_message(error: BaseException, phase: str, request: GenerationR
 def without_tracebacks(error: BaseException) -> BaseException:
     """`error` and the exceptions chained to it, stripped of their tracebacks: those hold the failed phase's frames
     and with them its device tensors, which would stay allocated while a host (ComfyUI) keeps the exception."""
-    seen: set[int] = set()
-    link: Optional[BaseException] = error
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
+    for link in _chain(error):
         link.__traceback__ = None
-        link = link.__cause__ or link.__context__
     return error

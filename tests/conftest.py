@@ -26,6 +26,17 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def no_model_list_from_another_test():
+    """The remote PE's listed-model cache is per process, by URL; a loopback port an earlier test's server used
+    must not hand a later test that server's model."""
+    from ernie_image.runtime.text.remote_enhancer import _listed_models
+
+    _listed_models.clear()
+    yield
+    _listed_models.clear()
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread: tiny models only lose to threading overhead on a 2-core runner."""

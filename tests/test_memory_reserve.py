@@ -14,6 +14,7 @@ from torch import nn
 
 from ernie_image.nodes.sampler import ErnieImageTurboSampler
 from ernie_image.runtime.cli import main as cli_main
+from ernie_image.runtime import formats
 from ernie_image.runtime.errors import MemoryBudgetError
 from ernie_image.runtime.formats import open_component
 from ernie_image.runtime.host import NullHost
@@ -30,9 +31,13 @@ from ernie_image.runtime.offload.reserve import (
 from ernie_image.runtime.offload.session import measured_dit_size
 from ernie_image.runtime.offload.sizes import ModelSizes
 from ernie_image.runtime.offload.workspace import Job
+from ernie_image.runtime.out_of_memory import out_of_memory_message, without_tracebacks
+from ernie_image.runtime.quant import gpu_support
+from ernie_image.runtime.quant.gpu_support import DeviceInfo
 from ernie_image.runtime.request import GenerationRequest
 from ernie_image.runtime.tiny import build_tiny_model
 
+H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0), 141 * 10**9)
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=5)
 TORCH_OOM = ("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 11.72 GiB of which "
              "1.10 GiB is free.\nOf the allocated memory 9.1 GiB is allocated by PyTorch")
@@ -125,7 +130,7 @@ def test_the_prompt_enhancer_is_a_phase_only_when_the_job_uses_it() -> None:
     assert device_bytes_needed("cuda", None, only_pe, {}) == needs["pe"].weights + needs["pe"].workspace
 
 
-def test_explicit_needs_and_holdings() -> None:
+def test_the_ask_is_the_largest_phase_need_less_its_held_weights() -> None:
     needs = {"text": PhaseNeed(7, 3), "dit": PhaseNeed(16, 4), "vae": PhaseNeed(1, 6)}
     assert device_bytes_needed("cuda", None, needs, {}) == 20
     assert device_bytes_needed("cuda", None, needs, {"dit": 10}) == 10
@@ -165,9 +170,39 @@ def test_a_quantised_dit_file_is_sized_as_packed(model, tmp_path) -> None:
     assert fmt == "q8_0" and size.layers == estimate.layers
     assert size.layer_bytes < estimate.layer_bytes / 3  # fp32 on the CPU vs 8.5 bits a weight
     quantised = LocalPipe.load(ModelSources(model_dir=model.model_dir, dit=out), LoadOptions(device="cpu"))
+    before = quantised.memory.sizes_for(quantised.sources, quantised.variant)  # what the ask and the plan use
+    assert before.dit == size and before.dit_format == "q8_0"
     built = measured_dit_size(quantised._dit(), estimate.largest_linear_params)
     assert built.layer_bytes == size.layer_bytes  # what building the file takes, before it is built
-    assert quantised._weight_sizes(False).dit.layer_bytes == size.layer_bytes
+    assert quantised._weight_sizes(False).dit == built
+
+
+def test_the_files_are_sized_once_per_pipe(model, monkeypatch) -> None:
+    opened: list[str] = []
+    real_open = formats.open_component
+    monkeypatch.setattr(formats, "open_component", lambda path, kind: opened.append(kind) or real_open(path, kind))
+    pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=4.0, keep_loaded=True))
+    sizes = pipe.memory.sizes_for(pipe.sources, pipe.variant)
+    assert sorted(opened) == ["dit", "text_encoder", "vae"]
+    for _ in range(2):
+        pipe.generate(REQUEST, NullHost())  # each job plans; none reads the files' headers again to size them
+    assert pipe.memory.plan.sizes.text == sizes.text
+    assert pipe.memory.sizes_for(pipe.sources, pipe.variant) is sizes
+    assert sorted(opened) == ["dit", "text_encoder", "vae"]
+
+
+def test_quant_auto_sizes_the_dit_in_the_format_it_will_be_built_in(model, monkeypatch) -> None:
+    plain = LocalPipe.load(model, LoadOptions(device="cpu")).memory.sizes_for(model, "turbo")
+    assert plain.dit_format == "fp32"
+    # On an H200 'auto' picks FP8: the DiT is sized (and the host asked) as FP8 before it is built, not as bf16.
+    monkeypatch.setattr(gpu_support, "detect_device", lambda device=None: H200)
+    auto = LocalPipe.load(model, LoadOptions(device="cpu", quant="auto"))
+    assert auto._auto_quant[0] == "fp8"
+    fp8 = auto.memory.sizes_for(model, "turbo")
+    assert fp8.dit_format == "fp8" and fp8.dit.layer_bytes < plain.dit.layer_bytes
+    assert fp8.text == plain.text
+    q4 = LocalPipe.load(model, LoadOptions(device="cpu", quant="q4_k")).memory.sizes_for(model, "turbo")
+    assert q4.dit_format == "q4_k" and q4.dit.layer_bytes < fp8.dit.layer_bytes
 
 
 # -- out of device memory -------------------------------------------------------------------------------------
@@ -213,6 +248,38 @@ def test_the_message_names_the_budget_and_the_job(model) -> None:
                                                 r"with --budget in the CLI, a smaller size or batch, or a quantised"):
         pipe.generate(request, NullHost())
     assert not pipe.is_loaded() and pipe.memory.plan is None
+
+
+def chained(outer: BaseException, inner: BaseException, cause: BaseException) -> BaseException:
+    """`outer` raised from `cause` while `inner` was being handled, as torch.compile's wrappers do."""
+    try:
+        try:
+            raise inner
+        except type(inner):
+            raise outer from cause
+    except type(outer) as error:
+        return error
+
+
+@pytest.mark.parametrize("error", [
+    torch.OutOfMemoryError(TORCH_OOM),
+    torch.AcceleratorError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
+    RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    chained(RuntimeError("backend compiler failed"), torch.OutOfMemoryError(TORCH_OOM), ValueError("lowering")),
+], ids=["allocator", "kernel launch", "cublas handle", "raised while handling one"])
+def test_running_out_is_recognised_wherever_it_sits_in_the_chain(error) -> None:
+    message = out_of_memory_message(error, "dit", REQUEST, torch.device("cuda"), None)
+    assert message is not None and "\n" not in message
+    assert message.startswith("out of GPU memory on cuda in the DiT phase (256x256 batch 1")
+    stripped = without_tracebacks(error)
+    links = [stripped, stripped.__cause__, stripped.__context__]
+    assert all(link is None or link.__traceback__ is None for link in links)
+
+
+def test_other_failures_are_not_called_out_of_memory() -> None:
+    for error in (RuntimeError("DefaultCPUAllocator: can't allocate memory"), ValueError("out of memory"),
+                  chained(RuntimeError("compile failed"), KeyError("x"), TypeError("y"))):
+        assert out_of_memory_message(error, "dit", REQUEST, torch.device("cuda"), 8.0) is None
 
 
 def test_other_errors_pass_through_unchanged(model) -> None:

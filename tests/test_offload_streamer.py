@@ -309,6 +309,9 @@ def replay(trace: list[tuple], streamer: LayerStreamer) -> tuple[list[int], list
             assert state[slot] == "loaded" and in_use is None
             state[slot], in_use = "in use", slot
             (cold if first_fill[slot] else warm).append(finished - issued_at[slot])
+        elif kind == "join":  # the side stream waits for all queued compute: every used slot may be refilled
+            state = ["empty" if st == "empty" else "free" for st in state]
+            in_use = None
         elif kind == "run":
             index, pointed = rest
             # (1) the layer runs on its own bytes: its tensors point at the slot it waited for, holding its copy
@@ -334,6 +337,7 @@ def test_every_copy_is_issued_slots_minus_one_layers_ahead_across_steps(seven_la
     with torch.inference_mode():
         for seed, want in zip(STEPS, expected):
             assert torch.equal(model(*inputs(seed)), want)  # (1) bit-exact with the resident model
+    assert trace[0] == ("join",)  # the fresh ring's first copies wait for the compute queued before them
     cold, warm, issued = replay(trace, placement.streamer)
     assert cold == list(range(slots))  # the first fill: copy j is issued with layer 0 and used by layer j
     assert len(cold) + len(warm) == 3 * n  # every layer of every step waited for exactly one copy
@@ -354,14 +358,20 @@ def test_a_run_that_fails_inside_a_streamed_block_restarts_cleanly(seven_layers)
         del failing.forward  # the next call uses the class's forward again
         raise RuntimeError("out of memory")
 
+    trace = traced(placement.streamer, model.layers)
     with torch.inference_mode():
         assert torch.equal(model(*inputs(1)), expected[0])
         failing.forward = fail_once
         with pytest.raises(RuntimeError, match="out of memory"):
             model(*inputs(2))
-        assert placement.streamer._running is not None  # block 4 began and never ended
+        failed_at = len(trace)
         assert torch.equal(model(*inputs(2)), expected[1])
         assert torch.equal(model(*inputs(3)), expected[2])
+    # Block 4 waited for its copy and never released its slot: the restart joins the compute stream before its
+    # first copy, so no copy can overwrite that slot while the stopped block's kernels may still read it.
+    assert trace[failed_at - 2:failed_at] == [("wait", trace[failed_at - 1][2]), ("run", 4, trace[failed_at - 1][2])]
+    assert trace[failed_at][0] == "join" and trace[failed_at + 1][0] == "copy"
+    replay(trace, placement.streamer)  # and every copy went into a released slot, every block ran on its own bytes
     placement.release()
 
 
@@ -434,4 +444,35 @@ def test_cuda_seven_streamed_through_three_slots_equal_resident_over_three_steps
         for seed, want in zip(STEPS, wants):
             assert torch.equal(model(*step_args(seed)), want)
     assert streamer._at != [k % 3 for k in range(7)]  # blocks did move between slots
+    placement.release()
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_run_that_fails_inside_a_streamed_block_restarts_bitwise_resident(seven_layers):
+    state, _ = seven_layers
+    device = torch.device("cuda")
+    model = ErnieDiT(SEVEN).eval().requires_grad_(False)
+    model.load_state_dict(state)
+    model.to(device, torch.bfloat16)
+    latents, timestep, text, lens = inputs(2)
+    args = (latents.to(device, torch.bfloat16), timestep.to(device, torch.bfloat16), text.to(device, torch.bfloat16),
+            lens)
+    with torch.inference_mode():
+        want = model(*args).clone()
+    model.cpu()
+    placement = DiTPlacement(model, DiTPlan(7, (), tuple(range(7)), 3, 0, 0, 0), device)
+    failing = model.layers[4]
+
+    def fail_once(*call_args, **kwargs):
+        del failing.forward
+        raise RuntimeError("out of memory")
+
+    with torch.inference_mode():
+        assert torch.equal(model(*args), want)
+        failing.forward = fail_once
+        with pytest.raises(RuntimeError, match="out of memory"):
+            model(*args)
+        for _ in range(2):
+            assert torch.equal(model(*args), want)
     placement.release()

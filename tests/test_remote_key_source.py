@@ -146,8 +146,8 @@ def test_cli_refuses_an_unset_variable_before_anything_is_sent(capsys) -> None:
         code = main(["enhance", "--pe-url", server.url, "--prompt", "a fox", "--api-key-env", UNSET])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith(f"error: --api-key-env names a variable ('ERNI...') that ernie-image's environment "
-                          f"does not have")
+    assert err.startswith("error: --api-key-env names a variable ('ERNI...') that ernie-image's environment "
+                          "does not have")
     assert not server.received and server.models_asked == 0
 
 

@@ -109,7 +109,8 @@ class MemoryPlan:
 
 
 def auto_budget(free_bytes: int, total_bytes: int, held_by_us: int = 0) -> int:
-    """'auto': free VRAM (plus what this process already holds) minus a reserve for the CUDA context and others."""
+    """'auto': free VRAM plus what the pipe can reuse (`held_by_us`, see budget_bytes), minus a reserve for the
+    CUDA context and others."""
     reserve = max(AUTO_RESERVE_MIN, int(AUTO_RESERVE_FRACTION * total_bytes))
     return max(free_bytes + held_by_us - reserve, 0)
 
@@ -118,8 +119,9 @@ def budget_bytes(spec: "float | str | None", device=None, held_by_pipe: int = 0)
     """'auto'/None -> measured on a CUDA device (None on the CPU: unbounded); a number -> that many GiB.
 
     'auto' counts as usable: free device memory, the allocator's cached but unused blocks, and `held_by_pipe`
-    (weights the pipe already holds and will reuse). Not the process's whole reserved memory: inside ComfyUI that
-    includes ComfyUI's own loaded models.
+    (weights the pipe already holds and will reuse). The three do not overlap: the pipe's live weights are
+    allocated, so neither free nor cached; once released they are counted as cached only. Not the process's whole
+    reserved memory: inside ComfyUI that includes ComfyUI's own loaded models.
     """
     if spec is not None and spec != "auto":
         value = float(spec)

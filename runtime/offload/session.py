@@ -15,6 +15,7 @@ from torch import nn
 from ..errors import MemoryBudgetError
 from .placement import DiTPlacement, PePlacement, TextPlacement
 from .planner import MemoryPlan, budget_bytes, plan_memory
+from .reserve import file_dit_size
 from .sizes import LayeredSize, ModelSizes
 from .streamer import module_bytes
 from .workspace import Job
@@ -46,12 +47,21 @@ class PipeMemory:
         self.pe: Optional[PePlacement] = None
         self.host = None
         self.held_bytes: Callable[[], int] = lambda: 0  # device bytes the pipe's loaded weights hold ('auto' reuses them)
+        self._sizes: dict[tuple, ModelSizes] = {}  # sizes_for, by files, variant and PE
 
     # -- planning ---------------------------------------------------------------------------------------
 
     def sizes_for(self, sources, variant, with_pe: bool = False) -> ModelSizes:
+        """The weights' sizes before anything is built, from the files' configs (a quantised DiT file as packed,
+        a DiT quantised on load in its format). Read once per set of files: every job asks, some twice."""
+        key = (dataclasses.astuple(sources), variant, with_pe)
+        if key not in self._sizes:
+            self._sizes[key] = self._read_sizes(sources, variant, with_pe)
+        return self._sizes[key]
+
+    def _read_sizes(self, sources, variant, with_pe: bool) -> ModelSizes:
         from ..formats import open_component
-        from ..model_files import dit_config_for, load_config, text_config_for
+        from ..model_files import QUANT_ON_LOAD_FORMATS, dit_config_for, load_config, text_config_for
 
         dit_component = open_component(sources.component("transformer"), "dit")
         dit_config = dataclasses.asdict(dit_config_for(dit_component))
@@ -59,8 +69,12 @@ class PipeMemory:
         vae_component = open_component(sources.component("vae"), "vae")
         vae_config = vae_component.config or load_config("base", "vae")
         pe_config = _pe_config(sources, variant) if with_pe else None
-        fmt = self.quant if self.quant in ("fp8", "q8_0", "nvfp4") else _dtype_format(self.dtype)
-        return ModelSizes.from_configs(dit_config, text_config, vae_config, pe_config, fmt, self.dtype.itemsize)
+        fmt = self.quant if self.quant in QUANT_ON_LOAD_FORMATS else _dtype_format(self.dtype)
+        sizes = ModelSizes.from_configs(dit_config, text_config, vae_config, pe_config, fmt, self.dtype.itemsize)
+        if not dit_component.quantized:
+            return sizes
+        dit, packed = file_dit_size(dit_component, self.dtype.itemsize, sizes.dit.largest_linear_params)
+        return dataclasses.replace(sizes, dit=dit, dit_format=packed or sizes.dit_format)
 
     @staticmethod
     def job_for(request, use_pe: bool) -> Job:

@@ -18,7 +18,12 @@ Per layer, at run time, nothing is allocated:
   after(i):  the compute stream records that slot's "free" event; copies of the next positions are issued on
              the side stream, each waiting for its slot's "free" event, then recording its "ready" event.
 A layer is never re-pointed while it runs: the copies in flight are of the `slots` positions from the running
-one on, which are distinct layers because `slots` <= n.
+one on, which are distinct layers because `slots` <= n. Re-pointing only changes which address the layer's next
+kernels get; kernels already queued keep reading the old slot, which no copy refills before its "free" event,
+recorded after them.
+A (re)start (first use, after unpark, after a run stopped inside a layer) makes the side stream wait for all the
+compute queued so far before its first copies: a fresh ring may be memory whose previous tensors' kernels are
+still queued (the allocator orders reuse on the compute stream only), and a stopped layer recorded no "free".
 
 On the CPU the same bookkeeping runs with `FakeSync`: the "device" ring is a second CPU tensor and copies are
 either run at once ("eager", catches a copy that overwrites a slot still in use) or deferred until the compute
@@ -128,6 +133,10 @@ class CudaSync:
     def mark_free(self, slot: int) -> None:
         self.free[slot].record(torch.cuda.current_stream(self.device))
 
+    def join(self) -> None:
+        """Copies issued from now on wait for everything already queued on the compute stream."""
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+
     def synchronize(self) -> None:
         self.copy_stream.synchronize()
         torch.cuda.current_stream(self.device).synchronize()
@@ -137,13 +146,13 @@ class FakeSync:
     """CPU stand-in for CudaSync (see the module docstring); `copies` counts copies actually performed.
 
     Set `trace` to a list to have every call appended in issue order, for tests of the ordering:
-    ("copy", slot, source data_ptr), ("wait", slot), ("free", slot)."""
+    ("copy", slot, source data_ptr), ("wait", slot), ("free", slot), ("join",)."""
 
     def __init__(self, mode: FakeMode = "lazy") -> None:
         self.mode = mode
         self.pending: deque[tuple[int, torch.Tensor, torch.Tensor]] = deque()
         self.copies = 0
-        self.trace: Optional[list[tuple[str, int, int] | tuple[str, int]]] = None
+        self.trace: Optional[list[tuple]] = None
 
     def copy(self, slot: int, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.trace is not None:
@@ -167,6 +176,10 @@ class FakeSync:
     def mark_free(self, slot: int) -> None:
         if self.trace is not None:
             self.trace.append(("free", slot))
+
+    def join(self) -> None:
+        if self.trace is not None:
+            self.trace.append(("join",))
 
     def synchronize(self) -> None:
         self._run_until(len(self.pending))
@@ -208,7 +221,6 @@ class LayerStreamer:
         self._issued: deque[tuple[int, int]] = deque()  # (position, slot) of copies not yet released, in order
         self._next = 0  # the stream position the next copy is of
         self._cursor = 0  # the slot the next copy goes to
-        self._running: Optional[int] = None  # the slot of a layer between before() and after()
         self._bind_ring()
         self.closed = False
 
@@ -237,10 +249,8 @@ class LayerStreamer:
             self._cursor = (slot + 1) % self.slots
 
     def _restart(self, k: int) -> None:
-        """First use, or a run that stopped part-way (cancel, error): start the ring again from position k."""
-        if self._running is not None:  # stopped inside a layer: later copies into its slot wait for its kernels
-            self.sync.mark_free(self._running)
-            self._running = None
+        """First use, after unpark, or after a run stopped part-way (cancel, error): stream again from position k."""
+        self.sync.join()  # see the module docstring
         self._issued.clear()
         self._next = k
         self._pump()
@@ -253,18 +263,14 @@ class LayerStreamer:
             self.unpark()
         if not self._issued or self._issued[0][0] != k:
             self._restart(k)
-        slot = self._issued[0][1]
-        self.sync.wait_ready(slot)
-        self._running = slot
+        self.sync.wait_ready(self._issued[0][1])
 
     def after(self, index: int) -> None:
         k = self.position.get(index)
         if k is None:
             return
         if self._issued and self._issued[0][0] == k:
-            _, slot = self._issued.popleft()
-            self.sync.mark_free(slot)
-            self._running = None
+            self.sync.mark_free(self._issued.popleft()[1])
         self._pump()
 
     def park(self) -> None:
@@ -276,7 +282,6 @@ class LayerStreamer:
             for host, entries in zip(self._host, self._entries):
                 _point(entries, host)
         self._issued.clear()
-        self._running = None
         self._dev, self._views, self._at = [], [], []
         self.ring = torch.empty(0, dtype=torch.uint8, device=self.device)
 
@@ -319,7 +324,6 @@ class LayerStreamer:
                 else:
                     entry.module._buffers[entry.name] = meta
         self._issued.clear()
-        self._running = None
         self._host, self._dev, self._views, self._at, self._entries = [], [], [], [], []
         self.ring = torch.empty(0, dtype=torch.uint8, device=self.device)
         self.slab.free()

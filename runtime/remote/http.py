@@ -189,9 +189,11 @@ def _check_key_file(value: str, *, label: str) -> None:
     if size > MAX_KEY_FILE_BYTES:
         raise InvalidInputError(f"{label} {shown} is larger than {MAX_KEY_FILE_BYTES} bytes, so it is not a key "
                                 f"file: {fix}")
-    if not os.access(path, os.R_OK):
-        raise InvalidInputError(f"{label} {shown} cannot be read by this process: check its permissions")
-    if not Path(path).read_bytes().strip():
+    try:
+        content = Path(path).read_bytes()
+    except OSError:
+        raise InvalidInputError(f"{label} {shown} cannot be read by this process: check its permissions") from None
+    if not content.strip():
         raise InvalidInputError(f"{label} {shown} is empty: write the key into it")
 
 

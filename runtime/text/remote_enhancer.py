@@ -92,6 +92,7 @@ _listed_models: dict[str, str] = {}
 
 
 def forget_listed_model(endpoint: ChatEndpoint) -> None:
+    """Ask the endpoint's model list again next time (a release may run on another thread: one dict op)."""
     _listed_models.pop(endpoint.base_url(), None)
 
 
@@ -99,13 +100,15 @@ async def _model_name(client: HttpClient, endpoint: ChatEndpoint) -> str:
     if endpoint.model:
         return endpoint.model
     key = endpoint.base_url()
-    if key not in _listed_models:
+    listed = _listed_models.get(key)  # one get, not `in` then [], so a forget between them cannot raise
+    if listed is None:
         reply = await client.request_json("GET", MODELS_PATH)
         try:
-            _listed_models[key] = str(reply.data["data"][0]["id"])
+            listed = str(reply.data["data"][0]["id"])
         except (KeyError, IndexError, TypeError):
             raise _Unusable(f"{client.label} lists no model at {MODELS_PATH}: give the PE model name") from None
-    return _listed_models[key]
+        _listed_models[key] = listed
+    return listed
 
 
 def _model_not_found(error: ServerRejected) -> bool:
