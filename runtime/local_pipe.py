@@ -273,13 +273,14 @@ class LocalPipe:
 
     def device_bytes_needed(self, request: GenerationRequest, phases: Optional[tuple[str, ...]] = None
                             ) -> Optional[int]:
-        """Free device memory to ask the host for before `request` (offload.reserve): None off the GPU; with a VRAM
-        budget, the budget less what this pipe holds on the device; else the largest phase's weights not yet on the
-        device plus that phase's activation peak for this size, batch and CFG.
+        """Free device memory to ask the host for before `request` (offload.reserve): None off the GPU or with the
+        memory manager switched off (bench/e2e.py injects its weights); with a VRAM budget, the budget less what
+        this pipe holds on the device; else the largest phase's weights not yet on the device plus that phase's
+        activation peak for this size, batch and CFG.
 
         `phases`: only these of "pe", "text", "dit", "vae" (the enhancer node runs ("pe",)); None: the whole job.
         """
-        if self.device.type != "cuda":  # the memory manager is always active on CUDA
+        if self.device.type != "cuda" or not self.memory.active:  # inactive: weights given, not read from files
             return None
         held = self.device_bytes_held()
         spec = self.options.vram_budget_gb
