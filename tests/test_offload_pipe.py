@@ -2,6 +2,8 @@
 a budget that cannot fit fails before anything loads, and a cancel in mid-step releases everything."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -34,17 +36,28 @@ def job() -> Job:
     return Job(REQUEST.width, REQUEST.height, REQUEST.batch, REQUEST.cfg, TEXT_TOKENS_FOR_PLAN)
 
 
-def streaming_budget_gb(model) -> float:
-    """A budget (GiB) at which the tiny DiT streams some of its blocks and the text tower streams."""
-    pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=1.0))
+def streaming_budget_gb(model, device: str = "cpu") -> float:
+    """A budget (GiB) at which the tiny DiT streams some of its blocks (and, on the CPU, the text tower streams).
+
+    The tiny DiT's blocks are ~80 KB, so that window is a few hundred KB wide, above whatever the device's plan
+    reserves (~457 MiB on CUDA): find the smallest budget that plans, then walk up from it."""
+    pipe = LocalPipe.load(model, LoadOptions(device=device, vram_budget_gb=1.0))
     sizes = pipe.memory.sizes_for(model, pipe.variant)
-    for step in range(1, 4000):
-        budget = step * 4096 * 16
+
+    def plan_or_none(budget: int):
         try:
-            plan = plan_memory(budget, job(), sizes, "cpu")
+            return plan_memory(budget, job(), sizes, device)
         except MemoryBudgetError:
-            continue
-        if 0 < len(plan.dit.streamed) < SIZES.dit_layers - 1 and plan.text.mode == "streamed":
+            return None
+
+    low, high = 0, 64 * GiB
+    while high - low > 4096:
+        middle = (low + high) // 2
+        low, high = (low, middle) if plan_or_none(middle) is not None else (middle, high)
+    for budget in range(high, high + 64 * 1024**2, 4096):
+        plan = plan_or_none(budget)
+        text_streams = plan is not None and (plan.text.mode == "streamed" or device != "cpu")
+        if plan is not None and 0 < len(plan.dit.streamed) < SIZES.dit_layers - 1 and text_streams:
             return budget / GiB
     raise AssertionError("no budget streams part of the tiny DiT")
 
@@ -105,3 +118,32 @@ def test_cancel_in_mid_step_releases_everything(model, resident_result):
     assert pipe.memory.dit is None and pipe.memory.text is None
     assert pipe._loaded.dit is None and pipe._loaded.text_tower is None
     assert torch.equal(pipe.generate(REQUEST, NullHost()).latents, resident_result.latents)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_gpu_a_cancel_in_mid_step_returns_at_once_and_leaves_no_device_memory(model):
+    budget = streaming_budget_gb(model, "cuda")
+    pipe = LocalPipe.load(model, LoadOptions(device="cuda", vram_budget_gb=budget, keep_loaded=True, compile=False))
+    counting = CancelAfterBlocks(blocks=10**6)
+    expected = pipe.generate(REQUEST, counting)  # also creates the CUDA handles and workspaces any program keeps
+    assert pipe.memory.plan.dit.streamed and pipe.memory.plan.dit.resident
+    pipe.release()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
+
+    class TimedCancel(CancelAfterBlocks):
+        def check_cancel(self) -> None:
+            if self.calls == self.blocks:
+                self.cancelled_at = time.perf_counter()
+            super().check_cancel()
+
+    host = TimedCancel(blocks=counting.calls - 5)  # 3 blocks into the second step, streamed copies in flight
+    with pytest.raises(Cancelled):
+        pipe.generate(REQUEST, host)
+    assert time.perf_counter() - host.cancelled_at < 1.0
+    assert host.progress_calls == [(1, 2)]
+    assert not pipe.is_loaded()
+    assert torch.cuda.memory_allocated() == baseline, "the cancelled run left device memory allocated"
+    again = pipe.generate(REQUEST, NullHost())
+    assert torch.equal(again.latents, expected.latents)
