@@ -21,7 +21,7 @@ from .host import Host, NullHost
 from .model_files import QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae
 from .offload.planner import budget_bytes
 from .offload.reserve import device_bytes_held, device_bytes_needed, phase_needs
-from .offload.session import PipeMemory, measured_dit_size
+from .offload.session import PipeMemory, measured_dit_size, plans_pe
 from .out_of_memory import out_of_memory_message, without_tracebacks
 from .preview import latent_preview
 from .request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
@@ -286,7 +286,7 @@ class LocalPipe:
         spec = self.options.vram_budget_gb
         if spec is not None and spec != "auto":
             return device_bytes_needed(self.device.type, budget_bytes(spec), {}, held)
-        use_pe = bool(request.use_pe) and self._local_pe() and self.sources.has_pe()
+        use_pe = plans_pe(request, self.sources, self._local_pe())
         sizes = self._weight_sizes(use_pe)
         needs = phase_needs(sizes, PipeMemory.job_for(request, use_pe), self.device.type, phases)
         return device_bytes_needed(self.device.type, None, needs, held)

@@ -83,7 +83,7 @@ class PipeMemory:
 
     def _plan_inputs(self, request, sources, variant, local_pe: bool) -> tuple[Optional[int], Job, ModelSizes]:
         """Budget (None: 'auto' off CUDA, unbounded), job and config-derived sizes for `request`."""
-        use_pe = _plans_pe(request, sources, local_pe)
+        use_pe = plans_pe(request, sources, local_pe)
         return (budget_bytes(self.budget_gb, self.device, self.held_bytes()), self.job_for(request, use_pe),
                 self.sizes_for(sources, variant, use_pe))
 
@@ -227,7 +227,7 @@ class PipeMemory:
         self.host = None
 
 
-def _plans_pe(request, sources, local_pe: bool) -> bool:
+def plans_pe(request, sources, local_pe: bool) -> bool:
     """The PE is a phase of this plan only when it runs here: asked for, in the model files, not on a server."""
     return bool(getattr(request, "use_pe", False)) and local_pe and sources.has_pe()
 
