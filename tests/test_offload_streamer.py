@@ -415,6 +415,18 @@ def test_cuda_streamed_dit_is_bitwise_resident(reference, streamed, slots):
     assert torch.cuda.memory_allocated() <= before
 
 
+def bf16_dit_from(state: dict) -> ErnieDiT:
+    model = ErnieDiT(SEVEN).eval().requires_grad_(False)
+    model.load_state_dict(state)
+    return model.to(torch.bfloat16)
+
+
+def cuda_bf16_inputs(seed: int) -> tuple:
+    latents, timestep, text, lens = inputs(seed)
+    to_cuda = dict(device="cuda", dtype=torch.bfloat16)
+    return latents.to(**to_cuda), timestep.to(**to_cuda), text.to(**to_cuda), lens
+
+
 @pytest.mark.gpu
 @cuda
 def test_cuda_seven_streamed_through_three_slots_equal_resident_over_three_steps(seven_layers):
@@ -422,27 +434,17 @@ def test_cuda_seven_streamed_through_three_slots_equal_resident_over_three_steps
     # re-points blocks between slots, on real CUDA events and a side copy stream.
     state, _ = seven_layers
     device = torch.device("cuda")
-    resident = ErnieDiT(SEVEN).eval().requires_grad_(False)
-    resident.load_state_dict(state)
-    resident.to(device, torch.bfloat16)
-
-    def step_args(seed: int):
-        latents, timestep, text, lens = inputs(seed)
-        return (latents.to(device, torch.bfloat16), timestep.to(device, torch.bfloat16),
-                text.to(device, torch.bfloat16), lens)
-
+    resident = bf16_dit_from(state).to(device)
     with torch.inference_mode():
-        wants = [resident(*step_args(seed)).clone() for seed in STEPS]
+        wants = [resident(*cuda_bf16_inputs(seed)).clone() for seed in STEPS]
     del resident
-    model = ErnieDiT(SEVEN).eval().requires_grad_(False)
-    model.load_state_dict(state)
-    model.to(torch.bfloat16)
+    model = bf16_dit_from(state)
     placement = DiTPlacement(model, DiTPlan(7, (), tuple(range(7)), 3, 0, 0, 0), device)
     streamer = placement.streamer
     assert isinstance(streamer.sync, CudaSync) and streamer.slab.data.is_pinned()
     with torch.inference_mode():
         for seed, want in zip(STEPS, wants):
-            assert torch.equal(model(*step_args(seed)), want)
+            assert torch.equal(model(*cuda_bf16_inputs(seed)), want)
     assert streamer._at != [k % 3 for k in range(7)]  # blocks did move between slots
     placement.release()
 
@@ -452,12 +454,8 @@ def test_cuda_seven_streamed_through_three_slots_equal_resident_over_three_steps
 def test_cuda_run_that_fails_inside_a_streamed_block_restarts_bitwise_resident(seven_layers):
     state, _ = seven_layers
     device = torch.device("cuda")
-    model = ErnieDiT(SEVEN).eval().requires_grad_(False)
-    model.load_state_dict(state)
-    model.to(device, torch.bfloat16)
-    latents, timestep, text, lens = inputs(2)
-    args = (latents.to(device, torch.bfloat16), timestep.to(device, torch.bfloat16), text.to(device, torch.bfloat16),
-            lens)
+    model = bf16_dit_from(state).to(device)
+    args = cuda_bf16_inputs(2)
     with torch.inference_mode():
         want = model(*args).clone()
     model.cpu()
