@@ -107,6 +107,8 @@ def validate_size_inputs(resolution: Optional[str], width: Optional[int], height
         validate_size(int(width), int(height))
     except InvalidInputError as error:
         return str(error)
+    except (TypeError, ValueError):
+        return f"width {width!r} and height {height!r} must be whole numbers: use multiples of 16 such as 1024"
     return True
 
 

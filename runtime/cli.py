@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from .errors import ErnieImageError
+from .cli_parser import OneLineParser
+from .errors import ErnieImageError, InvalidInputError
 from .host import NullHost
 
 # How the key options are named in messages (the nodes name their widgets instead).
@@ -39,8 +40,15 @@ def demo_model_sources(variant: str = "turbo"):
         import shutil
 
         shutil.rmtree(folder, ignore_errors=True)
-        sources = build_tiny_model(folder, layout="diffusers", variant=variant)  # type: ignore[arg-type]
-        marker.write_text("ok")
+        try:
+            sources = build_tiny_model(folder, layout="diffusers", variant=variant)  # type: ignore[arg-type]
+            marker.write_text("ok")
+        except BaseException as error:
+            shutil.rmtree(folder, ignore_errors=True)  # no half-built demo model left behind
+            if isinstance(error, OSError):
+                raise ErnieImageError(f"cannot build the demo model in {folder}: {error.strerror or error}: set "
+                                      "ERNIE_IMAGE_CACHE to a writable folder, or pass --model-dir") from None
+            raise
         return sources
     from .model_files import ModelSources
 
@@ -78,18 +86,65 @@ def _png_paths(out: Path, count: int) -> list[Path]:
     return [out.with_name(f"{out.stem}_{index}{out.suffix or '.png'}") for index in range(count)]
 
 
+def check_out_path(out: Path) -> None:
+    """Refuse an --out that cannot be written as a PNG before any weights are read."""
+    if out.suffix.lower() != ".png":
+        raise InvalidInputError(f"--out {out} is not a .png file name: give e.g. --out {out.stem or 'ernie'}.png")
+    try:
+        is_dir = out.is_dir()
+        blocker = next((parent for parent in out.parents if parent.exists()), None)
+    except OSError as error:  # e.g. a name longer than the file system allows
+        raise InvalidInputError(f"--out {out} cannot be used: {error.strerror}: pick a shorter output path") from None
+    if is_dir:
+        raise InvalidInputError(f"--out {out} is a folder: give a file name inside it, e.g. --out {out / 'ernie.png'}")
+    if blocker is not None and not blocker.is_dir():
+        raise InvalidInputError(f"--out {out}: {blocker} is a file, not a folder: pick another output path")
+
+
 def save_pngs(images, out: Path, settings: dict) -> list[Path]:
     from PIL import Image
     from PIL.PngImagePlugin import PngInfo
 
     paths = _png_paths(out, images.shape[0])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for index, path in enumerate(paths):
-        info = PngInfo()
-        info.add_text("ernie-image", json.dumps({**settings, "batch_index": index}))
-        pixels = (images[index].clamp(0, 1) * 255).round().to("cpu").byte().numpy()
-        Image.fromarray(pixels, mode="RGB").save(path, pnginfo=info)
+    written: list[Path] = []
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for index, path in enumerate(paths):
+            info = PngInfo()
+            info.add_text("ernie-image", json.dumps({**settings, "batch_index": index}))
+            pixels = (images[index].clamp(0, 1) * 255).round().to("cpu").byte().numpy()
+            Image.fromarray(pixels, mode="RGB").save(path, format="PNG", pnginfo=info)  # PIL removes a partial file
+            written.append(path)
+    except OSError as error:
+        for path in written:  # no half-written batch left behind
+            path.unlink(missing_ok=True)
+        raise ErnieImageError(f"cannot write {out}: {error.strerror or error}: pick a writable --out path") from None
     return paths
+
+
+def parse_budget(text: str) -> Optional[float]:
+    if text == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise InvalidInputError(f"--budget {text!r} is not a number of GB: give e.g. --budget 12 or auto") from None
+
+
+def check_quant(name: str) -> None:
+    """An unknown --quant is refused before the text encoder loads (the pipe checks it only when the DiT does)."""
+    from .model_files import QUANT_ON_LOAD_FORMATS
+
+    choices = ("none", "auto", "bf16", *QUANT_ON_LOAD_FORMATS)
+    if name not in choices:
+        raise InvalidInputError(f"--quant {name!r} is not supported: use one of {', '.join(choices)}")
+
+
+def check_device(name: str) -> None:
+    kind, _, index = name.partition(":")
+    if name in ("auto", "cpu") or (kind == "cuda" and (not index or index.isdigit())):
+        return
+    raise InvalidInputError(f"--device {name!r} is not supported: use auto, cpu, cuda or cuda:N")
 
 
 class _ConsoleHost(NullHost):
@@ -107,9 +162,13 @@ def main_generate(argv: Sequence[str]) -> int:
     from .model_files import ModelSources
     from .request import GenerationRequest
 
-    parser = argparse.ArgumentParser(prog="ernie-image generate", description="Generate an image with ERNIE-Image.")
+    parser = OneLineParser(prog="ernie-image generate", description="Generate an image with ERNIE-Image.")
     _add_generate_arguments(parser)
     args = parser.parse_args(argv)
+    check_out_path(args.out)
+    check_device(args.device)
+    check_quant(args.quant)
+    budget = parse_budget(args.budget)
     host = _ConsoleHost()
     demo = not any([args.model_dir, args.dit, args.text_encoder, args.vae])
     if demo:
@@ -118,7 +177,6 @@ def main_generate(argv: Sequence[str]) -> int:
     else:
         sources = ModelSources(model_dir=args.model_dir, dit=args.dit, text_encoder=args.text_encoder, vae=args.vae,
                                tokenizer=args.tokenizer, pe=args.pe, variant=args.variant)
-    budget = None if args.budget == "auto" else float(args.budget)
     # The console shows no pictures: skip the per-step latent preview (it costs a device-to-host copy per step).
     options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=budget, quant=args.quant,
                           keep_loaded=False, previews=False)
@@ -126,8 +184,9 @@ def main_generate(argv: Sequence[str]) -> int:
     default_side = 256 if demo else 1024
     request = GenerationRequest(
         prompt=args.prompt, negative_prompt=args.negative,
-        width=args.width or default_side, height=args.height or default_side,
-        steps=args.steps or int(pipe.defaults["steps"]),
+        width=default_side if args.width is None else args.width,
+        height=default_side if args.height is None else args.height,
+        steps=int(pipe.defaults["steps"]) if args.steps is None else args.steps,
         cfg=args.cfg if args.cfg is not None else pipe.defaults["cfg"],
         shift=args.shift, seed=args.seed, batch=args.batch, use_pe=args.use_pe,
     )
@@ -190,7 +249,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # expandable segments avoid that. Set before torch initialises CUDA; a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if argv and argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        print(f"error: unknown command {argv[0]!r}: use one of {', '.join(COMMANDS)} (ernie-image --help)",
+              file=sys.stderr)
+        return 2
+    if not argv or argv[0] in ("-h", "--help"):
         width = max(len(name) for name in COMMANDS)
         lines = [f"  {name:<{width}}  {summary}" for name, (summary, _) in COMMANDS.items()]
         print("usage: ernie-image COMMAND [options]\n\ncommands:\n" + "\n".join(lines), file=sys.stderr)

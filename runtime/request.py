@@ -1,6 +1,7 @@
 """What a generation asks for and what it returns; shared by the local runtime and the remote backend."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -45,6 +46,33 @@ def validate_size(width: int, height: int) -> None:
             )
 
 
+def _check_text(name: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidInputError(f"{name} is not valid UTF-8 text (undecodable byte at character {error.start}): "
+                                "save the prompt as UTF-8") from None
+
+
+_INT_FIELDS = ("width", "height", "steps", "seed", "batch", "pe_max_new_tokens")
+_NUMBER_FIELDS = ("cfg", "shift", "pe_temperature", "pe_top_p")
+
+
+def _check_types(request: "GenerationRequest") -> None:
+    """A wrong type from a caller (a float step count, a None prompt) is named here, not deep inside torch."""
+    for name in _INT_FIELDS + _NUMBER_FIELDS:
+        value = getattr(request, name)
+        allowed = (int,) if name in _INT_FIELDS else (int, float)
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            kind = "a whole number" if name in _INT_FIELDS else "a number"
+            raise InvalidInputError(f"{name} {value!r} is not allowed: give {kind}")
+    texts = [("prompt", request.prompt), ("negative_prompt", request.negative_prompt)]
+    texts += [("prompts", text) for text in request.prompts or ()]
+    for name, text in texts:
+        if not isinstance(text, str):
+            raise InvalidInputError(f"{name} {text!r} is not allowed: give text (an empty string for none)")
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt: str
@@ -64,17 +92,24 @@ class GenerationRequest:
     prompts: Optional[tuple[str, ...]] = None
 
     def validate(self) -> None:
+        _check_types(self)
         validate_size(self.width, self.height)
         if not 1 <= self.steps <= 1000:
             raise InvalidInputError(f"steps {self.steps} is not allowed: use 1..1000 (50 for ERNIE-Image, 8 for Turbo)")
         if not 1 <= self.batch <= 64:
             raise InvalidInputError(f"batch {self.batch} is not allowed: use 1..64")
-        if self.cfg < 0 or self.cfg > 100:
+        if not 0 <= self.seed <= SEED_MASK:
+            raise InvalidInputError(f"seed {self.seed} is not allowed: use 0..{SEED_MASK}")
+        if not math.isfinite(self.cfg) or self.cfg < 0 or self.cfg > 100:
             raise InvalidInputError(f"cfg {self.cfg} is not allowed: use 0..100 (4.0 for ERNIE-Image, 1.0 for Turbo)")
-        if self.shift <= 0:
+        if not math.isfinite(self.shift) or self.shift <= 0:
             raise InvalidInputError(f"shift {self.shift} is not allowed: use a positive value (4.0 is Baidu's)")
         if self.prompts is not None and len(self.prompts) != self.batch:
             raise InvalidInputError(f"{len(self.prompts)} prompts given for batch {self.batch}: give one per image")
+        texts = {"prompt": self.prompt, "negative prompt": self.negative_prompt}
+        texts.update({f"prompt {index + 1}": text for index, text in enumerate(self.prompts or ())})
+        for name, text in texts.items():
+            _check_text(name, text)
 
     @property
     def uses_cfg(self) -> bool:

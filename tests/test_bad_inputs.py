@@ -158,3 +158,161 @@ def test_size_not_allowed_suggests_the_nearest_valid_one(width, suggestion):
 def test_empty_prompt_is_valid_and_is_one_bos_token():
     GenerationRequest(prompt="").validate()
     assert token_ids(tokenizer_from_tekken_json(tiny_tekken_bytes()), "") == [BOS_ID]
+
+
+# ------------------------------------------------------------------ found by trying to break the CLI and the API
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-diffusers"), layout="diffusers", variant="turbo").model_dir
+
+
+def _cli(capsys, *argv: str) -> str:
+    """Run `ernie-image` in-process; return its one-line error after checking the exit code and the form."""
+    from ernie_image.runtime.cli import main
+
+    assert main(list(argv)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("option,value,expected", [
+    ("--width", "0", "width 0 is not allowed"),  # 0 used to mean "default" and ran at 256
+    ("--height", "0", "height 0 is not allowed"),
+    ("--steps", "0", "steps 0 is not allowed"),  # used to run the variant's default steps
+    ("--cfg", "nan", "cfg nan is not allowed"),  # NaN passed every range check
+    ("--shift", "nan", "shift nan is not allowed"),
+    ("--shift", "inf", "shift inf is not allowed"),
+    ("--seed", str(2**64), "seed 18446744073709551616 is not allowed: use 0..9223372036854775807"),  # traceback
+    ("--seed", "-1", "seed -1 is not allowed"),
+    ("--budget", "abc", "--budget 'abc' is not a number of GB"),  # traceback
+    ("--device", "foo", "--device 'foo' is not supported: use auto, cpu, cuda or cuda:N"),  # traceback
+    ("--device", "mps", "--device 'mps' is not supported"),
+    ("--width", "abc", "argument --width: invalid int value: 'abc'"),  # was argparse's usage block
+    ("--quant", "fp4", "--quant 'fp4' is not supported: use one of none, auto, bf16, fp8"),  # was after text encoding
+])
+def test_cli_refuses_a_bad_setting_in_one_line(capsys, tiny_folder, tmp_path, option, value, expected):
+    out = tmp_path / "out.png"
+    line = _cli(capsys, "generate", "--model-dir", str(tiny_folder), "--width", "256", "--height", "256",
+                "--out", str(out), option, value)
+    assert expected in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_refuses_an_output_it_cannot_write_before_any_work(capsys, tiny_folder, tmp_path):
+    (tmp_path / "taken.png").write_bytes(b"x")
+    cases = {
+        str(tmp_path / "picture.jpg"): "is not a .png file name",
+        str(tmp_path / "noext"): "is not a .png file name",
+        str(tmp_path): "is not a .png file name",
+        str(tmp_path / "folder.png"): "is a folder",
+        str(tmp_path / "taken.png" / "x.png"): "taken.png is a file, not a folder",
+        str(tmp_path / ("a" * 300 + ".png")): "cannot be used: File name too long",
+    }
+    (tmp_path / "folder.png").mkdir()
+    for out, expected in cases.items():
+        line = _cli(capsys, "generate", "--model-dir", str(tiny_folder), "--out", out)
+        assert expected in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.png", "taken.png"]
+
+
+def test_cli_prompt_that_is_not_utf8_is_one_line(capsys, tiny_folder, tmp_path):
+    undecodable = b"a fox \xff in snow".decode("utf-8", "surrogateescape")  # what Python makes of such argv bytes
+    line = _cli(capsys, "generate", "--model-dir", str(tiny_folder), "--width", "256", "--height", "256",
+                "--out", str(tmp_path / "x.png"), "--prompt", undecodable)
+    assert "prompt is not valid UTF-8 text" in line and "save the prompt as UTF-8" in line
+
+
+def test_a_failed_png_write_leaves_no_part_of_the_batch(tmp_path):
+    from ernie_image.runtime.cli import save_pngs
+    from ernie_image.runtime.errors import ErnieImageError
+
+    (tmp_path / "img_1.png").mkdir()  # the second image cannot be written
+    with pytest.raises(ErnieImageError, match=r"cannot write .*img\.png: .*: pick a writable --out path"):
+        save_pngs(torch.rand(2, 16, 16, 3), tmp_path / "img.png", {})
+    assert [p.name for p in tmp_path.iterdir()] == ["img_1.png"]
+
+
+@pytest.mark.parametrize("field,value,expected", [
+    ("cfg", float("nan"), "cfg nan is not allowed"),
+    ("shift", float("inf"), "shift inf is not allowed"),
+    ("seed", 2**64, "seed 18446744073709551616 is not allowed"),
+    ("seed", -5, "seed -5 is not allowed"),
+    ("steps", 2.5, "steps 2.5 is not allowed: give a whole number"),  # was a TypeError deep in torch.linspace
+    ("steps", True, "steps True is not allowed"),
+    ("width", "256", "width '256' is not allowed: give a whole number"),
+    ("batch", 2.0, "batch 2.0 is not allowed"),
+    ("cfg", "4", "cfg '4' is not allowed: give a number"),
+    ("prompt", None, "prompt None is not allowed: give text"),  # was an AttributeError mid-run
+    ("negative_prompt", None, "negative_prompt None is not allowed"),
+    ("prompt", "fox \udcff", "prompt is not valid UTF-8 text"),  # was a TypeError inside the tokenizer
+])
+def test_request_refuses_bad_values_and_types(field, value, expected):
+    request = GenerationRequest(**{"prompt": "x", "width": 256, "height": 256, field: value})
+    with pytest.raises(InvalidInputError) as caught:
+        request.validate()
+    assert expected in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_gguf_whose_metadata_is_garbage(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF\x03\x00\x00\x00" + b"garbagegarbagegarbage" * 10)  # raised IndexError from gguf's reader
+    message = _error(path, "dit")
+    assert message.startswith("broken.gguf is not a readable GGUF file (") and "re-download it" in message
+
+
+def test_an_explicit_tokenizer_without_one_is_refused_not_ignored(tiny_folder, tmp_path):
+    from ernie_image.runtime.formats.tokenizer import load_tokenizer
+    from ernie_image.runtime.model_files import ModelSources
+
+    with pytest.raises(ModelFileError, match="tokenizer .*nowhere has no tokenizer.json"):
+        load_tokenizer(ModelSources(model_dir=tiny_folder, tokenizer=tmp_path / "nowhere"))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ModelFileError, match=r"the tokenizer in .*broken cannot be read \(.*\): download"):
+        load_tokenizer(ModelSources(model_dir=tiny_folder, tokenizer=tmp_path / "broken"))
+
+
+def test_sampler_size_check_answers_a_message_for_text_in_width():
+    from ernie_image.nodes.sampler import validate_size_inputs
+
+    assert "must be whole numbers" in validate_size_inputs("custom", "abc", 1024)
+
+
+def test_cli_unknown_command_is_one_line(capsys):
+    line = _cli(capsys, "genrate", "--width", "256")  # was the usage block with no error line
+    assert line == "error: unknown command 'genrate': use one of generate, plan, quantize, enhance, check-remote " \
+                   "(ernie-image --help)"
+
+
+def test_cli_demo_model_in_an_unusable_cache_folder_is_one_line(capsys, tmp_path, monkeypatch):
+    not_a_folder = tmp_path / "cache-is-a-file"
+    not_a_folder.write_text("x")
+    monkeypatch.setenv("ERNIE_IMAGE_CACHE", str(not_a_folder))  # was a NotADirectoryError traceback
+    line = _cli(capsys, "generate", "--out", str(tmp_path / "x.png"))
+    assert "cannot build the demo model in" in line and "set ERNIE_IMAGE_CACHE to a writable folder" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache-is-a-file"]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["plan", "--budget", "12", "--width", "abc"], "argument --width: invalid int value: 'abc'"),  # a usage block
+    (["quantize", "--dit", "x.safetensors", "--format", "q9"], "argument --format: invalid choice: 'q9'"),
+    (["check-remote"], "the following arguments are required"),
+])
+def test_every_command_reports_a_usage_error_in_one_line(capsys, argv, expected):
+    assert expected in _cli(capsys, *argv)
+
+
+def test_quantize_refuses_a_damaged_source_and_an_output_it_cannot_write(capsys, tmp_path):
+    text = tmp_path / "notes.safetensors"
+    text.write_text("this is not a safetensors file")
+    assert "notes.safetensors is not a readable safetensors file" in _cli(
+        capsys, "quantize", "--dit", str(text), "--format", "fp8", "--out", str(tmp_path / "q.safetensors"))
+    source = tmp_path / "dit.safetensors"
+    save_file({"x_embedder.proj.weight": torch.zeros(4, 4)}, str(source))
+    for out, expected in [
+        (tmp_path / "q.safetensors", "does not end in .gguf, the file type q8_0 is written as"),  # wrote GGUF bytes
+        (tmp_path / "missing" / "q.gguf", "does not exist: create it first"),  # was a FileNotFoundError traceback
+    ]:
+        assert expected in _cli(capsys, "quantize", "--dit", str(source), "--format", "q8_0", "--out", str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dit.safetensors", "notes.safetensors"]

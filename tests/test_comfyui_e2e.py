@@ -449,3 +449,23 @@ async def test_the_api_key_reaches_the_server_and_never_the_png_history_or_log(c
     assert SECRET_KEY.encode() not in png
     assert SECRET_KEY not in json.dumps(run.history) + json.dumps(run.messages)
     assert SECRET_KEY not in comfy.log()
+
+
+async def test_nan_shift_and_text_width_get_one_line_errors_and_the_next_prompt_runs(comfy: Comfy) -> None:
+    graph = shrunk(load_workflow("ernie_image_turbo_local"))
+    sampler_id, sampler = node_of(graph, "ErnieImageTurboSampler")
+    sampler["inputs"]["width"] = "abc"  # VALIDATE_INPUTS used to raise ValueError from int()
+    status, body = await post(comfy, "/prompt", {"prompt": graph, "client_id": "e2e"})
+    assert status == 400
+    details = [e["details"] for e in body["node_errors"][sampler_id]["errors"]]
+    assert any("must be whole numbers" in d for d in details), details
+
+    graph = shrunk(load_workflow("ernie_image_turbo_local"))
+    node_of(graph, "ErnieImageTurboSampler")[1]["inputs"]["shift"] = float("nan")  # JSON NaN: ComfyUI's min check passes it
+    run = await run_prompt(comfy, graph)
+    assert run.outcome == "execution_error", run.outcome  # used to run on and succeed
+    message = run.error["exception_message"].strip()
+    assert "\n" not in message and "shift nan is not allowed" in message, message
+
+    good = await run_prompt(comfy, shrunk(load_workflow("ernie_image_turbo_local")))
+    assert good.outcome == "execution_success" and saved_images(good)

@@ -154,10 +154,14 @@ def test_cli_prints_the_plan(capsys):
     assert "budget 12.00 GiB" in out and "DiT batch 4" in out
 
 
-def test_cli_reports_bad_input_in_one_line(capsys):
-    assert main_plan(["--budget", "1", "--width", "1024", "--height", "1024"]) == 1
-    assert "needs at least" in capsys.readouterr().err
-    assert main_plan(["--budget", "12", "--width", "1000", "--height", "1024"]) == 1
-    assert "multiple of 16" in capsys.readouterr().err
-    assert main_plan(["--budget", "-3"]) == 1
-    assert "not a positive number" in capsys.readouterr().err
+@pytest.mark.parametrize("argv,expected", [
+    (["--budget", "1", "--width", "1024", "--height", "1024"], "needs at least"),
+    (["--budget", "12", "--width", "1000", "--height", "1024"], "multiple of 16"),
+    (["--budget", "-3"], "not a positive number"),
+    (["--budget", "abc"], "VRAM budget 'abc' is not a number of GB"),  # was a ValueError traceback
+    (["--budget", "12", "--cfg", "nan"], "--cfg nan is not allowed"),  # was accepted
+])
+def test_cli_reports_bad_input_in_one_line_with_exit_code_2(capsys, argv, expected):
+    assert main_plan(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines

@@ -14,13 +14,14 @@ runtime/quant. What a file is comes from its keys and shapes (detect.py), never 
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import torch
 
-from ..errors import ModelFileError
+from ..errors import ErnieImageError, ModelFileError
 from .detect import Identity, identify, sample_keys
 from .safetensors_reader import SafetensorsFile, is_gguf, open_safetensors
 from .vae_keys import bfl_to_diffusers, config_from_shapes, num_up_blocks_bfl
@@ -211,11 +212,22 @@ def _open_quantized(path: Path, kind: str, layout: str) -> ComponentFile:
     if kind == "vae":
         raise ModelFileError(f"{path.name} is a quantised file, but the VAE is only read in bf16/fp32: "
                              f"{WHAT_TO_PICK['vae']}")
+    try:
+        if kind == "dit":
+            state = quant.load_quantized_state_dict(path, "dit")
+        else:
+            state = quant.load_text_encoder_gguf(path) if layout == "gguf" else quant.load_quantized_state_dict(path, "any")
+    except ErnieImageError:
+        raise
+    except (IndexError, KeyError, ValueError, TypeError, OSError, struct.error) as err:
+        # A damaged file can trip its reader anywhere (gguf's field parser, numpy views): name the file, not a traceback.
+        what = "GGUF" if layout == "gguf" else "quantised safetensors"
+        detail = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+        raise ModelFileError(f"{path.name} is not a readable {what} file ({detail}): the file is damaged or was not "
+                             f"fully downloaded: re-download it") from None
     if kind == "dit":
-        state = quant.load_quantized_state_dict(path, "dit")
         prefix = ""
     else:
-        state = quant.load_text_encoder_gguf(path) if layout == "gguf" else quant.load_quantized_state_dict(path, "any")
         shapes = {k: tuple(getattr(v, "shape", ())) for k, v in state.items()}
         identity = identify(shapes)
         _check_kind(identity, kind, path, shapes)

@@ -18,7 +18,15 @@ def load_tokenizer(sources):
     for candidate in candidates:
         folder = candidate.parent if candidate.is_file() else candidate
         if (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists():
-            return AutoTokenizer.from_pretrained(str(folder))
+            try:
+                return AutoTokenizer.from_pretrained(str(folder))
+            except (OSError, ValueError, TypeError, KeyError) as error:
+                detail = " ".join(f"{type(error).__name__}: {error}".split())[:200]
+                raise ModelFileError(f"the tokenizer in {folder} cannot be read ({detail}): "
+                                     "download the model's tokenizer/ folder again") from None
+        if candidate == sources.tokenizer:  # asked for explicitly: never fall back silently to another tokenizer
+            raise ModelFileError(f"tokenizer {candidate} has no tokenizer.json or tokenizer_config.json: give the "
+                                 "model's tokenizer/ folder (or its tokenizer.json), or leave the tokenizer out")
     if sources.text_encoder is not None:
         from .tekken import tokenizer_from_text_encoder_file
 

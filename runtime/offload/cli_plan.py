@@ -5,6 +5,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from ..cli_parser import OneLineParser
 from ..errors import ErnieImageError
 from .planner import PCIE_GBPS, budget_bytes, plan_memory
 from .sizes import FORMAT_BYTES, ModelSizes
@@ -12,7 +13,7 @@ from .workspace import Job
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ernie-image plan",
+    parser = OneLineParser(prog="ernie-image plan",
                                      description="Show how ERNIE-Image is placed in a VRAM budget (no GPU needed).")
     parser.add_argument("--budget", default="auto", help="VRAM budget in GB (GiB), or 'auto' (this machine's GPU)")
     parser.add_argument("--width", type=int, default=1024)
@@ -35,6 +36,8 @@ def main_plan(argv: Sequence[str]) -> int:
         validate_size(args.width, args.height)
         if args.batch < 1:
             raise ErnieImageError(f"--batch {args.batch} must be at least 1")
+        if not 0 <= args.cfg <= 100:  # also refuses nan
+            raise ErnieImageError(f"--cfg {args.cfg} is not allowed: use 0..100 (above 1 the DiT runs a doubled batch)")
         device = None
         if args.budget == "auto":
             import torch
@@ -48,5 +51,5 @@ def main_plan(argv: Sequence[str]) -> int:
         print(plan_memory(budget, job, sizes).table(args.pcie_gbps))
     except ErnieImageError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return 2
     return 0

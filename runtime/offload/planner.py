@@ -124,7 +124,10 @@ def budget_bytes(spec: "float | str | None", device=None, held_by_pipe: int = 0)
     reserved memory: inside ComfyUI that includes ComfyUI's own loaded models.
     """
     if spec is not None and spec != "auto":
-        value = float(spec)
+        try:
+            value = float(spec)
+        except ValueError:
+            raise MemoryBudgetError(f"VRAM budget {spec!r} is not a number of GB: give e.g. 12 or 'auto'") from None
         if not math.isfinite(value) or value <= 0:
             raise MemoryBudgetError(f"VRAM budget {spec!r} is not a positive number of GB: give e.g. 12 or 'auto'")
         return int(value * GiB)

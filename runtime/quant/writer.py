@@ -13,7 +13,6 @@ Files are written to `<out>.partial` and renamed when complete, so a failure lea
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ from typing import Iterator
 
 import torch
 
+from ..cli_parser import OneLineParser
 from ..errors import ErnieImageError, InvalidInputError, ModelFileError
 from .fp8 import quantize_fp8
 from .gguf_files import DIT_MARKER_KEYS, strip_dit_prefix
@@ -118,14 +118,24 @@ def _write_gguf(items: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], pat
         writer.close()
 
 
+def checked_out_path(path: str | Path, overwrite: bool) -> Path:
+    """The output path, refused in one line when it cannot be written (before any weights are read)."""
+    path = Path(path)
+    if path.is_dir():
+        raise InvalidInputError(f"--out {path} is a folder: give a file name inside it")
+    if path.exists() and not overwrite:
+        raise InvalidInputError(f"{path} already exists: choose another --out or delete it first")
+    if not path.parent.is_dir():
+        raise InvalidInputError(f"--out {path}: the folder {path.parent} does not exist: create it first")
+    return path
+
+
 def write_quantized_file(state: dict[str, torch.Tensor | QuantizedWeight], fmt: str, path: str | Path,
                          overwrite: bool = False) -> Path:
     """Quantise what is still plain (eligible weights only) and write a file this pack and ComfyUI load."""
     if fmt not in WRITE_FORMATS:
         raise InvalidInputError(f"unknown quantisation format {fmt!r}: choose one of {', '.join(WRITE_FORMATS)}")
-    path = Path(path)
-    if path.exists() and not overwrite:
-        raise InvalidInputError(f"{path} already exists: choose another --out or delete it first")
+    path = checked_out_path(path, overwrite)
     per_row_fp8 = False  # ComfyUI's float8_e4m3fn layout takes a per-tensor scale
 
     def items() -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
@@ -164,12 +174,18 @@ def _source_files(source: Path) -> list[Path]:
 
 def read_bf16_dit(source: str | Path) -> dict[str, torch.Tensor]:
     """A diffusers transformer folder or single bf16 DiT file -> {diffusers key: tensor}."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
+
     state: dict[str, torch.Tensor] = {}
     for file in _source_files(Path(source)):
-        with safe_open(str(file), framework="pt") as handle:
-            for key in handle.keys():
-                state[strip_dit_prefix(key)] = handle.get_tensor(key)
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for key in handle.keys():
+                    state[strip_dit_prefix(key)] = handle.get_tensor(key)
+        except (SafetensorError, OSError) as error:
+            detail = " ".join(str(error).split())[:200]
+            raise ModelFileError(f"{file.name} is not a readable safetensors file ({detail}): the file is damaged "
+                                 f"or was not fully downloaded: re-download it") from None
     missing = [k for k in DIT_MARKER_KEYS if k not in state]
     if missing:
         raise ModelFileError(f"{source} is not an ERNIE-Image DiT (missing {missing}): pass the transformer "
@@ -178,13 +194,18 @@ def read_bf16_dit(source: str | Path) -> dict[str, torch.Tensor]:
 
 
 def main_quantize(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ernie-image quantize",
+    parser = OneLineParser(prog="ernie-image quantize",
                                      description="Write a quantised copy of the ERNIE-Image DiT.")
     parser.add_argument("--dit", required=True, help="bf16 DiT: transformer folder or single .safetensors file")
     parser.add_argument("--format", required=True, choices=WRITE_FORMATS)
     parser.add_argument("--out", required=True, help="output file (.safetensors for fp8/nvfp4, .gguf for q8_0/q4_k)")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
+    suffix = ".safetensors" if args.format in ("fp8", "nvfp4") else ".gguf"
+    if Path(args.out).suffix.lower() != suffix:  # ComfyUI and ComfyUI-GGUF pick their loader by the name
+        raise InvalidInputError(f"--out {Path(args.out).name} does not end in {suffix}, the file type "
+                                f"{args.format} is written as: give e.g. --out {Path(args.out).stem}{suffix}")
+    checked_out_path(args.out, args.overwrite)
     try:
         state = read_bf16_dit(args.dit)
         out = write_quantized_file(state, args.format, args.out, overwrite=args.overwrite)

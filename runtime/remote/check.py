@@ -5,13 +5,13 @@ version (/server_info) and the time of one tiny generation (256x256, 1 step), as
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from ..cli_parser import OneLineParser
 from ..cli import CLI_KEY_LABELS
 from ..errors import ErnieImageError
 from .http import ApiKeySource, HttpSettings, RetryPolicy, Timeouts, run_sync
@@ -115,7 +115,7 @@ def format_check_table(rows: Sequence[CheckRow]) -> str:
 
 
 def main_check_remote(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="ernie-image check-remote",
+    parser = OneLineParser(prog="ernie-image check-remote",
                                      description="Check SGLang ERNIE-Image servers: readiness, model, version, one tiny generation.")
     parser.add_argument("urls", nargs="+", metavar="URL", help="server base URL, e.g. http://127.0.0.1:30000")
     parser.add_argument("--api-key-env", default=None, help="environment variable holding the API key")

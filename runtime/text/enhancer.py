@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..cli_parser import OneLineParser
 from ..errors import InvalidInputError
 from ..host import Host, NullHost
 from ..model_files import ModelSources, Variant
@@ -162,7 +163,7 @@ def revise_prompts(enhancer: LocalEnhancer, prompts: Sequence[str], width: int, 
 
 # ----------------------------------------------------------------------------------------------------- CLI
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="ernie-image enhance",
         description="Print the prompt enhancer's revised prompt (only that, on stdout).",
     )
