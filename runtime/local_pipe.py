@@ -90,11 +90,14 @@ class LocalPipe:
 
     @classmethod
     def load(cls, sources: ModelSources, options: Optional[LoadOptions] = None) -> "LocalPipe":
-        """Check the files and prepare; weights are read on first use, one phase at a time."""
+        """Check the files and prepare; weights are read on first use, one phase at a time.
+
+        Every part's header is read here, so a missing, damaged or wrong file fails now, not after the text
+        encoder and the whole sampling loop have run."""
         options = options or LoadOptions()
         pipe = cls(sources, options, sources.detect_variant())
-        for component in ("transformer", "text_encoder", "vae"):
-            sources.component(component)  # raises a clear error for a missing part now, not mid-run
+        for component, kind in (("transformer", "dit"), ("text_encoder", "text_encoder"), ("vae", "vae")):
+            open_component(sources.component(component), kind)
         return pipe
 
     @property

@@ -316,3 +316,14 @@ def test_quantize_refuses_a_damaged_source_and_an_output_it_cannot_write(capsys,
     ]:
         assert expected in _cli(capsys, "quantize", "--dit", str(source), "--format", "q8_0", "--out", str(out))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dit.safetensors", "notes.safetensors"]
+
+
+def test_a_damaged_vae_fails_when_the_pipe_loads_not_after_sampling(tmp_path):
+    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+
+    sources = build_tiny_model(tmp_path, layout="diffusers", variant="turbo")
+    vae_file = sources.model_dir / "vae" / "diffusion_pytorch_model.safetensors"
+    data = vae_file.read_bytes()
+    vae_file.write_bytes(data[: len(data) - 1000])  # an interrupted download
+    with pytest.raises(ModelFileError, match="truncated.*download it again"):
+        LocalPipe.load(sources, LoadOptions(device="cpu"))

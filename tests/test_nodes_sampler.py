@@ -66,8 +66,8 @@ def test_an_unconnected_pipe_is_a_clear_error() -> None:
 
 def test_a_failed_run_releases_the_weights(tiny_sources, tmp_path: Path) -> None:
     broken = build_tiny_model(tmp_path / "broken", layout="comfy", variant="turbo")
-    broken.vae.write_bytes(b"not a safetensors file")
     pipe = track(LocalPipe.load(broken, LoadOptions(device="cpu")))
+    broken.vae.write_bytes(b"not a safetensors file")  # damaged after the Loader checked it
     with pytest.raises(ModelFileError):  # the VAE fails after the text encoder and the DiT have run
         ErnieImageTurboSampler().generate(pipe=pipe, **turbo_inputs(batch_size=1))
     assert not pipe.is_loaded()
