@@ -263,3 +263,16 @@ def test_cli_with_a_pe_server_prints_only_the_revision(capsys):
     captured = capsys.readouterr()
     assert code == 0 and captured.out == "revised: a fox @9\n" and captured.err == ""
     assert server.received[0]["messages"][0]["content"] == '{"prompt": "a fox", "width": 1264, "height": 848}'
+
+
+def test_cli_enhance_with_a_pe_server_that_is_down_fails_in_one_line(capsys):
+    from ernie_image.runtime.cli import main
+
+    from fake_sglang import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    code = main(["enhance", "--pe-url", url, "--prompt", "a fox", "--quiet"])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and captured.out == "", "no prompt printed: the original would pass for a revision"
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "refused the connection" in lines[0], lines

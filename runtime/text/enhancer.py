@@ -193,6 +193,8 @@ class _StderrHost(NullHost):
         print(message, file=sys.stderr)
 
 
+
+
 def main_enhance(argv: Sequence[str]) -> int:
     from ..local_pipe import resolve_device, resolve_dtype
     from ..request import validate_size
@@ -206,8 +208,9 @@ def main_enhance(argv: Sequence[str]) -> int:
     if args.pe_url:
         endpoint = ChatEndpoint(url=args.pe_url, model=args.pe_model, api_key_env=args.api_key_env,
                                 api_key_file=args.api_key_file)
+        # Rewriting is this command's only job: a fault is its error, not the original prompt passed off as one.
         result = revise_prompts_remote(endpoint, [args.prompt], args.width, args.height, args.seed,
-                                       args.temperature, args.top_p, args.max_new_tokens, host)
+                                       args.temperature, args.top_p, args.max_new_tokens, host, keep_original=False)
     else:
         if args.model_dir is None and args.pe is None:
             raise InvalidInputError("no prompt enhancer given: pass --model-dir, --pe FILE or --pe-url URL")

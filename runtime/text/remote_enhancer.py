@@ -135,13 +135,16 @@ async def _chat(client: HttpClient, endpoint: ChatEndpoint, model: str, body: di
 
 
 async def _revise_all(endpoint: ChatEndpoint, prompts: Sequence[str], width: int, height: int, seed: int,
-                      temperature: float, top_p: float, max_new_tokens: int, notes: list[str]) -> list[Revision]:
+                      temperature: float, top_p: float, max_new_tokens: int, notes: list[str],
+                      keep_original: bool = True) -> list[Revision]:
     client = endpoint.client()
     revisions: list[Revision] = []
     try:
         try:
             model = await _model_name(client, endpoint)
         except _KEEP_ORIGINAL as error:
+            if not keep_original:
+                raise
             notes.append(_fallback_note(error))
             return [Revision(p, p, 0, 0.0, "original") for p in prompts]
         for prompt in prompts:
@@ -158,11 +161,15 @@ async def _revise_all(endpoint: ChatEndpoint, prompts: Sequence[str], width: int
                 reply, model = await _chat(client, endpoint, model, body, notes)
                 content, truncated, tokens = _reply_text(reply.data, client.label)
             except _KEEP_ORIGINAL as error:
+                if not keep_original:
+                    raise
                 notes.append(_fallback_note(error))
                 revisions.append(Revision(prompt, prompt, 0, time.perf_counter() - started, "original"))
                 continue
             seconds = time.perf_counter() - started
             revised = content.strip()
+            if not revised and not keep_original:
+                raise _Unusable(f"remote prompt enhancer at {client.label} returned an empty prompt")
             if not revised:
                 notes.append(f"remote prompt enhancer at {client.label} returned an empty prompt: the original "
                              f"prompt is used")
@@ -183,11 +190,12 @@ def _fallback_note(error: Exception) -> str:
 
 def revise_prompts_remote(endpoint: ChatEndpoint, prompts: Sequence[str], width: int, height: int, seed: int,
                           temperature: float = 0.6, top_p: float = 0.95, max_new_tokens: int = 512,
-                          host: Optional[Host] = None) -> RevisedPrompts:
+                          host: Optional[Host] = None, keep_original: bool = True) -> RevisedPrompts:
     """Revise each distinct prompt on the endpoint. Blocks; Cancel is checked on this thread every 0.1 s.
 
     Raises `AuthenticationError` (401/403) and `ServerRejected` (other 4xx) with a one-line fix; every other fault
-    keeps the original prompt and is reported through `host.log`.
+    keeps the original prompt and is reported through `host.log`, or, with `keep_original=False` (a caller whose
+    only job is the revision), is raised too.
     """
     validate_sampling(temperature, top_p, max_new_tokens)
     host = host or NullHost()
@@ -195,7 +203,8 @@ def revise_prompts_remote(endpoint: ChatEndpoint, prompts: Sequence[str], width:
     notes: list[str] = []
     try:
         revisions = run_sync(
-            _revise_all(endpoint, unique, width, height, seed, temperature, top_p, max_new_tokens, notes),
+            _revise_all(endpoint, unique, width, height, seed, temperature, top_p, max_new_tokens, notes,
+                        keep_original),
             host.check_cancel,
         )
     except ServerRejected as error:
