@@ -285,9 +285,11 @@ def test_api_key_never_lands_in_logs_errors_or_results(monkeypatch):
 
 def test_check_remote_reports_each_server():
     with FakeSglang(num_gpus=4, dit_precision="fp8") as ready, FakeSglang(warmup_s=60) as warming:
-        rows = check_remote([ready.url, warming.url, f"http://127.0.0.1:{free_port()}"])
+        rows = check_remote([ready.url, warming.url, f"http://127.0.0.1:{free_port()}",
+                             "http://no-such-host.invalid:30000"])
         table = format_check_table(rows)
-    assert [r.readiness for r in rows] == ["ready", "warming up", "loading"]
+    assert [r.readiness for r in rows] == ["ready", "warming up", "loading", "unreachable"]
+    assert rows[3].problems == ["http://no-such-host.invalid:30000: no such host (the name does not resolve): check the URL"]
     assert rows[0].ok and rows[0].num_gpus == 4 and rows[0].precision == "fp8" and rows[0].version == "0.5.23"
     assert rows[0].generation_s is not None and rows[0].pipeline == "ErnieImagePipeline"
     sent = ready.generations[0].body

@@ -471,6 +471,10 @@ class HttpClient:
                 f"{self.label} did not accept a connection within {self.settings.timeouts.connect_s:g} s: check the "
                 f"URL and that the server is running"
             ) from None
+        except aiohttp.ClientConnectorDNSError:
+            raise ServerUnavailable(
+                f"{self.label}: no such host (the name does not resolve): check the URL"
+            ) from None
         except aiohttp.ClientConnectorError as exc:
             reason = exc.os_error.strerror if exc.os_error and exc.os_error.strerror else type(exc.os_error).__name__
             raise ServerUnavailable(
