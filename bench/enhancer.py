@@ -6,7 +6,8 @@ A typical request: 1024x1024, a prompt of ~128 tokens after the chat template (B
 them), 256 new tokens forced (random weights rarely emit EOS, so EOS is masked until then), Baidu's sampling
 (temperature 0.6, top_p 0.95, transformers' top_k 50). Timed through this pack's sampler (private CPU generator,
 cancel check per token), once with the static-cache CUDA-graph decoder and once with transformers' forward, then
-once through transformers' generate() (diffusers' PE path) for comparison, then the phase costs: moving the PE to host RAM after its phase and back for the next run.
+once through transformers' generate() (diffusers' PE path) for comparison, then the phase costs: moving the PE
+to host RAM after its phase and back for the next run.
 Prints one JSON line per measurement plus a summary table; about a minute on an H200.
 """
 from __future__ import annotations

@@ -161,7 +161,6 @@ def micro_bench(device: torch.device) -> None:
         print(f"| {qtype} | {q.nbytes / 1e6:.1f} | {default_ms * 1e3:.1f} | {moved / default_ms / 1e6:.0f} | "
               f"{best_tile} | {per_tile[best_tile] * 1e3:.1f} | {torch_ms * 1e3:.0f} | {moved / torch_ms / 1e6:.0f} | "
               f"{torch_ms / default_ms:.1f}x | {'yes' if same else 'NO'} |", flush=True)
-        del q
     torch.cuda.empty_cache()
 
 

@@ -85,23 +85,23 @@ def quantised_copy(model: ErnieDiT, fmt: str) -> ErnieDiT:
 
 
 def fp8_rows(ours: ErnieDiT, measure) -> None:
-    """FP8 weights (e4m3, per-row scales, torch._scaled_mm on SM >= 8.9), per-Linear and with fused projections."""
+    """FP8 weights (e4m3, per-row scales, torch._scaled_mm on SM >= 8.9) with fused projections, compiled."""
     from ernie_image.runtime.acceleration import compile_blocks
 
-    for label in ("ours FP8 compiled, fused projections",):
-        try:
-            fp8 = quantised_copy(ours, "fp8")
-        except Exception as error:
-            print(f"# {label}: FAILED to build: {type(error).__name__}: {error}")
-            continue
-        compile_blocks(fp8)
-        lat, ts, txt, lens = inputs(1)
-        _, first_s = wall_time(lambda: fp8(lat, ts, txt, lens))
-        measure(label, 1, lambda: fp8(lat, ts, txt, lens), first_s)
-        weights = sum(t.numel() * t.element_size() for t in list(fp8.parameters()) + list(fp8.buffers()))
-        print(f"# {label}: DiT weights {weights / 1e9:.2f} GB")
-        fp8 = None
-        torch.cuda.empty_cache()
+    label = "ours FP8 compiled, fused projections"
+    try:
+        fp8 = quantised_copy(ours, "fp8")
+    except Exception as error:
+        print(f"# {label}: FAILED to build: {type(error).__name__}: {error}")
+        return
+    compile_blocks(fp8)
+    lat, ts, txt, lens = inputs(1)
+    _, first_s = wall_time(lambda: fp8(lat, ts, txt, lens))
+    measure(label, 1, lambda: fp8(lat, ts, txt, lens), first_s)
+    weights = sum(t.numel() * t.element_size() for t in list(fp8.parameters()) + list(fp8.buffers()))
+    print(f"# {label}: DiT weights {weights / 1e9:.2f} GB")
+    fp8 = None  # drop the copy before emptying the cache
+    torch.cuda.empty_cache()
 
 
 # Compile settings weighed against the default (torch.compile of each block, inductor defaults).
@@ -123,7 +123,7 @@ def compiled_rows(ours: ErnieDiT, reference, measure, outputs: dict, variants: b
         result, first_s = wall_time(run)
         if keep:
             outputs[(keep, batch)] = result
-        measure(name, batch, run, first_s, padded=padded)
+        measure(name, batch, run, first_s)
 
     compile_blocks(ours)
     for batch in (1, 2):
@@ -169,7 +169,7 @@ def dit_rows(ours, reference, skip_compile: bool, variants: bool = False) -> lis
     outputs = {}
     sampler = GpuSampler()
 
-    def measure(name: str, batch: int, run, compile_s: float | None = None, padded: bool = False):
+    def measure(name: str, batch: int, run, compile_s: float | None = None):
         try:
             with sampler.phase():
                 ms = cuda_time_ms(run)
@@ -177,7 +177,7 @@ def dit_rows(ours, reference, skip_compile: bool, variants: bool = False) -> lis
             rows.append({"variant": name, "batch": batch, "ms": f"{ms:.1f}", "TFLOP/s": f"{flops / ms / 1e9:.0f}",
                          "first call s": "" if compile_s is None else f"{compile_s:.1f}",
                          "x burst floor": f"{ms / burst_floor_ms(batch):.2f}", "clock": sampler.summary(),
-                         "_ms": ms, "_padded": padded})
+                         "_ms": ms})
             print(f"# {name} b{batch}: {ms:.1f} ms ({sampler.summary()})"
                   + ("" if compile_s is None else f", first call {compile_s:.1f} s"), flush=True)
         except Exception as error:  # one failing variant must not hide the others
@@ -192,7 +192,7 @@ def dit_rows(ours, reference, skip_compile: bool, variants: bool = False) -> lis
             outputs[("ours", batch)] = ours(lat, ts, txt, lens)
             measure("ours eager", batch, lambda: ours(lat, ts, txt, lens))
         lat, ts, txt, lens = inputs(2, padded=True)
-        measure("ours eager, CFG texts of unequal length", 2, lambda: ours(lat, ts, txt, lens), padded=True)
+        measure("ours eager, CFG texts of unequal length", 2, lambda: ours(lat, ts, txt, lens))
 
         if not skip_compile:
             compiled_rows(ours, reference, measure, outputs, variants)
@@ -200,12 +200,11 @@ def dit_rows(ours, reference, skip_compile: bool, variants: bool = False) -> lis
     for batch in (1, 2):
         base = outputs[("diffusers", batch)].float()
         assert torch.isfinite(base).all(), "reference output is not finite: rescale the random weights"
-        for key in sorted({key for key, b in outputs if key.startswith("ours") and b == batch}):
-            if (key, batch) in outputs:
-                ours_out = outputs[(key, batch)].float()
-                assert torch.isfinite(ours_out).all()
-                rel = ((ours_out - base).norm() / base.norm()).item()
-                print(f"# numerics batch {batch} {key} vs diffusers: relative L2 error {rel:.2e}")
+        for key in sorted(key for key, b in outputs if key.startswith("ours") and b == batch):
+            ours_out = outputs[(key, batch)].float()
+            assert torch.isfinite(ours_out).all()
+            rel = ((ours_out - base).norm() / base.norm()).item()
+            print(f"# numerics batch {batch} {key} vs diffusers: relative L2 error {rel:.2e}")
     eager = {r["batch"]: r["_ms"] for r in rows if r["variant"] == "diffusers eager" and "_ms" in r}
     floor = {r["batch"]: r["_ms"] for r in rows if r["variant"].startswith("floor") and "_ms" in r}
     for row in rows:

@@ -29,12 +29,11 @@ from ernie_image.runtime.acceleration import compile_blocks, fuse_projections  #
 from ernie_image.runtime.dit import ErnieDiT  # noqa: E402
 
 
-
 def timed(name: str, run: Callable[[], object], flops: float, sampler: GpuSampler, rows: list, iters: int = 10):
     with sampler.phase():
         ms = cuda_time_ms(run, warmup=2, iters=iters)
     rows.append({"what": name, "ms": f"{ms:.2f}", "TFLOP/s": f"{flops / ms / 1e9:.0f}" if flops else "",
-                 "clocks": sampler.summary(), "_ms": ms})
+                 "clocks": sampler.summary()})
     print(f"# {name}: {ms:.2f} ms  {sampler.summary()}", flush=True)
     return ms
 

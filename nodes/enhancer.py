@@ -108,4 +108,3 @@ class ErnieImagePromptEnhancer:
         text = revised.prompts[0]
         info = timing_text(revised.info(), host.notes)
         return shown_on_node(text, text, info)
-

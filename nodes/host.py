@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Any, Iterator, NoReturn, Optional
+from typing import Any, Iterator, Optional
 
 from ..runtime.errors import Cancelled
 
@@ -79,19 +79,14 @@ class ComfyHost:
         return mm is not None and isinstance(error, mm.InterruptProcessingException)
 
 
-def raise_as_comfy_interrupt(error: Cancelled) -> NoReturn:
-    """Turn the runtime's Cancelled into ComfyUI's interrupt (clearing the flag), so the UI shows 'interrupted'."""
-    mm = _model_management()
-    if mm is None:
-        raise error
-    mm.interrupt_current_processing(False)
-    raise mm.InterruptProcessingException() from error
-
-
 @contextmanager
 def cancel_as_comfy_interrupt() -> Iterator[None]:
-    """Run a block whose Cancelled reaches ComfyUI as its interrupt."""
+    """Run a block whose Cancelled reaches ComfyUI as its interrupt (flag cleared), so the UI shows 'interrupted'."""
     try:
         yield
     except Cancelled as cancelled:
-        raise_as_comfy_interrupt(cancelled)
+        mm = _model_management()
+        if mm is None:
+            raise
+        mm.interrupt_current_processing(False)
+        raise mm.InterruptProcessingException() from cancelled

@@ -28,19 +28,15 @@ def live_pipes() -> list[ErniePipe]:
     return list(_live)
 
 
-def release_quietly(pipe: Any) -> None:
-    """Free a pipe's device memory after an error or a cancel; a failure here must not hide the first error."""
-    try:
-        pipe.release()
-    except Exception as error:  # noqa: BLE001 - reported, never raised over the original error
-        log.warning("[ERNIE-Image] releasing memory after a failed run also failed: %s", error)
-
-
 def release_all() -> int:
+    """Free every live pipe's memory (after any run in progress); one that fails is logged, the rest still freed."""
     with generation_lock:
         pipes = live_pipes()
         for pipe in pipes:
-            release_quietly(pipe)
+            try:
+                pipe.release()
+            except Exception as error:  # noqa: BLE001 - reported, must not keep the other pipes' memory held
+                log.warning("[ERNIE-Image] releasing a %s pipe's memory failed: %s", pipe.kind, error)
     return len(pipes)
 
 
@@ -48,7 +44,7 @@ def summary() -> dict[str, Any]:
     pipes = live_pipes()
     return {
         "live_pipes": len(pipes),
-        "pipes": [{"kind": getattr(p, "kind", "?"), "loaded": bool(p.is_loaded()), "plan": _describe(p)} for p in pipes],
+        "pipes": [{"kind": p.kind, "loaded": bool(p.is_loaded()), "plan": _describe(p)} for p in pipes],
     }
 
 

@@ -112,7 +112,7 @@ class ErnieImageLoader:
 
         sources = build_sources(diffusers_folder, diffusion_model, text_encoder, vae, prompt_enhancer, variant)
         options = build_options(vram_budget_gb, keep_loaded, quant_config)
-        pipe = LocalPipe.load(sources, options)  # reads no weights yet: nothing to cancel here
+        pipe = LocalPipe.load(sources, options)  # reads only the files' headers: nothing to cancel
         track(pipe)
         plan = pipe.describe()
         if quant_config is not None:

@@ -1,11 +1,14 @@
 """ErnieImageRemoteBackend: SGLang server URL(s) in, the same ERNIE_PIPE as the Loader out."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..runtime.errors import InvalidInputError
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .live_pipes import track
+
+if TYPE_CHECKING:
+    from ..runtime.remote.http import ApiKeySource
 
 DEFAULT_URL = "http://127.0.0.1:30000"
 
@@ -22,16 +25,13 @@ def parse_urls(server_urls: str) -> list[str]:
     return urls
 
 
-def checked_key_source(api_key_env: str, api_key_file: str, widget_prefix: str = "") -> tuple[Optional[str], Optional[str]]:
-    """The names of where the key lives, checked by the runtime; the key itself is read only when a request is sent.
-
-    `widget_prefix` names the widgets in the messages ("pe_" for the PE endpoint's).
-    """
+def checked_key_source(api_key_env: str, api_key_file: str, widget_prefix: str = "") -> "ApiKeySource":
+    """Where the key lives, checked by the runtime; the key itself is read only when a request is sent.
+    `widget_prefix` names the widgets in the messages ("pe_" for the PE endpoint's)."""
     from ..runtime.remote.http import ApiKeySource
 
-    source = ApiKeySource.checked(api_key_env, api_key_file, env_label=f"{widget_prefix}api_key_env",
-                                  file_label=f"{widget_prefix}api_key_file", program="ComfyUI")
-    return source.env_var, source.file
+    return ApiKeySource.checked(api_key_env, api_key_file, env_label=f"{widget_prefix}api_key_env",
+                                file_label=f"{widget_prefix}api_key_file", program="ComfyUI")
 
 
 def chat_endpoint(pe_url: str, pe_model: str, pe_api_key_env: str, pe_api_key_file: str,
@@ -43,8 +43,8 @@ def chat_endpoint(pe_url: str, pe_model: str, pe_api_key_env: str, pe_api_key_fi
     url = pe_url.strip()
     if not url:
         return None
-    env_name, key_file = checked_key_source(pe_api_key_env, pe_api_key_file, widget_prefix="pe_")
-    endpoint = ChatEndpoint(url=url, model=pe_model.strip() or None, api_key_env=env_name, api_key_file=key_file,
+    key = checked_key_source(pe_api_key_env, pe_api_key_file, widget_prefix="pe_")
+    endpoint = ChatEndpoint(url=url, model=pe_model.strip() or None, api_key_env=key.env_var, api_key_file=key.file,
                             connect_timeout_s=float(connect_timeout_s))
     normalize_base_url(endpoint.base_url())  # a malformed URL fails here, before anything is sent
     return endpoint
@@ -142,8 +142,8 @@ class ErnieImageRemoteBackend:
                 api_key_file: str, pe_url: str = "", pe_model: str = "", pe_api_key_env: str = "",
                 pe_api_key_file: str = "") -> dict[str, Any]:
         urls = parse_urls(server_urls)
-        env_name, key_file = checked_key_source(api_key_env, api_key_file)
+        key = checked_key_source(api_key_env, api_key_file)
         pe_endpoint = chat_endpoint(pe_url, pe_model, pe_api_key_env, pe_api_key_file, connect_timeout_s)
-        pipe = track(make_remote_pipe(urls, connect_timeout_s, read_timeout_s, env_name, key_file, pe_endpoint))
+        pipe = track(make_remote_pipe(urls, connect_timeout_s, read_timeout_s, key.env_var, key.file, pe_endpoint))
         description = pipe.describe()
         return shown_on_node(description, pipe, description)

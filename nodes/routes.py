@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from ..runtime.errors import ErnieImageError, InvalidInputError
 from . import live_pipes
 from .remote import checked_key_source, parse_urls
+
+if TYPE_CHECKING:
+    from ..runtime.remote.http import ApiKeySource
 
 log = logging.getLogger("ernie_image")
 
@@ -26,12 +29,8 @@ MAX_SERVERS_PER_CHECK = 8
 MAX_BODY_BYTES = 16 * 1024
 
 
-async def _check_rows(urls: list[str], env_name: Optional[str], key_file: Optional[str],
-                      connect_timeout_s: float) -> list[dict[str, Any]]:
+async def _check_rows(urls: list[str], api_key: "ApiKeySource", connect_timeout_s: float) -> list[dict[str, Any]]:
     from ..runtime.remote.check import check_one
-    from ..runtime.remote.http import ApiKeySource
-
-    api_key = ApiKeySource(env_var=env_name, file=key_file)
 
     async def one(url: str) -> dict[str, Any]:
         try:
@@ -56,13 +55,13 @@ def check_servers(body: dict[str, Any]) -> dict[str, Any]:
     from ..runtime.remote.http import run_sync
 
     urls = parse_urls(str(body.get("server_urls", "")))[:MAX_SERVERS_PER_CHECK]
-    env_name, key_file = checked_key_source(str(body.get("api_key_env", "")), str(body.get("api_key_file", "")))
+    api_key = checked_key_source(str(body.get("api_key_env", "")), str(body.get("api_key_file", "")))
     try:
         connect_timeout_s = float(body.get("connect_timeout_s", MAX_CONNECT_TIMEOUT_S))
     except (TypeError, ValueError):
         raise InvalidInputError("connect_timeout_s must be a number of seconds") from None
     connect_timeout_s = min(MAX_CONNECT_TIMEOUT_S, max(0.5, connect_timeout_s))
-    rows = run_sync(_check_rows(urls, env_name, key_file, connect_timeout_s))
+    rows = run_sync(_check_rows(urls, api_key, connect_timeout_s))
     return {"ok": all(row["ok"] for row in rows), "servers": rows, "text": format_rows(rows)}
 
 

@@ -16,7 +16,7 @@ from .cli_parser import OneLineParser
 from .errors import ErnieImageError, InvalidInputError
 from .host import NullHost
 
-# How the key options are named in messages (the nodes name their widgets instead).
+# How the key options of `enhance` and `check-remote` are named in messages (the nodes name their widgets).
 CLI_KEY_LABELS = dict(env_label="--api-key-env", file_label="--api-key-file", program="ernie-image")
 
 DEMO_NOTICE = (
@@ -83,7 +83,7 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
 def _png_paths(out: Path, count: int) -> list[Path]:
     if count == 1:
         return [out]
-    return [out.with_name(f"{out.stem}_{index}{out.suffix or '.png'}") for index in range(count)]
+    return [out.with_name(f"{out.stem}_{index}{out.suffix}") for index in range(count)]
 
 
 def check_out_path(out: Path) -> None:
@@ -202,26 +202,6 @@ def main_generate(argv: Sequence[str]) -> int:
     return 0
 
 
-def check_api_key_options(argv: Sequence[str]) -> None:
-    """Refuse a command's --api-key-env / --api-key-file that cannot work, before the command loads or sends anything.
-
-    The same check as the nodes' (ApiKeySource.checked), for every command that takes these options (enhance,
-    check-remote), whichever module parses the rest of its arguments. A malformed option is left to that parser.
-    """
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
-    parser.add_argument("--api-key-env")
-    parser.add_argument("--api-key-file")
-    try:
-        options, _ = parser.parse_known_args(list(argv))
-    except argparse.ArgumentError:
-        return
-    if options.api_key_env is None and options.api_key_file is None:
-        return
-    from .remote.http import ApiKeySource
-
-    ApiKeySource.checked(options.api_key_env, options.api_key_file, **CLI_KEY_LABELS)
-
-
 def _lazy(module: str, function: str) -> Callable[[Sequence[str]], int]:
     def run(argv: Sequence[str]) -> int:
         import importlib
@@ -259,7 +239,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("usage: ernie-image COMMAND [options]\n\ncommands:\n" + "\n".join(lines), file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     try:
-        check_api_key_options(argv[1:])
         return COMMANDS[argv[0]][1](argv[1:])
     except ErnieImageError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import NoReturn
 
 from .errors import InvalidInputError
 
@@ -9,5 +10,5 @@ from .errors import InvalidInputError
 class OneLineParser(argparse.ArgumentParser):
     """argparse, with its usage errors raised as InvalidInputError (the CLI prints `error: ...` and exits 2)."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         raise InvalidInputError(f"{message}: see '{self.prog} --help'")

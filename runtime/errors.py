@@ -24,3 +24,8 @@ class RemoteError(ErnieImageError):
 
 class Cancelled(ErnieImageError):
     """The host asked to stop (ComfyUI's Cancel, Ctrl-C in the CLI)."""
+
+
+def one_line(error: BaseException, limit: int = 200) -> str:
+    """`Type: message` of an unexpected error, whitespace collapsed and cut: the detail a one-line message quotes."""
+    return " ".join(f"{type(error).__name__}: {error}".split())[:limit]

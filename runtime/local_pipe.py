@@ -5,7 +5,6 @@ or a cancel, device memory is released according to `keep_loaded`; nothing stays
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 import time
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ from .host import Host, NullHost
 from .model_files import QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae
 from .offload.planner import budget_bytes
 from .offload.reserve import device_bytes_held, device_bytes_needed, phase_needs
-from .offload.session import PipeMemory, measured_dit_size, plans_pe
+from .offload.session import PipeMemory, plans_pe
 from .out_of_memory import out_of_memory_message, without_tracebacks
 from .preview import latent_preview
 from .request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
@@ -290,7 +289,7 @@ class LocalPipe:
         if spec is not None and spec != "auto":
             return device_bytes_needed(self.device.type, budget_bytes(spec), {}, held)
         use_pe = plans_pe(request, self.sources, self._local_pe())
-        sizes = self._weight_sizes(use_pe)
+        sizes = self.memory.planning_sizes(self.sources, self.variant, use_pe)
         needs = phase_needs(sizes, PipeMemory.job_for(request, use_pe), self.device.type, phases)
         return device_bytes_needed(self.device.type, None, needs, held)
 
@@ -300,13 +299,6 @@ class LocalPipe:
         enhancer = loaded.enhancer.model if loaded.enhancer is not None else None
         parts = {"pe": enhancer, "text": loaded.text_tower, "dit": loaded.dit, "vae": loaded.vae}
         return {phase: device_bytes_held(module, self.device) for phase, module in parts.items()}
-
-    def _weight_sizes(self, use_pe: bool):
-        """The files' sizes (PipeMemory.sizes_for), with the DiT's measured ones once it is built."""
-        sizes = self.memory.sizes_for(self.sources, self.variant, use_pe)
-        if self._loaded.dit is None:
-            return sizes
-        return dataclasses.replace(sizes, dit=measured_dit_size(self._loaded.dit, sizes.dit.largest_linear_params))
 
     def _plan(self, request: GenerationRequest, host: Host) -> None:
         """Plan the job; drop the parts the new plan released (they are rebuilt on use)."""

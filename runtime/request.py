@@ -46,31 +46,32 @@ def validate_size(width: int, height: int) -> None:
             )
 
 
-def _check_text(name: str, text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise InvalidInputError(f"{name} is not valid UTF-8 text (undecodable byte at character {error.start}): "
-                                "save the prompt as UTF-8") from None
-
-
 _INT_FIELDS = ("width", "height", "steps", "seed", "batch", "pe_max_new_tokens")
 _NUMBER_FIELDS = ("cfg", "shift", "pe_temperature", "pe_top_p")
 
 
 def _check_types(request: "GenerationRequest") -> None:
-    """A wrong type from a caller (a float step count, a None prompt) is named here, not deep inside torch."""
+    """A wrong type from a caller (a float step count) is named here, not deep inside torch."""
     for name in _INT_FIELDS + _NUMBER_FIELDS:
         value = getattr(request, name)
         allowed = (int,) if name in _INT_FIELDS else (int, float)
         if isinstance(value, bool) or not isinstance(value, allowed):
             kind = "a whole number" if name in _INT_FIELDS else "a number"
             raise InvalidInputError(f"{name} {value!r} is not allowed: give {kind}")
+
+
+def _check_texts(request: "GenerationRequest") -> None:
+    """Every prompt is a str that encodes as UTF-8 (a None prompt or an undecodable argv byte is named here)."""
     texts = [("prompt", request.prompt), ("negative_prompt", request.negative_prompt)]
-    texts += [("prompts", text) for text in request.prompts or ()]
+    texts += [(f"prompt {index + 1}", text) for index, text in enumerate(request.prompts or ())]
     for name, text in texts:
         if not isinstance(text, str):
             raise InvalidInputError(f"{name} {text!r} is not allowed: give text (an empty string for none)")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise InvalidInputError(f"{name} is not valid UTF-8 text (undecodable byte at character {error.start}): "
+                                    "save the prompt as UTF-8") from None
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class GenerationRequest:
 
     def validate(self) -> None:
         _check_types(self)
+        _check_texts(self)
         validate_size(self.width, self.height)
         if not 1 <= self.steps <= 1000:
             raise InvalidInputError(f"steps {self.steps} is not allowed: use 1..1000 (50 for ERNIE-Image, 8 for Turbo)")
@@ -106,10 +108,6 @@ class GenerationRequest:
             raise InvalidInputError(f"shift {self.shift} is not allowed: use a positive value (4.0 is Baidu's)")
         if self.prompts is not None and len(self.prompts) != self.batch:
             raise InvalidInputError(f"{len(self.prompts)} prompts given for batch {self.batch}: give one per image")
-        texts = {"prompt": self.prompt, "negative prompt": self.negative_prompt}
-        texts.update({f"prompt {index + 1}": text for index, text in enumerate(self.prompts or ())})
-        for name, text in texts.items():
-            _check_text(name, text)
 
     @property
     def uses_cfg(self) -> bool:

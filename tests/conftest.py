@@ -25,6 +25,29 @@ _register_package()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from ernie_image.runtime.errors import Cancelled  # noqa: E402
+from ernie_image.runtime.host import NullHost  # noqa: E402
+
+
+class CancelAfter(NullHost):
+    """A host whose check_cancel lets `checks` calls pass and raises Cancelled at the next; `calls` counts them."""
+
+    def __init__(self, checks: int) -> None:
+        super().__init__()
+        self.checks = checks
+        self.calls = 0
+
+    def check_cancel(self) -> None:
+        self.calls += 1
+        if self.calls > self.checks:
+            raise Cancelled("cancelled by the test")
+
+
+@pytest.fixture
+def cancel_after() -> type[CancelAfter]:
+    """`cancel_after(n)`: a CancelAfter host (a fixture, as test modules do not import conftest)."""
+    return CancelAfter
+
 
 @pytest.fixture(autouse=True)
 def no_model_list_from_another_test():
@@ -44,6 +67,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_turbo_folder(tmp_path_factory) -> Path:
+    """A tiny Turbo model as a diffusers folder, shared read-only by the tests that only run it."""
+    from ernie_image.runtime.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-turbo"), layout="diffusers", variant="turbo").model_dir
 
 
 @pytest.fixture(scope="session")

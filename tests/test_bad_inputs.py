@@ -162,8 +162,8 @@ def test_empty_prompt_is_valid_and_is_one_bos_token():
 
 # ------------------------------------------------------------------ found by trying to break the CLI and the API
 @pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-diffusers"), layout="diffusers", variant="turbo").model_dir
+def tiny_folder(tiny_turbo_folder) -> Path:
+    return tiny_turbo_folder
 
 
 def _cli(capsys, *argv: str) -> str:

@@ -171,6 +171,15 @@ def test_empty_reply_keeps_the_original_prompt():
                              f"prompt is used"]
 
 
+def test_without_keep_original_an_empty_reply_is_an_error():
+    with ChatServer(faults=["empty"]) as server:
+        host = NullHost()
+        with pytest.raises(RemoteError, match=r"returned an empty prompt$"):
+            revise_prompts_remote(fast_endpoint(server.url), ["a red fox"], 1024, 1024, seed=0, host=host,
+                                  keep_original=False)
+    assert host.messages == []
+
+
 def test_busy_server_is_retried_then_answers():
     with ChatServer(faults=["503"]) as server:
         host = NullHost()
@@ -233,22 +242,15 @@ def test_wrong_model_name_is_a_setting_to_fix():
             revise_prompts_remote(fast_endpoint(server.url, model="nope"), ["a fox"], 1024, 1024, seed=0)
 
 
-def test_cancel_stops_waiting_within_a_second():
-    class CancelSoon(NullHost):
-        def __init__(self) -> None:
-            super().__init__()
-            self.started = time.monotonic()
-
-        def check_cancel(self) -> None:
-            if time.monotonic() - self.started > 0.3:
-                raise Cancelled("generation cancelled by the user")
-
+def test_cancel_stops_waiting_within_a_second(cancel_after):
+    host = cancel_after(3)  # the host is asked every 0.1 s while the reply is awaited: cancelled after ~0.3 s
     with ChatServer(faults=["hang"]) as server:
         started = time.monotonic()
         with pytest.raises(Cancelled):
             revise_prompts_remote(fast_endpoint(server.url, read_timeout_s=20.0), ["a fox"], 1024, 1024, seed=0,
-                                  host=CancelSoon())
+                                  host=host)
         assert time.monotonic() - started < 1.5
+    assert host.calls == 4
 
 
 def test_credentials_in_the_url_are_refused():

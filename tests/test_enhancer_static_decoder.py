@@ -41,16 +41,6 @@ def teacher_forced_difference(decoder, model, steps: int) -> tuple[float, list[i
     return worst, tokens
 
 
-class CancelAfter:
-    def __init__(self, checks: int) -> None:
-        self.left = checks
-
-    def __call__(self) -> None:
-        self.left -= 1
-        if self.left < 0:
-            raise Cancelled("cancelled by the test")
-
-
 @torch.inference_mode()
 def test_static_cache_logits_equal_transformers_token_by_token(model):
     decoder = StaticCacheDecoder(model, len(PROMPT_IDS) + STEPS, use_graph=False)
@@ -104,7 +94,7 @@ def test_a_model_the_graph_cannot_capture_falls_back_to_transformers(model, monk
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
-def test_on_the_gpu_the_graph_decoder_matches_transformers_and_frees_its_memory():
+def test_on_the_gpu_the_graph_decoder_matches_transformers_and_frees_its_memory(cancel_after):
     cuda_model = lively_prompt_enhancer(seed=4).float().eval().requires_grad_(False).cuda()
     assert isinstance(open_decoder(cuda_model, 64, fast=False), TransformersDecoder)
     handle = cuda_model.model.layers[0].register_forward_hook(lambda module, args, output: None)
@@ -139,6 +129,6 @@ def test_on_the_gpu_the_graph_decoder_matches_transformers_and_frees_its_memory(
     assert fast.token_ids == reference.token_ids  # fp32: the logits agree far inside the sampler's margins
 
     with pytest.raises(Cancelled):
-        sample_tokens(cuda_model, PROMPT_IDS, settings, seed=9, eos_ids=[2], check_cancel=CancelAfter(5))
+        sample_tokens(cuda_model, PROMPT_IDS, settings, seed=9, eos_ids=[2], check_cancel=cancel_after(5).check_cancel)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before, "a cancel leaves no cache or graph memory behind"

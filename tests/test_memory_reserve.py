@@ -169,12 +169,14 @@ def test_a_quantised_dit_file_is_sized_as_packed(model, tmp_path) -> None:
     size, fmt = file_dit_size(open_component(out, "dit"), pipe.dtype.itemsize, estimate.largest_linear_params)
     assert fmt == "q8_0" and size.layers == estimate.layers
     assert size.layer_bytes < estimate.layer_bytes / 3  # fp32 on the CPU vs 8.5 bits a weight
-    quantised = LocalPipe.load(ModelSources(model_dir=model.model_dir, dit=out), LoadOptions(device="cpu"))
-    before = quantised.memory.sizes_for(quantised.sources, quantised.variant)  # what the ask and the plan use
+    options = LoadOptions(device="cpu", vram_budget_gb=4.0)  # a budget: the DiT is placed by a plan
+    quantised = LocalPipe.load(ModelSources(model_dir=model.model_dir, dit=out), options)
+    before = quantised.memory.planning_sizes(quantised.sources, quantised.variant)  # what the ask and the plan use
     assert before.dit == size and before.dit_format == "q8_0"
+    quantised._plan(REQUEST, NullHost())
     built = measured_dit_size(quantised._dit(), estimate.largest_linear_params)
     assert built.layer_bytes == size.layer_bytes  # what building the file takes, before it is built
-    assert quantised._weight_sizes(False).dit == built
+    assert quantised.memory.planning_sizes(quantised.sources, quantised.variant).dit == built  # once placed
 
 
 def test_the_files_are_sized_once_per_pipe(model, monkeypatch) -> None:

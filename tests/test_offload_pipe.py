@@ -79,9 +79,12 @@ def test_streamed_pipe_gives_the_resident_image(model, resident_result):
 def test_config_sizes_are_the_built_fp32_dits_so_placing_it_plans_once(model):
     pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=1.0))
     estimate = pipe.memory.sizes_for(model, pipe.variant).dit
-    assert pipe.dtype == torch.float32 and pipe.memory.plan is None
-    built = pipe._dit()  # no plan yet: built on the host and left unplaced
+    assert pipe.dtype == torch.float32
+    pipe._plan(REQUEST, NullHost())
+    planned = pipe.memory.plan
+    built = pipe._dit()
     assert measured_dit_size(built, estimate.largest_linear_params) == estimate
+    assert pipe.memory.plan is planned and pipe.memory.dit.plan is planned.dit  # placed by it, not planned again
 
 
 def test_budget_too_small_fails_before_loading_anything(model):

@@ -23,19 +23,23 @@ CONFIG = DiTConfig(hidden_size=64, num_attention_heads=2, num_layers=6, ffn_hidd
                    rope_axes_dim=(8, 12, 12))
 
 
-def random_dit(seed: int = 0) -> ErnieDiT:
+def random_dit(seed: int = 0, config: DiTConfig = CONFIG) -> ErnieDiT:
     torch.manual_seed(seed)
-    dit = ErnieDiT(CONFIG).eval().requires_grad_(False)
+    dit = ErnieDiT(config).eval().requires_grad_(False)
     with torch.no_grad():
         for param in dit.parameters():
             param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 if param.ndim > 1 else 0.02)
     return dit
 
 
+def dit_from(state: dict, config: DiTConfig = CONFIG) -> ErnieDiT:
+    model = ErnieDiT(config).eval().requires_grad_(False)
+    model.load_state_dict(state)
+    return model
+
+
 def copy_of(dit: ErnieDiT) -> ErnieDiT:
-    clone = ErnieDiT(CONFIG).eval().requires_grad_(False)
-    clone.load_state_dict(dit.state_dict())
-    return clone
+    return dit_from(dit.state_dict(), dit.config)
 
 
 def inputs(seed: int = 1):
@@ -46,9 +50,9 @@ def inputs(seed: int = 1):
     return latents, torch.tensor([900.0, 300.0]), text, [5, 7]
 
 
-def dit_plan(streamed: tuple[int, ...], slots: int) -> DiTPlan:
-    resident = tuple(i for i in range(CONFIG.num_layers) if i not in streamed)
-    return DiTPlan(CONFIG.num_layers, resident, streamed, slots, 0, 0, 0)
+def dit_plan(streamed: tuple[int, ...], slots: int, layers: int = CONFIG.num_layers) -> DiTPlan:
+    resident = tuple(i for i in range(layers) if i not in streamed)
+    return DiTPlan(layers, resident, streamed, slots, 0, 0, 0)
 
 
 @pytest.fixture(scope="module")
@@ -249,18 +253,12 @@ STREAMED_OF_SEVEN = {5: (0, 1, 3, 4, 6), 6: (0, 1, 2, 3, 5, 6), 7: tuple(range(7
 STEPS = (1, 2, 3)  # input seeds, one per step
 
 
-def seven_layer_dit() -> ErnieDiT:
-    torch.manual_seed(7)
-    dit = ErnieDiT(SEVEN).eval().requires_grad_(False)
-    with torch.no_grad():
-        for param in dit.parameters():
-            param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 if param.ndim > 1 else 0.02)
-    return dit
+ALL_SEVEN_STREAMED = dit_plan(tuple(range(7)), 3, layers=7)  # 7 % 3 == 1: the ring's hardest case
 
 
 @pytest.fixture(scope="module")
 def seven_layers():
-    dit = seven_layer_dit()
+    dit = random_dit(7, SEVEN)
     with torch.inference_mode():
         outputs = [dit(*inputs(seed)).clone() for seed in STEPS]
     return dit.state_dict(), outputs
@@ -328,11 +326,8 @@ def replay(trace: list[tuple], streamer: LayerStreamer) -> tuple[list[int], list
 @pytest.mark.parametrize("n", [5, 6, 7])
 def test_every_copy_is_issued_slots_minus_one_layers_ahead_across_steps(seven_layers, n, slots, mode):
     state, expected = seven_layers
-    model = ErnieDiT(SEVEN).eval().requires_grad_(False)
-    model.load_state_dict(state)
-    streamed = STREAMED_OF_SEVEN[n]
-    plan = DiTPlan(7, tuple(i for i in range(7) if i not in streamed), streamed, slots, 0, 0, 0)
-    placement = DiTPlacement(model, plan, CPU, fake_mode=mode)
+    model = dit_from(state, SEVEN)
+    placement = DiTPlacement(model, dit_plan(STREAMED_OF_SEVEN[n], slots, layers=7), CPU, fake_mode=mode)
     trace = traced(placement.streamer, model.layers)
     with torch.inference_mode():
         for seed, want in zip(STEPS, expected):
@@ -349,9 +344,8 @@ def test_every_copy_is_issued_slots_minus_one_layers_ahead_across_steps(seven_la
 
 def test_a_run_that_fails_inside_a_streamed_block_restarts_cleanly(seven_layers):
     state, expected = seven_layers
-    model = ErnieDiT(SEVEN).eval().requires_grad_(False)
-    model.load_state_dict(state)
-    placement = DiTPlacement(model, DiTPlan(7, (), tuple(range(7)), 3, 0, 0, 0), CPU, fake_mode="lazy")
+    model = dit_from(state, SEVEN)
+    placement = DiTPlacement(model, ALL_SEVEN_STREAMED, CPU, fake_mode="lazy")
     failing = model.layers[4]
 
     def fail_once(*args, **kwargs):
@@ -415,16 +409,21 @@ def test_cuda_streamed_dit_is_bitwise_resident(reference, streamed, slots):
     assert torch.cuda.memory_allocated() <= before
 
 
-def bf16_dit_from(state: dict) -> ErnieDiT:
-    model = ErnieDiT(SEVEN).eval().requires_grad_(False)
-    model.load_state_dict(state)
-    return model.to(torch.bfloat16)
-
-
 def cuda_bf16_inputs(seed: int) -> tuple:
     latents, timestep, text, lens = inputs(seed)
     to_cuda = dict(device="cuda", dtype=torch.bfloat16)
     return latents.to(**to_cuda), timestep.to(**to_cuda), text.to(**to_cuda), lens
+
+
+def cuda_seven_streamed(state: dict, seeds: tuple[int, ...]) -> tuple[ErnieDiT, DiTPlacement, list[torch.Tensor]]:
+    """The seven-block DiT in bf16 streamed through three slots on CUDA, and the resident model's outputs for
+    `seeds`, computed first (and freed) so they are the reference."""
+    resident = dit_from(state, SEVEN).to(torch.bfloat16).to("cuda")
+    with torch.inference_mode():
+        wants = [resident(*cuda_bf16_inputs(seed)).clone() for seed in seeds]
+    del resident
+    model = dit_from(state, SEVEN).to(torch.bfloat16)
+    return model, DiTPlacement(model, ALL_SEVEN_STREAMED, torch.device("cuda")), wants
 
 
 @pytest.mark.gpu
@@ -432,14 +431,7 @@ def cuda_bf16_inputs(seed: int) -> tuple:
 def test_cuda_seven_streamed_through_three_slots_equal_resident_over_three_steps(seven_layers):
     # 7 % 3 == 1: with fixed slots block 0 would share block 6's slot at every step boundary; the rotating ring
     # re-points blocks between slots, on real CUDA events and a side copy stream.
-    state, _ = seven_layers
-    device = torch.device("cuda")
-    resident = bf16_dit_from(state).to(device)
-    with torch.inference_mode():
-        wants = [resident(*cuda_bf16_inputs(seed)).clone() for seed in STEPS]
-    del resident
-    model = bf16_dit_from(state)
-    placement = DiTPlacement(model, DiTPlan(7, (), tuple(range(7)), 3, 0, 0, 0), device)
+    model, placement, wants = cuda_seven_streamed(seven_layers[0], STEPS)
     streamer = placement.streamer
     assert isinstance(streamer.sync, CudaSync) and streamer.slab.data.is_pinned()
     with torch.inference_mode():
@@ -452,14 +444,8 @@ def test_cuda_seven_streamed_through_three_slots_equal_resident_over_three_steps
 @pytest.mark.gpu
 @cuda
 def test_cuda_run_that_fails_inside_a_streamed_block_restarts_bitwise_resident(seven_layers):
-    state, _ = seven_layers
-    device = torch.device("cuda")
-    model = bf16_dit_from(state).to(device)
+    model, placement, (want,) = cuda_seven_streamed(seven_layers[0], (2,))
     args = cuda_bf16_inputs(2)
-    with torch.inference_mode():
-        want = model(*args).clone()
-    model.cpu()
-    placement = DiTPlacement(model, DiTPlan(7, (), tuple(range(7)), 3, 0, 0, 0), device)
     failing = model.layers[4]
 
     def fail_once(*call_args, **kwargs):

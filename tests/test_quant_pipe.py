@@ -17,17 +17,14 @@ from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.model_files import ModelSources
 from ernie_image.runtime.quant.linear import QuantLinear
 from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.tiny import build_tiny_model
 
 TOLERANCE = {"q8_0": 0.01, "fp8": 0.02, "q4_k": 0.05, "nvfp4": 0.05}
 REQUEST = GenerationRequest(prompt="a fox in the snow", steps=4, cfg=1.0, width=256, height=256, seed=5)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("quantpipe") / "ERNIE-Image-Turbo-tiny"
-    build_tiny_model(folder, layout="diffusers", variant="turbo")
-    return folder
+def model(tiny_turbo_folder) -> Path:
+    return tiny_turbo_folder
 
 
 @pytest.fixture(scope="module")

@@ -190,10 +190,10 @@ def test_api_workflow_is_its_ui_twin(path: Path) -> None:
     assert stripped == expected
 
 
-def check_api_workflow(name: str, api: dict[str, Any]) -> None:
+def check_api_workflow(label: str, api: dict[str, Any]) -> None:
     """Every node's inputs against its definition, every link against its source's output type, VALIDATE_INPUTS."""
     for node_id, node in api.items():
-        where = f"{name} node {node_id} ({node['class_type']})"
+        where = f"{label} node {node_id} ({node['class_type']})"
         definition = node_definition(node["class_type"])
         sockets, widgets, required = sockets_and_widgets(definition)
         known = set(sockets) | {name for name, _ in widgets}
@@ -235,7 +235,7 @@ def test_a_bad_api_workflow_is_caught() -> None:
 
     wrong_socket = copy.deepcopy(api)
     wrong_socket[sampler_id]["inputs"]["pipe"] = [loader_id, 1]  # the Loader's memory_plan STRING
-    with pytest.raises(AssertionError, match="pipe gets STRING, wants ERNIE_PIPE"):
+    with pytest.raises(AssertionError, match=r"^wrong socket node \w+ \(ErnieImageTurboSampler\): pipe gets STRING, wants ERNIE_PIPE"):
         check_api_workflow("wrong socket", wrong_socket)
 
     off_step = copy.deepcopy(api)

@@ -21,7 +21,7 @@ from typing import Callable, Literal, Optional
 
 import torch
 
-from ..errors import ErnieImageError, ModelFileError
+from ..errors import ErnieImageError, ModelFileError, one_line
 from .detect import Identity, identify, sample_keys
 from .safetensors_reader import SafetensorsFile, is_gguf, open_safetensors
 from .vae_keys import bfl_to_diffusers, config_from_shapes, num_up_blocks_bfl
@@ -222,9 +222,8 @@ def _open_quantized(path: Path, kind: str, layout: str) -> ComponentFile:
     except (IndexError, KeyError, ValueError, TypeError, OSError, struct.error) as err:
         # A damaged file can trip its reader anywhere (gguf's field parser, numpy views): name the file, not a traceback.
         what = "GGUF" if layout == "gguf" else "quantised safetensors"
-        detail = " ".join(f"{type(err).__name__}: {err}".split())[:200]
-        raise ModelFileError(f"{path.name} is not a readable {what} file ({detail}): the file is damaged or was not "
-                             f"fully downloaded: re-download it") from None
+        raise ModelFileError(f"{path.name} is not a readable {what} file ({one_line(err)}): the file is damaged "
+                             "or was not fully downloaded: re-download it") from None
     if kind == "dit":
         prefix = ""
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import ModelFileError
+from ..errors import ModelFileError, one_line
 
 
 def load_tokenizer(sources):
@@ -21,8 +21,7 @@ def load_tokenizer(sources):
             try:
                 return AutoTokenizer.from_pretrained(str(folder))
             except (OSError, ValueError, TypeError, KeyError) as error:
-                detail = " ".join(f"{type(error).__name__}: {error}".split())[:200]
-                raise ModelFileError(f"the tokenizer in {folder} cannot be read ({detail}): "
+                raise ModelFileError(f"the tokenizer in {folder} cannot be read ({one_line(error)}): "
                                      "download the model's tokenizer/ folder again") from None
         if candidate == sources.tokenizer:  # asked for explicitly: never fall back silently to another tokenizer
             raise ModelFileError(f"tokenizer {candidate} has no tokenizer.json or tokenizer_config.json: give the "

@@ -76,16 +76,25 @@ class PipeMemory:
         dit, packed = file_dit_size(dit_component, self.dtype.itemsize, sizes.dit.largest_linear_params)
         return dataclasses.replace(sizes, dit=dit, dit_format=packed or sizes.dit_format)
 
+    def planning_sizes(self, sources, variant, with_pe: bool = False) -> ModelSizes:
+        """`sizes_for`, with the placed DiT's measured block and stem bytes in place of the config's estimate."""
+        sizes = self.sizes_for(sources, variant, with_pe)
+        if self.dit is None:
+            return sizes
+        placed = self.dit.plan
+        return dataclasses.replace(sizes, dit=dataclasses.replace(
+            sizes.dit, layer_bytes=placed.block_bytes, stem_bytes=placed.stem_bytes))
+
     @staticmethod
     def job_for(request, use_pe: bool) -> Job:
         return Job(width=request.width, height=request.height, batch=request.batch, cfg=request.cfg,
                    text_tokens=TEXT_TOKENS_FOR_PLAN, use_pe=use_pe)
 
     def _plan_inputs(self, request, sources, variant, local_pe: bool) -> tuple[Optional[int], Job, ModelSizes]:
-        """Budget (None: 'auto' off CUDA, unbounded), job and config-derived sizes for `request`."""
+        """Budget (None: 'auto' off CUDA, unbounded), job and sizes (`planning_sizes`) for `request`."""
         use_pe = plans_pe(request, sources, local_pe)
         return (budget_bytes(self.budget_gb, self.device, self.held_bytes()), self.job_for(request, use_pe),
-                self.sizes_for(sources, variant, use_pe))
+                self.planning_sizes(sources, variant, use_pe))
 
     def plan_job(self, request, sources, variant, local_pe: bool = True) -> Optional[MemoryPlan]:
         """The plan for `request`; raises MemoryBudgetError before anything is allocated. A placed DiT, text
@@ -94,10 +103,6 @@ class PipeMemory:
         if not self.active:
             return None
         budget, job, sizes = self._plan_inputs(request, sources, variant, local_pe)
-        if self.dit is not None:  # the placed DiT's measured sizes, not the config's estimate
-            placed = self.dit.plan
-            sizes = dataclasses.replace(sizes, dit=dataclasses.replace(
-                sizes.dit, layer_bytes=placed.block_bytes, stem_bytes=placed.stem_bytes))
         plan = plan_memory(budget, job, sizes, self.device.type)
         if self.text is not None and self.text.mode != plan.text.mode:
             self.release_text()

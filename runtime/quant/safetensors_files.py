@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelFileError
+from ..errors import ModelFileError, one_line
 from .nvfp4 import from_modelopt
 from .qweight import QuantizedWeight
 
@@ -26,13 +26,15 @@ _AUX_SUFFIXES = (".comfy_quant", ".weight_scale", ".weight_scale_2", ".input_sca
                  ".scale_input")
 
 
-def _read_all(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def read_safetensors_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """({key: tensor} in the file's dtypes, metadata); an unreadable file is a one-line ModelFileError."""
     from safetensors import SafetensorError, safe_open
     try:
         with safe_open(str(path), framework="pt") as handle:
             return {k: handle.get_tensor(k) for k in handle.keys()}, dict(handle.metadata() or {})
     except (SafetensorError, OSError) as err:
-        raise ModelFileError(f"{path.name} is not a readable safetensors file ({err}); re-download it") from err
+        raise ModelFileError(f"{path.name} is not a readable safetensors file ({one_line(err)}): the file is damaged "
+                             f"or was not fully downloaded: re-download it") from None
 
 
 def _layer_formats(raw: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> dict[str, str]:
@@ -91,7 +93,7 @@ def _detect_weight(layer: str, raw: dict[str, torch.Tensor], legacy_fp8: bool) -
 
 def load_quantized_safetensors(path: str | Path) -> dict[str, torch.Tensor | QuantizedWeight]:
     path = Path(path)
-    raw, metadata = _read_all(path)
+    raw, metadata = read_safetensors_file(path)
     formats = _layer_formats(raw, metadata, path)
     legacy_fp8 = "scaled_fp8" in raw
     state: dict[str, torch.Tensor | QuantizedWeight] = {}

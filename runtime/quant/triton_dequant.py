@@ -108,16 +108,17 @@ def dequantize_triton(fmt: str, qtype: str, shape: tuple[int, ...], data: torch.
         return None
     if fmt == "nvfp4" and (scale is None or scale_2 is None or len(shape) != 2):
         return None
-    launch = _launch_gguf if fmt == "gguf" else _launch_nvfp4
     kernels = _kernels_for(data.device)
     if kernels is None:
         return None
+    shape = tuple(int(s) for s in shape)
     with torch.cuda.device(data.device) if data.device.type == "cuda" else contextlib.nullcontext():
-        return launch(kernels, qtype, tuple(int(s) for s in shape), data, scale, scale_2, dtype, tile)
+        if fmt == "gguf":
+            return _launch_gguf(kernels, qtype, shape, data, dtype, tile)
+        return _launch_nvfp4(kernels, shape, data, scale, scale_2, dtype, tile)
 
 
-def _launch_gguf(kernels: ModuleType, qtype: str, shape: tuple[int, ...], data: torch.Tensor,
-                 scale: torch.Tensor | None, scale_2: torch.Tensor | None, dtype: torch.dtype,
+def _launch_gguf(kernels: ModuleType, qtype: str, shape: tuple[int, ...], data: torch.Tensor, dtype: torch.dtype,
                  tile: int) -> torch.Tensor | None:
     block_size, type_size = BLOCK_GEOMETRY[qtype]
     numel = math.prod(shape)
@@ -134,8 +135,8 @@ def _launch_gguf(kernels: ModuleType, qtype: str, shape: tuple[int, ...], data: 
     return out
 
 
-def _launch_nvfp4(kernels: ModuleType, qtype: str, shape: tuple[int, ...], data: torch.Tensor,
-                  scale: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype, tile: int) -> torch.Tensor | None:
+def _launch_nvfp4(kernels: ModuleType, shape: tuple[int, ...], data: torch.Tensor, scale: torch.Tensor,
+                  scale_2: torch.Tensor, dtype: torch.dtype, tile: int) -> torch.Tensor | None:
     rows, cols = shape
     scale_rows, scale_cols = _roundup(rows, 128), _roundup(cols // NVFP4_BLOCK, 4)
     if cols % NVFP4_BLOCK or tuple(data.shape) != (rows, cols // 2) or scale.numel() != scale_rows * scale_cols \

@@ -28,6 +28,7 @@ from .gguf_files import DIT_MARKER_KEYS, strip_dit_prefix
 from .gguf_quantize import QUANTIZERS
 from .nvfp4 import quantize_nvfp4
 from .qweight import QuantizedWeight
+from .safetensors_files import read_safetensors_file
 
 WRITE_FORMATS = ("fp8", "q8_0", "q4_k", "nvfp4")
 KEEP_HIGH_PRECISION = ("x_embedder.", "final_linear.")
@@ -174,18 +175,10 @@ def _source_files(source: Path) -> list[Path]:
 
 def read_bf16_dit(source: str | Path) -> dict[str, torch.Tensor]:
     """A diffusers transformer folder or single bf16 DiT file -> {diffusers key: tensor}."""
-    from safetensors import SafetensorError, safe_open
-
     state: dict[str, torch.Tensor] = {}
     for file in _source_files(Path(source)):
-        try:
-            with safe_open(str(file), framework="pt") as handle:
-                for key in handle.keys():
-                    state[strip_dit_prefix(key)] = handle.get_tensor(key)
-        except (SafetensorError, OSError) as error:
-            detail = " ".join(str(error).split())[:200]
-            raise ModelFileError(f"{file.name} is not a readable safetensors file ({detail}): the file is damaged "
-                                 f"or was not fully downloaded: re-download it") from None
+        tensors, _ = read_safetensors_file(file)
+        state.update((strip_dit_prefix(key), tensor) for key, tensor in tensors.items())
     missing = [k for k in DIT_MARKER_KEYS if k not in state]
     if missing:
         raise ModelFileError(f"{source} is not an ERNIE-Image DiT (missing {missing}): pass the transformer "

@@ -19,6 +19,7 @@ from .sglang import ImageParams, ReadTimeoutPolicy, SglangClient
 
 TINY_IMAGE = ImageParams(prompt="a red fox in snow", negative_prompt="", width=256, height=256, steps=1,
                          guidance_scale=1.0, seed=0, use_pe=False)
+GENERATION_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -78,13 +79,17 @@ async def check_one(url: str, api_key: ApiKeySource, generate: bool, connect_tim
 
 def check_remote(urls: Sequence[str], api_key_env: Optional[str] = None, api_key_file: Optional[str] = None,
                  generate: bool = True, connect_timeout_s: float = 5.0,
-                 generation_timeout_s: float = 120.0) -> list[CheckRow]:
+                 generation_timeout_s: float = GENERATION_TIMEOUT_S) -> list[CheckRow]:
     """Check every server concurrently; never raises for a server problem (it lands in the row).
 
     Raises InvalidInputError for a key source that cannot work (see ApiKeySource.checked); blank means no key.
     """
-    api_key = ApiKeySource.checked(api_key_env, api_key_file)
+    return _check_all(urls, ApiKeySource.checked(api_key_env, api_key_file), generate, connect_timeout_s,
+                      generation_timeout_s)
 
+
+def _check_all(urls: Sequence[str], api_key: ApiKeySource, generate: bool, connect_timeout_s: float,
+               generation_timeout_s: float) -> list[CheckRow]:
     async def run() -> list[CheckRow]:
         return list(await asyncio.gather(*(
             check_one(url, api_key, generate, connect_timeout_s, generation_timeout_s) for url in urls)))
@@ -116,16 +121,16 @@ def format_check_table(rows: Sequence[CheckRow]) -> str:
 
 def main_check_remote(argv: Optional[Sequence[str]] = None) -> int:
     parser = OneLineParser(prog="ernie-image check-remote",
-                                     description="Check SGLang ERNIE-Image servers: readiness, model, version, one tiny generation.")
+                           description="Check SGLang ERNIE-Image servers: readiness, model, version, one tiny generation.")
     parser.add_argument("urls", nargs="+", metavar="URL", help="server base URL, e.g. http://127.0.0.1:30000")
     parser.add_argument("--api-key-env", default=None, help="environment variable holding the API key")
     parser.add_argument("--api-key-file", default=None, help="file holding the API key")
     parser.add_argument("--no-generate", action="store_true", help="skip the tiny test generation")
     parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds (default 5)")
     args = parser.parse_args(argv)
-    api_key = ApiKeySource.checked(args.api_key_env, args.api_key_file, **CLI_KEY_LABELS)
-    rows = check_remote(args.urls, api_key_env=api_key.env_var, api_key_file=api_key.file,
-                        generate=not args.no_generate, connect_timeout_s=args.connect_timeout)
+    api_key = ApiKeySource.checked(args.api_key_env, args.api_key_file, **CLI_KEY_LABELS)  # named by the flags
+    rows = _check_all(args.urls, api_key, generate=not args.no_generate, connect_timeout_s=args.connect_timeout,
+                      generation_timeout_s=GENERATION_TIMEOUT_S)
     print(format_check_table(rows))
     return 0 if all(row.ok for row in rows) else 1
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from ..errors import RemoteError
-from .http import CancelCheck, ConnectionLost, HttpSettings, RetryPolicy, ServerUnavailable
+from .http import ConnectionLost, HttpSettings, RetryPolicy, ServerUnavailable
 from .sglang import GeneratedImage, ImageParams, ReadTimeoutPolicy, ServerModel, SglangClient
 
 Notify = Callable[[str], None]
@@ -89,16 +89,16 @@ class Fleet:
         return rounds * self.estimate_seconds(jobs[0])
 
     # ------------------------------------------------------------------------------------- discovery
-    async def discover(self, slot: ServerSlot, cancel: Optional[CancelCheck]) -> ServerModel:
+    async def discover(self, slot: ServerSlot) -> ServerModel:
         if slot.model is None:
-            slot.model = await slot.client.ernie_model(cancel)
+            slot.model = await slot.client.ernie_model()
         return slot.model
 
     # ------------------------------------------------------------------------------------- generation
     async def generate(self, jobs: Sequence[ImageParams], notify: Notify,
-                       cancel: Optional[CancelCheck] = None,
                        on_image: Optional[Callable[[int, GeneratedImage], None]] = None) -> list[GeneratedImage]:
-        """All `jobs`, in order; images are spread over the servers that answer."""
+        """All `jobs`, in order; images are spread over the servers that answer. Cancel by cancelling the task
+        (run_sync's poll does): open requests are closed."""
         pending: deque[int] = deque(range(len(jobs)))
         results: list[Optional[GeneratedImage]] = [None] * len(jobs)
         failures = {id(slot): 0 for slot in self.slots}
@@ -129,9 +129,9 @@ class Fleet:
                     params = jobs[index]
                     alone = sum(1 for s in self.slots if usable(s)) == 1
                     try:
-                        await self.discover(slot, cancel)
+                        await self.discover(slot)
                         result = await slot.client.generate(
-                            params, cancel, retry=self.settings.http.retry if alone else SINGLE_ATTEMPT)
+                            params, retry=self.settings.http.retry if alone else SINGLE_ATTEMPT)
                     except (ServerUnavailable, ConnectionLost) as exc:
                         pending.appendleft(index)
                         failures[id(slot)] += 1

@@ -17,7 +17,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from ..request import SEED_MASK, SIDE_MULTIPLE
-from .http import BadResponse, CancelCheck, ConnectionLost, HttpClient, HttpSettings, RetryPolicy, ServerUnavailable
+from .http import BadResponse, ConnectionLost, HttpClient, HttpSettings, RetryPolicy, ServerUnavailable
 
 ERNIE_PIPELINE = "ErnieImagePipeline"
 GENERATE_PATH = "/v1/images/generations"
@@ -160,9 +160,9 @@ class SglangClient:
         await self.http.close()
 
     # ---------------------------------------------------------------------------------- readiness
-    async def health(self, cancel: Optional[CancelCheck] = None) -> Readiness:
+    async def health(self) -> Readiness:
         try:
-            response = await self.http.request_json("GET", "/health", read_timeout_s=PROBE_READ_S, cancel=cancel,
+            response = await self.http.request_json("GET", "/health", read_timeout_s=PROBE_READ_S,
                                                     accept_statuses=frozenset({503}), retry=PROBE_RETRY)
         except ServerUnavailable as exc:
             state = "loading" if "refused" in str(exc) else "unreachable"
@@ -176,8 +176,8 @@ class SglangClient:
         return Readiness("ready", f"{self.label} is ready")
 
     # ---------------------------------------------------------------------------------- discovery
-    async def models(self, cancel: Optional[CancelCheck] = None) -> list[ServerModel]:
-        response = await self.http.request_json("GET", "/v1/models", read_timeout_s=PROBE_READ_S, cancel=cancel)
+    async def models(self) -> list[ServerModel]:
+        response = await self.http.request_json("GET", "/v1/models", read_timeout_s=PROBE_READ_S)
         data = response.data.get("data") if isinstance(response.data, dict) else None
         if not isinstance(data, list):
             raise BadResponse(f"{self.label}/v1/models has no model list: is this an SGLang diffusion server?")
@@ -195,9 +195,9 @@ class SglangClient:
             ))
         return models
 
-    async def ernie_model(self, cancel: Optional[CancelCheck] = None) -> ServerModel:
+    async def ernie_model(self) -> ServerModel:
         """The served ERNIE-Image model; raises when the server serves something else."""
-        return self.choose_ernie(await self.models(cancel))
+        return self.choose_ernie(await self.models())
 
     def choose_ernie(self, models: list[ServerModel]) -> ServerModel:
         """The ERNIE-Image model among the listed ones, used from now on; raises when there is none."""
@@ -211,18 +211,16 @@ class SglangClient:
             f"`sglang serve --model-path baidu/ERNIE-Image-Turbo` (or baidu/ERNIE-Image)"
         )
 
-    async def version(self, cancel: Optional[CancelCheck] = None) -> Optional[str]:
-        response = await self.http.request_json("GET", "/server_info", read_timeout_s=PROBE_READ_S, cancel=cancel)
+    async def version(self) -> Optional[str]:
+        response = await self.http.request_json("GET", "/server_info", read_timeout_s=PROBE_READ_S)
         version = response.data.get("version") if isinstance(response.data, dict) else None
         return str(version) if version is not None else None
 
     # --------------------------------------------------------------------------------- generation
-    async def generate(self, params: ImageParams, cancel: Optional[CancelCheck] = None,
-                       retry: Optional[RetryPolicy] = None) -> GeneratedImage:
+    async def generate(self, params: ImageParams, retry: Optional[RetryPolicy] = None) -> GeneratedImage:
         payload = build_payload(params, self.model_id or "")
         wait_s = self.read_timeout.seconds(params.steps, params.width, params.height)
-        response = await self.http.request_json("POST", GENERATE_PATH, payload, read_timeout_s=wait_s, cancel=cancel,
-                                                retry=retry)
+        response = await self.http.request_json("POST", GENERATE_PATH, payload, read_timeout_s=wait_s, retry=retry)
         body = response.data
         if not isinstance(body, dict):
             raise BadResponse(f"{self.label} answered the generation with {type(body).__name__}, not a JSON object")

@@ -193,11 +193,11 @@ class _StderrHost(NullHost):
         print(message, file=sys.stderr)
 
 
-
-
 def main_enhance(argv: Sequence[str]) -> int:
     from ..local_pipe import resolve_device, resolve_dtype
     from ..request import validate_size
+    from ..cli import CLI_KEY_LABELS
+    from ..remote.http import ApiKeySource
     from .remote_enhancer import ChatEndpoint, revise_prompts_remote
 
     args = _parser().parse_args(list(argv))
@@ -206,8 +206,8 @@ def main_enhance(argv: Sequence[str]) -> int:
     host = _StderrHost()
     started = time.perf_counter()
     if args.pe_url:
-        endpoint = ChatEndpoint(url=args.pe_url, model=args.pe_model, api_key_env=args.api_key_env,
-                                api_key_file=args.api_key_file)
+        key = ApiKeySource.checked(args.api_key_env, args.api_key_file, **CLI_KEY_LABELS)
+        endpoint = ChatEndpoint(url=args.pe_url, model=args.pe_model, api_key_env=key.env_var, api_key_file=key.file)
         # Rewriting is this command's only job: a fault is its error, not the original prompt passed off as one.
         result = revise_prompts_remote(endpoint, [args.prompt], args.width, args.height, args.seed,
                                        args.temperature, args.top_p, args.max_new_tokens, host, keep_original=False)

@@ -168,11 +168,11 @@ async def _revise_all(endpoint: ChatEndpoint, prompts: Sequence[str], width: int
                 continue
             seconds = time.perf_counter() - started
             revised = content.strip()
-            if not revised and not keep_original:
-                raise _Unusable(f"remote prompt enhancer at {client.label} returned an empty prompt")
             if not revised:
-                notes.append(f"remote prompt enhancer at {client.label} returned an empty prompt: the original "
-                             f"prompt is used")
+                empty = f"remote prompt enhancer at {client.label} returned an empty prompt"
+                if not keep_original:
+                    raise _Unusable(empty)
+                notes.append(f"{empty}: the original prompt is used")
                 revisions.append(Revision(prompt, prompt, tokens or 0, seconds, "original"))
                 continue
             if truncated:
