@@ -131,22 +131,6 @@ def parse_budget(text: str) -> Optional[float]:
         raise InvalidInputError(f"--budget {text!r} is not a number of GB: give e.g. --budget 12 or auto") from None
 
 
-def check_quant(name: str) -> None:
-    """An unknown --quant is refused before the text encoder loads (the pipe checks it only when the DiT does)."""
-    from .model_files import QUANT_ON_LOAD_FORMATS
-
-    choices = ("none", "auto", "bf16", *QUANT_ON_LOAD_FORMATS)
-    if name not in choices:
-        raise InvalidInputError(f"--quant {name!r} is not supported: use one of {', '.join(choices)}")
-
-
-def check_device(name: str) -> None:
-    kind, _, index = name.partition(":")
-    if name in ("auto", "cpu") or (kind == "cuda" and (not index or index.isdigit())):
-        return
-    raise InvalidInputError(f"--device {name!r} is not supported: use auto, cpu, cuda or cuda:N")
-
-
 class _ConsoleHost(NullHost):
     """Progress and notices on stderr; Ctrl-C (KeyboardInterrupt) is the cancel."""
 
@@ -166,9 +150,10 @@ def main_generate(argv: Sequence[str]) -> int:
     _add_generate_arguments(parser)
     args = parser.parse_args(argv)
     check_out_path(args.out)
-    check_device(args.device)
-    check_quant(args.quant)
-    budget = parse_budget(args.budget)
+    # The console shows no pictures: skip the per-step latent preview (it costs a device-to-host copy per step).
+    options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=parse_budget(args.budget),
+                          quant=args.quant, keep_loaded=False, previews=False)
+    options.validate()  # before the demo model is built or any file read
     host = _ConsoleHost()
     demo = not any([args.model_dir, args.dit, args.text_encoder, args.vae])
     if demo:
@@ -177,9 +162,6 @@ def main_generate(argv: Sequence[str]) -> int:
     else:
         sources = ModelSources(model_dir=args.model_dir, dit=args.dit, text_encoder=args.text_encoder, vae=args.vae,
                                tokenizer=args.tokenizer, pe=args.pe, variant=args.variant)
-    # The console shows no pictures: skip the per-step latent preview (it costs a device-to-host copy per step).
-    options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=budget, quant=args.quant,
-                          keep_loaded=False, previews=False)
     pipe = LocalPipe.load(sources, options)
     default_side = 256 if demo else 1024
     request = GenerationRequest(

@@ -14,7 +14,7 @@ import torch
 
 from .acceleration import compile_available, compile_blocks, fuse_projections
 from .decode import decode_images
-from .errors import ErnieImageError, MemoryBudgetError, ModelFileError
+from .errors import ErnieImageError, InvalidInputError, MemoryBudgetError, ModelFileError
 from .formats import open_component
 from .host import Host, NullHost
 from .model_files import QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae
@@ -39,6 +39,16 @@ class LoadOptions:
     # Prompt enhancer on an OpenAI-compatible chat server (text.remote_enhancer.ChatEndpoint; holds no secret).
     # When set, requests with use_pe are revised there instead of by a local PE.
     pe_endpoint: Optional[Any] = None
+
+    def validate(self) -> None:
+        """Refuse a device name or quantisation the pipe cannot use, before any file is read or model built."""
+        kind, _, index = self.device.partition(":")
+        if self.device not in ("auto", "cpu") and not (kind == "cuda" and (not index or index.isdigit())):
+            raise InvalidInputError(f"device {self.device!r} is not supported: use auto, cpu, cuda or cuda:N")
+        choices = ("none", "auto", "bf16", *QUANT_ON_LOAD_FORMATS)
+        if self.quant not in choices:
+            raise InvalidInputError(f"quant {self.quant!r} is not supported: use one of {', '.join(choices)}, or "
+                                    "give a quantised DiT file")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -72,6 +82,7 @@ class LocalPipe:
     kind = "local"
 
     def __init__(self, sources: ModelSources, options: LoadOptions, variant: Variant) -> None:
+        options.validate()
         self.sources = sources
         self.options = options
         self.variant = variant
@@ -168,9 +179,6 @@ class LocalPipe:
             return "none"
         if choice == "auto":
             choice, self.quant_reason = self._auto_quant
-        if choice not in QUANT_ON_LOAD_FORMATS and choice not in ("bf16", "none"):
-            raise ModelFileError(f"quantisation {choice!r} is not available on load: use one of "
-                                 f"{', '.join(QUANT_ON_LOAD_FORMATS)}, or give a quantised DiT file")
         return choice if choice in QUANT_ON_LOAD_FORMATS else "none"
 
     def _choose_auto_quant(self) -> tuple[str, str]:

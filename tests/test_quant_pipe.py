@@ -54,9 +54,8 @@ def test_quantize_command_writes_a_file_the_generate_command_reloads(fmt, suffix
     assert out.exists()
 
 
-def test_unknown_quant_choice_is_a_clear_error(model):
-    from ernie_image.runtime.errors import ErnieImageError
+def test_unknown_quant_choice_is_refused_when_the_pipe_is_made(model):
+    from ernie_image.runtime.errors import InvalidInputError
 
-    pipe = LocalPipe.load(ModelSources(model_dir=model), LoadOptions(device="cpu", quant="int3"))
-    with pytest.raises(ErnieImageError, match="quantisation 'int3' is not available on load"):
-        pipe.generate(REQUEST, NullHost())
+    with pytest.raises(InvalidInputError, match="quant 'int3' is not supported: use one of none, auto, bf16, fp8"):
+        LocalPipe.load(ModelSources(model_dir=model), LoadOptions(device="cpu", quant="int3"))
