@@ -96,8 +96,11 @@ class StaticCacheDecoder:
         return self._decode_step()
 
     def close(self) -> None:
-        """Drop the graph and the cache now (not when a traceback that holds this decoder lets go)."""
-        self.graph = self.graph_logits = None
+        """Drop the graph and the cache now (not when a traceback that holds this decoder lets go).
+
+        The graph's output goes first, while the graph that allocated it still exists."""
+        self.graph_logits = None
+        self.graph = None
         self.keys = self.values = None
 
     def _decode_step(self) -> torch.Tensor:
@@ -111,10 +114,16 @@ class StaticCacheDecoder:
         with torch.cuda.stream(side):
             self._decode_step()
         torch.cuda.current_stream(self.device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph()
         # thread_local: only this thread is barred from unsafe CUDA calls while it captures, not the host app's others
-        with torch.cuda.graph(self.graph, stream=side, capture_error_mode="thread_local"):
-            self.graph_logits = self._decode_step()
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            logits = self._decode_step()
+        # Under the cudaMallocAsync allocator (current ComfyUI's default) `logits` is a CUDA graph allocation: its
+        # memory exists only once the graph has been launched, and freeing it before that is a CUDA error that
+        # PyTorch raises inside the tensor's destructor, which aborts the process. One launch now makes it real,
+        # so a cancel or an error between capture and the first token can free it like any other tensor.
+        graph.replay()
+        self.graph, self.graph_logits = graph, logits
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
