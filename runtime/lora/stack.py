@@ -90,4 +90,7 @@ def parse_lora_argument(text: str) -> LoraEntry:
         return LoraEntry(Path(path), check_strength(tail, Path(path).name))
     if not text:
         raise InvalidInputError("--lora needs a file: give --lora PATH or --lora PATH:STRENGTH")
+    if sep and Path(path).suffix.lower() == ".safetensors":
+        raise InvalidInputError(f"LoRA {Path(path).name} strength {tail!r} is not a number: give --lora "
+                                f"{path}:0.8 (or leave ':STRENGTH' out for 1.0)")
     return LoraEntry(Path(text))
