@@ -12,6 +12,10 @@ from ..host import Host
 from ..request import GenerationRequest, GenerationResult
 from .stack import LoraStack
 
+REMOTE_LORA_REFUSAL = (
+    "LoRAs run only on a local pipe: SGLang's /v1/set_lora loads LoRA files from the server's own disk, which this "
+    "pack does not drive yet; wire the LoRA node to an ERNIE-Image Loader, or load the LoRA on the server yourself")
+
 
 class LoraPipe:
     def __init__(self, base: Any, loras: LoraStack) -> None:
@@ -25,6 +29,10 @@ class LoraPipe:
     def with_loras(self, entries: Iterable) -> "LoraPipe":
         """This view's stack followed by `entries` (LoraEntry, path, or (path, strength))."""
         return LoraPipe(self.base, self.loras.plus(entries))
+
+    def check(self) -> None:
+        """Read and check every LoRA file of the stack now (cached for the run): one-line ModelFileError."""
+        self.base._lora.resolve(self.loras, self.base.sources)
 
     def generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         return self.base.generate(request, host, loras=self.loras)
