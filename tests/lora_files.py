@@ -191,3 +191,20 @@ def read_metadata(path: Path) -> dict:
 
 def load_keys(path: Path) -> list[str]:
     return list(load_file(str(path)))
+
+
+EXAMPLE_LORAS = {"ernie-image-style-lora.safetensors": 31, "ernie-image-detail-lora.safetensors": 32}
+
+
+def write_example_loras(folder: Path, dit_file: Path) -> dict[str, Path]:
+    """The LoRA files the example workflows name, for the DiT in `dit_file` (any layout the runtime reads)."""
+    from ernie_image.runtime.formats import open_component
+    from ernie_image.runtime.lora.keys import dit_linear_shapes
+    from ernie_image.runtime.model_files import dit_config_for
+
+    shapes = dit_linear_shapes(dit_config_for(open_component(Path(dit_file), "dit")))
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for name, seed in EXAMPLE_LORAS.items():
+        paths[name] = write_down_up(folder / name, random_lora(shapes, 4, seed=seed), 4.0, kohya_name)
+    return paths
