@@ -20,6 +20,8 @@ from ernie_image.runtime.request import GenerationRequest
 
 REQUEST = GenerationRequest(prompt="a fox", width=256, height=256, steps=1, cfg=1.0, seed=2)
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
+
 
 class LoggingHost(NullHost):
     def __init__(self) -> None:

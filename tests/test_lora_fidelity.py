@@ -20,6 +20,8 @@ TOLERANCE = 1 / 255
 REQUEST = GenerationRequest(prompt="a red fox in snow", steps=3, cfg=1.0, width=256, height=256, seed=3)
 RANK = 4
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
+
 
 @pytest.fixture(scope="module")
 def weights(tiny_turbo_folder):

@@ -22,6 +22,8 @@ from ernie_image.runtime.tiny import TinySizes, build_tiny_model
 
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=7)
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
+
 
 @pytest.fixture(scope="module")
 def model(tiny_turbo_folder):

@@ -16,7 +16,7 @@ import lora_files as lf
 import test_workflows as tw
 from ernie_image.nodes import NODE_CLASS_MAPPINGS
 from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.local_pipe import LocalPipe
 from ernie_image.runtime.request import GenerationRequest
 from ernie_image.runtime.tiny import build_tiny_model
 
@@ -24,6 +24,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 NAME = "ernie_image_turbo_two_loras"
 UI_PATH = REPO_ROOT / "example_workflows" / f"{NAME}.json"
 API_PATH = REPO_ROOT / "workflows" / "api" / f"{NAME}.json"
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
 
 
 @pytest.fixture
@@ -110,7 +112,8 @@ def test_api_graph_runs_in_process_and_applies_both_loras(tmp_path, monkeypatch)
                  if n["class_type"] == "ErnieImageLoRA"}
     request = GenerationRequest(prompt=sampler["inputs"]["prompt"], width=256, height=256, steps=2, cfg=1.0,
                                 seed=sampler["inputs"]["seed"], use_pe=False)
-    pipe = LocalPipe.load(tiny, LoadOptions(device="cpu"))
+    pipe = next(outputs[i][0] for i, n in graph.items() if n["class_type"] == "ErnieImageLoader")
+    assert isinstance(pipe, LocalPipe)
     expected = pipe.with_loras([(loras[name], strength) for name, strength in strengths.items()]).generate(
         request, NullHost()).images
     assert torch.equal(saved, expected)

@@ -110,12 +110,6 @@ def _physical(dit: ErnieDiT, path: str) -> tuple[str, int, int]:
     return path, 0, 1
 
 
-def _linear_shape(module: nn.Module) -> tuple[int, int]:
-    if isinstance(module, LoraLinear):
-        return module.out_features, module.in_features
-    return module.out_features, module.in_features
-
-
 def plan_branches(dit: ErnieDiT, stack: list[tuple[ParsedLora, float]]) -> dict[str, _Branch]:
     branches: dict[str, _Branch] = {}
     for parsed, strength in stack:
@@ -123,7 +117,8 @@ def plan_branches(dit: ErnieDiT, stack: list[tuple[ParsedLora, float]]) -> dict[
             physical, slice_index, slices = _physical(dit, path)
             branch = branches.get(physical)
             if branch is None:
-                out_features, in_features = _linear_shape(dit.get_submodule(physical))
+                linear = dit.get_submodule(physical)  # nn.Linear, QuantLinear or LoraLinear: all say their shape
+                out_features, in_features = linear.out_features, linear.in_features
                 branch = _Branch(slices, out_features, in_features, [[] for _ in range(slices)])
                 branches[physical] = branch
             if isinstance(adapter, LowRank):
@@ -199,6 +194,10 @@ def _split(dit: nn.Module, path: str) -> tuple[nn.Module, str]:
     return (dit.get_submodule(parent) if parent else dit), leaf
 
 
+def _get_child(parent: nn.Module, leaf: str) -> nn.Module:
+    return parent[int(leaf)] if isinstance(parent, (nn.ModuleList, nn.Sequential)) else getattr(parent, leaf)
+
+
 def _set_child(parent: nn.Module, leaf: str, module: nn.Module) -> None:
     if isinstance(parent, (nn.ModuleList, nn.Sequential)):
         parent[int(leaf)] = module
@@ -232,8 +231,7 @@ def apply_stack(dit: ErnieDiT, stack: list[tuple[ParsedLora, float]], device: Op
             wrapper = current.get(physical)
             if wrapper is None:
                 parent, leaf = _split(dit, physical)
-                wrapper = LoraLinear(getattr(parent, leaf) if not isinstance(parent, (nn.ModuleList, nn.Sequential))
-                                     else parent[int(leaf)], branch.slices, branch.out_features, branch.in_features)
+                wrapper = LoraLinear(_get_child(parent, leaf), branch.slices, branch.out_features, branch.in_features)
                 _set_child(parent, leaf, wrapper)
             total += _fill(wrapper, branch, ranks[physical], device, dtype)
     return {"layers": len(branches), "bytes": total}
