@@ -28,6 +28,17 @@ API_PATH = REPO_ROOT / "workflows" / "api" / f"{NAME}.json"
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
 
 
+@pytest.fixture(autouse=True)
+def no_comfy_modules_left_behind():
+    """The Sampler node probes for ComfyUI's own modules (comfy.*); where a folder named `comfy` happens to be on
+    sys.path that probe imports part of it. Drop what the test imported, so later tests see no ComfyUI."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in ("comfy", "comfy_execution"):
+            del sys.modules[name]
+
+
 @pytest.fixture
 def lora_name_is_a_file_widget(monkeypatch):
     monkeypatch.setattr(tw, "FILE_WIDGETS", tw.FILE_WIDGETS | {"lora_name"})
