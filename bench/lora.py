@@ -47,8 +47,11 @@ TINY = {"hidden_size": 64, "num_attention_heads": 2, "num_layers": 6, "ffn_hidde
 
 
 class Bench:
-    def __init__(self, tiny: bool) -> None:
+    def __init__(self, tiny: bool, fp8: bool = True, rank128: bool = True) -> None:
         self.tiny = tiny
+        self.with_fp8 = fp8
+        self.switches = ("rank32 A", "rank32 B", "rank128", "base again") if rank128 else ("rank32 A", "rank32 B",
+                                                                                         "base again")
         self.device = torch.device("cpu" if tiny else "cuda")
         self.dtype = torch.float32 if tiny else torch.bfloat16
         self.config = DiTConfig.from_dict(TINY if tiny else dit_config("ERNIE-Image-Turbo"))
@@ -141,7 +144,7 @@ class Bench:
         first = self.first_call_s(dit, args)
         base_ms = self.step_ms(dit, args)
         self.row(f"{label}: base", step_ms=base_ms, first_call_s=first, new_graphs=self.graphs() - graphs)
-        for name in ("rank32 A", "rank32 B", "rank128", "base again"):
+        for name in self.switches:
             before_bytes = self.allocated()
             graphs = self.graphs()
             stack = [] if name == "base again" else [(load_lora(loras[name], self.config), 1.0)]
@@ -153,7 +156,7 @@ class Bench:
             self.row(f"{label}: {'switch to ' if name == 'rank32 B' else ''}{name}", step_ms=ms,
                      x_base=ms / base_ms, apply_s=apply_s, first_call_s=first, new_graphs=self.graphs() - graphs,
                      lora_MB=lora_bytes / 1e6, extra_vram_MB=added / 1e6 if name == "rank32 A" else "")
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self.with_fp8:
             self.fp8(dit, loras, args)
         dit = None
         self.clean()
@@ -240,16 +243,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny DiT")
     parser.add_argument("--out", type=Path, help="write the rows and the environment as JSON here")
+    parser.add_argument("--skip-fp8", action="store_true", help="no FP8 rows (saves two compiles)")
+    parser.add_argument("--skip-rank128", action="store_true", help="no rank-128 row (saves one compile)")
+    parser.add_argument("--skip-streamed", action="store_true", help="no streamed rows")
     args = parser.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: run with --tiny for a CPU smoke run")
     environment = print_environment()
-    bench = Bench(args.tiny)
+    bench = Bench(args.tiny, fp8=not args.skip_fp8, rank128=not args.skip_rank128)
     started = time.perf_counter()
     loras = {"rank32 A": bench.write_lora(32, 1), "rank32 B": bench.write_lora(32, 2), "rank128": bench.write_lora(128, 3)}
     bench.parse_times(loras)
     bench.compiled_bf16(loras)
-    bench.streamed(loras)
+    if not args.skip_streamed:
+        bench.streamed(loras)
     columns = ["row", "step_ms", "x_base", "apply_s", "first_call_s", "new_graphs", "lora_MB", "extra_vram_MB",
                "read_s", "host_slab_MB_before", "host_slab_MB_after", "rss_GB_before", "rss_GB_after"]
     config = f"{'tiny' if args.tiny else 'ERNIE-Image-Turbo'} DiT, {bench.side}x{bench.side}, {bench.text_tokens} text tokens, batch 1"

@@ -183,3 +183,42 @@ def test_a_lora_given_to_load_is_the_pipes_own_and_is_recorded(model, loras):
     assert result.info["loras"] == [{"name": "kohya.safetensors", "strength": 1.0,
                                      "style": "kohya (lora_unet_) LoRA"}]
     assert "kohya.safetensors (1)" in pipe.with_loras([]).describe()
+
+
+def test_a_bf16_branch_is_as_close_to_the_exact_merge_as_a_bf16_merge(tmp_path):
+    """The error the branch adds, stated against merging: both in bf16, both against the fp32 merge (measured:
+    branch 0.54%, bf16 merge 0.51% relative, for a LoRA that moves the output by 12.5%)."""
+    import copy
+
+    from ernie_image.runtime.dit import DiTConfig, ErnieDiT
+    from ernie_image.runtime.lora.keys import dit_linear_shapes
+
+    config = DiTConfig(hidden_size=256, num_attention_heads=2, num_layers=4, ffn_hidden_size=768, text_in_dim=192,
+                       rope_axes_dim=(32, 48, 48))
+    torch.manual_seed(0)
+    dit = ErnieDiT(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        for param in dit.parameters():
+            if param.ndim >= 2:
+                param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5)
+    lora = lf.random_lora(dit_linear_shapes(config), 16, seed=1)
+    path = lf.write_ai_toolkit(tmp_path / "r16.safetensors", lora)
+    merged = copy.deepcopy(dit)
+    state = merged.state_dict()
+    for module, (down, up) in lora.items():
+        state[f"{module}.weight"] += up @ down
+    merged.load_state_dict(state)
+    generator = torch.Generator().manual_seed(1)
+    args = (torch.randn(1, 128, 16, 16, generator=generator), torch.tensor([600.0]),
+            torch.randn(1, 24, 192, generator=generator), [24])
+    bf16_args = (args[0].bfloat16(), args[1].bfloat16(), args[2].bfloat16(), args[3])
+    branched = copy.deepcopy(dit).to(torch.bfloat16)
+    apply_stack(branched, [(load_lora(path, config), 1.0)])
+    with torch.inference_mode():
+        exact = merged(*args)
+        relative = lambda out: ((out.float() - exact).norm() / exact.norm()).item()  # noqa: E731
+        merge_error = relative(copy.deepcopy(merged).to(torch.bfloat16)(*bf16_args))
+        branch_error = relative(branched(*bf16_args))
+        effect = relative(dit(*args))
+    assert effect > 0.05 and merge_error < 0.02
+    assert branch_error <= 1.5 * merge_error
