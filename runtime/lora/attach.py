@@ -169,23 +169,9 @@ def _write_low_rank(branch: _Branch, rank: int, down: torch.Tensor, up: torch.Te
             offset += r
 
 
-def branch_bytes(dit: ErnieDiT, stack: list[tuple[ParsedLora, float]], dtype: torch.dtype) -> int:
-    """Device bytes the stack's branches take on `dit` (padding included)."""
-    branches = plan_branches(dit, stack)
-    if not branches:
-        return 0
-    _block_kinds_to_pad(dit, branches)
-    ranks = _uniform_ranks(branches)
-    total = 0
-    for physical, branch in branches.items():
-        if ranks[physical]:
-            total += branch.slices * ranks[physical] * (branch.in_features + branch.out_features // branch.slices)
-        total += sum(w1.numel() + w2.numel() for _, w1, w2 in branch.kron)
-    return total * dtype.itemsize
-
-
 def estimate_bytes(stack: list[tuple[ParsedLora, float]], dtype: torch.dtype) -> int:
-    """`branch_bytes` before the DiT exists (unfused layout, no padding): what the planner counts."""
+    """Device bytes of the stack's branches, known before the DiT is built (what the planner counts): exact but for
+    zero padding, which only a fused layer with unequal q/k/v ranks or a LoRA skipping some blocks has."""
     return sum(parsed.branch_params() for parsed, _ in stack) * dtype.itemsize
 
 
@@ -220,6 +206,7 @@ def apply_stack(dit: ErnieDiT, stack: list[tuple[ParsedLora, float]], device: Op
     if branches:
         _block_kinds_to_pad(dit, branches)
     ranks = _uniform_ranks(branches)
+    branches = {p: b for p, b in branches.items() if ranks[p] or b.kron}  # e.g. a LoKr-only kind padded with nothing
     current = wrapped_layers(dit)
     for physical, wrapper in current.items():
         if physical not in branches:
