@@ -164,15 +164,21 @@ def test_the_planner_counts_the_lora_branches_in_the_dit_stem(model, loras):
     assert branches == lora_bytes
 
 
-def test_a_q8_0_dit_keeps_its_packed_weights_and_takes_the_lora_as_a_branch(model, loras, pipe):
+# Each format's own image tolerance against the unquantised weights (test_quant_pipe.py).
+PACKED = {"q8_0": (torch.uint8, 0.01), "fp8": (torch.float8_e4m3fn, 0.02), "nvfp4": (torch.uint8, 0.05)}
+
+
+@pytest.mark.parametrize("fmt", list(PACKED))
+def test_a_packed_dit_keeps_its_weights_packed_and_takes_the_lora_as_a_branch(model, loras, pipe, fmt):
     reference = pipe.with_loras([(loras["toolkit"], 1.0)]).generate(REQUEST, NullHost()).images
-    quantised = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32", quant="q8_0"))
+    quantised = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32", quant=fmt))
     base = quantised.generate(REQUEST, NullHost()).images
     images = quantised.with_loras([(loras["toolkit"], 1.0)]).generate(REQUEST, NullHost()).images
     wrapper = quantised._loaded.dit.layers[0].mlp.gate_proj
+    packed_dtype, tolerance = PACKED[fmt]
     assert isinstance(wrapper, LoraLinear) and isinstance(wrapper.base, QuantLinear)
-    assert wrapper.base.weight.dtype == torch.uint8  # still packed
-    assert (images - reference).abs().max().item() <= 0.01  # Q8_0's own tolerance (test_quant_pipe)
+    assert wrapper.base.weight.dtype == packed_dtype  # still packed
+    assert (images - reference).abs().max().item() <= tolerance  # the format's error, no more
     assert (images - base).abs().max().item() > 0.05
     assert torch.equal(quantised.generate(REQUEST, NullHost()).images, base)
 
