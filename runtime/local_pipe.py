@@ -141,6 +141,10 @@ class LocalPipe:
         ]
         if self.quant_reason:
             lines.append(self.quant_reason)
+        if self.loras:
+            from .lora.view import describe_stack
+
+            lines.append(describe_stack(self.loras))
         if self.memory.plan is not None and request is None:
             lines.append(self.memory.describe())
         else:

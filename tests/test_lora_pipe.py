@@ -188,7 +188,9 @@ def test_a_lora_given_to_load_is_the_pipes_own_and_is_recorded(model, loras):
     result = pipe.generate(REQUEST, NullHost())
     assert result.info["loras"] == [{"name": "kohya.safetensors", "strength": 1.0,
                                      "style": "kohya (lora_unet_) LoRA"}]
-    assert "kohya.safetensors (1)" in pipe.with_loras([]).describe()
+    assert "LoRA: kohya.safetensors (1)" in pipe.describe()
+    view = pipe.with_loras([(loras["toolkit"], 0.5)]).describe()
+    assert view.count("LoRA: ") == 1 and "LoRA: kohya.safetensors (1), toolkit.safetensors (0.5)" in view
 
 
 def test_a_bf16_branch_is_as_close_to_the_exact_merge_as_a_bf16_merge(tmp_path):

@@ -38,7 +38,8 @@ class LoraPipe:
         return self.base.generate(request, host, loras=self.loras)
 
     def describe(self, *args: Any, **kwargs: Any) -> str:
-        return f"{self.base.describe(*args, **kwargs)}\n{describe_stack(self.loras)}"
+        lines = [line for line in self.base.describe(*args, **kwargs).splitlines() if not line.startswith("LoRA: ")]
+        return "\n".join(lines + [describe_stack(self.loras)])  # this view's stack, not the base pipe's
 
     def release(self) -> None:
         self.base.release()
