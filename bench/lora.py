@@ -25,7 +25,8 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import torch
 
-from common import cuda_time_ms, dit_config, import_package, print_environment, quantise_block_linears_, randomise_dit_, table
+from common import (cuda_time_ms, dit_config, import_package, print_environment, quantise_block_linears_, randomise_dit_,
+                    table)
 
 import_package()
 
@@ -259,7 +260,8 @@ def main() -> None:
         bench.streamed(loras)
     columns = ["row", "step_ms", "x_base", "apply_s", "first_call_s", "new_graphs", "lora_MB", "extra_vram_MB",
                "read_s", "host_slab_MB_before", "host_slab_MB_after", "rss_GB_before", "rss_GB_after"]
-    config = f"{'tiny' if args.tiny else 'ERNIE-Image-Turbo'} DiT, {bench.side}x{bench.side}, {bench.text_tokens} text tokens, batch 1"
+    model = "tiny" if args.tiny else "ERNIE-Image-Turbo"
+    config = f"{model} DiT, {bench.side}x{bench.side}, {bench.text_tokens} text tokens, batch 1"
     print(f"\n{environment['gpu']}, torch {environment['torch']}, {config}; {time.perf_counter() - started:.0f} s\n")
     print(table(bench.rows, [c for c in columns if any(c in r for r in bench.rows)]))
     if args.out:

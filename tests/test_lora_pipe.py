@@ -138,9 +138,11 @@ def test_streamed_blocks_with_a_lora_give_the_resident_image(tmp_path_factory, l
     path = lf.write_down_up(tmp_path_factory.mktemp("l6") / "six.safetensors",
                             lf.random_lora(lf.linear_shapes(weights), 4, seed=5), 4.0, lf.kohya_name)
     resident = LocalPipe.load(model, LoadOptions(device="cpu"), loras=[(path, 0.8)]).generate(REQUEST, NullHost())
-    lora_gb = load_lora(path, LocalPipe.load(model, LoadOptions(device="cpu"))._lora.dit_config(model)).branch_params() * 4 / 1024**3
+    config = LocalPipe.load(model, LoadOptions(device="cpu"))._lora.dit_config(model)
+    lora_gb = load_lora(path, config).branch_params() * 4 / 1024**3
     # A budget that streams some blocks with room for the branches too: adding the LoRA keeps the placement.
-    streamed_pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=streaming_budget_gb(model) + lora_gb))
+    budget = streaming_budget_gb(model) + lora_gb
+    streamed_pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=budget))
     base = streamed_pipe.generate(REQUEST, NullHost())
     placement = streamed_pipe.memory.dit
     host_bytes = placement.streamer.host_bytes

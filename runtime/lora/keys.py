@@ -26,9 +26,12 @@ ADAPTER_PARTS = (
     "dora_scale", "lora_magnitude_vector.default.weight", "lora_magnitude_vector.weight", "lora_magnitude_vector",
     "alpha", "diff", "diff_b",
 )
-DOTTED_PREFIXES = (("base_model.model.", "PEFT (base_model.model.)"), ("model.diffusion_model.", "ComfyUI (model.diffusion_model.)"),
-                   ("diffusion_model.", "ai-toolkit/ComfyUI/musubi (diffusion_model.)"),
-                   ("transformer.", "diffusers/OneTrainer (transformer.)"))
+DOTTED_PREFIXES = (
+    ("base_model.model.", "PEFT (base_model.model.)"),
+    ("model.diffusion_model.", "ComfyUI (model.diffusion_model.)"),
+    ("diffusion_model.", "ai-toolkit/ComfyUI/musubi (diffusion_model.)"),
+    ("transformer.", "diffusers/OneTrainer (transformer.)"),
+)
 KOHYA_PREFIXES = ("lora_unet_", "lycoris_", "lora_transformer_")
 TEXT_ENCODER_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "text_encoder.", "text_encoder_2.",
                          "text_encoders.", "te.", "lora_te")
@@ -36,13 +39,15 @@ TEXT_ENCODER_PREFIXES = ("lora_te_", "lora_te1_", "lora_te2_", "lora_te3_", "tex
 # Other models' LoRAs, recognised by the module names their keys carry (dotted or kohya-underscored).
 _SEP = r"[._]"
 FOREIGN_MODELS: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("FLUX.1/FLUX.2 or Chroma", re.compile(rf"(double_blocks|single_blocks|single_transformer_blocks){_SEP}\d")),
+    ("FLUX.1/FLUX.2, Chroma or HunyuanVideo",
+     re.compile(rf"(double_blocks|single_blocks|single_transformer_blocks){_SEP}\d")),
     ("Stable Diffusion 3", re.compile(rf"joint_blocks{_SEP}\d")),
     ("SDXL/SD1.5", re.compile(rf"(input_blocks|output_blocks|middle_block|down_blocks|up_blocks|mid_block){_SEP}")),
-    ("Qwen-Image", re.compile(rf"transformer_blocks{_SEP}\d+{_SEP}(img_mod|txt_mod|img_mlp|txt_mlp|attn{_SEP}add_q_proj)")),
-    ("Z-Image/Lumina2", re.compile(rf"(noise_refiner|context_refiner|layers{_SEP}\d+{_SEP}(attention{_SEP}(to_q|qkv)|feed_forward{_SEP}w[123]))")),
+    ("Qwen-Image",
+     re.compile(rf"transformer_blocks{_SEP}\d+{_SEP}(img_mod|txt_mod|img_mlp|txt_mlp|attn{_SEP}add_q_proj)")),
+    ("Z-Image/Lumina2", re.compile(rf"(noise_refiner|context_refiner|"
+                                   rf"layers{_SEP}\d+{_SEP}(attention{_SEP}(to_q|qkv)|feed_forward{_SEP}w[123]))")),
     ("Wan", re.compile(rf"blocks{_SEP}\d+{_SEP}(self_attn|cross_attn|ffn){_SEP}")),
-    ("HunyuanVideo", re.compile(rf"(double_blocks|single_blocks|img_attn_qkv|txt_attn_qkv)")),
 )
 
 
