@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from .enhancer import ErnieImagePromptEnhancer
 from .loader import ErnieImageLoader
+from .lora import ErnieImageLoRA
 from .quant_config import ErnieImageQuantConfig
 from .remote import ErnieImageRemoteBackend
 from .routes import register_routes
@@ -15,6 +16,7 @@ NODE_CLASS_MAPPINGS: dict[str, type] = {
     "ErnieImageQuantConfig": ErnieImageQuantConfig,
     "ErnieImageRemoteBackend": ErnieImageRemoteBackend,
     "ErnieImagePromptEnhancer": ErnieImagePromptEnhancer,
+    "ErnieImageLoRA": ErnieImageLoRA,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {
@@ -24,6 +26,7 @@ NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {
     "ErnieImageQuantConfig": "ERNIE-Image Quant Config",
     "ErnieImageRemoteBackend": "ERNIE-Image Remote Backend (SGLang)",
     "ErnieImagePromptEnhancer": "ERNIE-Image Prompt Enhancer",
+    "ErnieImageLoRA": "ERNIE-Image LoRA",
 }
 
 register_routes()

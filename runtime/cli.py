@@ -143,13 +143,16 @@ class _ConsoleHost(NullHost):
 
 def main_generate(argv: Sequence[str]) -> int:
     from .local_pipe import LoadOptions, LocalPipe
+    from .lora.cli_args import add_lora_argument, lora_stack
     from .model_files import ModelSources
     from .request import GenerationRequest
 
     parser = OneLineParser(prog="ernie-image generate", description="Generate an image with ERNIE-Image.")
     _add_generate_arguments(parser)
+    add_lora_argument(parser)
     args = parser.parse_args(argv)
     check_out_path(args.out)
+    loras = lora_stack(args.lora)
     # The console shows no pictures: skip the per-step latent preview (it costs a device-to-host copy per step).
     options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=parse_budget(args.budget),
                           quant=args.quant, keep_loaded=False, previews=False)
@@ -162,7 +165,7 @@ def main_generate(argv: Sequence[str]) -> int:
     else:
         sources = ModelSources(model_dir=args.model_dir, dit=args.dit, text_encoder=args.text_encoder, vae=args.vae,
                                tokenizer=args.tokenizer, pe=args.pe, variant=args.variant)
-    pipe = LocalPipe.load(sources, options)
+    pipe = LocalPipe.load(sources, options, loras=loras)  # reads the LoRA files, not the weights
     default_side = 256 if demo else 1024
     request = GenerationRequest(
         prompt=args.prompt, negative_prompt=args.negative,
@@ -176,7 +179,7 @@ def main_generate(argv: Sequence[str]) -> int:
     result = pipe.generate(request, host)
     elapsed = time.perf_counter() - started
     settings = {**request.metadata(), "variant": pipe.variant, "prompts_used": result.prompts_used,
-                "demo_model": demo}
+                "demo_model": demo, **({"loras": loras.metadata()} if loras else {})}
     paths = save_pngs(result.images, args.out, settings)
     for path in paths:
         print(path)

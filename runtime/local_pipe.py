@@ -17,6 +17,8 @@ from .decode import decode_images
 from .errors import ErnieImageError, InvalidInputError, MemoryBudgetError, ModelFileError
 from .formats import open_component
 from .host import Host, NullHost
+from .lora.pipe_loras import PipeLoras
+from .lora.stack import LoraStack
 from .model_files import QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae
 from .offload.planner import budget_bytes
 from .offload.reserve import device_bytes_held, device_bytes_needed, phase_needs
@@ -81,8 +83,10 @@ class _Loaded:
 class LocalPipe:
     kind = "local"
 
-    def __init__(self, sources: ModelSources, options: LoadOptions, variant: Variant) -> None:
+    def __init__(self, sources: ModelSources, options: LoadOptions, variant: Variant, loras=None) -> None:
         options.validate()
+        self.loras = LoraStack.of(loras)  # the pipe's own LoRA stack (empty: the base model); see with_loras
+        self._lora = PipeLoras(self.loras)
         self.sources = sources
         self.options = options
         self.variant = variant
@@ -99,16 +103,25 @@ class LocalPipe:
         self._phase = "setup"  # the phase running now ("pe", "text", "dit", "vae"): named when memory runs out
 
     @classmethod
-    def load(cls, sources: ModelSources, options: Optional[LoadOptions] = None) -> "LocalPipe":
+    def load(cls, sources: ModelSources, options: Optional[LoadOptions] = None, loras=None) -> "LocalPipe":
         """Check the files and prepare; weights are read on first use, one phase at a time.
 
         Every part's header is read here, so a missing, damaged or wrong file fails now, not after the text
-        encoder and the whole sampling loop have run."""
+        encoder and the whole sampling loop have run. `loras`: LoRA files (paths, (path, strength) pairs or
+        lora.LoraEntry) every run of this pipe applies; they are read and checked here too."""
         options = options or LoadOptions()
-        pipe = cls(sources, options, sources.detect_variant())
+        pipe = cls(sources, options, sources.detect_variant(), loras)
         for component, kind in (("transformer", "dit"), ("text_encoder", "text_encoder"), ("vae", "vae")):
             open_component(sources.component(component), kind)
+        pipe._lora.resolve(pipe.loras, sources)
         return pipe
+
+    def with_loras(self, loras):
+        """A view of this pipe (same loaded model, no second copy) that runs with this pipe's LoRAs followed by
+        `loras`; switching between views changes only the LoRA branches, never the base weights."""
+        from .lora.view import LoraPipe
+
+        return LoraPipe(self, self.loras).with_loras(loras)
 
     @property
     def defaults(self) -> dict[str, float]:
@@ -128,6 +141,10 @@ class LocalPipe:
         ]
         if self.quant_reason:
             lines.append(self.quant_reason)
+        if self.loras:
+            from .lora.view import describe_stack
+
+            lines.append(describe_stack(self.loras))
         if self.memory.plan is not None and request is None:
             lines.append(self.memory.describe())
         else:
@@ -170,6 +187,7 @@ class LocalPipe:
             if self.compiles_dit:
                 compile_blocks(dit)
             self._loaded.dit = dit
+        self._lora.sync(self._loaded.dit)  # after placement: the branches stay resident, never streamed
         return self._loaded.dit
 
     def _quant_on_load(self, component) -> str:
@@ -226,10 +244,12 @@ class LocalPipe:
 
     # -- the whole job ------------------------------------------------------------------------------
 
-    def generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
+    def generate(self, request: GenerationRequest, host: Host, loras: Optional[LoraStack] = None) -> GenerationResult:
         """Run the job. Any failure or cancel releases the pipe's device memory; running out of it is a
-        MemoryBudgetError naming the phase and the fix."""
+        MemoryBudgetError naming the phase and the fix. `loras`: the stack to run with (None: the pipe's own);
+        a bad LoRA file is refused here, before anything runs, and leaves the loaded model as it was."""
         request.validate()
+        self._lora.prepare(loras, self.sources, host, self.memory)
         return self._releasing_on_error(request, lambda: self._generate(request, host))
 
     def _releasing_on_error(self, request: GenerationRequest, job):
@@ -276,6 +296,7 @@ class LocalPipe:
             "sampling_s": round(sampled - encoded, 3),
             "decode_s": round(decoded - sampled, 3),
             **revised.info(),
+            **self._lora.info(),
         }
         return GenerationResult(images=images, latents=latents.cpu(), prompts_used=prompts, info=info)
 

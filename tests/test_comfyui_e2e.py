@@ -31,7 +31,7 @@ COMFY_PYTHON = os.environ.get("ERNIE_COMFYUI_PYTHON", sys.executable)
 PACK_NAME = "ernie_image"
 API_WORKFLOWS = sorted((REPO_ROOT / "workflows" / "api").glob("*.json"))
 NODE_IDS = ("ErnieImageLoader", "ErnieImageSampler", "ErnieImageTurboSampler", "ErnieImageQuantConfig",
-            "ErnieImageRemoteBackend", "ErnieImagePromptEnhancer")
+            "ErnieImageRemoteBackend", "ErnieImagePromptEnhancer", "ErnieImageLoRA")
 TEST_SIDE = 256
 MAX_TEST_STEPS = 4
 START_TIMEOUT_S = 180
@@ -83,6 +83,9 @@ def place_tiny_models(models: Path, scratch: Path) -> dict[str, Path]:
     gguf = models / "diffusion_models" / "ernie-image-turbo-UD-Q4_K_M.gguf"
     write_quantized_file(read_bf16_dit(turbo.dit), "q8_0", gguf)
     paths[gguf.name] = gguf
+    from lora_files import write_example_loras
+
+    paths.update(write_example_loras(models / "loras", turbo.dit))  # the LoRAs the two-LoRA workflow names
     misplaced = models / "text_encoders" / "not-a-text-encoder.safetensors"
     shutil.copyfile(turbo.dit, misplaced)
     paths[misplaced.name] = misplaced

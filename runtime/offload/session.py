@@ -48,6 +48,10 @@ class PipeMemory:
         self.host = None
         self.held_bytes: Callable[[], int] = lambda: 0  # device bytes the pipe's loaded weights hold ('auto' reuses them)
         self._sizes: dict[tuple, ModelSizes] = {}  # sizes_for, by files, variant and PE
+        # Device bytes of the LoRA branches the next job's DiT carries: resident beside the stem, planned as part
+        # of it. `_placed_lora_bytes`: what the placed DiT's plan counted when it was placed.
+        self.lora_bytes = 0
+        self._placed_lora_bytes = 0
 
     # -- planning ---------------------------------------------------------------------------------------
 
@@ -77,13 +81,18 @@ class PipeMemory:
         return dataclasses.replace(sizes, dit=dit, dit_format=packed or sizes.dit_format)
 
     def planning_sizes(self, sources, variant, with_pe: bool = False) -> ModelSizes:
-        """`sizes_for`, with the placed DiT's measured block and stem bytes in place of the config's estimate."""
+        """`sizes_for`, with the placed DiT's measured block and stem bytes in place of the config's estimate, and
+        the LoRA branches (`lora_bytes`) in the stem."""
         sizes = self.sizes_for(sources, variant, with_pe)
         if self.dit is None:
-            return sizes
+            if not self.lora_bytes:
+                return sizes
+            return dataclasses.replace(sizes, dit=dataclasses.replace(
+                sizes.dit, stem_bytes=sizes.dit.stem_bytes + self.lora_bytes))
         placed = self.dit.plan
         return dataclasses.replace(sizes, dit=dataclasses.replace(
-            sizes.dit, layer_bytes=placed.block_bytes, stem_bytes=placed.stem_bytes))
+            sizes.dit, layer_bytes=placed.block_bytes,
+            stem_bytes=placed.stem_bytes - self._placed_lora_bytes + self.lora_bytes))
 
     @staticmethod
     def job_for(request, use_pe: bool) -> Job:
@@ -112,8 +121,9 @@ class PipeMemory:
             self.release_pe()  # a job without the PE: its plan has no room for a resident one (others are parked)
         if self.dit is not None and self.dit.plan.resident != plan.dit.resident:
             others = plan.peak - plan.dit.gpu_weight_bytes
-            if self.dit.plan.gpu_weight_bytes + others <= plan.budget:
-                plan = dataclasses.replace(plan, dit=self.dit.plan)  # the placed DiT still fits: keep it
+            placed = dataclasses.replace(self.dit.plan, stem_bytes=plan.dit.stem_bytes)  # with today's LoRA bytes
+            if placed.gpu_weight_bytes + others <= plan.budget:
+                plan = dataclasses.replace(plan, dit=placed)  # the placed DiT still fits: keep it
             else:
                 self.release_dit()
         self.plan = plan
@@ -184,6 +194,8 @@ class PipeMemory:
             return dit
         plan = self.plan
         measured = measured_dit_size(dit, plan.sizes.dit.largest_linear_params)
+        measured = dataclasses.replace(measured, stem_bytes=measured.stem_bytes + self.lora_bytes)
+        self._placed_lora_bytes = self.lora_bytes
         if (measured.layer_bytes, measured.stem_bytes) != (plan.dit.block_bytes, plan.dit.stem_bytes):
             # The built DiT's real sizes (a quantised file, packed on load) decide: plan again before placing.
             plan = plan_memory(plan.budget, plan.job, dataclasses.replace(plan.sizes, dit=measured), self.device.type)

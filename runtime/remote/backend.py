@@ -130,6 +130,12 @@ class RemotePipe:
                          f"(the SGLang server gets the revised prompt with its PE off)")
         return "\n".join(lines)
 
+    def with_loras(self, loras) -> "RemotePipe":
+        """LoRAs are not sent to SGLang servers: refused in one line (see lora.view.REMOTE_LORA_REFUSAL)."""
+        from ..lora.view import REMOTE_LORA_REFUSAL
+
+        raise InvalidInputError(REMOTE_LORA_REFUSAL)
+
     def is_loaded(self) -> bool:
         """Whether connections to the servers are open (what `release` closes)."""
         return self._fleet is not None

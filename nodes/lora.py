@@ -1,0 +1,65 @@
+"""ErnieImageLoRA: pipe + a LoRA file from ComfyUI's `loras` folder + strength -> the same model with the LoRA.
+
+Chainable: each node adds its LoRA to the stack of the pipe it gets. The output shares the Loader's loaded
+model (no second copy); the stack is put on the DiT when a sampler runs with it, changing only the LoRA branches.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ..runtime.errors import InvalidInputError
+from ..runtime.lora.stack import MAX_STRENGTH, check_strength
+from ..runtime.lora.view import describe_stack
+from . import comfy_env
+from .common import CATEGORY, PIPE_TYPE, shown_on_node
+
+LORA_FOLDER_KEY = "loras"
+
+
+class ErnieImageLoRA:
+    DESCRIPTION = (
+        "Applies a LoRA (from models/loras) to an ERNIE-Image pipe at a strength. Chain several for a stack. "
+        "Reads diffusers/PEFT, ai-toolkit, musubi-tuner, OneTrainer and kohya LoRAs and LyCORIS LoKr/LoHa. The "
+        "model is not reloaded when a LoRA or its strength changes, and removing the node gives the base model."
+    )
+    CATEGORY = CATEGORY
+    FUNCTION = "apply"
+    RETURN_TYPES = (PIPE_TYPE,)
+    RETURN_NAMES = ("pipe",)
+    OUTPUT_TOOLTIPS = ("The same model with this LoRA added to its stack, for a Sampler or another LoRA node.",)
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:
+        return {
+            "required": {
+                "pipe": (PIPE_TYPE, {"tooltip": "An ERNIE-Image Loader output, or another LoRA node's."}),
+                "lora_name": (sorted(comfy_env.filenames(LORA_FOLDER_KEY), key=str.lower),
+                              {"tooltip": "A LoRA trained on ERNIE-Image or ERNIE-Image-Turbo, from models/loras "
+                               "(.safetensors)."}),
+                "strength": ("FLOAT", {"default": 1.0, "min": -MAX_STRENGTH, "max": MAX_STRENGTH, "step": 0.01,
+                                       "tooltip": "How strongly the LoRA applies: 1.0 as trained, 0 off, negative "
+                                       "inverts it."}),
+            }
+        }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, strength: Any = None) -> Any:
+        if strength is None:
+            return True
+        try:
+            check_strength(strength)
+        except InvalidInputError as error:
+            return str(error)
+        return True
+
+    def apply(self, pipe: Any, lora_name: str, strength: float) -> dict[str, Any]:
+        if pipe is None or not hasattr(pipe, "generate"):
+            raise InvalidInputError("the pipe input is not connected: wire an ERNIE-Image Loader to it")
+        if not hasattr(pipe, "with_loras"):
+            raise InvalidInputError("this pipe does not take LoRAs: wire an ERNIE-Image Loader to the LoRA node")
+        path = comfy_env.resolve_model_file((LORA_FOLDER_KEY,), lora_name, "LoRA")
+        if path is None:
+            raise InvalidInputError("no LoRA picked: put a LoRA .safetensors in models/loras and pick it")
+        view = pipe.with_loras([(path, check_strength(strength, lora_name))])
+        view.check()  # a bad file fails here, on this node, before any sampler runs
+        return shown_on_node(describe_stack(view.loras), view)

@@ -1,0 +1,205 @@
+"""One DiT Linear's adapter weights -> the delta it adds, in a form that never needs the base weight.
+
+Definitions (W' = W + strength * delta, per layer; shapes [out, in]):
+- LoRA: delta = (alpha / rank) * up @ down, with down = lora_A / lora_down [rank, in], up = lora_B / lora_up
+  [out, rank]. No `alpha` key: diffusers/PEFT take alpha == rank (scale 1) unless the file's
+  `lora_adapter_metadata` (written by diffusers/PEFT) gives lora_alpha (and alpha_pattern / rank_pattern);
+  ComfyUI also uses scale 1 without alpha.
+- LoHa: delta = (alpha / rank) * (w1a @ w1b) * (w2a @ w2b) (elementwise), rank = w1b's rows (LyCORIS, ComfyUI).
+  Exactly low-rank: (U1 V1) * (U2 V2) = (U1 . U2)(V1 . V2) with the row-wise Kronecker (face-splitting) product,
+  so a LoHa of ranks r1, r2 is a LoRA of rank r1 * r2 and joins the same branch.
+- LoKr: delta = scale * kron(w1, w2), each side full or factored (w1_a @ w1_b, w2_a @ w2_b). scale = alpha / dim
+  where dim is the factored side's rank (w2's when both are factored, as ComfyUI reads it), 1 when neither is
+  factored or alpha is absent (LyCORIS then sets alpha = dim). Applied through (A kron B) x = vec(A X B^T), never
+  as a dense [out, in] matrix.
+DoRA (dora_scale, lora_magnitude_vector) rescales the merged weight's columns by their norms, which needs the
+base weight: refused in one line rather than approximated (diffusers drops those keys silently).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from ..errors import ModelFileError
+
+
+@dataclass
+class LowRank:
+    down: torch.Tensor  # [rank, in], fp32
+    up: torch.Tensor  # [out, rank], fp32, scale not folded in
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    def delta(self) -> torch.Tensor:
+        return self.scale * (self.up @ self.down)
+
+
+@dataclass
+class Kron:
+    w1: torch.Tensor  # [out1, in1], fp32
+    w2: torch.Tensor  # [out2, in2], fp32; delta = scale * kron(w1, w2)
+    scale: float
+
+    def delta(self) -> torch.Tensor:
+        return self.scale * torch.kron(self.w1, self.w2)
+
+
+Adapter = Union[LowRank, Kron]
+REFUSED_PARTS = {
+    "dora_scale": "is a DoRA (dora_scale): DoRA needs the base weight's norms and is not supported; use a plain "
+                  "LoRA export of it",
+    "lora_magnitude_vector": "is a DoRA (lora_magnitude_vector): DoRA needs the base weight's norms and is not "
+                             "supported; use a plain LoRA export of it",
+    "lora_mid.weight": "has LoCon Tucker factors (lora_mid), which are for convolutions: not supported on Linear layers",
+    "lokr_t2": "has LoKr Tucker factors (lokr_t2), which are for convolutions: not supported on Linear layers",
+    "hada_t1": "has LoHa Tucker factors (hada_t1), which are for convolutions: not supported on Linear layers",
+    "hada_t2": "has LoHa Tucker factors (hada_t2), which are for convolutions: not supported on Linear layers",
+    "lora_B.bias": "has LoRA bias terms (lora_B.bias), which are not supported: export it without lora_bias",
+    "lora_up.bias": "has LoRA bias terms (lora_up.bias), which are not supported: export it without bias",
+    "diff": "has full weight differences (diff), which are not supported: use a LoRA export",
+    "diff_b": "has full bias differences (diff_b), which are not supported: use a LoRA export",
+}
+
+
+@dataclass(frozen=True)
+class PeftAlphas:
+    """lora_alpha and r of a diffusers/PEFT file's `lora_adapter_metadata`, with per-module patterns."""
+
+    alpha: Optional[float]
+    rank: Optional[int]
+    alpha_pattern: dict[str, float]
+    rank_pattern: dict[str, int]
+
+    def alpha_for(self, path: str) -> Optional[float]:
+        return _pattern_value(self.alpha_pattern, path, self.alpha)
+
+    def rank_for(self, path: str) -> Optional[int]:
+        return _pattern_value(self.rank_pattern, path, self.rank)
+
+
+def _pattern_value(patterns: dict, path: str, default):
+    for key, value in patterns.items():
+        key = key.lstrip("^")
+        if path == key or path.endswith("." + key) or re.fullmatch(key, path):
+            return value
+    return default
+
+
+def peft_alphas(metadata: dict[str, str]) -> Optional[PeftAlphas]:
+    """The alphas diffusers/PEFT saved in the safetensors metadata, or None when the file has none."""
+    raw = metadata.get("lora_adapter_metadata")
+    if raw is None:
+        return None
+    try:
+        config = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(config, dict):
+        return None
+    config = {key.removeprefix("transformer."): value for key, value in config.items()}
+    alpha, rank = config.get("lora_alpha"), config.get("r")
+    return PeftAlphas(None if alpha is None else float(alpha), None if rank is None else int(rank),
+                      dict(config.get("alpha_pattern") or {}), dict(config.get("rank_pattern") or {}))
+
+
+def _matrix(name: str, path: str, part: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A 2-D fp32 copy; a 1x1 convolution's [o, i, 1, 1] is the same matrix."""
+    if tensor.ndim == 4 and tensor.shape[2:] == (1, 1):
+        tensor = tensor.flatten(1)
+    if tensor.ndim != 2:
+        raise ModelFileError(f"LoRA {name}: {path}.{part} has shape {tuple(tensor.shape)}, not a matrix: this is not "
+                             f"a LoRA of a Linear layer")
+    return tensor.to(torch.float32).clone()
+
+
+def _alpha(parts: dict[str, torch.Tensor]) -> Optional[float]:
+    alpha = parts.get("alpha")
+    return None if alpha is None else float(alpha.float().reshape(-1)[0])
+
+
+def _need(name: str, path: str, parts: dict[str, torch.Tensor], *wanted: str) -> list[torch.Tensor]:
+    missing = [part for part in wanted if part not in parts]
+    if missing:
+        raise ModelFileError(f"LoRA {name}: {path} has {', '.join(sorted(parts))} but no {', '.join(missing)}: the "
+                             f"file is incomplete; export the LoRA again")
+    return [_matrix(name, path, part, parts[part]) for part in wanted]
+
+
+def build_adapter(name: str, path: str, parts: dict[str, torch.Tensor], shape: tuple[int, int],
+                  peft: Optional[PeftAlphas] = None) -> Adapter:
+    """The adapter one layer's parts describe, checked against the layer's (out, in) `shape`."""
+    for part in parts:
+        if part in REFUSED_PARTS:
+            raise ModelFileError(f"LoRA {name} {REFUSED_PARTS[part]} (at {path})")
+    if any(part.startswith("lokr_") for part in parts):
+        adapter: Adapter = _lokr(name, path, parts)
+    elif any(part.startswith("hada_") for part in parts):
+        adapter = _loha(name, path, parts)
+    else:
+        adapter = _lora(name, path, parts, peft)
+    found = _shape(adapter)
+    if found != shape:
+        raise ModelFileError(f"LoRA {name}: {path} adapts a [{found[0]}, {found[1]}] weight but ERNIE-Image's is "
+                             f"[{shape[0]}, {shape[1]}]: the LoRA is for a model of another size")
+    return adapter
+
+
+def _shape(adapter: Adapter) -> tuple[int, int]:
+    if isinstance(adapter, LowRank):
+        return adapter.up.shape[0], adapter.down.shape[1]
+    return adapter.w1.shape[0] * adapter.w2.shape[0], adapter.w1.shape[1] * adapter.w2.shape[1]
+
+
+def _lora(name: str, path: str, parts: dict[str, torch.Tensor], peft: Optional[PeftAlphas]) -> LowRank:
+    down_part = "lora_A.weight" if "lora_A.weight" in parts or "lora_B.weight" in parts else "lora_down.weight"
+    up_part = "lora_B.weight" if down_part == "lora_A.weight" else "lora_up.weight"
+    down, up = _need(name, path, parts, down_part, up_part)
+    if up.shape[1] != down.shape[0]:
+        raise ModelFileError(f"LoRA {name}: {path} has rank {down.shape[0]} in {down_part} but {up.shape[1]} in "
+                             f"{up_part}: the file is damaged or mixes two LoRAs; export it again")
+    rank = down.shape[0]
+    alpha = _alpha(parts)
+    if alpha is None and peft is not None:
+        peft_alpha, peft_rank = peft.alpha_for(path), peft.rank_for(path)
+        if peft_alpha is not None:
+            return LowRank(down, up, peft_alpha / (peft_rank or rank))
+    return LowRank(down, up, 1.0 if alpha is None else alpha / rank)
+
+
+def _factor(name: str, path: str, parts: dict[str, torch.Tensor], side: str) -> tuple[torch.Tensor, Optional[int]]:
+    """LoKr side `side` ("w1"/"w2"): (matrix, rank when it is stored factored)."""
+    if f"lokr_{side}" in parts:
+        return _need(name, path, parts, f"lokr_{side}")[0], None
+    a, b = _need(name, path, parts, f"lokr_{side}_a", f"lokr_{side}_b")
+    if a.shape[1] != b.shape[0]:
+        raise ModelFileError(f"LoRA {name}: {path} lokr_{side}_a and lokr_{side}_b ranks differ "
+                             f"({a.shape[1]} vs {b.shape[0]}): the file is damaged; export it again")
+    return a @ b, b.shape[0]
+
+
+def _lokr(name: str, path: str, parts: dict[str, torch.Tensor]) -> Kron:
+    w1, dim1 = _factor(name, path, parts, "w1")
+    w2, dim2 = _factor(name, path, parts, "w2")
+    dim = dim2 if dim2 is not None else dim1
+    alpha = _alpha(parts)
+    return Kron(w1, w2, alpha / dim if alpha is not None and dim is not None else 1.0)
+
+
+def _loha(name: str, path: str, parts: dict[str, torch.Tensor]) -> LowRank:
+    w1a, w1b, w2a, w2b = _need(name, path, parts, "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+    if w1a.shape[1] != w1b.shape[0] or w2a.shape[1] != w2b.shape[0] or w1a.shape[0] != w2a.shape[0] \
+            or w1b.shape[1] != w2b.shape[1]:
+        raise ModelFileError(f"LoRA {name}: {path} LoHa factors do not fit together ({tuple(w1a.shape)}, "
+                             f"{tuple(w1b.shape)}, {tuple(w2a.shape)}, {tuple(w2b.shape)}): export it again")
+    alpha = _alpha(parts)
+    scale = 1.0 if alpha is None else alpha / w1b.shape[0]
+    up = (w1a[:, :, None] * w2a[:, None, :]).flatten(1)  # [out, r1 * r2]
+    down = (w1b[:, None, :] * w2b[None, :, :]).flatten(0, 1)  # [r1 * r2, in]
+    return LowRank(down, up, scale)

@@ -1,0 +1,59 @@
+"""Open a LoRA file: safetensors only (never a pickle), complete, finite; one-line errors otherwise."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelFileError
+from ..formats.safetensors_reader import open_safetensors
+
+PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle")
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What identifies one version of a file on disk: a parsed LoRA is reused while this is unchanged."""
+
+    path: str
+    size: int
+    mtime_ns: int
+
+
+@dataclass
+class LoraTensors:
+    name: str  # the file name (never the full path: it may hold a user name)
+    stamp: FileStamp
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+
+
+def file_stamp(path: Path) -> FileStamp:
+    path = Path(path)
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise ModelFileError(f"LoRA {path.name} is a PyTorch pickle ({path.suffix}), which is never loaded (pickles "
+                             f"can run code): use the LoRA's .safetensors file, or convert it to safetensors")
+    if not path.exists():
+        raise ModelFileError(f"LoRA file {path} does not exist: check the path (ComfyUI: models/loras)")
+    if path.is_dir():
+        raise ModelFileError(f"LoRA {path} is a folder: give the .safetensors file inside it")
+    stat = path.stat()
+    return FileStamp(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+def read_lora_tensors(path: Path) -> LoraTensors:
+    """Every tensor of the file, checked: a pickle, a cut file or a NaN/inf inside is refused in one line."""
+    path = Path(path)
+    stamp = file_stamp(path)
+    handle = open_safetensors(path)  # refuses pickles by their magic bytes too, and truncated files
+    tensors: dict[str, torch.Tensor] = {}
+    for key in handle.keys():
+        tensor = handle.tensor(key)
+        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor.float()).all()):
+            raise ModelFileError(f"LoRA {path.name} has NaN or infinite values in {key}: the file is damaged or "
+                                 f"the training diverged; use another export of this LoRA")
+        tensors[key] = tensor
+    if not tensors:
+        raise ModelFileError(f"LoRA {path.name} holds no tensors: it is not a LoRA file; pick a LoRA .safetensors")
+    return LoraTensors(path.name, stamp, tensors, handle.metadata)

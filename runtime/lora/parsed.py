@@ -1,0 +1,71 @@
+"""A LoRA file parsed for one DiT shape: its adapters by DiT Linear, cached by file path, size and mtime."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..dit import DiTConfig
+from .adapters import Adapter, Kron, LowRank, build_adapter, peft_alphas
+from .files import FileStamp, file_stamp, read_lora_tensors
+from .keys import describe_unmatched, dit_linear_shapes, map_keys
+
+CACHE_SIZE = 8  # parsed files kept: switching among a few LoRAs reads none of them again
+
+
+@dataclass
+class ParsedLora:
+    name: str
+    stamp: FileStamp
+    style: str  # key layout and adapter kinds, e.g. "kohya (lora_unet_) LoRA"
+    adapters: dict[str, Adapter]  # by diffusers module path of the DiT
+    notices: list[str] = field(default_factory=list)
+
+    def branch_params(self) -> int:
+        """Values the adapters add to the device (down + up of low-rank ones, both Kronecker factors)."""
+        total = 0
+        for adapter in self.adapters.values():
+            if isinstance(adapter, LowRank):
+                total += adapter.down.numel() + adapter.up.numel()
+            else:
+                total += adapter.w1.numel() + adapter.w2.numel()
+        return total
+
+
+_cache: "OrderedDict[tuple[FileStamp, DiTConfig], ParsedLora]" = OrderedDict()
+reads = 0  # files actually parsed since import (tests check that switching back reads nothing)
+
+
+def load_lora(path: Path, config: DiTConfig) -> ParsedLora:
+    """The file's adapters for a DiT of `config`; one-line ModelFileError for anything unusable."""
+    global reads
+    key = (file_stamp(path), config)
+    parsed = _cache.get(key)
+    if parsed is not None:
+        _cache.move_to_end(key)
+        return parsed
+    raw = read_lora_tensors(Path(path))
+    targets = dit_linear_shapes(config)
+    mapped = map_keys(raw.name, raw.tensors, targets)
+    peft = peft_alphas(raw.metadata)
+    adapters = {module: build_adapter(raw.name, module, parts, targets[module], peft)
+                for module, parts in mapped.layers.items()}
+    kinds = sorted({_kind(parts) for parts in mapped.layers.values()})
+    parsed = ParsedLora(raw.name, raw.stamp, f"{mapped.style} {'+'.join(kinds)}", adapters,
+                        describe_unmatched(raw.name, mapped))
+    reads += 1
+    _cache[key] = parsed
+    while len(_cache) > CACHE_SIZE:
+        _cache.popitem(last=False)
+    return parsed
+
+
+def _kind(parts: dict) -> str:
+    if any(part.startswith("lokr_") for part in parts):
+        return "LoKr"
+    if any(part.startswith("hada_") for part in parts):
+        return "LoHa"
+    return "LoRA"
+
+
+__all__ = ["ParsedLora", "load_lora", "Kron", "LowRank"]

@@ -1,0 +1,131 @@
+"""The two-LoRA example workflow (UI format in example_workflows/, API twin in workflows/api/) agrees with the node
+definitions, and its API graph runs in process on tiny models placed under the file names it expects."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import lora_files as lf
+import test_workflows as tw
+from ernie_image.nodes import NODE_CLASS_MAPPINGS
+from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.local_pipe import LocalPipe
+from ernie_image.runtime.request import GenerationRequest
+from ernie_image.runtime.tiny import build_tiny_model
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NAME = "ernie_image_turbo_two_loras"
+UI_PATH = REPO_ROOT / "example_workflows" / f"{NAME}.json"
+API_PATH = REPO_ROOT / "workflows" / "api" / f"{NAME}.json"
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
+
+
+@pytest.fixture(autouse=True)
+def no_comfy_modules_left_behind():
+    """The Sampler node probes for ComfyUI's own modules (comfy.*); where a folder named `comfy` happens to be on
+    sys.path that probe imports part of it. Drop what the test imported, so later tests see no ComfyUI."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in ("comfy", "comfy_execution"):
+            del sys.modules[name]
+
+
+@pytest.fixture
+def lora_name_is_a_file_widget(monkeypatch):
+    monkeypatch.setattr(tw, "FILE_WIDGETS", tw.FILE_WIDGETS | {"lora_name"})
+
+
+def test_ui_workflow_matches_node_definitions(lora_name_is_a_file_widget):
+    tw.test_ui_workflow_matches_node_definitions(UI_PATH)
+    ui = tw.load(UI_PATH)
+    assert [n["type"] for n in ui["nodes"]].count("ErnieImageLoRA") == 2
+
+
+def test_ui_workflow_names_every_file_in_its_note():
+    ui = tw.load(UI_PATH)
+    notes = " ".join(node["widgets_values"][0] for node in ui["nodes"] if node["type"] == "Note")
+    tw.test_ui_workflow_names_the_files_it_expects_in_a_note(UI_PATH)
+    for node in ui["nodes"]:
+        if node["type"] == "ErnieImageLoRA":
+            assert node["widgets_values"][0] in notes
+
+
+def test_api_workflow_is_its_ui_twin_and_matches_node_definitions(lora_name_is_a_file_widget):
+    api = tw.load(API_PATH)
+    stripped = {node_id: {"class_type": n["class_type"], "inputs": n["inputs"]} for node_id, n in api.items()}
+    assert stripped == tw.ui_to_api(tw.load(UI_PATH))
+    tw.check_api_workflow(API_PATH.name, api)
+
+
+def fake_folder_paths(models: Path) -> types.ModuleType:
+    """ComfyUI's folder registry over `models/` (its folder per key), answering as folder_paths does."""
+    keys = {"diffusion_models": "diffusion_models", "text_encoders": "text_encoders", "vae": "vae", "loras": "loras",
+            "diffusers": "diffusers"}
+    fake = types.ModuleType("folder_paths")
+    fake.folder_names_and_paths = {key: ([str(models / folder)], {".safetensors"}) for key, folder in keys.items()}
+    fake.get_folder_paths = lambda key: list(fake.folder_names_and_paths[key][0])
+
+    def files(key: str) -> list[Path]:
+        folders, extensions = fake.folder_names_and_paths[key]
+        return [p for f in folders if Path(f).is_dir() for p in sorted(Path(f).iterdir()) if p.suffix in extensions]
+
+    fake.get_filename_list = lambda key: [p.name for p in files(key)]
+    fake.get_full_path = lambda key, name: next((str(p) for p in files(key) if p.name == name), None)
+    return fake
+
+
+def run_api_graph(graph: dict[str, Any]) -> dict[str, tuple]:
+    """Each node's outputs, nodes run in dependency order as ComfyUI does (SaveImage keeps its images)."""
+    outputs: dict[str, tuple] = {}
+    pending = dict(graph)
+    while pending:
+        for node_id, node in list(pending.items()):
+            links = [v for v in node["inputs"].values() if isinstance(v, list)]
+            if any(source not in outputs for source, _ in links):
+                continue
+            inputs = {k: (outputs[v[0]][v[1]] if isinstance(v, list) else v) for k, v in node["inputs"].items()}
+            if node["class_type"] == "SaveImage":
+                outputs[node_id] = (inputs["images"],)
+            else:
+                cls = NODE_CLASS_MAPPINGS[node["class_type"]]
+                result = getattr(cls(), cls.FUNCTION)(**inputs)
+                outputs[node_id] = tuple(result["result"]) if isinstance(result, dict) else tuple(result)
+            del pending[node_id]
+    return outputs
+
+
+def test_api_graph_runs_in_process_and_applies_both_loras(tmp_path, monkeypatch):
+    models = tmp_path / "models"
+    tiny = build_tiny_model(tmp_path / "tiny", layout="comfy", variant="turbo")
+    for folder, name, source in (("diffusion_models", "ernie-image-turbo.safetensors", tiny.dit),
+                                 ("text_encoders", "ministral-3-3b.safetensors", tiny.text_encoder),
+                                 ("vae", "flux2-vae.safetensors", tiny.vae)):
+        (models / folder).mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, models / folder / name)
+    loras = lf.write_example_loras(models / "loras", tiny.dit)
+    monkeypatch.setitem(sys.modules, "folder_paths", fake_folder_paths(models))
+    graph = json.loads(API_PATH.read_text())
+    sampler = next(n for n in graph.values() if n["class_type"] == "ErnieImageTurboSampler")
+    sampler["inputs"].update(resolution="custom", width=256, height=256, steps=2)
+    outputs = run_api_graph(graph)
+    saved = next(outputs[i][0] for i, n in graph.items() if n["class_type"] == "SaveImage")
+
+    strengths = {n["inputs"]["lora_name"]: n["inputs"]["strength"] for n in graph.values()
+                 if n["class_type"] == "ErnieImageLoRA"}
+    request = GenerationRequest(prompt=sampler["inputs"]["prompt"], width=256, height=256, steps=2, cfg=1.0,
+                                seed=sampler["inputs"]["seed"], use_pe=False)
+    pipe = next(outputs[i][0] for i, n in graph.items() if n["class_type"] == "ErnieImageLoader")
+    assert isinstance(pipe, LocalPipe)
+    expected = pipe.with_loras([(loras[name], strength) for name, strength in strengths.items()]).generate(
+        request, NullHost()).images
+    assert torch.equal(saved, expected)
+    assert not torch.equal(saved, pipe.generate(request, NullHost()).images)
