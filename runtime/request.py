@@ -271,6 +271,13 @@ class GenerationRequest:
         return info
 
 
+def refuse_image_inputs(request: GenerationRequest, backend: str) -> None:
+    """A backend without image inputs says so in one line instead of ignoring the image."""
+    if request.has_image_input or request.mask is not None:
+        raise InvalidInputError(f"image inputs (img2img, inpainting) are not supported by {backend}: use a local "
+                                "ERNIE-Image Loader for them, or disconnect the image, latent and mask")
+
+
 @dataclass
 class GenerationResult:
     images: torch.Tensor  # float32 [B, H, W, 3] in 0..1 on the CPU (ComfyUI's IMAGE)

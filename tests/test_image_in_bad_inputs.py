@@ -172,3 +172,24 @@ def test_cli_inpaints_a_file_and_records_what_it_did(capsys, tmp_path, files, ti
     pixels = np.asarray(written)
     original = np.asarray(Image.open(files["rgb"]))
     assert np.array_equal(pixels[mask == 0], original[mask == 0])  # composited: the kept part is the file's pixels
+
+
+def test_a_remote_pipe_refuses_image_inputs_in_one_line_and_sends_nothing():
+    from fake_sglang import FakeSglang
+
+    from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
+
+    with FakeSglang(model_id="baidu/ERNIE-Image-Turbo") as server:
+        pipe = RemotePipe([server.url], RemoteSettings(retry_attempts=1, connect_timeout_s=1.0))
+        try:
+            for fields in (dict(init_image=IMAGE, denoise=0.5), dict(init_latents=torch.rand(1, 128, 16, 16)),
+                           dict(init_image=IMAGE, mask=torch.ones(256, 256))):
+                with pytest.raises(InvalidInputError) as caught:
+                    pipe.generate(GenerationRequest(prompt="x", width=256, height=256, steps=8, cfg=1.0, **fields),
+                                  NullHost())
+                message = str(caught.value)
+                assert "image inputs (img2img, inpainting) are not supported by the remote SGLang backend" in message
+                assert "\n" not in message
+        finally:
+            pipe.release()
+    assert server.generations == []
