@@ -19,7 +19,8 @@ from .errors import ErnieImageError, InvalidInputError, MemoryBudgetError, Model
 from .formats import open_component
 from .image_in import composite, init_latents, needs_encoding, start_state
 from .host import Host, NullHost
-from .model_files import QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae
+from .model_files import (QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae,
+                          require_vae_encoder)
 from .offload.planner import budget_bytes
 from .offload.reserve import device_bytes_held, device_bytes_needed, phase_needs
 from .offload.session import PipeMemory, plans_pe
@@ -277,6 +278,8 @@ class LocalPipe:
 
     def _generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         self._phase = "setup"
+        if needs_encoding(request):
+            require_vae_encoder(open_component(self.sources.component("vae"), "vae"))
         room = self.device_bytes_needed(request)
         if room:
             host.make_room(room, self.device)  # ComfyUI unloads its own models; the CLI has nothing to unload
@@ -354,6 +357,8 @@ class LocalPipe:
                 self._loaded.text_tower = None
             if self.memory.pe is None:
                 self._loaded.enhancer = None
+            if not self.memory.encoder_is_persistent():
+                self._loaded.vae_encoder = None  # kept from an earlier job whose plan had room for it
         self.memory.set_host(host)
 
     def _local_pe(self) -> bool:

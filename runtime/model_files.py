@@ -244,6 +244,13 @@ def build_text_tower(component, device: torch.device, dtype: torch.dtype, varian
 VaePart = Literal["decoder", "encoder"]
 
 
+def require_vae_encoder(component) -> None:
+    """Image inputs need the VAE's encoder: a decoder-only file is named before any work starts."""
+    if not any(key.startswith("encoder.") for key in component.keys):
+        raise ModelFileError(f"{component.path.name} holds only the VAE decoder: image inputs need the encoder too: "
+                             "pick the full vae/flux2-vae.safetensors (or a diffusers ERNIE-Image folder's vae/)")
+
+
 def build_vae(component, device: torch.device, dtype: torch.dtype, part: VaePart = "decoder"):
     """One half of the FLUX.2 VAE with the latent BatchNorm statistics: the decoder (text-to-image never encodes)
     or the encoder (image inputs). The other half is dropped before anything is materialised."""
@@ -251,9 +258,8 @@ def build_vae(component, device: torch.device, dtype: torch.dtype, part: VaePart
 
     config = component.config or load_config("base", "vae")
     config = {k: v for k, v in config.items() if not k.startswith("_")}
-    if part == "encoder" and not any(key.startswith("encoder.") for key in component.keys):
-        raise ModelFileError(f"{component.path.name} holds only the VAE decoder: image inputs need the encoder too: "
-                             "pick the full vae/flux2-vae.safetensors (or a diffusers ERNIE-Image folder's vae/)")
+    if part == "encoder":
+        require_vae_encoder(component)
     with torch.device("meta"):
         vae = AutoencoderKLFlux2.from_config(config)
     if part == "encoder":

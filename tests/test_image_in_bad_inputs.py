@@ -17,6 +17,7 @@ from ernie_image.runtime.host import NullHost
 from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.model_files import ModelSources
 from ernie_image.runtime.request import GenerationRequest
+from ernie_image.runtime.tiny import build_tiny_model
 
 
 def _refused(**fields) -> str:
@@ -193,3 +194,23 @@ def test_a_remote_pipe_refuses_image_inputs_in_one_line_and_sends_nothing():
         finally:
             pipe.release()
     assert server.generations == []
+
+
+def test_a_decoder_only_vae_file_is_named_before_anything_loads(tmp_path):
+    from safetensors.torch import save_file
+
+    from ernie_image.runtime.errors import ModelFileError
+
+    from safetensors import safe_open
+
+    sources = build_tiny_model(tmp_path / "comfy", layout="comfy", variant="turbo")
+    with safe_open(str(sources.vae), "pt") as handle:  # the same file without its encoder (config kept)
+        metadata = handle.metadata()
+        decoder_only = {k: handle.get_tensor(k) for k in handle.keys() if not k.startswith("encoder.")}
+    save_file(decoder_only, str(sources.vae), metadata=metadata)
+    pipe = LocalPipe.load(sources, LoadOptions(device="cpu"))
+    request = GenerationRequest(prompt="x", width=256, height=256, steps=2, cfg=1.0, init_image=IMAGE, denoise=0.5)
+    with pytest.raises(ModelFileError, match="holds only the VAE decoder: image inputs need the encoder too"):
+        pipe.generate(request, NullHost())
+    assert not pipe.is_loaded()
+    pipe.generate(GenerationRequest(prompt="x", width=256, height=256, steps=1, cfg=1.0), NullHost())  # text-to-image
