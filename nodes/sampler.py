@@ -1,6 +1,7 @@
 """ErnieImageSampler and ErnieImageTurboSampler: prompt and settings in, IMAGE / LATENT / used prompt out."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 from ..runtime.errors import InvalidInputError
@@ -16,7 +17,8 @@ from ..runtime.request import (
     validate_size,
 )
 from .common import CATEGORY, PIPE_TYPE
-from .host import ComfyHost, cancel_as_comfy_interrupt
+from .host import ComfyHost, cancel_as_comfy_interrupt, log
+from .image_inputs import image_input_fields, image_input_types
 from .live_pipes import generation_lock
 
 CUSTOM_RESOLUTION = "custom"
@@ -161,7 +163,7 @@ class ErnieImageSampler:
                 ),
             }
         )
-        return {"required": required, "hidden": {"unique_id": "UNIQUE_ID"}}
+        return {"required": required, "optional": image_input_types(), "hidden": {"unique_id": "UNIQUE_ID"}}
 
     @classmethod
     def VALIDATE_INPUTS(cls, resolution: Optional[str] = None, width: Optional[int] = None, height: Optional[int] = None) -> Any:
@@ -169,8 +171,14 @@ class ErnieImageSampler:
 
     def generate(self, pipe: Any, prompt: str, resolution: str, width: int, height: int, steps: int, cfg: float,
                  seed: int, batch_size: int, shift: float, use_pe: bool, negative_prompt: str = "",
-                 unique_id: Optional[str] = None) -> tuple[Any, ...]:
+                 unique_id: Optional[str] = None, image: Any = None, latent: Any = None, mask: Any = None,
+                 denoise: float = 1.0, mask_grow: int = 0, mask_feather: int = 0,
+                 composite: bool = True) -> tuple[Any, ...]:
         width, height = resolve_size(resolution, width, height)
+        image_in = image_input_fields(image, latent, mask, denoise, mask_grow, mask_feather, composite)
+        if "width" in image_in:
+            log.info("ERNIE-Image sampler: size %sx%s from the %s input (the size widgets are not used)",
+                     image_in["width"], image_in["height"], "image" if image is not None else "latent")
         request = GenerationRequest(
             prompt=prompt,
             negative_prompt=negative_prompt,
@@ -183,6 +191,8 @@ class ErnieImageSampler:
             batch=int(batch_size),
             use_pe=bool(use_pe),
         )
+        if image_in:
+            request = dataclasses.replace(request, **image_in)
         result = run_generation(pipe, request, unique_id)
         return (result.images, latent_output(result), joined_prompts(result.prompts_used))
 

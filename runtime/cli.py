@@ -146,13 +146,17 @@ def main_generate(argv: Sequence[str]) -> int:
     from .lora.cli_args import add_lora_argument, lora_stack
     from .model_files import ModelSources
     from .request import GenerationRequest
+    from .image_files import add_image_arguments, check_image_fields, image_fields
 
     parser = OneLineParser(prog="ernie-image generate", description="Generate an image with ERNIE-Image.")
     _add_generate_arguments(parser)
     add_lora_argument(parser)
+    add_image_arguments(parser)
     args = parser.parse_args(argv)
     check_out_path(args.out)
     loras = lora_stack(args.lora)
+    image_in = image_fields(args)  # files read and checked before any model file is opened
+    check_image_fields(image_in, args)
     # The console shows no pictures: skip the per-step latent preview (it costs a device-to-host copy per step).
     options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=parse_budget(args.budget),
                           quant=args.quant, keep_loaded=False, previews=False)
@@ -173,7 +177,7 @@ def main_generate(argv: Sequence[str]) -> int:
         height=default_side if args.height is None else args.height,
         steps=int(pipe.defaults["steps"]) if args.steps is None else args.steps,
         cfg=args.cfg if args.cfg is not None else pipe.defaults["cfg"],
-        shift=args.shift, seed=args.seed, batch=args.batch, use_pe=args.use_pe,
+        shift=args.shift, seed=args.seed, batch=args.batch, use_pe=args.use_pe, **image_in,
     )
     started = time.perf_counter()
     result = pipe.generate(request, host)

@@ -14,12 +14,15 @@ import torch
 
 from .acceleration import compile_available, compile_blocks, fuse_projections
 from .decode import decode_images
+from .encode import encode_images
 from .errors import ErnieImageError, InvalidInputError, MemoryBudgetError, ModelFileError
 from .formats import open_component
+from .image_in import composite, init_latents, needs_encoding, start_state
 from .host import Host, NullHost
 from .lora.pipe_loras import PipeLoras
 from .lora.stack import LoraStack
-from .model_files import QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae
+from .model_files import (QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae,
+                          require_vae_encoder)
 from .offload.planner import budget_bytes
 from .offload.reserve import device_bytes_held, device_bytes_needed, phase_needs
 from .offload.session import PipeMemory, plans_pe
@@ -77,6 +80,7 @@ class _Loaded:
     text_tower: Any = None
     dit: Any = None
     vae: Any = None
+    vae_encoder: Any = None  # built only for jobs with an image in
     enhancer: Any = None
 
 
@@ -158,7 +162,8 @@ class LocalPipe:
     def is_loaded(self) -> bool:
         """Whether any weights (text encoder, DiT, VAE, prompt enhancer) are held by this pipe."""
         loaded = self._loaded
-        return any(part is not None for part in (loaded.text_tower, loaded.dit, loaded.vae, loaded.enhancer))
+        return any(part is not None for part in (loaded.text_tower, loaded.dit, loaded.vae, loaded.vae_encoder,
+                                                 loaded.enhancer))
 
     # -- phases ---------------------------------------------------------------------------------------
 
@@ -212,6 +217,29 @@ class LocalPipe:
             self._loaded.vae = build_vae(component, self.device, torch.float32 if self.device.type == "cpu" else self.dtype)
         return self._loaded.vae
 
+    def _vae_encoder(self):
+        if self._loaded.vae_encoder is None:
+            component = open_component(self.sources.component("vae"), "vae")
+            dtype = torch.float32 if self.device.type == "cpu" else self.dtype
+            self._loaded.vae_encoder = build_vae(component, self.device, dtype, part="encoder")
+        return self._loaded.vae_encoder
+
+    def encode_image(self, request: GenerationRequest) -> Optional[torch.Tensor]:
+        """The image-in phase: the original's normalised latents (a LATENT input as given, an IMAGE through the VAE
+        encoder), or None when the job starts from pure noise. The encoder leaves the device after its phase
+        unless the plan keeps everything resident."""
+        given = init_latents(request)
+        if given is not None or not needs_encoding(request):
+            return given
+        self._phase = "encode"
+        tile = self.memory.plan.encode.tile if self.memory.plan is not None and self.memory.plan.encode else None
+        with torch.inference_mode():
+            latents = encode_images(request.init_image, self._vae_encoder(), tile)
+        if not self.memory.encoder_is_persistent():
+            self._loaded.vae_encoder = None
+            self.memory.after_encode()
+        return latents
+
     def encode(self, prompts: list[str]) -> list[torch.Tensor]:
         self._phase = "text"
         unique = list(dict.fromkeys(prompts))
@@ -220,18 +248,20 @@ class LocalPipe:
         return [encoded[p] for p in prompts]
 
     def sample(self, request: GenerationRequest, text: list[torch.Tensor], negative: Optional[list[torch.Tensor]],
-               host: Host) -> torch.Tensor:
+               host: Host, original: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`original`: the image's normalised latents (encode_image) the job starts from; None: pure noise."""
         self._phase = "dit"
         self.memory.set_host(host)
         dit = self._dit()
         rows = (negative + text) if negative is not None else text
         denoise = length_grouped_denoiser(dit, rows, self.device, self.dtype)
         noise = initial_noise(request.seed, request.batch, request.width, request.height).to(self.device)
+        start = start_state(request, original, self.device)
 
         preview = latent_preview if self.options.previews else None
         with torch.inference_mode():
             cfg = request.cfg if negative is not None else 1.0
-            return sample_euler(denoise, noise, request.steps, request.shift, cfg, self.dtype, host, preview)
+            return sample_euler(denoise, noise, request.steps, request.shift, cfg, self.dtype, host, preview, start)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         self._phase = "vae"
@@ -268,10 +298,16 @@ class LocalPipe:
 
     def _generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         self._phase = "setup"
+        if needs_encoding(request):
+            require_vae_encoder(open_component(self.sources.component("vae"), "vae"))
         room = self.device_bytes_needed(request)
         if room:
             host.make_room(room, self.device)  # ComfyUI unloads its own models; the CLI has nothing to unload
         self._plan(request, host)  # MemoryBudgetError before any allocation
+        started_encode = self._clock()
+        original = self.encode_image(request)
+        encoded_image = self._clock()
+        host.check_cancel()
         revised = self._enhance(request, host)
         prompts = revised.prompts
         host.check_cancel()
@@ -281,10 +317,10 @@ class LocalPipe:
         text, negative = encoded_rows[: len(prompts)], (encoded_rows[len(prompts):] or None)
         encoded = self._clock()
         host.check_cancel()
-        latents = self.sample(request, text, negative, host)
+        latents = self.sample(request, text, negative, host, original)
         sampled = self._clock()
         host.check_cancel()
-        images = self.decode(latents)
+        images = composite(self.decode(latents), request)
         decoded = self._clock()
         if not self.options.keep_loaded:
             self.release()
@@ -295,6 +331,7 @@ class LocalPipe:
             "text_s": round(encoded - started, 3),
             "sampling_s": round(sampled - encoded, 3),
             "decode_s": round(decoded - sampled, 3),
+            **({"image_encode_s": round(encoded_image - started_encode, 3)} if request.has_image_input else {}),
             **revised.info(),
             **self._lora.info(),
         }
@@ -327,6 +364,8 @@ class LocalPipe:
         loaded = self._loaded
         enhancer = loaded.enhancer.model if loaded.enhancer is not None else None
         parts = {"pe": enhancer, "text": loaded.text_tower, "dit": loaded.dit, "vae": loaded.vae}
+        if loaded.vae_encoder is not None:  # built only for jobs with an image in
+            parts["encode"] = loaded.vae_encoder
         return {phase: device_bytes_held(module, self.device) for phase, module in parts.items()}
 
     def _plan(self, request: GenerationRequest, host: Host) -> None:
@@ -339,6 +378,8 @@ class LocalPipe:
                 self._loaded.text_tower = None
             if self.memory.pe is None:
                 self._loaded.enhancer = None
+            if not self.memory.encoder_is_persistent():
+                self._loaded.vae_encoder = None  # kept from an earlier job whose plan had room for it
         self.memory.set_host(host)
 
     def _local_pe(self) -> bool:

@@ -241,14 +241,31 @@ def build_text_tower(component, device: torch.device, dtype: torch.dtype, varian
     return fill_from_file(tower, component, device, dtype)
 
 
-def build_vae(component, device: torch.device, dtype: torch.dtype):
+VaePart = Literal["decoder", "encoder"]
+
+
+def require_vae_encoder(component) -> None:
+    """Image inputs need the VAE's encoder: a decoder-only file is named before any work starts."""
+    if not any(key.startswith("encoder.") for key in component.keys):
+        raise ModelFileError(f"{component.path.name} holds only the VAE decoder: image inputs need the encoder too: "
+                             "pick the full vae/flux2-vae.safetensors (or a diffusers ERNIE-Image folder's vae/)")
+
+
+def build_vae(component, device: torch.device, dtype: torch.dtype, part: VaePart = "decoder"):
+    """One half of the FLUX.2 VAE with the latent BatchNorm statistics: the decoder (text-to-image never encodes)
+    or the encoder (image inputs). The other half is dropped before anything is materialised."""
     from diffusers import AutoencoderKLFlux2
 
     config = component.config or load_config("base", "vae")
     config = {k: v for k, v in config.items() if not k.startswith("_")}
+    if part == "encoder":
+        require_vae_encoder(component)
     with torch.device("meta"):
         vae = AutoencoderKLFlux2.from_config(config)
-    # Text-to-image never encodes: drop the encoder before anything is materialised.
-    vae.encoder = None
-    vae.quant_conv = None
+    if part == "encoder":
+        vae.decoder = None
+        vae.post_quant_conv = None
+    else:
+        vae.encoder = None
+        vae.quant_conv = None
     return fill_from_file(vae, component, device, dtype, keep_fp32=("bn.running_mean", "bn.running_var"))

@@ -13,11 +13,13 @@ import torch
 from .request import GenerationRequest
 
 
-PHASE_NAMES = {"setup": "setup", "pe": "prompt enhancer", "text": "text encoder", "dit": "DiT", "vae": "VAE decode"}
+PHASE_NAMES = {"setup": "setup", "pe": "prompt enhancer", "text": "text encoder", "dit": "DiT", "vae": "VAE decode",
+               "encode": "VAE encode"}
 PHASE_FIXES = {
     "pe": "or revise prompts on a PE chat endpoint (pe_url)",
     "text": "or use a quantised (GGUF) text encoder",
     "vae": "or a smaller size or batch (under a budget the VAE decodes in tiles)",
+    "encode": "or a smaller image or batch (under a budget the VAE encodes in tiles)",
 }
 DIT_FIX = "a smaller size or batch, or a quantised DiT (quant fp8/q8_0/q4_k/nvfp4, or a GGUF file)"
 # Out of memory outside the caching allocator: a kernel launch, or cuBLAS creating its handle or workspace.

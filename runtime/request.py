@@ -74,6 +74,115 @@ def _check_texts(request: "GenerationRequest") -> None:
                                     "save the prompt as UTF-8") from None
 
 
+MAX_MASK_PIXELS = 1024  # mask_grow / mask_feather limit
+# LATENT channel counts of other model families, for the message that names what was connected.
+OTHER_LATENTS = {4: "an SD1.5/SDXL LATENT (4 channels)", 16: "a FLUX.1 / SD3 LATENT (16 channels)",
+                 32: "an unpatchified FLUX.2 VAE latent (32 channels)"}
+
+
+def _image_size_problem(width: int, height: int, what: str) -> Optional[str]:
+    """Image inputs follow text-to-image's size rule: refused (never resized or cropped) with the nearest size."""
+    ok = all(v % SIDE_MULTIPLE == 0 and MIN_SIDE <= v <= MAX_SIDE for v in (width, height))
+    if ok:
+        return None
+    return (f"{what} is {width}x{height}: ERNIE-Image needs sides that are multiples of {SIDE_MULTIPLE} between "
+            f"{MIN_SIDE} and {MAX_SIDE}: resize or crop it to {nearest_valid_side(width)}x{nearest_valid_side(height)} "
+            "first (ComfyUI: Upscale Image or ImageCrop)")
+
+
+def _check_batch(count: int, batch: int, what: str) -> None:
+    if count not in (1, batch):
+        raise InvalidInputError(f"{what} holds {count} images but batch is {batch}: give one (used for every image) "
+                                f"or {batch}, or set batch to {count}")
+
+
+def _check_init_image(request: "GenerationRequest") -> tuple[int, int]:
+    image = request.init_image
+    if not isinstance(image, torch.Tensor) or image.ndim != 4 or not image.is_floating_point():
+        shape = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
+        raise InvalidInputError(f"init image {shape} is not an IMAGE: give float RGB [batch, height, width, 3] in 0..1")
+    channels = image.shape[-1]
+    if channels == 4:
+        raise InvalidInputError("init image has an alpha channel (RGBA): ERNIE-Image takes RGB: drop or flatten "
+                                "the alpha first (give it as the mask to repaint the transparent part)")
+    if channels != 3:
+        raise InvalidInputError(f"init image has {channels} channels: ERNIE-Image takes RGB [batch, height, width, 3]")
+    if not bool(torch.isfinite(image).all()) or float(image.min()) < 0 or float(image.max()) > 1:
+        raise InvalidInputError("init image holds values outside 0..1 (or NaN): give a ComfyUI IMAGE in 0..1")
+    height, width = int(image.shape[1]), int(image.shape[2])
+    problem = _image_size_problem(width, height, "init image")
+    if problem:
+        raise InvalidInputError(problem)
+    _check_batch(int(image.shape[0]), request.batch, "init image")
+    return width, height
+
+
+def _check_init_latents(request: "GenerationRequest") -> tuple[int, int]:
+    latents = request.init_latents
+    if not isinstance(latents, torch.Tensor) or not latents.is_floating_point():
+        raise InvalidInputError(f"init latent {type(latents).__name__} is not a LATENT tensor: connect a LATENT")
+    if latents.ndim == 5:
+        raise InvalidInputError(f"init latent {tuple(latents.shape)} is a video LATENT: ERNIE-Image takes an image "
+                                "LATENT [batch, 128, height/16, width/16]")
+    channels = int(latents.shape[1]) if latents.ndim == 4 else None
+    if channels != 128:
+        what = OTHER_LATENTS.get(channels, f"a LATENT of shape {tuple(latents.shape)}")
+        raise InvalidInputError(f"init latent is {what}, not ERNIE-Image's [batch, 128, height/16, width/16]: "
+                                "VAE Encode the image with the FLUX.2 VAE (flux2-vae) or give the image itself")
+    if not bool(torch.isfinite(latents).all()):
+        raise InvalidInputError("init latent holds NaN or infinite values: give a LATENT from a finished run")
+    height, width = int(latents.shape[2]) * 16, int(latents.shape[3]) * 16
+    problem = _image_size_problem(width, height, "init latent (as pixels)")
+    if problem:
+        raise InvalidInputError(problem)
+    _check_batch(int(latents.shape[0]), request.batch, "init latent")
+    return width, height
+
+
+def _check_mask(request: "GenerationRequest", width: int, height: int) -> None:
+    mask = request.mask
+    if not isinstance(mask, torch.Tensor) or mask.ndim not in (2, 3, 4) or (mask.ndim == 4 and mask.shape[1] != 1):
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise InvalidInputError(f"mask {shape} is not a MASK: give [batch, height, width] or [height, width] in 0..1")
+    if not request.has_image_input:
+        raise InvalidInputError("a mask was given without an image or latent to repaint: connect the image too")
+    mask_h, mask_w = int(mask.shape[-2]), int(mask.shape[-1])
+    latent_grid = request.init_image is None and (mask_w, mask_h) == (width // 16, height // 16)
+    if (mask_w, mask_h) != (width, height) and not latent_grid:
+        raise InvalidInputError(f"mask is {mask_w}x{mask_h} but the image is {width}x{height}: give a mask of the "
+                                "image's size (ComfyUI: the MASK of the same Load Image, or Upscale Image on both)")
+    if not bool(torch.isfinite(mask).all()) or float(mask.min()) < 0 or float(mask.max()) > 1:
+        raise InvalidInputError("mask holds values outside 0..1 (or NaN): give a MASK in 0..1 (1 = repaint)")
+    _check_batch(int(mask.shape[0]) if mask.ndim > 2 else 1, request.batch, "mask")
+    for name in ("mask_grow", "mask_feather"):
+        value = getattr(request, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_MASK_PIXELS:
+            raise InvalidInputError(f"{name} {value!r} is not allowed: use 0..{MAX_MASK_PIXELS} pixels")
+
+
+def _check_image_inputs(request: "GenerationRequest") -> None:
+    """denoise, init image / latent, mask: each bad input named in one line, before any weights are read."""
+    denoise = request.denoise
+    if isinstance(denoise, bool) or not isinstance(denoise, (int, float)) or not 0 < denoise <= 1:
+        # NaN fails the range test too.
+        raise InvalidInputError(f"denoise {denoise!r} is not allowed: use a value in (0, 1] (1.0 redraws everything)")
+    if request.init_image is not None and request.init_latents is not None:
+        raise InvalidInputError("both an init image and an init latent were given: connect one of them")
+    if not request.has_image_input:
+        if denoise < 1:
+            raise InvalidInputError(f"denoise {denoise:g} needs an image or latent to start from: connect one, or "
+                                    "set denoise to 1.0")
+        if request.mask is not None:
+            _check_mask(request, request.width, request.height)
+        return
+    width, height = _check_init_image(request) if request.init_image is not None else _check_init_latents(request)
+    if (request.width, request.height) != (width, height):
+        raise InvalidInputError(f"width/height {request.width}x{request.height} differ from the init input's "
+                                f"{width}x{height}: set them to its size (the image decides the size)")
+    if request.mask is not None:
+        _check_mask(request, width, height)
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     prompt: str
@@ -91,10 +200,21 @@ class GenerationRequest:
     pe_max_new_tokens: int = 512
     # Per-image prompts for a batch whose prompts differ; when set its length must equal `batch`.
     prompts: Optional[tuple[str, ...]] = None
+    # Image in (img2img, inpainting, a hires second pass). At most one of init_image (ComfyUI IMAGE: float32
+    # [B, H, W, 3] in 0..1) and init_latents (normalised DiT latents [B, 128, H/16, W/16], ComfyUI's FLUX.2 LATENT);
+    # width and height must be its size. A batch of 1 serves every image of `batch`.
+    init_image: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    init_latents: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)
+    denoise: float = 1.0  # ComfyUI KSampler's: the last `steps` of a schedule of int(steps / denoise) steps
+    mask: Optional[torch.Tensor] = field(default=None, compare=False, repr=False)  # [B, H, W] / [H, W], 1 = repaint
+    mask_grow: int = 0  # pixels the mask is grown by before use
+    mask_feather: int = 0  # pixels of soft edge after growing
+    composite: bool = True  # paste the result onto the original pixels outside the mask (needs init_image)
 
     def validate(self) -> None:
         _check_types(self)
         _check_texts(self)
+        _check_image_inputs(self)  # first: a bad image's size is named as the image's, not as width/height
         validate_size(self.width, self.height)
         if not 1 <= self.steps <= 1000:
             raise InvalidInputError(f"steps {self.steps} is not allowed: use 1..1000 (50 for ERNIE-Image, 8 for Turbo)")
@@ -108,6 +228,14 @@ class GenerationRequest:
             raise InvalidInputError(f"shift {self.shift} is not allowed: use a positive value (4.0 is Baidu's)")
         if self.prompts is not None and len(self.prompts) != self.batch:
             raise InvalidInputError(f"{len(self.prompts)} prompts given for batch {self.batch}: give one per image")
+
+    @property
+    def has_image_input(self) -> bool:
+        return self.init_image is not None or self.init_latents is not None
+
+    @property
+    def is_inpainting(self) -> bool:
+        return self.mask is not None
 
     @property
     def uses_cfg(self) -> bool:
@@ -129,7 +257,25 @@ class GenerationRequest:
             "seed": self.seed,
             "batch": self.batch,
             "use_pe": self.use_pe,
+            **self._image_metadata(),
         }
+
+    def _image_metadata(self) -> dict[str, Any]:
+        """What the image inputs were, as flags and numbers (the tensors themselves stay out)."""
+        if not self.has_image_input:
+            return {}
+        info: dict[str, Any] = {"init": "image" if self.init_image is not None else "latent", "denoise": self.denoise}
+        if self.mask is not None:
+            info.update(inpaint=True, mask_grow=self.mask_grow, mask_feather=self.mask_feather,
+                        composite=self.composite and self.init_image is not None)
+        return info
+
+
+def refuse_image_inputs(request: GenerationRequest, backend: str) -> None:
+    """A backend without image inputs says so in one line instead of ignoring the image."""
+    if request.has_image_input or request.mask is not None:
+        raise InvalidInputError(f"image inputs (img2img, inpainting) are not supported by {backend}: use a local "
+                                "ERNIE-Image Loader for them, or disconnect the image, latent and mask")
 
 
 @dataclass

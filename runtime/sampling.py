@@ -1,12 +1,15 @@
 """Flow-match Euler with ERNIE's static shift, CFG as one batch, seeds that mean the same image everywhere."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from .host import Host
 from .text.encoder import pad_text
+
+if TYPE_CHECKING:
+    from .image_in import StartState
 
 LATENT_CHANNELS = 128
 LATENT_DOWNSCALE = 16
@@ -38,22 +41,30 @@ def sample_euler(
     model_dtype: torch.dtype,
     host: Host,
     preview: Optional[Callable[[torch.Tensor], object]] = None,
+    start: Optional["StartState"] = None,
 ) -> torch.Tensor:
-    """Run the sampler; `denoise` gets the 2B batch [uncond..., cond...] when cfg > 1. Returns fp32 latents."""
-    sigmas = shifted_sigmas(steps, shift)
+    """Run the sampler; `denoise` gets the 2B batch [uncond..., cond...] when cfg > 1. Returns fp32 latents.
+
+    `start` (image_in.StartState): an image's start instead of pure noise, its sigmas, and the inpainting mask."""
+    sigmas = start.sigmas if start is not None else shifted_sigmas(steps, shift)
     timesteps = (sigmas * 1000.0).tolist()  # float32 products, as the reference scheduler computes them
     step_sizes = (sigmas[1:] - sigmas[:-1]).tolist()
-    latents = noise.to(torch.float32)
+    noise = noise.to(torch.float32)
+    latents = start.start_latents(noise) if start is not None else noise
     use_cfg = cfg > 1.0
     batch = latents.shape[0]
     for index in range(steps):
         host.check_cancel()
+        if start is not None:
+            latents = start.before_step(latents, noise, float(sigmas[index]))
         model_input = torch.cat([latents, latents]) if use_cfg else latents
         timestep = torch.full((model_input.shape[0],), timesteps[index], device=latents.device, dtype=model_dtype)
         velocity = denoise(model_input.to(model_dtype), timestep).float()
         if use_cfg:
             uncond, cond = velocity[:batch], velocity[batch:]
             velocity = uncond + cfg * (cond - uncond)
+        if start is not None:
+            velocity = start.velocity(latents, velocity, float(sigmas[index]))
         latents = latents + step_sizes[index] * velocity
         host.progress(index + 1, steps, preview(latents) if preview is not None else None)
     return latents

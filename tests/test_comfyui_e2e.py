@@ -287,7 +287,8 @@ async def test_web_extension_docs_and_templates_are_served(comfy: Comfy) -> None
             async with session.get(f"{comfy.url}/extensions/{PACK_NAME}/docs/{node_id}.md") as response:
                 assert response.status == 200, f"help page of {node_id} not served"
         templates = await (await session.get(f"{comfy.url}/api/workflow_templates")).json()
-        assert sorted(templates[PACK_NAME]) == sorted(p.stem for p in (REPO_ROOT / "workflows").glob("*.json"))
+        shipped = [p.stem for folder in ("workflows", "example_workflows") for p in (REPO_ROOT / folder).glob("*.json")]
+        assert sorted(templates[PACK_NAME]) == sorted(shipped)
 
 
 @pytest.mark.parametrize("path", API_WORKFLOWS, ids=lambda p: p.stem)

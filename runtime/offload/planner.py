@@ -17,7 +17,7 @@ from typing import Literal, Optional
 
 from ..errors import MemoryBudgetError
 from .sizes import ModelSizes
-from .workspace import Job, dit_workspace, pe_workspace, text_workspace, vae_workspace
+from .workspace import Job, dit_workspace, pe_workspace, text_workspace, vae_encode_workspace, vae_workspace
 
 GiB = 1024**3
 DEFAULT_SLOTS = 2
@@ -79,6 +79,20 @@ class VaePlan:
 
 
 @dataclass(frozen=True)
+class EncodePlan:
+    """The VAE encoder of a job with an image in: its own phase, before the text encoder's."""
+
+    persistent: bool  # kept between runs (everything fits); else loaded for its phase and dropped
+    tile: Optional[int]  # pixels per tile side; None: whole-image encode
+    weight_bytes: int
+    workspace: int
+
+    @property
+    def phase_bytes(self) -> int:
+        return self.weight_bytes + self.workspace
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     budget: int
     job: Job
@@ -90,10 +104,12 @@ class MemoryPlan:
     pe: Optional[LayeredPlan]
     phase_peaks: dict[str, int] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    encode: Optional[EncodePlan] = None  # only for jobs with an image in
 
     @property
     def all_resident(self) -> bool:
-        return not self.dit.streamed and self.text.mode == "resident" and self.vae.persistent
+        encoder = self.encode is None or self.encode.persistent
+        return not self.dit.streamed and self.text.mode == "resident" and self.vae.persistent and encoder
 
     @property
     def peak(self) -> int:
@@ -193,23 +209,29 @@ def plan_memory(budget: Optional[int], job: Job, sizes: ModelSizes, device_type:
     pe_ws = pe_workspace(sizes, device_type) if use_pe else 0
     vae_full = VaePlan(True, None, sizes.vae_bytes, vae_workspace(sizes, job, None, device_type))
     pe_resident = _layered(sizes.pe, "resident", 0, pe_ws, False) if use_pe else None
+    encode_full = (EncodePlan(True, None, sizes.vae_encoder_bytes, vae_encode_workspace(sizes, job, None, device_type))
+                   if job.encode else None)
 
     dit_all = plan_dit(sizes, sizes.dit.layers, 0, dit_ws)
     text_resident = _layered(sizes.text, "resident", 0, text_ws, True)
     everything = (dit_all.gpu_weight_bytes + text_resident.gpu_bytes + sizes.vae_bytes
                   + (pe_resident.gpu_bytes if pe_resident else 0)
-                  + max(dit_ws, text_ws, vae_full.workspace, pe_ws))
+                  + (encode_full.weight_bytes if encode_full else 0)
+                  + max(dit_ws, text_ws, vae_full.workspace, pe_ws, encode_full.workspace if encode_full else 0))
     if usable is None or everything <= usable:
         return _finish(budget if budget is not None else everything, job, sizes, device_type, dit_all,
-                       text_resident, vae_full, pe_resident)
+                       text_resident, vae_full, pe_resident, encode=encode_full)
 
     text_streamed = _layered(sizes.text, "streamed", slots, text_ws, True)
     vae_tiled_ws = vae_workspace(sizes, job, VAE_TILE, device_type)
     smallest_vae = min(vae_full.workspace, vae_tiled_ws)
     pe_streamed = _layered(sizes.pe, "streamed", slots, pe_ws, False) if use_pe else None
+    encode_tiled = (EncodePlan(False, VAE_TILE, sizes.vae_encoder_bytes,
+                               vae_encode_workspace(sizes, job, VAE_TILE, device_type)) if job.encode else None)
     dit_floor = sizes.dit.stem_bytes + slots * sizes.dit.layer_bytes
     headroom_floor = max(dit_ws, text_streamed.phase_bytes, sizes.vae_bytes + smallest_vae,
-                         pe_streamed.phase_bytes if pe_streamed else 0)
+                         pe_streamed.phase_bytes if pe_streamed else 0,
+                         min(encode_full.phase_bytes, encode_tiled.phase_bytes) if job.encode else 0)
     smallest = dit_floor + headroom_floor
     if smallest > usable:
         raise MemoryBudgetError(
@@ -220,6 +242,14 @@ def plan_memory(budget: Optional[int], job: Job, sizes: ModelSizes, device_type:
     spare = usable - dit_floor
     vae = vae_full if sizes.vae_bytes + vae_full.workspace <= spare else VaePlan(False, VAE_TILE, sizes.vae_bytes,
                                                                                    vae_tiled_ws)
+    encode = None
+    if job.encode:
+        # Whole-image encode only where the other phases already need that much: it must not cost DiT blocks.
+        others = max(dit_ws, text_streamed.phase_bytes, sizes.vae_bytes + vae.workspace,
+                     _layered(sizes.pe, "phase", 0, pe_ws, False).phase_bytes if use_pe else 0)
+        whole = EncodePlan(False, None, encode_full.weight_bytes, encode_full.workspace)
+        encode = whole if whole.phase_bytes <= others else encode_tiled
+    encode_phase = encode.phase_bytes if encode else 0
     notes: list[str] = []
     pe_plan = None
     if use_pe:
@@ -231,26 +261,29 @@ def plan_memory(budget: Optional[int], job: Job, sizes: ModelSizes, device_type:
             notes.append("prompt enhancer streams layer-wise for every generated token: slow; "
                          "consider a remote enhancer endpoint")
     headroom = max(dit_ws, text_streamed.phase_bytes, sizes.vae_bytes + vae.workspace,
-                   pe_plan.phase_bytes if pe_plan else 0)
+                   pe_plan.phase_bytes if pe_plan else 0, encode_phase)
     on_gpu = (usable - sizes.dit.stem_bytes - headroom) // sizes.dit.layer_bytes
     resident_count = sizes.dit.layers if on_gpu >= sizes.dit.layers else max(0, on_gpu - slots)
     dit = plan_dit(sizes, resident_count, slots, dit_ws)
 
     text = text_streamed
     if dit.gpu_weight_bytes + text_resident.gpu_bytes + max(dit_ws, text_ws, sizes.vae_bytes + vae.workspace,
-                                                            pe_plan.phase_bytes if pe_plan else 0) <= usable:
+                                                            pe_plan.phase_bytes if pe_plan else 0,
+                                                            encode_phase) <= usable:
         text = text_resident
     persistent_before_vae = dit.gpu_weight_bytes + (text.gpu_bytes if text.mode == "resident" else 0)
     if vae.persistent and persistent_before_vae + sizes.vae_bytes + max(dit_ws, text.phase_bytes,
-                                                                        vae.workspace) > usable:
+                                                                        vae.workspace, encode_phase) > usable:
         vae = VaePlan(False, vae.tile, vae.weight_bytes, vae.workspace)
-    return _finish(budget, job, sizes, device_type, dit, text, vae, pe_plan, tuple(notes))
+    return _finish(budget, job, sizes, device_type, dit, text, vae, pe_plan, tuple(notes), encode)
 
 
 def _finish(budget: int, job: Job, sizes: ModelSizes, device_type: str, dit: DiTPlan, text: LayeredPlan,
-            vae: VaePlan, pe: Optional[LayeredPlan], notes: tuple[str, ...] = ()) -> MemoryPlan:
+            vae: VaePlan, pe: Optional[LayeredPlan], notes: tuple[str, ...] = (),
+            encode: Optional[EncodePlan] = None) -> MemoryPlan:
     persistent = dit.gpu_weight_bytes + (text.gpu_bytes if text.mode == "resident" else 0) \
-        + (vae.weight_bytes if vae.persistent else 0) + (pe.gpu_bytes if pe is not None and pe.mode == "resident" else 0)
+        + (vae.weight_bytes if vae.persistent else 0) + (pe.gpu_bytes if pe is not None and pe.mode == "resident" else 0) \
+        + (encode.weight_bytes if encode is not None and encode.persistent else 0)
     peaks = {
         "text": persistent + (0 if text.mode == "resident" else text.gpu_bytes) + text.workspace,
         "dit": persistent + dit.workspace,
@@ -258,7 +291,9 @@ def _finish(budget: int, job: Job, sizes: ModelSizes, device_type: str, dit: DiT
     }
     if pe is not None:
         peaks["pe"] = persistent + (0 if pe.mode == "resident" else pe.gpu_bytes) + pe.workspace
-    return MemoryPlan(budget, job, sizes, device_type, dit, text, vae, pe, peaks, notes)
+    if encode is not None:
+        peaks["encode"] = persistent + (0 if encode.persistent else encode.weight_bytes) + encode.workspace
+    return MemoryPlan(budget, job, sizes, device_type, dit, text, vae, pe, peaks, notes, encode)
 
 
 def _gib_up(num_bytes: int) -> str:
@@ -291,6 +326,10 @@ def render_plan(plan: MemoryPlan, pcie_gbps: float = PCIE_GBPS) -> str:
     def row(name: str, what: str, gpu: int, work: int, pinned: int) -> None:
         lines.append(f"{name:<13}{what:<52}{g(gpu):>8}{g(work):>9}{g(pinned):>11}")
 
+    if plan.encode is not None:
+        encode_what = ("resident" if plan.encode.persistent else "loaded for its phase, then dropped") + (
+            f", tiled {plan.encode.tile}px" if plan.encode.tile else ", whole image")
+        row("VAE encode", encode_what, plan.encode.weight_bytes, plan.encode.workspace, 0)
     if plan.pe is not None:
         row("enhancer", _layer_text(plan.pe), plan.pe.gpu_bytes, plan.pe.workspace, plan.pe.pinned_bytes)
     row("text encoder", _layer_text(plan.text), plan.text.gpu_bytes, plan.text.workspace, plan.text.pinned_bytes)

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from .sizes import FORMAT_BYTES, LayeredSize, ModelSizes
-from .workspace import Job, dit_workspace, pe_workspace, text_workspace, vae_workspace
+from .workspace import Job, dit_workspace, pe_workspace, text_workspace, vae_encode_workspace, vae_workspace
 
-PHASES = ("pe", "text", "dit", "vae")
+PHASES = ("encode", "pe", "text", "dit", "vae")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,8 @@ def phase_needs(sizes: ModelSizes, job: Job, device_type: str = "cuda",
     }
     if job.use_pe and sizes.pe is not None:
         needs["pe"] = PhaseNeed(sizes.pe.total_bytes, pe_workspace(sizes, device_type))
+    if job.encode:
+        needs["encode"] = PhaseNeed(sizes.vae_encoder_bytes, vae_encode_workspace(sizes, job, None, device_type))
     if phases is not None:
         needs = {name: need for name, need in needs.items() if name in phases}
     return needs

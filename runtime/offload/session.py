@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..errors import MemoryBudgetError
+from ..image_in import needs_encoding
 from .placement import DiTPlacement, PePlacement, TextPlacement
 from .planner import MemoryPlan, budget_bytes, plan_memory
 from .reserve import file_dit_size
@@ -97,7 +98,7 @@ class PipeMemory:
     @staticmethod
     def job_for(request, use_pe: bool) -> Job:
         return Job(width=request.width, height=request.height, batch=request.batch, cfg=request.cfg,
-                   text_tokens=TEXT_TOKENS_FOR_PLAN, use_pe=use_pe)
+                   text_tokens=TEXT_TOKENS_FOR_PLAN, use_pe=use_pe, encode=needs_encoding(request))
 
     def _plan_inputs(self, request, sources, variant, local_pe: bool) -> tuple[Optional[int], Job, ModelSizes]:
         """Budget (None: 'auto' off CUDA, unbounded), job and sizes (`planning_sizes`) for `request`."""
@@ -215,6 +216,14 @@ class PipeMemory:
 
     def vae_is_persistent(self) -> bool:
         return self.plan is None or self.plan.vae.persistent
+
+    def encoder_is_persistent(self) -> bool:
+        """Whether the VAE encoder stays after its phase: no plan (nothing to make room for), or all resident."""
+        return self.plan is None or (self.plan.encode is not None and self.plan.encode.persistent)
+
+    def after_encode(self) -> None:
+        """Leave the encode phase: its freed blocks go back before the next phase's weights arrive."""
+        self._empty_cache()
 
     def describe(self) -> str:
         return self.plan.table() if self.plan is not None else "no VRAM plan (offloading inactive)"

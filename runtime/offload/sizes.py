@@ -1,7 +1,8 @@
 """Weight sizes of ERNIE-Image's parts, derived from their configs (never hard-coded), per storage format.
 
 Only what the runtime materialises is counted: the DiT, the text tower cut at hidden_states[-2] (the last layer,
-the final norm and the vision tower never load), the prompt enhancer (a full causal LM) and the VAE decoder.
+the final norm and the vision tower never load), the prompt enhancer (a full causal LM), the VAE decoder and,
+for jobs with an image in, the VAE encoder.
 """
 from __future__ import annotations
 
@@ -106,6 +107,38 @@ def prompt_enhancer_size(config: dict, dtype_bytes: int = 2) -> LayeredSize:
                        dtype_bytes * stem, vocab * d)
 
 
+def vae_encoder_bytes(config: dict, dtype_bytes: int = 2) -> int:
+    """AutoencoderKLFlux2 encoder (plus quant_conv and the BatchNorm statistics), from its config: built only for
+    jobs with an image in."""
+    channels = [int(c) for c in config["block_out_channels"]]
+    layers = int(config["layers_per_block"])
+    latent = int(config["latent_channels"])
+
+    def conv(cin: int, cout: int, k: int) -> int:
+        return cin * cout * k * k + cout
+
+    def resnet(cin: int, cout: int) -> int:
+        shortcut = conv(cin, cout, 1) if cin != cout else 0
+        return 2 * cin + conv(cin, cout, 3) + 2 * cout + conv(cout, cout, 3) + shortcut
+
+    params = conv(int(config["in_channels"]), channels[0], 3)  # conv_in
+    previous = channels[0]
+    for index, out in enumerate(channels):
+        for layer in range(layers):
+            params += resnet(previous if layer == 0 else out, out)
+        previous = out
+        if index < len(channels) - 1:
+            params += conv(out, out, 3)  # downsampler
+    top = channels[-1]
+    params += 2 * resnet(top, top)  # mid block resnets
+    if config.get("mid_block_add_attention", True):
+        params += 2 * top + 4 * (top * top + top)
+    params += 2 * top + conv(top, 2 * latent, 3)  # norm out, conv_out (mean and log-variance)
+    params += conv(2 * latent, 2 * latent, 1)  # quant_conv
+    batch_norm = 2 * 4 * latent * 4  # running mean/var over the 2x2-patchified channels, fp32
+    return dtype_bytes * params + batch_norm
+
+
 def vae_decoder_bytes(config: dict, dtype_bytes: int = 2) -> int:
     """AutoencoderKLFlux2 decoder (plus post_quant_conv and the BatchNorm statistics), from its config."""
     channels = [int(c) for c in config["block_out_channels"]]
@@ -139,6 +172,10 @@ def vae_decoder_bytes(config: dict, dtype_bytes: int = 2) -> int:
     return dtype_bytes * params + batch_norm
 
 
+def _side(sample_size) -> int:
+    return int(sample_size[0] if isinstance(sample_size, (list, tuple)) else sample_size)
+
+
 @dataclass(frozen=True)
 class ModelSizes:
     dit: LayeredSize
@@ -154,6 +191,8 @@ class ModelSizes:
     dit_ffn: int = 12288
     vae_base_channels: int = 128
     activation_bytes: int = 2
+    vae_encoder_bytes: int = 0  # the VAE encoder, for jobs with an image in
+    vae_sample_size: int = 1024  # the tile side the VAE uses by itself for images above decode's threshold
 
     @classmethod
     def from_configs(cls, dit_config: dict, text_config: dict, vae_config: dict, pe_config: Optional[dict] = None,
@@ -175,6 +214,8 @@ class ModelSizes:
             dit_ffn=int(dit_config["ffn_hidden_size"]),
             vae_base_channels=int(vae_config["block_out_channels"][0]),
             activation_bytes=activation_bytes,
+            vae_encoder_bytes=vae_encoder_bytes(vae_config, activation_bytes),
+            vae_sample_size=_side(vae_config.get("sample_size", 1024)),
         )
 
     @classmethod

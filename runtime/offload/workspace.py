@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..decode import TILED_DECODE_ABOVE_PIXELS
 from .sizes import DEQUANT_FORMATS, ModelSizes
 
 FRAGMENTATION = 1.10
@@ -31,6 +32,7 @@ class Job:
     cfg: float = 1.0
     text_tokens: int = 256  # padded text length the DiT sees (the tokenizer truncates at 2048)
     use_pe: bool = False
+    encode: bool = False  # an init image goes through the VAE encoder first (img2img, inpainting)
 
     @property
     def dit_batch(self) -> int:
@@ -81,13 +83,39 @@ def pe_workspace(sizes: ModelSizes, device_type: str = "cuda") -> int:
     return int((kv_cache + prefill + logits) * FRAGMENTATION) + _fixed(device_type)
 
 
+def _effective_tile(sizes: ModelSizes, job: Job, tile: int | None) -> int | None:
+    """A 'whole image' VAE pass over a large image tiles by itself at the VAE's sample size (decode.py, encode.py)."""
+    if tile is None and job.width * job.height > TILED_DECODE_ABOVE_PIXELS:
+        return sizes.vae_sample_size
+    return tile
+
+
 def vae_workspace(sizes: ModelSizes, job: Job, tile: int | None, device_type: str = "cuda") -> int:
     """Decoder peak: the last up-block's resnets at full resolution hold ~8 maps of the base channel count.
 
     Tiled decode bounds the map to one tile (all batch rows at once) plus the output image being assembled.
     """
     e, base = sizes.activation_bytes, sizes.vae_base_channels
+    tile = _effective_tile(sizes, job, tile)
     pixels = job.width * job.height if tile is None else tile * tile
     maps = 8 * job.batch * base * pixels * e
     output = 2 * job.batch * 3 * job.width * job.height * 4 if tile is not None else 0
     return int((maps + output) * FRAGMENTATION) + _fixed(device_type)
+
+
+def vae_encode_workspace(sizes: ModelSizes, job: Job, tile: int | None, device_type: str = "cuda") -> int:
+    """Encoder peak: the first down-block's resnets at full resolution hold ~8 maps of the base channel count (as
+    the decoder's last up-block), plus the mid-block attention's score matrix over the 1/8-scale grid (one head
+    of 512 channels, beyond what flash kernels take: counted as a full fp32 matrix), plus the input pixels.
+
+    Tiled encode bounds the maps and the attention to one tile (all batch rows at once); the whole input stays on
+    the device.
+    """
+    e, base = sizes.activation_bytes, sizes.vae_base_channels
+    tile = _effective_tile(sizes, job, tile)
+    pixels = job.width * job.height if tile is None else tile * tile
+    maps = 8 * job.batch * base * pixels * e
+    tokens = pixels // (VAE_UPSCALE * VAE_UPSCALE)
+    attention = job.batch * tokens * tokens * 4
+    inputs = job.batch * 3 * job.width * job.height * (4 + e)
+    return int((maps + attention + inputs) * FRAGMENTATION) + _fixed(device_type)

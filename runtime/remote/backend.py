@@ -17,7 +17,7 @@ import torch
 
 from ..errors import Cancelled, InvalidInputError, RemoteError
 from ..host import Host
-from ..request import GenerationRequest, GenerationResult, nearest_valid_side
+from ..request import GenerationRequest, GenerationResult, nearest_valid_side, refuse_image_inputs
 from .fleet import Fleet, FleetSettings
 from .http import ApiKeySource, HttpSettings, normalize_base_url, run_sync, server_label
 from .sglang import GeneratedImage, ImageParams, ReadTimeoutPolicy
@@ -167,6 +167,7 @@ class RemotePipe:
         return dataclasses.replace(request, prompts=tuple(revised.prompts), use_pe=False), revised
 
     def generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
+        refuse_image_inputs(request, "the remote SGLang backend (its /v1/images/edits is not measured with ERNIE-Image)")
         request = rounded_request(request, host)
         request, revised = self._revise(request, host)
         if request.shift != SERVER_SHIFT:

@@ -1,0 +1,128 @@
+"""Image in: where sampling starts from an image (img2img, a hires second pass) and what inpainting keeps.
+
+ComfyUI's KSampler semantics throughout (comfy/samplers.py, v0.8.0):
+- denoise d < 1 runs the last `steps` sigmas of the schedule of int(steps / d) steps (KSampler.set_steps);
+- the start latent is sigma0 * noise + (1 - sigma0) * x0 with the seed's usual noise (CONST.noise_scaling);
+- with a mask, before every model call the latent outside the mask is set to the original noised to the current
+  sigma, and the model's clean estimate outside the mask is replaced by the original (KSamplerX0Inpaint): for
+  flow matching that is velocity' = m * v + (1 - m) * (x - x0) / sigma, after which an Euler step lands exactly on
+  the original noised to the next sigma outside a binary mask.
+The mask is resized to the latent grid bilinearly, as comfy.utils.reshape_mask does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .sampling import shifted_sigmas
+
+FULL_DENOISE = 0.9999  # KSampler.set_steps: above this the whole schedule runs
+
+
+def denoise_sigmas(steps: int, shift: float, denoise: float) -> torch.Tensor:
+    """The steps+1 sigmas that run for `denoise`: the tail of the int(steps / denoise)-step schedule."""
+    if denoise > FULL_DENOISE:
+        return shifted_sigmas(steps, shift)
+    return shifted_sigmas(int(steps / denoise), shift)[-(steps + 1):]
+
+
+def needs_encoding(request) -> bool:
+    """Whether the job needs the init image's latents: a partial denoise or a mask. denoise 1.0 without a mask
+    starts from pure noise, exactly text-to-image, so the image only sets the size."""
+    return request.init_image is not None and (request.denoise <= FULL_DENOISE or request.mask is not None)
+
+
+def pixel_mask(request) -> Optional[torch.Tensor]:
+    """The repaint mask at pixel (or the given latent-grid) size, grown and feathered: float32 [B|1, 1, H, W]."""
+    if request.mask is None:
+        return None
+    mask = request.mask.detach().to("cpu", torch.float32)
+    mask = mask.reshape(-1, 1, mask.shape[-2], mask.shape[-1])
+    if request.mask_grow > 0:
+        radius = request.mask_grow
+        mask = F.max_pool2d(mask, kernel_size=2 * radius + 1, stride=1, padding=radius)
+    if request.mask_feather > 0:
+        mask = gaussian_blur(mask, request.mask_feather)
+    return mask.clamp(0, 1)
+
+
+def gaussian_blur(mask: torch.Tensor, radius: int) -> torch.Tensor:
+    """Separable Gaussian of standard deviation radius/2 over 2*radius+1 pixels, edges replicated."""
+    offsets = torch.arange(-radius, radius + 1, dtype=torch.float32)
+    kernel = torch.exp(-0.5 * (offsets / (radius / 2)) ** 2)
+    kernel = kernel / kernel.sum()
+    padded = F.pad(mask, (radius, radius, radius, radius), mode="replicate")
+    blurred = F.conv2d(padded, kernel.view(1, 1, 1, -1))
+    return F.conv2d(blurred, kernel.view(1, 1, -1, 1))
+
+
+def latent_mask(mask: torch.Tensor, latent_shape: torch.Size) -> torch.Tensor:
+    """A pixel mask [B|1, 1, H, W] on the latent grid [B, 1, h, w] (comfy.utils.reshape_mask: bilinear)."""
+    height, width = latent_shape[-2], latent_shape[-1]
+    if mask.shape[-2:] != (height, width):
+        mask = F.interpolate(mask, size=(height, width), mode="bilinear")
+    return mask.expand(latent_shape[0], 1, height, width)
+
+
+@dataclass(frozen=True)
+class StartState:
+    """Where sample_euler starts and what it keeps: its sigmas, the original latents and the repaint mask."""
+
+    sigmas: torch.Tensor  # float32 [steps + 1], terminal 0
+    x0: torch.Tensor  # normalised original latents [B, 128, h, w], float32 on the sampling device
+    mask: Optional[torch.Tensor] = None  # [B, 1, h, w] in 0..1 on the device, 1 = repaint; None: the whole image
+
+    def start_latents(self, noise: torch.Tensor) -> torch.Tensor:
+        return self.noised(noise, float(self.sigmas[0]))
+
+    def noised(self, noise: torch.Tensor, sigma: float) -> torch.Tensor:
+        return sigma * noise + (1.0 - sigma) * self.x0
+
+    def before_step(self, latents: torch.Tensor, noise: torch.Tensor, sigma: float) -> torch.Tensor:
+        """Outside the mask the latent is the original noised to this step's sigma."""
+        if self.mask is None:
+            return latents
+        return latents * self.mask + self.noised(noise, sigma) * (1.0 - self.mask)
+
+    def velocity(self, latents: torch.Tensor, velocity: torch.Tensor, sigma: float) -> torch.Tensor:
+        """Outside the mask the model's clean estimate is the original: the velocity that leads to it."""
+        if self.mask is None:
+            return velocity
+        return velocity * self.mask + (latents - self.x0) / sigma * (1.0 - self.mask)
+
+
+def start_state(request, x0: Optional[torch.Tensor], device: torch.device) -> Optional[StartState]:
+    """The start for `request` given the original latents (None: text-to-image, the sampler's own start)."""
+    if x0 is None:
+        return None
+    x0 = x0.to(device, torch.float32)
+    if x0.shape[0] != request.batch:
+        x0 = x0.expand(request.batch, *x0.shape[1:])
+    mask = pixel_mask(request)
+    grid = latent_mask(mask, x0.shape).to(device) if mask is not None else None
+    return StartState(denoise_sigmas(request.steps, request.shift, request.denoise), x0, grid)
+
+
+def init_latents(request) -> Optional[torch.Tensor]:
+    """The original latents the request brings itself (a LATENT input); None when they come from encoding."""
+    return request.init_latents.detach().to(torch.float32) if request.init_latents is not None else None
+
+
+def composite(images: torch.Tensor, request) -> torch.Tensor:
+    """Inpainting with `composite`: the original pixels outside the (grown, feathered) mask, exactly."""
+    if request.mask is None or request.init_image is None or not request.composite:
+        return images
+    mask = pixel_mask(request)
+    if mask.shape[-2:] != images.shape[1:3]:
+        mask = F.interpolate(mask, size=images.shape[1:3], mode="bilinear")
+    mask = mask.permute(0, 2, 3, 1)  # [B|1, H, W, 1]
+    original = request.init_image.detach().to(images.device, torch.float32)
+    blended = images * mask + original * (1.0 - mask)
+    return torch.where(mask == 0, original.expand_as(images), blended).contiguous()
+
+
+__all__ = ["StartState", "composite", "denoise_sigmas", "init_latents", "needs_encoding",
+           "pixel_mask", "start_state"]

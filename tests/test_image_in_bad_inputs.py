@@ -1,0 +1,216 @@
+"""Every bad image input of img2img and inpainting is one line naming the cause and the fix, before any work.
+
+CLI cases run against a model folder that does not exist: the image's error must come first, so nothing was
+opened. API cases leave the pipe with nothing loaded.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from ernie_image.runtime.errors import InvalidInputError
+from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.request import GenerationRequest
+from ernie_image.runtime.tiny import build_tiny_model
+
+
+def _refused(**fields) -> str:
+    settings = dict(prompt="x", width=256, height=256, steps=2, cfg=1.0)
+    settings.update(fields)
+    with pytest.raises(InvalidInputError) as caught:
+        GenerationRequest(**settings).validate()
+    message = str(caught.value)
+    assert "\n" not in message and len(message) < 400
+    return message
+
+
+IMAGE = torch.rand(1, 256, 256, 3)
+
+
+@pytest.mark.parametrize("fields, expected", [
+    (dict(init_image=torch.rand(1, 250, 256, 3), width=256, height=250),
+     "init image is 256x250: ERNIE-Image needs sides that are multiples of 16 between 256 and 4096: resize or crop "
+     "it to 256x256"),
+    (dict(init_image=torch.rand(1, 1000, 1000, 3), width=1000, height=1000), "resize or crop it to 1008x1008"),
+    (dict(init_image=torch.rand(1, 128, 128, 3), width=128, height=128), "resize or crop it to 256x256"),
+    (dict(init_image=IMAGE, mask=torch.ones(1, 256, 240)), "mask is 240x256 but the image is 256x256"),
+    (dict(init_image=torch.rand(3, 256, 256, 3), batch=2), "init image holds 3 images but batch is 2"),
+    (dict(init_image=IMAGE, mask=torch.ones(3, 256, 256), batch=2), "mask holds 3 images but batch is 2"),
+    (dict(init_image=IMAGE, denoise=float("nan")), "denoise nan is not allowed: use a value in (0, 1]"),
+    (dict(init_image=IMAGE, denoise=0.0), "denoise 0.0 is not allowed"),
+    (dict(init_image=IMAGE, denoise=1.5), "denoise 1.5 is not allowed"),
+    (dict(init_image=IMAGE, denoise=-0.2), "denoise -0.2 is not allowed"),
+    (dict(init_latents=torch.rand(1, 4, 32, 32)), "init latent is an SD1.5/SDXL LATENT (4 channels)"),
+    (dict(init_latents=torch.rand(1, 16, 32, 32)), "init latent is a FLUX.1 / SD3 LATENT (16 channels)"),
+    (dict(init_latents=torch.rand(1, 32, 32, 32)), "an unpatchified FLUX.2 VAE latent (32 channels)"),
+    (dict(init_latents=torch.rand(1, 16, 4, 32, 32)), "is a video LATENT"),
+    (dict(init_image=torch.rand(1, 256, 256, 4)), "init image has an alpha channel (RGBA)"),
+    (dict(init_image=IMAGE * 2), "init image holds values outside 0..1"),
+    (dict(init_image=IMAGE, width=512, height=512), "width/height 512x512 differ from the init input's 256x256"),
+    (dict(init_image=IMAGE, init_latents=torch.rand(1, 128, 16, 16)), "both an init image and an init latent"),
+    (dict(denoise=0.5), "denoise 0.5 needs an image or latent to start from"),
+    (dict(mask=torch.ones(256, 256)), "a mask was given without an image or latent"),
+    (dict(init_image=IMAGE, mask=torch.ones(256, 256) * 2), "mask holds values outside 0..1"),
+    (dict(init_image=IMAGE, mask=torch.ones(256, 256), mask_grow=-1), "mask_grow -1 is not allowed"),
+    (dict(init_image=IMAGE, mask=torch.ones(256, 256), mask_feather=5000), "mask_feather 5000 is not allowed"),
+])
+def test_request_refuses_a_bad_image_input_in_one_line(fields, expected):
+    assert expected in _refused(**fields)
+
+
+def test_good_image_inputs_pass():
+    GenerationRequest(prompt="x", width=256, height=256, init_image=IMAGE, denoise=0.4).validate()
+    # one image serves a batch; a mask of the latent grid is accepted with a LATENT (SetLatentNoiseMask of a latent)
+    GenerationRequest(prompt="x", width=256, height=256, batch=3, init_image=IMAGE, mask=torch.ones(256, 256)).validate()
+    GenerationRequest(prompt="x", width=256, height=256, init_latents=torch.rand(1, 128, 16, 16),
+                      mask=torch.ones(1, 1, 16, 16)).validate()
+
+
+def test_metadata_records_flags_never_tensors():
+    request = GenerationRequest(prompt="x", width=256, height=256, init_image=IMAGE, denoise=0.5,
+                                mask=torch.ones(256, 256))
+    metadata = request.metadata()
+    assert not any(isinstance(value, torch.Tensor) for value in metadata.values())
+    assert metadata["init"] == "image" and metadata["denoise"] == 0.5 and metadata["inpaint"] is True
+    assert "init" not in GenerationRequest(prompt="x").metadata()  # text-to-image metadata is unchanged
+
+
+def test_the_api_refuses_before_anything_loads(tiny_turbo_folder):
+    pipe = LocalPipe.load(ModelSources(model_dir=tiny_turbo_folder), LoadOptions(device="cpu"))
+    with pytest.raises(InvalidInputError, match="init latent is an SD1.5/SDXL LATENT"):
+        pipe.generate(GenerationRequest(prompt="x", width=256, height=256, init_latents=torch.rand(1, 4, 32, 32)),
+                      NullHost())
+    assert not pipe.is_loaded()
+
+
+# ------------------------------------------------------------------------------------------------------------ CLI
+def _cli(capsys, *argv: str) -> str:
+    from ernie_image.runtime.cli import main
+
+    assert main(list(argv)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def _png(path: Path, array: np.ndarray, mode: str | None = None) -> Path:
+    Image.fromarray(array, mode=mode).save(path) if mode else Image.fromarray(array).save(path)
+    return path
+
+
+@pytest.fixture
+def files(tmp_path) -> dict[str, Path]:
+    rgb = (np.random.default_rng(0).random((256, 256, 3)) * 255).astype(np.uint8)
+    made = {
+        "rgb": _png(tmp_path / "rgb.png", rgb),
+        "odd": _png(tmp_path / "odd.png", np.zeros((250, 300, 3), np.uint8)),
+        "mask_small": _png(tmp_path / "mask_small.png", np.full((240, 256), 255, np.uint8)),
+        "sixteen": tmp_path / "sixteen.png",
+        "alpha": _png(tmp_path / "alpha.png", np.dstack([rgb, np.full((256, 256), 128, np.uint8)])),
+        "opaque": _png(tmp_path / "opaque.png", np.dstack([rgb, np.full((256, 256), 255, np.uint8)])),
+        "broken": tmp_path / "broken.png",
+    }
+    Image.fromarray(np.full((256, 256), 40000, np.uint16)).save(made["sixteen"])
+    assert Image.open(made["sixteen"]).mode.startswith("I")
+    made["broken"].write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    return made
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--init-image", "{odd}"], "init image is 300x250: ERNIE-Image needs sides that are multiples of 16"),
+    (["--init-image", "{odd}"], "resize or crop it to 304x256"),
+    (["--init-image", "{rgb}", "--mask", "{mask_small}"], "mask is 256x240 but the image is 256x256"),
+    (["--init-image", "{rgb}", "--batch", "2", "--mask", "{mask_small}"], "mask is 256x240"),
+    (["--init-image", "{rgb}", "--denoise", "nan"], "denoise nan is not allowed"),
+    (["--init-image", "{rgb}", "--denoise", "0"], "denoise 0.0 is not allowed"),
+    (["--init-image", "{rgb}", "--denoise", "1.01"], "denoise 1.01 is not allowed"),
+    (["--denoise", "0.5"], "denoise 0.5 needs an image or latent to start from"),
+    (["--init-image", "{sixteen}"], "is a I;16 (16-bit) image: ERNIE-Image reads 8-bit images: save it as 8-bit RGB"),
+    (["--init-image", "{alpha}"], "has transparent pixels (alpha): flatten it"),
+    (["--init-image", "{broken}"], "is not a readable image"),
+    (["--init-image", "{missing}"], "missing.png does not exist: give the path of a PNG or JPEG file"),
+    (["--mask", "{rgb}"], "--mask needs --init-image"),
+    (["--init-image", "{rgb}", "--width", "512"], "width/height 512x256 differ from the init input's 256x256"),
+    (["--init-image", "{rgb}", "--mask", "{rgb}", "--mask-grow", "-3"], "mask_grow -3 is not allowed"),
+])
+def test_cli_refuses_bad_image_inputs_before_opening_the_model(capsys, tmp_path, files, argv, expected):
+    names = {**{k: str(v) for k, v in files.items()}, "missing": str(tmp_path / "missing.png")}
+    line = _cli(capsys, "generate", "--model-dir", str(tmp_path / "no-model-here"), "--out",
+                str(tmp_path / "out.png"), *[a.format(**names) for a in argv])
+    assert expected in line, line
+    assert not (tmp_path / "out.png").exists()
+
+
+def test_an_opaque_alpha_channel_is_dropped(files):
+    from ernie_image.runtime.image_files import read_image
+
+    assert torch.equal(read_image(files["opaque"]), read_image(files["rgb"]))
+    assert read_image(files["rgb"]).shape == (1, 256, 256, 3)
+
+
+def test_cli_inpaints_a_file_and_records_what_it_did(capsys, tmp_path, files, tiny_turbo_folder):
+    import json
+
+    from ernie_image.runtime.cli import main
+
+    mask = np.zeros((256, 256), np.uint8)
+    mask[64:192, 64:192] = 255
+    mask_path = _png(tmp_path / "mask.png", mask)
+    out = tmp_path / "inpainted.png"
+    assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--init-image", str(files["rgb"]),
+                 "--denoise", "0.6", "--mask", str(mask_path), "--steps", "2", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    written = Image.open(out)
+    assert written.size == (256, 256)  # the image decided the size
+    settings = json.loads(written.text["ernie-image"])
+    assert settings["init"] == "image" and settings["denoise"] == 0.6 and settings["inpaint"] is True
+    pixels = np.asarray(written)
+    original = np.asarray(Image.open(files["rgb"]))
+    assert np.array_equal(pixels[mask == 0], original[mask == 0])  # composited: the kept part is the file's pixels
+
+
+def test_a_remote_pipe_refuses_image_inputs_in_one_line_and_sends_nothing():
+    from fake_sglang import FakeSglang
+
+    from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
+
+    with FakeSglang(model_id="baidu/ERNIE-Image-Turbo") as server:
+        pipe = RemotePipe([server.url], RemoteSettings(retry_attempts=1, connect_timeout_s=1.0))
+        try:
+            for fields in (dict(init_image=IMAGE, denoise=0.5), dict(init_latents=torch.rand(1, 128, 16, 16)),
+                           dict(init_image=IMAGE, mask=torch.ones(256, 256))):
+                with pytest.raises(InvalidInputError) as caught:
+                    pipe.generate(GenerationRequest(prompt="x", width=256, height=256, steps=8, cfg=1.0, **fields),
+                                  NullHost())
+                message = str(caught.value)
+                assert "image inputs (img2img, inpainting) are not supported by the remote SGLang backend" in message
+                assert "\n" not in message
+        finally:
+            pipe.release()
+    assert server.generations == []
+
+
+def test_a_decoder_only_vae_file_is_named_before_anything_loads(tmp_path):
+    from safetensors.torch import save_file
+
+    from ernie_image.runtime.errors import ModelFileError
+
+    from safetensors import safe_open
+
+    sources = build_tiny_model(tmp_path / "comfy", layout="comfy", variant="turbo")
+    with safe_open(str(sources.vae), "pt") as handle:  # the same file without its encoder (config kept)
+        metadata = handle.metadata()
+        decoder_only = {k: handle.get_tensor(k) for k in handle.keys() if not k.startswith("encoder.")}
+    save_file(decoder_only, str(sources.vae), metadata=metadata)
+    pipe = LocalPipe.load(sources, LoadOptions(device="cpu"))
+    request = GenerationRequest(prompt="x", width=256, height=256, steps=2, cfg=1.0, init_image=IMAGE, denoise=0.5)
+    with pytest.raises(ModelFileError, match="holds only the VAE decoder: image inputs need the encoder too"):
+        pipe.generate(request, NullHost())
+    assert not pipe.is_loaded()
+    pipe.generate(GenerationRequest(prompt="x", width=256, height=256, steps=1, cfg=1.0), NullHost())  # text-to-image
