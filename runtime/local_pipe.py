@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -95,7 +96,10 @@ class LocalPipe:
         self._auto_quant = self._choose_auto_quant() if options.quant == "auto" else None
         planned_quant = self._auto_quant[0] if self._auto_quant is not None else options.quant
         self.memory = PipeMemory(self.device, self.dtype, options.vram_budget_gb, planned_quant)
-        self.memory.held_bytes = lambda: sum(self.device_bytes_held().values())
+        # Through a weak reference: a pipe dropped by its last owner (ComfyUI evicting its node cache) must be freed
+        # at once by reference counting, with its pinned slabs, not at some later garbage collection.
+        this = weakref.ref(self)
+        self.memory.held_bytes = lambda: sum(pipe.device_bytes_held().values()) if (pipe := this()) else 0
         self._phase = "setup"  # the phase running now ("pe", "text", "dit", "vae"): named when memory runs out
 
     @classmethod
@@ -405,6 +409,31 @@ class LocalPipe:
             else:
                 enhancer.release()
                 self._loaded.enhancer = None
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Every host tensor this pipe holds now: streaming slabs (page-locked on CUDA) and weights kept in host
+        memory (a parked prompt enhancer, a CPU device's models). Read-only; loads nothing."""
+        loaded = self._loaded
+        enhancer = loaded.enhancer.model if loaded.enhancer is not None else None
+        tensors: list[torch.Tensor] = list(self.memory.host_slabs())
+        for module in (loaded.text_tower, loaded.dit, loaded.vae, enhancer):
+            if module is None:
+                continue
+            tensors += [t for t in (*module.parameters(), *module.buffers()) if t.device.type == "cpu"]
+        return tensors
+
+    # ComfyUI's node cache (comfy_execution/caching.py RAMPressureCache) sizes a cached output by the CPU tensors
+    # this returns, so under RAM pressure it can weigh and evict the Loader's pipe; see __del__.
+    _comfy_cache_tensors = host_tensors
+
+    def __del__(self) -> None:
+        # The last reference is gone (an evicted cache entry, "Free model and node cache"): hand back the pinned
+        # slabs and device buffers now. Only what release() frees without collecting garbage or touching the CUDA
+        # cache, as this can run on any thread or at interpreter exit.
+        try:
+            self.memory.release()
+        except Exception:  # noqa: BLE001 - a finaliser must not raise; the memory goes with the objects anyway
+            pass
 
     def release(self) -> None:
         self.memory.release()
