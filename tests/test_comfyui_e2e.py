@@ -284,7 +284,13 @@ async def test_web_extension_docs_and_templates_are_served(comfy: Comfy) -> None
             async with session.get(f"{comfy.url}/extensions/{PACK_NAME}/docs/{node_id}.md") as response:
                 assert response.status == 200, f"help page of {node_id} not served"
         templates = await (await session.get(f"{comfy.url}/api/workflow_templates")).json()
-        assert sorted(templates[PACK_NAME]) == sorted(p.stem for p in (REPO_ROOT / "workflows").glob("*.json"))
+        shipped = sorted(p.stem for p in (REPO_ROOT / "example_workflows").glob("*.json"))
+        assert sorted(templates[PACK_NAME]) == shipped
+        for name in shipped:  # what the template browser fetches for a custom node's template and its card
+            async with session.get(f"{comfy.url}/api/workflow_templates/{PACK_NAME}/{name}.json") as response:
+                assert response.status == 200 and (await response.json())["nodes"]
+            async with session.get(f"{comfy.url}/api/workflow_templates/{PACK_NAME}/{name}.jpg") as response:
+                assert response.status == 200 and (await response.read()).startswith(b"\xff\xd8"), name
 
 
 @pytest.mark.parametrize("path", API_WORKFLOWS, ids=lambda p: p.stem)
