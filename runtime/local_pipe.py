@@ -112,6 +112,10 @@ class LocalPipe:
         pipe = cls(sources, options, sources.detect_variant())
         for component, kind in (("transformer", "dit"), ("text_encoder", "text_encoder"), ("vae", "vae")):
             open_component(sources.component(component), kind)
+        if sources.has_pe():  # a text encoder given as the PE is refused now, not when the PE first runs
+            from .text.pe_model import locate_pe, open_pe_component
+
+            open_pe_component(locate_pe(sources))
         return pipe
 
     @property
