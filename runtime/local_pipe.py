@@ -19,6 +19,7 @@ from .errors import ErnieImageError, InvalidInputError, MemoryBudgetError, Model
 from .formats import open_component
 from .host import Host, NullHost
 from .model_files import QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae
+from .offload.device_memory import JobMemoryMeter
 from .offload.planner import budget_bytes
 from .offload.reserve import device_bytes_held, device_bytes_needed, phase_needs
 from .offload.session import PipeMemory, plans_pe
@@ -101,6 +102,7 @@ class LocalPipe:
         this = weakref.ref(self)
         self.memory.held_bytes = lambda: sum(pipe.device_bytes_held().values()) if (pipe := this()) else 0
         self._phase = "setup"  # the phase running now ("pe", "text", "dit", "vae"): named when memory runs out
+        self.last_run: dict[str, Any] = {}  # the info of the last finished job (timings, device-memory peak)
 
     @classmethod
     def load(cls, sources: ModelSources, options: Optional[LoadOptions] = None) -> "LocalPipe":
@@ -259,6 +261,8 @@ class LocalPipe:
         room = self.device_bytes_needed(request)
         if room:
             host.make_room(room, self.device)  # ComfyUI unloads its own models; the CLI has nothing to unload
+        meter = JobMemoryMeter(self.device)
+        meter.start(sum(self.device_bytes_held().values()))
         self._plan(request, host)  # MemoryBudgetError before any allocation
         revised = self._enhance(request, host)
         prompts = revised.prompts
@@ -283,8 +287,11 @@ class LocalPipe:
             "text_s": round(encoded - started, 3),
             "sampling_s": round(sampled - encoded, 3),
             "decode_s": round(decoded - sampled, 3),
+            "steps": request.steps,
             **revised.info(),
+            **meter.finish(),
         }
+        self.last_run = info
         return GenerationResult(images=images, latents=latents.cpu(), prompts_used=prompts, info=info)
 
     # -- device memory ------------------------------------------------------------------------------
@@ -413,6 +420,11 @@ class LocalPipe:
             else:
                 enhancer.release()
                 self._loaded.enhancer = None
+
+    def host_bytes(self) -> dict[str, int]:
+        """Host memory this pipe holds now: all of it (`host_tensors`, each storage once) and the page-locked part."""
+        storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in self.host_tensors()}
+        return {"host": sum(n for _, n in storages), "pinned": self.memory.pinned_bytes()}
 
     def host_tensors(self) -> list[torch.Tensor]:
         """Every host tensor this pipe holds now: streaming slabs (page-locked on CUDA) and weights kept in host

@@ -45,3 +45,26 @@ def usable_device_memory(device: "torch.device | str") -> DeviceMemory:
     free, total = torch.cuda.mem_get_info(device)
     idle_left = max(torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), 0)
     return DeviceMemory(int(free), int(total), int(idle_left), allocator_backend())
+
+
+class JobMemoryMeter:
+    """A job's device-memory peak as PyTorch's allocator saw it (both backends keep a reserved high-water mark),
+    with what was reserved and held by the pipe when the job started: the job's own peak is
+    peak_reserved - (reserved_at_start - held_at_start). Nothing is measured off CUDA."""
+
+    def __init__(self, device: "torch.device | str") -> None:
+        self.device = torch.device(device)
+        self.record: dict[str, object] = {}
+
+    def start(self, held_bytes: int) -> None:
+        if self.device.type != "cuda":
+            return
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.record = {"allocator": allocator_backend(), "held_at_start": int(held_bytes),
+                       "reserved_at_start": int(torch.cuda.memory_reserved(self.device))}
+
+    def finish(self) -> dict[str, object]:
+        if self.device.type != "cuda" or not self.record:
+            return {}
+        return {**self.record, "peak_reserved": int(torch.cuda.max_memory_reserved(self.device)),
+                "peak_allocated": int(torch.cuda.max_memory_allocated(self.device))}

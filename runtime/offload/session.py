@@ -213,6 +213,11 @@ class PipeMemory:
         streamers = [p.streamer for p in placements if p is not None and p.streamer is not None]
         return [s.slab.data for s in streamers if not s.closed and s.slab.data.numel()]
 
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes of the live layer streamers' slabs."""
+        placements = (self.dit, self.text, self.pe)
+        return sum(p.streamer.pinned_bytes for p in placements if p is not None and p.streamer is not None)
+
     # -- release ----------------------------------------------------------------------------------------
 
     def release_dit(self) -> None:
