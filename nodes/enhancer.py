@@ -9,7 +9,7 @@ from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .host import ComfyHost, cancel_as_comfy_interrupt
 from .live_pipes import generation_lock
 from .remote import chat_endpoint, pe_endpoint_inputs
-from .sampler import resolve_size, seed_input, size_inputs, validate_size_inputs
+from .sampler import resolve_size, seed_input, size_inputs
 
 MAX_NEW_TOKENS = 8192
 NO_ENHANCER = ("no prompt enhancer to run: connect a Loader whose model has a PE (prompt_enhancer file or a "
@@ -78,10 +78,6 @@ class ErnieImagePromptEnhancer:
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
-
-    @classmethod
-    def VALIDATE_INPUTS(cls, resolution: Optional[str] = None, width: Optional[int] = None, height: Optional[int] = None) -> Any:
-        return validate_size_inputs(resolution, width, height)
 
     def enhance(self, prompt: str, resolution: str, width: int, height: int, seed: int, temperature: float,
                 top_p: float, max_new_tokens: int, pipe: Any = None, pe_url: str = "", pe_model: str = "",

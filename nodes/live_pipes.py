@@ -44,8 +44,18 @@ def summary() -> dict[str, Any]:
     pipes = live_pipes()
     return {
         "live_pipes": len(pipes),
-        "pipes": [{"kind": p.kind, "loaded": bool(p.is_loaded()), "plan": _describe(p)} for p in pipes],
+        "pipes": [{"kind": p.kind, "loaded": bool(p.is_loaded()), "plan": _describe(p), **_memory(p)} for p in pipes],
     }
+
+
+def _memory(pipe: Any) -> dict[str, Any]:
+    """A local pipe's host memory (all, page-locked) and its last job's timings and device-memory peak."""
+    if not callable(getattr(pipe, "host_bytes", None)):
+        return {}
+    try:
+        return {"host_bytes": pipe.host_bytes(), "last_run": dict(getattr(pipe, "last_run", {}) or {})}
+    except Exception as error:  # noqa: BLE001 - a status page must not fail
+        return {"host_bytes": None, "memory_error": str(error)}
 
 
 def _describe(pipe: Any) -> str:

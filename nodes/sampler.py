@@ -40,10 +40,19 @@ RESOLUTION_CHOICES: list[str] = [preset_label(w, h) for w, h in RESOLUTION_PRESE
 _PRESET_SIZES: dict[str, tuple[int, int]] = {preset_label(w, h): (w, h) for w, h in RESOLUTION_PRESETS}
 
 
-def resolve_size(resolution: str, width: int, height: int) -> tuple[int, int]:
-    """A preset wins over the width/height widgets; 'custom' uses them."""
+def resolve_size(resolution: str, width: Any, height: Any) -> tuple[int, int]:
+    """A preset wins over the width/height widgets; 'custom' uses them, checked against ERNIE-Image's size rule.
+
+    Checked when the node runs (before anything is loaded or sampled), not in VALIDATE_INPUTS: ComfyUI repeats a
+    VALIDATE_INPUTS message once for every input the method names, so a size error would be shown three times."""
     if resolution == CUSTOM_RESOLUTION:
-        return int(width), int(height)
+        try:
+            size = int(width), int(height)
+        except (TypeError, ValueError):
+            raise InvalidInputError(f"width {width!r} and height {height!r} must be whole numbers: use multiples of "
+                                    f"{SIDE_MULTIPLE} such as 1024") from None
+        validate_size(*size)
+        return size
     if resolution not in _PRESET_SIZES:
         raise InvalidInputError(f"resolution '{resolution}' is not one of {RESOLUTION_CHOICES}; pick one of them")
     return _PRESET_SIZES[resolution]
@@ -93,25 +102,6 @@ def size_inputs(resolution_tooltip: str) -> dict[str, Any]:
 
 def seed_input(tooltip: str) -> tuple[str, dict[str, Any]]:
     return ("INT", {"default": 0, "min": 0, "max": SEED_MASK, "control_after_generate": True, "tooltip": tooltip})
-
-
-def validate_size_inputs(resolution: Optional[str], width: Optional[int], height: Optional[int]) -> Any:
-    """VALIDATE_INPUTS of the size widgets: True, or the message ComfyUI shows before anything runs.
-
-    Inputs named in VALIDATE_INPUTS skip ComfyUI's own range check, so the size rule is checked in full; a
-    linked value is None during validation and is checked again when the node runs.
-    """
-    if resolution is not None and resolution != CUSTOM_RESOLUTION:
-        return True if resolution in _PRESET_SIZES else f"resolution '{resolution}' is not one of {RESOLUTION_CHOICES}"
-    if width is None or height is None:
-        return True
-    try:
-        validate_size(int(width), int(height))
-    except InvalidInputError as error:
-        return str(error)
-    except (TypeError, ValueError):
-        return f"width {width!r} and height {height!r} must be whole numbers: use multiples of 16 such as 1024"
-    return True
 
 
 class ErnieImageSampler:
@@ -164,10 +154,6 @@ class ErnieImageSampler:
             }
         )
         return {"required": required, "optional": image_input_types(), "hidden": {"unique_id": "UNIQUE_ID"}}
-
-    @classmethod
-    def VALIDATE_INPUTS(cls, resolution: Optional[str] = None, width: Optional[int] = None, height: Optional[int] = None) -> Any:
-        return validate_size_inputs(resolution, width, height)
 
     def generate(self, pipe: Any, prompt: str, resolution: str, width: int, height: int, steps: int, cfg: float,
                  seed: int, batch_size: int, shift: float, use_pe: bool, negative_prompt: str = "",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -23,6 +24,7 @@ from .lora.pipe_loras import PipeLoras
 from .lora.stack import LoraStack
 from .model_files import (QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae,
                           require_vae_encoder)
+from .offload.device_memory import JobMemoryMeter
 from .offload.planner import budget_bytes
 from .offload.reserve import device_bytes_held, device_bytes_needed, phase_needs
 from .offload.session import PipeMemory, plans_pe
@@ -103,8 +105,12 @@ class LocalPipe:
         self._auto_quant = self._choose_auto_quant() if options.quant == "auto" else None
         planned_quant = self._auto_quant[0] if self._auto_quant is not None else options.quant
         self.memory = PipeMemory(self.device, self.dtype, options.vram_budget_gb, planned_quant)
-        self.memory.held_bytes = lambda: sum(self.device_bytes_held().values())
+        # Through a weak reference: a pipe dropped by its last owner (ComfyUI evicting its node cache) must be freed
+        # at once by reference counting, with its pinned slabs, not at some later garbage collection.
+        this = weakref.ref(self)
+        self.memory.held_bytes = lambda: sum(pipe.device_bytes_held().values()) if (pipe := this()) else 0
         self._phase = "setup"  # the phase running now ("pe", "text", "dit", "vae"): named when memory runs out
+        self.last_run: dict[str, Any] = {}  # the info of the last finished job (timings, device-memory peak)
 
     @classmethod
     def load(cls, sources: ModelSources, options: Optional[LoadOptions] = None, loras=None) -> "LocalPipe":
@@ -118,6 +124,10 @@ class LocalPipe:
         for component, kind in (("transformer", "dit"), ("text_encoder", "text_encoder"), ("vae", "vae")):
             open_component(sources.component(component), kind)
         pipe._lora.resolve(pipe.loras, sources)
+        if sources.has_pe():  # a text encoder given as the PE is refused now, not when the PE first runs
+            from .text.pe_model import locate_pe, open_pe_component
+
+            open_pe_component(locate_pe(sources))
         return pipe
 
     def with_loras(self, loras):
@@ -303,6 +313,8 @@ class LocalPipe:
         room = self.device_bytes_needed(request)
         if room:
             host.make_room(room, self.device)  # ComfyUI unloads its own models; the CLI has nothing to unload
+        meter = JobMemoryMeter(self.device)
+        meter.start(sum(self.device_bytes_held().values()))
         self._plan(request, host)  # MemoryBudgetError before any allocation
         started_encode = self._clock()
         original = self.encode_image(request)
@@ -331,10 +343,13 @@ class LocalPipe:
             "text_s": round(encoded - started, 3),
             "sampling_s": round(sampled - encoded, 3),
             "decode_s": round(decoded - sampled, 3),
+            "steps": request.steps,
             **({"image_encode_s": round(encoded_image - started_encode, 3)} if request.has_image_input else {}),
             **revised.info(),
             **self._lora.info(),
+            **meter.finish(),
         }
+        self.last_run = info
         return GenerationResult(images=images, latents=latents.cpu(), prompts_used=prompts, info=info)
 
     # -- device memory ------------------------------------------------------------------------------
@@ -467,6 +482,36 @@ class LocalPipe:
             else:
                 enhancer.release()
                 self._loaded.enhancer = None
+
+    def host_bytes(self) -> dict[str, int]:
+        """Host memory this pipe holds now: all of it (`host_tensors`, each storage once) and the page-locked part."""
+        storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in self.host_tensors()}
+        return {"host": sum(n for _, n in storages), "pinned": self.memory.pinned_bytes()}
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Every host tensor this pipe holds now: streaming slabs (page-locked on CUDA) and weights kept in host
+        memory (a parked prompt enhancer, a CPU device's models). Read-only; loads nothing."""
+        loaded = self._loaded
+        enhancer = loaded.enhancer.model if loaded.enhancer is not None else None
+        tensors: list[torch.Tensor] = list(self.memory.host_slabs())
+        for module in (loaded.text_tower, loaded.dit, loaded.vae, enhancer):
+            if module is None:
+                continue
+            tensors += [t for t in (*module.parameters(), *module.buffers()) if t.device.type == "cpu"]
+        return tensors
+
+    # ComfyUI's node cache (comfy_execution/caching.py RAMPressureCache) sizes a cached output by the CPU tensors
+    # this returns, so under RAM pressure it can weigh and evict the Loader's pipe; see __del__.
+    _comfy_cache_tensors = host_tensors
+
+    def __del__(self) -> None:
+        # The last reference is gone (an evicted cache entry, "Free model and node cache"): hand back the pinned
+        # slabs and device buffers now. Only what release() frees without collecting garbage or touching the CUDA
+        # cache, as this can run on any thread or at interpreter exit.
+        try:
+            self.memory.release()
+        except Exception:  # noqa: BLE001 - a finaliser must not raise; the memory goes with the objects anyway
+            pass
 
     def release(self) -> None:
         self.memory.release()

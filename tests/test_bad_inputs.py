@@ -274,9 +274,10 @@ def test_an_explicit_tokenizer_without_one_is_refused_not_ignored(tiny_folder, t
 
 
 def test_sampler_size_check_answers_a_message_for_text_in_width():
-    from ernie_image.nodes.sampler import validate_size_inputs
+    from ernie_image.nodes.sampler import resolve_size
 
-    assert "must be whole numbers" in validate_size_inputs("custom", "abc", 1024)
+    with pytest.raises(InvalidInputError, match="must be whole numbers"):
+        resolve_size("custom", "abc", 1024)
 
 
 def test_cli_unknown_command_is_one_line(capsys):

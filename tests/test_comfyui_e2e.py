@@ -287,8 +287,13 @@ async def test_web_extension_docs_and_templates_are_served(comfy: Comfy) -> None
             async with session.get(f"{comfy.url}/extensions/{PACK_NAME}/docs/{node_id}.md") as response:
                 assert response.status == 200, f"help page of {node_id} not served"
         templates = await (await session.get(f"{comfy.url}/api/workflow_templates")).json()
-        shipped = [p.stem for folder in ("workflows", "example_workflows") for p in (REPO_ROOT / folder).glob("*.json")]
-        assert sorted(templates[PACK_NAME]) == sorted(shipped)
+        shipped = sorted(p.stem for p in (REPO_ROOT / "example_workflows").glob("*.json"))
+        assert sorted(templates[PACK_NAME]) == shipped
+        for name in shipped:  # what the template browser fetches for a custom node's template and its card
+            async with session.get(f"{comfy.url}/api/workflow_templates/{PACK_NAME}/{name}.json") as response:
+                assert response.status == 200 and (await response.json())["nodes"]
+            async with session.get(f"{comfy.url}/api/workflow_templates/{PACK_NAME}/{name}.jpg") as response:
+                assert response.status == 200 and (await response.read()).startswith(b"\xff\xd8"), name
 
 
 @pytest.mark.parametrize("path", API_WORKFLOWS, ids=lambda p: p.stem)
@@ -364,15 +369,16 @@ async def test_cancel_mid_run_interrupts_and_releases_memory(comfy: Comfy) -> No
     assert local and not any(p["loaded"] for p in local), f"weights still held after Cancel: {memory}"
 
 
-async def test_width_1000_is_refused_before_running_with_a_clear_message(comfy: Comfy) -> None:
+async def test_width_1000_is_refused_once_before_sampling_with_a_clear_message(comfy: Comfy) -> None:
     graph = shrunk(load_workflow("ernie_image_turbo_local"))
     sampler_id, sampler = node_of(graph, "ErnieImageTurboSampler")
     sampler["inputs"]["width"] = 1000
-    status, body = await post(comfy, "/prompt", {"prompt": graph, "client_id": "e2e"})
-    assert status == 400
-    errors = body["node_errors"][sampler_id]["errors"]
-    assert any("width 1000 is not allowed" in e["details"] and "multiple of 16" in e["details"]
-               and "use 1008" in e["details"] for e in errors), errors
+    run = await run_prompt(comfy, graph)
+    assert run.outcome == "execution_error" and run.error["node_id"] == sampler_id
+    assert run.error["exception_message"].strip() == (
+        "width 1000 is not allowed: ERNIE-Image needs a multiple of 16 between 256 and 4096; use 1008")
+    assert len(run.of_type("execution_error")) == 1
+    assert not [m for m in run.of_type("progress") if m.get("node") == sampler_id], "sampling started"
 
 
 async def test_a_bad_model_file_reaches_the_ui_as_a_clear_error_and_frees_memory(comfy: Comfy) -> None:
@@ -386,6 +392,18 @@ async def test_a_bad_model_file_reaches_the_ui_as_a_clear_error_and_frees_memory
     assert run.error["exception_type"].split(".")[-1] in ("ModelFileError", "InvalidInputError", "ErnieImageError")
     memory = await get_json(comfy, "/ernie_image/memory")
     assert not any(p["loaded"] for p in memory["pipes"]), f"weights still held after the error: {memory}"
+
+
+async def test_the_prompt_enhancer_in_the_text_encoder_slot_is_refused_in_one_line(comfy: Comfy) -> None:
+    graph = shrunk(load_workflow("ernie_image_base_prompt_enhancer"))
+    loader_id, loader = node_of(graph, "ErnieImageLoader")
+    loader["inputs"].update(text_encoder="ernie-image-prompt-enhancer.safetensors",
+                            prompt_enhancer="ministral-3-3b.safetensors")
+    run = await run_prompt(comfy, graph)
+    assert run.outcome == "execution_error" and run.error["node_id"] == loader_id
+    message = run.error["exception_message"].strip()
+    assert "\n" not in message and "is the ERNIE-Image prompt enhancer, not the text encoder" in message, message
+    assert "give it as the prompt enhancer" in message
 
 
 async def test_keep_loaded_and_comfyuis_free_button(comfy: Comfy) -> None:
@@ -458,11 +476,11 @@ async def test_the_api_key_reaches_the_server_and_never_the_png_history_or_log(c
 async def test_nan_shift_and_text_width_get_one_line_errors_and_the_next_prompt_runs(comfy: Comfy) -> None:
     graph = shrunk(load_workflow("ernie_image_turbo_local"))
     sampler_id, sampler = node_of(graph, "ErnieImageTurboSampler")
-    sampler["inputs"]["width"] = "abc"  # VALIDATE_INPUTS used to raise ValueError from int()
+    sampler["inputs"]["width"] = "abc"  # ComfyUI's own INT conversion refuses it, once
     status, body = await post(comfy, "/prompt", {"prompt": graph, "client_id": "e2e"})
     assert status == 400
-    details = [e["details"] for e in body["node_errors"][sampler_id]["errors"]]
-    assert any("must be whole numbers" in d for d in details), details
+    errors = body["node_errors"][sampler_id]["errors"]
+    assert len(errors) == 1 and errors[0]["extra_info"]["input_name"] == "width", errors
 
     graph = shrunk(load_workflow("ernie_image_turbo_local"))
     node_of(graph, "ErnieImageTurboSampler")[1]["inputs"]["shift"] = float("nan")  # JSON NaN: ComfyUI's min check passes it

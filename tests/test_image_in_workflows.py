@@ -1,6 +1,6 @@
 """The image-in example workflows (example_workflows/: img2img, inpainting, hires fix) agree with the pack's node
 definitions and with the ComfyUI v0.8.0 core nodes they use, in UI format and in their API twins
-(example_workflows/api/). The helpers are test_workflows.py's; the core nodes below are v0.8.0's nodes.py."""
+(workflows/api/). The helpers are test_workflows.py's; the core nodes below are v0.8.0's nodes.py."""
 from __future__ import annotations
 
 import json
@@ -14,6 +14,7 @@ from ernie_image.runtime.image_in import denoise_sigmas
 from test_workflows import CORE_NODES, check_widget_value, sockets_and_widgets, types_match, ui_widget_names
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "example_workflows"
+API_TWINS = Path(__file__).resolve().parent.parent / "workflows" / "api"
 SCENARIOS = {"ernie_image_turbo_img2img", "ernie_image_turbo_inpaint", "ernie_image_turbo_hires_fix"}
 MAX_RESOLUTION = 16384  # nodes.py
 
@@ -55,7 +56,7 @@ def load(path: Path) -> dict[str, Any]:
 
 
 UI_FILES = sorted(EXAMPLES.glob("*.json"))
-API_FILES = sorted((EXAMPLES / "api").glob("*.json"))
+API_FILES = [API_TWINS / f"{p.stem}.json" for p in UI_FILES if (API_TWINS / f"{p.stem}.json").exists()]
 
 
 def test_each_scenario_ships_in_both_formats() -> None:
@@ -117,7 +118,7 @@ def test_api_twin_is_the_same_graph_and_validates(path: Path) -> None:
 
 
 def samplers(name: str) -> list[dict[str, Any]]:
-    api = load(EXAMPLES / "api" / f"{name}.json")
+    api = load(API_TWINS / f"{name}.json")
     return [node for node in api.values() if node["class_type"] == "ErnieImageTurboSampler"]
 
 
@@ -135,7 +136,7 @@ def test_inpainting_takes_load_images_mask_and_composites() -> None:
 
 
 def test_hires_fix_is_a_second_turbo_pass_at_2048_inside_12_gb() -> None:
-    api = load(EXAMPLES / "api" / "ernie_image_turbo_hires_fix.json")
+    api = load(API_TWINS / "ernie_image_turbo_hires_fix.json")
     first, second = samplers("ernie_image_turbo_hires_fix")
     assert (first["inputs"]["width"], first["inputs"]["denoise"]) == (1024, 1.0)
     assert 0.3 <= second["inputs"]["denoise"] <= 0.5

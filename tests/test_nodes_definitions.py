@@ -83,14 +83,21 @@ def test_resolution_presets_are_baidus_seven_and_win_over_width_height() -> None
         resolve_size("999x999", 512, 512)
 
 
-def test_validate_inputs_gives_the_clear_size_message() -> None:
-    assert ErnieImageSampler.VALIDATE_INPUTS(resolution="custom", width=1024, height=848) is True
-    message = ErnieImageSampler.VALIDATE_INPUTS(resolution="custom", width=1000, height=1024)
-    assert message == "width 1000 is not allowed: ERNIE-Image needs a multiple of 16 between 256 and 4096; use 1008"
-    assert "height 8192" in ErnieImageTurboSampler.VALIDATE_INPUTS(resolution="custom", width=1024, height=8192)
-    # A preset ignores the widgets; a linked width is None while validating and is checked at run time.
-    assert ErnieImageSampler.VALIDATE_INPUTS(resolution=RESOLUTION_CHOICES[0], width=1000, height=1000) is True
-    assert ErnieImageSampler.VALIDATE_INPUTS(resolution="custom", width=None, height=1024) is True
+def test_the_size_rule_is_checked_once_when_the_node_runs() -> None:
+    """ComfyUI repeats a VALIDATE_INPUTS message for every input the method names (execution.validate_inputs),
+    so no node validates its size there: resolve_size checks it, before anything is loaded or sampled."""
+    from ernie_image.nodes import NODE_CLASS_MAPPINGS
+
+    assert not [name for name, cls in NODE_CLASS_MAPPINGS.items() if hasattr(cls, "VALIDATE_INPUTS")]
+    assert resolve_size("custom", 1024, 848) == (1024, 848)
+    with pytest.raises(InvalidInputError) as refused:
+        resolve_size("custom", 1000, 1024)
+    assert str(refused.value) == ("width 1000 is not allowed: ERNIE-Image needs a multiple of 16 between 256 and "
+                                  "4096; use 1008")
+    with pytest.raises(InvalidInputError, match="height 8192"):
+        resolve_size("custom", 1024, 8192)
+    # A preset ignores the widgets.
+    assert resolve_size(RESOLUTION_CHOICES[0], 1000, 1000) == (1024, 1024)
 
 
 def test_web_extension_syncs_presets_on_every_node_with_a_resolution_widget() -> None:

@@ -20,3 +20,13 @@ def test_root_import_does_not_need_comfyui():
     import ernie_image
 
     assert ernie_image.WEB_DIRECTORY == "./web"
+
+
+def test_every_template_workflow_api_copy_and_web_file_is_package_data():
+    from fnmatch import fnmatch
+
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["ernie_image"]
+    shipped = [p for folder in ("example_workflows", "workflows", "web") for p in (ROOT / folder).rglob("*") if p.is_file()]
+    missing = [str(p.relative_to(ROOT)) for p in shipped
+               if not any(fnmatch(str(p.relative_to(ROOT)), pattern) for pattern in patterns)]
+    assert shipped and missing == [], f"add to [tool.setuptools.package-data]: {missing}"

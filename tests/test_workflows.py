@@ -1,6 +1,7 @@
 """Every example workflow agrees with the node definitions, without ComfyUI.
 
-UI format (workflows/*.json, what the editor opens): node types exist, positional widget values fit their
+UI format (example_workflows/*.json, what the editor opens and ComfyUI's template browser lists; every file there
+is checked, whoever added it): node types exist, positional widget values fit their
 inputs (types, ranges, steps, combo choices), links join outputs to inputs of the same type, every required
 socket is connected, and a Note names every model file the workflow expects.
 API format (workflows/api/*.json, for POST /prompt): the same graph as its UI twin, every required input
@@ -17,11 +18,11 @@ import pytest
 from ernie_image.nodes import NODE_CLASS_MAPPINGS
 from ernie_image.nodes.comfy_env import NONE_CHOICE
 
-WORKFLOWS = Path(__file__).resolve().parent.parent / "workflows"
-UI_FILES = sorted(WORKFLOWS.glob("*.json"))
-# API twins of UI workflows kept in example_workflows/ (checked by their own tests, e.g. test_lora_workflows.py).
-EXAMPLE_WORKFLOW_TWINS = {"ernie_image_turbo_two_loras"}
-API_FILES = sorted(p for p in (WORKFLOWS / "api").glob("*.json") if p.stem not in EXAMPLE_WORKFLOW_TWINS)
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATES = ROOT / "example_workflows"
+API_FOLDER = ROOT / "workflows" / "api"
+UI_FILES = sorted(TEMPLATES.glob("*.json"))
+API_FILES = sorted(API_FOLDER.glob("*.json"))
 SCENARIOS = {
     "ernie_image_turbo_local", "ernie_image_base_prompt_enhancer", "ernie_image_turbo_12gb_budget",
     "ernie_image_turbo_gguf", "ernie_image_remote_sglang",
@@ -132,9 +133,10 @@ def ui_to_api(ui: dict[str, Any]) -> dict[str, Any]:
     return api
 
 
-def test_one_workflow_per_scenario_in_both_formats() -> None:
-    assert {p.stem for p in UI_FILES} == SCENARIOS
-    assert {p.stem for p in API_FILES} == SCENARIOS
+def test_every_scenario_ships_in_both_formats_and_every_api_file_has_a_ui_twin() -> None:
+    assert SCENARIOS <= {p.stem for p in UI_FILES}
+    assert SCENARIOS <= {p.stem for p in API_FILES}
+    assert {p.stem for p in API_FILES} <= {p.stem for p in UI_FILES}, "an API workflow without its UI twin"
 
 
 @pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
@@ -187,7 +189,7 @@ def test_ui_workflow_names_the_files_it_expects_in_a_note(path: Path) -> None:
 @pytest.mark.parametrize("path", API_FILES, ids=lambda p: p.stem)
 def test_api_workflow_is_its_ui_twin(path: Path) -> None:
     api = load(path)
-    expected = ui_to_api(load(WORKFLOWS / path.name))
+    expected = ui_to_api(load(TEMPLATES / path.name))
     stripped = {node_id: {"class_type": n["class_type"], "inputs": n["inputs"]} for node_id, n in api.items()}
     assert stripped == expected
 
@@ -230,7 +232,7 @@ def test_a_bad_api_workflow_is_caught() -> None:
     """The checks above are not vacuous: a wrong socket type, an off-step width and a missing input are reported."""
     import copy
 
-    api = load(WORKFLOWS / "api" / "ernie_image_turbo_local.json")
+    api = load(API_FOLDER / "ernie_image_turbo_local.json")
     check_api_workflow("shipped", api)
     sampler_id = next(k for k, n in api.items() if n["class_type"] == "ErnieImageTurboSampler")
     loader_id = api[sampler_id]["inputs"]["pipe"][0]
@@ -249,3 +251,65 @@ def test_a_bad_api_workflow_is_caught() -> None:
     del missing[sampler_id]["inputs"]["seed"]
     with pytest.raises(AssertionError, match="missing {'seed'}"):
         check_api_workflow("missing input", missing)
+
+
+# ------------------------------------------------------------------------------------------- the layout
+TITLE_HEIGHT = 30  # LiteGraph.NODE_TITLE_HEIGHT: a node's pos is the top-left of its body; the title bar sits above
+# The smallest body ComfyUI's editor gives each node (LGraphNode.computeSize() of a new node in frontend 1.58.1,
+# this pack's fixed-height text boxes included); a saved size below it is enlarged when the workflow opens.
+MIN_BODY: dict[str, tuple[int, int]] = {
+    "ErnieImageLoader": (210, 386), "ErnieImageSampler": (210, 422), "ErnieImageTurboSampler": (229, 368),
+    "ErnieImageQuantConfig": (219, 134), "ErnieImageRemoteBackend": (309, 422), "ErnieImagePromptEnhancer": (246, 466),
+    "SaveImage": (210, 58), "PreviewAny": (210, 122), "Note": (210, 88),
+}
+# What a run adds below a node's widgets: the Samplers show the latent preview (124 px at 400 px wide, measured).
+AFTER_RUN_EXTRA: dict[str, int] = {"ErnieImageSampler": 130, "ErnieImageTurboSampler": 130}
+Rect = tuple[float, float, float, float]
+
+
+def node_rect(node: dict[str, Any], after_run: bool) -> Rect:
+    """The node's area on the canvas, title bar included, as the editor draws it (before or after a run)."""
+    x, y = node["pos"]
+    width, height = node["size"]
+    min_width, min_height = MIN_BODY.get(node["type"], (0, 0))
+    height = max(height, min_height + (AFTER_RUN_EXTRA.get(node["type"], 0) if after_run else 0))
+    return (x, y - TITLE_HEIGHT, x + max(width, min_width), y + height)
+
+
+def overlap(a: Rect, b: Rect) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def overlapping_pairs(ui: dict[str, Any], after_run: bool) -> list[str]:
+    rects = [(f"{n['id']} ({n['type']})", node_rect(n, after_run)) for n in ui["nodes"]]
+    return [f"{a} and {b}" for i, (a, ra) in enumerate(rects) for b, rb in rects[i + 1:] if overlap(ra, rb)]
+
+
+@pytest.mark.parametrize("after_run", [False, True], ids=["opened", "after_a_run"])
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_no_node_overlaps_another(path: Path, after_run: bool) -> None:
+    assert overlapping_pairs(load(path), after_run) == []
+
+
+def test_the_overlap_check_sees_title_bars_minimum_sizes_and_previews() -> None:
+    node = {"id": 1, "type": "ErnieImageRemoteBackend", "pos": [0, 40], "size": [340, 300]}
+    below = {"id": 2, "type": "PreviewAny", "pos": [0, 40 + 422 + TITLE_HEIGHT], "size": [340, 160]}
+    assert overlapping_pairs({"nodes": [node, below]}, False) == []  # 422 px: its real height, not the saved 300
+    below["pos"] = [0, 40 + 422 + TITLE_HEIGHT - 10]  # its title bar now covers the Remote Backend's last row
+    assert overlapping_pairs({"nodes": [node, below]}, False) == ["1 (ErnieImageRemoteBackend) and 2 (PreviewAny)"]
+    sampler = {"id": 3, "type": "ErnieImageTurboSampler", "pos": [0, 40], "size": [400, 368]}
+    under = {"id": 4, "type": "PreviewAny", "pos": [0, 40 + 368 + 40], "size": [400, 160]}
+    assert overlapping_pairs({"nodes": [sampler, under]}, False) == []
+    assert overlapping_pairs({"nodes": [sampler, under]}, True) == ["3 (ErnieImageTurboSampler) and 4 (PreviewAny)"]
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_every_template_has_its_thumbnail_beside_it(path: Path) -> None:
+    """ComfyUI's template browser shows a custom node's template with `<name>.jpg` from the same folder
+    (frontend: mediaType image, mediaSubtype jpg, /api/workflow_templates/<pack>/<name>.jpg)."""
+    thumbnail = path.with_suffix(".jpg")
+    assert thumbnail.is_file(), f"{path.name} has no {thumbnail.name} beside it"
+    from PIL import Image
+
+    with Image.open(thumbnail) as image:
+        assert image.format == "JPEG" and min(image.size) >= 128, (image.format, image.size)

@@ -53,32 +53,52 @@ function attachResolutionPicker(node) {
   requestAnimationFrame(applyPreset);
 }
 
-// A read-only text box on the node (a DOM widget: ComfyUI's public way to put HTML on a node).
-function textWidget(node, name) {
-  let shown = widget(node, name);
-  if (!shown) {
-    const box = document.createElement("textarea");
-    box.readOnly = true;
-    box.style.cssText = "width:100%;min-height:4.5em;font:11px monospace;opacity:0.85;resize:none;";
-    shown = node.addDOMWidget(name, "ernie_text", box, {
-      getValue: () => box.value,
-      setValue: (text) => { box.value = text; },
-      serialize: false, // display only: never saved into the workflow
-    });
-    shown.serialize = false;
-  }
+// What each node shows after a run, in a read-only text box of fixed height (lines of 11px monospace) added when
+// the node is made: the node's size never changes when text arrives, and longer text scrolls inside the box.
+const TEXT_BOX_LINES = {
+  ErnieImageLoader: 9, // the memory plan: a title line and one line per phase
+  ErnieImageRemoteBackend: 6, // two servers with a problem line each, or one line per server
+  ErnieImageQuantConfig: 3,
+  ErnieImagePromptEnhancer: 4,
+};
+const LINE_PX = 14;
+const TEXT_NAME = { ErnieImageLoader: "memory_plan" };
+
+function textBoxHeight(nodeName) {
+  return TEXT_BOX_LINES[nodeName] * LINE_PX + 10;
+}
+
+// A DOM widget (ComfyUI's public way to put HTML on a node) whose min and max height are the same.
+function addTextBox(node, nodeName) {
+  const name = TEXT_NAME[nodeName] ?? "status";
+  if (widget(node, name)) return widget(node, name);
+  const height = textBoxHeight(nodeName);
+  const box = document.createElement("textarea");
+  box.readOnly = true;
+  box.placeholder = nodeName === "ErnieImageLoader" ? "memory plan (after a run)" : "status (after a run)";
+  box.style.cssText = `width:100%;height:${height}px;box-sizing:border-box;font:11px/${LINE_PX}px monospace;` +
+    "opacity:0.85;resize:none;overflow:auto;" +
+    // the plan is a table (columns kept, scrolls sideways); statuses and errors wrap
+    (nodeName === "ErnieImageLoader" ? "white-space:pre;" : "white-space:pre-wrap;");
+  const shown = node.addDOMWidget(name, "ernie_text", box, {
+    getValue: () => box.value,
+    setValue: (text) => { box.value = text; },
+    getMinHeight: () => height,
+    getMaxHeight: () => height,
+    serialize: false, // display only: never saved into the workflow
+  });
+  shown.serialize = false;
   return shown;
 }
 
-function showText(node, name, text) {
-  textWidget(node, name).value = text;
-  node.setSize([Math.max(node.size[0], 320), node.computeSize()[1]]);
+function showText(node, nodeName, text) {
+  addTextBox(node, nodeName).value = text;
   node.setDirtyCanvas(true, true);
 }
 
 async function testConnection(node) {
   const value = (name) => widget(node, name)?.value ?? "";
-  showText(node, "status", "checking the servers...");
+  showText(node, "ErnieImageRemoteBackend", "checking the servers...");
   try {
     const response = await api.fetchApi("/ernie_image/test_connection", {
       method: "POST",
@@ -91,9 +111,9 @@ async function testConnection(node) {
       }),
     });
     const result = await response.json();
-    showText(node, "status", result.error ? `!! ${result.error}` : result.text);
+    showText(node, "ErnieImageRemoteBackend", result.error ? `!! ${result.error}` : result.text);
   } catch (error) {
-    showText(node, "status", `!! the check could not run: ${error}`);
+    showText(node, "ErnieImageRemoteBackend", `!! the check could not run: ${error}`);
   }
 }
 
@@ -120,11 +140,18 @@ app.registerExtension({
       };
     }
     if (SHOWS_TEXT.has(name)) {
+      // Added last, after the button, so the saved widget values keep their positions.
+      const onNodeCreated = nodeType.prototype.onNodeCreated;
+      nodeType.prototype.onNodeCreated = function () {
+        const result = onNodeCreated?.apply(this, arguments);
+        addTextBox(this, name);
+        return result;
+      };
       const onExecuted = nodeType.prototype.onExecuted;
       nodeType.prototype.onExecuted = function (message) {
         onExecuted?.apply(this, arguments);
         const text = message?.text;
-        if (text?.length) showText(this, name === "ErnieImageLoader" ? "memory_plan" : "status", text.join("\n"));
+        if (text?.length) showText(this, name, text.join("\n"));
       };
     }
   },

@@ -22,7 +22,7 @@ from typing import Callable, Literal, Optional
 import torch
 
 from ..errors import ErnieImageError, ModelFileError, one_line
-from .detect import Identity, identify, sample_keys
+from .detect import Identity, identify, sample_keys, text_model_role
 from .safetensors_reader import SafetensorsFile, is_gguf, open_safetensors
 from .vae_keys import bfl_to_diffusers, config_from_shapes, num_up_blocks_bfl
 
@@ -111,6 +111,24 @@ def open_component(path: Path, kind: Kind) -> ComponentFile:
                          _loaders=loaders, metadata=metadata, _releasers=releasers)
 
 
+def _check_text_role(identity: Identity, kind: str, path: Path, shapes: dict) -> None:
+    """The text encoder and the prompt enhancer have one geometry: a file of the other one is refused by its keys."""
+    if kind not in ("text_encoder", "pe"):
+        return
+    role = text_model_role(shapes, identity.prefix)
+    if role is None or role == kind:
+        return
+    if role == "pe":
+        raise ModelFileError(
+            f"{path.name} is the ERNIE-Image prompt enhancer, not the text encoder (a causal LM with a tied head and "
+            f"no vision tower): give it as the prompt enhancer (prompt_enhancer / --pe), and {WHAT_TO_PICK[kind]}"
+        )
+    raise ModelFileError(
+        f"{path.name} is the ERNIE-Image text encoder (Ministral-3B with a vision tower or its own lm_head), not the "
+        f"prompt enhancer: give it as the text encoder (text_encoder / --text-encoder), and {WHAT_TO_PICK[kind]}"
+    )
+
+
 def _safetensors_files(path: Path, kind: str) -> list[Path]:
     if path.is_file():
         return [path]
@@ -136,6 +154,7 @@ def _is_quantized(owner: dict[str, SafetensorsFile], metadata: dict[str, str]) -
 def _check_kind(identity: Identity, kind: str, path: Path, shapes: dict) -> None:
     wanted = "text_encoder" if kind == "pe" else kind
     if identity.kind == wanted:
+        _check_text_role(identity, kind, path, shapes)
         return
     found = f"found keys like {sample_keys(shapes)}"
     if identity.kind is not None:

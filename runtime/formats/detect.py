@@ -69,6 +69,25 @@ def _text_identity(keys: Shapes, prefix: str) -> Identity:
     return Identity("text_encoder", prefix, "hf", f"{name} text model (width {width}, {layers} layers)")
 
 
+def text_model_role(keys: Shapes, prefix: str) -> Optional[str]:
+    """Which of ERNIE-Image's two Ministral-3B-shaped models a text-model file holds: "text_encoder", "pe" or None.
+
+    Same geometry (26 layers, width 3072), other weights; the files differ in what they carry besides the layers.
+    The text encoder is a Mistral3Model: a vision tower and `language_model.` names (diffusers text_encoder/), or,
+    as Comfy-Org repacks it, `model.` names with an explicit `lm_head.weight` beside the embedded `tekken_model`
+    tokenizer. The prompt enhancer is a Ministral3ForCausalLM with its head tied to the embeddings, so its files
+    (diffusers pe/, Comfy-Org's ernie-image-prompt-enhancer) store `model.` names and no head and no vision tower.
+    """
+    vision = any(k.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.")) for k in keys)
+    if vision or "language_model." in prefix:
+        return "text_encoder"
+    if prefix != "model.":
+        return None
+    if "lm_head.weight" in keys:
+        return "text_encoder" if "tekken_model" in keys else None
+    return "pe"
+
+
 def _vae_identity(keys: Shapes, prefix: str) -> Identity:
     latent = keys[prefix + VAE_PROBE][1] if len(keys[prefix + VAE_PROBE]) > 1 else 0
     bfl = any(k.startswith(prefix + "decoder.up.") for k in keys)

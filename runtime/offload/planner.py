@@ -134,10 +134,11 @@ def auto_budget(free_bytes: int, total_bytes: int, held_by_us: int = 0) -> int:
 def budget_bytes(spec: "float | str | None", device=None, held_by_pipe: int = 0) -> Optional[int]:
     """'auto'/None -> measured on a CUDA device (None on the CPU: unbounded); a number -> that many GiB.
 
-    'auto' counts as usable: free device memory, the allocator's cached but unused blocks, and `held_by_pipe`
-    (weights the pipe already holds and will reuse). The three do not overlap: the pipe's live weights are
-    allocated, so neither free nor cached; once released they are counted as cached only. Not the process's whole
-    reserved memory: inside ComfyUI that includes ComfyUI's own loaded models.
+    'auto' counts as usable: free device memory once the allocator's idle blocks are handed back to the driver
+    (device_memory.py: the same reading under the native and the cudaMallocAsync allocator), and `held_by_pipe`
+    (weights the pipe already holds and will reuse). The two do not overlap: the pipe's live weights are
+    allocated, so not free; once released they are free. Not the process's whole reserved memory: inside ComfyUI
+    that includes ComfyUI's own loaded models, and under DynamicVRAM idle blocks of other nodes' pools.
     """
     if spec is not None and spec != "auto":
         try:
@@ -151,9 +152,10 @@ def budget_bytes(spec: "float | str | None", device=None, held_by_pipe: int = 0)
 
     if device is None or torch.device(device).type != "cuda":
         return None
-    free, total = torch.cuda.mem_get_info(device)
-    cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return auto_budget(free, total, cached_unused + held_by_pipe)
+    from .device_memory import usable_device_memory
+
+    memory = usable_device_memory(device)
+    return auto_budget(memory.free, memory.total, held_by_pipe)
 
 
 def spread(count: int, total: int) -> tuple[int, ...]:

@@ -228,6 +228,17 @@ class PipeMemory:
     def describe(self) -> str:
         return self.plan.table() if self.plan is not None else "no VRAM plan (offloading inactive)"
 
+    def host_slabs(self) -> list[torch.Tensor]:
+        """The host slabs (page-locked on CUDA) of every live layer streamer: the streamed layers' host copies."""
+        placements = (self.dit, self.text, self.pe)
+        streamers = [p.streamer for p in placements if p is not None and p.streamer is not None]
+        return [s.slab.data for s in streamers if not s.closed and s.slab.data.numel()]
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes of the live layer streamers' slabs."""
+        placements = (self.dit, self.text, self.pe)
+        return sum(p.streamer.pinned_bytes for p in placements if p is not None and p.streamer is not None)
+
     # -- release ----------------------------------------------------------------------------------------
 
     def release_dit(self) -> None:

@@ -1,0 +1,121 @@
+"""A Loader's pipe in ComfyUI's node cache: sized by its host memory, and freed with its slabs when evicted.
+
+Current ComfyUI keeps node outputs in a RAMPressureCache (comfy_execution/caching.py). Under RAM pressure
+`ram_release` walks every cached output: lists, tuples and mappings are walked into, a CPU torch.Tensor counts
+its untyped storage's bytes once per storage, an object with `_comfy_cache_tensors()` is sized by walking what
+that returns, and anything else counts as nothing. Eviction is `del cache[key]`, with no garbage collection
+after it. `ram_usage` below follows that code; the entry is the Loader's outputs as ComfyUI stores them
+(one list per output socket).
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+import torch
+
+from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.offload import pinned
+from ernie_image.runtime.request import GenerationRequest
+from ernie_image.runtime.tiny import build_tiny_model
+from test_offload_pipe import SIZES, streaming_budget_gb
+
+REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=5)
+
+
+def ram_usage(outputs: Any) -> int:
+    """Bytes RAMPressureCache.ram_release counts for a cache entry's outputs (its scan_list_for_ram_usage)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+
+    def scan(value: Any) -> None:
+        nonlocal total
+        if value is None:
+            return
+        values = value.values() if isinstance(value, Mapping) else value if isinstance(value, (list, tuple)) else (value,)
+        for item in values:
+            if isinstance(item, (list, tuple, Mapping)):
+                scan(item)
+            elif isinstance(item, torch.Tensor) and item.device.type == "cpu":
+                storage = item.untyped_storage()
+                key = (storage.data_ptr(), storage.nbytes())
+                if key not in seen:
+                    seen.add(key)
+                    total += storage.nbytes()
+            elif hasattr(item, "_comfy_cache_tensors"):
+                scan(item._comfy_cache_tensors())
+
+    scan(outputs)
+    return total
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "turbo", variant="turbo", sizes=SIZES)
+
+
+def loaded_streaming_pipe(model) -> LocalPipe:
+    pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=streaming_budget_gb(model), keep_loaded=True))
+    pipe.generate(REQUEST, NullHost())
+    return pipe
+
+
+def test_a_pipe_before_its_first_run_counts_as_nothing(model) -> None:
+    pipe = LocalPipe.load(model, LoadOptions(device="cpu"))
+    assert pipe._comfy_cache_tensors() == [] and ram_usage([[pipe], ["plan"]]) == 0
+
+
+def test_the_cache_sees_the_slabs_and_host_weights_of_a_loaded_pipe(model) -> None:
+    pipe = loaded_streaming_pipe(model)
+    slabs = pipe.memory.host_slabs()
+    assert slabs and all(s.device.type == "cpu" for s in slabs)  # the DiT's and the text tower's streamed layers
+    slab_bytes = sum(s.untyped_storage().nbytes() for s in slabs)
+    weights = [t for m in (pipe._loaded.dit, pipe._loaded.text_tower, pipe._loaded.vae)
+               for t in (*m.parameters(), *m.buffers()) if t.device.type == "cpu"]
+    weight_storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in weights}
+    slab_storages = {(s.untyped_storage().data_ptr(), s.untyped_storage().nbytes()) for s in slabs}
+    expected = sum(n for _, n in weight_storages | slab_storages)
+    sized = ram_usage([[pipe], [pipe.describe()]])
+    assert sized == expected and sized >= slab_bytes > 0
+    # A streamed layer's host weights are views of its slab: counted once, not twice.
+    assert sized < slab_bytes + sum(t.untyped_storage().nbytes() for t in weights)
+
+
+def test_evicting_the_cache_entry_frees_the_pipe_and_its_slabs_at_once(model) -> None:
+    pipe = loaded_streaming_pipe(model)
+    streamers = [p.streamer for p in (pipe.memory.dit, pipe.memory.text) if p is not None and p.streamer is not None]
+    assert streamers and not any(s.closed for s in streamers)
+    cache = {"loader": [[pipe], [pipe.describe()]]}
+    gone = weakref.ref(pipe)
+    del pipe
+    del cache["loader"]  # what ram_release does; no gc.collect() follows it there
+    assert gone() is None, "the pipe outlived its last reference (a reference cycle keeps it for a later GC)"
+    assert all(s.closed and s.slab.data.numel() == 0 and s.slab.pinned_bytes == 0 for s in streamers)
+
+
+class FakeCudart:
+    """cudaHostRegister / cudaHostUnregister as CUDA answers them, recorded."""
+
+    def __init__(self) -> None:
+        self.registered: dict[int, int] = {}
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        self.registered[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        assert ptr in self.registered, "unregistering memory that was never registered"
+        del self.registered[ptr]
+        return 0
+
+
+def test_a_pinned_slab_dropped_without_free_is_unregistered(monkeypatch) -> None:
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    slab = pinned.HostSlab(1 << 20, pin=True)
+    assert slab.pinned_bytes == 1 << 20 and list(cudart.registered.values()) == [1 << 20]
+    del slab
+    assert cudart.registered == {}
