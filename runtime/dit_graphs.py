@@ -148,14 +148,28 @@ class DiTGraphs:
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
         pool = self._pool if torch.cuda.get_allocator_backend() == "native" else None
+        failure: Optional[str] = None  # why the capture failed: this wrapper goes eager
+        pending: Optional[BaseException] = None  # raised again once the capture is closed (cancel, out of memory)
         try:
             # thread_local: only this thread is barred from unsafe CUDA calls while it captures, not the host's others
             with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-                output = self.dit(*inputs, lens)
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except RuntimeError as error:
-            self.disabled_reason = f"CUDA-graph capture failed ({str(error).splitlines()[0][:160]})"
+                try:
+                    output = self.dit(*inputs, lens)
+                except BaseException as error:
+                    # Keep no traceback: its tensors are graph allocations and must be freed while the capture is
+                    # still open (freed after it, never launched, they abort the process under cudaMallocAsync).
+                    if isinstance(error, RuntimeError) and not isinstance(error, torch.cuda.OutOfMemoryError):
+                        failure = str(error)
+                    else:
+                        pending = error.with_traceback(None)
+        except RuntimeError as error:  # ending a capture that an unsafe call invalidated
+            if failure is None and pending is None and isinstance(error, torch.cuda.OutOfMemoryError):
+                raise
+            failure = failure or str(error)
+        if pending is not None:
+            raise pending
+        if failure is not None:
+            self.disabled_reason = f"CUDA-graph capture failed ({failure.strip().splitlines()[0][:160]})"
             log.warning("DiT: %s; running the eager forward from now on", self.disabled_reason)
             self.invalidate()
             return None

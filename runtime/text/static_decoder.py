@@ -95,6 +95,18 @@ class StaticCacheDecoder:
             return self.graph_logits
         return self._decode_step()
 
+    def next_logits_device(self, token: torch.Tensor) -> torch.Tensor:
+        """`next_logits` for a token id held in a device tensor: copied into the graph's input, no host sync."""
+        if self.length >= self.capacity:
+            raise ValueError(f"the KV cache of {self.capacity} positions is full")
+        self.token.copy_(token.reshape(1, 1))
+        self.position.fill_(self.length)
+        self.length += 1
+        if self.graph is not None:
+            self.graph.replay()
+            return self.graph_logits
+        return self._decode_step()
+
     def close(self) -> None:
         """Drop the graph and the cache now (not when a traceback that holds this decoder lets go).
 
