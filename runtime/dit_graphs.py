@@ -67,11 +67,11 @@ class DiTGraphs:
                  text_lens: list[int]) -> torch.Tensor:
         if self.eager_reason(latents) is not None:
             return self.dit(latents, timestep, text, text_lens)
-        fingerprint = self._current_fingerprint()
+        fingerprint, devices = self._current_fingerprint()
         if fingerprint != self._fingerprint:
             self.invalidate()
             self._fingerprint = fingerprint
-        if len({t.device for t in self._tensors()}) != 1:
+        if devices != {latents.device}:  # weights elsewhere (or split): the DiT's own forward says what is wrong
             return self.dit(latents, timestep, text, text_lens)
         key = (tuple(latents.shape), latents.dtype, tuple(timestep.shape), timestep.dtype, tuple(text.shape),
                text.dtype, tuple(int(n) for n in text_lens), latents.device)
@@ -123,10 +123,12 @@ class DiTGraphs:
     def _tensors(self) -> list[torch.Tensor]:
         return list(self.dit.parameters()) + list(self.dit.buffers())
 
-    def _current_fingerprint(self) -> tuple:
+    def _current_fingerprint(self) -> tuple[tuple, set[torch.device]]:
         tensors = self._tensors()
-        return (getattr(self.dit, "structure_version", 0), getattr(self.dit, "block_runner", None), len(tensors),
-                hash(tuple((t.data_ptr(), t.device) for t in tensors)))
+        placed = tuple((t.data_ptr(), t.device) for t in tensors)
+        fingerprint = (getattr(self.dit, "structure_version", 0), getattr(self.dit, "block_runner", None),
+                       len(tensors), hash(placed))
+        return fingerprint, {device for _, device in placed}
 
     def _warm_up(self, latents, timestep, text, text_lens) -> torch.Tensor:
         """The eager forward on the capture stream, so its cuBLAS workspace and plans exist before capture."""

@@ -39,6 +39,7 @@ class LoadOptions:
     # Uncompiled DiT resident on a CUDA device (compile off or no Triton): replay its forward as CUDA graphs
     # (dit_graphs.py; bit-identical output). Streamed blocks always run eagerly.
     cuda_graphs: bool = True
+    pe_quant: str = "none"  # "none" or "fp8": the local prompt enhancer's layer weights packed on load (text/pe_quant.py)
     # Prompt enhancer on an OpenAI-compatible chat server (text.remote_enhancer.ChatEndpoint; holds no secret).
     # When set, requests with use_pe are revised there instead of by a local PE.
     pe_endpoint: Optional[Any] = None
@@ -48,6 +49,11 @@ class LoadOptions:
         kind, _, index = self.device.partition(":")
         if self.device not in ("auto", "cpu") and not (kind == "cuda" and (not index or index.isdigit())):
             raise InvalidInputError(f"device {self.device!r} is not supported: use auto, cpu, cuda or cuda:N")
+        from .text.pe_quant import PE_QUANT_FORMATS
+
+        if self.pe_quant not in ("none", *PE_QUANT_FORMATS):
+            raise InvalidInputError(f"pe_quant {self.pe_quant!r} is not supported: use none or "
+                                    f"{', '.join(PE_QUANT_FORMATS)}")
         choices = ("none", "auto", "bf16", *QUANT_ON_LOAD_FORMATS)
         if self.quant not in choices:
             raise InvalidInputError(f"quant {self.quant!r} is not supported: use one of {', '.join(choices)}, or "
@@ -411,7 +417,7 @@ class LocalPipe:
         placed = self.memory.places_pe()
         enhancer = self._loaded.enhancer or LocalEnhancer.load(
             self.sources, self.device, self.dtype, self.variant, host,
-            build_device=self.memory.build_device() if placed else None)
+            build_device=self.memory.build_device() if placed else None, quant=self.options.pe_quant)
         self._loaded.enhancer = enhancer
         try:
             if placed:

@@ -59,3 +59,19 @@ def test_fp8_pe_packs_the_layer_linears_and_stays_close():
 def test_unknown_pe_quantisation_is_refused_with_the_choices():
     with pytest.raises(InvalidInputError, match="use one of fp8 or none"):
         quantize_pe_layers_(lively_prompt_enhancer(seed=4), "q4_k")
+
+
+def test_a_pipe_with_an_fp8_pe_revises_through_packed_layers(tiny_turbo_with_pe):
+    from ernie_image.runtime.host import NullHost
+    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+    from ernie_image.runtime.model_files import ModelSources
+
+    with pytest.raises(InvalidInputError, match="pe_quant 'int4' is not supported"):
+        LoadOptions(pe_quant="int4").validate()
+    pipe = LocalPipe.load(ModelSources(model_dir=tiny_turbo_with_pe),
+                          LoadOptions(device="cpu", dtype="fp32", previews=False, pe_quant="fp8"))
+    revised = pipe.enhance("a lighthouse at dusk", 256, 256, seed=21, max_new_tokens=12, host=NullHost())
+    assert revised.revisions[0].source in ("local", "original") and revised.revisions[0].tokens > 0
+    model = pipe._loaded.enhancer.model
+    assert any(isinstance(m, QuantLinear) for m in model.modules())
+    assert not any(type(m) is torch.nn.Linear for m in model.model.layers.modules())
