@@ -83,6 +83,28 @@ def test_cast_folded_eager_kernels_are_bit_identical_to_the_plain_expressions(dt
     assert torch.equal(grouped, plain)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_on_the_gpu_the_shipped_eager_forward_matches_diffusers_and_the_exact_one_is_bit_identical():
+    from test_dit_fast_paths import cfg_batch, models, relative_error
+
+    ours, reference = models("cuda", torch.bfloat16)
+    latents, timestep, rows, padded, lens = cfg_batch("cuda", torch.bfloat16)
+    want = reference(latents, timestep, padded, lens, return_dict=False)[0]
+    fuse_projections(ours)
+    got = length_grouped_denoiser(ours, rows, "cuda", torch.bfloat16)(latents, timestep)
+    assert torch.isfinite(got).all() and relative_error(got, want) <= 1e-2  # the bound compiled blocks meet
+    args = step_inputs("cuda", torch.bfloat16)
+    dit_module.FUSED_RMS_NORM_ON_CUDA = False
+    try:
+        exact = ours(*args)
+    finally:
+        dit_module.FUSED_RMS_NORM_ON_CUDA = True
+    assert torch.equal(exact, plain_forward(ours, *args))
+    assert relative_error(ours(*args), exact) <= 1e-3
+
+
 @torch.inference_mode()
 def test_off_the_gpu_the_wrapper_is_the_dits_own_forward():
     model = tiny_dit("cpu", torch.float32)
