@@ -175,6 +175,7 @@ def sample_tokens(
                                                           on_token)
             finished = time.perf_counter()
         finally:
+            torch.cuda.synchronize(device)  # a cancel can leave a queued step behind: let it end before the close
             decoder.close()
         return SampledTokens(generated, prefilled - started, finished - prefilled, stopped_by_eos)
     draws: Optional[ExponentialDraws] = None
