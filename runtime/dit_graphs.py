@@ -115,6 +115,15 @@ class DiTGraphs:
         self._pool = None
         self._fingerprint = None
 
+    def release_graphs(self) -> None:
+        """Give the graphs' memory back but remember which signatures were warmed up: the next call for one of them
+        captures again at once (LocalPipe does this after each sampling run under a VRAM plan, whose later phases
+        count on the DiT's activation memory being free)."""
+        while self._graphs:
+            _, captured = self._graphs.popitem(last=False)
+            _drop(captured)
+        self._pool = None
+
     @property
     def graph_count(self) -> int:
         return len(self._graphs)
@@ -145,6 +154,9 @@ class DiTGraphs:
         device = latents.device
         inputs = (latents.clone(), timestep.clone(), text.clone())
         lens = [int(n) for n in text_lens]
+        rope_tables = getattr(self.dit, "rope_tables", None)
+        if rope_tables is not None:  # built now if evicted from the DiT's cache: a capture may not copy to the device
+            rope_tables(tuple(latents.shape[2:]), lens, text.shape[1], device, latents.dtype)
         current = torch.cuda.current_stream(device)
         side = _capture_stream(device)
         side.wait_stream(current)

@@ -239,9 +239,14 @@ class LocalPipe:
         noise = initial_noise(request.seed, request.batch, request.width, request.height).to(self.device)
 
         preview = latent_preview if self.options.previews else None
-        with torch.inference_mode():
-            cfg = request.cfg if negative is not None else 1.0
-            return sample_euler(denoise, noise, request.steps, request.shift, cfg, self.dtype, host, preview)
+        try:
+            with torch.inference_mode():
+                cfg = request.cfg if negative is not None else 1.0
+                return sample_euler(denoise, noise, request.steps, request.shift, cfg, self.dtype, host, preview)
+        finally:
+            release_graphs = getattr(self._loaded.dit_forward, "release_graphs", None)
+            if release_graphs is not None and self.memory.plan is not None:
+                release_graphs()  # the plan gives the DiT's activation memory to the VAE phase next
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         self._phase = "vae"
