@@ -165,8 +165,8 @@ def graphs_rows(bench: Bench, model: ErnieDiT, label: str, reference: dict) -> N
                         captures=graphs.captures, disabled=graphs.disabled_reason)
         bench.measure(f"{label} eager + CUDA graphs", batch, lambda: graphs(*args),
                       graph_pool_gb=round(pool_gb, 2), eager_reason=graphs.eager_reason(args[0]))
-        graphs.invalidate()
-        del graphs, outs
+        graphs.invalidate()  # its pool goes back before the next batch captures
+        outs = None
 
 
 def cfg_rows(bench: Bench, model: ErnieDiT) -> None:

@@ -22,7 +22,6 @@ import argparse
 import copy
 import gc
 import json
-import statistics
 import time
 from contextlib import contextmanager
 from pathlib import Path
