@@ -25,6 +25,8 @@ def fuse_projections(dit: ErnieDiT) -> int:
     for block in dit.layers:
         fused += int(block.self_attention.fuse_projections())
         fused += int(block.mlp.fuse_projections())
+    if fused:
+        dit.structure_version += 1  # new modules and tensors: captured forwards (dit_graphs) are stale
     return fused
 
 

@@ -7,7 +7,11 @@ loads with `load_state_dict`. The maths is the reference's; what differs is how 
   and its `1 + scale` terms are formed once per step, not in every block;
 - the attention mask is dropped when no text key is padded, which lets SDPA pick its flash kernel;
 - RoPE tables are cached per (image grid, text lengths);
-- the block loop goes through `block_runner`, the hook the offloader uses to stream weights in.
+- the block loop goes through `block_runner`, the hook the offloader uses to stream weights in;
+- uncompiled, the casts around the fp32 modulation are folded into the arithmetic kernels (`out=` a bf16 tensor:
+  the kernel computes in fp32 and rounds once on store, exactly as `.float()` ... `.to(bf16)` does), which halves
+  the memory traffic of everything between the GEMMs with bit-identical results; compiled blocks keep the plain
+  expressions, which inductor fuses itself.
 """
 from __future__ import annotations
 
@@ -63,11 +67,29 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low_precision = self.weight.dtype in (torch.float16, torch.bfloat16)
+        if low_precision and _eager_kernels() and FUSED_RMS_NORM_ON_CUDA and x.is_cuda and x.dtype == self.weight.dtype:
+            # One kernel instead of four passes; the same single rounding to bf16, only the mean of squares is
+            # summed in another order (differs from the reference in rare last bits: within the tests' GPU bound).
+            return F.rms_norm(x, (x.shape[-1],), eps=self.eps).mul_(self.weight)
         variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        if low_precision and _eager_kernels():
+            normed = torch.mul(x, torch.rsqrt(variance + self.eps), out=torch.empty_like(x, dtype=self.weight.dtype))
+            return normed.mul_(self.weight)
         x = x * torch.rsqrt(variance + self.eps)
-        if self.weight.dtype in (torch.float16, torch.bfloat16):
+        if low_precision:
             x = x.to(self.weight.dtype)
         return x * self.weight
+
+
+# The uncompiled forward on CUDA normalises the adaLN RMSNorms with torch's fused rms_norm kernel (see RMSNorm).
+FUSED_RMS_NORM_ON_CUDA = True
+
+
+def _eager_kernels() -> bool:
+    """Whether to use the cast-folding `out=` forms (bit-identical): not while torch.compile traces, where the
+    plain expressions fuse better and `out=` would only get in the compiler's way."""
+    return not torch.compiler.is_compiling()
 
 
 class Attention(nn.Module):
@@ -143,7 +165,17 @@ def _fuse_linears(linears: list[nn.Module]) -> Optional[nn.Linear]:
 
 
 def _modulate(x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """(x.float() * one_plus_scale + shift).to(x.dtype); the fp32 factors are [B, 1, D]."""
+    if _eager_kernels():
+        return torch.add(torch.mul(x, one_plus_scale), shift, out=torch.empty_like(x))
     return (x.float() * one_plus_scale + shift).to(x.dtype)
+
+
+def _gated_residual(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """x + (gate * update.float()).to(x.dtype), the gate fp32 [B, 1, D]."""
+    if _eager_kernels():
+        return torch.mul(gate, update, out=torch.empty_like(update, dtype=x.dtype)).add_(x)
+    return x + (gate * update.float()).to(x.dtype)
 
 
 class Block(nn.Module):
@@ -158,9 +190,9 @@ class Block(nn.Module):
         shift_msa, one_plus_scale_msa, gate_msa, shift_mlp, one_plus_scale_mlp, gate_mlp = ctx.modulation
         attn_in = _modulate(self.adaLN_sa_ln(x), one_plus_scale_msa, shift_msa)
         attn = self.self_attention(attn_in, ctx.rope, ctx.key_mask)
-        x = x + (gate_msa * attn.float()).to(x.dtype)
+        x = _gated_residual(x, gate_msa, attn)
         mlp = self.mlp(_modulate(self.adaLN_mlp_ln(x), one_plus_scale_mlp, shift_mlp))
-        return x + (gate_mlp * mlp.float()).to(x.dtype)
+        return _gated_residual(x, gate_mlp, mlp)
 
 
 class RopeTables:
@@ -174,9 +206,15 @@ class RopeTables:
         angles = torch.stack([angles, angles], dim=-1).flatten(-2).unsqueeze(2)  # [B, S, 1, head_dim]
         self.cos = torch.cos(angles).to(dtype)
         self.sin = torch.sin(angles).to(dtype)
+        half = self.sin.shape[-1] // 2
+        # -x2 * sin == x2 * -sin exactly (negation commutes with rounding): the eager path skips the negation pass.
+        self.signed_sin = torch.cat((-self.sin[..., :half], self.sin[..., half:]), dim=-1)
+        self.key_mask: Optional[torch.Tensor] = None  # set by ErnieDiT.rope_tables, cached with the tables
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
+        if _eager_kernels():
+            return torch.cat((x2, x1), dim=-1).mul_(self.signed_sin).add_(x * self.cos)
         return x * self.cos + torch.cat((-x2, x1), dim=-1) * self.sin
 
 
@@ -252,6 +290,9 @@ class ErnieDiT(nn.Module):
         self.final_linear = nn.Linear(dim, config.out_channels)
         self.block_runner: BlockRunner = run_block_in_place
         self._rope_cache: dict[tuple, RopeTables] = {}
+        # Bumped by any code that changes which tensors or modules the forward uses (fusing, LoRA, re-placement):
+        # a captured replay of the forward (dit_graphs.DiTGraphs) is only valid for the version it was captured at.
+        self.structure_version = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -264,6 +305,7 @@ class ErnieDiT(nn.Module):
             if len(self._rope_cache) > 8:
                 self._rope_cache.clear()
             tables = RopeTables(_positions(grid, text_lens, text_max, device), self.config, dtype)
+            tables.key_mask = _key_mask(len(text_lens), grid[0] * grid[1], text_lens, text_max, device)
             self._rope_cache[key] = tables
         return tables
 
@@ -279,7 +321,7 @@ class ErnieDiT(nn.Module):
         x = torch.cat([image_tokens, text.to(dtype)], dim=1)
         text_max = text.shape[1]
         rope = self.rope_tables((height, width), text_lens, text_max, latents.device, dtype)
-        key_mask = _key_mask(batch, height * width, text_lens, text_max, latents.device)
+        key_mask = rope.key_mask  # cached: no host-to-device copy per call (a captured forward may not make one)
 
         conditioning = self.time_embedding(sinusoidal_timestep(timestep, self.config.hidden_size).to(dtype))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (

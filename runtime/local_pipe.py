@@ -43,6 +43,10 @@ class LoadOptions:
     quant: str = "none"  # "none", "auto", "fp8", "q8_0", "nvfp4", or a quantised file given as the DiT
     previews: bool = True
     compile: bool = True  # regional torch.compile of the DiT, on CUDA when Triton is installed
+    # Uncompiled DiT resident on a CUDA device (compile off or no Triton): replay its forward as CUDA graphs
+    # (dit_graphs.py; bit-identical output). Streamed blocks always run eagerly.
+    cuda_graphs: bool = True
+    pe_quant: str = "none"  # "none" or "fp8": the local prompt enhancer's layer weights packed on load (text/pe_quant.py)
     # Prompt enhancer on an OpenAI-compatible chat server (text.remote_enhancer.ChatEndpoint; holds no secret).
     # When set, requests with use_pe are revised there instead of by a local PE.
     pe_endpoint: Optional[Any] = None
@@ -52,6 +56,11 @@ class LoadOptions:
         kind, _, index = self.device.partition(":")
         if self.device not in ("auto", "cpu") and not (kind == "cuda" and (not index or index.isdigit())):
             raise InvalidInputError(f"device {self.device!r} is not supported: use auto, cpu, cuda or cuda:N")
+        from .text.pe_quant import PE_QUANT_FORMATS
+
+        if self.pe_quant not in ("none", *PE_QUANT_FORMATS):
+            raise InvalidInputError(f"pe_quant {self.pe_quant!r} is not supported: use none or "
+                                    f"{', '.join(PE_QUANT_FORMATS)}")
         choices = ("none", "auto", "bf16", *QUANT_ON_LOAD_FORMATS)
         if self.quant not in choices:
             raise InvalidInputError(f"quant {self.quant!r} is not supported: use one of {', '.join(choices)}, or "
@@ -81,6 +90,7 @@ class _Loaded:
     tokenizer: Any = None
     text_tower: Any = None
     dit: Any = None
+    dit_forward: Any = None  # what the sampler calls: the DiT, or dit_graphs.DiTGraphs around it
     vae: Any = None
     vae_encoder: Any = None  # built only for jobs with an image in
     enhancer: Any = None
@@ -146,12 +156,19 @@ class LocalPipe:
         """Whether the DiT's blocks are (or, once loaded, will be) compiled: asked for and possible here."""
         return self.options.compile and compile_available(self.device)
 
+    def _dit_mode(self) -> str:
+        if self.compiles_dit:
+            return "compiled"
+        if self.options.cuda_graphs and self.device.type == "cuda":
+            return "eager, replayed as CUDA graphs when resident"
+        return "eager"
+
     def describe(self, request: Optional[GenerationRequest] = None) -> str:
         """The variant, device, formats and the VRAM plan (of the last job, else of a default 1024x1024 job)."""
         lines = [
             f"ERNIE-Image {'Turbo' if self.variant == 'turbo' else '(base)'} on {self.device} in "
             f"{str(self.dtype).replace('torch.', '')}; defaults {int(self.defaults['steps'])} steps, "
-            f"CFG {self.defaults['cfg']}; DiT {'compiled' if self.compiles_dit else 'eager'}"
+            f"CFG {self.defaults['cfg']}; DiT {self._dit_mode()}"
         ]
         if self.quant_reason:
             lines.append(self.quant_reason)
@@ -204,6 +221,17 @@ class LocalPipe:
             self._loaded.dit = dit
         self._lora.sync(self._loaded.dit)  # after placement: the branches stay resident, never streamed
         return self._loaded.dit
+
+    def _dit_forward(self, dit):
+        """The DiT's forward as the sampler calls it: replayed as CUDA graphs where dit_graphs can (kept, with their
+        graphs, for as long as this DiT is the loaded one), else the module itself."""
+        from .dit_graphs import graphed_dit
+
+        forward = self._loaded.dit_forward
+        if forward is None or getattr(forward, "dit", forward) is not dit:
+            forward = graphed_dit(dit, self.options.cuda_graphs and not self.compiles_dit, self.device)
+            self._loaded.dit_forward = forward
+        return forward
 
     def _quant_on_load(self, component) -> str:
         """The format to quantise a bf16 DiT into while loading ("none" keeps the file's weights as they are)."""
@@ -264,14 +292,20 @@ class LocalPipe:
         self.memory.set_host(host)
         dit = self._dit()
         rows = (negative + text) if negative is not None else text
-        denoise = length_grouped_denoiser(dit, rows, self.device, self.dtype)
+        denoise = length_grouped_denoiser(self._dit_forward(dit), rows, self.device, self.dtype)
         noise = initial_noise(request.seed, request.batch, request.width, request.height).to(self.device)
         start = start_state(request, original, self.device)
 
         preview = latent_preview if self.options.previews else None
-        with torch.inference_mode():
-            cfg = request.cfg if negative is not None else 1.0
-            return sample_euler(denoise, noise, request.steps, request.shift, cfg, self.dtype, host, preview, start)
+        try:
+            with torch.inference_mode():
+                cfg = request.cfg if negative is not None else 1.0
+                return sample_euler(denoise, noise, request.steps, request.shift, cfg, self.dtype, host, preview,
+                                    start)
+        finally:
+            release_graphs = getattr(self._loaded.dit_forward, "release_graphs", None)
+            if release_graphs is not None and self.memory.plan is not None:
+                release_graphs()  # the plan gives the DiT's activation memory to the VAE phase next
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         self._phase = "vae"
@@ -388,7 +422,7 @@ class LocalPipe:
         self.memory.plan_job(request, self.sources, self.variant, self._local_pe())
         if self.memory.active:
             if self.memory.dit is None:
-                self._loaded.dit = None
+                self._loaded.dit = self._loaded.dit_forward = None
             if self.memory.text is None:
                 self._loaded.text_tower = None
             if self.memory.pe is None:
@@ -466,7 +500,7 @@ class LocalPipe:
         placed = self.memory.places_pe()
         enhancer = self._loaded.enhancer or LocalEnhancer.load(
             self.sources, self.device, self.dtype, self.variant, host,
-            build_device=self.memory.build_device() if placed else None)
+            build_device=self.memory.build_device() if placed else None, quant=self.options.pe_quant)
         self._loaded.enhancer = enhancer
         try:
             if placed:

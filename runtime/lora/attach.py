@@ -221,6 +221,8 @@ def apply_stack(dit: ErnieDiT, stack: list[tuple[ParsedLora, float]], device: Op
                 wrapper = LoraLinear(_get_child(parent, leaf), branch.slices, branch.out_features, branch.in_features)
                 _set_child(parent, leaf, wrapper)
             total += _fill(wrapper, branch, ranks[physical], device, dtype)
+    if hasattr(dit, "structure_version"):
+        dit.structure_version += 1  # captured forwards (dit_graphs) are recaptured once
     return {"layers": len(branches), "bytes": total}
 
 

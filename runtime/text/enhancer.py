@@ -85,9 +85,11 @@ class LocalEnhancer:
 
     @classmethod
     def load(cls, sources: ModelSources, device: torch.device, dtype: torch.dtype, variant: Variant = "base",
-             host: Optional[Host] = None, build_device: Optional[torch.device] = None) -> "LocalEnhancer":
+             host: Optional[Host] = None, build_device: Optional[torch.device] = None,
+             quant: str = "none") -> "LocalEnhancer":
         """`build_device`: where the weights are materialised when not on `device` (the host, for an offloader
-        that places them itself)."""
+        that places them itself). `quant` "fp8": the decoder layers' Linears are packed there once built
+        (pe_quant.py); a memory plan made for bf16 weights then only over-provisions."""
         from .pe_model import pe_config_for, pe_weight_bytes
 
         located = locate_pe(sources)
@@ -97,6 +99,10 @@ class LocalEnhancer:
         if host is not None and build_device.type == "cuda":
             host.make_room(pe_weight_bytes(pe_config_for(component, variant), dtype), build_device)
         model = build_pe_model(component, build_device, dtype, variant)
+        if quant != "none":
+            from .pe_quant import quantize_pe_layers_
+
+            quantize_pe_layers_(model, quant)
         return cls(model, tokenizer, located, device, dtype)
 
     def settings(self, temperature: float, top_p: float, max_new_tokens: int, min_new_tokens: int = 0) -> SamplingSettings:

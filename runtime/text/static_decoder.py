@@ -7,7 +7,13 @@ addresses, and replays them as one CUDA graph per token.
 
 The maths is Ministral3's (transformers' modeling_ministral3): RMSNorm, q/k/v, YaRN rotary tables from the
 model's own `rotary_emb`, the Llama-4 query scaling by position, grouped-query SDPA, SiLU MLP, tied head. The
-model's own submodules do the norms, projections and MLP, so quantised Linears work unchanged. The CPU and
+model's own submodules do the projections and MLP, so quantised Linears work unchanged.
+
+`fused` (the default) issues fewer, larger kernels for the same maths, each within float rounding of
+transformers' (the tests' bounds): the RMSNorms as one `F.rms_norm` kernel and the weight product (transformers:
+seven elementwise kernels), and a decode step's attention as the query heads of each key/value head stacked as
+rows of one plain SDPA call (grouped-query SDPA with a mask falls back to the math kernels, which first copy every
+cached key and value once per query head group). The CPU and
 streamed prompt enhancers keep transformers' path (the reference the tests compare with).
 """
 from __future__ import annotations
@@ -46,9 +52,10 @@ def computes_like_transformers(model: nn.Module) -> bool:
 class StaticCacheDecoder:
     """Prefill once, then `next_logits(token)` per token; the KV cache holds `capacity` positions."""
 
-    def __init__(self, model: nn.Module, capacity: int, use_graph: bool) -> None:
+    def __init__(self, model: nn.Module, capacity: int, use_graph: bool, fused: bool = True) -> None:
         config = model.config
         self.model = model
+        self.fused = fused
         self.layers = model.model.layers
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -88,6 +95,18 @@ class StaticCacheDecoder:
         if self.length >= self.capacity:
             raise ValueError(f"the KV cache of {self.capacity} positions is full")
         self.token.fill_(token)
+        self.position.fill_(self.length)
+        self.length += 1
+        if self.graph is not None:
+            self.graph.replay()
+            return self.graph_logits
+        return self._decode_step()
+
+    def next_logits_device(self, token: torch.Tensor) -> torch.Tensor:
+        """`next_logits` for a token id held in a device tensor: copied into the graph's input, no host sync."""
+        if self.length >= self.capacity:
+            raise ValueError(f"the KV cache of {self.capacity} positions is full")
+        self.token.copy_(token.reshape(1, 1))
         self.position.fill_(self.length)
         self.length += 1
         if self.graph is not None:
@@ -140,9 +159,10 @@ class StaticCacheDecoder:
         count = ids.shape[1]
         cos, sin, query_scale = self._rotary(positions)
         hidden = self.model.model.embed_tokens(ids)
+        norm = _rms_norm if self.fused else (lambda module, x: module(x))
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
-            x = layer.input_layernorm(hidden)
+            x = norm(layer.input_layernorm, hidden)
             q = attention.q_proj(x).view(1, count, self.heads, self.head_dim).transpose(1, 2)
             k = attention.k_proj(x).view(1, count, self.kv_heads, self.head_dim).transpose(1, 2)
             v = attention.v_proj(x).view(1, count, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -152,11 +172,15 @@ class StaticCacheDecoder:
             self.values[index].index_copy_(2, positions, v)
             if mask is None:  # prefill from position 0: the new tokens attend causally to each other only
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=count > 1, enable_gqa=True)
+            elif self.fused and count == 1:  # one query: its heads of one kv group are rows of one attention
+                grouped = q.reshape(1, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+                out = F.scaled_dot_product_attention(grouped, self.keys[index], self.values[index], attn_mask=mask)
+                out = out.reshape(1, self.heads, 1, self.head_dim)
             else:
                 out = F.scaled_dot_product_attention(q, self.keys[index], self.values[index], attn_mask=mask,
                                                      enable_gqa=True)
             hidden = hidden + attention.o_proj(out.transpose(1, 2).reshape(1, count, -1))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = hidden + layer.mlp(norm(layer.post_attention_layernorm, hidden))
         last = self.model.model.norm(hidden[:, -1:])
         return self.model.lm_head(last)[:, -1].float()
 
@@ -170,6 +194,16 @@ def _capture_stream(device: torch.device) -> "torch.cuda.Stream":
     if device not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
     return _CAPTURE_STREAMS[device]
+
+
+def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' Ministral3RMSNorm, `weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)`, in two kernels;
+    any other norm module runs as it is."""
+    eps = getattr(module, "variance_epsilon", None)
+    weight = getattr(module, "weight", None)
+    if eps is None or weight is None or type(module).__name__ != "Ministral3RMSNorm":
+        return module(x)
+    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
 """Seeded autoregressive sampling for the prompt enhancer, with transformers' sampling semantics.
 
 Same maths as `model.generate(do_sample=True, temperature, top_k, top_p)` (the warpers are transformers' own,
-applied in generate's order to float32 logits), but every draw comes from a private CPU `torch.Generator` (the
-draws multinomial would make, prepared on a worker thread while the device computes the logits): the
-global RNG is neither read nor changed, and a seed gives the same tokens whatever ran before. Drawing on the
-CPU also keeps a seed's tokens independent of the GPU model, as long as the logits agree.
+applied in generate's order to float32 logits), but every draw comes from a private `torch.Generator`: the
+global RNG is neither read nor changed, and a seed gives the same tokens whatever ran before. On the CPU the draws
+are the ones multinomial would make from a CPU generator, prepared on a worker thread. On a CUDA device the
+warpers and the draw run there (device_sampling.py, a CUDA generator seeded from the seed): only the token id
+comes back, and the next token's decode step is queued before the host has read it (dropped if that token was
+EOS), so the GPU never waits for Python. A seed's rewrite is the same on the same device; CPU and GPU may differ.
 Cancel is checked between tokens. A PE resident on one CUDA device decodes through static_decoder.py (one CUDA
 graph per token); a CPU or streamed PE runs transformers' forward.
 """
@@ -116,6 +118,10 @@ class TransformersDecoder:
     def next_logits(self, token: int) -> torch.Tensor:
         return self._logits(torch.tensor([[token]], dtype=torch.long, device=self.device))
 
+    def next_logits_device(self, token: torch.Tensor) -> torch.Tensor:
+        """`next_logits` for a token id held in a device tensor (no host sync)."""
+        return self._logits(token.reshape(1, 1))
+
     def close(self) -> None:
         self.cache = None
 
@@ -160,6 +166,18 @@ def sample_tokens(
 
     started = time.perf_counter()
     decoder = open_decoder(model, len(prompt_ids) + settings.max_new_tokens, fast)
+    if device.type == "cuda" and not settings.greedy:
+        try:
+            logits = decoder.prefill(prompt_ids)
+            torch.cuda.synchronize(device)
+            prefilled = time.perf_counter()
+            generated, stopped_by_eos = _sample_on_device(decoder, logits, settings, seed, eos, eos_ids, check_cancel,
+                                                          on_token)
+            finished = time.perf_counter()
+        finally:
+            torch.cuda.synchronize(device)  # a cancel can leave a queued step behind: let it end before the close
+            decoder.close()
+        return SampledTokens(generated, prefilled - started, finished - prefilled, stopped_by_eos)
     draws: Optional[ExponentialDraws] = None
     try:
         logits = decoder.prefill(prompt_ids)
@@ -195,3 +213,42 @@ def sample_tokens(
         if draws is not None:
             draws.close()
     return SampledTokens(generated, prefilled - started, finished - prefilled, stopped_by_eos)
+
+
+def _sample_on_device(decoder, logits: torch.Tensor, settings: SamplingSettings, seed: int, eos: torch.Tensor,
+                      eos_ids: Sequence[int], check_cancel: Optional[Callable[[], None]],
+                      on_token: Optional[Callable[[int], None]]) -> tuple[list[int], bool]:
+    """The decode loop with sampling on the device: token n+1's step and draw are queued before token n is read."""
+    from .device_sampling import DeviceTokenDraws
+
+    draws = DeviceTokenDraws(settings.temperature, settings.top_k, settings.top_p, seed, logits.device)
+    host_token = torch.empty(1, dtype=torch.long, pin_memory=True)
+    eos_set = set(eos_ids)
+
+    def draw(logits: torch.Tensor, index: int) -> torch.Tensor:
+        if index < settings.min_new_tokens and eos.numel():
+            logits = logits.index_fill(1, eos, -float("inf"))
+        return draws.sample(logits)
+
+    generated: list[int] = []
+    token = draw(logits, 0)
+    while True:
+        if check_cancel is not None:
+            check_cancel()
+        host_token.copy_(token, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        index = len(generated)
+        ahead = None
+        if index + 1 < settings.max_new_tokens:  # decode the next position while the host waits for this token
+            ahead = draw(decoder.next_logits_device(token), index + 1)
+        ready.synchronize()
+        value = int(host_token[0])
+        if value in eos_set and index >= settings.min_new_tokens:
+            return generated, True
+        generated.append(value)
+        if on_token is not None:
+            on_token(len(generated))
+        if ahead is None:
+            return generated, False
+        token = ahead

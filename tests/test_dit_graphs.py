@@ -1,0 +1,326 @@
+"""The uncompiled DiT: cast-folded eager kernels and CUDA-graph replay, both bit-identical to the plain forward.
+
+CPU: the cast-folding `out=` forms give exactly the plain expressions' numbers (bf16 and fp32, CFG length groups),
+and DiTGraphs leaves every case it must not touch to the DiT's own forward. GPU: a replay equals the eager forward
+bit for bit (batch 1 and 2, two length groups sharing one pool), the graph count is bounded, any change of structure
+recaptures, a capture that fails falls back to eager with one warning, and all of it holds under both CUDA
+allocator backends (fresh subprocesses, as ComfyUI's cudaMallocAsync default is fixed when CUDA starts).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from ernie_image.runtime import dit as dit_module
+from ernie_image.runtime.acceleration import fuse_projections
+from ernie_image.runtime.dit import DiTConfig, ErnieDiT
+from ernie_image.runtime.dit_graphs import DiTGraphs, graphed_dit
+from ernie_image.runtime.sampling import length_grouped_denoiser
+
+CONFIG = DiTConfig(hidden_size=256, num_attention_heads=2, num_layers=3, ffn_hidden_size=512, text_in_dim=96,
+                   rope_axes_dim=(32, 48, 48))
+
+
+def tiny_dit(device: str, dtype: torch.dtype, fused: bool = True) -> ErnieDiT:
+    torch.manual_seed(0)
+    model = ErnieDiT(CONFIG)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 if param.ndim > 1 else 0.05)
+            if name.endswith("_ln.weight") or "norm_" in name:
+                param.add_(1.0)
+    model = model.to(device, dtype).eval().requires_grad_(False)
+    if fused:
+        fuse_projections(model)
+    return model
+
+
+def step_inputs(device: str, dtype: torch.dtype, batch: int = 2, text_len: int = 9):
+    generator = torch.Generator().manual_seed(batch * 100 + text_len)
+    latents = torch.randn(batch, 128, 12, 10, generator=generator).to(device, dtype)
+    timestep = torch.full((batch,), 730.0).to(device, dtype)
+    text = torch.randn(batch, text_len, 96, generator=generator).to(device, dtype)
+    return latents, timestep, text, [text_len] * batch
+
+
+def plain_forward(model: ErnieDiT, *args) -> torch.Tensor:
+    """The forward with the plain `.float()` ... `.to(dtype)` expressions (those compiled blocks use)."""
+    saved = dit_module._eager_kernels
+    dit_module._eager_kernels = lambda: False
+    try:
+        model._rope_cache.clear()
+        return model(*args)
+    finally:
+        dit_module._eager_kernels = saved
+        model._rope_cache.clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@torch.inference_mode()
+def test_cast_folded_eager_kernels_are_bit_identical_to_the_plain_expressions(dtype):
+    model = tiny_dit("cpu", dtype)
+    latents, timestep, text, lens = step_inputs("cpu", dtype)
+    padded_lens = [5, 9]  # one masked batch: the cached key mask is used
+    assert torch.equal(model(latents, timestep, text, lens), plain_forward(model, latents, timestep, text, lens))
+    assert torch.equal(model(latents, timestep, text, padded_lens),
+                       plain_forward(model, latents, timestep, text, padded_lens))
+    rows = [text[0, :4], text[1]]  # CFG: two length groups
+    grouped = length_grouped_denoiser(model, rows, "cpu", dtype)(latents, timestep)
+    saved = dit_module._eager_kernels
+    dit_module._eager_kernels = lambda: False
+    try:
+        model._rope_cache.clear()
+        plain = length_grouped_denoiser(model, rows, "cpu", dtype)(latents, timestep)
+    finally:
+        dit_module._eager_kernels = saved
+    assert torch.equal(grouped, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_on_the_gpu_the_shipped_eager_forward_matches_diffusers_and_the_exact_one_is_bit_identical():
+    from test_dit_fast_paths import cfg_batch, models, relative_error
+
+    ours, reference = models("cuda", torch.bfloat16)
+    latents, timestep, rows, padded, lens = cfg_batch("cuda", torch.bfloat16)
+    want = reference(latents, timestep, padded, lens, return_dict=False)[0]
+    fuse_projections(ours)
+    got = length_grouped_denoiser(ours, rows, "cuda", torch.bfloat16)(latents, timestep)
+    assert torch.isfinite(got).all() and relative_error(got, want) <= 1e-2  # the bound compiled blocks meet
+    args = step_inputs("cuda", torch.bfloat16)
+    dit_module.FUSED_RMS_NORM_ON_CUDA = False
+    try:
+        exact = ours(*args)
+    finally:
+        dit_module.FUSED_RMS_NORM_ON_CUDA = True
+    assert torch.equal(exact, plain_forward(ours, *args))
+    assert relative_error(ours(*args), exact) <= 1e-3
+
+
+@torch.inference_mode()
+def test_off_the_gpu_the_wrapper_is_the_dits_own_forward():
+    model = tiny_dit("cpu", torch.float32)
+    graphs = DiTGraphs(model)
+    args = step_inputs("cpu", torch.float32)
+    for _ in range(3):
+        assert torch.equal(graphs(*args), model(*args))
+    assert graphs.eager_reason(args[0]) == "not on a CUDA device"
+    assert graphs.captures == 0 and graphs.replays == 0 and graphs.graph_count == 0
+    assert graphed_dit(model, enabled=True, device=torch.device("cpu")) is model
+    assert graphed_dit(model, enabled=False, device=torch.device("cuda")) is model
+    assert isinstance(graphed_dit(model, enabled=True, device=torch.device("cuda")), DiTGraphs)
+
+
+def test_gradients_and_compiled_blocks_are_left_to_the_dit():
+    model = tiny_dit("cpu", torch.float32)
+    graphs = DiTGraphs(model)
+    with torch.enable_grad():
+        assert graphs.eager_reason() == "gradients are enabled"
+    with torch.inference_mode():
+        assert graphs.eager_reason() is None
+        model.layers[0].compile()  # sets the compiled call; nothing is compiled until it is called
+        assert graphs.eager_reason() == "the blocks are compiled"
+
+
+def test_max_graphs_must_be_positive():
+    with pytest.raises(ValueError, match="at least 1"):
+        DiTGraphs(tiny_dit("cpu", torch.float32), max_graphs=0)
+
+
+# -- GPU ---------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("batch", [1, 2])
+def test_replay_is_bit_identical_to_the_eager_forward(batch):
+    model = tiny_dit("cuda", torch.bfloat16)
+    graphs = DiTGraphs(model)
+    with torch.inference_mode():
+        args = step_inputs("cuda", torch.bfloat16, batch)
+        want = model(*args)
+        outputs = [graphs(*args) for _ in range(4)]  # warm-up, capture (+ its launch), two replays
+        assert graphs.captures == 1 and graphs.replays == 2 and graphs.disabled_reason is None
+        for got in outputs:
+            assert torch.equal(got, want)
+        other = step_inputs("cuda", torch.bfloat16, batch)[0] * 0.5  # new latents through the same graph
+        assert torch.equal(graphs(other, *args[1:]), model(other, *args[1:]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_cfg_length_groups_share_one_pool_and_match_eager_over_a_whole_sampling_run():
+    from ernie_image.runtime.host import NullHost
+    from ernie_image.runtime.sampling import sample_euler
+
+    model = tiny_dit("cuda", torch.bfloat16)
+    graphs = DiTGraphs(model)
+    generator = torch.Generator().manual_seed(3)
+    rows = [torch.randn(4, 96, generator=generator).cuda().bfloat16(),
+            torch.randn(9, 96, generator=generator).cuda().bfloat16()]
+    noise = torch.randn(1, 128, 12, 10, generator=generator).cuda()
+    run = lambda forward: sample_euler(length_grouped_denoiser(forward, rows, "cuda", torch.bfloat16), noise,  # noqa: E731
+                                       6, 3.0, 4.0, torch.bfloat16, NullHost())
+    assert torch.equal(run(graphs), run(model))
+    assert graphs.captures == 2 and graphs.graph_count == 2 and graphs.replays == 2 * 4
+    pools = {captured.graph.pool() for captured in graphs._graphs.values()}
+    if torch.cuda.get_allocator_backend() == "native":
+        assert len(pools) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_graph_count_is_bounded_and_the_oldest_is_dropped():
+    model = tiny_dit("cuda", torch.bfloat16)
+    graphs = DiTGraphs(model, max_graphs=1)
+    short, long = step_inputs("cuda", torch.bfloat16, 1, 4), step_inputs("cuda", torch.bfloat16, 1, 9)
+    for args in (short, short, long, long, short, short, short):
+        assert torch.equal(graphs(*args), model(*args))
+    assert graphs.graph_count == 1 and graphs.captures == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_structure_changes_recapture_and_in_place_weight_edits_replay():
+    model = tiny_dit("cuda", torch.bfloat16, fused=False)
+    graphs = DiTGraphs(model)
+    args = step_inputs("cuda", torch.bfloat16, 1)
+    for _ in range(3):
+        graphs(*args)
+    assert graphs.captures == 1
+    model.layers[0].mlp.linear_fc2.weight.mul_(0.5)  # in place: the graph reads the edited weight
+    assert torch.equal(graphs(*args), model(*args)) and graphs.captures == 1
+    fuse_projections(model)  # new tensors and modules: the fingerprint changes
+    for _ in range(2):
+        graphs(*args)
+    assert torch.equal(graphs(*args), model(*args)) and graphs.captures == 2
+    model.structure_version += 1  # what LoRA attach/detach does
+    graphs(*args)
+    assert graphs.graph_count == 0  # invalidated; this call was the new warm-up
+    graphs(*args)
+    assert graphs.captures == 3
+    graphs.invalidate()
+    assert graphs.graph_count == 0
+    assert torch.equal(graphs(*args), model(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_released_graphs_give_their_memory_back_and_recapture_without_a_warm_up():
+    model = tiny_dit("cuda", torch.bfloat16)
+    graphs = DiTGraphs(model)
+    args = step_inputs("cuda", torch.bfloat16, 2)
+    want = model(*args)
+    for _ in range(3):
+        graphs(*args)
+    graphs.release_graphs()
+    assert graphs.graph_count == 0
+    model._rope_cache.clear()  # evicted tables are rebuilt before the capture, not inside it
+    assert torch.equal(graphs(*args), want)
+    assert graphs.captures == 2 and graphs.graph_count == 1 and graphs.disabled_reason is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_a_capture_that_fails_falls_back_to_eager_with_one_warning(caplog):
+    model = tiny_dit("cuda", torch.bfloat16)
+
+    def syncing_runner(index, block, x, ctx):
+        if float(x.float().abs().max()) < 0:  # a host sync: not allowed while a graph is being captured
+            raise AssertionError("unreachable")
+        return block(x, ctx)
+
+    model.block_runner = syncing_runner
+    graphs = DiTGraphs(model)
+    args = step_inputs("cuda", torch.bfloat16, 1)
+    with caplog.at_level(logging.WARNING, logger="ernie_image.runtime.dit_graphs"):
+        outputs = [graphs(*args) for _ in range(4)]
+    assert graphs.disabled_reason and graphs.disabled_reason.startswith("CUDA-graph capture failed")
+    assert len([r for r in caplog.records if "capture failed" in r.getMessage()]) == 1
+    want = model(*args)
+    assert all(torch.equal(out, want) for out in outputs)
+
+
+@torch.inference_mode()
+def test_a_streaming_block_runner_is_left_to_the_dit():
+    from ernie_image.runtime.offload.placement import DiTPlacement
+    from ernie_image.runtime.offload.planner import DiTPlan
+
+    model = tiny_dit("cpu", torch.float32, fused=False)
+    graphs = DiTGraphs(model)
+    placement = DiTPlacement(model, DiTPlan(3, (0,), (1, 2), 2, 0, 0, 0), torch.device("cpu"), fake_mode="lazy")
+    try:
+        assert graphs.eager_reason() == "blocks are streamed"
+    finally:
+        placement.release()
+    resident = tiny_dit("cpu", torch.float32, fused=False)
+    placement = DiTPlacement(resident, DiTPlan(3, (0, 1, 2), (), 0, 0, 0, 0), torch.device("cpu"))
+    try:
+        assert DiTGraphs(resident).eager_reason() is None  # resident placement: graphs would serve it on a GPU
+    finally:
+        placement.release()
+
+
+# -- both allocator backends, fresh processes ----------------------------------------------------------------
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_SCRIPT = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("ernie_image", {str(REPO_ROOT / "__init__.py")!r},
+                                              submodule_search_locations=[{str(REPO_ROOT)!r}])
+module = importlib.util.module_from_spec(spec); sys.modules["ernie_image"] = module; spec.loader.exec_module(module)
+sys.path.insert(0, {str(REPO_ROOT / "tests")!r})
+import torch
+assert torch.cuda.get_allocator_backend() == sys.argv[1], torch.cuda.get_allocator_backend()
+from test_dit_graphs import tiny_dit, step_inputs
+from ernie_image.runtime.dit_graphs import DiTGraphs
+from ernie_image.runtime.errors import Cancelled
+with torch.inference_mode():
+    model = tiny_dit("cuda", torch.bfloat16)
+    graphs = DiTGraphs(model, max_graphs=1)
+    short, long = step_inputs("cuda", torch.bfloat16, 2, 4), step_inputs("cuda", torch.bfloat16, 2, 9)
+    for args in (short, short, short, long, long, short):  # capture, replay, evict, capture again
+        assert torch.equal(graphs(*args), model(*args))
+    # A cancel raised inside a capture: no graph allocation may outlive the capture unlaunched.
+    calls = []
+    def cancelling_runner(index, block, x, ctx):
+        calls.append(index)
+        if len(calls) == 5:  # the warm-up runs blocks 1-3; this is the capture's second block
+            raise Cancelled("cancelled")
+        return block(x, ctx)
+    model.block_runner = cancelling_runner
+    graphs(*short)  # a new block runner: new fingerprint, this call warms up again
+    try:
+        graphs(*short)
+    except Cancelled:
+        pass
+    else:
+        raise AssertionError("the cancel was swallowed")
+    assert graphs.disabled_reason is None and graphs.graph_count == 0
+    for _ in range(3):
+        assert torch.equal(graphs(*short), model(*short))
+    assert graphs.graph_count == 1
+    del graphs
+    torch.cuda.synchronize()
+print("survived")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["native", "cudaMallocAsync"])
+def test_capture_replay_eviction_and_cancel_under_each_allocator_backend(backend):
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=f"backend:{backend}", PYTHONUNBUFFERED="1")
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_SCRIPT), backend], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "survived" in done.stdout, done.stdout[-2000:] + done.stderr[-4000:]
