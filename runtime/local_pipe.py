@@ -5,11 +5,12 @@ or a cancel, device memory is released according to `keep_loaded`; nothing stays
 """
 from __future__ import annotations
 
+import functools
 import gc
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -83,6 +84,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in table:
         raise ModelFileError(f"dtype {name!r} is not supported: use auto, bf16, fp16 or fp32")
     return table[name]
+
+
+def _built_outside_inference_mode(build: Callable[..., Any]) -> Callable[..., Any]:
+    """Models and their placements (streaming rings, host copies) are made as normal tensors, even when the
+    caller runs in inference mode (ComfyUI runs every node so); the phases then use them inside inference mode.
+    Tensors made in one mode and used in the other fail later ("Inference tensors do not track version counter")."""
+    @functools.wraps(build)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with torch.inference_mode(False):
+            return build(*args, **kwargs)
+
+    return wrapper
 
 
 @dataclass
@@ -201,6 +214,7 @@ class LocalPipe:
             self._loaded.tokenizer = load_tokenizer(self.sources)
         return self._loaded.tokenizer
 
+    @_built_outside_inference_mode
     def _text_tower(self):
         if self._loaded.text_tower is None:
             component = open_component(self.sources.component("text_encoder"), "text_encoder")
@@ -208,6 +222,7 @@ class LocalPipe:
             self._loaded.text_tower = self.memory.place_text(tower)
         return self._loaded.text_tower
 
+    @_built_outside_inference_mode
     def _dit(self):
         if self._loaded.dit is None:
             component = open_component(self.sources.component("transformer"), "dit")
@@ -249,12 +264,14 @@ class LocalPipe:
         budget = None if self.options.vram_budget_gb is None else int(self.options.vram_budget_gb * 1024**3)
         return choose_auto(detect_device(self.device), budget)
 
+    @_built_outside_inference_mode
     def _vae(self):
         if self._loaded.vae is None:
             component = open_component(self.sources.component("vae"), "vae")
             self._loaded.vae = build_vae(component, self.device, torch.float32 if self.device.type == "cpu" else self.dtype)
         return self._loaded.vae
 
+    @_built_outside_inference_mode
     def _vae_encoder(self):
         if self._loaded.vae_encoder is None:
             component = open_component(self.sources.component("vae"), "vae")
@@ -281,7 +298,9 @@ class LocalPipe:
     def encode(self, prompts: list[str]) -> list[torch.Tensor]:
         self._phase = "text"
         unique = list(dict.fromkeys(prompts))
-        encoded = dict(zip(unique, encode_prompts(self._tokenizer(), self._text_tower(), unique)))
+        tower = self._text_tower()
+        with torch.inference_mode():
+            encoded = dict(zip(unique, encode_prompts(self._tokenizer(), tower, unique)))
         self.memory.after_text()
         return [encoded[p] for p in prompts]
 
@@ -498,7 +517,7 @@ class LocalPipe:
             return RevisedPrompts(prompts)
         self._phase = "pe"
         placed = self.memory.places_pe()
-        enhancer = self._loaded.enhancer or LocalEnhancer.load(
+        enhancer = self._loaded.enhancer or _built_outside_inference_mode(LocalEnhancer.load)(
             self.sources, self.device, self.dtype, self.variant, host,
             build_device=self.memory.build_device() if placed else None, quant=self.options.pe_quant)
         self._loaded.enhancer = enhancer

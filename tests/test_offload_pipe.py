@@ -76,6 +76,17 @@ def test_streamed_pipe_gives_the_resident_image(model, resident_result):
     assert pipe.memory.dit is None and pipe._loaded.dit is None
 
 
+def test_streamed_runs_inside_inference_mode_as_comfyui_runs_nodes_then_outside_it(model, resident_result):
+    """ComfyUI runs every node under torch.inference_mode(); the CLI does not. Rings, slabs and parked host copies
+    made in one mode must serve the next run in either ("Inference tensors do not track version counter")."""
+    pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=streaming_budget_gb(model), keep_loaded=True))
+    for inference in (True, True, False):
+        with torch.inference_mode(inference):
+            result = pipe.generate(REQUEST, NullHost())
+        assert torch.equal(result.images, resident_result.images)
+    pipe.release()
+
+
 def test_config_sizes_are_the_built_fp32_dits_so_placing_it_plans_once(model):
     pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=1.0))
     estimate = pipe.memory.sizes_for(model, pipe.variant).dit
