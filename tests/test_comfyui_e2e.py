@@ -92,6 +92,27 @@ def place_tiny_models(models: Path, scratch: Path) -> dict[str, Path]:
     return paths
 
 
+INPUT_IMAGE = "example.png"  # the picture the image-in workflows' Load Image names
+MASK_BOX = (64, 64, 192, 192)  # transparent in the picture: Load Image's MASK is 1 there (the area to repaint)
+
+
+def place_input_image(input_folder: Path) -> Path:
+    """A TEST_SIDE square RGBA picture in ComfyUI's input folder: a colour gradient, its alpha 0 inside MASK_BOX."""
+    import numpy as np
+    from PIL import Image
+
+    ramp = np.linspace(0, 255, TEST_SIDE, dtype=np.uint8)
+    pixels = np.zeros((TEST_SIDE, TEST_SIDE, 4), dtype=np.uint8)
+    pixels[..., 0], pixels[..., 1] = ramp[None, :], ramp[:, None]
+    pixels[..., 2], pixels[..., 3] = 128, 255
+    left, top, right, bottom = MASK_BOX
+    pixels[top:bottom, left:right, 3] = 0
+    input_folder.mkdir(parents=True, exist_ok=True)
+    path = input_folder / INPUT_IMAGE
+    Image.fromarray(pixels, "RGBA").save(path)
+    return path
+
+
 @dataclass
 class Comfy:
     url: str
@@ -110,6 +131,7 @@ def comfy(tmp_path_factory: pytest.TempPathFactory):
     (base / "custom_nodes").mkdir()
     (base / "custom_nodes" / PACK_NAME).symlink_to(REPO_ROOT, target_is_directory=True)
     models = place_tiny_models(base / "models", tmp_path_factory.mktemp("tiny"))
+    place_input_image(base / "input")
     port = free_port()
     log_path = base / "comfyui.log"
     with open(log_path, "wb") as log_file:
@@ -227,12 +249,15 @@ def node_of(graph: dict[str, Any], class_type: str) -> tuple[str, dict[str, Any]
 
 
 def shrunk(graph: dict[str, Any]) -> dict[str, Any]:
-    """The shipped workflow, at 256x256 and at most 4 steps so it runs in seconds on a CPU."""
+    """The shipped workflow, at 256x256 and at most 4 steps so it runs in seconds on a CPU (a hires fix's upscale
+    included: its second pass then runs at 256x256 too)."""
     graph = copy.deepcopy(graph)
     for node in graph.values():
         if node["class_type"] in ("ErnieImageSampler", "ErnieImageTurboSampler"):
             node["inputs"].update(resolution="custom", width=TEST_SIDE, height=TEST_SIDE,
                                   steps=min(node["inputs"]["steps"], MAX_TEST_STEPS))
+        if node["class_type"] == "ImageScale":
+            node["inputs"].update(width=TEST_SIDE, height=TEST_SIDE)
     return graph
 
 
@@ -320,6 +345,25 @@ async def test_every_api_workflow_runs_headless(comfy: Comfy, path: Path) -> Non
     assert progress and progress[-1]["value"] == progress[-1]["max"], "no progress reached the UI"
     if fake is not None:
         assert len(fake.generations) == 1
+    for node in graph.values():
+        if "mask" in node["inputs"] and node["inputs"].get("composite"):  # an inpainting Sampler
+            check_pixels_outside_the_mask_are_the_originals(comfy, picture, node["inputs"])
+
+
+def check_pixels_outside_the_mask_are_the_originals(comfy: Comfy, picture: Any, sampler: dict[str, Any]) -> None:
+    """Inpainting with composite on: beyond the grown and feathered mask the output is the input picture (within
+    SaveImage's 8-bit rounding), inside it the picture was repainted."""
+    import numpy as np
+    from PIL import Image
+
+    original = np.asarray(Image.open(comfy.base / "input" / INPUT_IMAGE).convert("RGB"), dtype=np.int16)
+    result = np.asarray(picture, dtype=np.int16)
+    reach = sampler["mask_grow"] + sampler["mask_feather"]
+    left, top, right, bottom = MASK_BOX
+    outside = np.ones((TEST_SIDE, TEST_SIDE), dtype=bool)
+    outside[max(0, top - reach):bottom + reach, max(0, left - reach):right + reach] = False
+    assert np.abs(result - original)[outside].max() <= 1
+    assert np.abs(result - original)[top:bottom, left:right].mean() > 1
 
 
 async def test_view_returns_the_runtimes_own_image_for_the_same_seed(comfy: Comfy) -> None:

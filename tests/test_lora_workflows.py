@@ -39,31 +39,22 @@ def no_comfy_modules_left_behind():
             del sys.modules[name]
 
 
-@pytest.fixture
-def lora_name_is_a_file_widget(monkeypatch):
-    monkeypatch.setattr(tw, "FILE_WIDGETS", tw.FILE_WIDGETS | {"lora_name"})
+def test_the_workflow_checks_cover_the_two_lora_scenario() -> None:
+    """test_workflows.py checks it against the node definitions, its API twin and its Note; lora_name is a file."""
+    assert NAME in tw.SCENARIOS and "lora_name" in tw.FILE_WIDGETS
 
 
-def test_ui_workflow_matches_node_definitions(lora_name_is_a_file_widget):
-    tw.test_ui_workflow_matches_node_definitions(UI_PATH)
-    ui = tw.load(UI_PATH)
-    assert [n["type"] for n in ui["nodes"]].count("ErnieImageLoRA") == 2
-
-
-def test_ui_workflow_names_every_file_in_its_note():
+def test_the_loras_are_chained_between_loader_and_sampler_and_named_in_the_note() -> None:
     ui = tw.load(UI_PATH)
     notes = " ".join(node["widgets_values"][0] for node in ui["nodes"] if node["type"] == "Note")
-    tw.test_ui_workflow_names_the_files_it_expects_in_a_note(UI_PATH)
-    for node in ui["nodes"]:
-        if node["type"] == "ErnieImageLoRA":
-            assert node["widgets_values"][0] in notes
-
-
-def test_api_workflow_is_its_ui_twin_and_matches_node_definitions(lora_name_is_a_file_widget):
+    loras = [node for node in ui["nodes"] if node["type"] == "ErnieImageLoRA"]
+    assert len(loras) == 2 and all(node["widgets_values"][0] in notes for node in loras)
     api = tw.load(API_PATH)
-    stripped = {node_id: {"class_type": n["class_type"], "inputs": n["inputs"]} for node_id, n in api.items()}
-    assert stripped == tw.ui_to_api(tw.load(UI_PATH))
-    tw.check_api_workflow(API_PATH.name, api)
+    sampler = next(n for n in api.values() if n["class_type"] == "ErnieImageTurboSampler")
+    second = api[sampler["inputs"]["pipe"][0]]
+    first = api[second["inputs"]["pipe"][0]]
+    assert (second["class_type"], first["class_type"]) == ("ErnieImageLoRA", "ErnieImageLoRA")
+    assert api[first["inputs"]["pipe"][0]]["class_type"] == "ErnieImageLoader"
 
 
 def fake_folder_paths(models: Path) -> types.ModuleType:

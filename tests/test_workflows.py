@@ -25,21 +25,37 @@ UI_FILES = sorted(TEMPLATES.glob("*.json"))
 API_FILES = sorted(API_FOLDER.glob("*.json"))
 SCENARIOS = {
     "ernie_image_turbo_local", "ernie_image_base_prompt_enhancer", "ernie_image_turbo_12gb_budget",
-    "ernie_image_turbo_gguf", "ernie_image_remote_sglang",
+    "ernie_image_turbo_gguf", "ernie_image_remote_sglang", "ernie_image_turbo_two_loras",
+    "ernie_image_turbo_img2img", "ernie_image_turbo_inpaint", "ernie_image_turbo_hires_fix",
 }
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN"}
 CONTROL_AFTER_GENERATE = {"fixed", "increment", "decrement", "randomize"}
 # Loader widgets whose choices are ComfyUI's model files (empty outside ComfyUI): the value is a file name.
-FILE_WIDGETS = {"diffusers_folder", "diffusion_model", "text_encoder", "vae", "prompt_enhancer"}
+FILE_WIDGETS = {"diffusers_folder", "diffusion_model", "text_encoder", "vae", "prompt_enhancer", "lora_name"}
+MAX_RESOLUTION = 16384  # ComfyUI's nodes.py
 
-# The ComfyUI core nodes the examples use, as ComfyUI v0.8.0 defines them (nodes.py, nodes_preview_any.py).
-# The e2e test runs the API workflows through a real ComfyUI, which checks these against the real thing.
+# The ComfyUI core nodes the examples use, as ComfyUI v0.8.0 defines them (nodes.py: LoadImage, ImageScale,
+# LatentUpscaleBy, SetLatentNoiseMask, SaveImage; nodes_preview_any.py). The e2e test runs the API workflows through
+# a real ComfyUI, which checks these against the real thing. `upload_slot`: the editor saves Load Image's upload
+# button as one more widgets_values entry, after the image name.
 CORE_NODES: dict[str, dict[str, Any]] = {
     "SaveImage": {"input": {"required": {"images": ("IMAGE",), "filename_prefix": ("STRING", {"default": "ComfyUI"})}},
                   "output": ()},
     "PreviewAny": {"input": {"required": {"source": ("*",)}}, "output": ()},
     "Note": {"input": {"required": {"text": ("STRING", {"multiline": True})}}, "output": (), "virtual": True},
+    "LoadImage": {"input": {"required": {"image": (["example.png"], {"image_upload": True})}},
+                  "output": ("IMAGE", "MASK"), "upload_slot": True},
+    "ImageScale": {"input": {"required": {
+        "image": ("IMAGE",), "upscale_method": (["nearest-exact", "bilinear", "area", "bicubic", "lanczos"],),
+        "width": ("INT", {"default": 512, "min": 0, "max": MAX_RESOLUTION, "step": 1}),
+        "height": ("INT", {"default": 512, "min": 0, "max": MAX_RESOLUTION, "step": 1}),
+        "crop": (["disabled", "center"],)}}, "output": ("IMAGE",)},
+    "LatentUpscaleBy": {"input": {"required": {
+        "samples": ("LATENT",), "upscale_method": (["nearest-exact", "bilinear", "area", "bicubic", "bislerp"],),
+        "scale_by": ("FLOAT", {"default": 1.5, "min": 0.01, "max": 8.0, "step": 0.01})}}, "output": ("LATENT",)},
+    "SetLatentNoiseMask": {"input": {"required": {"samples": ("LATENT",), "mask": ("MASK",)}}, "output": ("LATENT",)},
 }
+UPLOAD_SLOT = "upload"
 
 
 def node_definition(class_type: str) -> dict[str, Any]:
@@ -104,12 +120,15 @@ def load(path: Path) -> dict[str, Any]:
 
 
 def ui_widget_names(definition: dict[str, Any]) -> list[tuple[str, tuple]]:
-    """Widget slots in widgets_values order; a seed with control_after_generate takes one more slot."""
+    """Widget slots in widgets_values order; a seed with control_after_generate and Load Image's upload button take
+    one more slot each."""
     slots: list[tuple[str, tuple]] = []
     for name, spec in sockets_and_widgets(definition)[1]:
         slots.append((name, spec))
         if len(spec) > 1 and spec[1].get("control_after_generate"):
             slots.append(("control_after_generate", (list(CONTROL_AFTER_GENERATE),)))
+    if definition.get("upload_slot"):
+        slots.append((UPLOAD_SLOT, (["image"],)))
     return slots
 
 
@@ -123,7 +142,7 @@ def ui_to_api(ui: dict[str, Any]) -> dict[str, Any]:
             continue
         inputs: dict[str, Any] = {}
         for (name, _), value in zip(ui_widget_names(definition), node["widgets_values"]):
-            if name != "control_after_generate":
+            if name not in ("control_after_generate", UPLOAD_SLOT):
                 inputs[name] = value
         for socket in node["inputs"]:
             if socket.get("link") is not None:
@@ -177,9 +196,7 @@ def test_ui_workflow_names_the_files_it_expects_in_a_note(path: Path) -> None:
     ui = load(path)
     notes = " ".join(node["widgets_values"][0] for node in ui["nodes"] if node["type"] == "Note")
     assert notes, f"{path.name} has no Note"
-    for node in ui["nodes"]:
-        if node["type"] != "ErnieImageLoader":
-            continue
+    for node in ui["nodes"]:  # the Loader's model files and each LoRA's file
         slots = [name for name, _ in ui_widget_names(node_definition(node["type"]))]
         for name, value in zip(slots, node["widgets_values"]):
             if name in FILE_WIDGETS and value != NONE_CHOICE:
@@ -258,9 +275,10 @@ TITLE_HEIGHT = 30  # LiteGraph.NODE_TITLE_HEIGHT: a node's pos is the top-left o
 # The smallest body ComfyUI's editor gives each node (LGraphNode.computeSize() of a new node in frontend 1.58.1,
 # this pack's fixed-height text boxes included); a saved size below it is enlarged when the workflow opens.
 MIN_BODY: dict[str, tuple[int, int]] = {
-    "ErnieImageLoader": (210, 386), "ErnieImageSampler": (210, 422), "ErnieImageTurboSampler": (229, 368),
+    "ErnieImageLoader": (210, 386), "ErnieImageSampler": (210, 422), "ErnieImageTurboSampler": (228, 484),
     "ErnieImageQuantConfig": (219, 134), "ErnieImageRemoteBackend": (309, 422), "ErnieImagePromptEnhancer": (246, 466),
-    "SaveImage": (210, 58), "PreviewAny": (210, 122), "Note": (210, 88),
+    "ErnieImageLoRA": (210, 82), "SaveImage": (210, 58), "PreviewAny": (210, 122), "Note": (210, 88),
+    "LoadImage": (223, 102), "ImageScale": (210, 130),
 }
 # What a run adds below a node's widgets: the Samplers show the latent preview (124 px at 400 px wide, measured).
 AFTER_RUN_EXTRA: dict[str, int] = {"ErnieImageSampler": 130, "ErnieImageTurboSampler": 130}
@@ -297,8 +315,8 @@ def test_the_overlap_check_sees_title_bars_minimum_sizes_and_previews() -> None:
     assert overlapping_pairs({"nodes": [node, below]}, False) == []  # 422 px: its real height, not the saved 300
     below["pos"] = [0, 40 + 422 + TITLE_HEIGHT - 10]  # its title bar now covers the Remote Backend's last row
     assert overlapping_pairs({"nodes": [node, below]}, False) == ["1 (ErnieImageRemoteBackend) and 2 (PreviewAny)"]
-    sampler = {"id": 3, "type": "ErnieImageTurboSampler", "pos": [0, 40], "size": [400, 368]}
-    under = {"id": 4, "type": "PreviewAny", "pos": [0, 40 + 368 + 40], "size": [400, 160]}
+    sampler = {"id": 3, "type": "ErnieImageTurboSampler", "pos": [0, 40], "size": [400, 300]}
+    under = {"id": 4, "type": "PreviewAny", "pos": [0, 40 + 484 + 40], "size": [400, 160]}
     assert overlapping_pairs({"nodes": [sampler, under]}, False) == []
     assert overlapping_pairs({"nodes": [sampler, under]}, True) == ["3 (ErnieImageTurboSampler) and 4 (PreviewAny)"]
 
