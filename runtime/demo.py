@@ -5,10 +5,11 @@ download. `ERNIE_IMAGE_CACHE` moves the cache (default ~/.cache/ernie-image).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from .errors import ErnieImageError, ModelFileError
 from .model_files import ModelSources, Variant
@@ -30,23 +31,51 @@ def demo_model_folder(variant: Variant = "turbo", cache_dir: Optional[Path] = No
 
 
 def demo_model_sources(variant: Variant = "turbo", cache_dir: Optional[Path] = None) -> ModelSources:
-    """The tiny demo model's files, built on first use (a marker file says the folder is complete)."""
+    """The tiny demo model's files, built on first use.
+
+    Built in a private folder and renamed into place when complete, so a Ctrl-C or a failure leaves no half-built
+    model, and two first runs at once each build their own and the first rename wins."""
     folder = demo_model_folder(variant, cache_dir)
-    if (folder / ".complete").exists():
-        return ModelSources(model_dir=folder)
+    if not (folder / ".complete").exists():
+        _build(folder, variant)
+    return ModelSources(model_dir=folder)
+
+
+def _build(folder: Path, variant: Variant) -> None:
     from .tiny import build_tiny_model
 
-    shutil.rmtree(folder, ignore_errors=True)
+    building = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
     try:
-        sources = build_tiny_model(folder, layout="diffusers", variant=variant)
-        (folder / ".complete").write_text("ok")
-    except BaseException as error:
-        shutil.rmtree(folder, ignore_errors=True)  # no half-built demo model left behind (Ctrl-C too)
-        if isinstance(error, OSError):
-            raise ErnieImageError(f"cannot build the demo model in {folder}: {error.strerror or error}: set "
-                                  "ERNIE_IMAGE_CACHE to a writable folder, or pass --model-dir") from None
-        raise
-    return sources
+        if folder.exists():  # an older build without its marker: incomplete, replaced
+            shutil.rmtree(folder)
+        with _quiet_transformers():
+            build_tiny_model(building, layout="diffusers", variant=variant)
+        (building / ".complete").write_text("ok")
+        try:
+            building.rename(folder)
+        except OSError:
+            if not (folder / ".complete").exists():  # not another run's finished build: a real failure
+                raise
+    except OSError as error:
+        raise ErnieImageError(f"cannot build the demo model in {folder}: {error.strerror or error}: set "
+                              "ERNIE_IMAGE_CACHE to a writable folder, or pass --model-dir") from None
+    finally:
+        shutil.rmtree(building, ignore_errors=True)  # ours, when another run's build won or this one failed
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """The tiny configs' warnings and the save progress bars say nothing to a user of the demo."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
 
 
 def load_demo_pipe(options=None, variant: Variant = "turbo", cache_dir: Optional[Path] = None):

@@ -94,13 +94,6 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(capsys, tmp
     assert not empty_cache.exists()
 
 
-@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
-def test_a_read_only_folder_is_refused_for_users(capsys, tmp_path):
-    folder = tmp_path / "read-only"
-    folder.mkdir(mode=0o500)
-    assert "cannot be written" in _cli(capsys, "generate", "--out", str(folder / "x.png"))
-
-
 @pytest.mark.parametrize("argv, expected", [
     (["generate", "--seed", str(SEED_MASK + 1)], f"--seed {SEED_MASK + 1} is not allowed: use 0..{SEED_MASK}"),
     (["enhance", "--pe-url", "http://127.0.0.1:9", "--prompt", "x", "--seed", str(2**64)],
@@ -376,11 +369,11 @@ def test_ctrl_c_while_the_demo_model_is_built_leaves_no_half_built_cache(tmp_pat
     out_dir.mkdir()
     run = _Run(["generate", "--out", str(out_dir / "x.png")], _env(cache), tmp_path)
     deadline = time.monotonic() + 60
-    while not (cache / "tiny-turbo-v1").exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
+    while not any(cache.glob(".tiny-turbo-v1.*.partial/transformer")) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the build is under way: the DiT is written
     run.process.send_signal(signal.SIGINT)
     _assert_cancelled(*run.finish(), out_dir)
-    assert not (cache / "tiny-turbo-v1").exists()
+    assert list(cache.iterdir()) == []  # neither the model nor its partial build
 
 
 @pytest.mark.slow
@@ -395,12 +388,15 @@ def test_sigterm_is_a_cancel_too(tmp_path, built_cache):
 
 
 @pytest.mark.slow
-def test_two_runs_writing_the_same_out_at_once_leave_one_whole_image(tmp_path, built_cache):
+def test_two_first_runs_at_once_share_the_demo_cache_and_the_out_and_leave_one_whole_image(tmp_path):
     from ernie_image.runtime.png_output import read_png_settings
 
+    cache = tmp_path / "cache"  # empty: both runs build the demo model at the same time
     out = tmp_path / "shared ñ 狐.png"  # unicode and a space in the name, too
-    runs = [_Run(["generate", "--steps", "30", "--seed", str(seed), "--out", str(out)], _env(built_cache), tmp_path)
+    runs = [_Run(["generate", "--steps", "20", "--seed", str(seed), "--out", str(out)], _env(cache), tmp_path)
             for seed in (1, 2)]
-    assert [run.finish(120)[0] for run in runs] == [0, 0]
+    results = [run.finish(240) for run in runs]
+    assert [code for code, _ in results] == [0, 0], results
     assert read_png_settings(out)["seed"] in (1, 2)  # a whole PNG from one of the runs
     assert sorted(p.name for p in tmp_path.iterdir() if not p.is_dir()) == [out.name]
+    assert [p.name for p in cache.iterdir()] == ["tiny-turbo-v1"]  # one model, no partial build left
