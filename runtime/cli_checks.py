@@ -168,10 +168,11 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def _check_load_options(args: argparse.Namespace) -> None:
-    from .local_pipe import LoadOptions  # the pipe's own device and quant checks, not a copy of them
+    from .local_pipe import LoadOptions, resolve_device  # the pipe's own checks, not a copy of them
 
     LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=parse_budget(args.budget),
                 quant=args.quant).validate()
+    resolve_device(args.device)  # cuda asked for where PyTorch sees none
 
 
 def _check_model_paths(args: argparse.Namespace) -> None:
@@ -182,7 +183,12 @@ def _check_model_paths(args: argparse.Namespace) -> None:
 
 
 def _check_out(args: argparse.Namespace) -> None:
+    from .png_output import png_paths
+
     check_output_file(args.out, "--out", (".png",), "ernie")
+    for path in png_paths(args.out, args.batch) if args.batch > 1 else ():  # name_0.png, name_1.png, ...
+        if path.is_dir():
+            raise InvalidInputError(f"--out {args.out}: batch image {path} is a folder: pick another output name")
 
 
 # The order users meet the errors in: a size error before a file error, a file error before the output's.

@@ -87,5 +87,7 @@ def load_demo_pipe(options=None, variant: Variant = "turbo", cache_dir: Optional
     try:
         return LocalPipe.load(sources, options)
     except ModelFileError as error:
+        if str(sources.model_dir) not in str(error):  # not about its files (e.g. no CUDA for --device cuda)
+            raise
         raise ModelFileError(f"the demo model in {sources.model_dir} is damaged ({error}); delete that folder and "
                              "run again: it is rebuilt") from None

@@ -114,6 +114,26 @@ def test_numbers_out_of_range_are_refused_in_one_line(capsys, tmp_path, empty_ca
     assert not empty_cache.exists()
 
 
+def test_plan_refuses_a_copy_speed_of_zero_and_a_negative_token_count(capsys):
+    assert "--pcie-gbps 0.0 is not allowed" in _cli(capsys, "plan", "--budget", "12", "--pcie-gbps", "0")  # was a
+    assert "--text-tokens -5 is not allowed" in _cli(capsys, "plan", "--budget", "12", "--text-tokens", "-5")  # traceback
+
+
+def test_cuda_asked_for_without_one_is_refused_before_the_demo_model_is_built(capsys, tmp_path, empty_cache):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")  # pragma: no cover
+    line = _cli(capsys, "generate", "--device", "cuda", "--out", str(tmp_path / "x.png"))
+    assert "PyTorch sees no CUDA GPU: use --device cpu" in line and "damaged" not in line  # was "demo model damaged"
+    assert not empty_cache.exists()
+
+
+def test_a_batch_image_name_that_is_a_folder_is_refused_before_any_work(capsys, tmp_path, empty_cache):
+    (tmp_path / "fox_1.png").mkdir()
+    line = _cli(capsys, "generate", "--batch", "2", "--out", str(tmp_path / "fox.png"))
+    assert "batch image " + str(tmp_path / "fox_1.png") + " is a folder" in line
+    assert not empty_cache.exists()
+
+
 def test_check_remote_advice_names_an_option_it_has(capsys):
     """A server that answers too slowly is told to raise the read timeout: check-remote has --read-timeout."""
     from ernie_image.runtime.remote.check import main_check_remote
