@@ -77,10 +77,10 @@ class _ConsoleHost(NullHost):
 
 
 def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = None) -> int:
-    args = OneLineParser(prog="ernie-image generate", description="Generate an image with ERNIE-Image.")
-    _add_generate_arguments(args)
-    args = args.parse_args(argv)
-    from .cli_checks import check_generate_args, parse_budget, uses_demo_model
+    parser = OneLineParser(prog="ernie-image generate", description="Generate an image with ERNIE-Image.")
+    _add_generate_arguments(parser)
+    args = parser.parse_args(argv)
+    from .cli_checks import check_generate_args, default_side, parse_budget, uses_demo_model
 
     check_generate_args(args, *FEATURE_CHECKS)  # before the demo model is built or any file read
     from .demo import DEMO_NOTICE, load_demo_pipe
@@ -101,11 +101,10 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
         sources = ModelSources(model_dir=args.model_dir, dit=args.dit, text_encoder=args.text_encoder, vae=args.vae,
                                tokenizer=args.tokenizer, pe=args.pe, variant=args.variant)
         pipe = LocalPipe.load(sources, options)
-    default_side = 256 if demo else 1024
     request = GenerationRequest(
         prompt=args.prompt, negative_prompt=args.negative,
-        width=default_side if args.width is None else args.width,
-        height=default_side if args.height is None else args.height,
+        width=default_side(args) if args.width is None else args.width,
+        height=default_side(args) if args.height is None else args.height,
         steps=args.steps, cfg=args.cfg,  # None: the variant's defaults, resolved by the pipe
         shift=args.shift, seed=args.seed, batch=args.batch, use_pe=args.use_pe,
     )

@@ -154,8 +154,13 @@ def uses_demo_model(args: argparse.Namespace) -> bool:
     return not any([args.model_dir, args.dit, args.text_encoder, args.vae])
 
 
+def default_side(args: argparse.Namespace) -> int:
+    """--width/--height when not given: 256 for the demo model, 1024 (Baidu's ~1 MP) for real weights."""
+    return DEMO_SIDE if uses_demo_model(args) else REAL_SIDE
+
+
 def _check_numbers(args: argparse.Namespace) -> None:
-    side = DEMO_SIDE if uses_demo_model(args) else REAL_SIDE
+    side = default_side(args)
     validate_size(side if args.width is None else args.width, side if args.height is None else args.height)
     if args.steps is not None:
         check_int_range(args.steps, "--steps", 1, 1000, " (50 for ERNIE-Image, 8 for Turbo)")
