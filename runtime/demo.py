@@ -81,13 +81,14 @@ def _quiet_transformers() -> Iterator[None]:
 def load_demo_pipe(options=None, variant: Variant = "turbo", cache_dir: Optional[Path] = None):
     """A LocalPipe on the demo model. A damaged cache (a file cut short, edited or removed) is one line naming the
     folder and the fix: delete it and it is rebuilt."""
-    from .local_pipe import LocalPipe
+    from .local_pipe import LoadOptions, LocalPipe, resolve_device
 
     sources = demo_model_sources(variant, cache_dir)
+    options = options or LoadOptions()
+    options.validate()
+    resolve_device(options.device)  # no CUDA for --device cuda is not a damaged demo model
     try:
         return LocalPipe.load(sources, options)
     except ModelFileError as error:
-        if str(sources.model_dir) not in str(error):  # not about its files (e.g. no CUDA for --device cuda)
-            raise
         raise ModelFileError(f"the demo model in {sources.model_dir} is damaged ({error}); delete that folder and "
                              "run again: it is rebuilt") from None
