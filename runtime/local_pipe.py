@@ -35,6 +35,10 @@ from .request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, vali
 from .sampling import initial_noise, length_grouped_denoiser, sample_euler
 from .text.encoder import encode_prompts
 
+# LoadOptions.quant: a quantised DiT file is used as it is; a bf16 one is quantised on load to the format named.
+QUANT_CHOICES = ("none", "auto", "bf16", *QUANT_ON_LOAD_FORMATS)
+
+
 @dataclass
 class LoadOptions:
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1"...
@@ -62,10 +66,9 @@ class LoadOptions:
         if self.pe_quant not in ("none", *PE_QUANT_FORMATS):
             raise InvalidInputError(f"pe_quant {self.pe_quant!r} is not supported: use none or "
                                     f"{', '.join(PE_QUANT_FORMATS)}")
-        choices = ("none", "auto", "bf16", *QUANT_ON_LOAD_FORMATS)
-        if self.quant not in choices:
-            raise InvalidInputError(f"quant {self.quant!r} is not supported: use one of {', '.join(choices)}, or "
-                                    "give a quantised DiT file")
+        if self.quant not in QUANT_CHOICES:
+            raise InvalidInputError(f"quant {self.quant!r} is not supported: use one of {', '.join(QUANT_CHOICES)}, "
+                                    "or give a quantised DiT file")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -107,6 +110,26 @@ class _Loaded:
     vae: Any = None
     vae_encoder: Any = None  # built only for jobs with an image in
     enhancer: Any = None
+
+
+def notice_empty_prompts(prompts: list[str], host: Host) -> None:
+    """An empty prompt is allowed (the DiT then follows no text), but never silently."""
+    empty = sum(1 for prompt in prompts if not prompt.strip())
+    if empty:
+        which = "the prompt is" if len(prompts) == 1 else f"{empty} of {len(prompts)} prompts are"
+        host.log(f"{which} empty: the image follows no text (write a prompt to describe the picture)")
+
+
+def check_finite_latents(latents: torch.Tensor, sources: ModelSources) -> None:
+    """NaN or inf out of the DiT would decode to a black or noise image: stop with the likely cause instead."""
+    finite = torch.isfinite(latents)
+    if bool(finite.all()):
+        return
+    bad = int((~finite).sum())
+    dit = sources.dit or (sources.model_dir / "transformer" if sources.model_dir is not None else "the DiT")
+    raise ModelFileError(f"the DiT produced {bad} non-finite latent values (NaN/inf) of {latents.numel()}: its "
+                         f"weights in {dit} are likely damaged or mis-quantised; re-download or re-quantise it "
+                         "from the bf16 weights (in fp16, try bf16 or fp32)")
 
 
 class LocalPipe:
@@ -192,7 +215,7 @@ class LocalPipe:
         if self.memory.plan is not None and request is None:
             lines.append(self.memory.describe())
         else:
-            job = request or GenerationRequest(prompt="", steps=int(self.defaults["steps"]), cfg=self.defaults["cfg"])
+            job = (request or GenerationRequest(prompt="")).with_defaults(self.variant)
             try:
                 lines.append(self.memory.preview(job, self.sources, self.variant, self._local_pe()))
             except ErnieImageError as error:
@@ -295,12 +318,14 @@ class LocalPipe:
             self.memory.after_encode()
         return latents
 
-    def encode(self, prompts: list[str]) -> list[torch.Tensor]:
+    def encode(self, prompts: list[str], host: Optional[Host] = None) -> list[torch.Tensor]:
+        """Text embeddings per prompt; `host` is told of a prompt cut at the text encoder's token limit."""
         self._phase = "text"
         unique = list(dict.fromkeys(prompts))
+        log = host.log if host is not None else None
         tower = self._text_tower()
         with torch.inference_mode():
-            encoded = dict(zip(unique, encode_prompts(self._tokenizer(), tower, unique)))
+            encoded = dict(zip(unique, encode_prompts(self._tokenizer(), tower, unique, log)))
         self.memory.after_text()
         return [encoded[p] for p in prompts]
 
@@ -341,6 +366,7 @@ class LocalPipe:
         """Run the job. Any failure or cancel releases the pipe's device memory; running out of it is a
         MemoryBudgetError naming the phase and the fix. `loras`: the stack to run with (None: the pipe's own);
         a bad LoRA file is refused here, before anything runs, and leaves the loaded model as it was."""
+        request = request.with_defaults(self.variant)
         request.validate()
         self._lora.prepare(loras, self.sources, host, self.memory)
         return self._releasing_on_error(request, lambda: self._generate(request, host))
@@ -375,14 +401,16 @@ class LocalPipe:
         host.check_cancel()
         revised = self._enhance(request, host)
         prompts = revised.prompts
+        notice_empty_prompts(prompts, host)
         host.check_cancel()
         started = self._clock()
         negatives = [request.negative_prompt] * request.batch if request.uses_cfg else []
-        encoded_rows = self.encode(prompts + negatives)  # one text phase for prompts and negatives
+        encoded_rows = self.encode(prompts + negatives, host)  # one text phase for prompts and negatives
         text, negative = encoded_rows[: len(prompts)], (encoded_rows[len(prompts):] or None)
         encoded = self._clock()
         host.check_cancel()
         latents = self.sample(request, text, negative, host, original)
+        check_finite_latents(latents, self.sources)
         sampled = self._clock()
         host.check_cancel()
         images = composite(self.decode(latents), request)
@@ -403,7 +431,7 @@ class LocalPipe:
             **meter.finish(),
         }
         self.last_run = info
-        return GenerationResult(images=images, latents=latents.cpu(), prompts_used=prompts, info=info)
+        return GenerationResult(images=images, latents=latents.cpu(), prompts_used=prompts, info=info, request=request)
 
     # -- device memory ------------------------------------------------------------------------------
 
@@ -481,6 +509,7 @@ class LocalPipe:
         host = host or NullHost()
         request = GenerationRequest(prompt=prompt, width=width, height=height, seed=seed, use_pe=True,
                                     pe_temperature=temperature, pe_top_p=top_p, pe_max_new_tokens=max_new_tokens)
+        request = request.with_defaults(self.variant)  # the plan counts the CFG batch
         return self._releasing_on_error(request, lambda: self._enhance_alone(request, host))
 
     def _enhance_alone(self, request: GenerationRequest, host: Host):

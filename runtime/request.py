@@ -1,6 +1,7 @@
 """What a generation asks for and what it returns; shared by the local runtime and the remote backend."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -50,10 +51,15 @@ _INT_FIELDS = ("width", "height", "steps", "seed", "batch", "pe_max_new_tokens")
 _NUMBER_FIELDS = ("cfg", "shift", "pe_temperature", "pe_top_p")
 
 
+_VARIANT_DEFAULT_FIELDS = ("steps", "cfg")  # None in a request: the pipe's variant default (VARIANT_DEFAULTS)
+
+
 def _check_types(request: "GenerationRequest") -> None:
     """A wrong type from a caller (a float step count) is named here, not deep inside torch."""
     for name in _INT_FIELDS + _NUMBER_FIELDS:
         value = getattr(request, name)
+        if value is None and name in _VARIANT_DEFAULT_FIELDS:
+            continue
         allowed = (int,) if name in _INT_FIELDS else (int, float)
         if isinstance(value, bool) or not isinstance(value, allowed):
             kind = "a whole number" if name in _INT_FIELDS else "a number"
@@ -189,8 +195,10 @@ class GenerationRequest:
     negative_prompt: str = ""
     width: int = 1024
     height: int = 1024
-    steps: int = 50
-    cfg: float = 4.0
+    # None: the variant's recommended value (50 steps, CFG 4 for ERNIE-Image; 8 steps, CFG 1 for Turbo), filled in
+    # by the pipe that runs the request (with_defaults); the result's `request` holds the values used.
+    steps: Optional[int] = None
+    cfg: Optional[float] = None
     shift: float = 4.0
     seed: int = 0
     batch: int = 1
@@ -216,18 +224,25 @@ class GenerationRequest:
         _check_texts(self)
         _check_image_inputs(self)  # first: a bad image's size is named as the image's, not as width/height
         validate_size(self.width, self.height)
-        if not 1 <= self.steps <= 1000:
+        if self.steps is not None and not 1 <= self.steps <= 1000:
             raise InvalidInputError(f"steps {self.steps} is not allowed: use 1..1000 (50 for ERNIE-Image, 8 for Turbo)")
         if not 1 <= self.batch <= 64:
             raise InvalidInputError(f"batch {self.batch} is not allowed: use 1..64")
         if not 0 <= self.seed <= SEED_MASK:
             raise InvalidInputError(f"seed {self.seed} is not allowed: use 0..{SEED_MASK}")
-        if not math.isfinite(self.cfg) or self.cfg < 0 or self.cfg > 100:
+        if self.cfg is not None and (not math.isfinite(self.cfg) or self.cfg < 0 or self.cfg > 100):
             raise InvalidInputError(f"cfg {self.cfg} is not allowed: use 0..100 (4.0 for ERNIE-Image, 1.0 for Turbo)")
         if not math.isfinite(self.shift) or self.shift <= 0:
             raise InvalidInputError(f"shift {self.shift} is not allowed: use a positive value (4.0 is Baidu's)")
         if self.prompts is not None and len(self.prompts) != self.batch:
             raise InvalidInputError(f"{len(self.prompts)} prompts given for batch {self.batch}: give one per image")
+
+    def with_defaults(self, variant: str) -> "GenerationRequest":
+        """This request with the steps and CFG left at None set to `variant`'s recommended values."""
+        defaults = VARIANT_DEFAULTS[variant]
+        return dataclasses.replace(
+            self, steps=int(defaults["steps"]) if self.steps is None else self.steps,
+            cfg=float(defaults["cfg"]) if self.cfg is None else self.cfg)
 
     @property
     def has_image_input(self) -> bool:
@@ -239,6 +254,8 @@ class GenerationRequest:
 
     @property
     def uses_cfg(self) -> bool:
+        if self.cfg is None:
+            raise ValueError("the request's cfg is not resolved yet: call with_defaults(variant) first")
         return self.cfg > 1.0
 
     def prompt_list(self) -> list[str]:
@@ -284,3 +301,5 @@ class GenerationResult:
     latents: Optional[torch.Tensor]  # normalised DiT-space latents [B, 128, H/16, W/16] (ComfyUI LATENT), None remotely
     prompts_used: list[str]
     info: dict[str, Any] = field(default_factory=dict)  # timings, memory, server details; shown to the user
+    # The request as it ran: steps and CFG resolved to the pipe's variant defaults, sizes as sent (remote rounding).
+    request: Optional[GenerationRequest] = None

@@ -15,15 +15,13 @@ from typing import Literal
 import torch
 
 from .model_files import CONFIG_ROOT, ModelSources, Variant
+from .text.pe_prompt import ERNIE_PE_CHAT_TEMPLATE
+from .tiny_vocab import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS
+
+__all__ = ["BOS_ID", "EOS_ID", "PAD_ID", "SPECIAL_TOKENS", "TinySizes", "build_tiny_model"]
 
 Layout = Literal["diffusers", "comfy"]
 
-# Tekken-style special tokens: <s> = 1, </s> = 2, [IMG] = 10, <pad> = 11, as in Ministral-3B.
-SPECIAL_TOKENS = [
-    "<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
-    "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "<pad>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
-]
-BOS_ID, EOS_ID, PAD_ID = 1, 2, 11
 
 
 @dataclass(frozen=True)
@@ -178,6 +176,30 @@ def build_vae(sizes: TinySizes, seed: int):
     return vae.eval()
 
 
+def lively_prompt_enhancer(sizes: TinySizes = TinySizes(), seed: int = 0):
+    model = build_prompt_enhancer(sizes, seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("embed_tokens.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.05)
+            elif param.ndim == 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model
+
+
+def write_pe_tokenizer(folder: Path, chat_template: str = ERNIE_PE_CHAT_TEMPLATE, adds_bos: bool = False,
+                       max_length: int = 2048) -> None:
+    save_tokenizer(folder, chat_template=chat_template, max_length=max_length)
+    if not adds_bos:
+        spec = json.loads((folder / "tokenizer.json").read_text())
+        spec["post_processor"] = None
+        (folder / "tokenizer.json").write_text(json.dumps(spec))
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        config["add_bos_token"] = False
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
 def _write_scheduler(folder: Path, config_root: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(config_root / "scheduler" / "config.json", folder / "scheduler_config.json")
@@ -202,8 +224,6 @@ def build_tiny_model(
     dit, text_encoder, vae = build_dit(sizes, seed), build_text_encoder(sizes, seed + 1), build_vae(sizes, seed + 2)
     pe = None
     if with_pe:
-        from .text.tiny_pe import lively_prompt_enhancer
-
         pe = lively_prompt_enhancer(sizes, seed + 3)
     if layout == "diffusers":
         return _save_diffusers_layout(dest, config_root, dit, text_encoder, vae, pe)
@@ -231,8 +251,6 @@ def _save_diffusers_layout(dest: Path, config_root: Path, dit, text_encoder, vae
     save_tokenizer(dest / "tokenizer")
     _write_scheduler(dest / "scheduler", config_root)
     if pe is not None:
-        from .text.tiny_pe import write_pe_tokenizer
-
         pe.save_pretrained(dest / "pe")
         write_pe_tokenizer(dest / "pe_tokenizer")  # Baidu's layout: the chat template writes BOS
     return ModelSources(model_dir=dest)

@@ -224,7 +224,7 @@ def test_cli_prompt_that_is_not_utf8_is_one_line(capsys, tiny_folder, tmp_path):
 
 
 def test_a_failed_png_write_leaves_no_part_of_the_batch(tmp_path):
-    from ernie_image.runtime.cli import save_pngs
+    from ernie_image.runtime.png_output import save_pngs
     from ernie_image.runtime.errors import ErnieImageError
 
     (tmp_path / "img_1.png").mkdir()  # the second image cannot be written
@@ -307,7 +307,7 @@ def test_every_command_reports_a_usage_error_in_one_line(capsys, argv, expected)
 def test_quantize_refuses_a_damaged_source_and_an_output_it_cannot_write(capsys, tmp_path):
     text = tmp_path / "notes.safetensors"
     text.write_text("this is not a safetensors file")
-    assert "notes.safetensors is not a readable safetensors file" in _cli(
+    assert "notes.safetensors is not a safetensors file" in _cli(
         capsys, "quantize", "--dit", str(text), "--format", "fp8", "--out", str(tmp_path / "q.safetensors"))
     source = tmp_path / "dit.safetensors"
     save_file({"x_embedder.proj.weight": torch.zeros(4, 4)}, str(source))

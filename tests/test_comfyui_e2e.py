@@ -62,7 +62,8 @@ def free_port() -> int:
 
 def place_tiny_models(models: Path, scratch: Path) -> dict[str, Path]:
     """Tiny models under the file names the example workflows expect; returns name -> path."""
-    from ernie_image.runtime.quant.writer import read_bf16_dit, write_quantized_file
+    from ernie_image.runtime.quant.cli_quantize import read_bf16_dit
+    from ernie_image.runtime.quant.writer import write_quantized_file
     from ernie_image.runtime.tiny import build_tiny_model
 
     turbo = build_tiny_model(scratch / "turbo", layout="comfy", variant="turbo")

@@ -11,7 +11,8 @@ import torch
 from ernie_image.runtime.errors import InvalidInputError, ModelFileError
 from ernie_image.runtime.host import NullHost
 from ernie_image.runtime.model_files import ModelSources
-from ernie_image.runtime.text.enhancer import LocalEnhancer, main_enhance, revise_prompts
+from ernie_image.runtime.text.cli_enhance import main_enhance
+from ernie_image.runtime.text.enhancer import LocalEnhancer, revise_prompts
 from ernie_image.runtime.text.pe_prompt import ERNIE_PE_SYSTEM_TEXT, render_chat, user_message
 from ernie_image.runtime.text.tiny_pe import build_tiny_pe_folder, lively_prompt_enhancer
 from ernie_image.runtime.text.token_sampler import ExponentialDraws, SamplingSettings, sample_tokens

@@ -19,7 +19,7 @@ from aiohttp import web
 from ernie_image.runtime.errors import Cancelled, RemoteError
 from ernie_image.runtime.host import NullHost
 from ernie_image.runtime.remote.http import AuthenticationError, ServerRejected
-from ernie_image.runtime.text.enhancer import main_enhance
+from ernie_image.runtime.text.cli_enhance import main_enhance
 from ernie_image.runtime.text.remote_enhancer import ChatEndpoint, revise_prompts_remote
 
 SECRET = "sk-test-0123456789"

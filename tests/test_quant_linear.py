@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ernie_image.runtime.errors import InvalidInputError
-from ernie_image.runtime.quant import (QuantLinear, load_quantized_into, load_quantized_state_dict, main_quantize,
+from ernie_image.runtime.quant import (QuantLinear, load_quantized_into, load_quantized_state_dict,
                                        quantize_linears, quantize_state_dict, quantize_weight, write_quantized_file)
+from ernie_image.runtime.quant.cli_quantize import main_quantize
 from ernie_image.runtime.quant.fp8 import fp8_linear_native
 from ernie_image.runtime.quant import linear as linear_module
 from ernie_image.runtime.quant.linear import native_kernel_accepts
@@ -305,7 +306,7 @@ def test_write_and_reload_quantised_dit(tmp_path: Path, fmt: str) -> None:
         out = target(*(t.bfloat16() if t.is_floating_point() else t for t in inputs), return_dict=False)[0]
     assert torch.isfinite(out).all()
     with pytest.raises(InvalidInputError, match="already exists"):
-        write_quantized_file(state, fmt, path)
+        write_quantized_file(state, fmt, path, overwrite=False)
 
 
 def test_cli_quantize_writes_a_loadable_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

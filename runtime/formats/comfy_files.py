@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ..model_files import ModelSources
+from ..tiny_vocab import SPECIAL_TOKENS
 from .tekken import TEKKEN_KEY, byte_symbols, tekken_json_from_vocabulary
 from .vae_keys import to_bfl_state_dict
 
@@ -43,8 +44,6 @@ def _save(path: Path, state: dict[str, torch.Tensor], config: Optional[dict] = N
 
 def tiny_tekken_bytes() -> bytes:
     """The tiny tokenizer of runtime/tiny.py (its byte symbols in the same id order) as a tekken.json."""
-    from ..tiny import SPECIAL_TOKENS
-
     symbol_to_byte = {symbol: byte for byte, symbol in enumerate(byte_symbols())}
     byte_tokens = [bytes([symbol_to_byte[symbol]]) for symbol in sorted(symbol_to_byte)]
     return tekken_json_from_vocabulary(byte_tokens, list(SPECIAL_TOKENS))

@@ -30,12 +30,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main_plan(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
+    from ..cli_checks import check_int_range, check_number_range
     from ..request import validate_size
+    from ..text.encoder import MAX_TOKENS
 
     try:
         validate_size(args.width, args.height)
-        if args.batch < 1:
-            raise ErnieImageError(f"--batch {args.batch} must be at least 1")
+        check_int_range(args.batch, "--batch", 1, 64)
+        check_int_range(args.text_tokens, "--text-tokens", 1, MAX_TOKENS, " (the text encoder's limit)")
+        check_number_range(args.pcie_gbps, "--pcie-gbps", 0.1, 1000, " (GB/s; PCIe 4.0 x16 is about 25)")
         if not 0 <= args.cfg <= 100:  # also refuses nan
             raise ErnieImageError(f"--cfg {args.cfg} is not allowed: use 0..100 (above 1 the DiT runs a doubled batch)")
         device = None

@@ -5,10 +5,10 @@ from .gpu_support import SELECTOR_CHOICES, choose_auto, detect_device, format_re
 from .linear import QuantLinear, enable_compiled_dequant, load_quantized_into, quantize_linears
 from .loader import load_quantized_state_dict
 from .qweight import QuantizedWeight
-from .writer import main_quantize, quantize_state_dict, quantize_weight, write_quantized_file
+from .writer import quantize_state_dict, quantize_weight, write_quantized_file
 
 __all__ = [
     "QuantLinear", "QuantizedWeight", "SELECTOR_CHOICES", "choose_auto", "detect_device", "enable_compiled_dequant",
     "format_reasons", "load_dit_gguf", "load_quantized_into", "load_quantized_state_dict", "load_text_encoder_gguf",
-    "main_quantize", "quantize_linears", "quantize_state_dict", "quantize_weight", "write_quantized_file",
+    "quantize_linears", "quantize_state_dict", "quantize_weight", "write_quantized_file",
 ]

@@ -9,26 +9,26 @@ Files written:
   q8_0, q4_k  GGUF in the unsloth layout (diffusers names, 1-D tensors F32, other unquantised tensors
               BF16, header `general.architecture = "wan"` because that is the name ComfyUI-GGUF accepts
               for these files; this pack recognises ERNIE by its keys).
-Files are written to `<out>.partial` and renamed when complete, so a failure leaves nothing behind.
+Files are written under a hidden partial name and renamed over `out` when complete (runtime/output_files.py), so a
+failure or Ctrl-C leaves nothing behind, and an existing file is replaced only by a complete one (as `generate`
+replaces its PNG). The source must be the bf16 (or fp16/fp32) DiT: an FP8/NVFP4 or GGUF file is refused, since
+re-quantising already-rounded weights only adds error.
 """
 from __future__ import annotations
 
 import json
-import os
-import sys
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from ..cli_parser import OneLineParser
-from ..errors import ErnieImageError, InvalidInputError, ModelFileError
+from ..errors import InvalidInputError
+from ..output_files import atomic_output
 from .fp8 import quantize_fp8
-from .gguf_files import DIT_MARKER_KEYS, strip_dit_prefix
 from .gguf_quantize import QUANTIZERS
 from .nvfp4 import quantize_nvfp4
 from .qweight import QuantizedWeight
-from .safetensors_files import read_safetensors_file
 
 WRITE_FORMATS = ("fp8", "q8_0", "q4_k", "nvfp4")
 KEEP_HIGH_PRECISION = ("x_embedder.", "final_linear.")
@@ -119,21 +119,51 @@ def _write_gguf(items: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], pat
         writer.close()
 
 
-def checked_out_path(path: str | Path, overwrite: bool) -> Path:
+def file_suffix(fmt: str) -> str:
+    """ComfyUI and ComfyUI-GGUF pick their loader by the name: comfy_quant files are .safetensors, GGUF .gguf."""
+    return ".safetensors" if fmt in ("fp8", "nvfp4") else ".gguf"
+
+
+def checked_out_path(path: str | Path, overwrite: bool = True) -> Path:
     """The output path, refused in one line when it cannot be written (before any weights are read)."""
     path = Path(path)
     if path.is_dir():
-        raise InvalidInputError(f"--out {path} is a folder: give a file name inside it")
+        raise InvalidInputError(f"{path} is a folder: give a file name inside it")
     if path.exists() and not overwrite:
         raise InvalidInputError(f"{path} already exists: choose another --out or delete it first")
     if not path.parent.is_dir():
-        raise InvalidInputError(f"--out {path}: the folder {path.parent} does not exist: create it first")
+        raise InvalidInputError(f"{path}: the folder {path.parent} does not exist: create it first")
     return path
 
 
+def quantized_layer_counts(state: dict[str, torch.Tensor | QuantizedWeight], fmt: str) -> Counter[str]:
+    """How many weights the file will hold per format: `fmt` for those quantised now, the format of those that
+    already were, "kept" for eligible-looking 2-D weights left in high precision."""
+    counts: Counter[str] = Counter()
+    for name, entry in state.items():
+        if isinstance(entry, QuantizedWeight):
+            counts[entry.qtype.lower() if entry.format == "gguf" else entry.format] += 1
+        elif should_quantize(name, entry, fmt):
+            counts[fmt] += 1
+        elif name.endswith(".weight") and entry.dim() == 2:
+            counts["kept"] += 1
+    return counts
+
+
+def refuse_unpackable(counts: Counter[str], fmt: str) -> None:
+    """Writing a 'quantised' file with nothing quantised is an error, not a silent bf16 copy."""
+    if counts[fmt] == 0:
+        raise InvalidInputError(f"none of this DiT's {counts['kept']} weight matrices can be packed as {fmt} "
+                                f"(it needs in_features divisible by {_BLOCK[fmt]}"
+                                f"{' and out_features by 16' if fmt == 'nvfp4' else ''}): pick another --format, "
+                                "e.g. q8_0 or fp8")
+
+
 def write_quantized_file(state: dict[str, torch.Tensor | QuantizedWeight], fmt: str, path: str | Path,
-                         overwrite: bool = False) -> Path:
-    """Quantise what is still plain (eligible weights only) and write a file this pack and ComfyUI load."""
+                         overwrite: bool = True) -> Path:
+    """Quantise what is still plain (eligible weights only) and write a file this pack and ComfyUI load.
+
+    An existing file at `path` is replaced once the new one is complete (overwrite=False refuses it)."""
     if fmt not in WRITE_FORMATS:
         raise InvalidInputError(f"unknown quantisation format {fmt!r}: choose one of {', '.join(WRITE_FORMATS)}")
     path = checked_out_path(path, overwrite)
@@ -145,65 +175,9 @@ def write_quantized_file(state: dict[str, torch.Tensor | QuantizedWeight], fmt: 
                 entry = quantize_weight(entry, fmt, per_row_fp8)
             yield name, entry
 
-    partial = path.with_name(path.name + ".partial")
-    try:
+    with atomic_output(path) as partial:
         if fmt in ("fp8", "nvfp4"):
             _write_comfy_safetensors(items(), partial)
         else:
             _write_gguf(items(), partial)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
     return path
-
-
-# ---- CLI ------------------------------------------------------------------------------------------
-
-def _source_files(source: Path) -> list[Path]:
-    if source.is_dir():
-        files = sorted(source.glob("*.safetensors"))
-        if not files:
-            raise ModelFileError(f"{source} holds no .safetensors files: point --dit at the transformer folder "
-                                 f"or a single diffusion-model file")
-        return files
-    if not source.is_file():
-        raise ModelFileError(f"--dit {source} does not exist: check the path")
-    if source.suffix != ".safetensors":
-        raise ModelFileError(f"--dit {source.name} is not a .safetensors file: quantise from the bf16 weights")
-    return [source]
-
-
-def read_bf16_dit(source: str | Path) -> dict[str, torch.Tensor]:
-    """A diffusers transformer folder or single bf16 DiT file -> {diffusers key: tensor}."""
-    state: dict[str, torch.Tensor] = {}
-    for file in _source_files(Path(source)):
-        tensors, _ = read_safetensors_file(file)
-        state.update((strip_dit_prefix(key), tensor) for key, tensor in tensors.items())
-    missing = [k for k in DIT_MARKER_KEYS if k not in state]
-    if missing:
-        raise ModelFileError(f"{source} is not an ERNIE-Image DiT (missing {missing}): pass the transformer "
-                             f"folder or diffusion_models/ernie-image*.safetensors")
-    return state
-
-
-def main_quantize(argv: list[str] | None = None) -> int:
-    parser = OneLineParser(prog="ernie-image quantize",
-                                     description="Write a quantised copy of the ERNIE-Image DiT.")
-    parser.add_argument("--dit", required=True, help="bf16 DiT: transformer folder or single .safetensors file")
-    parser.add_argument("--format", required=True, choices=WRITE_FORMATS)
-    parser.add_argument("--out", required=True, help="output file (.safetensors for fp8/nvfp4, .gguf for q8_0/q4_k)")
-    parser.add_argument("--overwrite", action="store_true")
-    args = parser.parse_args(argv)
-    suffix = ".safetensors" if args.format in ("fp8", "nvfp4") else ".gguf"
-    if Path(args.out).suffix.lower() != suffix:  # ComfyUI and ComfyUI-GGUF pick their loader by the name
-        raise InvalidInputError(f"--out {Path(args.out).name} does not end in {suffix}, the file type "
-                                f"{args.format} is written as: give e.g. --out {Path(args.out).stem}{suffix}")
-    checked_out_path(args.out, args.overwrite)
-    try:
-        state = read_bf16_dit(args.dit)
-        out = write_quantized_file(state, args.format, args.out, overwrite=args.overwrite)
-    except ErnieImageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB, {args.format})")
-    return 0

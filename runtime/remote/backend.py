@@ -166,9 +166,26 @@ class RemotePipe:
                                         request.pe_max_new_tokens, host)
         return dataclasses.replace(request, prompts=tuple(revised.prompts), use_pe=False), revised
 
+    def served_variant(self) -> str:
+        """"turbo" when the first server that answers serves a Turbo model (by its id), else "base"."""
+        fleet = self._get_fleet()
+        error: Optional[BaseException] = None
+        for slot in fleet.slots:
+            try:
+                model = run_sync(fleet.discover(slot))
+            except RemoteError as failure:
+                error = failure
+                continue
+            return "turbo" if "turbo" in model.id.lower() else "base"
+        assert error is not None
+        raise error
+
     def generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         refuse_image_inputs(request, "the remote SGLang backend (its /v1/images/edits is not measured with ERNIE-Image)")
+        if request.steps is None or request.cfg is None:  # the served variant's defaults, as the local pipe does
+            request = request.with_defaults(self.served_variant())
         request = rounded_request(request, host)
+        as_run = request  # what the result records: before the PE's prompts replace the user's
         request, revised = self._revise(request, host)
         if request.shift != SERVER_SHIFT:
             host.log(f"shift {request.shift:g} is not sent: the SGLang server uses its own scheduler (shift {SERVER_SHIFT:g})")
@@ -222,6 +239,7 @@ class RemotePipe:
             latents=None,
             prompts_used=request.prompt_list(),
             info=info,
+            request=as_run,
         )
 
     def release(self) -> None:

@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..cli_parser import OneLineParser
-from ..cli import CLI_KEY_LABELS
+from ..cli_checks import check_seconds
+from ..cli_parser import CLI_KEY_LABELS, OneLineParser
 from ..errors import ErnieImageError
 from .http import ApiKeySource, HttpSettings, RetryPolicy, Timeouts, run_sync
 from .sglang import ImageParams, ReadTimeoutPolicy, SglangClient
@@ -126,11 +126,15 @@ def main_check_remote(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--api-key-env", default=None, help="environment variable holding the API key")
     parser.add_argument("--api-key-file", default=None, help="file holding the API key")
     parser.add_argument("--no-generate", action="store_true", help="skip the tiny test generation")
-    parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds (default 5)")
+    parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds above 0 (default 5)")
+    parser.add_argument("--read-timeout", type=float, default=GENERATION_TIMEOUT_S,
+                        help=f"seconds above 0 to wait for the tiny generation (default {GENERATION_TIMEOUT_S:g})")
     args = parser.parse_args(argv)
+    check_seconds(args.connect_timeout, "--connect-timeout", 5)
+    check_seconds(args.read_timeout, "--read-timeout", GENERATION_TIMEOUT_S)
     api_key = ApiKeySource.checked(args.api_key_env, args.api_key_file, **CLI_KEY_LABELS)  # named by the flags
     rows = _check_all(args.urls, api_key, generate=not args.no_generate, connect_timeout_s=args.connect_timeout,
-                      generation_timeout_s=GENERATION_TIMEOUT_S)
+                      generation_timeout_s=args.read_timeout)
     print(format_check_table(rows))
     return 0 if all(row.ok for row in rows) else 1
 

@@ -1,7 +1,7 @@
 """Prompt -> text embeddings: each prompt tokenised alone (no padding, truncated at 2048), hidden_states[-2]."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -9,19 +9,35 @@ MAX_TOKENS = 2048
 
 
 def token_ids(tokenizer, prompt: str) -> list[int]:
-    ids = tokenizer(prompt, add_special_tokens=True, truncation=True, max_length=MAX_TOKENS, padding=False)["input_ids"]
+    return encoder_token_ids(tokenizer, prompt)[0]
+
+
+def encoder_token_ids(tokenizer, prompt: str) -> tuple[list[int], int]:
+    """The ids the text encoder sees (cut at MAX_TOKENS, as diffusers cuts) and the prompt's full token count."""
+    ids = list(tokenizer(prompt, add_special_tokens=True, truncation=False, padding=False)["input_ids"])
     if not ids:
         ids = [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0]
-    return list(ids)
+    return ids[:MAX_TOKENS], len(ids)
+
+
+def cut_notice(prompt: str, tokens: int) -> str:
+    return (f"prompt of {tokens} tokens cut to the text encoder's {MAX_TOKENS} (\"{' '.join(prompt.split())[:40]}...\"): "
+            "the words after that do not reach the image; shorten the prompt")
 
 
 @torch.no_grad()
-def encode_prompts(tokenizer, tower, prompts: Sequence[str]) -> list[torch.Tensor]:
-    """One [T_i, D] tensor per prompt. `tower` is the text model cut after the layer hidden_states[-2] reads."""
+def encode_prompts(tokenizer, tower, prompts: Sequence[str],
+                   log: Optional[Callable[[str], None]] = None) -> list[torch.Tensor]:
+    """One [T_i, D] tensor per prompt. `tower` is the text model cut after the layer hidden_states[-2] reads.
+
+    `log` is told of each prompt cut at MAX_TOKENS."""
     device = tower.embed_tokens.weight.device
     embeddings = []
     for prompt in prompts:
-        ids = torch.tensor([token_ids(tokenizer, prompt)], device=device)
+        ids, tokens = encoder_token_ids(tokenizer, prompt)
+        if tokens > MAX_TOKENS and log is not None:
+            log(cut_notice(prompt, tokens))
+        ids = torch.tensor([ids], device=device)
         embeddings.append(tower(input_ids=ids).last_hidden_state[0])
     return embeddings
 

@@ -1,0 +1,94 @@
+"""The no-weights demo: a tiny random ERNIE-Image model built in code once, in a cache folder.
+
+Its pixels are noise; it shows the whole path (files, text encoder, sampling, decode, PNG) working without a
+download. `ERNIE_IMAGE_CACHE` moves the cache (default ~/.cache/ernie-image).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator, Optional
+
+from .errors import ErnieImageError, ModelFileError
+from .model_files import ModelSources, Variant
+
+DEMO_NOTICE = (
+    "no model given: using a tiny random ERNIE-Image model built in code at {path}. "
+    "Its pixels are noise from a demo model, not a real image; pass --model-dir or --dit/--text-encoder/--vae."
+)
+DEMO_VERSION = "v1"
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("ERNIE_IMAGE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ernie-image")
+    return Path(root)
+
+
+def demo_model_folder(variant: Variant = "turbo", cache_dir: Optional[Path] = None) -> Path:
+    return Path(cache_dir or default_cache_dir()) / f"tiny-{variant}-{DEMO_VERSION}"
+
+
+def demo_model_sources(variant: Variant = "turbo", cache_dir: Optional[Path] = None) -> ModelSources:
+    """The tiny demo model's files, built on first use.
+
+    Built in a private folder and renamed into place when complete, so a Ctrl-C or a failure leaves no half-built
+    model, and two first runs at once each build their own and the first rename wins."""
+    folder = demo_model_folder(variant, cache_dir)
+    if not (folder / ".complete").exists():
+        _build(folder, variant)
+    return ModelSources(model_dir=folder)
+
+
+def _build(folder: Path, variant: Variant) -> None:
+    from .tiny import build_tiny_model
+
+    building = folder.with_name(f".{folder.name}.{os.getpid()}.partial")
+    try:
+        if folder.exists():  # an older build without its marker: incomplete, replaced
+            shutil.rmtree(folder)
+        with _quiet_transformers():
+            build_tiny_model(building, layout="diffusers", variant=variant)
+        (building / ".complete").write_text("ok")
+        try:
+            building.rename(folder)
+        except OSError:
+            if not (folder / ".complete").exists():  # not another run's finished build: a real failure
+                raise
+    except OSError as error:
+        raise ErnieImageError(f"cannot build the demo model in {folder}: {error.strerror or error}: set "
+                              "ERNIE_IMAGE_CACHE to a writable folder, or pass --model-dir") from None
+    finally:
+        shutil.rmtree(building, ignore_errors=True)  # ours, when another run's build won or this one failed
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """The tiny configs' warnings and the save progress bars say nothing to a user of the demo."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+
+
+def load_demo_pipe(options=None, variant: Variant = "turbo", cache_dir: Optional[Path] = None):
+    """A LocalPipe on the demo model. A damaged cache (a file cut short, edited or removed) is one line naming the
+    folder and the fix: delete it and it is rebuilt."""
+    from .local_pipe import LoadOptions, LocalPipe, resolve_device
+
+    sources = demo_model_sources(variant, cache_dir)
+    options = options or LoadOptions()
+    options.validate()
+    resolve_device(options.device)  # no CUDA for --device cuda is not a damaged demo model
+    try:
+        return LocalPipe.load(sources, options)
+    except ModelFileError as error:
+        raise ModelFileError(f"the demo model in {sources.model_dir} is damaged ({error}); delete that folder and "
+                             "run again: it is rebuilt") from None

@@ -1,0 +1,46 @@
+"""Writing output files whole or not at all.
+
+Each file is written under a hidden name unique to this process (`.<name>.<pid>.<n>.partial`, in the target's
+folder) and renamed over the target only when complete. So a failure, a Ctrl-C or a second run writing the same
+path at the same time never leaves a partial file or a mix of two runs; an existing file is replaced by a
+complete new one. Files get the usual permissions (0666 less the umask, 0644 mostly).
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+_counter = itertools.count()
+
+
+def partial_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{next(_counter)}.partial")
+
+
+@contextlib.contextmanager
+def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
+    """Yield one partial path per target; on success rename them all, on any exception (Ctrl-C too) remove them.
+
+    Targets renamed before a later rename fails are removed as well, so a batch is written whole or not at all."""
+    partials = [partial_path(Path(p)) for p in paths]
+    renamed: list[Path] = []
+    try:
+        yield partials
+        for partial, target in zip(partials, paths):
+            os.replace(partial, target)
+            renamed.append(Path(target))
+    except BaseException:
+        for leftover in (*partials, *renamed):
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+        raise
+
+
+@contextlib.contextmanager
+def atomic_output(path: Path) -> Iterator[Path]:
+    """`atomic_outputs` for one file."""
+    with atomic_outputs([path]) as (partial,):
+        yield partial

@@ -1,0 +1,52 @@
+"""Images as PNG files with the settings that made them in their text metadata (key `ernie-image`, JSON)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from .errors import ErnieImageError
+from .output_files import atomic_outputs
+
+METADATA_KEY = "ernie-image"
+
+
+def png_paths(out: Path, count: int) -> list[Path]:
+    """`out` for one image; `name_0.png`, `name_1.png`, ... for a batch."""
+    out = Path(out)
+    if count == 1:
+        return [out]
+    return [out.with_name(f"{out.stem}_{index}{out.suffix}") for index in range(count)]
+
+
+def save_pngs(images: torch.Tensor, out: Path, settings: Mapping[str, Any]) -> list[Path]:
+    """Write images [B, H, W, 3] in 0..1 as PNGs (see png_paths) with `settings` (+ batch_index) as metadata.
+
+    The batch is written whole or not at all: a failure or Ctrl-C leaves no file of it behind. Settings must
+    hold no secrets; they are readable by anyone who has the image (read_png_settings)."""
+    from PIL import Image
+    from PIL.PngImagePlugin import PngInfo
+
+    out = Path(out)
+    paths = png_paths(out, images.shape[0])
+    try:
+        with atomic_outputs(paths) as partials:
+            for index, partial in enumerate(partials):
+                info = PngInfo()
+                info.add_text(METADATA_KEY, json.dumps({**settings, "batch_index": index}))
+                pixels = (images[index].clamp(0, 1) * 255).round().to("cpu").byte().numpy()
+                Image.fromarray(pixels, mode="RGB").save(partial, format="PNG", pnginfo=info)
+    except OSError as error:
+        raise ErnieImageError(f"cannot write {out}: {error.strerror or error}: pick a writable --out path") from None
+    return paths
+
+
+def read_png_settings(path: Path) -> dict[str, Any]:
+    """The settings save_pngs recorded in a PNG (an empty dict when it has none)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        text = image.text.get(METADATA_KEY) if hasattr(image, "text") else None
+    return json.loads(text) if text else {}

@@ -1,0 +1,104 @@
+"""`ernie-image quantize`: a quantised copy of the bf16 DiT, written once (quant/writer.py writes it).
+
+The output path is checked first, then the input (a bf16 DiT; FP8/NVFP4 and GGUF files are refused from their
+headers), then what can be packed is counted (nothing packable is an error), then the file is written whole or
+not at all. The report says how many weight matrices went into which format.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from ..cli_checks import check_input_path, check_output_file
+from ..cli_parser import OneLineParser
+from ..errors import ErnieImageError, InvalidInputError, ModelFileError
+from ..formats.component_file import QUANT_MARKERS
+from ..formats.safetensors_reader import is_gguf, open_safetensors
+from .gguf_files import DIT_MARKER_KEYS, strip_dit_prefix
+from .safetensors_files import read_safetensors_file
+from .writer import WRITE_FORMATS, file_suffix, quantized_layer_counts, refuse_unpackable, write_quantized_file
+
+
+def _source_files(source: Path) -> list[Path]:
+    if source.is_dir():
+        files = sorted(source.glob("*.safetensors"))
+        if not files:
+            raise ModelFileError(f"{source} holds no .safetensors files: point --dit at the transformer folder "
+                                 f"or a single diffusion-model file")
+        return files
+    if not source.is_file():
+        raise ModelFileError(f"--dit {source} does not exist: check the path")
+    if is_gguf(source):
+        raise InvalidInputError(f"--dit {source.name} is a GGUF file, already quantised: quantise from the bf16 DiT "
+                                "(the transformer folder or diffusion_models/ernie-image*.safetensors)")
+    if source.suffix != ".safetensors":
+        raise ModelFileError(f"--dit {source.name} is not a .safetensors file: quantise from the bf16 weights")
+    return [source]
+
+
+def refuse_quantized_source(files: list[Path], source: Path) -> None:
+    """FP8/NVFP4 (comfy_quant, scaled_fp8) sources are refused from their headers, before any tensor is read."""
+    for file in files:
+        header = open_safetensors(file)
+        markers = [key for key in header.keys() if key.endswith(QUANT_MARKERS) or key == "scaled_fp8"]
+        packed = [key for key in header.keys() if key.endswith(".weight") and
+                  (header.infos[key].dtype.startswith("F8_") or header.infos[key].dtype == "U8")]
+        if markers or packed or "_quantization_metadata" in header.metadata:
+            example = (markers or packed or ["_quantization_metadata"])[0]
+            raise InvalidInputError(f"--dit {source} is already quantised (FP8/NVFP4: {example}): quantise from the "
+                                    "bf16 DiT (the transformer folder or diffusion_models/ernie-image*.safetensors)")
+
+
+def read_bf16_dit(source: str | Path) -> dict[str, torch.Tensor]:
+    """A diffusers transformer folder or single bf16 DiT file -> {diffusers key: tensor}."""
+    source = Path(source)
+    files = _source_files(source)
+    refuse_quantized_source(files, source)
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors, _ = read_safetensors_file(file)
+        state.update((strip_dit_prefix(key), tensor) for key, tensor in tensors.items())
+    missing = [k for k in DIT_MARKER_KEYS if k not in state]
+    if missing:
+        raise ModelFileError(f"{source} is not an ERNIE-Image DiT (missing {missing}): pass the transformer "
+                             f"folder or diffusion_models/ernie-image*.safetensors")
+    return state
+
+
+def _parser() -> OneLineParser:
+    parser = OneLineParser(prog="ernie-image quantize",
+                           description="Write a quantised copy of the ERNIE-Image DiT, from its bf16 weights.")
+    parser.add_argument("--dit", required=True, type=Path,
+                        help="bf16 DiT: transformer folder or single .safetensors file (not an FP8/NVFP4/GGUF file)")
+    parser.add_argument("--format", required=True, choices=WRITE_FORMATS,
+                        help="fp8 and nvfp4: ComfyUI comfy_quant .safetensors; q8_0 and q4_k: GGUF .gguf")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="output file in an existing folder (.safetensors for fp8/nvfp4, .gguf for q8_0/q4_k); "
+                             "an existing file is replaced once the new one is complete, as generate does")
+    parser.add_argument("--overwrite", action="store_true", help=argparse.SUPPRESS)  # the rule now; kept for scripts
+    return parser
+
+
+def main_quantize(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        suffix = file_suffix(args.format)
+        if args.out.suffix.lower() != suffix:  # ComfyUI and ComfyUI-GGUF pick their loader by the name
+            raise InvalidInputError(f"--out {args.out.name} does not end in {suffix}, the file type {args.format} "
+                                    f"is written as: give e.g. --out {args.out.stem}{suffix}")
+        check_output_file(args.out, "--out", (file_suffix(args.format),), f"ernie-image-{args.format}")  # first
+        check_input_path(args.dit, "--dit", "file or folder")
+        state = read_bf16_dit(args.dit)
+        counts = quantized_layer_counts(state, args.format)
+        refuse_unpackable(counts, args.format)
+        out = write_quantized_file(state, args.format, args.out)
+    except ErnieImageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    kept = f", {counts['kept']} kept in high precision" if counts["kept"] else ""
+    print(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB): {counts[args.format]} weight matrices as "
+          f"{args.format}{kept}")
+    return 0

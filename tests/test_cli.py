@@ -1,0 +1,422 @@
+"""The CLI as a newcomer meets it: every argument checked before any work, one-line errors, exit codes, Ctrl-C,
+`quantize`'s refusals and report, and the files each command leaves (or does not leave) behind."""
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ernie_image.runtime.cli import main
+from ernie_image.runtime.request import SEED_MASK
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cli(capsys, *argv: str) -> str:
+    """Run `ernie-image` in-process; return its one-line error after checking the exit code and the form."""
+    assert main(list(argv)) == 2
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("step ")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch) -> Path:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ERNIE_IMAGE_CACHE", str(cache))
+    return cache
+
+
+# ------------------------------------------------------------------------------- one place checks every argument
+def test_a_size_error_comes_before_a_file_error_and_before_the_demo_model_is_built(capsys, tmp_path, empty_cache):
+    line = _cli(capsys, "generate", "--width", "100", "--dit", str(tmp_path / "missing.safetensors"),
+                "--out", str(tmp_path / "missing-folder" / "x.png"))
+    assert "width 100 is not allowed" in line
+    assert "width 100 is not allowed" in _cli(capsys, "generate", "--width", "100", "--out", str(tmp_path / "x.png"))
+    assert not empty_cache.exists()  # the demo model was not built for a run that could not start
+
+
+def test_a_file_error_comes_before_the_output_error(capsys, tmp_path):
+    line = _cli(capsys, "generate", "--dit", str(tmp_path / "missing.safetensors"),
+                "--out", str(tmp_path / "missing-folder" / "x.png"))
+    assert line.startswith("error: --dit ") and "does not exist: check the path" in line
+
+
+@pytest.mark.parametrize("make, option, expected", [
+    (lambda tmp: Path(os.devnull), "--dit", "is not a regular file or a folder (a device, pipe or socket)"),
+    (lambda tmp: _fifo(tmp / "weights.fifo"), "--vae", "is not a regular file or a folder"),
+    (lambda tmp: Path(os.devnull), "--model-dir", "is not a folder: give the folder itself"),
+    (lambda tmp: _file(tmp / "model.safetensors"), "--model-dir", "is not a folder"),
+    (lambda tmp: tmp / "nowhere", "--text-encoder", "does not exist: check the path"),
+    (lambda tmp: _file(tmp / "a-file") / "below.safetensors", "--dit", "a-file is a file, not a folder"),
+])
+def test_inputs_that_are_not_a_regular_file_or_folder_are_one_line(capsys, tmp_path, make, option, expected):
+    path = make(tmp_path)
+    before = _files(tmp_path)
+    line = _cli(capsys, "generate", option, str(path), "--out", str(tmp_path / "x.png"))
+    assert f"{option} {path}" in line and expected in line, line
+    assert _files(tmp_path) == before  # the FIFO was not opened (that would block), nothing was written
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def _file(path: Path) -> Path:
+    path.write_bytes(b"x")
+    return path
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(capsys, tmp_path, empty_cache):
+    cases = {
+        "/proc/ernie.png": "cannot be written: /proc:",  # a folder nobody can create files in, root included
+        str(tmp_path / "missing" / "x.png"): "the folder " + str(tmp_path / "missing") + " does not exist: create it",
+        os.devnull: "is not a .png file name",
+        str(tmp_path / ("b" * 250 + ".png")): "File name too long",  # fits the name limit, not with a partial suffix
+    }
+    for out, expected in cases.items():
+        assert expected in _cli(capsys, "generate", "--out", out), out
+    assert not empty_cache.exists()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "--seed", str(SEED_MASK + 1)], f"--seed {SEED_MASK + 1} is not allowed: use 0..{SEED_MASK}"),
+    (["enhance", "--pe-url", "http://127.0.0.1:9", "--prompt", "x", "--seed", str(2**64)],
+     f"--seed {2**64} is not allowed: use 0..{SEED_MASK}"),  # was sent on to the server
+    (["enhance", "--pe-url", "http://127.0.0.1:9", "--prompt", "x", "--seed", "-1"], "--seed -1 is not allowed"),
+    (["generate", "--budget", "nan"], "--budget nan is not allowed"),
+    (["generate", "--budget", "0"], "--budget 0 is not allowed"),
+    (["generate", "--steps", "1001"], "--steps 1001 is not allowed: use 1..1000"),
+    (["generate", "--batch", "0"], "--batch 0 is not allowed: use 1..64"),
+    (["generate", "--cfg", "inf"], "--cfg inf is not allowed"),
+    (["check-remote", "http://127.0.0.1:9", "--connect-timeout", "nan"], "--connect-timeout nan is not allowed"),
+    (["check-remote", "http://127.0.0.1:9", "--connect-timeout", "0"], "--connect-timeout 0.0 is not allowed"),
+    (["check-remote", "http://127.0.0.1:9", "--read-timeout", "-5"], "--read-timeout -5.0 is not allowed"),
+])
+def test_numbers_out_of_range_are_refused_in_one_line(capsys, tmp_path, empty_cache, argv, expected):
+    line = _cli(capsys, *argv, *(["--out", str(tmp_path / "x.png")] if argv[0] == "generate" else []))
+    assert expected in line, line
+    assert not empty_cache.exists()
+
+
+def test_plan_refuses_a_copy_speed_of_zero_and_a_negative_token_count(capsys):
+    assert "--pcie-gbps 0.0 is not allowed" in _cli(capsys, "plan", "--budget", "12", "--pcie-gbps", "0")  # was a
+    assert "--text-tokens -5 is not allowed" in _cli(capsys, "plan", "--budget", "12", "--text-tokens", "-5")  # traceback
+
+
+def test_cuda_asked_for_without_one_is_refused_before_the_demo_model_is_built(capsys, tmp_path, empty_cache):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")  # pragma: no cover
+    line = _cli(capsys, "generate", "--device", "cuda", "--out", str(tmp_path / "x.png"))
+    assert "PyTorch sees no CUDA GPU: use --device cpu" in line and "damaged" not in line  # was "demo model damaged"
+    assert not empty_cache.exists()
+
+
+def test_a_batch_image_name_that_is_a_folder_is_refused_before_any_work(capsys, tmp_path, empty_cache):
+    (tmp_path / "fox_1.png").mkdir()
+    line = _cli(capsys, "generate", "--batch", "2", "--out", str(tmp_path / "fox.png"))
+    assert "batch image " + str(tmp_path / "fox_1.png") + " is a folder" in line
+    assert not empty_cache.exists()
+
+
+def test_check_remote_advice_names_an_option_it_has(capsys):
+    """A server that answers too slowly is told to raise the read timeout: check-remote has --read-timeout."""
+    from ernie_image.runtime.remote.check import main_check_remote
+
+    with pytest.raises(SystemExit):
+        main_check_remote(["--help"])
+    assert "--read-timeout" in capsys.readouterr().out
+
+
+def test_a_feature_adds_its_check_to_generate_in_one_place(capsys, tmp_path, monkeypatch, empty_cache):
+    from ernie_image.runtime import cli
+    from ernie_image.runtime.errors import InvalidInputError
+
+    seen = []
+
+    def check_lora(args) -> None:
+        seen.append(args.out)
+        raise InvalidInputError("--lora x.safetensors does not exist: check the path")
+
+    monkeypatch.setattr(cli, "FEATURE_CHECKS", (check_lora,))
+    assert "--lora x.safetensors" in _cli(capsys, "generate", "--out", str(tmp_path / "x.png"))
+    assert seen and not empty_cache.exists()  # run after the core checks, before the demo model
+    assert "width 8 is not allowed" in _cli(capsys, "generate", "--width", "8", "--out", str(tmp_path / "x.png"))
+    assert len(seen) == 1  # the core checks come first
+
+
+# ------------------------------------------------------------------------------------------- quantize
+@pytest.fixture(scope="module")
+def bf16_dit(tmp_path_factory, tiny_turbo_folder) -> Path:
+    return tiny_turbo_folder / "transformer"
+
+
+def _quantize(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["quantize", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("fmt, suffix", [("fp8", "safetensors"), ("nvfp4", "safetensors"), ("q8_0", "gguf")])
+def test_quantize_refuses_an_already_quantised_input(capsys, tmp_path, bf16_dit, fmt, suffix):
+    first = tmp_path / f"ernie-{fmt}.{suffix}"
+    assert _quantize(capsys, "--dit", str(bf16_dit), "--format", fmt, "--out", str(first))[0] == 0
+    for target, target_suffix in (("q8_0", "gguf"), ("fp8", "safetensors")):
+        again = tmp_path / f"again-{target}.{target_suffix}"
+        line = _cli(capsys, "quantize", "--dit", str(first), "--format", target, "--out", str(again))
+        assert "already quantised" in line and "quantise from the bf16 DiT" in line, line
+        assert not again.exists()
+
+
+def test_quantize_refuses_a_gguf_renamed_to_safetensors(capsys, tmp_path, bf16_dit):
+    gguf = tmp_path / "ernie-q8_0.gguf"
+    assert _quantize(capsys, "--dit", str(bf16_dit), "--format", "q8_0", "--out", str(gguf))[0] == 0
+    disguised = tmp_path / "ernie.safetensors"
+    gguf.rename(disguised)
+    line = _cli(capsys, "quantize", "--dit", str(disguised), "--format", "fp8", "--out", str(tmp_path / "o.safetensors"))
+    assert "is a GGUF file, already quantised" in line
+
+
+def test_quantize_reports_what_it_packed_and_refuses_when_nothing_packs(capsys, tmp_path, bf16_dit):
+    code, out, _ = _quantize(capsys, "--dit", str(bf16_dit), "--format", "q8_0", "--out", str(tmp_path / "q.gguf"))
+    assert code == 0 and "weight matrices as q8_0" in out and ", 2 kept in high precision" in out, out
+    line = _cli(capsys, "quantize", "--dit", str(bf16_dit), "--format", "q4_k", "--out", str(tmp_path / "q4.gguf"))
+    assert "can be packed as q4_k (it needs in_features divisible by 256)" in line  # was "wrote (q4_k)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.gguf"]
+
+
+def test_quantize_checks_the_output_before_reading_the_input(capsys, tmp_path):
+    line = _cli(capsys, "quantize", "--dit", str(tmp_path / "missing"), "--format", "fp8",
+                "--out", str(tmp_path / "no-folder" / "q.safetensors"))
+    assert "no-folder does not exist: create it first" in line
+    assert "cannot be written: /proc" in _cli(capsys, "quantize", "--dit", str(tmp_path / "missing"),
+                                               "--format", "fp8", "--out", "/proc/q.safetensors")
+    assert "is a folder" in _cli(capsys, "quantize", "--dit", str(tmp_path), "--format", "q8_0",
+                                 "--out", str(_folder(tmp_path / "q.gguf")))
+
+
+def _folder(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+def test_quantize_and_generate_both_replace_an_existing_file_with_normal_permissions(capsys, tmp_path, bf16_dit,
+                                                                                     tiny_turbo_folder):
+    old_umask = os.umask(0o022)
+    try:
+        out = tmp_path / "q.gguf"
+        out.write_bytes(b"old")
+        assert _quantize(capsys, "--dit", str(bf16_dit), "--format", "q8_0", "--out", str(out))[0] == 0
+        png = tmp_path / "x.png"
+        png.write_bytes(b"old")
+        assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256",
+                     "--steps", "1", "--out", str(png)]) == 0
+    finally:
+        os.umask(old_umask)
+    for path in (out, png):
+        assert path.read_bytes() != b"old" and stat.S_IMODE(path.stat().st_mode) == 0o644  # was 0600 for quantize
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.gguf", "x.png"]  # no partial files
+
+
+# ------------------------------------------------------------------------------------- non-finite DiT output
+def test_a_dit_that_gives_nan_is_one_line_naming_the_file_not_a_black_image(capsys, tmp_path, tiny_turbo_folder):
+    broken = tmp_path / "ernie-image-turbo-broken.safetensors"
+    state = load_file(str(tiny_turbo_folder / "transformer" / "diffusion_pytorch_model.safetensors"))
+    state["final_linear.weight"] = torch.full_like(state["final_linear.weight"], float("nan"))
+    save_file(state, str(broken))
+    out = tmp_path / "x.png"
+    line = _cli(capsys, "generate", "--model-dir", str(tiny_turbo_folder), "--dit", str(broken), "--steps", "1",
+                "--width", "256", "--height", "256", "--out", str(out))
+    assert "the DiT produced" in line and "non-finite latent values (NaN/inf)" in line and str(broken) in line
+    assert "damaged or mis-quantised" in line
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------ what a run reports
+def test_the_summary_and_the_metadata_hold_the_settings_the_run_used(capsys, tmp_path, tiny_turbo_folder):
+    from ernie_image.runtime.png_output import read_png_settings
+
+    out = tmp_path / "x.png"
+    assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "272",
+                 "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "1 image(s) 256x272, 8 steps, CFG 1, seed 0 in" in err, err  # Turbo's defaults, the size given
+    settings = read_png_settings(out)
+    assert (settings["width"], settings["height"], settings["steps"], settings["cfg"]) == (256, 272, 8, 1.0)
+
+
+def test_a_prompt_longer_than_the_text_encoder_takes_is_cut_with_a_notice(capsys, tmp_path, tiny_turbo_folder):
+    long_prompt = "a red fox in fresh snow, " * 200  # 5,000 characters, one token each in the tiny tokenizer
+    assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256",
+                 "--steps", "1", "--prompt", long_prompt, "--out", str(tmp_path / "x.png")]) == 0
+    err = capsys.readouterr().err
+    assert "prompt of 5001 tokens cut to the text encoder's 2048" in err, err
+
+
+def test_an_empty_prompt_runs_with_a_notice(capsys, tmp_path, tiny_turbo_folder):
+    assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256",
+                 "--steps", "1", "--prompt", "  ", "--out", str(tmp_path / "x.png")]) == 0
+    assert "the prompt is empty: the image follows no text" in capsys.readouterr().err
+
+
+def test_a_damaged_demo_cache_names_its_folder_and_the_fix(capsys, tmp_path, empty_cache):
+    assert main(["generate", "--steps", "1", "--out", str(tmp_path / "a.png")]) == 0
+    capsys.readouterr()
+    folder = empty_cache / "tiny-turbo-v1"
+    vae = folder / "vae" / "diffusion_pytorch_model.safetensors"
+    vae.write_bytes(vae.read_bytes()[:-1000])  # a disk that filled up, an interrupted copy
+    line = _cli(capsys, "generate", "--steps", "1", "--out", str(tmp_path / "b.png"))
+    assert f"the demo model in {folder} is damaged" in line and "delete that folder and run again" in line, line
+
+
+# ---------------------------------------------------------------------------------------------- help
+def test_top_level_help_is_on_stdout_with_exit_0(capsys):
+    assert main(["--help"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("usage: ernie-image COMMAND") and captured.err == ""
+    assert "quantize      write a quantised DiT file (fp8, nvfp4, q8_0, q4_k) once" in captured.out
+    assert main([]) == 2 and "usage:" in capsys.readouterr().err
+
+
+def test_help_lists_exactly_the_formats_the_commands_accept(capsys):
+    from ernie_image.runtime.local_pipe import QUANT_CHOICES
+    from ernie_image.runtime.quant.writer import WRITE_FORMATS
+
+    assert main(["generate", "--help"]) == 0
+    assert "--quant {" + ",".join(QUANT_CHOICES) + "}" in capsys.readouterr().out
+    assert main(["quantize", "--help"]) == 0
+    assert "--format {" + ",".join(WRITE_FORMATS) + "}" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------- as a separate process: signals, races
+def _env(cache: Path) -> dict[str, str]:
+    package_root = cache.parent / "site"
+    package_root.mkdir(exist_ok=True)
+    link = package_root / "ernie_image"
+    if not link.exists():
+        link.symlink_to(REPO_ROOT, target_is_directory=True)  # `python -m ernie_image` runs this checkout
+    return {**os.environ, "PYTHONPATH": str(package_root), "ERNIE_IMAGE_CACHE": str(cache),
+            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+class _Run:
+    """`python -m ernie_image ...` with its stderr collected as it arrives."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: Path) -> None:
+        self.process = subprocess.Popen([sys.executable, "-m", "ernie_image", *argv], env=env, cwd=cwd,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.err = b""
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while chunk := self.process.stderr.read1(4096):
+            self.err += chunk
+
+    def wait_for(self, text: bytes, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.err:
+            assert self.process.poll() is None, self.err.decode()
+            assert time.monotonic() < deadline, self.err.decode()
+            time.sleep(0.02)
+
+    def finish(self, timeout: float = 60) -> tuple[int, list[str]]:
+        code = self.process.wait(timeout)
+        self.reader.join(5)
+        return code, self.err.decode().replace("\r", "\n").strip().splitlines()
+
+
+@pytest.fixture(scope="module")
+def built_cache(tmp_path_factory) -> Path:
+    """A demo cache already built, so a run starts sampling within seconds."""
+    cache = tmp_path_factory.mktemp("signals") / "cache"
+    run = _Run(["generate", "--steps", "1", "--out", str(cache.parent / "warm.png")], _env(cache), cache.parent)
+    assert run.finish(180)[0] == 0
+    (cache.parent / "warm.png").unlink()
+    return cache
+
+
+def _assert_cancelled(code: int, lines: list[str], out_dir: Path) -> None:
+    assert code == 130, lines
+    assert lines and lines[-1] == "cancelled", lines
+    assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in lines), lines
+    assert list(out_dir.iterdir()) == [], list(out_dir.iterdir())  # no PNG, no partial file
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", [b"ernie_image.runtime.errors\n", b"torch.nn\n", b"ernie_image.runtime.local_pipe\n"],
+                         ids=["importing the CLI", "importing torch", "loading the model"])
+def test_ctrl_c_while_starting_is_cancelled_with_nothing_written(tmp_path, built_cache, moment):
+    """SIGINT sent as the interpreter reports an import done (-X importtime), at three moments of the start."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    env = {**_env(built_cache), "PYTHONPROFILEIMPORTTIME": "1"}
+    run = _Run(["generate", "--out", str(out_dir / "x.png")], env, tmp_path)
+    run.wait_for(moment)
+    run.process.send_signal(signal.SIGINT)
+    code, lines = run.finish()
+    _assert_cancelled(code, [line for line in lines if not line.startswith("import time:")], out_dir)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_sampling_is_cancelled_with_nothing_written(tmp_path, built_cache):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    run = _Run(["generate", "--steps", "1000", "--out", str(out_dir / "x.png")], _env(built_cache), tmp_path)
+    run.wait_for(b"step 3/1000")
+    run.process.send_signal(signal.SIGINT)
+    _assert_cancelled(*run.finish(), out_dir)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_demo_model_is_built_leaves_no_half_built_cache(tmp_path):
+    cache = tmp_path / "cache"
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    run = _Run(["generate", "--out", str(out_dir / "x.png")], _env(cache), tmp_path)
+    deadline = time.monotonic() + 60
+    while not any(cache.glob(".tiny-turbo-v1.*.partial/transformer")) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the build is under way: the DiT is written
+    run.process.send_signal(signal.SIGINT)
+    _assert_cancelled(*run.finish(), out_dir)
+    assert list(cache.iterdir()) == []  # neither the model nor its partial build
+
+
+@pytest.mark.slow
+def test_sigterm_is_a_cancel_too(tmp_path, built_cache):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    run = _Run(["generate", "--steps", "1000", "--out", str(out_dir / "x.png")], _env(built_cache), tmp_path)
+    run.wait_for(b"step 2/1000")
+    run.process.send_signal(signal.SIGTERM)
+    code, lines = run.finish()
+    assert code == 143 and lines[-1] == "cancelled" and list(out_dir.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_two_first_runs_at_once_share_the_demo_cache_and_the_out_and_leave_one_whole_image(tmp_path):
+    from ernie_image.runtime.png_output import read_png_settings
+
+    cache = tmp_path / "cache"  # empty: both runs build the demo model at the same time
+    out = tmp_path / "shared ñ 狐.png"  # unicode and a space in the name, too
+    runs = [_Run(["generate", "--steps", "20", "--seed", str(seed), "--out", str(out)], _env(cache), tmp_path)
+            for seed in (1, 2)]
+    results = [run.finish(240) for run in runs]
+    assert [code for code, _ in results] == [0, 0], results
+    assert read_png_settings(out)["seed"] in (1, 2)  # a whole PNG from one of the runs
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.is_dir()) == [out.name]
+    assert [p.name for p in cache.iterdir()] == ["tiny-turbo-v1"]  # one model, no partial build left
