@@ -146,13 +146,21 @@ def main_generate(argv: Sequence[str]) -> int:
     from .model_files import ModelSources
     from .request import GenerationRequest
 
+    from .remote.cli_args import add_remote_arguments, pe_endpoint_from_args, remote_pipe_from_args
+
     parser = OneLineParser(prog="ernie-image generate", description="Generate an image with ERNIE-Image.")
     _add_generate_arguments(parser)
+    add_remote_arguments(parser)  # --server URL (a fleet when repeated), its timeouts and key, --pe-url
     args = parser.parse_args(argv)
     check_out_path(args.out)
+    remote = remote_pipe_from_args(args)  # None without --server; its options are checked before any work
+    if remote is not None:
+        from .remote.cli_generate import generate_on_servers
+
+        return generate_on_servers(args, remote, _ConsoleHost())
     # The console shows no pictures: skip the per-step latent preview (it costs a device-to-host copy per step).
     options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=parse_budget(args.budget),
-                          quant=args.quant, keep_loaded=False, previews=False)
+                          quant=args.quant, keep_loaded=False, previews=False, pe_endpoint=pe_endpoint_from_args(args))
     options.validate()  # before the demo model is built or any file read
     host = _ConsoleHost()
     demo = not any([args.model_dir, args.dit, args.text_encoder, args.vae])

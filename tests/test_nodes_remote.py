@@ -80,7 +80,7 @@ def test_check_reports_the_served_model_without_generating() -> None:
 
 
 def test_check_refuses_a_timeout_that_is_not_a_number() -> None:
-    with pytest.raises(InvalidInputError, match="connect_timeout_s must be a number"):
+    with pytest.raises(InvalidInputError, match="connect_timeout_s 'soon' is not a number of seconds"):
         check_servers({"server_urls": "http://127.0.0.1:1", "connect_timeout_s": "soon"})
 
 

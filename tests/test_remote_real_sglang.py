@@ -1,7 +1,8 @@
-"""The Remote Backend against real `sglang serve` (0.5.23) on a tiny random-weight ERNIE-Image checkpoint.
+"""The Remote Backend against real `sglang serve` (measured with 0.5.23) on a tiny random-weight ERNIE-Image
+checkpoint.
 
 Needs ERNIE_SGLANG_PYTHON (a venv with sglang; README "Testing against real SGLang"). Two servers on
-loopback take ~1 min to start on 2 CPU cores and ~2.2 GB RAM each.
+loopback take ~1 min to start on 2 CPU cores and ~2.2 GB RAM each; they run with --sleep-on-idle.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.timeout(900),
     pytest.mark.skipif(sglang_python() is None,
-                       reason=f"{SGLANG_PYTHON_ENV} is not set to a Python with sglang 0.5.23 installed "
+                       reason=f"{SGLANG_PYTHON_ENV} is not set to a Python with sglang installed "
                               f"(see README: Testing against real SGLang)"),
 ]
 
@@ -64,7 +65,7 @@ def test_readiness_reports_only_sglangs_states_and_ends_ready(servers):
     _, states = servers
     for seen in states.values():
         assert seen[-1] == "ready"
-        assert set(seen) <= {"loading", "warming up", "ready"}
+        assert set(seen) <= {"refused", "loading", "ready"}
 
 
 def test_same_seed_gives_the_same_image_and_another_seed_differs(servers):
@@ -118,5 +119,6 @@ def test_check_remote_on_real_servers(servers):
     rows = check_remote([s.url for s in started])
     for row in rows:
         assert row.ok, row.problems
-        assert row.pipeline == "ErnieImagePipeline" and row.version == "0.5.23" and row.num_gpus == 1
+        assert row.pipeline == "ErnieImagePipeline" and row.num_gpus == 1
+        assert row.version and re.fullmatch(r"\d+\.\d+\S*", row.version), row.version
         assert row.generation_s is not None
