@@ -121,6 +121,7 @@ class FakeSglang:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/server_info", self._server_info)
         app.router.add_post("/v1/images/generations", self._generate)
+        app.router.add_route("*", "/{tail:.*}", self._not_found)  # FastAPI's 404, recorded like the rest
         self._lock = asyncio.Lock()  # asyncio.Lock wakes waiters in FIFO order: SGLang's one-at-a-time queue
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
         await self._runner.setup()
@@ -180,6 +181,10 @@ class FakeSglang:
         if time.monotonic() - self._started_at < self.warmup_s:
             return web.Response(status=503)
         return web.json_response({"status": "ok"})
+
+    async def _not_found(self, request: web.Request) -> web.Response:
+        self._record(request, None)
+        return web.json_response({"detail": "Not Found"}, status=404)
 
     async def _liveness(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -25,7 +25,7 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 
 def shown_url(url: str) -> str:
     """`url` as it may be shown anywhere: no user name or password, no query value, no fragment, one line."""
-    text = "".join(char if char.isprintable() else "?" for char in str(url).strip())
+    text = "".join(char if char.isprintable() else "_" for char in str(url).strip())
     scheme_end = text.find("://")
     start = scheme_end + 3 if scheme_end >= 0 else 0
     authority_end = len(text)
