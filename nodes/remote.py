@@ -136,6 +136,12 @@ class ErnieImageRemoteBackend:
                 ),
             },
             "optional": {
+                **pe_endpoint_inputs(
+                    "When set, a Sampler's use_pe revises the prompt there first and the SGLang server gets the "
+                    "revised prompt with its own PE off (Baidu's Method 2); the Sampler outputs that prompt. Empty: "
+                    "the SGLang server's own PE."
+                ),
+                # after the pe_ widgets: workflows saved before these existed keep their widget values in place
                 "wait_for_servers_s": (
                     "FLOAT",
                     {"default": 600.0, "min": 0.0, "max": 86400.0, "step": 30.0,
@@ -148,11 +154,6 @@ class ErnieImageRemoteBackend:
                      "tooltip": "Send an image again when its server gave no answer (read timeout, dropped "
                      "connection). That server may still be working on it, so the same job may run twice. "
                      "Off: the run stops and says so."},
-                ),
-                **pe_endpoint_inputs(
-                    "When set, a Sampler's use_pe revises the prompt there first and the SGLang server gets the "
-                    "revised prompt with its own PE off (Baidu's Method 2); the Sampler outputs that prompt. Empty: "
-                    "the SGLang server's own PE."
                 ),
             },
         }

@@ -22,6 +22,7 @@ from ..request import GenerationRequest, GenerationResult
 from .fleet import Fleet, FleetSettings
 from .http import ApiKeySource, HttpSettings, checked_seconds, run_sync, server_label
 from .sglang import GeneratedImage, ImageParams, ReadTimeoutPolicy, ServerModel
+from .urls import normalize_base_url
 
 if TYPE_CHECKING:
     from ..text.enhancer import RevisedPrompts
@@ -110,6 +111,7 @@ class RemotePipe:
         settings.validate()
         ApiKeySource.checked(settings.api_key_env, settings.api_key_file)
         if settings.pe_endpoint is not None:
+            normalize_base_url(settings.pe_endpoint.base_url(), what="PE endpoint URL")
             ApiKeySource.checked(settings.pe_endpoint.api_key_env, settings.pe_endpoint.api_key_file,
                                  env_label="the PE endpoint's API key variable",
                                  file_label="the PE endpoint's API key file")
