@@ -25,6 +25,11 @@ from fake_sglang import FakeSglang, dead_url, free_port, render
 
 FAST = RemoteSettings(connect_timeout_s=0.5, retry_down_after_s=0.05, probe_every_s=0.05, wait_for_servers_s=10.0)
 SIDE = 256
+CAP = 32  # the fakes draw 32x32 noise scaled up: cheap PNGs keep each case fast
+
+
+def fake(**behaviour) -> FakeSglang:
+    return FakeSglang(image_side_cap=CAP, **behaviour)
 
 
 def request(batch: int, seed: int = 100, **overrides) -> GenerationRequest:
@@ -35,7 +40,7 @@ def request(batch: int, seed: int = 100, **overrides) -> GenerationRequest:
 
 
 def expected_image(seed: int) -> torch.Tensor:
-    pixels = render("a red fox in snow", "", seed, 8, 1.0, False, SIDE, SIDE, 512)
+    pixels = render("a red fox in snow", "", seed, 8, 1.0, False, SIDE, SIDE, CAP)
     return torch.from_numpy(np.asarray(pixels, np.float32) / 255)
 
 
@@ -43,13 +48,13 @@ class Servers:
     """The servers of one test, by kind; `url(i)` is what the pipe is given."""
 
     KINDS: dict[str, Callable[[], FakeSglang]] = {
-        "live": lambda: FakeSglang(service_time_s=0.01),
-        "slow": lambda: FakeSglang(service_time_s=0.15),
-        "dies": lambda: FakeSglang(service_time_s=0.01, die_after=1),
-        "flaky": lambda: FakeSglang(service_time_s=0.01, flaky_every=2),
-        "503": lambda: FakeSglang(service_time_s=0.01, faults=["503", "503"]),
-        "429": lambda: FakeSglang(service_time_s=0.01, faults=["429"], retry_after_s=0.3),
-        "loading": lambda: FakeSglang(service_time_s=0.01, warmup_s=0.4),
+        "live": lambda: fake(service_time_s=0.01),
+        "slow": lambda: fake(service_time_s=0.15),
+        "dies": lambda: fake(service_time_s=0.01, die_after=1),
+        "flaky": lambda: fake(service_time_s=0.01, flaky_every=2),
+        "503": lambda: fake(service_time_s=0.01, faults=["503", "503"]),
+        "429": lambda: fake(service_time_s=0.01, faults=["429"], retry_after_s=0.3),
+        "loading": lambda: fake(service_time_s=0.01, warmup_s=0.4),
     }
 
     def __init__(self, kinds: tuple[str, ...]) -> None:
@@ -94,7 +99,7 @@ def test_a_live_and_a_dead_server_serve_the_batch_at_once_with_default_settings(
     """RemotePipe([live, dead]) used to fail after ~30 s with "no server could take the remaining 1 of N images"
     in either order: a worker left when the queue was momentarily empty, while the dead server's image was
     about to come back to it."""
-    with FakeSglang(service_time_s=0.01) as live:
+    with fake(service_time_s=0.01) as live:
         dead = dead_url()
         urls = [dead, live.url] if dead_first else [live.url, dead]
         started = time.monotonic()
@@ -141,14 +146,14 @@ def test_a_batch_completes_on_the_servers_that_work(kinds, batch):
 
 
 def test_a_slow_server_gets_fewer_images_than_a_fast_one():
-    with FakeSglang(service_time_s=0.01) as fast, FakeSglang(service_time_s=0.3) as slow:
+    with fake(service_time_s=0.01) as fast, fake(service_time_s=0.3) as slow:
         result, _ = generate([slow.url, fast.url], 8)
     assert len(slow.ran) <= 2 and len(fast.ran) >= 6 and len(result.info["images"]) == 8
 
 
 def test_every_server_given_up_on_is_one_line_per_server():
     """Ready servers that keep refusing work (503 after /health said ok) are given up on, each named once."""
-    with FakeSglang(faults=["503"] * 10) as a, FakeSglang(faults=["503"] * 10) as b:
+    with fake(faults=["503"] * 10) as a, fake(faults=["503"] * 10) as b:
         pipe = RemotePipe([a.url, b.url], FAST)
         with pytest.raises(RemoteError) as caught:
             pipe.generate(request(2), NullHost())
@@ -164,7 +169,7 @@ SLOW_ANSWER = RemoteSettings(connect_timeout_s=0.5, retry_down_after_s=0.05, pro
 
 
 def test_an_image_without_an_answer_is_never_sent_again_by_default():
-    with FakeSglang(service_time_s=1.0) as slow:
+    with fake(service_time_s=1.0) as slow:
         pipe = RemotePipe([slow.url], SLOW_ANSWER)
         started = time.monotonic()
         with pytest.raises(UnansweredImage) as caught:
@@ -180,7 +185,7 @@ def test_an_image_without_an_answer_is_never_sent_again_by_default():
 
 
 def test_an_unanswered_image_does_not_go_to_another_server_either():
-    with FakeSglang(service_time_s=1.0) as slow, FakeSglang(service_time_s=0.1) as fast:
+    with fake(service_time_s=1.0) as slow, fake(service_time_s=0.1) as fast:
         pipe = RemotePipe([slow.url, fast.url], SLOW_ANSWER)
         with pytest.raises(UnansweredImage, match=r"image \d of 4 \(seed 10\d\)"):
             pipe.generate(request(4), NullHost())
@@ -194,7 +199,7 @@ def test_an_unanswered_image_does_not_go_to_another_server_either():
 def test_resend_unanswered_sends_it_again_and_says_the_server_may_still_run_it():
     settings = RemoteSettings(connect_timeout_s=0.5, retry_down_after_s=0.05, probe_every_s=0.05,
                               read_timeout_base_s=0.3, read_timeout_per_step_megapixel_s=0.0, resend_unanswered=True)
-    with FakeSglang(service_time_s=1.0) as slow, FakeSglang(service_time_s=0.05) as fast:
+    with fake(service_time_s=1.0) as slow, fake(service_time_s=0.05) as fast:
         result, host = generate([slow.url, fast.url], 3, settings)
     assert [i["seed"] for i in result.info["images"]] == [100, 101, 102]
     resent = [m for m in host.messages if "is sent again" in m]
@@ -203,7 +208,7 @@ def test_resend_unanswered_sends_it_again_and_says_the_server_may_still_run_it()
 
 
 def test_a_server_that_dies_while_working_is_not_sent_the_image_again():
-    with FakeSglang(service_time_s=0.4, die_during=1) as dying, FakeSglang(service_time_s=0.05) as live:
+    with fake(service_time_s=0.4, die_during=1) as dying, fake(service_time_s=0.05) as live:
         pipe = RemotePipe([dying.url], FAST)
         with pytest.raises(UnansweredImage, match="dropped the connection.*not sent again"):
             pipe.generate(request(1), NullHost())
@@ -213,7 +218,7 @@ def test_a_server_that_dies_while_working_is_not_sent_the_image_again():
 
 def test_only_requests_known_not_to_have_started_are_sent_again():
     """Refused and 503/429 answers come before any work: those images go elsewhere or later, each still once."""
-    with FakeSglang(service_time_s=0.02, faults=["503", "429"]) as busy:
+    with fake(service_time_s=0.02, faults=["503", "429"]) as busy:
         result, host = generate([dead_url(), busy.url], 3)
     assert [g.body["seed"] for g in busy.generations][:2] == [100, 100], "the 503 and the 429 were sent again"
     assert busy.ran == [100, 101, 102]
@@ -221,7 +226,7 @@ def test_only_requests_known_not_to_have_started_are_sent_again():
 
 
 def test_retry_after_of_a_429_is_honoured():
-    with FakeSglang(service_time_s=0.01, faults=["429"], retry_after_s=0.6) as busy:
+    with fake(service_time_s=0.01, faults=["429"], retry_after_s=0.6) as busy:
         started = time.monotonic()
         generate([busy.url], 1)
         elapsed = time.monotonic() - started
@@ -232,7 +237,7 @@ def test_retry_after_of_a_429_is_honoured():
 # ----------------------------------------------------------------------------- waiting for servers
 def test_a_loading_server_is_waited_for_with_progress_lines():
     host = NullHost()
-    with FakeSglang(service_time_s=0.01, warmup_s=1.2) as loading:
+    with fake(service_time_s=0.01, warmup_s=1.2) as loading:
         result, host = generate([loading.url], 2, FAST, host)
     waiting = [m for m in host.messages if m.startswith("waiting for")]
     assert waiting and re.match(rf"waiting for {re.escape(loading.url)}: loading, \d+ s", waiting[0]), host.messages
@@ -243,7 +248,7 @@ def test_a_loading_server_is_waited_for_with_progress_lines():
 
 def test_a_server_that_starts_late_is_waited_for_and_refused_is_not_called_loading():
     port = free_port()
-    late = FakeSglang(port=port, service_time_s=0.01)
+    late = FakeSglang(port=port, service_time_s=0.01, image_side_cap=CAP)
     timer = threading.Timer(0.6, late.start)
     timer.start()
     try:
@@ -269,7 +274,7 @@ def test_cancel_during_the_wait_returns_within_a_second():
 
 
 def test_no_server_ready_within_the_wait_is_one_line_naming_each_and_its_state():
-    with FakeSglang(warmup_s=60) as loading:
+    with fake(warmup_s=60) as loading:
         dead = dead_url()
         pipe = RemotePipe([dead, loading.url], RemoteSettings(wait_for_servers_s=0.5, probe_every_s=0.05,
                                                                connect_timeout_s=0.5))
@@ -295,7 +300,7 @@ def test_waiting_zero_fails_as_soon_as_every_server_was_asked():
 
 def test_the_start_notice_never_says_about_0_s():
     host = NullHost()
-    with FakeSglang(service_time_s=0.01) as server:
+    with fake(service_time_s=0.01) as server:
         pipe = RemotePipe([server.url], FAST)
         pipe.generate(request(1), host)
         pipe.generate(request(2), host)
