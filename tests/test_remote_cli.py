@@ -69,7 +69,8 @@ def test_a_base_model_gets_the_base_defaults_and_given_values_win(capsys, tmp_pa
     (["--connect-timeout", "inf"], "--connect-timeout inf is not allowed"),
     (["--connect-timeout", "soon"], "--connect-timeout 'soon' is not a number of seconds"),
     (["--wait-for-servers", "-1"], "--wait-for-servers -1 is not allowed: give a finite number of seconds, 0 or more"),
-    (["--width", "1000"], "width 1000 is not allowed: ERNIE-Image needs a multiple of 16 between 256 and 4096; use 1008"),
+    (["--width", "1000"], "width 1000 is not allowed: ERNIE-Image needs a multiple of 16 between 256 and 4096; "
+                          "use 1008"),
     (["--width", "8"], "width 8 is not allowed"),
     (["--steps", "0"], "steps 0 is not allowed"),
     (["--cfg", "nan"], "cfg nan is not allowed"),

@@ -195,7 +195,8 @@ def test_fleet_spreads_a_batch_over_servers_concurrently():
         wall = time.monotonic() - started
         pipe.release()
     assert len(a.generations) == len(b.generations) == len(c.generations) == 2
-    assert wall < 6 * 0.3 * 0.6, f"3 servers should take ~2 rounds, took {wall:.2f} s"
+    # one after another would take 6 x 0.3 s; 2 rounds plus each server's first /health and /v1/models stay below
+    assert wall < 6 * 0.3 * 0.75, f"3 servers should take ~2 rounds, took {wall:.2f} s"
     assert sorted(g.body["seed"] for s in (a, b, c) for g in s.generations) == list(range(100, 106))
     assert [i["seed"] for i in result.info["images"]] == list(range(100, 106)), "images come back in seed order"
     assert {i["server"] for i in result.info["images"]} == {a.url, b.url, c.url}

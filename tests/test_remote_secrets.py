@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -118,7 +117,8 @@ def test_an_api_key_appears_on_no_surface(seen, monkeypatch, tmp_path):
         # refused keys and a key pasted where its variable's name belongs
         monkeypatch.setenv(KEY_VAR, API_KEY + "-wrong")
         wrong = RemotePipe([server.url], RemoteSettings(api_key_env=KEY_VAR))
-        assert "HTTP 403" in seen.error(wrong.generate, GenerationRequest(prompt="x", width=256, height=256), NullHost())
+        refused = seen.error(wrong.generate, GenerationRequest(prompt="x", width=256, height=256), NullHost())
+        assert "HTTP 403" in refused
         wrong.release()
         seen.add(json.dumps(check_servers({"server_urls": server.url, "api_key_env": KEY_VAR})))
         assert main(["check-remote", server.url, "--api-key-env", KEY_VAR]) == 1

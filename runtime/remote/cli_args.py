@@ -32,7 +32,8 @@ def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
                        help="SGLang diffusion server base URL, e.g. http://gpu-box:30000; repeat for a fleet "
                             "(images are spread over the servers that work)")
     group.add_argument("--connect-timeout", default=None, metavar="S",
-                       help=f"seconds to wait for a server to accept a connection (default {DEFAULT_CONNECT_TIMEOUT_S:g})")
+                       help=f"seconds to wait for a server to accept a connection "
+                            f"(default {DEFAULT_CONNECT_TIMEOUT_S:g})")
     group.add_argument("--read-timeout", default=None, metavar="S",
                        help=f"base seconds to wait for one image; it grows with steps and size "
                             f"(default {DEFAULT_READ_TIMEOUT_S:g})")
@@ -49,7 +50,8 @@ def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
     pe.add_argument("--pe-url", default=None, metavar="URL",
                     help="OpenAI-compatible chat server serving ERNIE-Image's prompt enhancer (vLLM, SGLang); "
                          "with --use-pe the prompt is revised there")
-    pe.add_argument("--pe-model", default=None, metavar="NAME", help="model name on the PE server (default: the first listed)")
+    pe.add_argument("--pe-model", default=None, metavar="NAME",
+                    help="model name on the PE server (default: the first it lists)")
     pe.add_argument("--pe-api-key-env", default=None, metavar="NAME",
                     help="NAME of the environment variable holding the PE server's API key")
     pe.add_argument("--pe-api-key-file", default=None, metavar="PATH", help="file holding only the PE server's API key")

@@ -28,8 +28,8 @@ from typing import Callable, Optional, Sequence
 
 from ..errors import RemoteError
 from .http import BadResponse, ConnectionLost, HttpSettings, RetryPolicy, ServerRejected, ServerUnavailable
-from .sglang import (READY, REFUSED, GeneratedImage, ImageParams, ReadTimeoutPolicy, Readiness, ServerModel,
-                     SglangClient)
+from .sglang import (READY, REFUSED, UNREACHABLE, GeneratedImage, ImageParams, ReadTimeoutPolicy, Readiness,
+                     ServerModel, SglangClient)
 
 Notify = Callable[[str], None]
 
@@ -255,7 +255,7 @@ class _Batch:
         reasons = "; ".join(s.detail or f"{s.label}: {s.state}" for s in self.slots)
         return ServersNotReady(
             f"no server could take {what} within {wait_s:g} s ({reasons}); start or fix the servers, wait longer "
-            f"(wait for servers), or check them with `ernie-image check-remote URL`")
+            f"(wait_for_servers_s; CLI: --wait-for-servers), or check them with `ernie-image check-remote URL`")
 
     def _all_given_up(self) -> BaseException:
         if len(self.slots) == 1 and self.slots[0].gave_up is not None:
@@ -294,7 +294,7 @@ class _Batch:
             if readiness.ready:
                 await self.fleet.discover(slot)
         except (ServerUnavailable, ConnectionLost) as exc:
-            readiness = Readiness(REFUSED if getattr(exc, "reason", "") == "refused" else "unreachable", str(exc))
+            readiness = Readiness(REFUSED if getattr(exc, "reason", "") == "refused" else UNREACHABLE, str(exc))
         except (ServerRejected, BadResponse) as exc:  # not an ERNIE server, a refused key, a wrong path
             self._give_up(slot, exc, str(exc))
             return
