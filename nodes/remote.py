@@ -37,7 +37,7 @@ def checked_key_source(api_key_env: str, api_key_file: str, widget_prefix: str =
 def chat_endpoint(pe_url: str, pe_model: str, pe_api_key_env: str, pe_api_key_file: str,
                   connect_timeout_s: float = 5.0) -> Optional[Any]:
     """The PE chat endpoint the widgets describe, checked now; None when pe_url is empty."""
-    from ..runtime.remote.http import normalize_base_url
+    from ..runtime.remote.urls import normalize_base_url
     from ..runtime.text.remote_enhancer import ChatEndpoint
 
     url = pe_url.strip()
@@ -46,19 +46,23 @@ def chat_endpoint(pe_url: str, pe_model: str, pe_api_key_env: str, pe_api_key_fi
     key = checked_key_source(pe_api_key_env, pe_api_key_file, widget_prefix="pe_")
     endpoint = ChatEndpoint(url=url, model=pe_model.strip() or None, api_key_env=key.env_var, api_key_file=key.file,
                             connect_timeout_s=float(connect_timeout_s))
-    normalize_base_url(endpoint.base_url())  # a malformed URL fails here, before anything is sent
+    normalize_base_url(endpoint.base_url(), what="pe_url")  # a malformed URL fails here, before anything is sent
     return endpoint
 
 
 def make_remote_pipe(urls: list[str], connect_timeout_s: float, read_timeout_s: float,
-                     api_key_env: Optional[str], api_key_file: Optional[str], pe_endpoint: Optional[Any] = None) -> Any:
+                     api_key_env: Optional[str], api_key_file: Optional[str], pe_endpoint: Optional[Any] = None,
+                     wait_for_servers_s: float = 600.0, resend_unanswered: bool = False) -> Any:
     from ..runtime.remote.backend import RemotePipe, RemoteSettings
+    from ..runtime.remote.http import checked_seconds
 
     settings = RemoteSettings(
         api_key_env=api_key_env,
         api_key_file=api_key_file,
-        connect_timeout_s=float(connect_timeout_s),
-        read_timeout_base_s=float(read_timeout_s),
+        connect_timeout_s=checked_seconds(connect_timeout_s, "connect_timeout_s"),
+        read_timeout_base_s=checked_seconds(read_timeout_s, "read_timeout_s"),
+        wait_for_servers_s=checked_seconds(wait_for_servers_s, "wait_for_servers_s", allow_zero=True),
+        resend_unanswered=bool(resend_unanswered),
         pe_endpoint=pe_endpoint,
     )
     return RemotePipe(urls, settings)
@@ -131,19 +135,37 @@ class ErnieImageRemoteBackend:
                      "Empty: no key file."},
                 ),
             },
-            "optional": pe_endpoint_inputs(
-                "When set, a Sampler's use_pe revises the prompt there first and the SGLang server gets the revised "
-                "prompt with its own PE off (Baidu's Method 2); the Sampler outputs that prompt. Empty: the "
-                "SGLang server's own PE."
-            ),
+            "optional": {
+                **pe_endpoint_inputs(
+                    "When set, a Sampler's use_pe revises the prompt there first and the SGLang server gets the "
+                    "revised prompt with its own PE off (Baidu's Method 2); the Sampler outputs that prompt. Empty: "
+                    "the SGLang server's own PE."
+                ),
+                # after the pe_ widgets: workflows saved before these existed keep their widget values in place
+                "wait_for_servers_s": (
+                    "FLOAT",
+                    {"default": 600.0, "min": 0.0, "max": 86400.0, "step": 30.0,
+                     "tooltip": "Seconds a Sampler waits while no server can take work (still loading its weights, "
+                     "not started yet); Cancel stops the wait. 0: fail at once."},
+                ),
+                "resend_unanswered": (
+                    "BOOLEAN",
+                    {"default": False,
+                     "tooltip": "Send an image again when its server gave no answer (read timeout, dropped "
+                     "connection). That server may still be working on it, so the same job may run twice. "
+                     "Off: the run stops and says so."},
+                ),
+            },
         }
 
     def connect(self, server_urls: str, connect_timeout_s: float, read_timeout_s: float, api_key_env: str,
                 api_key_file: str, pe_url: str = "", pe_model: str = "", pe_api_key_env: str = "",
-                pe_api_key_file: str = "") -> dict[str, Any]:
+                pe_api_key_file: str = "", wait_for_servers_s: float = 600.0,
+                resend_unanswered: bool = False) -> dict[str, Any]:
         urls = parse_urls(server_urls)
         key = checked_key_source(api_key_env, api_key_file)
         pe_endpoint = chat_endpoint(pe_url, pe_model, pe_api_key_env, pe_api_key_file, connect_timeout_s)
-        pipe = track(make_remote_pipe(urls, connect_timeout_s, read_timeout_s, key.env_var, key.file, pe_endpoint))
+        pipe = track(make_remote_pipe(urls, connect_timeout_s, read_timeout_s, key.env_var, key.file, pe_endpoint,
+                                      wait_for_servers_s, resend_unanswered))
         description = pipe.describe()
         return shown_on_node(description, pipe, description)

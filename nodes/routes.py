@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ..runtime.errors import ErnieImageError, InvalidInputError
+from ..runtime.errors import ErnieImageError
 from . import live_pipes
 from .remote import checked_key_source, parse_urls
 
@@ -31,6 +31,7 @@ MAX_BODY_BYTES = 16 * 1024
 
 async def _check_rows(urls: list[str], api_key: "ApiKeySource", connect_timeout_s: float) -> list[dict[str, Any]]:
     from ..runtime.remote.check import check_one
+    from ..runtime.remote.urls import shown_url
 
     async def one(url: str) -> dict[str, Any]:
         try:
@@ -40,7 +41,7 @@ async def _check_rows(urls: list[str], api_key: "ApiKeySource", connect_timeout_
                 timeout=CHECK_TOTAL_TIMEOUT_S,
             )
         except asyncio.TimeoutError:
-            return {"url": url, "ok": False, "status": "timeout",
+            return {"url": shown_url(url), "ok": False, "status": "timeout",
                     "problems": [f"no answer within {CHECK_TOTAL_TIMEOUT_S:g} s: check the URL and that the server is up"]}
         return {
             "url": row.url, "ok": row.ok, "status": row.readiness, "model": row.model_id, "pipeline": row.pipeline,
@@ -56,10 +57,9 @@ def check_servers(body: dict[str, Any]) -> dict[str, Any]:
 
     urls = parse_urls(str(body.get("server_urls", "")))[:MAX_SERVERS_PER_CHECK]
     api_key = checked_key_source(str(body.get("api_key_env", "")), str(body.get("api_key_file", "")))
-    try:
-        connect_timeout_s = float(body.get("connect_timeout_s", MAX_CONNECT_TIMEOUT_S))
-    except (TypeError, ValueError):
-        raise InvalidInputError("connect_timeout_s must be a number of seconds") from None
+    from ..runtime.remote.http import checked_seconds
+
+    connect_timeout_s = checked_seconds(body.get("connect_timeout_s", MAX_CONNECT_TIMEOUT_S), "connect_timeout_s")
     connect_timeout_s = min(MAX_CONNECT_TIMEOUT_S, max(0.5, connect_timeout_s))
     rows = run_sync(_check_rows(urls, api_key, connect_timeout_s))
     return {"ok": all(row["ok"] for row in rows), "servers": rows, "text": format_rows(rows)}

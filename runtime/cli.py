@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from .cli_parser import CLI_KEY_LABELS, OneLineParser  # noqa: F401 - CLI_KEY_LABELS: re-exported
-from .errors import Cancelled, ErnieImageError
+from .errors import Cancelled, ErnieImageError, InvalidInputError
 from .host import NullHost
 
 ArgCheck = Callable[[argparse.Namespace], None]
@@ -80,10 +80,13 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     from .image_files import add_image_arguments, check_image_fields, image_fields
     from .lora.cli_args import add_lora_argument, lora_stack
 
+    from .remote.cli_args import add_remote_arguments, pe_endpoint_from_args, remote_pipe_from_args
+
     parser = OneLineParser(prog="ernie-image generate", description="Generate an image with ERNIE-Image.")
     _add_generate_arguments(parser)
     add_lora_argument(parser)
     add_image_arguments(parser)
+    add_remote_arguments(parser)  # --server URL (a fleet when repeated), its timeouts and key, --pe-url
     args = parser.parse_args(argv)
     from .cli_checks import check_generate_args, default_side, parse_budget, uses_demo_model
 
@@ -91,6 +94,14 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     loras = lora_stack(args.lora)
     image_in = image_fields(args)  # image files read and checked before any model file is opened
     check_image_fields(image_in, args)
+    remote = remote_pipe_from_args(args)  # None without --server; its options are checked before any work
+    if remote is not None:
+        from .remote.cli_generate import generate_on_servers
+
+        if loras or image_in.get("init_image") is not None:
+            raise InvalidInputError("--lora and --init-image run on the local model only: leave out --server, or "
+                                    "leave them out (the SGLang backend takes neither)")
+        return generate_on_servers(args, remote, _ConsoleHost(interrupts or _Interrupts()))
     from .demo import DEMO_NOTICE, load_demo_pipe
     from .local_pipe import LoadOptions, LocalPipe
     from .model_files import ModelSources
@@ -100,7 +111,8 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     host = _ConsoleHost(interrupts or _Interrupts())
     # The console shows no pictures: skip the per-step latent preview (it costs a device-to-host copy per step).
     options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=parse_budget(args.budget),
-                          quant=args.quant, keep_loaded=False, previews=False)
+                          quant=args.quant, keep_loaded=False, previews=False,
+                          pe_endpoint=pe_endpoint_from_args(args))
     demo = uses_demo_model(args)
     if demo:
         pipe = load_demo_pipe(options, args.variant or "turbo")

@@ -7,6 +7,15 @@ pipeline failure (n > 1, 8x8); /health 503 with an empty body while warming up; 
 one at a time in arrival order. On top of that it injects faults SGLang will not produce on demand: hangs,
 connection resets, garbage JSON, huge bodies, 401/403, 429 with Retry-After, wrong image sizes, bad base64.
 
+Behaviours a fleet meets (each counted: `generations` is every POST received, `ran` the seeds it generated):
+- dead from the start: `dead_url()` (nothing listens: connection refused);
+- slow: `service_time_s` / `per_step_s`;
+- dies after N images: `die_after=N` (stops listening once the Nth image is sent: later requests are refused);
+- dies while working: `die_during=N` (drops the connection in the middle of the Nth image: it may have run);
+- 503 / 429 before any work: `faults=["503", "429"]`, or `flaky_every=K` (every Kth POST answers 503);
+  `retry_after_s` is the Retry-After of a 429;
+- loading: `warmup_s` (/health answers 503, POSTs are held until ready, as SGLang does).
+
 Each server runs its own event loop on a thread, so sync client code (the pipe) can be tested from
 ordinary test functions:
 
@@ -41,6 +50,7 @@ class Received:
     body: Any
     headers: dict[str, str]
     at: float
+    peer_port: int = 0  # the client's port: requests on one connection share it
 
 
 @dataclass
@@ -59,6 +69,10 @@ class FakeSglang:
     faults: list[str] = field(default_factory=list)  # consumed one per generation request, in order
     received: list[Received] = field(default_factory=list)
     port: int = 0
+    die_after: Optional[int] = None  # stop listening once this many images have been sent
+    die_during: Optional[int] = None  # drop the connection and stop listening while working on this image (1-based)
+    flaky_every: int = 0  # every Nth generation POST answers 503 before any work
+    retry_after_s: float = 0.0  # Retry-After of a "429" fault
 
     def __post_init__(self) -> None:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -66,7 +80,9 @@ class FakeSglang:
         self._runner: Optional[web.AppRunner] = None
         self._started_at = 0.0
         self._served = 0
+        self._kill_after = self.die_after
         self.completed: list[float] = []  # monotonic times at which generations finished
+        self.ran: list[int] = []  # seeds of the images generated (started work), in order
 
     # ------------------------------------------------------------------------------------ lifecycle
     @property
@@ -105,6 +121,7 @@ class FakeSglang:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/server_info", self._server_info)
         app.router.add_post("/v1/images/generations", self._generate)
+        app.router.add_route("*", "/{tail:.*}", self._not_found)  # FastAPI's 404, recorded like the rest
         self._lock = asyncio.Lock()  # asyncio.Lock wakes waiters in FIFO order: SGLang's one-at-a-time queue
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
         await self._runner.setup()
@@ -141,7 +158,9 @@ class FakeSglang:
 
     # -------------------------------------------------------------------------------------- helpers
     def _record(self, request: web.Request, body: Any) -> None:
-        self.received.append(Received(request.path, body, dict(request.headers), time.monotonic()))
+        peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+        self.received.append(Received(request.path, body, dict(request.headers), time.monotonic(),
+                                      peer[1] if peer else 0))
 
     def _auth_error(self, request: web.Request) -> Optional[web.Response]:
         if self.api_key is None:
@@ -162,6 +181,10 @@ class FakeSglang:
         if time.monotonic() - self._started_at < self.warmup_s:
             return web.Response(status=503)
         return web.json_response({"status": "ok"})
+
+    async def _not_found(self, request: web.Request) -> web.Response:
+        self._record(request, None)
+        return web.json_response({"detail": "Not Found"}, status=404)
 
     async def _liveness(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -209,6 +232,8 @@ class FakeSglang:
         fault = None
         if self.faults and ":" not in self.faults[0]:
             fault = self.faults.pop(0)
+        if self.flaky_every and len(self.generations) % self.flaky_every == 0:
+            fault = "503"
         if fault in ("503", "429", "408", "reset", "garbage", "huge", "hang", "500_json"):
             return await self._apply_fault(fault, request)
         if not isinstance(body, dict):
@@ -218,6 +243,8 @@ class FakeSglang:
         invalid = self._validate(body)
         if invalid is not None:
             return invalid
+        while time.monotonic() - self._started_at < self.warmup_s:  # SGLang holds a POST while warming up
+            await asyncio.sleep(0.01)
         async with self._lock:
             return await self._serve_one(body, fault)
 
@@ -258,6 +285,12 @@ class FakeSglang:
             await asyncio.sleep(self.service_time_s)
             return web.Response(status=500, text="Internal Server Error", content_type="text/plain")
         started = time.monotonic()
+        self.ran.append(seed)
+        if self.die_during is not None and len(self.ran) == self.die_during:
+            await asyncio.sleep(self.service_time_s / 2)
+            self._stop_listening()
+            asyncio.ensure_future(self._die())
+            await asyncio.sleep(3600)  # the connection is dropped by the shutdown
         await asyncio.sleep(self.service_time_s + self.per_step_s * steps)
         if fault == "wrong_size":
             w, h = w // 2, h // 2
@@ -280,8 +313,9 @@ class FakeSglang:
             payload.pop("data")
         self._served += 1
         self.completed.append(time.monotonic())
-        kill_after = getattr(self, "_kill_after", None)
+        kill_after = self._kill_after
         if kill_after is not None and self._served >= kill_after:
+            self._stop_listening()  # before the answer goes out: the next request is refused, never half-taken
             asyncio.get_running_loop().call_later(0.01, lambda: asyncio.ensure_future(self._die()))
         return web.json_response(payload)
 
@@ -300,6 +334,13 @@ class FakeSglang:
             cache[key] = base64.b64encode(buffer.getvalue()).decode("ascii")
         return cache[key]
 
+    def _stop_listening(self) -> None:
+        if self._runner is not None:
+            for site in self._runner.sites:
+                server = getattr(site, "_server", None)
+                if server is not None:
+                    server.close()
+
     async def _die(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
@@ -309,7 +350,8 @@ class FakeSglang:
         if fault in ("503", "408"):
             return web.Response(status=int(fault))
         if fault == "429":
-            return web.json_response({"detail": "Too many requests"}, status=429, headers={"Retry-After": "0"})
+            return web.json_response({"detail": "Too many requests"}, status=429,
+                                     headers={"Retry-After": f"{self.retry_after_s:g}"})
         if fault == "500_json":
             return web.json_response({"detail": "CUDA out of memory"}, status=500)
         if fault == "garbage":
@@ -374,6 +416,11 @@ class UnacceptingListener:
         for filler in self.fillers:
             filler.close()
         self.sock.close()
+
+
+def dead_url() -> str:
+    """The URL of a server that is not running: nothing listens there, so connections are refused."""
+    return f"http://127.0.0.1:{free_port()}"
 
 
 def free_port() -> int:

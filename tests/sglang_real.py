@@ -3,8 +3,10 @@
 The checkpoint is built here with diffusers/transformers classes (the test's own Python: diffusers >= 0.38)
 in the baidu/ERNIE-Image folder layout; SGLang serves it with its own pinned diffusers. Output is noise,
 but deterministic per seed and sensitive to every setting. SGLang runs from another Python given by
-ERNIE_SGLANG_PYTHON (a venv; see the README), optionally with ERNIE_SGLANG_PYTHONPATH prepended (a
-torchvision import stub when PyPI's torchvision does not import beside the CPU torch).
+ERNIE_SGLANG_PYTHON (a venv; see the README). SGLang imports torchvision at start-up but ERNIE never uses it, and
+PyPI's torchvision does not import beside the CPU torch wheel: when that Python has no importable torchvision,
+the import stub in tests/sglang_stubs/ is put on its path (ERNIE_SGLANG_PYTHONPATH, if set, goes first).
+Servers run with --sleep-on-idle: an idle SGLang scheduler otherwise spins a CPU core each.
 """
 from __future__ import annotations
 
@@ -13,17 +15,35 @@ import os
 import socket
 import subprocess
 import time
+from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
 SGLANG_PYTHON_ENV = "ERNIE_SGLANG_PYTHON"
 SGLANG_PYTHONPATH_ENV = "ERNIE_SGLANG_PYTHONPATH"
 TEXT_DIM = 64
+TORCHVISION_STUB = Path(__file__).resolve().parent / "sglang_stubs"
 
 
 def sglang_python() -> Optional[str]:
     value = os.environ.get(SGLANG_PYTHON_ENV, "").strip()
     return value if value and Path(value).exists() else None
+
+
+@lru_cache(maxsize=None)
+def needs_torchvision_stub(python: str) -> bool:
+    """Whether `python` cannot import torchvision (then the stub in tests/sglang_stubs/ stands in for it)."""
+    probe = subprocess.run([python, "-c", "import torchvision"], capture_output=True, timeout=120)
+    return probe.returncode != 0
+
+
+def server_pythonpath(python: str) -> str:
+    paths = [p for p in (os.environ.get(SGLANG_PYTHONPATH_ENV, "").strip(),) if p]
+    if needs_torchvision_stub(python):
+        paths.append(str(TORCHVISION_STUB))
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
+    return os.pathsep.join(paths)
 
 
 def build_tiny_checkpoint(folder: Path) -> Path:
@@ -102,13 +122,11 @@ class SglangServer:
         workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / "server.log"
         env = dict(os.environ)
-        extra_path = os.environ.get(SGLANG_PYTHONPATH_ENV, "").strip()
-        if extra_path:
-            env["PYTHONPATH"] = extra_path + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = server_pythonpath(python)
         sglang = Path(python).parent / "sglang"
         command = [str(sglang), "serve", "--model-path", str(model), "--host", "127.0.0.1",
                    "--port", str(self.port), "--master-port", str(free_port()),
-                   "--scheduler-port", str(free_port()), "--log-requests"]
+                   "--scheduler-port", str(free_port()), "--log-requests", "--sleep-on-idle"]
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(command, cwd=workdir, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                         start_new_session=True)

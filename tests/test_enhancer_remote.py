@@ -16,7 +16,7 @@ from typing import Any, Optional
 import pytest
 from aiohttp import web
 
-from ernie_image.runtime.errors import Cancelled, RemoteError
+from ernie_image.runtime.errors import Cancelled, InvalidInputError, RemoteError
 from ernie_image.runtime.host import NullHost
 from ernie_image.runtime.remote.http import AuthenticationError, ServerRejected
 from ernie_image.runtime.text.cli_enhance import main_enhance
@@ -254,8 +254,9 @@ def test_cancel_stops_waiting_within_a_second(cancel_after):
 
 
 def test_credentials_in_the_url_are_refused():
-    with pytest.raises(RemoteError, match="do not put credentials"):
+    with pytest.raises(InvalidInputError, match="holds a user name or password") as caught:
         revise_prompts_remote(ChatEndpoint(url=f"http://user:{SECRET}@127.0.0.1:9"), ["a"], 1024, 1024, seed=0)
+    assert SECRET not in str(caught.value)
 
 
 def test_cli_with_a_pe_server_prints_only_the_revision(capsys):

@@ -12,7 +12,7 @@ import pytest
 from ernie_image.nodes import NODE_CLASS_MAPPINGS
 from ernie_image.nodes.enhancer import ErnieImagePromptEnhancer
 from ernie_image.nodes.remote import ErnieImageRemoteBackend
-from ernie_image.runtime.errors import InvalidInputError, ModelFileError, RemoteError
+from ernie_image.runtime.errors import InvalidInputError, ModelFileError
 from ernie_image.runtime.host import NullHost
 from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.model_files import ModelSources
@@ -160,7 +160,7 @@ def test_bad_endpoint_settings_are_refused_before_anything_is_sent(tmp_path) -> 
         enhance(pe_url="http://127.0.0.1:1", pe_api_key_env="ERNIE_TEST_UNSET_PE_KEY")
     with pytest.raises(InvalidInputError, match="pe_api_key_file .* is not a file"):
         enhance(pe_url="http://127.0.0.1:1", pe_api_key_file=str(tmp_path / "missing"))
-    with pytest.raises(RemoteError, match="is not an http"):
+    with pytest.raises(InvalidInputError, match="pe_url 'ftp://pe-box:8000' has the scheme 'ftp'"):
         enhance(pe_url="ftp://pe-box:8000")
     with pytest.raises(InvalidInputError, match="prompt is empty"):
         enhance(prompt="  ", pe_url="http://127.0.0.1:1")

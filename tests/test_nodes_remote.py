@@ -80,7 +80,7 @@ def test_check_reports_the_served_model_without_generating() -> None:
 
 
 def test_check_refuses_a_timeout_that_is_not_a_number() -> None:
-    with pytest.raises(InvalidInputError, match="connect_timeout_s must be a number"):
+    with pytest.raises(InvalidInputError, match="connect_timeout_s 'soon' is not a number of seconds"):
         check_servers({"server_urls": "http://127.0.0.1:1", "connect_timeout_s": "soon"})
 
 
@@ -89,3 +89,19 @@ def test_check_reports_a_dead_server_as_a_row_not_an_exception() -> None:
     result = check_servers({"server_urls": url, "connect_timeout_s": 1})
     assert not result["ok"] and result["servers"][0]["problems"]
     assert result["text"].startswith("!! ")
+
+
+def test_wait_and_resend_widgets_reach_the_pipe_and_bad_timeouts_are_refused() -> None:
+    pipe = connect(wait_for_servers_s=30.0, resend_unanswered=True)["result"][0]
+    assert pipe.settings.wait_for_servers_s == 30.0 and pipe.settings.resend_unanswered is True
+    assert connect()["result"][0].settings.resend_unanswered is False, "off unless asked for"
+    for changes, name in ((dict(wait_for_servers_s=float("nan")), "wait_for_servers_s"),
+                          (dict(read_timeout_s=0.0), "read_timeout_s"), (dict(connect_timeout_s=-1.0), "connect_timeout_s")):
+        with pytest.raises(InvalidInputError, match=f"{name} .* is not allowed"):
+            connect(**changes)
+
+
+def test_the_new_widgets_come_after_the_pe_ones_so_saved_workflows_keep_their_values() -> None:
+    optional = list(ErnieImageRemoteBackend.INPUT_TYPES()["optional"])
+    assert optional[:4] == ["pe_url", "pe_model", "pe_api_key_env", "pe_api_key_file"]
+    assert optional[4:] == ["wait_for_servers_s", "resend_unanswered"]

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ernie_image.runtime.errors import Cancelled, RemoteError
+from ernie_image.runtime.errors import Cancelled, InvalidInputError
 from ernie_image.runtime.remote.http import (
     ApiKeySource,
     AuthenticationError,
@@ -211,6 +211,26 @@ def test_unset_key_variable_and_unreadable_key_file_are_clear(monkeypatch, tmp_p
         ApiKeySource(file=str(tmp_path / "missing")).read()
 
 
-def test_credentials_in_the_url_are_refused():
-    with pytest.raises(RemoteError, match="do not put credentials in the server URL"):
-        HttpClient("http://user:pw@127.0.0.1:1")
+def test_credentials_in_the_url_are_refused_without_showing_them():
+    with pytest.raises(InvalidInputError, match="holds a user name or password") as caught:
+        HttpClient("http://alice:pw1234@127.0.0.1:1")
+    assert "alice" not in str(caught.value) and "pw1234" not in str(caught.value)
+
+
+def test_a_post_goes_out_on_a_fresh_connection_and_a_get_reuses_one(server):
+    """A pooled connection the server closed meanwhile would make a POST's failure ambiguous (sent or not?)."""
+    client = HttpClient(server.url)
+
+    async def go():
+        try:
+            for _ in range(2):
+                await client.request_json("GET", "/health")
+            await client.request_json("POST", GEN, BODY)
+            await client.request_json("POST", GEN, BODY)
+        finally:
+            await client.close()
+    run_sync(go())
+    ports = {r.path: set() for r in server.received}
+    for r in server.received:
+        ports[r.path].add(r.peer_port)
+    assert len(ports["/health"]) == 1 and len(ports[GEN]) == 2

@@ -4,6 +4,7 @@ The samplers call `generate(request, host)` exactly as on the local pipe. The wo
 loop thread; the calling thread (ComfyUI's worker, the CLI) waits in 0.1 s slices, checks the host for
 Cancel, and forwards progress and notices to the host, so every host call happens on the caller's thread.
 The server itself cannot cancel a generation: Cancel stops waiting, the server finishes the image anyway.
+Requests are checked exactly as the local pipe checks them (GenerationRequest.validate: no rounding, no clamping).
 """
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ import torch
 
 from ..errors import Cancelled, InvalidInputError, RemoteError
 from ..host import Host
-from ..request import GenerationRequest, GenerationResult, nearest_valid_side, refuse_image_inputs
+from ..request import GenerationRequest, GenerationResult, refuse_image_inputs
 from .fleet import Fleet, FleetSettings
-from .http import ApiKeySource, HttpSettings, normalize_base_url, run_sync, server_label
-from .sglang import GeneratedImage, ImageParams, ReadTimeoutPolicy
+from .http import ApiKeySource, HttpSettings, checked_seconds, run_sync, server_label
+from .sglang import GeneratedImage, ImageParams, ReadTimeoutPolicy, ServerModel
+from .urls import normalize_base_url
 
 if TYPE_CHECKING:
     from ..text.enhancer import RevisedPrompts
@@ -44,9 +46,22 @@ class RemoteSettings:
     retry_attempts: int = 4
     retry_down_after_s: float = 10.0
     max_response_mb: int = 256
+    wait_for_servers_s: float = 600.0  # how long a batch waits while no server can take work (loading, refused)
+    resend_unanswered: bool = False  # send an image again after it got no answer: the server may be running it
+    probe_every_s: float = 1.0  # how often a server that is not ready (loading, refused) is asked again
     # Baidu's "Method 2": the PE on its own OpenAI-compatible chat server. When set, prompts of a request with
     # use_pe are revised there and the DiT server gets the revised prompts with its own PE off.
     pe_endpoint: Optional["ChatEndpoint"] = None
+
+    def validate(self) -> None:
+        """Refuse a timeout or wait that cannot work (NaN, 0, negative) in one line, before anything is sent."""
+        checked_seconds(self.connect_timeout_s, "connect timeout")
+        checked_seconds(self.read_timeout_base_s, "read timeout")
+        checked_seconds(self.read_timeout_per_step_megapixel_s, "read timeout per step and megapixel", allow_zero=True)
+        checked_seconds(self.read_timeout_scale, "read timeout scale")
+        checked_seconds(self.retry_down_after_s, "retry pause", allow_zero=True)
+        checked_seconds(self.wait_for_servers_s, "wait for servers", allow_zero=True)
+        checked_seconds(self.probe_every_s, "probe interval")
 
     def fleet_settings(self) -> FleetSettings:
         return FleetSettings(
@@ -58,17 +73,10 @@ class RemoteSettings:
                                            per_step_megapixel_s=self.read_timeout_per_step_megapixel_s,
                                            scale=self.read_timeout_scale),
             retry_down_after_s=self.retry_down_after_s,
+            wait_for_servers_s=self.wait_for_servers_s,
+            resend_unanswered=self.resend_unanswered,
+            probe_every_s=self.probe_every_s,
         )
-
-
-def rounded_request(request: GenerationRequest, host: Host) -> GenerationRequest:
-    """Sizes rounded to multiples of 16 client-side (SGLang would floor them silently), with a notice."""
-    width, height = nearest_valid_side(request.width), nearest_valid_side(request.height)
-    if (width, height) != (request.width, request.height):
-        host.log(f"size {request.width}x{request.height} rounded to {width}x{height} (ERNIE-Image needs multiples of 16 between 256 and 4096)")
-        request = dataclasses.replace(request, width=width, height=height)
-    request.validate()
-    return request
 
 
 def image_jobs(request: GenerationRequest) -> list[ImageParams]:
@@ -99,9 +107,11 @@ class RemotePipe:
     def __init__(self, urls: Sequence[str], settings: RemoteSettings = RemoteSettings()) -> None:
         self.settings = settings
         self.urls = [u for u in (u.strip() for u in urls) if u]
-        # Fail on a bad URL or key source now (the node shows it at once), before any connection is tried.
+        # Fail on a bad URL, setting or key source now (the node shows it at once), before any connection is tried.
+        settings.validate()
         ApiKeySource.checked(settings.api_key_env, settings.api_key_file)
         if settings.pe_endpoint is not None:
+            normalize_base_url(settings.pe_endpoint.base_url(), what="PE endpoint URL")
             ApiKeySource.checked(settings.pe_endpoint.api_key_env, settings.pe_endpoint.api_key_file,
                                  env_label="the PE endpoint's API key variable",
                                  file_label="the PE endpoint's API key file")
@@ -109,7 +119,7 @@ class RemotePipe:
         self._fleet: Optional[Fleet] = None
 
     def __repr__(self) -> str:
-        return f"RemotePipe({', '.join(self.urls)})"
+        return f"RemotePipe({', '.join(server_label(url) for url in self.urls)})"
 
     def _get_fleet(self) -> Fleet:
         if self._fleet is None:
@@ -119,12 +129,12 @@ class RemotePipe:
         return self._fleet
 
     def describe(self) -> str:
-        lines = [f"remote: {len(self.urls)} SGLang server(s)"]
-        served = {slot.client.http.base_url: slot.model for slot in self._fleet.slots} if self._fleet else {}
-        for url in self.urls:
-            model = served.get(normalize_base_url(url))
+        fleet = self._fleet or Fleet(self.urls, self.settings.fleet_settings())  # no I/O: names and models
+        lines = [f"remote: {len(fleet.slots)} SGLang server(s)"]
+        for slot in fleet.slots:
+            model = slot.model
             about = f" serving {model.id} ({model.num_gpus} GPU, {model.dit_precision})" if model else ""
-            lines.append(f"  {url}{about}")
+            lines.append(f"  {slot.label}{about}")
         if self.settings.pe_endpoint is not None:
             lines.append(f"prompt enhancer: chat endpoint {server_label(self.settings.pe_endpoint.base_url())} "
                          f"(the SGLang server gets the revised prompt with its PE off)")
@@ -166,25 +176,30 @@ class RemotePipe:
                                         request.pe_max_new_tokens, host)
         return dataclasses.replace(request, prompts=tuple(revised.prompts), use_pe=False), revised
 
-    def served_variant(self) -> str:
-        """"turbo" when the first server that answers serves a Turbo model (by its id), else "base"."""
+    def served_model(self, host: Host) -> ServerModel:
+        """The model of the first server that is ready (waiting for one as a batch would): its id is the only hint
+        whether it serves Turbo or the base model."""
         fleet = self._get_fleet()
-        error: Optional[BaseException] = None
-        for slot in fleet.slots:
-            try:
-                model = run_sync(fleet.discover(slot))
-            except RemoteError as failure:
-                error = failure
-                continue
-            return "turbo" if "turbo" in model.id.lower() else "base"
-        assert error is not None
-        raise error
+        events: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
+
+        def poll() -> None:
+            _drain(events, host)
+            host.check_cancel()
+
+        try:
+            return run_sync(fleet.first_model(lambda message: events.put(("log", message))), poll)
+        finally:
+            _drain(events, host)
+
+    def served_variant(self, host: Host) -> str:
+        """"turbo" when the first ready server serves a Turbo model (by its id), else "base"."""
+        return "turbo" if "turbo" in self.served_model(host).id.lower() else "base"
 
     def generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         refuse_image_inputs(request, "the remote SGLang backend (its /v1/images/edits is not measured with ERNIE-Image)")
         if request.steps is None or request.cfg is None:  # the served variant's defaults, as the local pipe does
-            request = request.with_defaults(self.served_variant())
-        request = rounded_request(request, host)
+            request = request.with_defaults(self.served_variant(host))
+        request.validate()  # the local pipe's rules and messages: a size it refuses is refused here too
         as_run = request  # what the result records: before the PE's prompts replace the user's
         request, revised = self._revise(request, host)
         if request.shift != SERVER_SHIFT:
@@ -193,7 +208,8 @@ class RemotePipe:
         fleet = self._get_fleet()
         events: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
         estimate_s = max(0.5, fleet.estimate_batch_seconds(jobs))
-        host.log(f"sending {len(jobs)} image(s) to {len(fleet.slots)} SGLang server(s), about {estimate_s:.0f} s; "
+        host.log(f"sending {len(jobs)} image(s) to {len(fleet.slots)} SGLang server(s), "
+                 f"{_estimate_text(fleet.estimate_batch_seconds(jobs), fleet.measured())}; "
                  f"Cancel stops waiting, but a server finishes an image it has started")
 
         async def run() -> list[GeneratedImage]:
@@ -253,6 +269,12 @@ class RemotePipe:
                 run_sync(fleet.close())
             except RemoteError:
                 pass
+
+
+def _estimate_text(seconds: float, measured: bool) -> str:
+    if not measured:
+        return "time known after the first image"
+    return f"about {seconds:.1f} s" if seconds < 10 else f"about {seconds:.0f} s"
 
 
 def _pe_note(request: GenerationRequest, revised: Optional["RevisedPrompts"]) -> str:

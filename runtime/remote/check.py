@@ -14,8 +14,9 @@ from typing import Optional, Sequence
 from ..cli_checks import check_seconds
 from ..cli_parser import CLI_KEY_LABELS, OneLineParser
 from ..errors import ErnieImageError
-from .http import ApiKeySource, HttpSettings, RetryPolicy, Timeouts, run_sync
+from .http import ApiKeySource, HttpSettings, RetryPolicy, Timeouts, checked_seconds, run_sync
 from .sglang import ImageParams, ReadTimeoutPolicy, SglangClient
+from .urls import shown_url
 
 TINY_IMAGE = ImageParams(prompt="a red fox in snow", negative_prompt="", width=256, height=256, steps=1,
                          guidance_scale=1.0, seed=0, use_pe=False)
@@ -41,10 +42,10 @@ class CheckRow:
 
 async def check_one(url: str, api_key: ApiKeySource, generate: bool, connect_timeout_s: float,
                     generation_timeout_s: float) -> CheckRow:
-    row = CheckRow(url=url)
+    row = CheckRow(url=shown_url(url))  # never the URL as typed: it may hold a password
     try:
         settings = HttpSettings(api_key, Timeouts(connect_s=connect_timeout_s), RetryPolicy(attempts=1))
-        client = SglangClient(url, settings, ReadTimeoutPolicy(base_s=generation_timeout_s))
+        client = SglangClient(url, settings, ReadTimeoutPolicy(base_s=generation_timeout_s, per_step_megapixel_s=0.0))
     except ErnieImageError as exc:
         row.readiness, row.problems = "bad URL", [str(exc)]
         return row
@@ -126,15 +127,16 @@ def main_check_remote(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--api-key-env", default=None, help="environment variable holding the API key")
     parser.add_argument("--api-key-file", default=None, help="file holding the API key")
     parser.add_argument("--no-generate", action="store_true", help="skip the tiny test generation")
-    parser.add_argument("--connect-timeout", type=float, default=5.0, help="seconds above 0 (default 5)")
-    parser.add_argument("--read-timeout", type=float, default=GENERATION_TIMEOUT_S,
-                        help=f"seconds above 0 to wait for the tiny generation (default {GENERATION_TIMEOUT_S:g})")
+    parser.add_argument("--connect-timeout", default=5.0, metavar="S",
+                        help="seconds to wait for a server to accept the connection (default 5)")
+    parser.add_argument("--read-timeout", default=GENERATION_TIMEOUT_S, metavar="S",
+                        help=f"seconds to wait for the tiny test image (default {GENERATION_TIMEOUT_S:g})")
     args = parser.parse_args(argv)
-    check_seconds(args.connect_timeout, "--connect-timeout", 5)
-    check_seconds(args.read_timeout, "--read-timeout", GENERATION_TIMEOUT_S)
+    connect_s = checked_seconds(args.connect_timeout, "--connect-timeout")
+    read_s = checked_seconds(args.read_timeout, "--read-timeout")
     api_key = ApiKeySource.checked(args.api_key_env, args.api_key_file, **CLI_KEY_LABELS)  # named by the flags
-    rows = _check_all(args.urls, api_key, generate=not args.no_generate, connect_timeout_s=args.connect_timeout,
-                      generation_timeout_s=args.read_timeout)
+    rows = _check_all(args.urls, api_key, generate=not args.no_generate, connect_timeout_s=connect_s,
+                      generation_timeout_s=read_s)
     print(format_check_table(rows))
     return 0 if all(row.ok for row in rows) else 1
 

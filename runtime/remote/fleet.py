@@ -1,10 +1,22 @@
-"""Several SGLang servers as one: images spread over servers, one in flight per server, failover.
+"""Several SGLang servers as one: images spread over the servers that work, whatever the others do.
 
-Each server serves one request at a time (SGLang queues the rest), so the fleet keeps exactly one request
-in flight per server and hands the next image to whichever server frees up first. A server that refuses,
-answers 503 or drops the connection is set aside for a while and the image goes to another server; the
-user is told which server failed and why. A 4xx (the request itself is wrong) or a 500 (the server failed
-to generate) stops the batch: another server would answer the same.
+Each server serves one request at a time (SGLang queues the rest), so the fleet keeps one request in flight per
+server and hands the next image to whichever server is free. A server takes images only once its /health says
+ready; until then it is asked again every `probe_every_s`, so a server still loading joins the batch when it is
+ready and a dead one costs nothing but its probes.
+
+What a failure does depends on whether the server can have started the image (see http.py):
+- not started (refused, 503, 429, 408): the image goes back to the queue for any server; the server waits
+  (Retry-After, or a growing pause) and is probed again; after `max_failures_per_server` such failures in a row
+  it is given up on for this batch;
+- may have started (sent, then no answer in time or the connection broke): the image is NOT sent again, here or
+  elsewhere, so no server runs the same job twice; the batch stops and says so. With `resend_unanswered` it is
+  queued again instead, and the user is told the first server may still be working on it;
+- the request itself is wrong (4xx) or the server failed on it (500, an unusable answer): the batch stops;
+  another server would answer the same.
+The user gets one line each time a server's state changes (failed, loading, refused, ready again), not one per
+retry. When no server can take work the batch waits up to `wait_for_servers_s`, telling the user every
+`notice_every_s` what it waits for; Cancel (cancelling the task, as run_sync's poll does) ends the wait at once.
 """
 from __future__ import annotations
 
@@ -15,37 +27,62 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from ..errors import RemoteError
-from .http import ConnectionLost, HttpSettings, RetryPolicy, ServerUnavailable
-from .sglang import GeneratedImage, ImageParams, ReadTimeoutPolicy, ServerModel, SglangClient
+from .http import BadResponse, ConnectionLost, HttpSettings, RetryPolicy, ServerRejected, ServerUnavailable
+from .sglang import (READY, REFUSED, UNREACHABLE, GeneratedImage, ImageParams, ReadTimeoutPolicy, Readiness,
+                     ServerModel, SglangClient)
 
 Notify = Callable[[str], None]
 
 # Until a server has reported its own speed: ERNIE-Image at 1 MP, 50 steps is ~15 s on one H200.
 DEFAULT_SECONDS_PER_STEP_MEGAPIXEL = 0.3
-SINGLE_ATTEMPT = RetryPolicy(attempts=1)
+SINGLE_ATTEMPT = RetryPolicy(attempts=1)  # the fleet itself decides when and where an image is sent again
+MAX_PAUSE_S = 60.0
+GIVEN_UP = "given up"
+UNKNOWN = "not asked yet"
+FAILED = "failed"  # did not take the last image; asked again after a pause
+RESEND_SETTING = "resend_unanswered (CLI: --resend-unanswered)"
+
+
+class UnansweredImage(ConnectionLost):
+    """An image was sent and got no answer; it is not sent again (the server may still be working on it)."""
+
+
+class ServersNotReady(ServerUnavailable):
+    """No server could take work within the wait."""
 
 
 @dataclass(frozen=True)
 class FleetSettings:
-    http: HttpSettings = HttpSettings()  # the same key, timeouts, retries and size cap for every server
+    http: HttpSettings = HttpSettings()  # the same key, timeouts and size cap for every server
     read_timeout: ReadTimeoutPolicy = ReadTimeoutPolicy()
-    retry_down_after_s: float = 10.0  # how long a failed server is left alone before it is tried again
-    max_failures_per_server: int = 3  # consecutive failures in one batch before a server is given up on
+    retry_down_after_s: float = 10.0  # first pause after a server did not take an image; doubles, up to 60 s
+    max_failures_per_server: int = 3  # images in a row a ready server did not take before it is given up on
+    wait_for_servers_s: float = 600.0  # how long a batch waits while no server can take work (loading, refused)
+    resend_unanswered: bool = False  # send an image again after it got no answer (the server may be running it)
+    probe_every_s: float = 1.0  # /health of a server that is not ready
+    notice_every_s: float = 10.0  # how often the user hears what the batch waits for
 
 
 @dataclass
 class ServerSlot:
     client: SglangClient
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request in flight per server
-    down_until: float = 0.0
-    last_error: Optional[str] = None
     model: Optional[ServerModel] = None
     seconds_per_step_megapixel: Optional[float] = None
     images_served: int = 0
+    state: str = UNKNOWN  # READY, a Readiness state, or GIVEN_UP; kept between batches
+    detail: str = ""  # the line that explains `state`
+    failures: int = 0  # images in a row this server did not take
+    next_try_at: float = 0.0
+    busy: bool = False
+    reported: Optional[str] = None  # the state last told to the user
+    gave_up: Optional[BaseException] = None
 
     @property
     def label(self) -> str:
         return self.client.label
+
+    def available(self, now: float) -> bool:
+        return self.busy or (self.state == READY and self.next_try_at <= now)
 
     def learn_speed(self, params: ImageParams, inference_time_s: Optional[float]) -> None:
         if not inference_time_s or inference_time_s <= 0:
@@ -76,6 +113,10 @@ class Fleet:
             await slot.client.close()
 
     # -------------------------------------------------------------------------------------- estimates
+    def measured(self) -> bool:
+        """Whether a server has reported its speed (otherwise estimates are a guess for one H200)."""
+        return any(s.seconds_per_step_megapixel for s in self.slots)
+
     def estimate_seconds(self, params: ImageParams) -> float:
         rates = [s.seconds_per_step_megapixel for s in self.slots if s.seconds_per_step_megapixel]
         rate = sum(rates) / len(rates) if rates else DEFAULT_SECONDS_PER_STEP_MEGAPIXEL
@@ -84,7 +125,7 @@ class Fleet:
     def estimate_batch_seconds(self, jobs: Sequence[ImageParams]) -> float:
         if not jobs:
             return 0.0
-        servers = max(1, sum(1 for s in self.slots if s.down_until <= time.monotonic()))
+        servers = max(1, sum(1 for s in self.slots if s.state in (READY, UNKNOWN)))
         rounds = -(-len(jobs) // servers)
         return rounds * self.estimate_seconds(jobs[0])
 
@@ -94,87 +135,260 @@ class Fleet:
             slot.model = await slot.client.ernie_model()
         return slot.model
 
+    async def first_model(self, notify: Notify) -> ServerModel:
+        """The model of the first server that is ready, waiting for one as a batch would."""
+        return await _Batch(self, [], notify, None, until_ready=True).run_until_ready()
+
     # ------------------------------------------------------------------------------------- generation
     async def generate(self, jobs: Sequence[ImageParams], notify: Notify,
                        on_image: Optional[Callable[[int, GeneratedImage], None]] = None) -> list[GeneratedImage]:
-        """All `jobs`, in order; images are spread over the servers that answer. Cancel by cancelling the task
+        """All `jobs`, in order; images are spread over the servers that work. Cancel by cancelling the task
         (run_sync's poll does): open requests are closed."""
-        pending: deque[int] = deque(range(len(jobs)))
-        results: list[Optional[GeneratedImage]] = [None] * len(jobs)
-        failures = {id(slot): 0 for slot in self.slots}
-        wake = asyncio.Event()  # set when an image finishes or a server fails, so idle workers look again
-        fatal: list[BaseException] = []
+        return await _Batch(self, jobs, notify, on_image).run()
 
-        def usable(slot: ServerSlot) -> bool:
-            return failures[id(slot)] < self.settings.max_failures_per_server
 
-        async def worker(slot: ServerSlot) -> None:
-            while pending and not fatal and usable(slot):
-                wait = slot.down_until - time.monotonic()
-                if wait > 0:
-                    if any(usable(s) and s.down_until <= time.monotonic() for s in self.slots if s is not slot):
-                        # another server is up: idle until something changes, then look again
-                        wake.clear()
-                        try:
-                            await asyncio.wait_for(wake.wait(), timeout=min(wait, 1.0))
-                        except asyncio.TimeoutError:
-                            pass
-                        continue
-                    await asyncio.sleep(min(wait, 1.0))
-                    continue
-                async with slot.lock:
-                    if not pending or fatal:
-                        return
-                    index = pending.popleft()
-                    params = jobs[index]
-                    alone = sum(1 for s in self.slots if usable(s)) == 1
-                    try:
-                        await self.discover(slot)
-                        result = await slot.client.generate(
-                            params, retry=self.settings.http.retry if alone else SINGLE_ATTEMPT)
-                    except (ServerUnavailable, ConnectionLost) as exc:
-                        pending.appendleft(index)
-                        failures[id(slot)] += 1
-                        slot.down_until = time.monotonic() + self.settings.retry_down_after_s
-                        slot.last_error = str(exc)
-                        others = [s.label for s in self.slots if s is not slot and usable(s)]
-                        if not usable(slot):
-                            what = "giving up on it for this batch"
-                        elif others:
-                            what = f"retrying it in {self.settings.retry_down_after_s:g} s"
-                        else:
-                            what = f"retrying in {self.settings.retry_down_after_s:g} s"
-                        moved = f"; image {index + 1} goes to {', '.join(others)}" if others else ""
-                        notify(f"server failed: {exc} ({what}{moved})")
-                        wake.set()
-                        continue
-                    except BaseException as exc:  # 4xx, 500, bad response, cancel: the batch stops
-                        fatal.append(exc)
-                        wake.set()
-                        return
-                failures[id(slot)] = 0
-                slot.down_until = 0.0
-                slot.last_error = None
-                slot.images_served += 1
-                slot.learn_speed(params, result.inference_time_s)
-                results[index] = result
-                if on_image is not None:
-                    on_image(index, result)
-                wake.set()
+@dataclass
+class _Batch:
+    """One call of Fleet.generate: the queue of images, and a worker per server taking from it."""
 
-        tasks = [asyncio.ensure_future(worker(slot)) for slot in self.slots]
+    fleet: Fleet
+    jobs: Sequence[ImageParams]
+    notify: Notify
+    on_image: Optional[Callable[[int, GeneratedImage], None]]
+    pending: deque = field(default_factory=deque)
+    results: list = field(default_factory=list)
+    done: int = 0
+    fatal: Optional[BaseException] = None
+    until_ready: bool = False  # the goal is one ready server, not images (Fleet.first_model)
+
+    def __post_init__(self) -> None:
+        self.settings = self.fleet.settings
+        self.slots = self.fleet.slots
+        self.pending = deque(range(len(self.jobs)))
+        self.results = [None] * len(self.jobs)
+        self._change = asyncio.Event()
+        for slot in self.slots:  # a server given up on in an earlier batch gets another chance
+            slot.failures, slot.busy, slot.next_try_at = 0, False, 0.0
+            if slot.state == GIVEN_UP:
+                slot.state, slot.gave_up, slot.reported = UNKNOWN, None, None
+
+    # --------------------------------------------------------------------------------------- signals
+    def _signal(self) -> None:
+        """Wake everything waiting for a change (an image done or back in the queue, a server's state)."""
+        self._change.set()
+        self._change = asyncio.Event()
+
+    async def _until_change(self, timeout_s: float) -> None:
+        event = self._change
         try:
-            await asyncio.gather(*tasks)
+            await asyncio.wait_for(event.wait(), timeout=max(0.0, timeout_s))
+        except asyncio.TimeoutError:
+            pass
+
+    def _finished(self) -> bool:
+        if self.fatal is not None:
+            return True
+        if self.until_ready:
+            return any(slot.state == READY for slot in self.slots)
+        return self.done == len(self.jobs)
+
+    # ------------------------------------------------------------------------------------ supervision
+    async def run(self) -> list[GeneratedImage]:
+        workers = [asyncio.ensure_future(self._serve(slot)) for slot in self.slots]
+        try:
+            await self._supervise()
         finally:
-            for task in tasks:
+            for task in workers:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        if fatal:
-            raise fatal[0]
-        if pending:
-            reasons = "; ".join(s.last_error or f"{s.label} unusable" for s in self.slots)
-            raise RemoteError(
-                f"no server could take the remaining {len(pending)} of {len(jobs)} images ({reasons}); check that "
-                f"the servers are running and ready (ernie-image check-remote URL)"
-            )
-        return [r for r in results if r is not None]
+            await asyncio.gather(*workers, return_exceptions=True)
+        if self.fatal is not None:
+            raise self.fatal
+        return list(self.results)
+
+    async def run_until_ready(self) -> ServerModel:
+        workers = [asyncio.ensure_future(self._serve(slot)) for slot in self.slots]
+        try:
+            await self._supervise()
+        finally:
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+        if self.fatal is not None:
+            raise self.fatal
+        ready = next(s for s in self.slots if s.state == READY)
+        assert ready.model is not None
+        return ready.model
+
+    async def _supervise(self) -> None:
+        """Until the batch is done or cannot go on: every server given up on, or none ready within the wait."""
+        stalled_since: Optional[float] = None
+        next_notice = 0.0
+        wait_s = self.settings.wait_for_servers_s
+        while not self._finished():
+            now = time.monotonic()
+            if all(slot.state == GIVEN_UP for slot in self.slots):
+                self.fatal = self._all_given_up()
+                break
+            if any(slot.available(now) or (slot.state == UNKNOWN and slot.next_try_at <= now) for slot in self.slots):
+                stalled_since = None
+            else:
+                if stalled_since is None:
+                    stalled_since, next_notice = now, now
+                waited = now - stalled_since
+                if waited >= wait_s:
+                    self.fatal = self._not_ready(wait_s)
+                    break
+                if now >= next_notice:
+                    self.notify(self._waiting_line(waited, wait_s))
+                    next_notice = now + self.settings.notice_every_s
+            await self._until_change(0.25)
+
+    def _waiting_line(self, waited_s: float, wait_s: float) -> str:
+        waiting = [s for s in self.slots if s.state != GIVEN_UP]
+        states = ", ".join(f"{s.label}: {_pause_state(s)}" for s in waiting)
+        sep = ", " if len(waiting) == 1 else "; "
+        return (f"waiting for {states}{sep}{waited_s:.0f} s (up to {wait_s:g} s; Cancel stops waiting)")
+
+    def _not_ready(self, wait_s: float) -> ServersNotReady:
+        left = len(self.pending)
+        what = f"the remaining {left} of {len(self.jobs)} images" if self.jobs else "any work"
+        reasons = "; ".join(s.detail or f"{s.label}: {s.state}" for s in self.slots)
+        return ServersNotReady(
+            f"no server could take {what} within {wait_s:g} s ({reasons}); start or fix the servers, wait longer "
+            f"(wait_for_servers_s; CLI: --wait-for-servers), or check them with `ernie-image check-remote URL`")
+
+    def _all_given_up(self) -> BaseException:
+        if len(self.slots) == 1 and self.slots[0].gave_up is not None:
+            return self.slots[0].gave_up  # its own error says what to fix
+        left = len(self.pending)
+        reasons = "; ".join(s.detail for s in self.slots)
+        return RemoteError(
+            f"no server could take the remaining {left} of {len(self.jobs)} images ({reasons}); check that the "
+            f"servers are running and ready (ernie-image check-remote URL)")
+
+    # ---------------------------------------------------------------------------------------- workers
+    async def _serve(self, slot: ServerSlot) -> None:
+        try:
+            await self._serve_until_done(slot)
+        except Exception as exc:  # noqa: BLE001 - whatever stops a worker stops the batch, not a silent hang
+            self.fatal = self.fatal or exc
+            self._signal()
+
+    async def _serve_until_done(self, slot: ServerSlot) -> None:
+        while not self._finished() and slot.state != GIVEN_UP:
+            now = time.monotonic()
+            if slot.next_try_at > now:
+                await asyncio.sleep(min(slot.next_try_at - now, 1.0))
+                continue
+            if slot.state != READY:
+                await self._probe(slot)
+                continue
+            if not self.pending:
+                await self._until_change(1.0)  # an image may come back to the queue
+                continue
+            await self._send(slot, self.pending.popleft())
+
+    async def _probe(self, slot: ServerSlot) -> None:
+        try:
+            readiness = await slot.client.health()
+            if readiness.ready:
+                await self.fleet.discover(slot)
+        except (ServerUnavailable, ConnectionLost) as exc:
+            readiness = Readiness(REFUSED if getattr(exc, "reason", "") == "refused" else UNREACHABLE, str(exc))
+        except (ServerRejected, BadResponse) as exc:  # not an ERNIE server, a refused key, a wrong path
+            self._give_up(slot, exc, str(exc))
+            return
+        if readiness.ready:
+            slot.state, slot.detail = READY, readiness.detail
+            if slot.reported is not None:
+                self._report(slot, f"{slot.label} is ready: it takes images again")
+            self._signal()
+            return
+        slot.state, slot.detail = readiness.state, readiness.detail
+        if slot.reported in (None, READY):  # the user does not know yet; later states show in the waiting lines
+            others = [s.label for s in self.slots if s is not slot and s.state == READY]
+            meanwhile = f"; images go to {', '.join(others)} meanwhile" if others and self.jobs else ""
+            self._report(slot, f"{readiness.detail}{meanwhile}")
+        self._signal()
+        slot.next_try_at = time.monotonic() + self.settings.probe_every_s
+
+    def _report(self, slot: ServerSlot, line: str) -> None:
+        slot.reported = slot.state
+        self.notify(line)
+
+    def _give_up(self, slot: ServerSlot, error: BaseException, why: str) -> None:
+        slot.state, slot.gave_up, slot.detail = GIVEN_UP, error, why
+        others = [s.label for s in self.slots if s is not slot and s.state != GIVEN_UP]
+        rest = f"; the batch goes on with {', '.join(others)}" if others and not self._finished() else ""
+        self._report(slot, f"giving up on {slot.label} for this batch: {why}{rest}")
+        self._signal()
+
+    async def _send(self, slot: ServerSlot, index: int) -> None:
+        params = self.jobs[index]
+        slot.busy = True
+        try:
+            result = await slot.client.generate(params, retry=SINGLE_ATTEMPT)
+        except ServerUnavailable as exc:  # the server did not take it: it can go anywhere
+            self.pending.appendleft(index)
+            self._not_taken(slot, exc, index)
+            return
+        except ConnectionLost as exc:  # sent, no answer: the server may be running it
+            self._unanswered(slot, exc, index)
+            return
+        except Exception as exc:  # 4xx, 500, an unusable answer: another server would do the same
+            self.fatal = exc
+            return
+        finally:
+            slot.busy = False
+            self._signal()
+        slot.failures, slot.detail = 0, ""
+        slot.images_served += 1
+        slot.learn_speed(params, result.inference_time_s)
+        self.results[index] = result
+        self.done += 1
+        if self.on_image is not None:
+            self.on_image(index, result)
+
+    def _not_taken(self, slot: ServerSlot, error: ServerUnavailable, index: int) -> None:
+        slot.failures += 1
+        if slot.failures >= self.settings.max_failures_per_server:
+            self._give_up(slot, error, f"{error} ({slot.failures} images in a row not taken)")
+            return
+        pause = min(MAX_PAUSE_S, self.settings.retry_down_after_s * 2 ** (slot.failures - 1))
+        if error.retry_after is not None:
+            pause = max(pause, error.retry_after)
+        slot.next_try_at = time.monotonic() + pause
+        slot.state, slot.detail = FAILED, str(error)  # asked /health again before the next image
+        others = [s.label for s in self.slots if s is not slot and s.state != GIVEN_UP]
+        where = f"another server ({', '.join(others)}) or this one" if others else "this server"
+        if slot.reported != FAILED:
+            slot.reported = FAILED
+            self.notify(f"server failed: {error}; image {index + 1} goes back to the queue for {where} "
+                        f"(asked again in {pause:g} s)")
+
+    def _unanswered(self, slot: ServerSlot, error: ConnectionLost, index: int) -> None:
+        seed = self.jobs[index].seed
+        if not self.settings.resend_unanswered:
+            self.fatal = UnansweredImage(
+                f"image {index + 1} of {len(self.jobs)} (seed {seed}): {error}; it is not sent again, to this "
+                f"server or another, so no server runs it twice (to send such images again, turn on "
+                f"{RESEND_SETTING})")
+            return
+        self.pending.appendleft(index)
+        slot.failures += 1
+        slot.state, slot.detail = FAILED, str(error)
+        slot.next_try_at = time.monotonic() + self.settings.retry_down_after_s
+        self.notify(f"{error}; image {index + 1} (seed {seed}) is sent again, as {RESEND_SETTING} asks: "
+                    f"{slot.label} may still be working on the first copy")
+        if slot.failures >= self.settings.max_failures_per_server:
+            self._give_up(slot, error, f"{error} ({slot.failures} images in a row unanswered)")
+
+
+def _pause_state(slot: ServerSlot) -> str:
+    if slot.state == READY:
+        return "busy (asked to retry later)"
+    if slot.state == REFUSED:
+        return "refused (nothing listening: not started, loading its weights, or dead)"
+    if slot.state == FAILED:
+        return "did not take the last image, asked again shortly"
+    return slot.state

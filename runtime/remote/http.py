@@ -2,15 +2,18 @@
 
 What it guarantees:
 - separate connect and read timeouts (the read timeout is per call, so callers can scale it with the work);
-- retries with exponential backoff only where the server cannot have started work: the connection was
-  refused or timed out while connecting, or the server answered 503, 429 or 408. A connection lost after
-  the request was sent is retried only for idempotent methods (GET); a POST is never silently re-sent;
+- two kinds of failure, told apart where they happen: `ServerUnavailable` when the server cannot have started
+  the work (the connection was refused or timed out while connecting, or the server answered 503, 429 or
+  408), `ConnectionLost` when it may have (the request went out, then the connection broke or the answer did
+  not come in time). Only the first kind is retried (with exponential backoff) for a POST; a POST always goes
+  out on a fresh connection, so a pooled connection the server closed meanwhile cannot blur the two;
 - responses read in chunks and refused over a size cap; redirects are never followed;
 - an API key sent as `Authorization: Bearer`, read from an environment variable or a key file, never shown
   in repr, logs or error text;
 - cancellation polled every 0.1 s (`cancel` may return True or raise `Cancelled`, so `Host.check_cancel`
   fits as it is), so a cancel stops the wait within a second;
-- one-line `RemoteError` subclasses that say what failed and what to do.
+- one-line `RemoteError` subclasses that say what failed and what to do, naming the full URL the server saw,
+  shown without credentials (urls.shown_url).
 
 `run_sync` runs a coroutine on a private event-loop thread, for sync callers (ComfyUI node functions, the CLI).
 """
@@ -21,17 +24,17 @@ import concurrent.futures
 import json
 import os
 import random
+import math
 import re
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Coroutine, Mapping, Optional, TypeVar
-from urllib.parse import urlsplit
-
 import aiohttp
 
 from ..errors import Cancelled, InvalidInputError, RemoteError
+from .urls import normalize_base_url, shown_url
 
 T = TypeVar("T")
 CancelCheck = Callable[[], Optional[bool]]
@@ -47,11 +50,23 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 # ----------------------------------------------------------------------------------------------- errors
 class ServerUnavailable(RemoteError):
-    """The server did not take the request (refused, unreachable, 503/429/408 after retries): try another."""
+    """The server did not take the request, so it cannot have started it: safe to send again, here or elsewhere.
+
+    `reason`: "refused" (nothing listening), "unreachable" (no such host, connect timeout) or "busy" (it answered
+    503/429/408); `retry_after`: the seconds the server asked for (Retry-After), if any.
+    """
+
+    def __init__(self, message: str, reason: str = "busy", status: Optional[int] = None,
+                 retry_after: Optional[float] = None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
+        self.retry_after = retry_after
 
 
 class ConnectionLost(RemoteError):
-    """The connection broke or timed out after the request was sent: the server may still be working on it."""
+    """The request went out, then the connection broke or no answer came in time: the server may still be working
+    on it, so sending it again could run the same job twice."""
 
 
 class ServerRejected(RemoteError):
@@ -198,6 +213,19 @@ def _check_key_file(value: str, *, label: str) -> None:
 
 
 # -------------------------------------------------------------------------------------------- settings
+def checked_seconds(value: object, label: str, *, allow_zero: bool = False) -> float:
+    """A number of seconds a user gave (a timeout, a wait): finite and positive (or zero where `allow_zero`).
+    InvalidInputError, one line, naming `label` (a widget or a CLI flag), otherwise."""
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"{label} {str(value)[:20]!r} is not a number of seconds: give e.g. 30") from None
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        least = "0 or more" if allow_zero else "more than 0"
+        raise InvalidInputError(f"{label} {str(value)[:20]} is not allowed: give a finite number of seconds, {least}")
+    return seconds
+
+
 @dataclass(frozen=True)
 class Timeouts:
     connect_s: float = 5.0
@@ -249,25 +277,8 @@ class JsonResponse:
 
 
 def server_label(url: str) -> str:
-    """scheme://host:port of a URL, without userinfo, path or query (never leaks a secret put in the URL)."""
-    parts = urlsplit(url)
-    host = parts.hostname or "?"
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{host}{port}"
-
-
-def normalize_base_url(url: str) -> str:
-    url = url.strip()
-    if not url:
-        raise RemoteError("empty server URL: give one like http://127.0.0.1:30000")
-    if "://" not in url:
-        url = "http://" + url
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise RemoteError(f"{url!r} is not an http(s) server URL: give one like http://127.0.0.1:30000")
-    if parts.username or parts.password:
-        raise RemoteError("do not put credentials in the server URL: use an API key environment variable or key file")
-    return url.rstrip("/")
+    """How a server is named to the user: its URL without credentials, query or trailing slash (urls.shown_url)."""
+    return shown_url(url).rstrip("/")
 
 
 # ---------------------------------------------------------------------------------------- error text
@@ -311,8 +322,9 @@ def _pydantic_item(item: Any) -> str:
     return str(item)
 
 
-def _status_error(label: str, method: str, path: str, status: int, reason: str, body: bytes,
+def _status_error(label: str, method: str, url: str, status: int, reason: str, body: bytes,
                   content_type: str, api_key: ApiKeySource) -> RemoteError:
+    """The error for an HTTP error status; `url` is the full URL asked, as shown (no credentials)."""
     message = _server_message(body, content_type)
     if status in (401, 403):
         if api_key.env_var or api_key.file:
@@ -323,10 +335,11 @@ def _status_error(label: str, method: str, path: str, status: int, reason: str, 
         return AuthenticationError(f"{label} {verb} (HTTP {status}): {hint}", status)
     if status in RETRYABLE_STATUSES:
         detail = f": {message}" if message else ""
-        return ServerUnavailable(f"{label} is not ready or overloaded (HTTP {status}){detail}; try again later")
+        return ServerUnavailable(f"{label} is not ready or overloaded (HTTP {status}){detail}; try again later",
+                                 reason="busy", status=status)
     if 400 <= status < 500:
         detail = message or reason or "no reason given"
-        return ServerRejected(f"{label} rejected {method} {path} (HTTP {status}): {detail}", status)
+        return ServerRejected(f"{label} rejected {method} {url} (HTTP {status}): {detail}", status)
     if message and message.lower() != "internal server error":
         return ServerFailed(f"{label} failed (HTTP {status}): {message}", status)
     return ServerFailed(f"{label}: the server failed to generate; see the server log (HTTP {status})", status)
@@ -395,22 +408,31 @@ class HttpClient:
         self.settings = settings
         self.user_agent = user_agent
         self._session: Optional[aiohttp.ClientSession] = None
+        self._fresh_session: Optional[aiohttp.ClientSession] = None
 
     def __repr__(self) -> str:
         return f"HttpClient({self.label}, key from {self.settings.api_key.describe()})"
 
-    async def _get_session(self) -> aiohttp.ClientSession:
+    async def _get_session(self, method: str) -> aiohttp.ClientSession:
+        if method not in IDEMPOTENT_METHODS:
+            # A POST on a pooled connection the server has just closed fails after it was written, and then
+            # nobody can tell whether the server started it. On a fresh connection, a failure to connect means
+            # it was never sent. One TCP handshake per image is nothing beside the image.
+            if self._fresh_session is None or self._fresh_session.closed:
+                self._fresh_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                                            trust_env=False)
+            return self._fresh_session
         if self._session is None or self._session.closed:
-            # keep-alive shorter than uvicorn's 5 s, so a pooled connection is not reused just as the server
-            # closes it (a POST lost that way could not be re-sent safely).
+            # keep-alive shorter than uvicorn's 5 s, so a pooled connection is not reused just as the server closes it
             connector = aiohttp.TCPConnector(limit_per_host=4, keepalive_timeout=4.0)
             self._session = aiohttp.ClientSession(connector=connector, trust_env=False)
         return self._session
 
     async def close(self) -> None:
-        if self._session is not None and not self._session.closed:
-            await self._session.close()
-        self._session = None
+        for session in (self._session, self._fresh_session):
+            if session is not None and not session.closed:
+                await session.close()
+        self._session = self._fresh_session = None
 
     async def request_json(
         self,
@@ -438,7 +460,7 @@ class HttpClient:
                 )
             except ServerUnavailable as exc:
                 last: RemoteError = exc
-                retry_after = getattr(exc, "retry_after", None)
+                retry_after = exc.retry_after
             except ConnectionLost as exc:
                 if method not in IDEMPOTENT_METHODS:
                     raise  # the server may have started the work: never re-send it silently
@@ -450,8 +472,9 @@ class HttpClient:
 
     async def _request_once(self, method: str, path: str, body: Any, read_timeout_s: Optional[float],
                             accept_statuses: frozenset[int]) -> JsonResponse:
-        session = await self._get_session()
+        session = await self._get_session(method)
         url = self.base_url + path
+        shown = shown_url(url)
         headers = {"Accept": "application/json", "User-Agent": self.user_agent}
         key = self.settings.api_key.read()
         if key:
@@ -469,41 +492,43 @@ class HttpClient:
         except aiohttp.ConnectionTimeoutError:
             raise ServerUnavailable(
                 f"{self.label} did not accept a connection within {self.settings.timeouts.connect_s:g} s: check the "
-                f"URL and that the server is running"
+                f"URL and that the server is running", reason="unreachable"
             ) from None
         except aiohttp.ClientConnectorDNSError:
             raise ServerUnavailable(
-                f"{self.label}: no such host (the name does not resolve): check the URL"
+                f"{self.label}: no such host (the name does not resolve): check the URL", reason="unreachable"
             ) from None
         except aiohttp.ClientConnectorError as exc:
             reason = exc.os_error.strerror if exc.os_error and exc.os_error.strerror else type(exc.os_error).__name__
             raise ServerUnavailable(
-                f"{self.label} refused the connection ({reason}): the server is not running or still loading"
+                f"{self.label} refused the connection ({reason}): nothing is listening there; the server is not "
+                f"running or still loading its weights", reason="refused"
             ) from None
         except aiohttp.SocketTimeoutError:
             raise ConnectionLost(
-                f"{self.label} sent no answer to {method} {path} within {read_s:g} s (read timeout); the server "
+                f"{self.label} sent no answer to {method} {shown} within {read_s:g} s (read timeout); the server "
                 f"may still be working on it: raise the read timeout for large images or many steps"
             ) from None
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
             raise ConnectionLost(
-                f"{self.label} dropped the connection during {method} {path} ({type(exc).__name__}): the server "
-                f"may have crashed or restarted; see the server log"
+                f"{self.label} dropped the connection during {method} {shown} ({type(exc).__name__}): the server "
+                f"may have crashed or restarted, and may still be working on it; see the server log"
             ) from None
         except aiohttp.ClientResponseError as exc:
-            raise BadResponse(f"{self.label} sent a malformed HTTP response to {method} {path} ({exc.message})") from None
+            raise BadResponse(f"{self.label} sent a malformed HTTP response to {method} {shown} "
+                              f"({str(exc.message)[:100]})") from None
         elapsed = time.monotonic() - started
 
         if 300 <= status < 400:
             location = server_label(resp_headers.get("Location", "")) if resp_headers.get("Location") else "elsewhere"
             raise BadResponse(
-                f"{self.label} redirected {method} {path} to {location} (HTTP {status}); redirects are not "
+                f"{self.label} redirected {method} {shown} to {location} (HTTP {status}); redirects are not "
                 f"followed: use the final server URL"
             )
         if status >= 400 and status not in accept_statuses:
-            error = _status_error(self.label, method, path, status, "", raw, content_type, self.settings.api_key)
+            error = _status_error(self.label, method, shown, status, "", raw, content_type, self.settings.api_key)
             if isinstance(error, ServerUnavailable):
-                error.retry_after = _retry_after(resp_headers)  # type: ignore[attr-defined]
+                error.retry_after = _retry_after(resp_headers)
             raise error
         data: Any = None
         if raw.strip():
@@ -513,7 +538,7 @@ class HttpClient:
                 if status < 400:
                     snippet = raw[:60].decode("utf-8", errors="replace").replace("\n", " ")
                     raise BadResponse(
-                        f"{self.label} answered {method} {path} with something that is not JSON "
+                        f"{self.label} answered {method} {shown} with something that is not JSON "
                         f"({content_type or 'no content type'}: {snippet!r}): is this the right server URL?"
                     ) from None
         return JsonResponse(status=status, data=data, headers=resp_headers, num_bytes=len(raw), elapsed_s=elapsed)
@@ -521,7 +546,7 @@ class HttpClient:
     async def _read_capped(self, resp: aiohttp.ClientResponse, method: str, path: str) -> bytes:
         cap = self.settings.max_body_bytes
         too_big = BadResponse(
-            f"{self.label} answered {method} {path} with more than {cap // (1024 * 1024)} MiB; refused "
+            f"{self.label} answered {method} {shown_url(self.base_url + path)} with more than {cap // (1024 * 1024)} MiB; refused "
             f"(raise the response size cap if the images are really that large)"
         )
         if resp.content_length is not None and resp.content_length > cap:

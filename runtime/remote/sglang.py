@@ -17,10 +17,13 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from ..request import SEED_MASK, SIDE_MULTIPLE
-from .http import BadResponse, ConnectionLost, HttpClient, HttpSettings, RetryPolicy, ServerUnavailable
+from .http import BadResponse, ConnectionLost, HttpClient, HttpSettings, RetryPolicy, ServerFailed, ServerUnavailable
+from .urls import normalize_base_url
 
 ERNIE_PIPELINE = "ErnieImagePipeline"
 GENERATE_PATH = "/v1/images/generations"
+# Paths the client adds itself: a base URL ending in one would make the server see /v1/v1/... or /health/health.
+ENDPOINT_SUFFIXES = (GENERATE_PATH, "/v1/models", "/v1", "/health", "/server_info")
 # Readiness probes must answer fast and must not be retried for long: the caller polls them.
 PROBE_RETRY = RetryPolicy(attempts=1)
 PROBE_READ_S = 10.0
@@ -52,9 +55,16 @@ class ServerModel:
         return self.pipeline_name == ERNIE_PIPELINE
 
 
+READY = "ready"
+LOADING = "loading"  # the server answers /health with 503: warming up; it will be ready
+REFUSED = "refused"  # nothing listening: not started, still loading its weights (SGLang listens only after), or dead
+UNHEALTHY = "unhealthy"  # /health 503 naming a failed worker, or a 5xx
+UNREACHABLE = "unreachable"  # no such host, no answer to connect, or the connection broke
+
+
 @dataclass(frozen=True)
 class Readiness:
-    state: str  # "ready", "warming up", "loading" (refused), "unhealthy", "unreachable"
+    state: str  # READY, LOADING, REFUSED, UNHEALTHY, UNREACHABLE
     detail: str
 
     @property
@@ -145,7 +155,7 @@ class SglangClient:
 
     def __init__(self, base_url: str, settings: HttpSettings = HttpSettings(),
                  read_timeout: ReadTimeoutPolicy = ReadTimeoutPolicy()) -> None:
-        self.http = HttpClient(base_url, settings)
+        self.http = HttpClient(normalize_base_url(base_url, endpoint_suffixes=ENDPOINT_SUFFIXES), settings)
         self.read_timeout = read_timeout
         self.model_id: Optional[str] = None
 
@@ -161,19 +171,23 @@ class SglangClient:
 
     # ---------------------------------------------------------------------------------- readiness
     async def health(self) -> Readiness:
+        """What /health says, as far as the server lets it be told. Raises only what a wait cannot fix: a 4xx
+        (wrong URL or path, refused key) or a body that is not SGLang's."""
         try:
             response = await self.http.request_json("GET", "/health", read_timeout_s=PROBE_READ_S,
                                                     accept_statuses=frozenset({503}), retry=PROBE_RETRY)
         except ServerUnavailable as exc:
-            state = "loading" if "refused" in str(exc) else "unreachable"
-            return Readiness(state, str(exc))
+            return Readiness(REFUSED if exc.reason == "refused" else UNREACHABLE, str(exc))
         except ConnectionLost as exc:
-            return Readiness("unreachable", str(exc))
+            return Readiness(UNREACHABLE, str(exc))
+        except ServerFailed as exc:
+            return Readiness(UNHEALTHY, str(exc))
         if response.status == 503:
             if isinstance(response.data, dict) and response.data.get("error"):
-                return Readiness("unhealthy", f"{self.label}: a worker failed ({response.data['error']}); restart the server")
-            return Readiness("warming up", f"{self.label} is warming up (HTTP 503); requests wait until it is ready")
-        return Readiness("ready", f"{self.label} is ready")
+                return Readiness(UNHEALTHY, f"{self.label}: a worker failed ({str(response.data['error'])[:200]}); "
+                                            f"restart the server")
+            return Readiness(LOADING, f"{self.label} is loading (/health answers HTTP 503): it takes images once ready")
+        return Readiness(READY, f"{self.label} is ready")
 
     # ---------------------------------------------------------------------------------- discovery
     async def models(self) -> list[ServerModel]:

@@ -48,6 +48,12 @@ class ChatEndpoint:
     retry_attempts: int = 3
     max_response_mb: int = 8
 
+    def __repr__(self) -> str:
+        from ..remote.urls import shown_url
+
+        return (f"ChatEndpoint(url={shown_url(self.url)!r}, model={self.model!r}, api_key_env={self.api_key_env!r}, "
+                f"api_key_file={self.api_key_file!r})")
+
     def base_url(self) -> str:
         url = self.url.strip().rstrip("/")
         for suffix in (CHAT_PATH, "/v1"):

@@ -1,0 +1,57 @@
+"""`ernie-image generate --server URL ...`: the same request, checks, PNGs and metadata as a local generation,
+with the work done by SGLang servers (a RemotePipe from cli_args.remote_pipe_from_args)."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from ..host import Host
+from ..request import VARIANT_DEFAULTS, GenerationRequest
+from .backend import RemotePipe
+
+DEFAULT_SIDE = 1024
+
+
+def _request(args: argparse.Namespace, steps: int, cfg: float) -> GenerationRequest:
+    return GenerationRequest(
+        prompt=args.prompt, negative_prompt=args.negative,
+        width=DEFAULT_SIDE if args.width is None else args.width,
+        height=DEFAULT_SIDE if args.height is None else args.height,
+        steps=steps, cfg=cfg, shift=args.shift, seed=args.seed, batch=args.batch, use_pe=args.use_pe,
+    )
+
+
+def served_variant(pipe: RemotePipe, host: Host) -> str:
+    """Turbo or base, from the id of the model the first ready server serves (the API has no other hint)."""
+    model = pipe.served_model(host)
+    variant = "turbo" if "turbo" in model.id.lower() else "base"
+    defaults = VARIANT_DEFAULTS[variant]
+    host.log(f"the servers serve {model.id}: defaults of ERNIE-Image {'Turbo' if variant == 'turbo' else '(base)'}"
+             f" ({int(defaults['steps'])} steps, CFG {defaults['cfg']:g}); --variant, --steps and --cfg set them")
+    return variant
+
+
+def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host) -> int:
+    from ..png_output import save_pngs
+
+    try:
+        # Every value given is checked before any network work (steps and CFG may still come from the server).
+        _request(args, 1 if args.steps is None else args.steps, 1.0 if args.cfg is None else args.cfg).validate()
+        variant = args.variant or (None if args.steps is not None and args.cfg is not None else
+                                   served_variant(pipe, host))
+        defaults = VARIANT_DEFAULTS[variant or "base"]
+        request = _request(args, int(defaults["steps"]) if args.steps is None else args.steps,
+                           defaults["cfg"] if args.cfg is None else args.cfg)
+        started = time.perf_counter()
+        result = pipe.generate(request, host)
+        elapsed = time.perf_counter() - started
+        settings = {**request.metadata(), "variant": variant, "prompts_used": result.prompts_used,
+                    "backend": "remote", "servers": [image["server"] for image in result.info["images"]]}
+        paths = save_pngs(result.images, args.out, settings)
+    finally:
+        pipe.release()
+    for path in paths:
+        print(path)
+    host.log(result.info["summary"])
+    host.log(f"{len(paths)} image(s) {request.width}x{request.height} in {elapsed:.2f} s ({pipe.describe()})")
+    return 0

@@ -1,0 +1,170 @@
+"""`ernie-image generate --server URL` (a fleet when repeated) and `check-remote`, in-process against loopback servers.
+
+The same request semantics and one-line errors as a local generation: every bad value exits 2 before any network
+work (the servers receive nothing), the PNGs carry the same metadata plus the servers that made them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from ernie_image.runtime.cli import main
+from ernie_image.runtime.cli_parser import OneLineParser
+from ernie_image.runtime.remote.cli_args import add_remote_arguments, remote_pipe_from_args
+
+from fake_sglang import FakeSglang, dead_url
+from test_enhancer_remote import ChatServer
+
+
+def png_settings(path: Path) -> dict:
+    with Image.open(path) as image:
+        return json.loads(image.text["ernie-image"])
+
+
+def one_line_error(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_generate_on_a_fleet_writes_the_batch_with_the_turbo_defaults_of_the_served_model(capsys, tmp_path):
+    out = tmp_path / "fox.png"
+    with FakeSglang(service_time_s=0.05) as a, FakeSglang(service_time_s=0.05) as b:
+        code = main(["generate", "--server", a.url, "--server", b.url, "--prompt", "a fox", "--width", "256",
+                     "--height", "320", "--batch", "3", "--seed", "5", "--out", str(out)])
+        sent = [g.body for server in (a, b) for g in server.generations]
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    paths = [Path(line) for line in captured.out.split()]
+    assert paths == [tmp_path / f"fox_{i}.png" for i in range(3)]
+    assert sorted(body["seed"] for body in sent) == [5, 6, 7]
+    assert {(body["num_inference_steps"], body["guidance_scale"]) for body in sent} == {(8, 1.0)}
+    assert "the servers serve baidu/ERNIE-Image-Turbo: defaults of ERNIE-Image Turbo (8 steps, CFG 1)" in captured.err
+    settings = png_settings(paths[1])
+    assert settings["backend"] == "remote" and settings["batch_index"] == 1 and settings["variant"] == "turbo"
+    assert (settings["width"], settings["height"], settings["steps"], settings["seed"]) == (256, 320, 8, 5)
+    assert set(settings["servers"]) <= {a.url, b.url}
+    with Image.open(paths[0]) as image:
+        assert image.size == (256, 320)
+
+
+def test_a_base_model_gets_the_base_defaults_and_given_values_win(capsys, tmp_path):
+    with FakeSglang(model_id="baidu/ERNIE-Image") as server:
+        assert main(["generate", "--server", server.url, "--width", "256", "--height", "256",
+                     "--out", str(tmp_path / "a.png")]) == 0
+        assert main(["generate", "--server", server.url, "--width", "256", "--height", "256", "--steps", "3",
+                     "--cfg", "2.5", "--out", str(tmp_path / "b.png")]) == 0
+        sent = [(g.body["num_inference_steps"], g.body["guidance_scale"]) for g in server.generations]
+    assert sent == [(50, 4.0), (3, 2.5)]
+    assert sum(r.path == "/v1/models" for r in server.received) == 2, "asked only when steps or CFG are not given"
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--read-timeout", "nan"], "--read-timeout nan is not allowed: give a finite number of seconds, more than 0"),
+    (["--read-timeout", "0"], "--read-timeout 0 is not allowed"),
+    (["--read-timeout", "-5"], "--read-timeout -5 is not allowed"),
+    (["--connect-timeout", "inf"], "--connect-timeout inf is not allowed"),
+    (["--connect-timeout", "soon"], "--connect-timeout 'soon' is not a number of seconds"),
+    (["--wait-for-servers", "-1"], "--wait-for-servers -1 is not allowed: give a finite number of seconds, 0 or more"),
+    (["--width", "1000"], "width 1000 is not allowed: ERNIE-Image needs a multiple of 16 between 256 and 4096; "
+                          "use 1008"),
+    (["--width", "8"], "width 8 is not allowed"),
+    (["--steps", "0"], "steps 0 is not allowed"),
+    (["--cfg", "nan"], "cfg nan is not allowed"),
+    (["--server", "http://127.0.0.1:99999"], "--server 'http://127.0.0.1:99999' has the port 99999, out of range"),
+    (["--server", "http://bob:pw99@127.0.0.1:1"], "--server 'http://***@127.0.0.1:1' holds a user name or password"),
+    (["--server", "ftp://127.0.0.1:1"], "has the scheme 'ftp'"),
+    (["--model-dir", "/tmp"], "--model-dir is for a local model, but --server sends the work to SGLang servers"),
+    (["--quant", "fp8"], "--quant is for a local model"),
+    (["--api-key-env", "sk-pasted-0123456789"], "--api-key-env must be the NAME of an environment variable"),
+    (["--pe-model", "pe"], "--pe-model is for the PE chat server: give its URL with --pe-url"),
+    (["--pe-url", "http://127.0.0.1:0"], "--pe-url 'http://127.0.0.1:0' has the port 0, out of range"),
+])
+def test_every_bad_value_is_one_line_and_exit_2_before_any_network_work(capsys, tmp_path, extra, expected):
+    with FakeSglang() as server:
+        code = main(["generate", "--server", server.url, "--width", "256", "--height", "256",
+                     "--out", str(tmp_path / "x.png"), *extra])
+        assert server.received == [], "nothing was sent"
+    assert code == 2
+    assert expected in one_line_error(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_v1_base_url_names_the_url_to_give(capsys, tmp_path):
+    assert main(["generate", "--server", "http://127.0.0.1:30000/v1", "--out", str(tmp_path / "x.png")]) == 2
+    assert one_line_error(capsys).endswith("give the server's base URL http://127.0.0.1:30000")
+
+
+@pytest.mark.parametrize("flag, value", [("--read-timeout", "30"), ("--api-key-file", "/etc/hostname"),
+                                         ("--resend-unanswered", None), ("--connect-timeout", "3")])
+def test_server_options_without_a_server_are_refused(capsys, tmp_path, flag, value):
+    argv = ["generate", "--out", str(tmp_path / "x.png"), flag] + ([value] if value is not None else [])
+    assert main(argv) == 2
+    assert f"{flag} is for SGLang servers: give one with --server URL" in one_line_error(capsys)
+
+
+def test_the_options_reach_the_pipe():
+    parser = OneLineParser()
+    add_remote_arguments(parser)
+    args = parser.parse_args(["--server", "http://a:1", "--server", "http://b:2", "--read-timeout", "900",
+                              "--connect-timeout", "2.5", "--wait-for-servers", "0", "--resend-unanswered"])
+    for name, default in (("model_dir", None), ("quant", "none"), ("dtype", "auto"), ("device", "auto"),
+                          ("budget", "auto"), ("dit", None), ("text_encoder", None), ("vae", None),
+                          ("tokenizer", None), ("pe", None)):
+        setattr(args, name, default)
+    pipe = remote_pipe_from_args(args)
+    assert pipe is not None and pipe.urls == ["http://a:1", "http://b:2"]
+    settings = pipe.settings
+    assert (settings.read_timeout_base_s, settings.connect_timeout_s, settings.wait_for_servers_s) == (900.0, 2.5, 0.0)
+    assert settings.resend_unanswered is True and settings.pe_endpoint is None
+
+
+def test_pe_url_revises_the_prompt_before_a_remote_generation(capsys, tmp_path):
+    with ChatServer() as chat, FakeSglang() as server:
+        code = main(["generate", "--server", server.url, "--pe-url", chat.url, "--use-pe", "--prompt", "a fox",
+                     "--width", "256", "--height", "256", "--seed", "3", "--out", str(tmp_path / "x.png")])
+        sent = server.generations[0].body
+    assert code == 0, capsys.readouterr().err
+    assert sent["prompt"] == "revised: a fox @3" and sent["use_pe"] is False
+    assert png_settings(tmp_path / "x.png")["prompts_used"] == ["revised: a fox @3"]
+
+
+def test_pe_url_serves_a_local_generation_too(capsys, tmp_path, tiny_turbo_folder):
+    with ChatServer() as chat:
+        code = main(["generate", "--model-dir", str(tiny_turbo_folder), "--pe-url", chat.url, "--use-pe",
+                     "--prompt", "a fox", "--width", "256", "--height", "256", "--steps", "1", "--seed", "4",
+                     "--out", str(tmp_path / "x.png")])
+        asked = len(chat.received)
+    assert code == 0, capsys.readouterr().err
+    assert asked == 1 and png_settings(tmp_path / "x.png")["prompts_used"] == ["revised: a fox @4"]
+
+
+def test_a_dead_fleet_fails_in_one_line_after_the_wait(capsys, tmp_path):
+    code = main(["generate", "--server", dead_url(), "--server", dead_url(), "--wait-for-servers", "0",
+                 "--steps", "8", "--cfg", "1", "--width", "256", "--height", "256", "--out", str(tmp_path / "x.png")])
+    assert code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: no server could take the remaining 1 of 1 images within 0 s")
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------- check-remote
+@pytest.mark.parametrize("flag, value", [("--connect-timeout", "nan"), ("--connect-timeout", "0"),
+                                         ("--connect-timeout", "-1"), ("--read-timeout", "0"),
+                                         ("--read-timeout", "inf")])
+def test_check_remote_refuses_timeouts_that_cannot_work(capsys, flag, value):
+    assert main(["check-remote", "http://127.0.0.1:1", flag, value]) == 2
+    assert f"{flag} {value} is not allowed" in one_line_error(capsys)
+
+
+def test_check_remote_advice_names_an_option_it_has(capsys):
+    """A slow tiny generation says to raise the read timeout, and check-remote has --read-timeout."""
+    with FakeSglang(service_time_s=1.0) as server:
+        assert main(["check-remote", server.url, "--read-timeout", "0.3"]) == 1
+    out = capsys.readouterr().out
+    assert "within 0.3 s (read timeout)" in out and "raise the read timeout" in out
+    with FakeSglang() as server:
+        assert main(["check-remote", server.url, "--read-timeout", "30", "--connect-timeout", "2"]) == 0

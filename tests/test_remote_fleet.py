@@ -1,0 +1,310 @@
+"""The fleet: a batch completes on the servers that work, whatever the others do, and no image runs twice.
+
+Real aiohttp servers on loopback (tests/fake_sglang.py) that are dead from the start, die after an image or in
+the middle of one, are slow, answer 503 now and then, 429 with Retry-After, or are still loading; each counts
+what it received and what it ran. Short timeouts keep every case well under a second or two.
+"""
+from __future__ import annotations
+
+import re
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from ernie_image.runtime.errors import Cancelled, RemoteError
+from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
+from ernie_image.runtime.remote.fleet import ServersNotReady, UnansweredImage
+from ernie_image.runtime.request import GenerationRequest
+
+from fake_sglang import FakeSglang, dead_url, free_port, render
+
+FAST = RemoteSettings(connect_timeout_s=0.5, retry_down_after_s=0.05, probe_every_s=0.05, wait_for_servers_s=10.0)
+SIDE = 256
+CAP = 32  # the fakes draw 32x32 noise scaled up: cheap PNGs keep each case fast
+
+
+def fake(**behaviour) -> FakeSglang:
+    return FakeSglang(image_side_cap=CAP, **behaviour)
+
+
+def request(batch: int, seed: int = 100, **overrides) -> GenerationRequest:
+    fields = dict(prompt="a red fox in snow", negative_prompt="", width=SIDE, height=SIDE, steps=8, cfg=1.0,
+                  seed=seed, batch=batch)
+    fields.update(overrides)
+    return GenerationRequest(**fields)
+
+
+def expected_image(seed: int) -> torch.Tensor:
+    pixels = render("a red fox in snow", "", seed, 8, 1.0, False, SIDE, SIDE, CAP)
+    return torch.from_numpy(np.asarray(pixels, np.float32) / 255)
+
+
+class Servers:
+    """The servers of one test, by kind; `url(i)` is what the pipe is given."""
+
+    KINDS: dict[str, Callable[[], FakeSglang]] = {
+        "live": lambda: fake(service_time_s=0.01),
+        "slow": lambda: fake(service_time_s=0.15),
+        "dies": lambda: fake(service_time_s=0.01, die_after=1),
+        "flaky": lambda: fake(service_time_s=0.01, flaky_every=2),
+        "503": lambda: fake(service_time_s=0.01, faults=["503", "503"]),
+        "429": lambda: fake(service_time_s=0.01, faults=["429"], retry_after_s=0.3),
+        "loading": lambda: fake(service_time_s=0.01, warmup_s=0.4),
+    }
+
+    def __init__(self, kinds: tuple[str, ...]) -> None:
+        self.kinds = kinds
+        self.fakes: dict[int, FakeSglang] = {}
+        self.urls: list[str] = []
+        for index, kind in enumerate(kinds):
+            if kind == "dead":
+                self.urls.append(dead_url())
+                continue
+            fake = self.KINDS[kind]()
+            fake.start()
+            self.fakes[index] = fake
+            self.urls.append(fake.url)
+
+    def ran(self) -> list[int]:
+        return sorted(seed for fake in self.fakes.values() for seed in fake.ran)
+
+    def stop(self) -> None:
+        for fake in self.fakes.values():
+            fake.stop()
+
+
+def lines_about(url: str, messages: list[str]) -> list[str]:
+    """The notices whose subject is this server (its URL before the first ';'; not the fleet's waiting lines)."""
+    return [m for m in messages if url in m.split(";", 1)[0] and not m.startswith("waiting for")]
+
+
+def generate(urls: list[str], batch: int, settings: RemoteSettings = FAST, host: NullHost | None = None):
+    host = host or NullHost()
+    pipe = RemotePipe(urls, settings)
+    try:
+        return pipe.generate(request(batch), host), host
+    finally:
+        pipe.release()
+
+
+# ------------------------------------------------------------------------------- the reported failure
+@pytest.mark.parametrize("batch", [2, 3, 4])
+@pytest.mark.parametrize("dead_first", [False, True], ids=["live-dead", "dead-live"])
+def test_a_live_and_a_dead_server_serve_the_batch_at_once_with_default_settings(batch, dead_first):
+    """RemotePipe([live, dead]) used to fail after ~30 s with "no server could take the remaining 1 of N images"
+    in either order: a worker left when the queue was momentarily empty, while the dead server's image was
+    about to come back to it."""
+    with fake(service_time_s=0.01) as live:
+        dead = dead_url()
+        urls = [dead, live.url] if dead_first else [live.url, dead]
+        started = time.monotonic()
+        result, host = generate(urls, batch, RemoteSettings())
+        wall = time.monotonic() - started
+    assert wall < 2.0, f"{wall:.1f} s"
+    assert [i["seed"] for i in result.info["images"]] == list(range(100, 100 + batch))
+    assert {i["server"] for i in result.info["images"]} == {live.url}
+    assert sorted(live.ran) == list(range(100, 100 + batch))
+    about_dead = lines_about(dead, host.messages)
+    assert len(about_dead) == 1 and "refused the connection" in about_dead[0], host.messages
+
+
+# ------------------------------------------------------------------ every mix of servers, batches 1-8
+MIXES = [
+    ("live", "dead"), ("dead", "live"), ("live", "slow"), ("slow", "dead"), ("dead", "slow", "live"),
+    ("live", "dies"), ("dies", "dead", "live"), ("live", "flaky"), ("flaky", "503"), ("429", "live"),
+    ("loading", "dead"), ("dead", "dead", "live"),
+]
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("kinds", MIXES, ids=["-".join(mix) for mix in MIXES])
+def test_a_batch_completes_on_the_servers_that_work(kinds, batch):
+    servers = Servers(kinds)
+    try:
+        result, host = generate(servers.urls, batch)
+    finally:
+        servers.stop()
+    seeds = list(range(100, 100 + batch))
+    assert result.images.shape == (batch, SIDE, SIDE, 3)
+    assert [i["seed"] for i in result.info["images"]] == seeds, "images come back in seed order"
+    for index, seed in enumerate(seeds):
+        assert torch.equal(result.images[index], expected_image(seed))
+    assert servers.ran() == seeds, "every image ran exactly once, on one server"
+    for index, kind in enumerate(kinds):
+        about = lines_about(servers.urls[index], host.messages)
+        if kind == "dead":
+            assert len(about) == 1 and "refused" in about[0], host.messages
+        elif kind in ("live", "slow"):
+            assert about == [], host.messages
+        for line in about:
+            assert "\n" not in line
+
+
+def test_a_slow_server_gets_fewer_images_than_a_fast_one():
+    with fake(service_time_s=0.01) as fast, fake(service_time_s=0.3) as slow:
+        result, _ = generate([slow.url, fast.url], 8)
+    assert len(slow.ran) <= 2 and len(fast.ran) >= 6 and len(result.info["images"]) == 8
+
+
+def test_every_server_given_up_on_is_one_line_per_server():
+    """Ready servers that keep refusing work (503 after /health said ok) are given up on, each named once."""
+    with fake(faults=["503"] * 10) as a, fake(faults=["503"] * 10) as b:
+        pipe = RemotePipe([a.url, b.url], FAST)
+        with pytest.raises(RemoteError) as caught:
+            pipe.generate(request(2), NullHost())
+        pipe.release()
+    message = str(caught.value)
+    assert "\n" not in message and "no server could take the remaining 2 of 2 images" in message
+    assert a.url in message and b.url in message and a.ran == b.ran == []
+
+
+# ------------------------------------------------------------------------------ never a duplicate job
+SLOW_ANSWER = RemoteSettings(connect_timeout_s=0.5, retry_down_after_s=0.05, probe_every_s=0.05,
+                             read_timeout_base_s=0.3, read_timeout_per_step_megapixel_s=0.0)
+
+
+def test_an_image_without_an_answer_is_never_sent_again_by_default():
+    with fake(service_time_s=1.0) as slow:
+        pipe = RemotePipe([slow.url], SLOW_ANSWER)
+        started = time.monotonic()
+        with pytest.raises(UnansweredImage) as caught:
+            pipe.generate(request(1), NullHost())
+        elapsed = time.monotonic() - started
+        pipe.release()
+        time.sleep(0.8)  # let the server finish: it would show a second request now if one had been sent
+        assert len(slow.generations) == 1 and slow.ran == [100]
+    message = str(caught.value)
+    assert elapsed < 1.0, "the batch stops at the read timeout"
+    assert "\n" not in message and "may still be working on it" in message
+    assert "not sent again" in message and "resend_unanswered" in message and "--resend-unanswered" in message
+
+
+def test_an_unanswered_image_does_not_go_to_another_server_either():
+    with fake(service_time_s=1.0) as slow, fake(service_time_s=0.1) as fast:
+        pipe = RemotePipe([slow.url, fast.url], SLOW_ANSWER)
+        with pytest.raises(UnansweredImage, match=r"image \d of 4 \(seed 10\d\)"):
+            pipe.generate(request(4), NullHost())
+        pipe.release()
+        time.sleep(0.8)
+        sent = [g.body["seed"] for server in (slow, fast) for g in server.generations]
+    assert len(slow.generations) == 1, "the slow server got one image and no copy of it"
+    assert len(sent) == len(set(sent)), f"an image was sent twice: {sent}"
+
+
+def test_resend_unanswered_sends_it_again_and_says_the_server_may_still_run_it():
+    settings = RemoteSettings(connect_timeout_s=0.5, retry_down_after_s=0.05, probe_every_s=0.05,
+                              read_timeout_base_s=0.3, read_timeout_per_step_megapixel_s=0.0, resend_unanswered=True)
+    with fake(service_time_s=1.0) as slow, fake(service_time_s=0.05) as fast:
+        result, host = generate([slow.url, fast.url], 3, settings)
+    assert [i["seed"] for i in result.info["images"]] == [100, 101, 102]
+    resent = [m for m in host.messages if "is sent again" in m]
+    assert resent and "may still be working on the first copy" in resent[0] and slow.url in resent[0]
+    assert len(slow.generations) == 1 and len(fast.generations) == 3, "the copy went to the server that answers"
+
+
+def test_a_server_that_dies_while_working_is_not_sent_the_image_again():
+    with fake(service_time_s=0.4, die_during=1) as dying, fake(service_time_s=0.05) as live:
+        pipe = RemotePipe([dying.url], FAST)
+        with pytest.raises(UnansweredImage, match="dropped the connection.*not sent again"):
+            pipe.generate(request(1), NullHost())
+        pipe.release()
+        assert len(dying.generations) == 1 and live.generations == []
+
+
+def test_only_requests_known_not_to_have_started_are_sent_again():
+    """Refused and 503/429 answers come before any work: those images go elsewhere or later, each still once."""
+    with fake(service_time_s=0.02, faults=["503", "429"]) as busy:
+        result, host = generate([dead_url(), busy.url], 3)
+    assert [g.body["seed"] for g in busy.generations][:2] == [100, 100], "the 503 and the 429 were sent again"
+    assert busy.ran == [100, 101, 102]
+    assert any("HTTP 503" in m for m in host.messages) and len(result.info["images"]) == 3
+
+
+def test_retry_after_of_a_429_is_honoured():
+    with fake(service_time_s=0.01, faults=["429"], retry_after_s=0.6) as busy:
+        started = time.monotonic()
+        generate([busy.url], 1)
+        elapsed = time.monotonic() - started
+        first, second = busy.generations[0].at, busy.generations[1].at
+    assert second - first >= 0.55 and elapsed < 2.0
+
+
+# ----------------------------------------------------------------------------- waiting for servers
+def test_a_loading_server_is_waited_for_with_progress_lines():
+    host = NullHost()
+    with fake(service_time_s=0.01, warmup_s=1.2) as loading:
+        result, host = generate([loading.url], 2, FAST, host)
+    waiting = [m for m in host.messages if m.startswith("waiting for")]
+    assert waiting and re.match(rf"waiting for {re.escape(loading.url)}: loading, \d+ s", waiting[0]), host.messages
+    assert loading.generations and min(g.at for g in loading.generations) >= loading._started_at + 1.2, \
+        "no image is sent before /health says ready"
+    assert len(result.info["images"]) == 2
+
+
+def test_a_server_that_starts_late_is_waited_for_and_refused_is_not_called_loading():
+    port = free_port()
+    late = FakeSglang(port=port, service_time_s=0.01, image_side_cap=CAP)
+    timer = threading.Timer(0.6, late.start)
+    timer.start()
+    try:
+        result, host = generate([f"http://127.0.0.1:{port}"], 1)
+    finally:
+        timer.join()
+        late.stop()
+    waiting = [m for m in host.messages if m.startswith("waiting for")]
+    assert waiting and ": refused (nothing listening" in waiting[0] and "loading," not in waiting[0]
+    assert len(result.info["images"]) == 1
+
+
+def test_cancel_during_the_wait_returns_within_a_second():
+    host = NullHost()
+    pipe = RemotePipe([dead_url()], RemoteSettings(wait_for_servers_s=600.0, probe_every_s=0.05))
+    threading.Timer(0.4, lambda: setattr(host, "cancel_requested", True)).start()
+    started = time.monotonic()
+    with pytest.raises(Cancelled):
+        pipe.generate(request(1), host)
+    assert time.monotonic() - started < 1.4, "cancelled 0.4 s in, back within a second"
+    pipe.release()
+    assert any(m.startswith("waiting for") for m in host.messages)
+
+
+def test_no_server_ready_within_the_wait_is_one_line_naming_each_and_its_state():
+    with fake(warmup_s=60) as loading:
+        dead = dead_url()
+        pipe = RemotePipe([dead, loading.url], RemoteSettings(wait_for_servers_s=0.5, probe_every_s=0.05,
+                                                               connect_timeout_s=0.5))
+        started = time.monotonic()
+        with pytest.raises(ServersNotReady) as caught:
+            pipe.generate(request(2), NullHost())
+        pipe.release()
+        assert loading.generations == []
+    message = str(caught.value)
+    assert 0.5 <= time.monotonic() - started < 2.0
+    assert "\n" not in message and "within 0.5 s" in message
+    assert f"{dead} refused the connection" in message and f"{loading.url} is loading" in message
+
+
+def test_waiting_zero_fails_as_soon_as_every_server_was_asked():
+    pipe = RemotePipe([dead_url()], RemoteSettings(wait_for_servers_s=0, probe_every_s=0.05))
+    started = time.monotonic()
+    with pytest.raises(ServersNotReady, match="remaining 1 of 1 images within 0 s"):
+        pipe.generate(request(1), NullHost())
+    assert time.monotonic() - started < 1.0
+    pipe.release()
+
+
+def test_the_start_notice_never_says_about_0_s():
+    host = NullHost()
+    with fake(service_time_s=0.01) as server:
+        pipe = RemotePipe([server.url], FAST)
+        pipe.generate(request(1), host)
+        pipe.generate(request(2), host)
+        pipe.release()
+    starts = [m for m in host.messages if m.startswith("sending")]
+    assert "time known after the first image" in starts[0]
+    assert re.search(r"about \d+\.\d s", starts[1]) and "about 0 s" not in " ".join(starts)

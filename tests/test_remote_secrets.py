@@ -1,0 +1,129 @@
+"""No surface ever shows a password put in a server URL or an API key: errors, check-remote's table, the
+Test-connection route's JSON, result info, notices, logs and the PNG text metadata the CLI writes.
+
+Every surface is driven with `http://user:s3cret@...` URLs (and a query token) and with a real API key that the
+loopback servers require; everything a user could see is collected and searched for the secrets.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from PIL import Image
+
+from ernie_image.nodes.remote import ErnieImageRemoteBackend
+from ernie_image.nodes.routes import check_servers
+from ernie_image.runtime.cli import main
+from ernie_image.runtime.errors import ErnieImageError
+from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
+from ernie_image.runtime.request import GenerationRequest
+from ernie_image.runtime.text.remote_enhancer import ChatEndpoint, revise_prompts_remote
+
+from fake_sglang import FakeSglang, dead_url
+from test_enhancer_remote import ChatServer
+
+PASSWORD = "s3cret"
+API_KEY = "sk-live-k3y-0123456789abcdef"
+KEY_VAR = "ERNIE_TEST_SECRET_KEY"
+SECRETS = (PASSWORD, API_KEY, API_KEY[:8], "user:")
+
+
+class Seen:
+    """Everything a user could read, gathered from every surface."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def add(self, *texts: object) -> None:
+        self.texts.extend(str(text) for text in texts)
+
+    def error(self, call, *args, **kwargs) -> str:
+        with pytest.raises(ErnieImageError) as caught:
+            call(*args, **kwargs)
+        self.add(caught.value)
+        return str(caught.value)
+
+    def assert_clean(self) -> None:
+        everything = "\n".join(self.texts)
+        for secret in SECRETS:
+            assert secret not in everything, f"{secret!r} shown: {everything[everything.find(secret) - 80:][:200]}"
+
+
+@pytest.fixture
+def seen(caplog, capsys):
+    caplog.set_level(logging.DEBUG)
+    gathered = Seen()
+    yield gathered
+    captured = capsys.readouterr()
+    gathered.add(captured.out, captured.err, caplog.text)
+    gathered.assert_clean()
+
+
+def credential_urls(port: int) -> list[str]:
+    return [f"http://user:{PASSWORD}@127.0.0.1:{port}", f"user:{PASSWORD}@127.0.0.1:{port}",
+            f"http://127.0.0.1:{port}/?token={PASSWORD}", f"http://user:{PASSWORD}@127.0.0.1:99999",
+            f"ftp://user:{PASSWORD}@127.0.0.1:{port}"]
+
+
+def test_a_password_in_a_url_appears_on_no_surface(seen, tmp_path):
+    with FakeSglang() as server:
+        for url in credential_urls(server.port):
+            seen.error(RemotePipe, [url])
+            seen.error(RemotePipe, [server.url], RemoteSettings(pe_endpoint=ChatEndpoint(url=url)))
+            seen.error(ErnieImageRemoteBackend().connect, server_urls=url, connect_timeout_s=1.0,
+                       read_timeout_s=30.0, api_key_env="", api_key_file="")
+            seen.error(ErnieImageRemoteBackend().connect, server_urls=server.url, connect_timeout_s=1.0,
+                       read_timeout_s=30.0, api_key_env="", api_key_file="", pe_url=url)
+            seen.error(revise_prompts_remote, ChatEndpoint(url=url), ["a"], 1024, 1024, seed=0)
+            route = check_servers({"server_urls": f"{url}\n{server.url}", "connect_timeout_s": 1})
+            seen.add(json.dumps(route))
+            assert route["servers"][0]["status"] == "bad URL" and route["servers"][1]["ok"]
+            assert main(["check-remote", url, server.url, "--no-generate"]) == 1
+            assert main(["generate", "--server", url, "--out", str(tmp_path / "x.png")]) == 2
+            assert main(["generate", "--server", server.url, "--pe-url", url, "--out", str(tmp_path / "x.png")]) == 2
+            assert main(["enhance", "--pe-url", url, "--prompt", "a fox"]) == 2
+        assert server.generations == []
+
+
+def test_an_api_key_appears_on_no_surface(seen, monkeypatch, tmp_path):
+    monkeypatch.setenv(KEY_VAR, API_KEY)
+    key_file = tmp_path / "server.key"
+    key_file.write_text(API_KEY + "\n")
+    with FakeSglang(api_key=API_KEY) as server, ChatServer(api_key=API_KEY) as chat:
+        # a generation through the pipe: result info, notices, describe, repr (one dead server for failure notices)
+        host = NullHost()
+        pipe = RemotePipe([server.url, dead_url()], RemoteSettings(
+            api_key_env=KEY_VAR, probe_every_s=0.05,
+            pe_endpoint=ChatEndpoint(url=chat.url, api_key_file=str(key_file))))
+        result = pipe.generate(GenerationRequest(prompt="a fox", width=256, height=256, steps=8, cfg=1.0, batch=2,
+                                                 use_pe=True), host)
+        seen.add(result.info, result.prompts_used, host.messages, pipe.describe(), repr(pipe), repr(pipe.settings))
+        pipe.release()
+        assert all(g.headers["Authorization"] == f"Bearer {API_KEY}" for g in server.generations)
+
+        # the CLI: PNG text metadata, its output, check-remote's table
+        out = tmp_path / "fox.png"
+        assert main(["generate", "--server", server.url, "--api-key-env", KEY_VAR, "--pe-url", chat.url,
+                     "--pe-api-key-file", str(key_file), "--use-pe", "--width", "256", "--height", "256",
+                     "--batch", "2", "--out", str(out)]) == 0
+        for path in (tmp_path / "fox_0.png", tmp_path / "fox_1.png"):
+            with Image.open(path) as image:
+                seen.add(image.text, image.info)
+        assert main(["check-remote", server.url, "--api-key-file", str(key_file)]) == 0
+        seen.add(json.dumps(check_servers({"server_urls": server.url, "api_key_env": KEY_VAR})))
+
+        # refused keys and a key pasted where its variable's name belongs
+        monkeypatch.setenv(KEY_VAR, API_KEY + "-wrong")
+        wrong = RemotePipe([server.url], RemoteSettings(api_key_env=KEY_VAR))
+        refused = seen.error(wrong.generate, GenerationRequest(prompt="x", width=256, height=256), NullHost())
+        assert "HTTP 403" in refused
+        wrong.release()
+        seen.add(json.dumps(check_servers({"server_urls": server.url, "api_key_env": KEY_VAR})))
+        assert main(["check-remote", server.url, "--api-key-env", KEY_VAR]) == 1
+        seen.error(RemotePipe, [server.url], RemoteSettings(api_key_env=API_KEY))
+        assert main(["generate", "--server", server.url, "--api-key-env", API_KEY, "--out", str(out)]) == 2
+        monkeypatch.delenv(KEY_VAR)
+        seen.error(ErnieImageRemoteBackend().connect, server_urls=server.url, connect_timeout_s=1.0,
+                   read_timeout_s=30.0, api_key_env=API_KEY, api_key_file="")
