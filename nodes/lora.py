@@ -42,15 +42,6 @@ class ErnieImageLoRA:
             }
         }
 
-    @classmethod
-    def VALIDATE_INPUTS(cls, strength: Any = None) -> Any:
-        if strength is None:
-            return True
-        try:
-            check_strength(strength)
-        except InvalidInputError as error:
-            return str(error)
-        return True
 
     def apply(self, pipe: Any, lora_name: str, strength: float) -> dict[str, Any]:
         if pipe is None or not hasattr(pipe, "generate"):

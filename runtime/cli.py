@@ -90,10 +90,10 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     args = parser.parse_args(argv)
     from .cli_checks import check_generate_args, default_side, parse_budget, uses_demo_model
 
-    check_generate_args(args, *FEATURE_CHECKS)  # before the demo model is built or any file read
-    loras = lora_stack(args.lora)
     image_in = image_fields(args)  # image files read and checked before any model file is opened
     check_image_fields(image_in, args)
+    check_generate_args(args, *FEATURE_CHECKS)  # before the demo model is built or any model file read
+    loras = lora_stack(args.lora)
     remote = remote_pipe_from_args(args)  # None without --server; its options are checked before any work
     if remote is not None:
         from .remote.cli_generate import generate_on_servers

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .sampling import shifted_sigmas
+from .schedule import shifted_sigmas
 
 FULL_DENOISE = 0.9999  # KSampler.set_steps: above this the whole schedule runs
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from .host import Host
+from .schedule import shifted_sigmas  # noqa: F401 - also imported from here
 from .text.encoder import pad_text
 
 if TYPE_CHECKING:
@@ -21,12 +22,6 @@ def initial_noise(seed: int, batch: int, width: int, height: int) -> torch.Tenso
     shape = (batch, LATENT_CHANNELS, height // LATENT_DOWNSCALE, width // LATENT_DOWNSCALE)
     return torch.randn(shape, dtype=torch.float32, generator=generator, device="cpu")
 
-
-def shifted_sigmas(steps: int, shift: float) -> torch.Tensor:
-    """steps+1 sigmas from 1 to 0: linspace(1, 0) shifted by s' = shift*s / (1 + (shift-1)*s), terminal 0."""
-    sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)[:-1]
-    sigmas = shift * sigmas / (1 + (shift - 1) * sigmas)
-    return torch.cat([sigmas, torch.zeros(1, dtype=torch.float64)]).to(torch.float32)
 
 
 Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (latents in model dtype, timestep [B]) -> velocity

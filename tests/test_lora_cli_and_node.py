@@ -121,8 +121,8 @@ def test_chained_lora_nodes_give_the_api_image(tiny_turbo_folder, comfy_loras):
 
 def test_the_node_refuses_bad_input_in_one_line(tiny_turbo_folder, comfy_loras):
     pipe = LocalPipe.load(ModelSources(model_dir=tiny_turbo_folder), LoadOptions(device="cpu"))
-    assert ErnieImageLoRA.VALIDATE_INPUTS(strength=12.0).startswith("LoRA strength 12.0 is not allowed")
-    assert ErnieImageLoRA.VALIDATE_INPUTS(strength=-0.5) is True
+    with pytest.raises(InvalidInputError, match="strength 12.0 is not allowed"):  # when the node runs
+        ErnieImageLoRA().apply(pipe=pipe, lora_name="style.safetensors", strength=12.0)
     with pytest.raises(ModelFileError, match="LoRA file 'gone.safetensors' was not found"):
         ErnieImageLoRA().apply(pipe=pipe, lora_name="gone.safetensors", strength=1.0)
     (comfy_loras / "broken.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")

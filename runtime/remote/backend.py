@@ -196,7 +196,8 @@ class RemotePipe:
         return "turbo" if "turbo" in self.served_model(host).id.lower() else "base"
 
     def generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
-        refuse_image_inputs(request, "the remote SGLang backend (its /v1/images/edits is not measured with ERNIE-Image)")
+        refuse_image_inputs(request, "the remote SGLang backend (SGLang serves ERNIE-Image as text-to-image only: "
+                                     "its /v1/images/edits refuses input images)")
         if request.steps is None or request.cfg is None:  # the served variant's defaults, as the local pipe does
             request = request.with_defaults(self.served_variant(host))
         request.validate()  # the local pipe's rules and messages: a size it refuses is refused here too
