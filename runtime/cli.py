@@ -98,9 +98,11 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     if remote is not None:
         from .remote.cli_generate import generate_on_servers
 
-        if loras or image_in.get("init_image") is not None:
-            raise InvalidInputError("--lora and --init-image run on the local model only: leave out --server, or "
-                                    "leave them out (the SGLang backend takes neither)")
+        local_only = [flag for flag, given in (("--lora", bool(loras)), ("--init-image", "init_image" in image_in))
+                      if given]
+        if local_only:
+            raise InvalidInputError(f"{' and '.join(local_only)} run on the local model only: leave out --server, "
+                                    "or leave them out (the SGLang backend takes neither)")
         return generate_on_servers(args, remote, _ConsoleHost(interrupts or _Interrupts()))
     from .demo import DEMO_NOTICE, load_demo_pipe
     from .local_pipe import LoadOptions, LocalPipe
