@@ -40,13 +40,6 @@ def check_number_range(value: float, option: str, low: float, high: float, hint:
         raise InvalidInputError(f"{option} {value} is not allowed: use {low:g}..{high:g}{hint}")
 
 
-def check_seconds(value: float, option: str, example: float = 30.0) -> None:
-    """A timeout or wait in seconds: finite and above zero."""
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidInputError(f"{option} {value} is not allowed: give a number of seconds above 0, "
-                                f"e.g. {option} {example:g}")
-
-
 def parse_budget(text: str) -> Optional[float]:
     """`--budget`: GB (GiB) as a positive finite number, or 'auto' (None)."""
     if text == "auto":

@@ -86,3 +86,14 @@ def tiny_turbo_with_pe(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("tiny-with-pe")
     build_tiny_model(folder, layout="diffusers", variant="turbo")
     return build_tiny_pe_folder(folder, seed=6)
+
+
+@pytest.fixture
+def no_comfy_modules_left_behind():
+    """The Sampler node probes for ComfyUI's own modules (comfy.*); where a folder named `comfy` happens to be on
+    sys.path that probe imports part of it. Drop what the test imported, so later tests see no ComfyUI."""
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in ("comfy", "comfy_execution"):
+            del sys.modules[name]

@@ -26,18 +26,8 @@ from ernie_image.runtime.request import GenerationRequest
 
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=4)
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
+pytestmark = pytest.mark.usefixtures("one_thread", "no_comfy_modules_left_behind")  # tiny models: one thread
 
-
-@pytest.fixture(autouse=True)
-def no_comfy_modules_left_behind():
-    """The Sampler node probes for ComfyUI's own modules (comfy.*); where a folder named `comfy` happens to be on
-    sys.path that probe imports part of it. Drop what the test imported, so later tests see no ComfyUI."""
-    before = set(sys.modules)
-    yield
-    for name in set(sys.modules) - before:
-        if name.split(".")[0] in ("comfy", "comfy_execution"):
-            del sys.modules[name]
 
 
 @pytest.fixture(scope="module")

@@ -25,18 +25,8 @@ NAME = "ernie_image_turbo_two_loras"
 UI_PATH = REPO_ROOT / "example_workflows" / f"{NAME}.json"
 API_PATH = REPO_ROOT / "workflows" / "api" / f"{NAME}.json"
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
+pytestmark = pytest.mark.usefixtures("one_thread", "no_comfy_modules_left_behind")  # tiny models: one thread
 
-
-@pytest.fixture(autouse=True)
-def no_comfy_modules_left_behind():
-    """The Sampler node probes for ComfyUI's own modules (comfy.*); where a folder named `comfy` happens to be on
-    sys.path that probe imports part of it. Drop what the test imported, so later tests see no ComfyUI."""
-    before = set(sys.modules)
-    yield
-    for name in set(sys.modules) - before:
-        if name.split(".")[0] in ("comfy", "comfy_execution"):
-            del sys.modules[name]
 
 
 def test_the_workflow_checks_cover_the_two_lora_scenario() -> None:

@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..cli_checks import check_seconds
 from ..cli_parser import CLI_KEY_LABELS, OneLineParser
 from ..errors import ErnieImageError
 from .http import ApiKeySource, HttpSettings, RetryPolicy, Timeouts, checked_seconds, run_sync
