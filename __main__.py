@@ -1,12 +1,26 @@
 """`python -m ernie_image`: the CLI (runtime/cli.py). A Ctrl-C while it is still being imported is a cancel too."""
 import os
+import signal
 import sys
 
+_signals_while_importing: list[int] = []
+
+
+def _interrupt_while_importing(number: int, frame) -> None:
+    _signals_while_importing.append(number)
+    raise KeyboardInterrupt
+
+
+for _number in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_number, _interrupt_while_importing)
 try:
     from .runtime.cli import CANCELLED_EXIT_CODES, main
-except KeyboardInterrupt:
+except BaseException:
+    # A Ctrl-C inside an extension module's import can surface as an ImportError: the signal decides.
+    if not _signals_while_importing:
+        raise
     print("\ncancelled", file=sys.stderr)
-    raise SystemExit(130) from None
+    raise SystemExit(128 + _signals_while_importing[0]) from None
 
 code = main()
 if code in CANCELLED_EXIT_CODES:
