@@ -238,7 +238,9 @@ def test_fleet_fails_clearly_when_every_server_is_down():
 
 
 def test_bare_500_stops_the_batch_without_rerunning_elsewhere():
-    with FakeSglang(faults=["500"]) as a, FakeSglang(service_time_s=0.5) as b:
+    # Both answer their first generation with a bare 500, so whichever takes the image fails it; the other must
+    # not be sent it again.
+    with FakeSglang(faults=["500"]) as a, FakeSglang(faults=["500"]) as b:
         pipe = RemotePipe([a.url, b.url], FAST)
         with pytest.raises(RemoteError, match="the server failed to generate; see the server log"):
             pipe.generate(request(batch=1), NullHost())
