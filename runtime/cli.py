@@ -225,6 +225,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except SystemExit as leaving:  # argparse's --help (exit 0); its errors are InvalidInputError
         return int(leaving.code or 0)
+    except Exception:
+        if interrupts.signal_number is None:
+            raise
+        # The interrupt landed inside an extension module's import or a C call that turned it into another error.
+        print("\ncancelled", file=sys.stderr)
+        return interrupts.exit_code
 
 
 def _top_level_help() -> str:
