@@ -41,27 +41,30 @@ def _has_alpha(image) -> bool:
     return image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info)
 
 
+def _opaque(image, refusal: str):
+    """`image` without its alpha channel when every pixel is opaque; `refusal` (the one-line error) otherwise."""
+    if not _has_alpha(image):
+        return image
+    rgba = image.convert("RGBA")
+    if rgba.getextrema()[3][0] < 255:
+        raise InvalidInputError(refusal)
+    return rgba
+
+
 def read_image(path: Path, option: str = "--init-image") -> torch.Tensor:
     """An image file -> float32 [1, H, W, 3] in 0..1 (ComfyUI's IMAGE)."""
-    image = _open(Path(path), option)
-    if _has_alpha(image):
-        rgba = image.convert("RGBA")
-        if rgba.getextrema()[3][0] < 255:
-            raise InvalidInputError(f"{option} {path} has transparent pixels (alpha): flatten it onto a background "
-                                    "and save it as RGB, or paint the area to repaint into a --mask")
-        image = rgba
+    image = _opaque(_open(Path(path), option),
+                    f"{option} {path} has transparent pixels (alpha): flatten it onto a background and save it as "
+                    "RGB, or paint the area to repaint into a --mask")
     pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
     return torch.from_numpy(pixels.copy()).unsqueeze(0)
 
 
 def read_mask(path: Path, option: str = "--mask") -> torch.Tensor:
     """A mask file -> float32 [1, H, W] in 0..1: its grey level, white = repaint, black = keep."""
-    image = _open(Path(path), option)
-    if _has_alpha(image):
-        image = image.convert("RGBA")
-        if image.getextrema()[3][0] < 255:
-            raise InvalidInputError(f"{option} {path} has transparent pixels: a mask is read from its grey level "
-                                    "(white = repaint): save it as grayscale without alpha")
+    image = _opaque(_open(Path(path), option),
+                    f"{option} {path} has transparent pixels: a mask is read from its grey level (white = repaint): "
+                    "save it as grayscale without alpha")
     grey = np.asarray(image.convert("L"), dtype=np.float32) / 255.0
     return torch.from_numpy(grey.copy()).unsqueeze(0)
 

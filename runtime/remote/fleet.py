@@ -194,18 +194,17 @@ class _Batch:
 
     # ------------------------------------------------------------------------------------ supervision
     async def run(self) -> list[GeneratedImage]:
-        workers = [asyncio.ensure_future(self._serve(slot)) for slot in self.slots]
-        try:
-            await self._supervise()
-        finally:
-            for task in workers:
-                task.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
-        if self.fatal is not None:
-            raise self.fatal
+        await self._run_workers()
         return list(self.results)
 
     async def run_until_ready(self) -> ServerModel:
+        await self._run_workers()
+        ready = next(s for s in self.slots if s.state == READY)
+        assert ready.model is not None
+        return ready.model
+
+    async def _run_workers(self) -> None:
+        """One worker per server under the supervisor; every worker is cancelled when it is done."""
         workers = [asyncio.ensure_future(self._serve(slot)) for slot in self.slots]
         try:
             await self._supervise()
@@ -215,9 +214,6 @@ class _Batch:
             await asyncio.gather(*workers, return_exceptions=True)
         if self.fatal is not None:
             raise self.fatal
-        ready = next(s for s in self.slots if s.state == READY)
-        assert ready.model is not None
-        return ready.model
 
     async def _supervise(self) -> None:
         """Until the batch is done or cannot go on: every server given up on, or none ready within the wait."""
