@@ -5,10 +5,10 @@
 
 1024x1024, 256 text tokens, batch 1 and 2. Rows: eager as before this change (plain `.float()` ... `.to()`
 expressions), eager with the cast-folded kernels (dit.py), that replayed as CUDA graphs (dit_graphs.py), CFG's two
-length groups (256 and 77 tokens) eager and graphed (eager as shipped: cast folding plus torch's fused rms_norm
-kernel for the adaLN norms on CUDA; the exact variant without the fused norm is its own row), an FP8 DiT eager and graphed, the compiled step, and the
+length groups (256 and 77 tokens) eager and graphed (eager as shipped: the fewer-pass forms on CUDA, dit.py's
+`fast_eager`; the bit-identical forms are their own row), an FP8 DiT eager and graphed, the compiled step, and the
 eager step streamed at a 12 GiB budget. Asserted in the same run: graph output == eager output bit for bit (every
-batch, CFG groups, FP8), cast-folded (unfused norm) == plain eager bit for bit, the shipped eager within 1e-3
+batch, CFG groups, FP8), the bit-identical forms == plain eager bit for bit, the shipped eager within 2e-3
 relative L2 of plain eager, compiled within 1e-2, streamed == resident bit for bit. Prints a
 markdown table with each row's ratio to the compiled step of its batch and writes DIR/eager_graphs.json.
 """
@@ -214,20 +214,20 @@ def main() -> None:
             for batch in (1, 2):
                 run_args = bench.inputs(batch)
                 folded = model(*run_args)
-                dit_module.FUSED_RMS_NORM_ON_CUDA = False
+                dit_module.FAST_EAGER_ON_CUDA = False
                 try:
                     exact = model(*run_args)
-                    bench.measure("eager, cast-folded, unfused RMSNorm", batch, lambda: model(*run_args))
+                    bench.measure("eager, bit-identical forms (fast_eager off)", batch, lambda: model(*run_args))
                 finally:
-                    dit_module.FUSED_RMS_NORM_ON_CUDA = True
+                    dit_module.FAST_EAGER_ON_CUDA = True
                 with plain_expressions(model):
                     plain = model(*run_args)
                     bench.measure("eager, plain expressions (before)", batch, lambda: model(*run_args))
-                bench.check(f"b{batch}: cast-folded eager (unfused RMSNorm) == plain eager, bit for bit",
+                bench.check(f"b{batch}: bit-identical eager forms == plain eager, bit for bit",
                             torch.equal(exact, plain))
                 rel = ((folded.float() - plain.float()).norm() / plain.float().norm()).item()
-                bench.check(f"b{batch}: eager as shipped (fused RMSNorm on CUDA) vs plain eager: relative L2 <= 1e-3",
-                            rel <= 1e-3, rel_l2=f"{rel:.2e}")
+                bench.check(f"b{batch}: eager as shipped (fewer-pass forms on CUDA) vs plain eager: relative L2 <= 2e-3",
+                            rel <= 2e-3, rel_l2=f"{rel:.2e}")
         with bench.phase("bf16 eager and graphs"):
             graphs_rows(bench, model, bench.label, reference)
         with bench.phase("CFG groups"):

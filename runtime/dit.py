@@ -11,7 +11,13 @@ loads with `load_state_dict`. The maths is the reference's; what differs is how 
 - uncompiled, the casts around the fp32 modulation are folded into the arithmetic kernels (`out=` a bf16 tensor:
   the kernel computes in fp32 and rounds once on store, exactly as `.float()` ... `.to(bf16)` does), which halves
   the memory traffic of everything between the GEMMs with bit-identical results; compiled blocks keep the plain
-  expressions, which inductor fuses itself.
+  expressions, which inductor fuses itself;
+- uncompiled on CUDA (`fast_eager`), a block's elementwise work takes fewer and faster passes: every operand of
+  the large kernels stays in the activations' dtype (PyTorch's mixed-dtype kernels take a casting path about three
+  times slower), using the bf16 modulation values whose fp32 forms the reference uses (exact), the norms' weights
+  go into their norm kernel or the RoPE tables, gated residuals are one `addcmul`, and q and k are normalised and
+  rotated together. The roundings differ from the reference's in places, so the results differ in last bits (the
+  tests' GPU bound), not bit for bit; the CPU keeps the bit-identical forms.
 """
 from __future__ import annotations
 
@@ -68,7 +74,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         low_precision = self.weight.dtype in (torch.float16, torch.bfloat16)
-        if low_precision and _eager_kernels() and FUSED_RMS_NORM_ON_CUDA and x.is_cuda and x.dtype == self.weight.dtype:
+        if low_precision and _fast_eager(x) and x.dtype == self.weight.dtype:
             # One kernel instead of four passes; the same single rounding to bf16, only the mean of squares is
             # summed in another order (differs from the reference in rare last bits: within the tests' GPU bound).
             return F.rms_norm(x, (x.shape[-1],), eps=self.eps).mul_(self.weight)
@@ -82,14 +88,18 @@ class RMSNorm(nn.Module):
         return x * self.weight
 
 
-# The uncompiled forward on CUDA normalises the adaLN RMSNorms with torch's fused rms_norm kernel (see RMSNorm).
-FUSED_RMS_NORM_ON_CUDA = True
+# The uncompiled forward on CUDA takes the fewer-pass forms (module docstring); False gives the bit-identical ones.
+FAST_EAGER_ON_CUDA = True
 
 
 def _eager_kernels() -> bool:
     """Whether to use the cast-folding `out=` forms (bit-identical): not while torch.compile traces, where the
     plain expressions fuse better and `out=` would only get in the compiler's way."""
     return not torch.compiler.is_compiling()
+
+
+def _fast_eager(x: torch.Tensor) -> bool:
+    return FAST_EAGER_ON_CUDA and x.is_cuda and _eager_kernels()
 
 
 class Attention(nn.Module):
@@ -113,6 +123,8 @@ class Attention(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        if _fast_eager(x):
+            return self._fast_forward(x, rope, key_mask)
         if self.to_qkv is not None:
             q, k, v = self.to_qkv(x).chunk(3, dim=-1)
         else:
@@ -125,6 +137,31 @@ class Attention(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask
         )
         return self.to_out[0](out.transpose(1, 2).flatten(2, 3))
+
+    def _fast_forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """q and k normalised in one kernel and rotated together, their norm weights folded into the tables."""
+        batch, length, _ = x.shape
+        if self.to_qkv is not None:
+            qkv = self.to_qkv(x).unflatten(-1, (3, self.heads, -1))  # [B, S, 3, H, hd]
+            q_k, v = qkv[:, :, :2], qkv[:, :, 2]
+        else:
+            q_k = torch.stack((self.to_q(x), self.to_k(x)), dim=2).unflatten(-1, (self.heads, -1))
+            v = self.to_v(x).unflatten(-1, (self.heads, -1))
+        normed = _rms_normalize_short_rows(q_k, self.norm_q.eps)
+        rotated = rope.apply_weighted(normed, torch.stack((self.norm_q.weight, self.norm_k.weight)))
+        out = F.scaled_dot_product_attention(
+            rotated[:, :, 0].transpose(1, 2), rotated[:, :, 1].transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask
+        )
+        return self.to_out[0](out.transpose(1, 2).reshape(batch, length, -1))
+
+
+def _rms_normalize_short_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) over the last dim, for rows as short as a head (128): torch's fused rms_norm
+    kernel runs one row per thread block and reaches a quarter of the memory bandwidth there (and copies a
+    strided input first). The mean of squares is an fp32 reduction; its rsqrt is rounded to x's dtype before the
+    product (the reference rounds only the product)."""
+    squares = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).square_()
+    return x * torch.rsqrt(squares.div_(x.shape[-1]).add_(eps)).to(x.dtype)
 
 
 class FeedForward(nn.Module):
@@ -144,6 +181,12 @@ class FeedForward(nn.Module):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None and type(self.gate_up) is nn.Linear and _fast_eager(x):
+            # The stacked weight's halves as two GEMMs (as fast as one here): contiguous outputs let gelu and the
+            # product run vectorised, twice as fast as on the strided halves of one output.
+            width = self.gate_up.weight.shape[0] // 2
+            gate, up = F.linear(x, self.gate_up.weight[:width]), F.linear(x, self.gate_up.weight[width:])
+            return self.linear_fc2(F.gelu(gate).mul_(up))
         if self.gate_up is not None:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
@@ -164,6 +207,17 @@ def _fuse_linears(linears: list[nn.Module]) -> Optional[nn.Linear]:
     return fused
 
 
+def _norm_modulate(norm: RMSNorm, x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor,
+                   scale_raw: torch.Tensor, shift_raw: torch.Tensor) -> torch.Tensor:
+    """_modulate(norm(x), ...). The fast path keeps every operand in x's dtype (mixed-dtype kernels take PyTorch's
+    slow casting path): norm and weight in one kernel, then (normed * scale + shift) + normed, with the raw `scale`
+    and `shift` whose fp32 forms are exact."""
+    if _fast_eager(x) and norm.weight.dtype == x.dtype:
+        normed = F.rms_norm(x, (x.shape[-1],), weight=norm.weight, eps=norm.eps)
+        return torch.addcmul(shift_raw, normed, scale_raw).add_(normed)
+    return _modulate(norm(x), one_plus_scale, shift)
+
+
 def _modulate(x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """(x.float() * one_plus_scale + shift).to(x.dtype); the fp32 factors are [B, 1, D]."""
     if _eager_kernels():
@@ -171,8 +225,11 @@ def _modulate(x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor
     return (x.float() * one_plus_scale + shift).to(x.dtype)
 
 
-def _gated_residual(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    """x + (gate * update.float()).to(x.dtype), the gate fp32 [B, 1, D]."""
+def _gated_residual(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+                    gate_raw: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x + (gate * update.float()).to(x.dtype), the gate fp32 [B, 1, D] (`gate_raw`: the same in x's dtype)."""
+    if gate_raw is not None and _fast_eager(x):
+        return torch.addcmul(x, update, gate_raw)
     if _eager_kernels():
         return torch.mul(gate, update, out=torch.empty_like(update, dtype=x.dtype)).add_(x)
     return x + (gate * update.float()).to(x.dtype)
@@ -188,11 +245,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
         shift_msa, one_plus_scale_msa, gate_msa, shift_mlp, one_plus_scale_mlp, gate_mlp = ctx.modulation
-        attn_in = _modulate(self.adaLN_sa_ln(x), one_plus_scale_msa, shift_msa)
+        raw_shift_msa, raw_scale_msa, raw_gate_msa, raw_shift_mlp, raw_scale_mlp, raw_gate_mlp = ctx.raw_modulation
+        attn_in = _norm_modulate(self.adaLN_sa_ln, x, one_plus_scale_msa, shift_msa, raw_scale_msa, raw_shift_msa)
         attn = self.self_attention(attn_in, ctx.rope, ctx.key_mask)
-        x = _gated_residual(x, gate_msa, attn)
-        mlp = self.mlp(_modulate(self.adaLN_mlp_ln(x), one_plus_scale_mlp, shift_mlp))
-        return _gated_residual(x, gate_mlp, mlp)
+        x = _gated_residual(x, gate_msa, attn, raw_gate_msa)
+        mlp = self.mlp(_norm_modulate(self.adaLN_mlp_ln, x, one_plus_scale_mlp, shift_mlp, raw_scale_mlp, raw_shift_mlp))
+        return _gated_residual(x, gate_mlp, mlp, raw_gate_mlp)
 
 
 class RopeTables:
@@ -217,6 +275,19 @@ class RopeTables:
             return torch.cat((x2, x1), dim=-1).mul_(self.signed_sin).add_(x * self.cos)
         return x * self.cos + torch.cat((-x2, x1), dim=-1) * self.sin
 
+    def apply_weighted(self, normed: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """apply(normed * weight) for normed [B, S, G, H, hd] and one weight [hd] per group G (q, k), the weight
+        folded into the tables: out = n * (w cos) and, half by half, += n_other_half * (w_other_half signed_sin);
+        every operand in normed's dtype (see _norm_modulate)."""
+        half = normed.shape[-1] // 2
+        weights = weights.to(normed.dtype)[:, None, :]  # [G, 1, hd]
+        cos = self.cos.unsqueeze(2) * weights  # [B, S, G, 1, hd]
+        sin = self.signed_sin.unsqueeze(2) * torch.cat((weights[..., half:], weights[..., :half]), dim=-1)
+        out = normed * cos
+        out[..., :half].addcmul_(normed[..., half:], sin[..., :half])
+        out[..., half:].addcmul_(normed[..., :half], sin[..., half:])
+        return out
+
 
 def _axis_angles(pos: torch.Tensor, dim: int, theta: int) -> torch.Tensor:
     omega = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=pos.device) / dim))
@@ -227,6 +298,8 @@ def _axis_angles(pos: torch.Tensor, dim: int, theta: int) -> torch.Tensor:
 class StepContext:
     # Six fp32 [B, 1, D] tensors shared by every block: shift, 1 + scale, gate for attention, then for the MLP.
     modulation: tuple[torch.Tensor, ...]
+    # The same six before the fp32 conversion and `1 +` (shift, scale, gate, ...), [B, 1, D] in the model's dtype.
+    raw_modulation: tuple[torch.Tensor, ...]
     rope: RopeTables
     key_mask: Optional[torch.Tensor]  # bool [B, 1, 1, S] or None when no key is padded
 
@@ -324,11 +397,10 @@ class ErnieDiT(nn.Module):
         key_mask = rope.key_mask  # cached: no host-to-device copy per call (a captured forward may not make one)
 
         conditioning = self.time_embedding(sinusoidal_timestep(timestep, self.config.hidden_size).to(dtype))
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
-            m.float().unsqueeze(1) for m in self.adaLN_modulation(conditioning).chunk(6, dim=-1)
-        )
+        raw_modulation = tuple(m.unsqueeze(1) for m in self.adaLN_modulation(conditioning).chunk(6, dim=-1))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (m.float() for m in raw_modulation)
         modulation = (shift_msa, 1 + scale_msa, gate_msa, shift_mlp, 1 + scale_mlp, gate_mlp)
-        ctx = StepContext(modulation=modulation, rope=rope, key_mask=key_mask)
+        ctx = StepContext(modulation=modulation, raw_modulation=raw_modulation, rope=rope, key_mask=key_mask)
         for index, block in enumerate(self.layers):
             x = self.block_runner(index, block, x, ctx)
         x = self.final_norm(x, conditioning).type_as(x)

@@ -33,6 +33,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from .cuda_capture import capture_stream, heal_generator_after_failed_capture
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_GRAPHS = 4
@@ -142,7 +144,7 @@ class DiTGraphs:
     def _warm_up(self, latents, timestep, text, text_lens) -> torch.Tensor:
         """The eager forward on the capture stream, so its cuBLAS workspace and plans exist before capture."""
         current = torch.cuda.current_stream(latents.device)
-        side = _capture_stream(latents.device)
+        side = capture_stream(latents.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
             output = self.dit(latents, timestep, text, text_lens)
@@ -158,7 +160,7 @@ class DiTGraphs:
         if rope_tables is not None:  # built now if evicted from the DiT's cache: a capture may not copy to the device
             rope_tables(tuple(latents.shape[2:]), lens, text.shape[1], device, latents.dtype)
         current = torch.cuda.current_stream(device)
-        side = _capture_stream(device)
+        side = capture_stream(device)
         side.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
         pool = self._pool if torch.cuda.get_allocator_backend() == "native" else None
@@ -183,6 +185,7 @@ class DiTGraphs:
         if pending is not None:
             raise pending
         if failure is not None:
+            heal_generator_after_failed_capture(device)
             self.disabled_reason = f"CUDA-graph capture failed ({failure.strip().splitlines()[0][:160]})"
             log.warning("DiT: %s; running the eager forward from now on", self.disabled_reason)
             self.invalidate()
@@ -223,12 +226,3 @@ def _drop(captured: _Captured) -> None:
     captured.keep.clear()
 
 
-_CAPTURE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
-
-
-def _capture_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One side stream per device for warm-ups and captures (each stream keeps its own cuBLAS workspace)."""
-    device = torch.device(device)
-    if device not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-    return _CAPTURE_STREAMS[device]

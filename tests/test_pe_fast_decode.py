@@ -75,3 +75,38 @@ def test_a_pipe_with_an_fp8_pe_revises_through_packed_layers(tiny_turbo_with_pe)
     model = pipe._loaded.enhancer.model
     assert any(isinstance(m, QuantLinear) for m in model.modules())
     assert not any(type(m) is torch.nn.Linear for m in model.model.layers.modules())
+
+
+def test_stacking_projection_weights_keeps_what_each_linear_computes_and_its_memory():
+    from ernie_image.runtime.text.static_decoder import _stacked_weight, stack_weights_
+
+    model = lively_prompt_enhancer(seed=4).float().eval().requires_grad_(False)
+    attention = model.model.layers[0].self_attn
+    linears = [attention.q_proj, attention.k_proj, attention.v_proj]
+    x = torch.randn(3, model.config.hidden_size)
+    want = [linear(x) for linear in linears]
+    assert _stacked_weight(linears) is None
+    assert stack_weights_(linears)
+    stacked = _stacked_weight(linears)
+    assert stacked is not None and stacked.shape[0] == sum(linear.out_features for linear in linears)
+    assert all(torch.equal(linear(x), expected) for linear, expected in zip(linears, want))
+    assert torch.equal(x @ stacked.t(), torch.cat(want, dim=-1))
+    assert sum(linear.weight.untyped_storage().nbytes() for linear in linears[:1]) == stacked.numel() * 4
+    assert stack_weights_(linears) and _stacked_weight(linears).data_ptr() == stacked.data_ptr()  # once
+    quantised = lively_prompt_enhancer(seed=4).to(torch.bfloat16)
+    quantize_pe_layers_(quantised, "fp8")
+    layer = quantised.model.layers[0].self_attn
+    assert not stack_weights_([layer.q_proj, layer.k_proj, layer.v_proj])
+
+
+@torch.inference_mode()
+def test_the_decode_step_with_stacked_weights_computes_the_same_logits():
+    model = lively_prompt_enhancer(seed=4).float().eval().requires_grad_(False)
+    tokens = [(13 * i) % 250 + 3 for i in range(16)]
+    want = forced_logits(model, True, tokens)
+    from ernie_image.runtime.text.static_decoder import stack_weights_
+
+    for layer in model.model.layers:
+        assert stack_weights_([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+        assert stack_weights_([layer.mlp.gate_proj, layer.mlp.up_proj])
+    assert (forced_logits(model, True, tokens) - want).abs().max().item() < 1e-5

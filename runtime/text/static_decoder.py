@@ -10,11 +10,15 @@ model's own `rotary_emb`, the Llama-4 query scaling by position, grouped-query S
 model's own submodules do the projections and MLP, so quantised Linears work unchanged.
 
 `fused` (the default) issues fewer, larger kernels for the same maths, each within float rounding of
-transformers' (the tests' bounds): the RMSNorms as one `F.rms_norm` kernel and the weight product (transformers:
-seven elementwise kernels), and a decode step's attention as the query heads of each key/value head stacked as
-rows of one plain SDPA call (grouped-query SDPA with a mask falls back to the math kernels, which first copy every
-cached key and value once per query head group). The CPU and
-streamed prompt enhancers keep transformers' path (the reference the tests compare with).
+transformers' (the tests' bounds). A decode step (one token) runs about 17 kernels a layer where transformers
+issues about 50: each RMSNorm is one `F.rms_norm` kernel with its weight; q, k and v come out side by
+side in one row from one GEMV (on a GPU their weights become views of one stacked tensor, `stack_weights_`; the
+same for the MLP's gate and up), so RoPE (the Llama-4 query scaling folded into the query rows' tables) rotates q and k
+in three kernels and one `index_copy_` stores k and v in the cache; the attention runs the query heads of each
+key/value head as rows of one plain SDPA call (grouped-query SDPA with a mask falls back to the math kernels, which
+first copy every cached key and value once per query head group); the residual adds ride in the output
+projections' GEMVs (`addmm`); SiLU and the gate product run in place. The CPU and streamed prompt enhancers keep
+transformers' path (the reference the tests compare with).
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..cuda_capture import capture_stream, heal_generator_after_failed_capture
 
 CACHE_ROUNDING = 256  # slot counts are rounded up to this: a regular key length for the attention kernels
 
@@ -63,9 +69,10 @@ class StaticCacheDecoder:
         embedding = model.get_input_embeddings().weight
         self.device, self.dtype = embedding.device, embedding.dtype
         self.capacity = -(-capacity // CACHE_ROUNDING) * CACHE_ROUNDING
-        shape = (len(self.layers), 1, self.kv_heads, self.capacity, self.head_dim)
-        self.keys = torch.zeros(shape, device=self.device, dtype=self.dtype)
-        self.values = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        # keys and values side by side, so one index_copy_ stores both of a layer's new entries
+        self.cache = torch.zeros((len(self.layers), 2, self.kv_heads, self.capacity, self.head_dim),
+                                 device=self.device, dtype=self.dtype)
+        self.keys, self.values = self.cache[:, 0:1], self.cache[:, 1:2]  # [layers, 1, kv_heads, slots, head_dim]
         rotary = model.model.rotary_emb
         self.inv_freq = rotary.inv_freq.to(device=self.device, dtype=torch.float32)
         self.rope_scaling = float(rotary.attention_scaling)
@@ -73,6 +80,11 @@ class StaticCacheDecoder:
         self.query_beta = rope.get("llama_4_scaling_beta")
         self.query_beta_span = rope.get("original_max_position_embeddings")
         self.slots = torch.arange(self.capacity, device=self.device)
+        self.step_tables = _StepTables(self) if fused else None
+        if fused and use_graph:
+            for layer in self.layers:
+                stack_weights_([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+                stack_weights_([layer.mlp.gate_proj, layer.mlp.up_proj])
         self.token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self.position = torch.zeros((1,), dtype=torch.long, device=self.device)
         self.length = 0
@@ -120,23 +132,60 @@ class StaticCacheDecoder:
         The graph's output goes first, while the graph that allocated it still exists."""
         self.graph_logits = None
         self.graph = None
-        self.keys = self.values = None
+        self.keys = self.values = self.cache = self.step_tables = None
 
     def _decode_step(self) -> torch.Tensor:
         mask = (self.slots <= self.position)[None, None, None, :]  # slots past this token hold stale keys
+        if self.fused:
+            return self._fused_decode_step(mask)
         return self._forward(self.token, self.position, mask)
+
+    def _fused_decode_step(self, mask: torch.Tensor) -> torch.Tensor:
+        """One token through every layer in few kernels (module docstring); hidden states are [1, hidden]."""
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        cos, signed_sin = self.step_tables.at(self.position)  # [q+kv heads (+kv heads), head_dim] fp32
+        rotated_rows = self.heads + self.kv_heads
+        half = self.head_dim // 2
+        hidden = self.model.model.embed_tokens(self.token)[0]
+        for index, layer in enumerate(self.layers):
+            attention = layer.self_attn
+            x = _rms_norm_weighted(layer.input_layernorm, hidden)
+            qkv = torch.empty((1, q_width + 2 * kv_width), device=self.device, dtype=self.dtype)
+            _project_stacked_into([attention.q_proj, attention.k_proj, attention.v_proj], x, qkv)
+            heads = qkv.view(-1, self.head_dim)  # q heads, then k heads, then v heads
+            rows = torch.mul(heads, cos, out=torch.empty_like(heads))  # v rows: cos is exactly 1
+            rows[:rotated_rows, :half].addcmul_(heads[:rotated_rows, half:], signed_sin[:, :half])
+            rows[:rotated_rows, half:].addcmul_(heads[:rotated_rows, :half], signed_sin[:, half:])
+            self.cache[index].index_copy_(2, self.position, rows[self.heads:].view(2, self.kv_heads, 1, -1))
+            grouped = rows[:self.heads].view(1, self.kv_heads, self.heads // self.kv_heads, self.head_dim)
+            out = F.scaled_dot_product_attention(grouped, self.cache[index, 0:1], self.cache[index, 1:2],
+                                                 attn_mask=mask)
+            hidden = _project_added(attention.o_proj, out.reshape(1, q_width), hidden)
+            mlp = layer.mlp
+            x = _rms_norm_weighted(layer.post_attention_layernorm, hidden)
+            width = mlp.gate_proj.out_features
+            gate_up = torch.empty((1, 2 * width), device=self.device, dtype=self.dtype)
+            _project_stacked_into([mlp.gate_proj, mlp.up_proj], x, gate_up)
+            activated = F.silu(gate_up[:, :width], inplace=True).mul_(gate_up[:, width:])
+            hidden = _project_added(mlp.down_proj, activated, hidden)
+        last = self.model.model.norm(hidden[None])
+        return self.model.lm_head(last)[:, -1].float()
 
     def _capture(self) -> None:
         # Warm-up and capture write stale keys at slot 0; prefill overwrites them before anything reads them.
-        side = _capture_stream(self.device)
+        side = capture_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self._decode_step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: only this thread is barred from unsafe CUDA calls while it captures, not the host app's others
-        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-            logits = self._decode_step()
+        try:
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                logits = self._decode_step()
+        except BaseException:
+            heal_generator_after_failed_capture(self.device)
+            raise
         # Under the cudaMallocAsync allocator (current ComfyUI's default) `logits` is a CUDA graph allocation: its
         # memory exists only once the graph has been launched, and freeing it before that is a CUDA error that
         # PyTorch raises inside the tensor's destructor, which aborts the process. One launch now makes it real,
@@ -185,17 +234,6 @@ class StaticCacheDecoder:
         return self.model.lm_head(last)[:, -1].float()
 
 
-_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _capture_stream(device: torch.device) -> "torch.cuda.Stream":
-    """One side stream per device for every capture: each new stream would get (and keep) its own cuBLAS
-    workspace, so a fresh stream per prompt would grow the process's memory by ~32 MB a call."""
-    if device not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[device] = torch.cuda.Stream(device)
-    return _CAPTURE_STREAMS[device]
-
-
 def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """transformers' Ministral3RMSNorm, `weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)`, in two kernels;
     any other norm module runs as it is."""
@@ -204,6 +242,113 @@ def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if eps is None or weight is None or type(module).__name__ != "Ministral3RMSNorm":
         return module(x)
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def _rms_norm_weighted(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' Ministral3RMSNorm in one kernel, its weight product rounded together with the norm."""
+    eps = getattr(module, "variance_epsilon", None)
+    weight = getattr(module, "weight", None)
+    if eps is None or weight is None or type(module).__name__ != "Ministral3RMSNorm":
+        return module(x)
+    return F.rms_norm(x, (x.shape[-1],), weight=weight, eps=eps)
+
+
+def _plain_weight(linear: nn.Module) -> Optional[torch.Tensor]:
+    """The weight of a bias-free nn.Linear (not a quantised or wrapped one), else None."""
+    if type(linear) is nn.Linear and linear.bias is None:
+        return linear.weight
+    return None
+
+
+def _project_into(linear: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
+    """out = linear(x), written in place (out: a contiguous row slice)."""
+    weight = _plain_weight(linear)
+    if weight is None:
+        out.copy_(linear(x))
+    else:
+        torch.mm(x, weight.t(), out=out)
+
+
+def _project_stacked_into(linears: list[nn.Module], x: torch.Tensor, out: torch.Tensor) -> None:
+    """out = the linears' outputs side by side: one GEMV when their weights are views of one stacked tensor
+    (`stack_weights_`: a one-row product reaches 3.6-3.8 TB/s on the stacked shapes, 1.0-3.0 on the parts), else
+    one per linear."""
+    stacked = _stacked_weight(linears)
+    if stacked is not None:
+        torch.mm(x, stacked.t(), out=out)
+        return
+    start = 0
+    for linear in linears:
+        width = linear.out_features
+        _project_into(linear, x, out[:, start:start + width])
+        start += width
+
+
+def stack_weights_(linears: list[nn.Module]) -> bool:
+    """Make plain bias-free Linears that share an input hold views of one stacked weight (rows in order), without
+    changing what they compute; the separate tensors are freed, so the memory stays the same. False (nothing
+    changed) when any of them is not a plain Linear or their weights differ in dtype, device or input width."""
+    weights = [_plain_weight(linear) for linear in linears]
+    if any(weight is None for weight in weights):
+        return False
+    if len({(weight.dtype, weight.device, weight.shape[1]) for weight in weights}) != 1:
+        return False
+    if _stacked_weight(linears) is not None:
+        return True
+    with torch.no_grad():
+        stacked = torch.cat([weight.detach() for weight in weights])
+    start = 0
+    for linear, weight in zip(linears, weights):
+        linear.weight = nn.Parameter(stacked[start:start + weight.shape[0]], requires_grad=False)
+        start += weight.shape[0]
+    return True
+
+
+def _stacked_weight(linears: list[nn.Module]) -> Optional[torch.Tensor]:
+    """The stacked weight the linears' weights are consecutive row views of, or None."""
+    weights = [_plain_weight(linear) for linear in linears]
+    if any(weight is None for weight in weights):
+        return None
+    first = weights[0]
+    rows = sum(weight.shape[0] for weight in weights)
+    offset = first.storage_offset()
+    for weight in weights:
+        if (weight.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or not weight.is_contiguous()
+                or weight.storage_offset() != offset or weight.shape[1] != first.shape[1]):
+            return None
+        offset += weight.numel()
+    return first.as_strided((rows, first.shape[1]), first.stride(), first.storage_offset())
+
+
+def _project_added(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + linear(x), the add inside the GEMV for a plain Linear."""
+    weight = _plain_weight(linear)
+    if weight is None:
+        return residual + linear(x)
+    return torch.addmm(residual, x, weight.t())
+
+
+class _StepTables:
+    """A decode step's RoPE factors for every row of the step's q, k, v heads, per position: the query rows carry
+    the Llama-4 scaling, v rows have cos 1 and no sine; built once per decoder, looked up on the device."""
+
+    def __init__(self, decoder: "StaticCacheDecoder") -> None:
+        positions = torch.arange(decoder.capacity, device=decoder.device)
+        cos, sin, query_scale = decoder._rotary(positions)  # [1, 1, slots, head_dim] in the model dtype
+        cos, sin = cos[0, 0].float(), sin[0, 0].float()
+        half = cos.shape[-1] // 2
+        self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half's sign folded in
+        self.cos = cos
+        self.query_scale = query_scale.reshape(-1).float()  # [slots]
+        self.heads, self.kv_heads = decoder.heads, decoder.kv_heads
+        self.is_query = (torch.arange(decoder.heads + decoder.kv_heads, device=decoder.device) < decoder.heads)[:, None]
+        self.v_rows = torch.ones((decoder.kv_heads, cos.shape[-1]), device=decoder.device)
+
+    def at(self, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos for the q, k and v rows and signed sin for the q and k rows at `position` (a device tensor [1])."""
+        scale = torch.where(self.is_query, self.query_scale[position], 1.0)  # [q+k heads, 1]
+        cos = self.cos[position] * scale
+        return torch.cat((cos, self.v_rows)), self.signed_sin[position] * scale
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
