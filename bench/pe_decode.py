@@ -32,6 +32,7 @@ from common import environment, import_package, table
 
 import_package()
 
+from ernie_image.runtime.acceleration import compile_available  # noqa: E402
 from ernie_image.runtime.text.device_sampling import DeviceTokenDraws  # noqa: E402
 from ernie_image.runtime.text.pe_quant import quantize_pe_layers_  # noqa: E402
 from ernie_image.runtime.text.static_decoder import StaticCacheDecoder  # noqa: E402
@@ -127,10 +128,12 @@ def sample_before(model, prompt_ids: list[int], settings: SamplingSettings, seed
     return tokens, prefilled - started, finished - prefilled
 
 
-def replay_ms(run: Run, model, prompt_ids: list[int], fused: bool, steps: int) -> tuple[float, torch.Tensor, str]:
+def replay_ms(run: Run, model, prompt_ids: list[int], fused: bool, steps: int,
+              compiled: bool = False) -> tuple[float, torch.Tensor, str]:
     """ms of one decode step alone (graph replay on CUDA), plus the last logits and the decoder's kind."""
     use_graph = run.device.type == "cuda"
-    decoder = StaticCacheDecoder(model, len(prompt_ids) + steps + 2, use_graph=use_graph, fused=fused)
+    decoder = StaticCacheDecoder(model, len(prompt_ids) + steps + 2, use_graph=use_graph, fused=fused,
+                                 compiled=compiled)
     try:
         decoder.prefill(prompt_ids)
         logits = decoder.next_logits(5)
@@ -141,9 +144,10 @@ def replay_ms(run: Run, model, prompt_ids: list[int], fused: bool, steps: int) -
         decoder.close()
 
 
-def teacher_forced(model, prompt_ids: list[int], tokens: list[int], fused: bool) -> torch.Tensor:
+def teacher_forced(model, prompt_ids: list[int], tokens: list[int], fused: bool, compiled: bool = False) -> torch.Tensor:
     """[len(tokens) + 1, vocab] fp32 logits after the prompt and after each forced token (eager steps)."""
-    decoder = StaticCacheDecoder(model, len(prompt_ids) + len(tokens) + 1, use_graph=False, fused=fused)
+    decoder = StaticCacheDecoder(model, len(prompt_ids) + len(tokens) + 1, use_graph=False, fused=fused,
+                                 compiled=compiled)
     try:
         out = [decoder.prefill(prompt_ids).float().cpu()]
         for token in tokens:
@@ -215,6 +219,18 @@ def main() -> None:
             run.row(path=f"{run.label} before", part=f"decode step alone ({kind})", ms=round(before_ms, 3))
             after_ms, logits, kind = replay_ms(run, model, prompt_ids, fused=True, steps=steps)
             run.row(path=f"{run.label} after", part=f"decode step alone ({kind})", ms=round(after_ms, 3))
+            if compile_available(device):
+                first = time.perf_counter()
+                compiled_ms, _, kind = replay_ms(run, model, prompt_ids, fused=True, steps=steps, compiled=True)
+                run.row(path=f"{run.label} compiled", part=f"decode step alone ({kind})", ms=round(compiled_ms, 3),
+                        first_use_s=round(time.perf_counter() - first, 1))
+                sampled = sample_tokens(model, prompt_ids, settings, seed=0, eos_ids=[EOS_ID], compiled=True)
+                again = sample_tokens(model, prompt_ids, settings, seed=0, eos_ids=[EOS_ID], compiled=True)
+                count = len(sampled.token_ids)
+                run.row(path=f"{run.label} compiled", run=0, tokens=count, prefill_ms=round(again.prefill_s * 1e3, 1),
+                        decode_ms_per_token=round(again.decode_s * 1e3 / max(1, count - 1), 3),
+                        rewrite_s=round(again.seconds, 3))
+                run.check("compiled: same seed twice, the same rewrite", sampled.token_ids == again.token_ids)
             if device.type == "cuda":
                 graph = StaticCacheDecoder(model, len(prompt_ids) + 40, use_graph=True)
                 eager = StaticCacheDecoder(model, len(prompt_ids) + 40, use_graph=False)
@@ -270,6 +286,9 @@ def main() -> None:
             gc.collect()
             before = teacher_forced(model, prompt_ids, forced, fused=False)
             after = teacher_forced(model, prompt_ids, forced, fused=True)
+            if compile_available(device):
+                logits_rows.append(compare(f"{run.label} compiled vs fp32",
+                                           teacher_forced(model, prompt_ids, forced, fused=True, compiled=True), want))
             fp8_logits = teacher_forced(fp8, prompt_ids, forced, fused=True)
             logits_rows += [compare(f"{run.label} before vs fp32", before, want),
                             compare(f"{run.label} after vs fp32", after, want),
@@ -286,7 +305,7 @@ def main() -> None:
     print(table([r for r in run.rows if "run" in r], ["path", "run", "tokens", "prefill_ms", "decode_ms_per_token",
                                                      "rewrite_s"]))
     print()
-    print(table([r for r in run.rows if "part" in r], ["path", "part", "ms", "weights_gb"]))
+    print(table([r for r in run.rows if "part" in r], ["path", "part", "ms", "weights_gb", "first_use_s"]))
     print()
     print(table(logits_rows, ["logits", "max abs change", "mean abs change", "relative L2", "top-1 agreement",
                               "logit std"]))

@@ -47,7 +47,7 @@ class LoadOptions:
     keep_loaded: bool = True  # keep weights (in host RAM when they do not fit) between runs
     quant: str = "none"  # "none", "auto", "fp8", "q8_0", "nvfp4", or a quantised file given as the DiT
     previews: bool = True
-    compile: bool = True  # regional torch.compile of the DiT, on CUDA when Triton is installed
+    compile: bool = True  # regional torch.compile of the DiT and the PE's decode step, on CUDA when Triton is installed
     # Uncompiled DiT resident on a CUDA device (compile off or no Triton): replay its forward as CUDA graphs
     # (dit_graphs.py; bit-identical output). Streamed blocks always run eagerly.
     cuda_graphs: bool = True
@@ -550,6 +550,7 @@ class LocalPipe:
             self.sources, self.device, self.dtype, self.variant, host,
             build_device=self.memory.build_device() if placed else None, quant=self.options.pe_quant)
         self._loaded.enhancer = enhancer
+        enhancer.compiled_decode = self.compiles_dit  # compile asked for and Triton present: the PE's step too
         try:
             if placed:
                 self.memory.place_pe(enhancer.model)

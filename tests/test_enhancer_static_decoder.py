@@ -132,3 +132,52 @@ def test_on_the_gpu_the_graph_decoder_matches_transformers_and_frees_its_memory(
         sample_tokens(cuda_model, PROMPT_IDS, settings, seed=9, eos_ids=[2], check_cancel=cancel_after(5).check_cancel)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before, "a cancel leaves no cache or graph memory behind"
+
+
+def test_a_compiled_step_that_fails_falls_back_to_the_uncompiled_graph_decoder(model, monkeypatch, caplog):
+    import ernie_image.runtime.text.static_decoder as static_decoder
+
+    built = []
+
+    class Decoder:
+        def __init__(self, model, capacity, use_graph, compiled=False):
+            built.append(compiled)
+            if compiled:
+                raise RuntimeError("backend compiler failed: no Triton for this GPU\ndetail")
+
+    monkeypatch.setattr(static_decoder, "static_decoding_device", lambda model: torch.device("cuda", 0))
+    monkeypatch.setattr(static_decoder, "StaticCacheDecoder", Decoder)
+    assert isinstance(open_decoder(model, 64, compiled=True), Decoder)
+    assert built == [True, False]
+    assert "compiled decode step unavailable (backend compiler failed: no Triton for this GPU)" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_on_the_gpu_the_compiled_decode_step_matches_transformers_and_replays_exactly():
+    from ernie_image.runtime.acceleration import compile_available
+
+    if not compile_available(torch.device("cuda")):
+        pytest.skip("needs Triton for torch.compile")
+    cuda_model = lively_prompt_enhancer(seed=4).float().eval().requires_grad_(False).cuda()
+    open_decoder(cuda_model, 64).close()  # stacks the weights and makes the process's capture stream
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    compiled = open_decoder(cuda_model, len(PROMPT_IDS) + STEPS, compiled=True)
+    assert isinstance(compiled, StaticCacheDecoder) and compiled.layer_tensors is not None
+    worst, tokens = teacher_forced_difference(compiled, cuda_model, STEPS)
+    assert worst < 1e-3
+    eager = StaticCacheDecoder(cuda_model, len(PROMPT_IDS) + STEPS, use_graph=False, compiled=True)
+    eager.prefill(PROMPT_IDS)
+    compiled.prefill(PROMPT_IDS)
+    for token in tokens[:16]:  # the captured compiled kernels give exactly the compiled step's logits
+        assert torch.equal(compiled.next_logits(token), eager.next_logits(token))
+    compiled.close()
+    eager.close()
+    del compiled, eager
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    settings = SamplingSettings(max_new_tokens=48, min_new_tokens=48)
+    fast = sample_tokens(cuda_model, PROMPT_IDS, settings, seed=9, eos_ids=[2], compiled=True)
+    assert fast.token_ids == sample_tokens(cuda_model, PROMPT_IDS, settings, seed=9, eos_ids=[2]).token_ids

@@ -71,6 +71,8 @@ class LocalEnhancer:
         # True when an offloader (offload.session.PipeMemory.place_pe) moves the weights: to_device and offload
         # then leave them where the plan put them (a streamed PE's layers live in a host slab, not in the model).
         self.placed = False
+        # The decode step through torch.compile (Triton): set by the pipe from its compile option.
+        self.compiled_decode = False
         self.top_k = default_top_k(located)
         eos = getattr(tokenizer, "eos_token_id", None)
         config_eos = getattr(model.config, "eos_token_id", None)
@@ -119,7 +121,8 @@ class LocalEnhancer:
             if count % 16 == 0:
                 host.progress(count, total)
 
-        sampled = sample_tokens(self.model, ids, settings, seed, self.eos_ids, host.check_cancel, on_token)
+        sampled = sample_tokens(self.model, ids, settings, seed, self.eos_ids, host.check_cancel, on_token,
+                                compiled=self.compiled_decode)
         revised = self.tokenizer.decode(sampled.token_ids, skip_special_tokens=True).strip()
         truncated = not sampled.stopped_by_eos and len(sampled.token_ids) >= settings.max_new_tokens
         if not revised:

@@ -58,7 +58,8 @@ def computes_like_transformers(model: nn.Module) -> bool:
 class StaticCacheDecoder:
     """Prefill once, then `next_logits(token)` per token; the KV cache holds `capacity` positions."""
 
-    def __init__(self, model: nn.Module, capacity: int, use_graph: bool, fused: bool = True) -> None:
+    def __init__(self, model: nn.Module, capacity: int, use_graph: bool, fused: bool = True,
+                 compiled: bool = False) -> None:
         config = model.config
         self.model = model
         self.fused = fused
@@ -81,10 +82,13 @@ class StaticCacheDecoder:
         self.query_beta_span = rope.get("original_max_position_embeddings")
         self.slots = torch.arange(self.capacity, device=self.device)
         self.step_tables = _StepTables(self) if fused else None
+        self.eps = float(model.model.layers[0].input_layernorm.variance_epsilon) if fused else 0.0
         if fused and use_graph:
             for layer in self.layers:
                 stack_weights_([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
                 stack_weights_([layer.mlp.gate_proj, layer.mlp.up_proj])
+        # One compiled function serves every layer (its weights are arguments), when every layer is plain and stacked.
+        self.layer_tensors = _plain_layer_tensors(self.layers) if fused and compiled else None
         self.token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self.position = torch.zeros((1,), dtype=torch.long, device=self.device)
         self.length = 0
@@ -147,6 +151,13 @@ class StaticCacheDecoder:
         rotated_rows = self.heads + self.kv_heads
         half = self.head_dim // 2
         hidden = self.model.model.embed_tokens(self.token)[0]
+        if self.layer_tensors is not None:
+            step = _compiled_decode_layer()
+            for index, tensors in enumerate(self.layer_tensors):
+                hidden = step(hidden, *tensors, self.cache[index], self.position, cos, signed_sin, mask,
+                              self.heads, self.kv_heads, self.eps)
+            last = self.model.model.norm(hidden[None])
+            return self.model.lm_head(last)[:, -1].float()
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
             x = _rms_norm_weighted(layer.input_layernorm, hidden)
@@ -242,6 +253,55 @@ def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if eps is None or weight is None or type(module).__name__ != "Ministral3RMSNorm":
         return module(x)
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def _plain_layer_tensors(layers) -> Optional[list[tuple[torch.Tensor, ...]]]:
+    """Per layer (input norm weight, stacked q/k/v weight, o weight, post norm weight, stacked gate/up weight, down
+    weight), or None when a layer has a quantised or unstacked projection or another norm."""
+    tensors = []
+    for layer in layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        qkv = _stacked_weight([attention.q_proj, attention.k_proj, attention.v_proj])
+        gate_up = _stacked_weight([mlp.gate_proj, mlp.up_proj])
+        o_weight, down_weight = _plain_weight(attention.o_proj), _plain_weight(mlp.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if (qkv is None or gate_up is None or o_weight is None or down_weight is None
+                or any(type(norm).__name__ != "Ministral3RMSNorm" for norm in norms)):
+            return None
+        tensors.append((norms[0].weight, qkv, o_weight, norms[1].weight, gate_up, down_weight))
+    return tensors
+
+
+def decode_layer(hidden: torch.Tensor, input_norm: torch.Tensor, qkv_weight: torch.Tensor, o_weight: torch.Tensor,
+                 post_norm: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
+                 cache: torch.Tensor, position: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                 mask: torch.Tensor, heads: int, kv_heads: int, eps: float) -> torch.Tensor:
+    """One decoder layer for one token as a pure function of its tensors (what `torch.compile` fuses): the same
+    maths as the fused step, hidden [1, hidden], cache [2, kv_heads, slots, head_dim] (k and v, updated in place)."""
+    head_dim = cos.shape[-1]
+    half, rotated = head_dim // 2, heads + kv_heads
+    x = F.rms_norm(hidden, (hidden.shape[-1],), weight=input_norm, eps=eps)
+    rows = torch.mm(x, qkv_weight.t()).view(-1, head_dim)
+    lo = rows[:rotated, :half] * cos[:rotated, :half] + rows[:rotated, half:] * signed_sin[:, :half]
+    hi = rows[:rotated, half:] * cos[:rotated, half:] + rows[:rotated, :half] * signed_sin[:, half:]
+    rows = torch.cat((torch.cat((lo, hi), dim=-1).to(rows.dtype), rows[rotated:]))
+    cache.index_copy_(2, position, rows[heads:].view(2, kv_heads, 1, head_dim))
+    grouped = rows[:heads].view(1, kv_heads, heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, cache[0:1], cache[1:2], attn_mask=mask)
+    hidden = torch.addmm(hidden, out.reshape(1, -1), o_weight.t())
+    x = F.rms_norm(hidden, (hidden.shape[-1],), weight=post_norm, eps=eps)
+    gate_up = torch.mm(x, gate_up_weight.t())
+    width = gate_up.shape[-1] // 2
+    return torch.addmm(hidden, F.silu(gate_up[:, :width]) * gate_up[:, width:], down_weight.t())
+
+
+_COMPILED: list = []
+
+
+def _compiled_decode_layer():
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(decode_layer, fullgraph=True))
+    return _COMPILED[0]
 
 
 def _rms_norm_weighted(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

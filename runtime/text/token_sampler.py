@@ -131,16 +131,19 @@ class TransformersDecoder:
         return output.logits[:, -1, :].to(dtype=torch.float32)
 
 
-def open_decoder(model, capacity: int, fast: bool = True):
-    """The static-cache CUDA-graph decoder for a resident PE on a CUDA device, else transformers'."""
+def open_decoder(model, capacity: int, fast: bool = True, compiled: bool = False):
+    """The static-cache CUDA-graph decoder for a resident PE on a CUDA device, else transformers'. `compiled`: its
+    layer step through torch.compile (needs Triton; compiled once per process)."""
     from .static_decoder import StaticCacheDecoder, static_decoding_device
 
     if fast and static_decoding_device(model) is not None:
-        try:
-            return StaticCacheDecoder(model, capacity, use_graph=True)
-        except RuntimeError as error:  # a layer that cannot be captured (one that syncs with the host)
-            log.warning("prompt enhancer: CUDA-graph decoding unavailable (%s); using transformers' forward",
-                        str(error).splitlines()[0][:200])
+        for compile_step in ((True, False) if compiled else (False,)):
+            try:
+                return StaticCacheDecoder(model, capacity, use_graph=True, compiled=compile_step)
+            except RuntimeError as error:  # the compiler failed, or a layer cannot be captured (a host sync)
+                what = "compiled decode step" if compile_step else "CUDA-graph decoding"
+                log.warning("prompt enhancer: %s unavailable (%s); using %s", what, str(error).splitlines()[0][:200],
+                            "the uncompiled step" if compile_step else "transformers' forward")
     return TransformersDecoder(model)
 
 
@@ -154,8 +157,10 @@ def sample_tokens(
     check_cancel: Optional[Callable[[], None]] = None,
     on_token: Optional[Callable[[int], None]] = None,
     fast: bool = True,
+    compiled: bool = False,
 ) -> SampledTokens:
-    """New tokens after `prompt_ids` (the EOS that ended them not included). `fast`: allow the CUDA-graph decoder."""
+    """New tokens after `prompt_ids` (the EOS that ended them not included). `fast`: allow the CUDA-graph decoder;
+    `compiled`: its layer step compiled (open_decoder)."""
     device = model.get_input_embeddings().weight.device
     generator = torch.Generator(device="cpu").manual_seed(int(seed) & SEED_MASK)
     warpers = None if settings.greedy else _warpers(settings)
@@ -165,7 +170,7 @@ def sample_tokens(
     stopped_by_eos = False
 
     started = time.perf_counter()
-    decoder = open_decoder(model, len(prompt_ids) + settings.max_new_tokens, fast)
+    decoder = open_decoder(model, len(prompt_ids) + settings.max_new_tokens, fast, compiled)
     if device.type == "cuda" and not settings.greedy:
         try:
             logits = decoder.prefill(prompt_ids)
