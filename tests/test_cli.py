@@ -83,7 +83,10 @@ def _file(path: Path) -> Path:
 
 def test_an_output_that_cannot_be_written_is_refused_before_any_work(capsys, tmp_path, empty_cache):
     cases = {
-        "/proc/ernie.png": "cannot be written: /proc:",  # a folder nobody can create files in, root included
+        # folders nobody can create files in, root included, named for what they are
+        "/proc/ernie.png": "--out /proc/ernie.png cannot be written: /proc is the kernel's proc file system, which "
+                           "takes no files: pick a writable folder",
+        "/sys/ernie.png": "/sys is the kernel's sysfs file system, which takes no files",
         str(tmp_path / "missing" / "x.png"): "the folder " + str(tmp_path / "missing") + " does not exist: create it",
         os.devnull: "is not a .png file name",
         str(tmp_path / ("b" * 250 + ".png")): "File name too long",  # fits the name limit, not with a partial suffix

@@ -142,12 +142,15 @@ def test_pe_url_serves_a_local_generation_too(capsys, tmp_path, tiny_turbo_folde
     assert asked == 1 and png_settings(tmp_path / "x.png")["prompts_used"] == ["revised: a fox @4"]
 
 
-def test_a_dead_fleet_fails_in_one_line_after_the_wait(capsys, tmp_path):
-    code = main(["generate", "--server", dead_url(), "--server", dead_url(), "--wait-for-servers", "0",
+def test_a_dead_fleet_fails_in_one_line_naming_each_server(capsys, tmp_path):
+    first, second = dead_url(), dead_url()
+    code = main(["generate", "--server", first, "--server", second, "--wait-for-servers", "0",
                  "--steps", "8", "--cfg", "1", "--width", "256", "--height", "256", "--out", str(tmp_path / "x.png")])
     assert code == 2
-    line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line.startswith("error: no server could take the remaining 1 of 1 images within 0 s")
+    assert one_line_error(capsys) == (
+        f"error: no server could take the remaining 1 of 1 images: {first}: nothing is listening there (connection "
+        f"refused); {second}: nothing is listening there (connection refused): start or fix the servers, check the "
+        f"URLs, or give a server that is still loading time with --wait-for-servers SECONDS")
     assert list(tmp_path.iterdir()) == []
 
 
