@@ -213,21 +213,29 @@ class RemotePipe:
         start_notice = (f"sending {len(jobs)} image(s) to {len(fleet.slots)} SGLang server(s), "
                         f"{_estimate_text(fleet.estimate_batch_seconds(jobs), fleet.measured())}; "
                         f"cancelling the run stops the wait, but a server finishes an image it has started")
+        sent_at: list[float] = []  # when the first image went out (appended on the loop thread)
+
+        def first_sent() -> None:
+            events.put(("log", start_notice))
+            sent_at.append(time.monotonic())  # after the notice: whoever sees this time finds the notice queued
 
         async def run() -> list[GeneratedImage]:
             return await fleet.generate(jobs, notify=lambda message: events.put(("log", message)),
                                         on_image=lambda index, image: events.put(("image", index)),
-                                        start_notice=start_notice)
+                                        on_first_send=first_sent)
 
         started = time.monotonic()
         done_images = 0
 
         def poll() -> None:  # on this thread every 0.1 s while the fleet works
             nonlocal done_images
+            sending = bool(sent_at)
             done_images += _drain(events, host)
             host.check_cancel()
-            fraction = min(0.99, max(done_images / len(jobs), (time.monotonic() - started) / estimate_s))
-            host.progress(int(fraction * PROGRESS_STEPS), PROGRESS_STEPS)
+            if sending:  # no progress while no server has an image: the wait has its own lines
+                elapsed = time.monotonic() - sent_at[0]
+                fraction = min(0.99, max(done_images / len(jobs), elapsed / estimate_s))
+                host.progress(int(fraction * PROGRESS_STEPS), PROGRESS_STEPS)
 
         try:
             images = run_sync(run(), poll)  # anything raised cancels the fleet's task; open connections close

@@ -150,11 +150,11 @@ class Fleet:
     # ------------------------------------------------------------------------------------- generation
     async def generate(self, jobs: Sequence[ImageParams], notify: Notify,
                        on_image: Optional[Callable[[int, GeneratedImage], None]] = None,
-                       start_notice: str = "") -> list[GeneratedImage]:
+                       on_first_send: Optional[Callable[[], None]] = None) -> list[GeneratedImage]:
         """All `jobs`, in order; images are spread over the servers that work. Cancel by cancelling the task
-        (run_sync's poll does): open requests are closed. `start_notice` is told as the first image goes out (a
-        batch that no server takes ends in its one error line alone)."""
-        return await _Batch(self, jobs, notify, on_image, start_notice=start_notice).run()
+        (run_sync's poll does): open requests are closed. `on_first_send` is called as the first image goes out
+        (the caller's start notice: a batch that no server takes ends in its one error line alone)."""
+        return await _Batch(self, jobs, notify, on_image, on_first_send=on_first_send).run()
 
 
 @dataclass
@@ -170,7 +170,7 @@ class _Batch:
     done: int = 0
     fatal: Optional[BaseException] = None
     until_ready: bool = False  # the goal is one ready server, not images (Fleet.first_model)
-    start_notice: str = ""  # told as the first image goes out
+    on_first_send: Optional[Callable[[], None]] = None  # called as the first image goes out
 
     def __post_init__(self) -> None:
         self.settings = self.fleet.settings
@@ -355,9 +355,9 @@ class _Batch:
     async def _send(self, slot: ServerSlot, index: int) -> None:
         params = self.jobs[index]
         slot.busy = True
-        if self.start_notice:
-            self.notify(self.start_notice)
-            self.start_notice = ""
+        if self.on_first_send is not None:
+            self.on_first_send()
+            self.on_first_send = None
         try:
             result = await slot.client.generate(params, retry=SINGLE_ATTEMPT)
         except ServerUnavailable as exc:  # the server did not take it: it can go anywhere
