@@ -25,6 +25,9 @@ FLAGS: dict[str, str] = {
     "mask": "--mask",
     "mask_grow": "--mask-grow",
     "mask_feather": "--mask-feather",
+    "device": "--device",
+    "dtype": "--dtype",
+    "quant": "--quant",
     "wait_for_servers_s": "--wait-for-servers",
     "resend_unanswered": "--resend-unanswered",
 }
