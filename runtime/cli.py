@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from .cli_names import cli_message
 from .cli_parser import CLI_KEY_LABELS, OneLineParser  # noqa: F401 - CLI_KEY_LABELS: re-exported
 from .errors import Cancelled, ErnieImageError, InvalidInputError
 from .host import NullHost
@@ -59,6 +60,25 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                              "replaced once the new one is complete")
 
 
+class _Stderr:
+    """stderr as the console shows it: a progress line (`step 3/8`, rewritten in place) stays open until a full
+    line follows, which first ends it; so no notice lands inside a step count, and no blank line opens one."""
+
+    def __init__(self) -> None:
+        self.progress_open = False
+
+    def progress(self, text: str, done: bool) -> None:
+        print(f"\r{text}", end="\n" if done else "", file=sys.stderr, flush=True)
+        self.progress_open = not done
+
+    def line(self, text: str) -> None:
+        print(("\n" if self.progress_open else "") + text, file=sys.stderr, flush=True)
+        self.progress_open = False
+
+
+STDERR = _Stderr()
+
+
 class _ConsoleHost(NullHost):
     """Progress and notices on stderr; Ctrl-C is the cancel (see _Interrupts)."""
 
@@ -67,10 +87,10 @@ class _ConsoleHost(NullHost):
         self.interrupts = interrupts
 
     def progress(self, value: int, total: int, preview=None) -> None:
-        print(f"\rstep {value}/{total}", end="" if value < total else "\n", file=sys.stderr, flush=True)
+        STDERR.progress(f"step {value}/{total}", done=value >= total)
 
     def log(self, message: str) -> None:
-        print(message, file=sys.stderr)
+        STDERR.line(message)
 
     def check_cancel(self) -> None:
         self.interrupts.raise_if_interrupted()
@@ -218,10 +238,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         interrupts.raise_if_interrupted()
         return code
     except (KeyboardInterrupt, Cancelled):
-        print("\ncancelled", file=sys.stderr)
+        STDERR.line("cancelled")
         return interrupts.exit_code
     except ErnieImageError as error:
-        print(f"error: {error}", file=sys.stderr)
+        STDERR.line(f"error: {cli_message(error)}")  # the CLI's flags for the settings the message names
         return 2
     except SystemExit as leaving:  # argparse's --help (exit 0); its errors are InvalidInputError
         return int(leaving.code or 0)
@@ -229,7 +249,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if interrupts.signal_number is None:
             raise
         # The interrupt landed inside an extension module's import or a C call that turned it into another error.
-        print("\ncancelled", file=sys.stderr)
+        STDERR.line("cancelled")
         return interrupts.exit_code
 
 

@@ -8,6 +8,7 @@ here (numbers first, then input files, then the output path), still before anyth
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import stat
@@ -95,13 +96,13 @@ def check_output_file(path: Path, option: str, suffixes: Iterable[str], example:
 
     An existing file is replaced only when the new one is complete (writers go through `atomic_output`)."""
     suffixes = tuple(suffixes)
+    info = _stat(path, option)
+    if info is not None and stat.S_ISDIR(info.st_mode):  # before the name: `--out /tmp` is a folder, not a name
+        raise InvalidInputError(f"{option} {path} is a folder: give a file name inside it, e.g. "
+                                f"{option} {path / (example + suffixes[0])}")
     if path.suffix.lower() not in suffixes:
         raise InvalidInputError(f"{option} {path} is not a {' or '.join(suffixes)} file name: give e.g. "
                                 f"{option} {path.stem or example}{suffixes[0]}")
-    info = _stat(path, option)
-    if info is not None and stat.S_ISDIR(info.st_mode):
-        raise InvalidInputError(f"{option} {path} is a folder: give a file name inside it, e.g. "
-                                f"{option} {path / (example + suffixes[0])}")
     if info is not None and not stat.S_ISREG(info.st_mode):
         raise InvalidInputError(f"{option} {path} is not a regular file (a device, pipe or socket): pick another "
                                 "output path")
@@ -121,13 +122,48 @@ def _check_writable_folder(folder: Path, path: Path, option: str) -> None:
         with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name[:40]}.", suffix=".check"):
             pass
     except OSError as error:
-        reason = error.strerror or str(error)
-        if error.errno is not None and error.errno == getattr(os, "ENAMETOOLONG", -1):
-            raise InvalidInputError(f"{option} {path} cannot be used: {reason}: pick a shorter output path") from None
-        raise InvalidInputError(f"{option} {path} cannot be written: {folder}: {reason}: pick a writable "
-                                "folder") from None
+        if error.errno == errno.ENAMETOOLONG:
+            raise InvalidInputError(f"{option} {path} cannot be used: {error.strerror}: pick a shorter output "
+                                    "path") from None
+        raise InvalidInputError(f"{option} {path} cannot be written: {_why_unwritable(folder, error)}: pick a "
+                                "writable folder") from None
     if len(os.fsencode(path.name)) + len(".partial.") + 24 > _name_max(folder):
         raise InvalidInputError(f"{option} {path} cannot be used: File name too long: pick a shorter output path")
+
+
+# File systems of the kernel's own (its state as files): they take no new files, whatever the permissions say.
+KERNEL_FILE_SYSTEMS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs",
+                                 "configfs", "pstore", "bpf", "efivarfs", "fusectl", "binfmt_misc", "mqueue"})
+
+
+def _why_unwritable(folder: Path, error: OSError) -> str:
+    """Why a new file cannot be made in `folder`, in plain words (ENOENT in /proc, EACCES in /sys say nothing)."""
+    mount_point, file_system = _mount_of(folder)
+    if file_system in KERNEL_FILE_SYSTEMS:
+        return f"{mount_point} is the kernel's {file_system} file system, which takes no files"
+    reasons = {errno.EROFS: f"{folder} is on a read-only file system",
+               errno.EACCES: f"the folder {folder} is not writable (permission denied)",
+               errno.EPERM: f"the folder {folder} is not writable (operation not permitted)",
+               errno.ENOSPC: f"no space is left on the device of {folder}",
+               errno.EDQUOT: f"the disk quota of {folder} is used up"}
+    return reasons.get(error.errno or 0, f"{folder}: {error.strerror or error}")
+
+
+def _mount_of(folder: Path) -> tuple[str, str]:
+    """The mount point holding `folder` and its file-system type, from /proc/self/mounts ("", "" where unknown)."""
+    try:
+        resolved = os.path.realpath(folder)
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as mounts:
+            entries = [line.split()[1:3] for line in mounts if len(line.split()) >= 3]
+    except OSError:
+        return "", ""
+    best = ("", "")
+    for mount_point, file_system in entries:
+        mount_point = mount_point.replace("\\040", " ")
+        inside = resolved == mount_point or resolved.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= len(best[0]):
+            best = (mount_point, file_system)
+    return best
 
 
 def _name_max(folder: Path) -> int:
@@ -165,6 +201,13 @@ def _check_numbers(args: argparse.Namespace) -> None:
     check_int_range(args.batch, "--batch", 1, 64)
 
 
+def _check_prompts(args: argparse.Namespace) -> None:
+    """The prompts as the request checks them (text that encodes as UTF-8), before the demo model is built."""
+    from .request import GenerationRequest
+
+    GenerationRequest(prompt=args.prompt, negative_prompt=args.negative).validate()
+
+
 def _check_load_options(args: argparse.Namespace) -> None:
     from .local_pipe import LoadOptions, resolve_device  # the pipe's own checks, not a copy of them
 
@@ -190,7 +233,8 @@ def _check_out(args: argparse.Namespace) -> None:
 
 
 # The order users meet the errors in: a size error before a file error, a file error before the output's.
-GENERATE_CHECKS: tuple[ArgCheck, ...] = (_check_numbers, _check_load_options, _check_model_paths, _check_out)
+GENERATE_CHECKS: tuple[ArgCheck, ...] = (_check_numbers, _check_prompts, _check_load_options, _check_model_paths,
+                                         _check_out)
 
 
 def check_generate_args(args: argparse.Namespace, *feature_checks: ArgCheck) -> None:

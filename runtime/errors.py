@@ -1,9 +1,25 @@
 """Errors the runtime raises. Every message is one line naming the cause and the fix."""
 from __future__ import annotations
 
+from typing import TypeVar
+
+_E = TypeVar("_E", bound="ErnieImageError")
+
 
 class ErnieImageError(Exception):
-    """Base class: anything the user can act on."""
+    """Base class: anything the user can act on.
+
+    A message names a setting by its Python name (a request field, a node widget: `mask_grow`); `naming` records
+    which words of the message are such names, so a front end that calls them otherwise (the CLI: `--mask-grow`,
+    cli_names.py) can say its own names without the checks knowing about it.
+    """
+
+    settings: tuple[str, ...] = ()
+
+    def naming(self: _E, *settings: str) -> _E:
+        """This error, recording that its message names `settings` (returned, to raise in one expression)."""
+        self.settings = tuple(settings)
+        return self
 
 
 class InvalidInputError(ErnieImageError, ValueError):

@@ -88,6 +88,9 @@ def image_fields(args: argparse.Namespace) -> dict[str, Any]:
     """
     if args.init_image is None and args.mask is not None:
         raise InvalidInputError("--mask needs --init-image: give the image to repaint")
+    if args.init_image is None and args.denoise != 1.0:
+        raise InvalidInputError(f"--denoise {args.denoise:g} needs --init-image: give the image to start from, or "
+                                "leave --denoise out")
     if args.mask is None and (args.mask_grow or args.mask_feather):
         raise InvalidInputError("--mask-grow and --mask-feather shape a mask: give --mask too, or leave them out")
     fields: dict[str, Any] = {"denoise": args.denoise, "mask_grow": args.mask_grow,

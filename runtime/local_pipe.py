@@ -60,7 +60,8 @@ class LoadOptions:
         """Refuse a device name or quantisation the pipe cannot use, before any file is read or model built."""
         kind, _, index = self.device.partition(":")
         if self.device not in ("auto", "cpu") and not (kind == "cuda" and (not index or index.isdigit())):
-            raise InvalidInputError(f"device {self.device!r} is not supported: use auto, cpu, cuda or cuda:N")
+            raise InvalidInputError(f"device {self.device!r} is not supported: use auto, cpu, cuda or cuda:N"
+                                    ).naming("device")
         from .text.pe_quant import PE_QUANT_FORMATS
 
         if self.pe_quant not in ("none", *PE_QUANT_FORMATS):
@@ -68,7 +69,7 @@ class LoadOptions:
                                     f"{', '.join(PE_QUANT_FORMATS)}")
         if self.quant not in QUANT_CHOICES:
             raise InvalidInputError(f"quant {self.quant!r} is not supported: use one of {', '.join(QUANT_CHOICES)}, "
-                                    "or give a quantised DiT file")
+                                    "or give a quantised DiT file").naming("quant")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -76,7 +77,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelFileError("device cuda was asked for but PyTorch sees no CUDA GPU: use --device cpu")
+        raise ModelFileError("device cuda was asked for but PyTorch sees no CUDA GPU: choose cpu").naming("device")
     return device
 
 
@@ -85,7 +86,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in table:
-        raise ModelFileError(f"dtype {name!r} is not supported: use auto, bf16, fp16 or fp32")
+        raise ModelFileError(f"dtype {name!r} is not supported: use auto, bf16, fp16 or fp32").naming("dtype")
     return table[name]
 
 

@@ -44,7 +44,7 @@ def validate_size(width: int, height: int) -> None:
             raise InvalidInputError(
                 f"{name} {value} is not allowed: ERNIE-Image needs a multiple of {SIDE_MULTIPLE} between "
                 f"{MIN_SIDE} and {MAX_SIDE}; use {nearest_valid_side(value)}"
-            )
+            ).naming(name)
 
 
 _INT_FIELDS = ("width", "height", "steps", "seed", "batch", "pe_max_new_tokens")
@@ -63,7 +63,7 @@ def _check_types(request: "GenerationRequest") -> None:
         allowed = (int,) if name in _INT_FIELDS else (int, float)
         if isinstance(value, bool) or not isinstance(value, allowed):
             kind = "a whole number" if name in _INT_FIELDS else "a number"
-            raise InvalidInputError(f"{name} {value!r} is not allowed: give {kind}")
+            raise InvalidInputError(f"{name} {value!r} is not allowed: give {kind}").naming(name)
 
 
 def _check_texts(request: "GenerationRequest") -> None:
@@ -72,12 +72,12 @@ def _check_texts(request: "GenerationRequest") -> None:
     texts += [(f"prompt {index + 1}", text) for index, text in enumerate(request.prompts or ())]
     for name, text in texts:
         if not isinstance(text, str):
-            raise InvalidInputError(f"{name} {text!r} is not allowed: give text (an empty string for none)")
+            raise InvalidInputError(f"{name} {text!r} is not allowed: give text (an empty string for none)").naming(name)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as error:
             raise InvalidInputError(f"{name} is not valid UTF-8 text (undecodable byte at character {error.start}): "
-                                    "save the prompt as UTF-8") from None
+                                    "save the prompt as UTF-8").naming(name) from None
 
 
 MAX_MASK_PIXELS = 1024  # mask_grow / mask_feather limit
@@ -99,7 +99,7 @@ def _image_size_problem(width: int, height: int, what: str) -> Optional[str]:
 def _check_batch(count: int, batch: int, what: str) -> None:
     if count not in (1, batch):
         raise InvalidInputError(f"{what} holds {count} images but batch is {batch}: give one (used for every image) "
-                                f"or {batch}, or set batch to {count}")
+                                f"or {batch}, or set batch to {count}").naming("batch")
 
 
 def _check_init_image(request: "GenerationRequest") -> tuple[int, int]:
@@ -118,7 +118,7 @@ def _check_init_image(request: "GenerationRequest") -> tuple[int, int]:
     height, width = int(image.shape[1]), int(image.shape[2])
     problem = _image_size_problem(width, height, "init image")
     if problem:
-        raise InvalidInputError(problem)
+        raise InvalidInputError(problem).naming("init image")
     _check_batch(int(image.shape[0]), request.batch, "init image")
     return width, height
 
@@ -156,14 +156,15 @@ def _check_mask(request: "GenerationRequest", width: int, height: int) -> None:
     latent_grid = request.init_image is None and (mask_w, mask_h) == (width // 16, height // 16)
     if (mask_w, mask_h) != (width, height) and not latent_grid:
         raise InvalidInputError(f"mask is {mask_w}x{mask_h} but the image is {width}x{height}: give a mask of the "
-                                "image's size (ComfyUI: the MASK of the same Load Image, or Upscale Image on both)")
+                                "image's size (ComfyUI: the MASK of the same Load Image, or Upscale Image on both)"
+                                ).naming("mask")
     if not bool(torch.isfinite(mask).all()) or float(mask.min()) < 0 or float(mask.max()) > 1:
         raise InvalidInputError("mask holds values outside 0..1 (or NaN): give a MASK in 0..1 (1 = repaint)")
     _check_batch(int(mask.shape[0]) if mask.ndim > 2 else 1, request.batch, "mask")
     for name in ("mask_grow", "mask_feather"):
         value = getattr(request, name)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_MASK_PIXELS:
-            raise InvalidInputError(f"{name} {value!r} is not allowed: use 0..{MAX_MASK_PIXELS} pixels")
+            raise InvalidInputError(f"{name} {value!r} is not allowed: use 0..{MAX_MASK_PIXELS} pixels").naming(name)
 
 
 def _check_image_inputs(request: "GenerationRequest") -> None:
@@ -171,20 +172,22 @@ def _check_image_inputs(request: "GenerationRequest") -> None:
     denoise = request.denoise
     if isinstance(denoise, bool) or not isinstance(denoise, (int, float)) or not 0 < denoise <= 1:
         # NaN fails the range test too.
-        raise InvalidInputError(f"denoise {denoise!r} is not allowed: use a value in (0, 1] (1.0 redraws everything)")
+        raise InvalidInputError(f"denoise {denoise!r} is not allowed: use a value in (0, 1] (1.0 redraws everything)"
+                                ).naming("denoise")
     if request.init_image is not None and request.init_latents is not None:
         raise InvalidInputError("both an init image and an init latent were given: connect one of them")
     if not request.has_image_input:
         if denoise < 1:
             raise InvalidInputError(f"denoise {denoise:g} needs an image or latent to start from: connect one, or "
-                                    "set denoise to 1.0")
+                                    "set denoise to 1.0").naming("denoise")
         if request.mask is not None:
             _check_mask(request, request.width, request.height)
         return
     width, height = _check_init_image(request) if request.init_image is not None else _check_init_latents(request)
     if (request.width, request.height) != (width, height):
         raise InvalidInputError(f"width/height {request.width}x{request.height} differ from the init input's "
-                                f"{width}x{height}: set them to its size (the image decides the size)")
+                                f"{width}x{height}: set them to its size (the image decides the size)"
+                                ).naming("width", "height")
     if request.mask is not None:
         _check_mask(request, width, height)
 
@@ -225,15 +228,18 @@ class GenerationRequest:
         _check_image_inputs(self)  # first: a bad image's size is named as the image's, not as width/height
         validate_size(self.width, self.height)
         if self.steps is not None and not 1 <= self.steps <= 1000:
-            raise InvalidInputError(f"steps {self.steps} is not allowed: use 1..1000 (50 for ERNIE-Image, 8 for Turbo)")
+            raise InvalidInputError(f"steps {self.steps} is not allowed: use 1..1000 (50 for ERNIE-Image, 8 for Turbo)"
+                                    ).naming("steps")
         if not 1 <= self.batch <= 64:
-            raise InvalidInputError(f"batch {self.batch} is not allowed: use 1..64")
+            raise InvalidInputError(f"batch {self.batch} is not allowed: use 1..64").naming("batch")
         if not 0 <= self.seed <= SEED_MASK:
-            raise InvalidInputError(f"seed {self.seed} is not allowed: use 0..{SEED_MASK}")
+            raise InvalidInputError(f"seed {self.seed} is not allowed: use 0..{SEED_MASK}").naming("seed")
         if self.cfg is not None and (not math.isfinite(self.cfg) or self.cfg < 0 or self.cfg > 100):
-            raise InvalidInputError(f"cfg {self.cfg} is not allowed: use 0..100 (4.0 for ERNIE-Image, 1.0 for Turbo)")
+            raise InvalidInputError(f"cfg {self.cfg} is not allowed: use 0..100 (4.0 for ERNIE-Image, 1.0 for Turbo)"
+                                    ).naming("cfg")
         if not math.isfinite(self.shift) or self.shift <= 0:
-            raise InvalidInputError(f"shift {self.shift} is not allowed: use a positive value (4.0 is Baidu's)")
+            raise InvalidInputError(f"shift {self.shift} is not allowed: use a positive value (4.0 is Baidu's)"
+                                    ).naming("shift")
         if self.prompts is not None and len(self.prompts) != self.batch:
             raise InvalidInputError(f"{len(self.prompts)} prompts given for batch {self.batch}: give one per image")
 

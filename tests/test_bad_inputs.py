@@ -204,7 +204,7 @@ def test_cli_refuses_an_output_it_cannot_write_before_any_work(capsys, tiny_fold
     cases = {
         str(tmp_path / "picture.jpg"): "is not a .png file name",
         str(tmp_path / "noext"): "is not a .png file name",
-        str(tmp_path): "is not a .png file name",
+        str(tmp_path): f"is a folder: give a file name inside it, e.g. --out {tmp_path / 'ernie.png'}",
         str(tmp_path / "folder.png"): "is a folder",
         str(tmp_path / "taken.png" / "x.png"): "taken.png is a file, not a folder",
         str(tmp_path / ("a" * 300 + ".png")): "cannot be used: File name too long",

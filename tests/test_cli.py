@@ -83,7 +83,10 @@ def _file(path: Path) -> Path:
 
 def test_an_output_that_cannot_be_written_is_refused_before_any_work(capsys, tmp_path, empty_cache):
     cases = {
-        "/proc/ernie.png": "cannot be written: /proc:",  # a folder nobody can create files in, root included
+        # folders nobody can create files in, root included, named for what they are
+        "/proc/ernie.png": "--out /proc/ernie.png cannot be written: /proc is the kernel's proc file system, which "
+                           "takes no files: pick a writable folder",
+        "/sys/ernie.png": "/sys is the kernel's sysfs file system, which takes no files",
         str(tmp_path / "missing" / "x.png"): "the folder " + str(tmp_path / "missing") + " does not exist: create it",
         os.devnull: "is not a .png file name",
         str(tmp_path / ("b" * 250 + ".png")): "File name too long",  # fits the name limit, not with a partial suffix
@@ -122,7 +125,7 @@ def test_cuda_asked_for_without_one_is_refused_before_the_demo_model_is_built(ca
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA GPU")  # pragma: no cover
     line = _cli(capsys, "generate", "--device", "cuda", "--out", str(tmp_path / "x.png"))
-    assert "PyTorch sees no CUDA GPU: use --device cpu" in line and "damaged" not in line  # was "demo model damaged"
+    assert "--device cuda was asked for but PyTorch sees no CUDA GPU: choose cpu" in line and "damaged" not in line  # was "demo model damaged"
     assert not empty_cache.exists()
 
 
@@ -420,3 +423,42 @@ def test_two_first_runs_at_once_share_the_demo_cache_and_the_out_and_leave_one_w
     assert read_png_settings(out)["seed"] in (1, 2)  # a whole PNG from one of the runs
     assert sorted(p.name for p in tmp_path.iterdir() if not p.is_dir()) == [out.name]
     assert [p.name for p in cache.iterdir()] == ["tiny-turbo-v1"]  # one model, no partial build left
+
+
+# ------------------------------------------------------------- settings named as the CLI names them
+@pytest.mark.parametrize("argv, cli_line", [
+    (["--width", "300"], "error: --width 300 is not allowed: ERNIE-Image needs a multiple of 16 between 256 and "
+                         "4096; use 304"),
+    (["--height", "5000"], "error: --height 5000 is not allowed"),
+    (["--quant", "int3"], "error: --quant 'int3' is not supported: use one of none, auto"),
+    (["--device", "tpu"], "error: --device 'tpu' is not supported: use auto, cpu, cuda or cuda:N"),
+    (["--denoise", "0.5"], "error: --denoise 0.5 needs --init-image"),
+])
+def test_errors_name_the_cli_flags(capsys, empty_cache, tmp_path, argv, cli_line):
+    line = _cli(capsys, "generate", "--out", str(tmp_path / "x.png"), *argv)
+    assert line.startswith(cli_line), line
+    assert not empty_cache.exists()
+
+
+def test_the_python_api_keeps_its_field_names_and_the_cli_shows_flags_from_the_same_error(tmp_path):
+    """One check, two vocabularies: the request names mask_grow (the API's and the node's word), the CLI --mask-grow."""
+    from ernie_image.runtime.cli_names import cli_message
+    from ernie_image.runtime.errors import InvalidInputError
+    from ernie_image.runtime.request import GenerationRequest
+
+    image, mask = torch.zeros(1, 256, 256, 3), torch.zeros(1, 256, 256)
+    with pytest.raises(InvalidInputError) as caught:
+        GenerationRequest(prompt="", width=256, height=256, init_image=image, mask=mask, mask_grow=5000).validate()
+    assert str(caught.value) == "mask_grow 5000 is not allowed: use 0..1024 pixels"
+    assert cli_message(caught.value) == "--mask-grow 5000 is not allowed: use 0..1024 pixels"
+    with pytest.raises(InvalidInputError) as caught:
+        GenerationRequest(prompt="a \udcff fox").validate()
+    assert cli_message(caught.value).startswith("--prompt is not valid UTF-8 text")
+    assert cli_message(caught.value).endswith("save the prompt as UTF-8"), "prose after the name stays prose"
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_before_the_demo_model_is_built(capsys, empty_cache, tmp_path):
+    undecodable = b"a fox \xff".decode("utf-8", "surrogateescape")
+    line = _cli(capsys, "generate", "--prompt", undecodable, "--out", str(tmp_path / "x.png"))
+    assert line.startswith("error: --prompt is not valid UTF-8 text")  # the one line: no demo notice before it
+    assert not empty_cache.exists()

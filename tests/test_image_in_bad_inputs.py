@@ -123,21 +123,22 @@ def files(tmp_path) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["--init-image", "{odd}"], "init image is 300x250: ERNIE-Image needs sides that are multiples of 16"),
+    (["--init-image", "{odd}"], "error: --init-image is 300x250: ERNIE-Image needs sides that are multiples of 16"),
     (["--init-image", "{odd}"], "resize or crop it to 304x256"),
-    (["--init-image", "{rgb}", "--mask", "{mask_small}"], "mask is 256x240 but the image is 256x256"),
+    (["--init-image", "{rgb}", "--mask", "{mask_small}"], "error: --mask is 256x240 but the image is 256x256"),
     (["--init-image", "{rgb}", "--batch", "2", "--mask", "{mask_small}"], "mask is 256x240"),
-    (["--init-image", "{rgb}", "--denoise", "nan"], "denoise nan is not allowed"),
-    (["--init-image", "{rgb}", "--denoise", "0"], "denoise 0.0 is not allowed"),
-    (["--init-image", "{rgb}", "--denoise", "1.01"], "denoise 1.01 is not allowed"),
-    (["--denoise", "0.5"], "denoise 0.5 needs an image or latent to start from"),
+    (["--init-image", "{rgb}", "--denoise", "nan"], "error: --denoise nan is not allowed"),
+    (["--init-image", "{rgb}", "--denoise", "0"], "error: --denoise 0.0 is not allowed"),
+    (["--init-image", "{rgb}", "--denoise", "1.01"], "error: --denoise 1.01 is not allowed"),
+    (["--denoise", "0.5"], "error: --denoise 0.5 needs --init-image: give the image to start from, or leave --denoise out"),
     (["--init-image", "{sixteen}"], "is a I;16 (16-bit) image: ERNIE-Image reads 8-bit images: save it as 8-bit RGB"),
     (["--init-image", "{alpha}"], "has transparent pixels (alpha): flatten it"),
     (["--init-image", "{broken}"], "is not a readable image"),
     (["--init-image", "{missing}"], "missing.png does not exist: give the path of a PNG or JPEG file"),
     (["--mask", "{rgb}"], "--mask needs --init-image"),
-    (["--init-image", "{rgb}", "--width", "512"], "width/height 512x256 differ from the init input's 256x256"),
-    (["--init-image", "{rgb}", "--mask", "{rgb}", "--mask-grow", "-3"], "mask_grow -3 is not allowed"),
+    (["--init-image", "{rgb}", "--width", "512"], "error: --width/--height 512x256 differ from the init input's 256x256"),
+    (["--init-image", "{rgb}", "--mask", "{rgb}", "--mask-grow", "-3"], "error: --mask-grow -3 is not allowed"),
+    (["--init-image", "{rgb}", "--mask", "{rgb}", "--mask-feather", "5000"], "error: --mask-feather 5000 is not allowed"),
 ])
 def test_cli_refuses_bad_image_inputs_before_opening_the_model(capsys, tmp_path, files, argv, expected):
     names = {**{k: str(v) for k, v in files.items()}, "missing": str(tmp_path / "missing.png")}

@@ -6,7 +6,12 @@ work (the servers receive nothing), the PNGs carry the same metadata plus the se
 from __future__ import annotations
 
 import json
+import signal
+import socket
+import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from PIL import Image
@@ -16,6 +21,7 @@ from ernie_image.runtime.cli_parser import OneLineParser
 from ernie_image.runtime.remote.cli_args import add_remote_arguments, remote_pipe_from_args
 
 from fake_sglang import FakeSglang, dead_url
+from test_cli import _Run, _env
 from test_enhancer_remote import ChatServer
 
 
@@ -142,12 +148,15 @@ def test_pe_url_serves_a_local_generation_too(capsys, tmp_path, tiny_turbo_folde
     assert asked == 1 and png_settings(tmp_path / "x.png")["prompts_used"] == ["revised: a fox @4"]
 
 
-def test_a_dead_fleet_fails_in_one_line_after_the_wait(capsys, tmp_path):
-    code = main(["generate", "--server", dead_url(), "--server", dead_url(), "--wait-for-servers", "0",
+def test_a_dead_fleet_fails_in_one_line_naming_each_server(capsys, tmp_path):
+    first, second = dead_url(), dead_url()
+    code = main(["generate", "--server", first, "--server", second, "--wait-for-servers", "0",
                  "--steps", "8", "--cfg", "1", "--width", "256", "--height", "256", "--out", str(tmp_path / "x.png")])
     assert code == 2
-    line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line.startswith("error: no server could take the remaining 1 of 1 images within 0 s")
+    assert one_line_error(capsys) == (
+        f"error: no server could take the remaining 1 of 1 images: {first}: nothing is listening there (connection "
+        f"refused); {second}: nothing is listening there (connection refused): start or fix the servers, check the "
+        f"URLs, or give a server that is still loading time with --wait-for-servers SECONDS")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -168,3 +177,131 @@ def test_check_remote_advice_names_an_option_it_has(capsys):
     assert "within 0.3 s (read timeout)" in out and "raise the read timeout" in out
     with FakeSglang() as server:
         assert main(["check-remote", server.url, "--read-timeout", "30", "--connect-timeout", "2"]) == 0
+
+
+# ------------------------------------------------------------------------ a server that is not there
+TURBO = ["--steps", "8", "--cfg", "1", "--width", "256", "--height", "256"]
+
+
+@contextmanager
+def unaccepting_server() -> Iterator[str]:
+    """A port whose backlog is full: the kernel drops new connection attempts, so a connect hangs (a host that
+    went away, a firewall that drops)."""
+    with socket.socket() as listener, socket.socket() as filler:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)  # room for one connection not yet accepted: the filler's
+        filler.connect(listener.getsockname())
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+@contextmanager
+def silent_server() -> Iterator[str]:
+    """A port that accepts connections (in the kernel) and never answers a request: a hung server."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+def test_a_dead_server_is_one_line_naming_it_the_cause_and_the_fix(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("ERNIE_TEST_KEY", "sk-never-shown-7781")
+    url = dead_url()
+    code = main(["generate", "--server", url, "--wait-for-servers", "0", "--api-key-env", "ERNIE_TEST_KEY",
+                 "--out", str(tmp_path / "x.png")])
+    assert code == 2  # the exit code of every error the user can act on
+    assert one_line_error(capsys) == (
+        f"error: {url}: nothing is listening there (connection refused): start the server, check the URL, or give "
+        f"a server that is still loading time with --wait-for-servers SECONDS")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_after_a_wait_the_line_says_how_long_and_to_wait_longer(capsys, tmp_path):
+    url = dead_url()
+    assert main(["generate", "--server", url, "--wait-for-servers", "1", *TURBO, "--out", str(tmp_path / "x.png")]) == 2
+    assert one_line_error(capsys) == (
+        f"error: {url}: nothing is listening there (connection refused), still after 1 s: start the server, check "
+        f"the URL, or wait longer with --wait-for-servers SECONDS")
+
+
+def test_a_host_name_that_does_not_resolve_is_named_so(capsys, tmp_path):
+    assert main(["generate", "--server", "http://no-such-host.invalid:30000", "--wait-for-servers", "0", *TURBO,
+                 "--out", str(tmp_path / "x.png")]) == 2
+    assert one_line_error(capsys).startswith(
+        "error: http://no-such-host.invalid:30000: no such host (the name does not resolve): start the server, "
+        "check the URL")
+
+
+@pytest.mark.parametrize("server, cause", [
+    (unaccepting_server, "no answer within 1 s (the connection was not accepted or /health not answered)"),
+    (silent_server, "no answer within 1 s (the connection was not accepted or /health not answered)"),
+    (lambda: _closed_port(), "nothing is listening there (connection refused), still after 1 s"),
+], ids=["connection not accepted", "accepted, never answered", "connection refused"])
+def test_the_wait_ends_at_its_deadline_whatever_the_server_does(capsys, tmp_path, server, cause):
+    """--connect-timeout is 5 s and a /health answer is awaited 10 s: a look under way is cut at the deadline."""
+    with server() as url:
+        started = time.monotonic()
+        code = main(["generate", "--server", url, "--wait-for-servers", "1", *TURBO, "--out", str(tmp_path / "x.png")])
+        elapsed = time.monotonic() - started
+    assert code == 2 and 1.0 <= elapsed < 1.5, f"{elapsed:.2f} s"
+    assert one_line_error(capsys).startswith(f"error: {url}: {cause}")
+
+
+def test_wait_zero_still_hears_a_first_answer_but_not_for_long(capsys, tmp_path):
+    with silent_server() as url:
+        started = time.monotonic()
+        assert main(["generate", "--server", url, "--wait-for-servers", "0", *TURBO,
+                     "--out", str(tmp_path / "x.png")]) == 2
+        elapsed = time.monotonic() - started
+    assert elapsed < 1.5, f"{elapsed:.2f} s: a first look gets 1 s, not the 5 s connect or 10 s read timeout"
+    assert "no answer within 1 s" in one_line_error(capsys)
+    with FakeSglang() as server:  # a working server answers at once: wait 0 takes it
+        assert main(["generate", "--server", server.url, "--wait-for-servers", "0", *TURBO,
+                     "--out", str(tmp_path / "x.png")]) == 0
+
+
+@contextmanager
+def _closed_port() -> Iterator[str]:
+    yield dead_url()
+
+
+def test_ctrl_c_while_waiting_for_servers_prints_cancelled_without_a_blank_line(tmp_path):
+    """The waiting line, then `cancelled` on the next line: the blank line was for a progress line never opened."""
+    url = dead_url()
+    run = _Run(["generate", "--server", url, "--wait-for-servers", "600", "--out", str(tmp_path / "x.png")],
+               _env(tmp_path / "cache"), tmp_path)
+    run.wait_for(b"waiting for")
+    run.process.send_signal(signal.SIGINT)
+    code, _ = run.finish()
+    err = run.err.decode()
+    assert code == 130, err
+    assert err == (f"waiting for {url}: refused (nothing listening: not started, loading its weights, or dead), 0 s "
+                   f"(up to 600 s; cancelling the run stops the wait)\ncancelled\n")
+    assert list(tmp_path.iterdir()) == [tmp_path / "site"]  # the test's own package link: no PNG, no cache
+
+
+def test_a_live_and_a_dead_server_tell_the_dead_one_once_and_finish(capsys, tmp_path):
+    dead = dead_url()
+    with FakeSglang() as live:
+        assert main(["generate", "--server", dead, "--server", live.url, *TURBO, "--batch", "2",
+                     "--out", str(tmp_path / "x.png")]) == 0
+    err = capsys.readouterr().err
+    about_dead = [line for line in err.splitlines() if line.startswith(dead)]
+    assert about_dead == [f"{dead} refused the connection: nothing is listening there; the server is not running or "
+                          f"still loading its weights; images go to {live.url} meanwhile"], err
+
+
+# ------------------------------------------------------------------------------ check-remote: bad URLs
+@pytest.mark.parametrize("url, expected", [
+    ("http://a b:1", "error: URL 'http://a b:1' has a space or control character: give one like "
+                     "http://127.0.0.1:30000"),
+    ("ftp://127.0.0.1:1", "error: URL 'ftp://127.0.0.1:1' has the scheme 'ftp': use http:// or https://"),
+    ("http://127.0.0.1:99999", "error: URL 'http://127.0.0.1:99999' has the port 99999, out of range: use 1..65535"),
+    ("http://bob:pw99@127.0.0.1:1", "error: URL 'http://***@127.0.0.1:1' holds a user name or password"),
+])
+def test_check_remote_refuses_a_malformed_url_as_a_usage_error_before_asking_any_server(capsys, url, expected):
+    with FakeSglang() as good:
+        assert main(["check-remote", good.url, url]) == 2
+        assert good.received == [], "no server is asked when one URL is malformed"
+    line = one_line_error(capsys)
+    assert line.startswith(expected) and "pw99" not in line
+    assert capsys.readouterr().out == ""

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ernie_image.runtime.errors import Cancelled, RemoteError
+from ernie_image.runtime.cli_names import cli_message
 from ernie_image.runtime.host import NullHost
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
 from ernie_image.runtime.remote.fleet import ServersNotReady, UnansweredImage
@@ -181,7 +182,8 @@ def test_an_image_without_an_answer_is_never_sent_again_by_default():
     message = str(caught.value)
     assert elapsed < 1.0, "the batch stops at the read timeout"
     assert "\n" not in message and "may still be working on it" in message
-    assert "not sent again" in message and "resend_unanswered" in message and "--resend-unanswered" in message
+    assert "not sent again" in message and "turn on resend_unanswered)" in message  # the Python and node name
+    assert "turn on --resend-unanswered)" in cli_message(caught.value)  # the CLI's, from the same error
 
 
 def test_an_unanswered_image_does_not_go_to_another_server_either():
@@ -286,13 +288,14 @@ def test_no_server_ready_within_the_wait_is_one_line_naming_each_and_its_state()
     message = str(caught.value)
     assert 0.5 <= time.monotonic() - started < 2.0
     assert "\n" not in message and "within 0.5 s" in message
-    assert f"{dead} refused the connection" in message and f"{loading.url} is loading" in message
+    assert f"{dead}: nothing is listening there (connection refused); " in message
+    assert f"{loading.url}: still loading (/health answers HTTP 503): start or fix the servers" in message
 
 
 def test_waiting_zero_fails_as_soon_as_every_server_was_asked():
     pipe = RemotePipe([dead_url()], RemoteSettings(wait_for_servers_s=0, probe_every_s=0.05))
     started = time.monotonic()
-    with pytest.raises(ServersNotReady, match="remaining 1 of 1 images within 0 s"):
+    with pytest.raises(ServersNotReady, match="nothing is listening there"):
         pipe.generate(request(1), NullHost())
     assert time.monotonic() - started < 1.0
     pipe.release()

@@ -80,7 +80,7 @@ def test_a_password_in_a_url_appears_on_no_surface(seen, tmp_path):
             route = check_servers({"server_urls": f"{url}\n{server.url}", "connect_timeout_s": 1})
             seen.add(json.dumps(route))
             assert route["servers"][0]["status"] == "bad URL" and route["servers"][1]["ok"]
-            assert main(["check-remote", url, server.url, "--no-generate"]) == 1
+            assert main(["check-remote", url, server.url, "--no-generate"]) == 2  # a malformed URL: usage error
             assert main(["generate", "--server", url, "--out", str(tmp_path / "x.png")]) == 2
             assert main(["generate", "--server", server.url, "--pe-url", url, "--out", str(tmp_path / "x.png")]) == 2
             assert main(["enhance", "--pe-url", url, "--prompt", "a fox"]) == 2

@@ -53,6 +53,8 @@ def main_plan(argv: Sequence[str]) -> int:
         job = Job(args.width, args.height, args.batch, args.cfg, args.text_tokens, use_pe=args.pe)
         print(plan_memory(budget, job, sizes).table(args.pcie_gbps))
     except ErnieImageError as error:
-        print(f"error: {error}", file=sys.stderr)
+        from ..cli_names import cli_message
+
+        print(f"error: {cli_message(error)}", file=sys.stderr)
         return 2
     return 0

@@ -96,7 +96,9 @@ def main_quantize(argv: list[str] | None = None) -> int:
         refuse_unpackable(counts, args.format)
         out = write_quantized_file(state, args.format, args.out)
     except ErnieImageError as err:
-        print(f"error: {err}", file=sys.stderr)
+        from ..cli_names import cli_message
+
+        print(f"error: {cli_message(err)}", file=sys.stderr)
         return 2
     kept = f", {counts['kept']} kept in high precision" if counts["kept"] else ""
     print(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB): {counts[args.format]} weight matrices as "

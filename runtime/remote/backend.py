@@ -3,7 +3,8 @@
 The samplers call `generate(request, host)` exactly as on the local pipe. The work runs on the private event
 loop thread; the calling thread (ComfyUI's worker, the CLI) waits in 0.1 s slices, checks the host for
 Cancel, and forwards progress and notices to the host, so every host call happens on the caller's thread.
-The server itself cannot cancel a generation: Cancel stops waiting, the server finishes the image anyway.
+The server itself cannot cancel a generation: cancelling the run stops the wait, the server finishes the image
+anyway.
 Requests are checked exactly as the local pipe checks them (GenerationRequest.validate: no rounding, no clamping).
 """
 from __future__ import annotations
@@ -192,8 +193,8 @@ class RemotePipe:
             _drain(events, host)
 
     def served_variant(self, host: Host) -> str:
-        """"turbo" when the first ready server serves a Turbo model (by its id), else "base"."""
-        return "turbo" if "turbo" in self.served_model(host).id.lower() else "base"
+        """"turbo" when the first ready server serves a Turbo model, else "base" (ServerModel.variant)."""
+        return self.served_model(host).variant
 
     def generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         refuse_image_inputs(request, "the remote SGLang backend (SGLang serves ERNIE-Image as text-to-image only: "
@@ -209,23 +210,32 @@ class RemotePipe:
         fleet = self._get_fleet()
         events: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
         estimate_s = max(0.5, fleet.estimate_batch_seconds(jobs))
-        host.log(f"sending {len(jobs)} image(s) to {len(fleet.slots)} SGLang server(s), "
-                 f"{_estimate_text(fleet.estimate_batch_seconds(jobs), fleet.measured())}; "
-                 f"Cancel stops waiting, but a server finishes an image it has started")
+        start_notice = (f"sending {len(jobs)} image(s) to {len(fleet.slots)} SGLang server(s), "
+                        f"{_estimate_text(fleet.estimate_batch_seconds(jobs), fleet.measured())}; "
+                        f"cancelling the run stops the wait, but a server finishes an image it has started")
+        sent_at: list[float] = []  # when the first image went out (appended on the loop thread)
+
+        def first_sent() -> None:
+            events.put(("log", start_notice))
+            sent_at.append(time.monotonic())  # after the notice: whoever sees this time finds the notice queued
 
         async def run() -> list[GeneratedImage]:
             return await fleet.generate(jobs, notify=lambda message: events.put(("log", message)),
-                                        on_image=lambda index, image: events.put(("image", index)))
+                                        on_image=lambda index, image: events.put(("image", index)),
+                                        on_first_send=first_sent)
 
         started = time.monotonic()
         done_images = 0
 
         def poll() -> None:  # on this thread every 0.1 s while the fleet works
             nonlocal done_images
+            sending = bool(sent_at)
             done_images += _drain(events, host)
             host.check_cancel()
-            fraction = min(0.99, max(done_images / len(jobs), (time.monotonic() - started) / estimate_s))
-            host.progress(int(fraction * PROGRESS_STEPS), PROGRESS_STEPS)
+            if sending:  # no progress while no server has an image: the wait has its own lines
+                elapsed = time.monotonic() - sent_at[0]
+                fraction = min(0.99, max(done_images / len(jobs), elapsed / estimate_s))
+                host.progress(int(fraction * PROGRESS_STEPS), PROGRESS_STEPS)
 
         try:
             images = run_sync(run(), poll)  # anything raised cancels the fleet's task; open connections close

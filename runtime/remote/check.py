@@ -14,8 +14,8 @@ from typing import Optional, Sequence
 from ..cli_parser import CLI_KEY_LABELS, OneLineParser
 from ..errors import ErnieImageError
 from .http import ApiKeySource, HttpSettings, RetryPolicy, Timeouts, checked_seconds, run_sync
-from .sglang import ImageParams, ReadTimeoutPolicy, SglangClient
-from .urls import shown_url
+from .sglang import ENDPOINT_SUFFIXES, ImageParams, ReadTimeoutPolicy, SglangClient
+from .urls import normalize_base_url, shown_url
 
 TINY_IMAGE = ImageParams(prompt="a red fox in snow", negative_prompt="", width=256, height=256, steps=1,
                          guidance_scale=1.0, seed=0, use_pe=False)
@@ -131,6 +131,8 @@ def main_check_remote(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--read-timeout", default=GENERATION_TIMEOUT_S, metavar="S",
                         help=f"seconds to wait for the tiny test image (default {GENERATION_TIMEOUT_S:g})")
     args = parser.parse_args(argv)
+    for url in args.urls:  # a malformed URL is a usage error (exit 2), before any server is asked
+        normalize_base_url(url, what="URL", endpoint_suffixes=ENDPOINT_SUFFIXES)
     connect_s = checked_seconds(args.connect_timeout, "--connect-timeout")
     read_s = checked_seconds(args.read_timeout, "--read-timeout")
     api_key = ApiKeySource.checked(args.api_key_env, args.api_key_file, **CLI_KEY_LABELS)  # named by the flags

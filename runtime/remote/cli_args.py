@@ -38,8 +38,9 @@ def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"base seconds to wait for one image; it grows with steps and size "
                             f"(default {DEFAULT_READ_TIMEOUT_S:g})")
     group.add_argument("--wait-for-servers", default=None, metavar="S",
-                       help=f"seconds to wait while no server can take work, e.g. still loading "
-                            f"(default {DEFAULT_WAIT_FOR_SERVERS_S:g}; 0 fails at once)")
+                       help=f"seconds to wait while no server can take work, e.g. still loading, counted "
+                            f"from the start (default {DEFAULT_WAIT_FOR_SERVERS_S:g}; 0 fails unless a server "
+                            f"answers ready at its first look, within 1 s)")
     group.add_argument("--resend-unanswered", action="store_true",
                        help="send an image again when its server gave no answer (timeout, dropped connection); "
                             "that server may still be working on it, so the job may run twice")

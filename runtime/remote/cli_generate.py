@@ -21,14 +21,13 @@ def _request(args: argparse.Namespace, steps: int, cfg: float) -> GenerationRequ
     )
 
 
-def served_variant(pipe: RemotePipe, host: Host) -> str:
-    """Turbo or base, from the id of the model the first ready server serves (the API has no other hint)."""
+def _announced_variant(pipe: RemotePipe, host: Host) -> str:
+    """The served model's variant (ServerModel.variant), told to the user with the defaults it brings."""
     model = pipe.served_model(host)
-    variant = "turbo" if "turbo" in model.id.lower() else "base"
-    defaults = VARIANT_DEFAULTS[variant]
-    host.log(f"the servers serve {model.id}: defaults of ERNIE-Image {'Turbo' if variant == 'turbo' else '(base)'}"
+    defaults = VARIANT_DEFAULTS[model.variant]
+    host.log(f"the servers serve {model.id}: defaults of ERNIE-Image {'Turbo' if model.variant == 'turbo' else '(base)'}"
              f" ({int(defaults['steps'])} steps, CFG {defaults['cfg']:g}); --variant, --steps and --cfg set them")
-    return variant
+    return model.variant
 
 
 def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host) -> int:
@@ -38,7 +37,7 @@ def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host) 
         # Every value given is checked before any network work (steps and CFG may still come from the server).
         _request(args, 1 if args.steps is None else args.steps, 1.0 if args.cfg is None else args.cfg).validate()
         variant = args.variant or (None if args.steps is not None and args.cfg is not None else
-                                   served_variant(pipe, host))
+                                   _announced_variant(pipe, host))
         defaults = VARIANT_DEFAULTS[variant or "base"]
         request = _request(args, int(defaults["steps"]) if args.steps is None else args.steps,
                            defaults["cfg"] if args.cfg is None else args.cfg)

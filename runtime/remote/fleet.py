@@ -15,8 +15,13 @@ What a failure does depends on whether the server can have started the image (se
 - the request itself is wrong (4xx) or the server failed on it (500, an unusable answer): the batch stops;
   another server would answer the same.
 The user gets one line each time a server's state changes (failed, loading, refused, ready again), not one per
-retry. When no server can take work the batch waits up to `wait_for_servers_s`, telling the user every
-`notice_every_s` what it waits for; Cancel (cancelling the task, as run_sync's poll does) ends the wait at once.
+retry; a server not ready at its first look is told about once another server takes the images meanwhile (when
+none can, the waiting lines and the final error say it). When no server can take work the batch waits up to
+`wait_for_servers_s`, counted from the moment none could, a server's first look included: an answer still
+outstanding at the deadline is not waited for (a first look gets at least FIRST_LOOK_S, so 0 still hears a
+working server). A wait of `notice_every_s` or more tells the user every `notice_every_s` what it waits for;
+a shorter one ends in its one-line error alone. Cancelling the task (as run_sync's poll does) ends the wait at
+once.
 """
 from __future__ import annotations
 
@@ -40,7 +45,9 @@ MAX_PAUSE_S = 60.0
 GIVEN_UP = "given up"
 UNKNOWN = "not asked yet"
 FAILED = "failed"  # did not take the last image; asked again after a pause
-RESEND_SETTING = "resend_unanswered (CLI: --resend-unanswered)"
+RESEND_SETTING = "resend_unanswered"  # named by ErnieImageError.naming: the CLI shows its flag
+WAIT_SETTING = "wait_for_servers_s"
+FIRST_LOOK_S = 1.0  # a server's first answer is awaited this long even when the wait is shorter (0: no waiting)
 
 
 class UnansweredImage(ConnectionLost):
@@ -71,6 +78,7 @@ class ServerSlot:
     images_served: int = 0
     state: str = UNKNOWN  # READY, a Readiness state, or GIVEN_UP; kept between batches
     detail: str = ""  # the line that explains `state`
+    cause: str = ""  # `state` in plain words, without the server's name or a fix ("still loading")
     failures: int = 0  # images in a row this server did not take
     next_try_at: float = 0.0
     busy: bool = False
@@ -141,10 +149,12 @@ class Fleet:
 
     # ------------------------------------------------------------------------------------- generation
     async def generate(self, jobs: Sequence[ImageParams], notify: Notify,
-                       on_image: Optional[Callable[[int, GeneratedImage], None]] = None) -> list[GeneratedImage]:
+                       on_image: Optional[Callable[[int, GeneratedImage], None]] = None,
+                       on_first_send: Optional[Callable[[], None]] = None) -> list[GeneratedImage]:
         """All `jobs`, in order; images are spread over the servers that work. Cancel by cancelling the task
-        (run_sync's poll does): open requests are closed."""
-        return await _Batch(self, jobs, notify, on_image).run()
+        (run_sync's poll does): open requests are closed. `on_first_send` is called as the first image goes out
+        (the caller's start notice: a batch that no server takes ends in its one error line alone)."""
+        return await _Batch(self, jobs, notify, on_image, on_first_send=on_first_send).run()
 
 
 @dataclass
@@ -160,6 +170,7 @@ class _Batch:
     done: int = 0
     fatal: Optional[BaseException] = None
     until_ready: bool = False  # the goal is one ready server, not images (Fleet.first_model)
+    on_first_send: Optional[Callable[[], None]] = None  # called as the first image goes out
 
     def __post_init__(self) -> None:
         self.settings = self.fleet.settings
@@ -225,33 +236,54 @@ class _Batch:
             if all(slot.state == GIVEN_UP for slot in self.slots):
                 self.fatal = self._all_given_up()
                 break
-            if any(slot.available(now) or (slot.state == UNKNOWN and slot.next_try_at <= now) for slot in self.slots):
+            self._report_first_looks()
+            if any(slot.available(now) for slot in self.slots):
                 stalled_since = None
             else:
                 if stalled_since is None:
                     stalled_since, next_notice = now, now
                 waited = now - stalled_since
-                if waited >= wait_s:
-                    self.fatal = self._not_ready(wait_s)
+                first_looks = any(slot.state == UNKNOWN for slot in self.slots)
+                if waited >= (max(wait_s, FIRST_LOOK_S) if first_looks else wait_s):
+                    self.fatal = self._not_ready(waited)  # the workers, a look still under way included, are cut
                     break
-                if now >= next_notice:
+                if now >= next_notice and not first_looks and wait_s >= self.settings.notice_every_s:
                     self.notify(self._waiting_line(waited, wait_s))
                     next_notice = now + self.settings.notice_every_s
-            await self._until_change(0.25)
+            await self._until_change(0.1)
+        if self.fatal is None:
+            self._report_first_looks()
+
+    def _report_first_looks(self) -> None:
+        """A server not ready at its first look, told once another takes the images (else the wait's lines and
+        error tell it)."""
+        ready = [s.label for s in self.slots if s.state == READY]
+        if not ready:
+            return
+        for slot in self.slots:
+            if slot.reported is None and slot.state not in (READY, UNKNOWN, GIVEN_UP):
+                meanwhile = f"; images go to {', '.join(ready)} meanwhile" if self.jobs else ""
+                self._report(slot, f"{slot.detail}{meanwhile}")
 
     def _waiting_line(self, waited_s: float, wait_s: float) -> str:
         waiting = [s for s in self.slots if s.state != GIVEN_UP]
         states = ", ".join(f"{s.label}: {_pause_state(s)}" for s in waiting)
         sep = ", " if len(waiting) == 1 else "; "
-        return (f"waiting for {states}{sep}{waited_s:.0f} s (up to {wait_s:g} s; Cancel stops waiting)")
+        return f"waiting for {states}{sep}{waited_s:.0f} s (up to {wait_s:g} s; cancelling the run stops the wait)"
 
-    def _not_ready(self, wait_s: float) -> ServersNotReady:
-        left = len(self.pending)
-        what = f"the remaining {left} of {len(self.jobs)} images" if self.jobs else "any work"
-        reasons = "; ".join(s.detail or f"{s.label}: {s.state}" for s in self.slots)
-        return ServersNotReady(
-            f"no server could take {what} within {wait_s:g} s ({reasons}); start or fix the servers, wait longer "
-            f"(wait_for_servers_s; CLI: --wait-for-servers), or check them with `ernie-image check-remote URL`")
+    def _not_ready(self, waited_s: float) -> ServersNotReady:
+        """One line: each server and what it did, in plain words, then the fixes (the wait named for `naming`)."""
+        causes = "; ".join(f"{s.label}: {_cause(s, waited_s)}" for s in self.slots)
+        wait_s = self.settings.wait_for_servers_s
+        within = f" within {wait_s:g} s" if wait_s else ""
+        more_time = (f"wait longer with {WAIT_SETTING} SECONDS" if wait_s else
+                     f"give a server that is still loading time with {WAIT_SETTING} SECONDS")
+        if len(self.slots) == 1:
+            return ServersNotReady(f"{causes}{within.replace(' within', ', still after')}: start the server, check "
+                                   f"the URL, or {more_time}").naming(WAIT_SETTING)
+        what = f"the remaining {len(self.pending)} of {len(self.jobs)} images" if self.jobs else "any work"
+        return ServersNotReady(f"no server could take {what}{within}: {causes}: start or fix the servers, check the "
+                               f"URLs, or {more_time}").naming(WAIT_SETTING)
 
     def _all_given_up(self) -> BaseException:
         if len(self.slots) == 1 and self.slots[0].gave_up is not None:
@@ -290,7 +322,8 @@ class _Batch:
             if readiness.ready:
                 await self.fleet.discover(slot)
         except (ServerUnavailable, ConnectionLost) as exc:
-            readiness = Readiness(REFUSED if getattr(exc, "reason", "") == "refused" else UNREACHABLE, str(exc))
+            readiness = Readiness(REFUSED if getattr(exc, "reason", "") == "refused" else UNREACHABLE, str(exc),
+                                  exc.cause)
         except (ServerRejected, BadResponse) as exc:  # not an ERNIE server, a refused key, a wrong path
             self._give_up(slot, exc, str(exc))
             return
@@ -300,8 +333,8 @@ class _Batch:
                 self._report(slot, f"{slot.label} is ready: it takes images again")
             self._signal()
             return
-        slot.state, slot.detail = readiness.state, readiness.detail
-        if slot.reported in (None, READY):  # the user does not know yet; later states show in the waiting lines
+        slot.state, slot.detail, slot.cause = readiness.state, readiness.detail, readiness.cause
+        if slot.reported == READY:  # it stopped taking images; a first look is told by _report_first_looks
             others = [s.label for s in self.slots if s is not slot and s.state == READY]
             meanwhile = f"; images go to {', '.join(others)} meanwhile" if others and self.jobs else ""
             self._report(slot, f"{readiness.detail}{meanwhile}")
@@ -322,6 +355,9 @@ class _Batch:
     async def _send(self, slot: ServerSlot, index: int) -> None:
         params = self.jobs[index]
         slot.busy = True
+        if self.on_first_send is not None:
+            self.on_first_send()
+            self.on_first_send = None
         try:
             result = await slot.client.generate(params, retry=SINGLE_ATTEMPT)
         except ServerUnavailable as exc:  # the server did not take it: it can go anywhere
@@ -354,7 +390,7 @@ class _Batch:
         if error.retry_after is not None:
             pause = max(pause, error.retry_after)
         slot.next_try_at = time.monotonic() + pause
-        slot.state, slot.detail = FAILED, str(error)  # asked /health again before the next image
+        slot.state, slot.detail, slot.cause = FAILED, str(error), error.cause  # /health asked before the next image
         others = [s.label for s in self.slots if s is not slot and s.state != GIVEN_UP]
         where = f"another server ({', '.join(others)}) or this one" if others else "this server"
         if slot.reported != FAILED:
@@ -368,16 +404,26 @@ class _Batch:
             self.fatal = UnansweredImage(
                 f"image {index + 1} of {len(self.jobs)} (seed {seed}): {error}; it is not sent again, to this "
                 f"server or another, so no server runs it twice (to send such images again, turn on "
-                f"{RESEND_SETTING})")
+                f"{RESEND_SETTING})").naming(RESEND_SETTING)
             return
         self.pending.appendleft(index)
         slot.failures += 1
-        slot.state, slot.detail = FAILED, str(error)
+        slot.state, slot.detail, slot.cause = FAILED, str(error), error.cause
         slot.next_try_at = time.monotonic() + self.settings.retry_down_after_s
         self.notify(f"{error}; image {index + 1} (seed {seed}) is sent again, as {RESEND_SETTING} asks: "
                     f"{slot.label} may still be working on the first copy")
         if slot.failures >= self.settings.max_failures_per_server:
             self._give_up(slot, error, f"{error} ({slot.failures} images in a row unanswered)")
+
+
+def _cause(slot: ServerSlot, waited_s: float) -> str:
+    if slot.state == READY:
+        return "busy (asked to retry later)"
+    if slot.state == UNKNOWN:  # its first look was still under way: no connection accepted, or /health unanswered
+        return f"no answer within {waited_s:.0f} s (the connection was not accepted or /health not answered)"
+    if slot.state == FAILED:
+        return f"did not take the last image ({slot.cause or slot.detail})"
+    return slot.cause or slot.detail or slot.state
 
 
 def _pause_state(slot: ServerSlot) -> str:

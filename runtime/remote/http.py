@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import json
 import os
 import random
@@ -57,16 +58,21 @@ class ServerUnavailable(RemoteError):
     """
 
     def __init__(self, message: str, reason: str = "busy", status: Optional[int] = None,
-                 retry_after: Optional[float] = None) -> None:
+                 retry_after: Optional[float] = None, cause: Optional[str] = None) -> None:
         super().__init__(message)
         self.reason = reason
         self.status = status
         self.retry_after = retry_after
+        self.cause = cause or message  # what happened, in plain words, without the server's name or the fix
 
 
 class ConnectionLost(RemoteError):
     """The request went out, then the connection broke or no answer came in time: the server may still be working
     on it, so sending it again could run the same job twice."""
+
+    def __init__(self, message: str, cause: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.cause = cause or message  # what happened, in plain words, without the server's name or the fix
 
 
 class ServerRejected(RemoteError):
@@ -336,7 +342,7 @@ def _status_error(label: str, method: str, url: str, status: int, reason: str, b
     if status in RETRYABLE_STATUSES:
         detail = f": {message}" if message else ""
         return ServerUnavailable(f"{label} is not ready or overloaded (HTTP {status}){detail}; try again later",
-                                 reason="busy", status=status)
+                                 reason="busy", status=status, cause=f"not ready or overloaded (HTTP {status}){detail}")
     if 400 <= status < 500:
         detail = message or reason or "no reason given"
         return ServerRejected(f"{label} rejected {method} {url} (HTTP {status}): {detail}", status)
@@ -490,24 +496,20 @@ class HttpClient:
                 status, content_type = resp.status, resp.headers.get("Content-Type", "")
                 resp_headers = dict(resp.headers)
         except aiohttp.ConnectionTimeoutError:
-            raise ServerUnavailable(
-                f"{self.label} did not accept a connection within {self.settings.timeouts.connect_s:g} s: check the "
-                f"URL and that the server is running", reason="unreachable"
-            ) from None
+            cause = f"it did not accept a connection within {self.settings.timeouts.connect_s:g} s"
+            raise ServerUnavailable(f"{self.label}: {cause}: check the URL and that the server is running",
+                                    reason="unreachable", cause=cause) from None
         except aiohttp.ClientConnectorDNSError:
-            raise ServerUnavailable(
-                f"{self.label}: no such host (the name does not resolve): check the URL", reason="unreachable"
-            ) from None
+            cause = "no such host (the name does not resolve)"
+            raise ServerUnavailable(f"{self.label}: {cause}: check the URL", reason="unreachable",
+                                    cause=cause) from None
         except aiohttp.ClientConnectorError as exc:
-            reason = exc.os_error.strerror if exc.os_error and exc.os_error.strerror else type(exc.os_error).__name__
-            raise ServerUnavailable(
-                f"{self.label} refused the connection ({reason}): nothing is listening there; the server is not "
-                f"running or still loading its weights", reason="refused"
-            ) from None
+            raise _connect_error(self.label, exc.os_error) from None
         except aiohttp.SocketTimeoutError:
+            cause = f"it sent no answer to {method} {shown} within {read_s:g} s (read timeout)"
             raise ConnectionLost(
                 f"{self.label} sent no answer to {method} {shown} within {read_s:g} s (read timeout); the server "
-                f"may still be working on it: raise the read timeout for large images or many steps"
+                f"may still be working on it: raise the read timeout for large images or many steps", cause=cause
             ) from None
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
             raise ConnectionLost(
@@ -560,6 +562,19 @@ class HttpClient:
                 raise too_big
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+def _connect_error(label: str, os_error: Optional[OSError]) -> ServerUnavailable:
+    """A connection that failed before anything was sent, in plain words (asyncio's own text, "Connect call failed
+    ('127.0.0.1', 1)", says nothing a user can act on)."""
+    number = getattr(os_error, "errno", None)
+    if number == errno.ECONNREFUSED:
+        cause = "nothing is listening there (connection refused)"
+        return ServerUnavailable(f"{label} refused the connection: nothing is listening there; the server is not "
+                                 f"running or still loading its weights", reason="refused", cause=cause)
+    words = os.strerror(number).lower() if number else type(os_error).__name__
+    cause = f"it cannot be reached ({words})"
+    return ServerUnavailable(f"{label}: {cause}: check the URL and the network", reason="unreachable", cause=cause)
 
 
 # ------------------------------------------------------------------------------------------ sync bridge

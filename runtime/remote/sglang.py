@@ -54,6 +54,11 @@ class ServerModel:
     def is_ernie(self) -> bool:
         return self.pipeline_name == ERNIE_PIPELINE
 
+    @property
+    def variant(self) -> str:
+        """"turbo" when the id names a Turbo model, else "base": the API gives no other hint."""
+        return "turbo" if "turbo" in self.id.lower() else "base"
+
 
 READY = "ready"
 LOADING = "loading"  # the server answers /health with 503: warming up; it will be ready
@@ -65,7 +70,8 @@ UNREACHABLE = "unreachable"  # no such host, no answer to connect, or the connec
 @dataclass(frozen=True)
 class Readiness:
     state: str  # READY, LOADING, REFUSED, UNHEALTHY, UNREACHABLE
-    detail: str
+    detail: str  # the line for the user, naming the server
+    cause: str = ""  # what the server did, in plain words, without its name or the fix (e.g. "still loading")
 
     @property
     def ready(self) -> bool:
@@ -177,17 +183,18 @@ class SglangClient:
             response = await self.http.request_json("GET", "/health", read_timeout_s=PROBE_READ_S,
                                                     accept_statuses=frozenset({503}), retry=PROBE_RETRY)
         except ServerUnavailable as exc:
-            return Readiness(REFUSED if exc.reason == "refused" else UNREACHABLE, str(exc))
+            return Readiness(REFUSED if exc.reason == "refused" else UNREACHABLE, str(exc), exc.cause)
         except ConnectionLost as exc:
-            return Readiness(UNREACHABLE, str(exc))
+            return Readiness(UNREACHABLE, str(exc), exc.cause)
         except ServerFailed as exc:
-            return Readiness(UNHEALTHY, str(exc))
+            return Readiness(UNHEALTHY, str(exc), f"/health failed (HTTP {exc.status})")
         if response.status == 503:
             if isinstance(response.data, dict) and response.data.get("error"):
-                return Readiness(UNHEALTHY, f"{self.label}: a worker failed ({str(response.data['error'])[:200]}); "
-                                            f"restart the server")
-            return Readiness(LOADING, f"{self.label} is loading (/health answers HTTP 503): it takes images once ready")
-        return Readiness(READY, f"{self.label} is ready")
+                cause = f"a worker failed ({str(response.data['error'])[:200]})"
+                return Readiness(UNHEALTHY, f"{self.label}: {cause}; restart the server", cause)
+            return Readiness(LOADING, f"{self.label} is loading (/health answers HTTP 503): it takes images once ready",
+                             "still loading (/health answers HTTP 503)")
+        return Readiness(READY, f"{self.label} is ready", "ready")
 
     # ---------------------------------------------------------------------------------- discovery
     async def models(self) -> list[ServerModel]:
