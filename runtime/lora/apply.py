@@ -68,7 +68,9 @@ def apply_loras(dit: nn.Module, stack: Stack, streamed: Collection[int] = ()) ->
         if kept:
             branches.append((replace(parsed, adapters=kept), strength))
     if branches or wrapped_layers(dit):  # a pure merge touches no module: captured graphs stay valid
-        counts = apply_stack(dit, branches)
+        # Zero branches keep every block of one shape for a compiled block; only where branches run anyway.
+        pad = None if any(mode == "branch" for _, _, mode in stack) else set(streamed)
+        counts = apply_stack(dit, branches, pad_blocks=pad)
         applied.branch_layers, applied.branch_bytes = counts["layers"], counts["bytes"]
     state = merge_layers(dit, merged)
     applied.merged_layers = len(state.merged)
