@@ -6,7 +6,7 @@ scale * kron(w1, w2) (LoKr), rebuilt dense in fp32 from the original W and round
 gate/up Linear takes each LoRA on its own row slice. FP8 Linears (QuantLinear "fp8") are dequantised, the delta is
 added in fp32 and the sum is quantised again with a scale of the layer's own layout (one per tensor or one per
 row, recomputed from the merged weight) by stochastic rounding (requant.py). Work goes row chunk by row chunk, so
-the device needs one fp32 chunk (64 MB) beside the weights, never a whole dense delta.
+the device needs a few fp32 chunks (32 MB each) beside the weights, never a whole dense delta.
 
 The tensors are edited in place: the same tensor objects at the same addresses, so a compiled block keeps its graph
 (torch.compile guards on tensor metadata, not values) and a captured CUDA graph replays the merged weights; a
@@ -35,7 +35,7 @@ from .attach import LoraLinear
 from .backup import LayerBackup
 from .requant import fp8_scale_for, layer_seed, stochastic_round_fp8
 
-CHUNK_ELEMENTS = 1 << 24  # fp32 values of delta worked on at once (64 MB)
+CHUNK_ELEMENTS = 1 << 23  # weight values worked on at once: 32 MB in fp32, a few such temporaries at the peak
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK = re.compile(r"^layers\.(\d+)\.")
 
