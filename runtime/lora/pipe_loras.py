@@ -4,6 +4,7 @@ from the one it carries."""
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Collection, Optional
 
 import torch
@@ -31,7 +32,7 @@ class PipeLoras:
         self.last_applied: Optional[Applied] = None
         self._config: Optional[DiTConfig] = None
         self._ram_notice: Optional[str] = None
-        self._backup_bytes = 0  # host bytes of the merge backup the DiT holds now (counted as reusable)
+        self._synced: Optional[weakref.ref] = None  # the DiT last synced: its host copy is reused, not added
 
     def dit_config(self, sources: Any) -> DiTConfig:
         if self._config is None:
@@ -70,7 +71,7 @@ class PipeLoras:
         item = 1 if memory.quant == "fp8" else memory.dtype.itemsize
         needed = merge_backup_bytes(merging, self._config, item, fused)
         available = available_host_bytes()
-        if available is None or needed + HOST_RESERVE <= available + self._backup_bytes:
+        if available is None or needed + HOST_RESERVE <= available + self._held_backup_bytes():
             return modes
         notice = (f"LoRA merge needs up to {needed / 1e9:.1f} GB of host RAM for the original weights and "
                   f"{available / 1e9:.1f} GB is available: the LoRA runs as a branch instead (no host copy; a few % "
@@ -79,6 +80,11 @@ class PipeLoras:
             host.log(notice)
             self._ram_notice = notice
         return ["branch"] * len(modes)
+
+    def _held_backup_bytes(self) -> int:
+        dit = self._synced() if self._synced is not None else None
+        state = merge_state(dit) if dit is not None else None
+        return state.host_bytes if state is not None else 0
 
     def sync(self, dit: torch.nn.Module, streamed: Collection[int] = (), host: Any = None) -> None:
         """Make `dit` carry the wanted stack: nothing to do when it already does. `streamed`: the blocks that stream
@@ -98,7 +104,7 @@ class PipeLoras:
             torch.cuda.synchronize(dit.x_embedder.proj.weight.device)
         self.last_apply_s = time.perf_counter() - started
         self.last_applied = applied
-        self._backup_bytes = applied.backup_bytes
+        self._synced = weakref.ref(dit)
         dit.lora_signature = signature
         notice = applied.notice()
         if notice and host is not None:
