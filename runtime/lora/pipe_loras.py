@@ -31,7 +31,7 @@ class PipeLoras:
         self.last_apply_s: Optional[float] = None
         self.last_applied: Optional[Applied] = None
         self._config: Optional[DiTConfig] = None
-        self._ram_notice: Optional[str] = None
+        self._ram_notice: Optional[int] = None  # the backup size the RAM notice was given for
         self._synced: Optional[weakref.ref] = None  # the DiT last synced: its host copy is reused, not added
 
     def dit_config(self, sources: Any) -> DiTConfig:
@@ -76,9 +76,9 @@ class PipeLoras:
         notice = (f"LoRA merge needs up to {needed / 1e9:.1f} GB of host RAM for the original weights and "
                   f"{available / 1e9:.1f} GB is available: the LoRA runs as a branch instead (no host copy; a few % "
                   f"slower per step); free RAM, or choose mode branch to silence this")
-        if notice != self._ram_notice:
+        if needed != self._ram_notice:  # once per stack size, whatever RAM the next job finds
             host.log(notice)
-            self._ram_notice = notice
+            self._ram_notice = needed
         return ["branch"] * len(modes)
 
     def _held_backup_bytes(self) -> int:
