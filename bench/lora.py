@@ -1,14 +1,20 @@
 """LoRA speed and memory on the GPU, against the base DiT in the same run, full-size random weights.
 
-    python bench/lora.py --out lora.json           # H200: about 5 minutes
-    python bench/lora.py --tiny --out lora.json    # CPU smoke run on a tiny DiT (no compile, no FP8)
+    python bench/lora.py --out lora.json                 # H200: branch and merged rows, about 8 minutes
+    python bench/lora.py --merged-only --out lora.json   # merged rows only, about 4 minutes
+    python bench/lora.py --tiny --out lora.json          # CPU smoke run on a tiny DiT (no compile, no FP8)
 
 Rank-32 and rank-128 LoRAs on every block Linear (q, k, v, out, gate, up, fc2 of all 36 blocks), written as
 bf16 safetensors and read back through the runtime's own reader. Rows: compiled bf16 DiT step (1024x1024, 256
 text tokens, batch 1) without and with a LoRA; the same for block Linears packed to FP8; the time to apply a
 LoRA and to switch to another of the same shape with the DiT resident and with blocks streamed at a 12 GB
 budget; the device memory a LoRA adds against its size; the host memory of streamed blocks before and after.
-The LoRA is a branch beside the base weights (never merged), so the step ratio is the branch's own cost.
+Branch rows: the LoRA beside the base weights, so the step ratio is the branch's own cost. Merged rows (lora_mode
+"merge"): the delta added into the resident weights in place (bf16 rank 32 and 128, FP8 rank 32, and at 12 GB
+where streamed blocks keep the branch), with the apply time of the first merge (it makes the host copy of the
+weights) and of a switch (restore from the host copy, merge again), the host copy's size, the device memory it
+adds (after and at its peak during the apply), whether anything recompiled, and whether removing every LoRA gives
+the base output bit for bit.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from ernie_image.runtime.acceleration import compile_blocks, fuse_projections  # noqa: E402
 from ernie_image.runtime.dit import DiTConfig, ErnieDiT  # noqa: E402
+from ernie_image.runtime.lora.apply import apply_loras  # noqa: E402
 from ernie_image.runtime.lora.attach import apply_stack  # noqa: E402
 from ernie_image.runtime.lora.keys import dit_linear_shapes  # noqa: E402
 from ernie_image.runtime.lora.parsed import load_lora  # noqa: E402
@@ -217,6 +224,97 @@ class Bench:
         dit = placement = None
         self.clean()
 
+    # -- merged ------------------------------------------------------------------------------------------
+
+    def merge_step(self, dit: ErnieDiT, stack, streamed=()) -> dict:
+        """Apply `stack` merged; the apply time, the device memory it adds (held after, peak during), the host copy."""
+        before = self.allocated()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        applied = None
+
+        def run() -> None:
+            nonlocal applied
+            applied = apply_loras(dit, stack, streamed)
+
+        seconds = self.seconds(run)
+        peak = torch.cuda.max_memory_allocated() - before if self.device.type == "cuda" else 0
+        return {"apply_s": seconds, "extra_vram_MB": (self.allocated() - before) / 1e6, "peak_vram_MB": peak / 1e6,
+                "host_copy_MB": applied.backup_bytes / 1e6, "pinned_MB": applied.backup_pinned_bytes / 1e6,
+                "merged_layers": applied.merged_layers, "branch_layers": applied.branch_layers}
+
+    def merged_rows(self, dit: ErnieDiT, label: str, loras: dict[str, Path], names: tuple[str, ...], args,
+                    streamed=()) -> None:
+        """Base step, then each LoRA of `names` merged in turn (the first makes the host copy, later ones switch),
+        then every LoRA removed: the output compared with the base bit for bit."""
+        graphs = self.graphs()
+        first = self.first_call_s(dit, args)
+        base_ms = self.step_ms(dit, args)
+        with torch.inference_mode():
+            base_out = dit(*args).clone()
+        self.row(f"{label}: base", step_ms=base_ms, first_call_s=first, new_graphs=self.graphs() - graphs)
+        for index, name in enumerate(names):
+            parsed = load_lora(loras[name], self.config)
+            graphs = self.graphs()
+            measured = self.merge_step(dit, [(parsed, 1.0, "merge")], streamed)
+            ms = self.step_ms(dit, args)
+            what = "merge" if index == 0 else "switch to merged"
+            self.row(f"{label}: {what} {name}", step_ms=ms, x_base=ms / base_ms, new_graphs=self.graphs() - graphs,
+                     lora_MB=parsed.branch_params() * self.dtype.itemsize / 1e6, **measured)
+        graphs = self.graphs()
+        measured = self.merge_step(dit, [], streamed)
+        ms = self.step_ms(dit, args)
+        with torch.inference_mode():
+            exact = bool(torch.equal(dit(*args), base_out))
+        self.row(f"{label}: all LoRAs removed", step_ms=ms, x_base=ms / base_ms, new_graphs=self.graphs() - graphs,
+                 bit_exact_base=exact, apply_s=measured["apply_s"], host_copy_MB=measured["host_copy_MB"])
+
+    def merged_bf16(self, loras: dict[str, Path]) -> None:
+        dit = self.build_dit()
+        if self.device.type == "cuda":
+            fuse_projections(dit)
+        compiled = compile_blocks(dit)
+        label = "merged bf16 compiled" if compiled else f"merged {str(self.dtype).replace('torch.', '')} eager"
+        names = tuple(n for n in ("rank32 A", "rank32 B", "rank128") if n in self.switches)
+        self.merged_rows(dit, label, loras, names, self.inputs())
+        dit = None
+        self.clean()
+
+    def merged_fp8(self, loras: dict[str, Path]) -> None:
+        dit = self.build_dit()
+        for block in dit.layers:
+            block.self_attention.fuse_projections()
+            block.mlp.fuse_projections()
+        quantise_block_linears_(dit, "fp8")
+        compile_blocks(dit)
+        self.clean()
+        self.merged_rows(dit, "merged FP8 compiled", loras, ("rank32 A", "rank32 B"), self.inputs())
+        dit = None
+        self.clean()
+
+    def merged_streamed(self, loras: dict[str, Path]) -> None:
+        """At 12 GB the streamed blocks keep the branch; the resident blocks and the stem merge."""
+        dit = self.build_dit()
+        if self.device.type == "cuda":
+            fuse_projections(dit)
+        sizes = ModelSizes.released("turbo")
+        lora_bytes = load_lora(loras["rank32 A"], self.config).branch_params() * self.dtype.itemsize
+        measured = measured_dit_size(dit, sizes.dit.largest_linear_params)
+        sizes = dataclasses.replace(sizes, dit=dataclasses.replace(measured, stem_bytes=measured.stem_bytes + lora_bytes))
+        if self.tiny:
+            plan = plan_dit(sizes, self.config.num_layers // 2, 2, 0)
+            budget = "tiny: half the blocks streamed"
+        else:
+            plan = plan_memory(12 * GiB, Job(self.side, self.side, 1, 1.0, self.text_tokens), sizes).dit
+            budget = "12 GiB"
+        placement = DiTPlacement(dit, plan, self.device)
+        self.clean()
+        label = f"merged, streamed ({budget}, {len(plan.streamed)} of {plan.layers} blocks streamed)"
+        self.merged_rows(dit, label, loras, ("rank32 A", "rank32 B"), self.inputs(), streamed=plan.streamed)
+        placement.release()
+        dit = placement = None
+        self.clean()
+
     def parse_times(self, loras: dict[str, Path]) -> None:
         from ernie_image.runtime.lora import parsed as parsed_module
 
@@ -247,6 +345,7 @@ def main() -> None:
     parser.add_argument("--skip-fp8", action="store_true", help="no FP8 rows (saves two compiles)")
     parser.add_argument("--skip-rank128", action="store_true", help="no rank-128 row (saves one compile)")
     parser.add_argument("--skip-streamed", action="store_true", help="no streamed rows")
+    parser.add_argument("--merged-only", action="store_true", help="only the merged rows (no branch rows)")
     args = parser.parse_args()
     if not args.tiny and not torch.cuda.is_available():
         raise SystemExit("no CUDA GPU: run with --tiny for a CPU smoke run")
@@ -255,10 +354,17 @@ def main() -> None:
     started = time.perf_counter()
     loras = {"rank32 A": bench.write_lora(32, 1), "rank32 B": bench.write_lora(32, 2), "rank128": bench.write_lora(128, 3)}
     bench.parse_times(loras)
-    bench.compiled_bf16(loras)
+    if not args.merged_only:
+        bench.compiled_bf16(loras)
+        if not args.skip_streamed:
+            bench.streamed(loras)
+    bench.merged_bf16(loras)
+    if bench.device.type == "cuda" and not args.skip_fp8:
+        bench.merged_fp8(loras)
     if not args.skip_streamed:
-        bench.streamed(loras)
+        bench.merged_streamed(loras)
     columns = ["row", "step_ms", "x_base", "apply_s", "first_call_s", "new_graphs", "lora_MB", "extra_vram_MB",
+               "peak_vram_MB", "host_copy_MB", "pinned_MB", "merged_layers", "branch_layers", "bit_exact_base",
                "read_s", "host_slab_MB_before", "host_slab_MB_after", "rss_GB_before", "rss_GB_after"]
     model = "tiny" if args.tiny else "ERNIE-Image-Turbo"
     config = f"{model} DiT, {bench.side}x{bench.side}, {bench.text_tokens} text tokens, batch 1"

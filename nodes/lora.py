@@ -1,14 +1,17 @@
 """ErnieImageLoRA: pipe + a LoRA file from ComfyUI's `loras` folder + strength -> the same model with the LoRA.
 
 Chainable: each node adds its LoRA to the stack of the pipe it gets. The output shares the Loader's loaded
-model (no second copy); the stack is put on the DiT when a sampler runs with it, changing only the LoRA branches.
+model (no second copy); the stack is put on the DiT when a sampler runs with it, re-applying only the LoRA deltas.
+`mode` (merge / branch) is an optional widget appended last, so workflows saved before it existed load unchanged:
+the editor fills a widget missing from widgets_values with its default, and an API graph without the input runs
+`apply` with the default.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from ..runtime.errors import InvalidInputError
-from ..runtime.lora.stack import MAX_STRENGTH, check_strength
+from ..runtime.lora.stack import LORA_MODES, MAX_STRENGTH, check_strength
 from ..runtime.lora.view import describe_stack
 from . import comfy_env
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
@@ -39,11 +42,29 @@ class ErnieImageLoRA:
                 "strength": ("FLOAT", {"default": 1.0, "min": -MAX_STRENGTH, "max": MAX_STRENGTH, "step": 0.01,
                                        "tooltip": "How strongly the LoRA applies: 1.0 as trained, 0 off, negative "
                                        "inverts it."}),
-            }
+            },
+            "optional": {
+                "mode": (list(LORA_MODES), {"default": "merge",
+                                            "tooltip": "merge: added into the model's weights on the GPU (no slowdown per "
+                                            "step; the original weights are kept in RAM to remove it exactly). branch: "
+                                            "run beside the weights (a few % slower per step, no RAM copy). Streamed "
+                                            "blocks, GGUF and NVFP4 weights always use the branch."}),
+            },
         }
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, strength: Any = None) -> Any:
+        """Checked when the prompt is queued (POST /prompt answers 400 with this reason), not only when it runs:
+        ComfyUI's own min/max check lets NaN through. A strength fed by a link is None here and checked on run."""
+        if strength is None:
+            return True
+        try:
+            check_strength(strength)
+        except InvalidInputError as error:
+            return str(error)
+        return True
 
-    def apply(self, pipe: Any, lora_name: str, strength: float) -> dict[str, Any]:
+    def apply(self, pipe: Any, lora_name: str, strength: float, mode: str = "merge") -> dict[str, Any]:
         if pipe is None or not hasattr(pipe, "generate"):
             raise InvalidInputError("the pipe input is not connected: wire an ERNIE-Image Loader to it")
         if not hasattr(pipe, "with_loras"):
@@ -51,6 +72,6 @@ class ErnieImageLoRA:
         path = comfy_env.resolve_model_file((LORA_FOLDER_KEY,), lora_name, "LoRA")
         if path is None:
             raise InvalidInputError("no LoRA picked: put a LoRA .safetensors in models/loras and pick it")
-        view = pipe.with_loras([(path, check_strength(strength, lora_name))])
+        view = pipe.with_loras([(path, check_strength(strength, lora_name), mode)])
         view.check()  # a bad file fails here, on this node, before any sampler runs
         return shown_on_node(describe_stack(view.loras), view)

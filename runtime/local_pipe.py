@@ -55,6 +55,9 @@ class LoadOptions:
     # Prompt enhancer on an OpenAI-compatible chat server (text.remote_enhancer.ChatEndpoint; holds no secret).
     # When set, requests with use_pe are revised there instead of by a local PE.
     pe_endpoint: Optional[Any] = None
+    # How LoRAs that name no mode of their own are applied: "merge" (added into the resident weights in place, no
+    # cost per step, originals kept in host memory) or "branch" (beside the weights). See lora/merge.py.
+    lora_mode: str = "merge"
 
     def validate(self) -> None:
         """Refuse a device name or quantisation the pipe cannot use, before any file is read or model built."""
@@ -67,6 +70,9 @@ class LoadOptions:
         if self.pe_quant not in ("none", *PE_QUANT_FORMATS):
             raise InvalidInputError(f"pe_quant {self.pe_quant!r} is not supported: use none or "
                                     f"{', '.join(PE_QUANT_FORMATS)}")
+        from .lora.stack import check_mode
+
+        check_mode(self.lora_mode)
         if self.quant not in QUANT_CHOICES:
             raise InvalidInputError(f"quant {self.quant!r} is not supported: use one of {', '.join(QUANT_CHOICES)}, "
                                     "or give a quantised DiT file").naming("quant")
@@ -139,7 +145,7 @@ class LocalPipe:
     def __init__(self, sources: ModelSources, options: LoadOptions, variant: Variant, loras=None) -> None:
         options.validate()
         self.loras = LoraStack.of(loras)  # the pipe's own LoRA stack (empty: the base model); see with_loras
-        self._lora = PipeLoras(self.loras)
+        self._lora = PipeLoras(self.loras, options.lora_mode)
         self.sources = sources
         self.options = options
         self.variant = variant
@@ -167,6 +173,9 @@ class LocalPipe:
         encoder and the whole sampling loop have run. `loras`: LoRA files (paths, (path, strength) pairs or
         lora.LoraEntry) every run of this pipe applies; they are read and checked here too."""
         options = options or LoadOptions()
+        from .lora.parsed import check_lora_files
+
+        check_lora_files(LoraStack.of(loras))  # a bad LoRA file fails first, before any model file is opened
         pipe = cls(sources, options, sources.detect_variant(), loras)
         for component, kind in (("transformer", "dit"), ("text_encoder", "text_encoder"), ("vae", "vae")):
             open_component(sources.component(component), kind)
@@ -177,12 +186,13 @@ class LocalPipe:
             open_pe_component(locate_pe(sources))
         return pipe
 
-    def with_loras(self, loras):
+    def with_loras(self, loras, mode: Optional[str] = None):
         """A view of this pipe (same loaded model, no second copy) that runs with this pipe's LoRAs followed by
-        `loras`; switching between views changes only the LoRA branches, never the base weights."""
+        `loras`; switching between views re-applies only the LoRA deltas, never reads the base weights again.
+        `mode`: "merge" or "branch" for the entries that name none (None: LoadOptions.lora_mode)."""
         from .lora.view import LoraPipe
 
-        return LoraPipe(self, self.loras).with_loras(loras)
+        return LoraPipe(self, self.loras).with_loras(loras, mode)
 
     @property
     def defaults(self) -> dict[str, float]:
@@ -213,6 +223,9 @@ class LocalPipe:
             from .lora.view import describe_stack
 
             lines.append(describe_stack(self.loras))
+        merged = self._lora.describe(self._loaded.dit)
+        if merged:
+            lines.append(merged)
         if self.memory.plan is not None and request is None:
             lines.append(self.memory.describe())
         else:
@@ -258,7 +271,9 @@ class LocalPipe:
             if self.compiles_dit:
                 compile_blocks(dit)
             self._loaded.dit = dit
-        self._lora.sync(self._loaded.dit)  # after placement: the branches stay resident, never streamed
+        # After placement: branches stay resident, never streamed; merge-mode LoRAs merge into the resident blocks.
+        streamed = self.memory.dit.plan.streamed if self.memory.dit is not None else ()
+        self._lora.sync(self._loaded.dit, streamed, self.memory.host)
         return self._loaded.dit
 
     def _dit_forward(self, dit):
@@ -570,7 +585,8 @@ class LocalPipe:
     def host_bytes(self) -> dict[str, int]:
         """Host memory this pipe holds now: all of it (`host_tensors`, each storage once) and the page-locked part."""
         storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in self.host_tensors()}
-        return {"host": sum(n for _, n in storages), "pinned": self.memory.pinned_bytes()}
+        return {"host": sum(n for _, n in storages),
+                "pinned": self.memory.pinned_bytes() + self._lora.pinned_bytes(self._loaded.dit)}
 
     def host_tensors(self) -> list[torch.Tensor]:
         """Every host tensor this pipe holds now: streaming slabs (page-locked on CUDA) and weights kept in host
@@ -582,6 +598,7 @@ class LocalPipe:
             if module is None:
                 continue
             tensors += [t for t in (*module.parameters(), *module.buffers()) if t.device.type == "cpu"]
+        tensors += self._lora.host_tensors(loaded.dit)  # a merged LoRA's copy of the original weights
         return tensors
 
     # ComfyUI's node cache (comfy_execution/caching.py RAMPressureCache) sizes a cached output by the CPU tensors

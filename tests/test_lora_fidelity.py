@@ -1,4 +1,4 @@
-"""A LoRA applied by the pack gives diffusers' image (load_lora_weights + set_adapters) for the layouts diffusers
+"""A LoRA applied by the pack, merged or as a branch, gives diffusers' image (load_lora_weights + set_adapters) for the layouts diffusers
 reads, and the image of a hand-merged DiT for those it does not (kohya, OneTrainer, LoKr, LoHa); fp32 on the CPU,
 within 1/255 of the decoded image."""
 from __future__ import annotations
@@ -33,9 +33,11 @@ def shapes(weights):
     return lf.linear_shapes(weights)
 
 
-@pytest.fixture(scope="module")
-def pipe(tiny_turbo_folder):
-    return LocalPipe.load(ModelSources(model_dir=tiny_turbo_folder), LoadOptions(device="cpu", dtype="fp32"))
+@pytest.fixture(scope="module", params=["merge", "branch"])
+def pipe(tiny_turbo_folder, request):
+    """Both ways of applying a LoRA: merged into the weights (the default) and as a branch beside them."""
+    return LocalPipe.load(ModelSources(model_dir=tiny_turbo_folder),
+                          LoadOptions(device="cpu", dtype="fp32", lora_mode=request.param))
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""LoRAs on every placement and weight format of the DiT, switched without reloading it (fp32 CPU, tiny models):
+"""LoRAs as branches (lora_mode "branch"; merged ones: test_lora_merge.py) on every placement and weight format of
+the DiT, switched without reloading it (fp32 CPU, tiny models):
 removing them gives the base image bit for bit, switching never reads the base weights again, streamed blocks
 and packed (Q8_0) weights keep their form, the fused q/k/v and gate/up projections get the right slices, and the
 planner counts the branches."""
@@ -47,7 +48,7 @@ def loras(tiny_turbo_folder, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipe(model):
-    return LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32"))
+    return LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32", lora_mode="branch"))
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +109,9 @@ def test_a_lora_on_some_blocks_only_gets_zero_branches_on_the_others(pipe, loras
 
 
 def test_fused_qkv_and_gate_up_receive_their_own_slices(model, loras):
-    config_pipe = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32"))
+    config_pipe = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32", lora_mode="branch"))
     plain = config_pipe._dit()
-    fused = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32"))._dit()
+    fused = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32", lora_mode="branch"))._dit()
     assert fuse_projections(fused) == 2 * len(fused.layers)
     config = plain.config
     stack = [(load_lora(loras["attention"], config), 0.7), (load_lora(loras["kohya"], config), 1.1)]
@@ -137,12 +138,12 @@ def test_streamed_blocks_with_a_lora_give_the_resident_image(tmp_path_factory, l
     weights = lf.dit_weights(model.model_dir)
     path = lf.write_down_up(tmp_path_factory.mktemp("l6") / "six.safetensors",
                             lf.random_lora(lf.linear_shapes(weights), 4, seed=5), 4.0, lf.kohya_name)
-    resident = LocalPipe.load(model, LoadOptions(device="cpu"), loras=[(path, 0.8)]).generate(REQUEST, NullHost())
-    config = LocalPipe.load(model, LoadOptions(device="cpu"))._lora.dit_config(model)
+    resident = LocalPipe.load(model, LoadOptions(device="cpu", lora_mode="branch"), loras=[(path, 0.8)]).generate(REQUEST, NullHost())
+    config = LocalPipe.load(model, LoadOptions(device="cpu", lora_mode="branch"))._lora.dit_config(model)
     lora_gb = load_lora(path, config).branch_params() * 4 / 1024**3
     # A budget that streams some blocks with room for the branches too: adding the LoRA keeps the placement.
     budget = streaming_budget_gb(model) + lora_gb
-    streamed_pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=budget))
+    streamed_pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=budget, lora_mode="branch"))
     base = streamed_pipe.generate(REQUEST, NullHost())
     placement = streamed_pipe.memory.dit
     host_bytes = placement.streamer.host_bytes
@@ -155,7 +156,7 @@ def test_streamed_blocks_with_a_lora_give_the_resident_image(tmp_path_factory, l
 
 
 def test_the_planner_counts_the_lora_branches_in_the_dit_stem(model, loras):
-    budgeted = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=4.0))
+    budgeted = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=4.0, lora_mode="branch"))
     budgeted.generate(REQUEST, NullHost())
     stem = budgeted.memory.plan.dit.stem_bytes
     budgeted.with_loras([(loras["kohya"], 1.0)]).generate(REQUEST, NullHost())
@@ -173,7 +174,7 @@ PACKED = {"q8_0": (torch.uint8, 0.01), "fp8": (torch.float8_e4m3fn, 0.02), "nvfp
 @pytest.mark.parametrize("fmt", list(PACKED))
 def test_a_packed_dit_keeps_its_weights_packed_and_takes_the_lora_as_a_branch(model, loras, pipe, fmt):
     reference = pipe.with_loras([(loras["toolkit"], 1.0)]).generate(REQUEST, NullHost()).images
-    quantised = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32", quant=fmt))
+    quantised = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32", quant=fmt, lora_mode="branch"))
     base = quantised.generate(REQUEST, NullHost()).images
     images = quantised.with_loras([(loras["toolkit"], 1.0)]).generate(REQUEST, NullHost()).images
     wrapper = quantised._loaded.dit.layers[0].mlp.gate_proj
@@ -186,10 +187,10 @@ def test_a_packed_dit_keeps_its_weights_packed_and_takes_the_lora_as_a_branch(mo
 
 
 def test_a_lora_given_to_load_is_the_pipes_own_and_is_recorded(model, loras):
-    pipe = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32"), loras=[loras["kohya"]])
+    pipe = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32", lora_mode="branch"), loras=[loras["kohya"]])
     result = pipe.generate(REQUEST, NullHost())
     assert result.info["loras"] == [{"name": "kohya.safetensors", "strength": 1.0,
-                                     "style": "kohya (lora_unet_) LoRA"}]
+                                     "style": "kohya (lora_unet_) LoRA", "mode": "branch"}]
     assert "LoRA: kohya.safetensors (1)" in pipe.describe()
     view = pipe.with_loras([(loras["toolkit"], 0.5)]).describe()
     assert view.count("LoRA: ") == 1 and "LoRA: kohya.safetensors (1), toolkit.safetensors (0.5)" in view

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 import torch.nn.functional as F
@@ -144,10 +144,11 @@ def _kind(physical: str) -> str:
     return "block." + match.group(2) if match else physical
 
 
-def _block_kinds_to_pad(dit: ErnieDiT, branches: dict[str, _Branch]) -> None:
-    """Give every block a (zero) branch on a layer kind that some block's LoRA adapts."""
+def _block_kinds_to_pad(dit: ErnieDiT, branches: dict[str, _Branch],
+                        blocks: Optional[Collection[int]] = None) -> None:
+    """Give every block (of `blocks`; None: all) a (zero) branch on a layer kind that some block's LoRA adapts."""
     kinds = {_kind(p)[len("block."):] for p in branches if _kind(p).startswith("block.")}
-    for index in range(len(dit.layers)):
+    for index in (range(len(dit.layers)) if blocks is None else sorted(blocks)):
         for kind in kinds:
             physical = f"layers.{index}.{kind}"
             if physical not in branches:
@@ -196,15 +197,17 @@ def wrapped_layers(dit: nn.Module) -> dict[str, LoraLinear]:
 
 
 def apply_stack(dit: ErnieDiT, stack: list[tuple[ParsedLora, float]], device: Optional[torch.device] = None,
-                dtype: Optional[torch.dtype] = None) -> dict[str, int]:
+                dtype: Optional[torch.dtype] = None, pad_blocks: Optional[Collection[int]] = None) -> dict[str, int]:
     """Make `dit` carry exactly `stack` (an empty one: the base model). Existing branches of the same shape get
     the new values in place; others are rebuilt; layers no LoRA adapts any more get their base module back.
+    `pad_blocks`: the blocks that get zero branches where the stack skips them (None: all; a merged LoRA's branch
+    on streamed blocks pads only those, so the merged blocks carry no branch).
     Returns counts: {"layers": adapted Linears, "bytes": branch bytes on the device}."""
     device = torch.device(device) if device is not None else dit.x_embedder.proj.weight.device
     dtype = dtype or dit.dtype
     branches = plan_branches(dit, stack)
     if branches:
-        _block_kinds_to_pad(dit, branches)
+        _block_kinds_to_pad(dit, branches, pad_blocks)
     ranks = _uniform_ranks(branches)
     branches = {p: b for p, b in branches.items() if ranks[p] or b.kron}  # e.g. a LoKr-only kind padded with nothing
     current = wrapped_layers(dit)

@@ -1,21 +1,30 @@
-"""`--lora PATH[:STRENGTH]` for `ernie-image generate`: repeatable, checked before any weights are read."""
+"""`--lora PATH[:STRENGTH]` (repeatable) and `--lora-mode merge|branch` for `ernie-image generate`: the files are
+checked (existence, pickles, contents) before any model is built or any model file read."""
 from __future__ import annotations
 
 import argparse
 from typing import Sequence
 
 from .files import file_stamp
-from .stack import LoraStack, parse_lora_argument
+from .stack import LORA_MODES, LoraStack, parse_lora_argument
 
 
 def add_lora_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                         help="a LoRA .safetensors and its strength (default 1.0, -10..10); repeat for a stack")
+    parser.add_argument("--lora-mode", choices=LORA_MODES, default="merge",
+                        help="merge: add the LoRAs into the resident weights (no cost per step; the originals are "
+                             "kept in host RAM); branch: run them beside the weights (a few %% per step, no host "
+                             "copy). Streamed blocks, GGUF and NVFP4 weights always take the branch (default: merge)")
 
 
 def lora_stack(values: Sequence[str]) -> LoraStack:
-    """The stack the --lora options give; a bad strength, a missing file or a pickle fails here in one line."""
+    """The stack the --lora options give; a bad strength, a missing file, a pickle, a file given twice or a file
+    that is not an ERNIE-Image LoRA fails here in one line."""
+    from .parsed import check_lora_files
+
     stack = LoraStack(tuple(parse_lora_argument(value) for value in values))
     for entry in stack.entries:
         file_stamp(entry.path)
+    check_lora_files(stack)
     return stack

@@ -72,6 +72,15 @@ def dit_linear_shapes(config: DiTConfig) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def linear_names(keys: list[str]) -> dict[str, tuple[int, int]]:
+    """Every DiT Linear path a DiT with as many blocks as `keys` name could have, with no shapes (0, 0): what
+    checking a LoRA file's keys needs before the DiT's config is known (the shapes are checked when it is)."""
+    indices = [int(found) for key in keys for found in re.findall(r"layers[._](\d+)[._]", key)]
+    blocks = min(max(indices, default=0) + 1, 1024)
+    shapes = dit_linear_shapes(DiTConfig(hidden_size=64, num_layers=blocks, ffn_hidden_size=64, text_in_dim=32))
+    return {path: (0, 0) for path in shapes}
+
+
 @dataclass
 class MappedKeys:
     """A LoRA file's tensors grouped by the DiT Linear they adapt: {module path: {adapter part: tensor}}."""

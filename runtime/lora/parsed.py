@@ -7,8 +7,8 @@ from pathlib import Path
 
 from ..dit import DiTConfig
 from .adapters import Adapter, Kron, LowRank, build_adapter, peft_alphas
-from .files import FileStamp, file_stamp, read_lora_tensors
-from .keys import describe_unmatched, dit_linear_shapes, map_keys
+from .files import FileStamp, LoraTensors, file_stamp, read_lora_tensors
+from .keys import describe_unmatched, dit_linear_shapes, linear_names, map_keys
 
 CACHE_SIZE = 8  # parsed files kept: switching among a few LoRAs reads none of them again
 
@@ -33,7 +33,28 @@ class ParsedLora:
 
 
 _cache: "OrderedDict[tuple[FileStamp, DiTConfig], ParsedLora]" = OrderedDict()
+_checked: "OrderedDict[FileStamp, LoraTensors]" = OrderedDict()  # checked by check_lora_file, not yet parsed
 reads = 0  # files actually parsed since import (tests check that switching back reads nothing)
+
+
+def check_lora_files(stack) -> None:
+    """`check_lora_file` for every entry of a LoraStack, in order."""
+    for entry in stack.entries:
+        check_lora_file(entry.path)
+
+
+def check_lora_file(path: Path) -> None:
+    """What can be checked of a LoRA file before any model is opened: a safetensors file (not a pickle), complete,
+    finite, with LoRA weights of ERNIE-Image DiT layers (not another model's, not a text encoder's alone). One-line
+    ModelFileError; its shapes are checked against the DiT when the pipe parses it (`load_lora`)."""
+    stamp = file_stamp(path)
+    if stamp in _checked or any(key[0] == stamp for key in _cache):
+        return
+    raw = read_lora_tensors(Path(path))
+    map_keys(raw.name, raw.tensors, linear_names(list(raw.tensors)))
+    _checked[stamp] = raw  # parsed next without reading the file again
+    while len(_checked) > CACHE_SIZE:
+        _checked.popitem(last=False)
 
 
 def load_lora(path: Path, config: DiTConfig) -> ParsedLora:
@@ -44,7 +65,7 @@ def load_lora(path: Path, config: DiTConfig) -> ParsedLora:
     if parsed is not None:
         _cache.move_to_end(key)
         return parsed
-    raw = read_lora_tensors(Path(path))
+    raw = _checked.pop(key[0], None) or read_lora_tensors(Path(path))
     targets = dit_linear_shapes(config)
     mapped = map_keys(raw.name, raw.tensors, targets)
     peft = peft_alphas(raw.metadata)
@@ -68,4 +89,4 @@ def _kind(parts: dict) -> str:
     return "LoRA"
 
 
-__all__ = ["ParsedLora", "load_lora", "Kron", "LowRank"]
+__all__ = ["ParsedLora", "check_lora_file", "check_lora_files", "load_lora", "Kron", "LowRank"]

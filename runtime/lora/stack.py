@@ -3,13 +3,17 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Union
+from typing import Iterable, Optional, Union
 
 from ..errors import InvalidInputError
 
 MAX_STRENGTH = 10.0
+# How a LoRA reaches the DiT: "merge" adds its delta into the resident weights in place (merge.py; no cost per
+# step), "branch" runs it beside each Linear (attach.py; its own buffers, a few % per step). None: the pipe's
+# LoadOptions.lora_mode.
+LORA_MODES = ("merge", "branch")
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(nan|inf|infinity)", re.IGNORECASE)
 
 
@@ -26,14 +30,23 @@ def check_strength(strength: float, name: str = "") -> float:
     return value
 
 
+def check_mode(mode: Optional[str]) -> Optional[str]:
+    if mode is not None and mode not in LORA_MODES:
+        raise InvalidInputError(f"LoRA mode {mode!r} is not known: use merge (into the weights, no cost per step) or "
+                                f"branch (beside the weights)")
+    return mode
+
+
 @dataclass(frozen=True)
 class LoraEntry:
     path: Path
     strength: float = 1.0
+    mode: Optional[str] = None  # "merge", "branch"; None: the pipe's LoadOptions.lora_mode
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
         object.__setattr__(self, "strength", check_strength(self.strength, Path(self.path).name))
+        object.__setattr__(self, "mode", check_mode(self.mode))
 
     @property
     def name(self) -> str:
@@ -49,28 +62,33 @@ class LoraStack:
 
     entries: tuple[LoraEntry, ...] = ()
 
+    def __post_init__(self) -> None:
+        refuse_repeated_files(self.entries)
+
     @classmethod
-    def of(cls, items: Union["LoraStack", Iterable[EntryLike], None]) -> "LoraStack":
-        """From a stack, or from entries, paths, or (path, strength) pairs."""
+    def of(cls, items: Union["LoraStack", Iterable[EntryLike], None], mode: Optional[str] = None) -> "LoraStack":
+        """From a stack, or from entries, paths, (path, strength) or (path, strength, mode) tuples; `mode` is given
+        to the entries that name none."""
         if items is None:
             return cls()
+        check_mode(mode)
         if isinstance(items, LoraStack):
-            return items
+            items = items.entries
         if isinstance(items, (str, Path, LoraEntry)):
             items = [items]
         entries = []
         for item in items:
             if isinstance(item, LoraEntry):
-                entries.append(item)
+                entry = item
             elif isinstance(item, (str, Path)):
-                entries.append(LoraEntry(Path(item)))
+                entry = LoraEntry(Path(item))
             else:
-                path, strength = item
-                entries.append(LoraEntry(Path(path), strength))
+                entry = LoraEntry(*item)
+            entries.append(entry if entry.mode is not None or mode is None else replace(entry, mode=mode))
         return cls(tuple(entries))
 
-    def plus(self, other: Union["LoraStack", Iterable[EntryLike]]) -> "LoraStack":
-        return LoraStack(self.entries + LoraStack.of(other).entries)
+    def plus(self, other: Union["LoraStack", Iterable[EntryLike]], mode: Optional[str] = None) -> "LoraStack":
+        return LoraStack(self.entries + LoraStack.of(other, mode).entries)
 
     def __bool__(self) -> bool:
         return bool(self.entries)
@@ -81,6 +99,20 @@ class LoraStack:
     def metadata(self) -> list[dict]:
         """File names and strengths, for PNG text and result info (names only: full paths may hold a user name)."""
         return [{"name": entry.name, "strength": entry.strength} for entry in self.entries]
+
+
+def refuse_repeated_files(entries: Iterable[LoraEntry]) -> None:
+    """The same file twice in one stack would apply it at the sum of its strengths, which nobody means by chaining
+    a node twice: refused, naming both strengths and the one strength that gives the same result."""
+    seen: dict[Path, LoraEntry] = {}
+    for entry in entries:
+        key = entry.path.expanduser().resolve()
+        first = seen.get(key)
+        if first is not None:
+            raise InvalidInputError(f"LoRA {entry.name} is given twice (strengths {first.strength:g} and "
+                                    f"{entry.strength:g}), which would apply it at {first.strength + entry.strength:g}:"
+                                    f" give it once, with the strength you want")
+        seen[key] = entry
 
 
 def parse_lora_argument(text: str) -> LoraEntry:

@@ -26,9 +26,16 @@ class LoraPipe:
     def kind(self) -> str:
         return self.base.kind
 
-    def with_loras(self, entries: Iterable) -> "LoraPipe":
-        """This view's stack followed by `entries` (LoraEntry, path, or (path, strength))."""
-        return LoraPipe(self.base, self.loras.plus(entries))
+    def with_loras(self, entries: Iterable, mode: Optional[str] = None) -> "LoraPipe":
+        """This view's stack followed by `entries` (LoraEntry, path, (path, strength) or (path, strength, mode));
+        `mode` ("merge", "branch") for those that name none. The new files' contents are checked now (one-line
+        ModelFileError: not a LoRA, another model's, NaN inside); their shapes when the pipe parses them."""
+        from .parsed import check_lora_files
+
+        added = LoraStack.of(entries, mode)
+        stack = self.loras.plus(added)  # refuses a file given twice
+        check_lora_files(added)
+        return LoraPipe(self.base, stack)
 
     def check(self) -> None:
         """Read and check every LoRA file of the stack now (cached for the run): one-line ModelFileError."""
