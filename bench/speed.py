@@ -1,6 +1,7 @@
 """DiT step and whole-image speed on the GPU, against diffusers on the same random weights in the same run.
 
     python bench/speed.py [--skip-dit | --skip-e2e] [--skip-compile] [--compile-variants]
+    python bench/speed.py --pe-e2e --out DIR [--tiny]   # whole images with the prompt enhancer (bench/pe_e2e.py)
 
 Prints: per variant, ms per DiT forward at 1024x1024 with 256 text tokens, TFLOP/s, ratio to diffusers eager,
 ratio to two floors, and the SM clock and power while it ran; then whole Turbo and Base images (cold and warm) next
@@ -222,7 +223,17 @@ def main() -> None:
     parser.add_argument("--skip-dit", action="store_true", help="whole images only")
     parser.add_argument("--compile-variants", action="store_true",
                         help="also inductor's coordinate-descent and max-autotune compiles (about 3 more minutes)")
-    args = parser.parse_args()
+    parser.add_argument("--pe-e2e", action="store_true",
+                        help="only whole images with the prompt enhancer on and off, next to diffusers' use_pe=True; "
+                             "its options: bench/speed.py --pe-e2e --help")
+    args, rest = parser.parse_known_args()
+    if args.pe_e2e:
+        from pe_e2e import main as pe_e2e_main
+
+        pe_e2e_main(rest)
+        return
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     print_environment()
     if not args.skip_dit:
         ours, reference = build_models()
