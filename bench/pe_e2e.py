@@ -1,6 +1,6 @@
 """Whole images with the prompt enhancer (PE) on and off: this pack's LocalPipe beside diffusers' ErnieImagePipeline.
 
-    python bench/speed.py --pe-e2e --out DIR          # CUDA GPU, full-size random weights: about 4 minutes on an H200
+    python bench/speed.py --pe-e2e --out DIR          # CUDA GPU, full-size random weights (planned: ~4 min, H200)
     python bench/speed.py --pe-e2e --tiny --out DIR   # CPU smoke test of the same code with the tiny models
 
 Rows: Turbo (8 steps, CFG 1) with an FP8 and with a bf16 DiT, Base (50 steps, CFG 4) with an FP8 DiT, each with the
@@ -21,8 +21,8 @@ Each image is timed whole and split into PE rewrite / text encode / DiT sampling
 - warm: the median of `--warm-runs` images after the first of that row in this process. first in process: the
   row's first image (what it paid is in the notes). fresh process: a new Python process for the row (imports,
   random weights built on the GPU in place of reading files, compile from an empty inductor/Triton cache, the
-  first image), timed from its start; `--cold-process` picks the rows (each costs ~20-40 s), and runs them before
-  this process builds anything.
+  first image), timed from its start; `--cold-process` picks the rows (each costs ~20-45 s; default: the pack's
+  Turbo FP8 and diffusers' Turbo, PE on), and runs them before this process builds anything.
 Writes DIR/pe_e2e.json and DIR/pe_e2e.md.
 """
 from __future__ import annotations
@@ -429,8 +429,13 @@ def fresh_process_runs(args, keys: list[str]) -> dict[str, dict]:
                        "--cold-child", key, "--size", str(args.size), "--pe-tokens", str(args.pe_tokens)]
             command += ["--tiny"] if args.tiny else []
             spawned = time.time()
-            done = subprocess.run(command + ["--spawned-at", repr(spawned)], env=env, capture_output=True, text=True,
-                                  timeout=args.cold_timeout)
+            try:
+                done = subprocess.run(command + ["--spawned-at", repr(spawned)], env=env, capture_output=True,
+                                      text=True, timeout=args.cold_timeout)
+            except subprocess.TimeoutExpired:
+                results[key] = {"row": key, "error": f"no image within --cold-timeout {args.cold_timeout} s"}
+                print("# fresh process " + json.dumps(results[key]), flush=True)
+                continue
         lines = [line for line in done.stdout.splitlines() if line.startswith(COLD_MARK)]
         if done.returncode != 0 or not lines:
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
@@ -445,7 +450,7 @@ def seconds(value: Optional[float], digits: int = 2) -> str:
     return "" if value is None else f"{value:.{digits}f}"
 
 
-def table_rows(rows: list[Row]) -> list[dict]:
+def table_rows(rows: list[Row], smoke: bool) -> list[dict]:
     out = []
     for row in rows:
         warm = row.warm_image()
@@ -464,7 +469,8 @@ def table_rows(rows: list[Row]) -> list[dict]:
             "other s": seconds(warm.other_s if warm else None, 3),
             "PE tokens": str(warm.pe_tokens) if warm and row.pe else "",
             "target s": f"<= {target}" if target is not None else "",
-            "meets": ("yes" if warm.wall_s <= target else "no") if target is not None and warm else "",
+            "meets": "" if target is None or not warm else "(smoke)" if smoke else "yes" if warm.wall_s <= target
+            else "no",
         })
     return out
 
@@ -485,6 +491,14 @@ def pe_prompt_tokens(components: Components, size: int) -> int:
 
     tokenizer = components.pe_tokenizer
     return len(prompt_token_ids(tokenizer, render_chat(tokenizer, PROMPT, size, size)))
+
+
+ENVIRONMENT_COLUMNS = ["device", "gpu", "torch", "cuda", "triton", "transformers", "diffusers", "python", "date"]
+
+
+def environment_table(env: dict) -> str:
+    return ("| " + " | ".join(ENVIRONMENT_COLUMNS) + " |\n| " + " | ".join("---" for _ in ENVIRONMENT_COLUMNS)
+            + " |\n| " + " | ".join(str(env.get(c, "")) for c in ENVIRONMENT_COLUMNS) + " |")
 
 
 def notes(args, components: Components, peak_gib: Optional[float]) -> list[str]:
@@ -527,8 +541,7 @@ def notes(args, components: Components, peak_gib: Optional[float]) -> list[str]:
 def run(args) -> None:
     started = time.perf_counter()
     env = environment()
-    if args.tiny:
-        env["device"] = "cpu (tiny models)"
+    env["device"] = "cpu (tiny models)" if args.tiny else "cuda"
     print("# " + json.dumps(env), flush=True)
     phases: dict[str, float] = {}
     cold_keys = [] if args.cold_process in ("", "none") else [k.strip() for k in args.cold_process.split(",")]
@@ -557,7 +570,7 @@ def run(args) -> None:
     phases["total"] = time.perf_counter() - started
     phases = {name: round(value, 1) for name, value in phases.items()}
 
-    printed = table_rows(rows)
+    printed = table_rows(rows, args.tiny)
     title = (f"Whole images with the prompt enhancer, {args.size}x{args.size}, {env['gpu']}, torch {env['torch']}, "
              f"CUDA {env['cuda']}, diffusers {env['diffusers']}, transformers {env['transformers']}, "
              f"triton {env['triton']}, {env['date']}")
@@ -582,7 +595,8 @@ def run(args) -> None:
               "fresh_process": fresh, "peak_gib": peak, "phases_s": phases}
     (args.out / "pe_e2e.json").write_text(json.dumps(record, indent=1))
     (args.out / "pe_e2e.md").write_text(f"**{title}**\n\n{markdown_table(printed)}\n\n"
-                                        + "\n".join("- " + line for line in note_lines) + "\n")
+                                        + "\n".join("- " + line for line in note_lines) + "\n\n"
+                                        + environment_table(env) + "\n")
     failed = [key for key, result in fresh.items() if "error" in result]
     if failed:
         raise SystemExit(f"fresh-process run(s) failed: {', '.join(failed)} (the table was written)")
