@@ -522,7 +522,8 @@ def notes(args, components: Components, peak_gib: Optional[float]) -> list[str]:
         "vae.decode with the device drained at each boundary, DiT = from the last text encode to the decode. "
         "other = the rest of the wall time (chat template, tokenising, noise, copies to the host).",
         "Rows ran in table order in one process. first in process: for the pack, the first PE-on row of each DiT "
-        "includes compiling that DiT's blocks (FP8 first; the Base rows reuse the compiled FP8 DiT) and the first "
+        "includes compiling that DiT's blocks (through inductor's default cache, warm if an earlier run on this "
+        "machine filled it; FP8 first; the Base rows reuse the compiled FP8 DiT) and the first "
         "PE-on row the PE's first kernels; the PE-off rows include the recompile for the shorter text. diffusers "
         "compiles nothing; its rows ran after the pack's"
         + (", and its Base rows are one image each (warm: not the first image of that pipeline)."
