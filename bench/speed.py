@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 
 import torch
 
@@ -217,6 +218,11 @@ def dit_rows(ours, reference, skip_compile: bool, variants: bool = False) -> lis
 
 
 def main() -> None:
+    if "--pe-e2e" in sys.argv[1:]:  # its own options (and --help): bench/pe_e2e.py
+        from pe_e2e import main as pe_e2e_main
+
+        pe_e2e_main([arg for arg in sys.argv[1:] if arg != "--pe-e2e"])
+        return
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
@@ -226,14 +232,7 @@ def main() -> None:
     parser.add_argument("--pe-e2e", action="store_true",
                         help="only whole images with the prompt enhancer on and off, next to diffusers' use_pe=True; "
                              "its options: bench/speed.py --pe-e2e --help")
-    args, rest = parser.parse_known_args()
-    if args.pe_e2e:
-        from pe_e2e import main as pe_e2e_main
-
-        pe_e2e_main(rest)
-        return
-    if rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = parser.parse_args()
     print_environment()
     if not args.skip_dit:
         ours, reference = build_models()
