@@ -30,7 +30,7 @@ def _config(component: str) -> dict:
 
 def build_components():
     from diffusers import AutoencoderKLFlux2, ErnieImageTransformer2DModel
-    from transformers import Mistral3Config, Mistral3Model, MistralConfig, MistralModel, PreTrainedTokenizerFast
+    from transformers import Mistral3Config, Mistral3Model, PreTrainedTokenizerFast
 
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
@@ -47,6 +47,20 @@ def build_components():
         reference_dit = ErnieImageTransformer2DModel(**{k: v for k, v in dit_config().items() if not k.startswith("_")})
     reference_dit.load_state_dict(dit.state_dict(), assign=True)
 
+    tower = shared_text_tower(text_encoder, torch.device("cuda"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>", unk_token="<unk>", model_max_length=2048)
+    assert tokenizer.bos_token_id == BOS_ID and tokenizer.eos_token_id == EOS_ID and tokenizer.pad_token_id == PAD_ID
+    for module in (dit, reference_dit, text_encoder, tower, vae):
+        module.eval().requires_grad_(False)
+    return dit, reference_dit, text_encoder, tower, vae, tokenizer
+
+
+def shared_text_tower(text_encoder, device: torch.device):
+    """The pack's text tower (the language model cut after the layer hidden_states[-2] reads, no final norm)
+    holding `text_encoder`'s own tensors: one copy of the weights serves both pipelines."""
+    from transformers import MistralConfig, MistralModel
+
     language = text_encoder.language_model
     tower_config = MistralConfig(**{**language.config.to_dict(), "num_hidden_layers": language.config.num_hidden_layers - 1})
     with torch.device("meta"):
@@ -56,13 +70,8 @@ def build_components():
              if not k.startswith(f"layers.{language.config.num_hidden_layers - 1}.") and not k.startswith("norm.")}
     tower.load_state_dict(state, assign=True, strict=False)
     with torch.device("cpu"):
-        tower.rotary_emb = type(language.rotary_emb)(tower_config).to("cuda")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(), bos_token="<s>", eos_token="</s>",
-                                        pad_token="<pad>", unk_token="<unk>", model_max_length=2048)
-    assert tokenizer.bos_token_id == BOS_ID and tokenizer.eos_token_id == EOS_ID and tokenizer.pad_token_id == PAD_ID
-    for module in (dit, reference_dit, text_encoder, tower, vae):
-        module.eval().requires_grad_(False)
-    return dit, reference_dit, text_encoder, tower, vae, tokenizer
+        tower.rotary_emb = type(language.rotary_emb)(tower_config).to(device)
+    return tower.eval().requires_grad_(False)
 
 
 def fp8_rows(ours: LocalPipe, dit: ErnieDiT, compile_dit: bool, presets: dict) -> list[dict]:

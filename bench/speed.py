@@ -1,6 +1,7 @@
 """DiT step and whole-image speed on the GPU, against diffusers on the same random weights in the same run.
 
     python bench/speed.py [--skip-dit | --skip-e2e] [--skip-compile] [--compile-variants]
+    python bench/speed.py --pe-e2e --out DIR [--tiny]   # whole images with the prompt enhancer (bench/pe_e2e.py)
 
 Prints: per variant, ms per DiT forward at 1024x1024 with 256 text tokens, TFLOP/s, ratio to diffusers eager,
 ratio to two floors, and the SM clock and power while it ran; then whole Turbo and Base images (cold and warm) next
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 
 import torch
 
@@ -216,12 +218,20 @@ def dit_rows(ours, reference, skip_compile: bool, variants: bool = False) -> lis
 
 
 def main() -> None:
+    if "--pe-e2e" in sys.argv[1:]:  # its own options (and --help): bench/pe_e2e.py
+        from pe_e2e import main as pe_e2e_main
+
+        pe_e2e_main([arg for arg in sys.argv[1:] if arg != "--pe-e2e"])
+        return
     parser = argparse.ArgumentParser()
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-dit", action="store_true", help="whole images only")
     parser.add_argument("--compile-variants", action="store_true",
                         help="also inductor's coordinate-descent and max-autotune compiles (about 3 more minutes)")
+    parser.add_argument("--pe-e2e", action="store_true",
+                        help="only whole images with the prompt enhancer on and off, next to diffusers' use_pe=True; "
+                             "its options: bench/speed.py --pe-e2e --help")
     args = parser.parse_args()
     print_environment()
     if not args.skip_dit:
