@@ -13,10 +13,11 @@ with each block torch.compile'd (inductor, as ComfyUI's compile node), ours eage
 fewer-pass elementwise forms), ours eager replayed as CUDA graphs (what the sampler runs uncompiled), ours compiled
 (acceleration.compile_blocks). Ours is built with bench/common.randomise_dit_; native gets the same tensors (its
 parameter names are diffusers', as ours are: the state dict is assigned before ours fuses its projections, so the
-two share weight memory). Both take the timestep as sigma * 1000. Relative L2 differences: native vs ours (eager and
-compiled), each compiled model vs its eager self, and both against an fp32 copy of the same weights (native rounds
-the modulation to bf16, ours keeps it in fp32: expect native vs ours around 1e-2). Writes DIR/native_comfy.json and
-DIR/native_comfy.md.
+two share weight memory). Both take the timestep as sigma * 1000 (the --tiny run checks that native given sigma
+instead differs clearly). Native's blocks compile under the recompile limit compile_blocks sets for ours. Relative
+L2 differences: native vs ours (eager and compiled), each compiled model vs its eager self, and both against an fp32
+copy of the same weights (native rounds the modulation to bf16, ours keeps it in fp32: expect native vs ours around
+1e-2). Writes DIR/native_comfy.json and DIR/native_comfy.md.
 """
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ from ernie_image.runtime.dit_graphs import DiTGraphs  # noqa: E402
 NATIVE_SITE = REPO_ROOT / ".native" / "site"
 DEFAULT_NATIVE_MODEL = REPO_ROOT / ".native" / "model.py"
 NATIVE_VS_OURS_TINY = 1e-4  # fp32: the same function, computed in another order
-NATIVE_VS_OURS_BF16 = 5e-2  # bf16: native's bf16 modulation alone gives about 1e-2
-COMPILED_VS_EAGER = 2e-2
+# bf16 (native vs ours, compiled vs eager): roundings give about 1e-2 (native's bf16 modulation alone does); the bound
+# only catches wrong wiring (weights or positions mismatched give O(1)), it does not judge rounding
+BF16_WIRING_BOUND = 1e-1
 
 
 def native_model_path(given: str | None) -> Path:
@@ -112,7 +114,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def compiled_rows(bench: Bench, label: str, run, eager_outs: dict, outs: dict) -> None:
+def compiled_rows(bench: Bench, label: str, run, eager_outs: dict, outs: dict, diffs: list[dict]) -> None:
     for batch in (1, 2):
         args = bench.inputs(batch)
         first = time.perf_counter()
@@ -120,8 +122,10 @@ def compiled_rows(bench: Bench, label: str, run, eager_outs: dict, outs: dict) -
         bench.sync()
         compile_s = time.perf_counter() - first
         rel = rel_l2(outs[batch], eager_outs[batch])
-        bench.check(f"{label} compiled b{batch} vs {label} eager: relative L2 <= {COMPILED_VS_EAGER}",
-                    rel <= COMPILED_VS_EAGER, rel_l2=f"{rel:.2e}")
+        diffs.append({"comparison": f"{label} compiled vs {label} eager", "batch": batch, "rel_l2": f"{rel:.2e}"})
+        bound = NATIVE_VS_OURS_TINY if bench.tiny else BF16_WIRING_BOUND
+        bench.check(f"{label} compiled b{batch} vs {label} eager: relative L2 <= {bound}", rel <= bound,
+                    rel_l2=f"{rel:.2e}")
         bench.measure(f"{label}, blocks compiled", batch, lambda: run(*args), first_call_s=round(compile_s, 1))
 
 
@@ -134,11 +138,13 @@ def main() -> None:
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--skip-fp32-reference", action="store_true")
     args = parser.parse_args()
+    model_py = native_model_path(args.native_model_py)
     started = time.perf_counter()
     device = torch.device("cpu" if args.tiny else "cuda")
+    if args.tiny:
+        torch.set_num_threads(1)  # a tiny model gains nothing from threads, and they stall on a busy machine
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench/native_comfy.py needs a CUDA GPU (or --tiny for the CPU smoke test)")
-    model_py = native_model_path(args.native_model_py)
     ck = import_kitchen()
     import comfy_stand_ins
 
@@ -149,9 +155,7 @@ def main() -> None:
                 "native_model_py": str(model_py),
                 "native_model_py_sha256": hashlib.sha256(model_py.read_bytes()).hexdigest()})
     print("# " + json.dumps(env), flush=True)
-    kitchen: dict = {"backends": {name: ("available" if info["available"] else
-                                         ("disabled" if info["disabled"] else f"unavailable: {info['unavailable_reason']}"))
-                                  for name, info in ck.list_backends().items()}}
+    kitchen: dict = {"backends": {name: _backend_state(info) for name, info in ck.list_backends().items()}}
     diffs: list[dict] = []
     native_eager, native_compiled, ours_eager, ours_compiled = {}, {}, {}, {}
     with torch.inference_mode():
@@ -175,7 +179,7 @@ def main() -> None:
                 kitchen["rms_rope_split_half"] = sorted(set(chosen))
                 ours_eager[batch] = ours(*run_args)
                 rel = rel_l2(native_eager[batch], ours_eager[batch])
-                bound = NATIVE_VS_OURS_TINY if bench.tiny else NATIVE_VS_OURS_BF16
+                bound = NATIVE_VS_OURS_TINY if bench.tiny else BF16_WIRING_BOUND
                 diffs.append({"comparison": "native eager vs ours eager", "batch": batch, "rel_l2": f"{rel:.2e}"})
                 bench.check(f"b{batch}: native eager vs ours eager: relative L2 <= {bound}", rel <= bound,
                             rel_l2=f"{rel:.2e}")
@@ -194,12 +198,15 @@ def main() -> None:
         print(f"# comfy_kitchen: {json.dumps(kitchen)}", flush=True)
         if not args.skip_compile and compile_available(device):
             with bench.phase("native compiled"):
+                # the recompile limit compile_blocks sets for ours, so that neither falls back to eager blocks
+                torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
                 for layer in native.layers:  # each block, as ComfyUI's compile node does
                     layer.compile(backend="inductor")
-                compiled_rows(bench, "native", lambda x, t, c, lens: native(x, t, c), native_eager, native_compiled)
+                compiled_rows(bench, "native", lambda x, t, c, lens: native(x, t, c), native_eager, native_compiled,
+                              diffs)
             with bench.phase("ours compiled"):
                 compile_blocks(ours)
-                compiled_rows(bench, "ours", ours, ours_eager, ours_compiled)
+                compiled_rows(bench, "ours", ours, ours_eager, ours_compiled, diffs)
             for batch in (1, 2):
                 diffs.append({"comparison": "native compiled vs ours compiled", "batch": batch,
                               "rel_l2": f"{rel_l2(native_compiled[batch], ours_compiled[batch]):.2e}"})
@@ -216,7 +223,8 @@ def main() -> None:
     bench.phases["total"] = round(time.perf_counter() - started, 1)
     title = (f"ERNIE-Image DiT step, ComfyUI native vs this pack, {bench.size}x{bench.size}, {bench.text_tokens} text "
              f"tokens, {str(bench.dtype).replace('torch.', '')}, {env['gpu']}, torch {env['torch']}, "
-             f"comfy_kitchen {env['comfy_kitchen']} (rms_rope_split_half on {'/'.join(kitchen['rms_rope_split_half'])})")
+             f"comfy_kitchen {env['comfy_kitchen']} "
+             f"(rms_rope_split_half on {'/'.join(kitchen['rms_rope_split_half'])})")
     markdown = "\n\n".join([
         f"### {title}",
         table(bench.rows, ["variant", "batch", "ms", "x native eager", "first_call_s", "error"]),
@@ -232,6 +240,13 @@ def main() -> None:
          "checks": bench.checks, "phases_s": bench.phases}, indent=1))
     if failed:
         raise SystemExit(f"{len(failed)} check(s) failed: {[c['check'] for c in failed]}")
+
+
+def _backend_state(info: dict) -> str:
+    if info["available"]:
+        return "available"
+    reason = f"unavailable: {info['unavailable_reason']}" if info["unavailable_reason"] else ""
+    return ", ".join(part for part in ("disabled" if info["disabled"] else "", reason) if part)
 
 
 def _kitchen_version(ck: ModuleType) -> str:
