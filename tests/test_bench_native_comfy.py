@@ -15,9 +15,30 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH = REPO_ROOT / "bench"
-sys.path.insert(0, str(BENCH))
 
-import comfy_stand_ins  # noqa: E402
+
+def _bench_module(name: str):
+    """A bench/ module imported by file, without putting bench/ (whose module names are generic) on sys.path."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+comfy_stand_ins = _bench_module("comfy_stand_ins")
+
+
+@pytest.fixture
+def bench_on_path(monkeypatch):
+    """bench/ on sys.path for one test; the bench modules it imported are dropped afterwards."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    before = set(sys.modules)
+    yield
+    for name in set(sys.modules) - before:
+        if Path(getattr(sys.modules[name], "__file__", None) or "/").parent == BENCH:
+            del sys.modules[name]
 
 
 def _native_model_py() -> Path | None:
@@ -56,7 +77,7 @@ def test_native_dit_on_the_stand_ins_equals_ours_in_fp32(tmp_path):
     assert (tmp_path / "native_comfy.md").read_text().startswith("### ERNIE-Image DiT step, ComfyUI native")
 
 
-def test_a_missing_native_model_py_is_a_one_line_error_naming_the_flag(tmp_path, monkeypatch):
+def test_a_missing_native_model_py_is_a_one_line_error_naming_the_flag(tmp_path, monkeypatch, bench_on_path):
     import native_comfy
 
     missing = tmp_path / "model.py"
