@@ -20,23 +20,14 @@ import torch
 
 from ernie_image.runtime import dit as dit_module
 from ernie_image.runtime.acceleration import fuse_projections
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT
+from ernie_image.runtime.dit import ErnieDiT
 from ernie_image.runtime.dit_graphs import DiTGraphs, _Captured, graphed_dit, structure_key
 from ernie_image.runtime.sampling import length_grouped_denoiser
-
-CONFIG = DiTConfig(hidden_size=256, num_attention_heads=2, num_layers=3, ffn_hidden_size=512, text_in_dim=96,
-                   rope_axes_dim=(32, 48, 48))
+from reference_models import random_dit
 
 
 def tiny_dit(device: str, dtype: torch.dtype, fused: bool = True) -> ErnieDiT:
-    torch.manual_seed(0)
-    model = ErnieDiT(CONFIG)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 if param.ndim > 1 else 0.05)
-            if name.endswith("_ln.weight") or "norm_" in name:
-                param.add_(1.0)
-    model = model.to(device, dtype).eval().requires_grad_(False)
+    model = random_dit(device, dtype)
     if fused:
         fuse_projections(model)
     return model
@@ -197,6 +188,23 @@ def test_in_place_weight_edits_keep_the_graphs():
 
 
 # -- GPU ---------------------------------------------------------------------------------------------------------
+def replaying(batch: int = 1, fused: bool = True) -> tuple[ErnieDiT, DiTGraphs, tuple]:
+    """A tiny DiT on the GPU, its DiTGraphs and one input signature, past warm-up, capture and a first replay."""
+    model = tiny_dit("cuda", torch.bfloat16, fused)
+    graphs = DiTGraphs(model)
+    args = step_inputs("cuda", torch.bfloat16, batch)
+    for _ in range(3):
+        graphs(*args)
+    assert graphs.captures == 1 and graphs.replays == 1
+    return model, graphs, args
+
+
+def assert_calls_match_eager(graphs: DiTGraphs, model: ErnieDiT, args: tuple, calls: int = 3) -> None:
+    outputs = [graphs(*args) for _ in range(calls)]
+    want = model(*args)
+    assert all(torch.equal(out, want) for out in outputs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("batch", [1, 2])
@@ -252,12 +260,7 @@ def test_graph_count_is_bounded_and_the_oldest_is_dropped():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_structure_changes_recapture_and_in_place_weight_edits_replay():
-    model = tiny_dit("cuda", torch.bfloat16, fused=False)
-    graphs = DiTGraphs(model)
-    args = step_inputs("cuda", torch.bfloat16, 1)
-    for _ in range(3):
-        graphs(*args)
-    assert graphs.captures == 1
+    model, graphs, args = replaying(fused=False)
     model.layers[0].mlp.linear_fc2.weight.mul_(0.5)  # in place: the graph reads the edited weight
     assert torch.equal(graphs(*args), model(*args)) and graphs.captures == 1
     fuse_projections(model)  # new tensors and modules: fuse_projections bumps structure_version
@@ -278,19 +281,13 @@ def test_structure_changes_recapture_and_in_place_weight_edits_replay():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_a_dit_moved_away_and_back_recaptures_at_its_new_addresses():
-    model = tiny_dit("cuda", torch.bfloat16)
-    graphs = DiTGraphs(model)
-    args = step_inputs("cuda", torch.bfloat16, 1)
-    for _ in range(3):
-        graphs(*args)
+    model, graphs, args = replaying()
     model.cpu()
     with pytest.raises(RuntimeError):  # the warm-up is the DiT's own forward: its own device error
         graphs(*args)
     assert graphs.graph_count == 0 and graphs.disabled_reason is None
     model.cuda()
-    outputs = [graphs(*args) for _ in range(3)]
-    want = model(*args)
-    assert all(torch.equal(out, want) for out in outputs)
+    assert_calls_match_eager(graphs, model, args)  # warm-up, capture, replay
     assert graphs.captures == 2 and graphs.replays == 2 and graphs.disabled_reason is None
 
 
@@ -298,30 +295,21 @@ def test_a_dit_moved_away_and_back_recaptures_at_its_new_addresses():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_weights_copied_in_replay_and_weights_assigned_recapture():
-    model = tiny_dit("cuda", torch.bfloat16)
-    graphs = DiTGraphs(model)
-    args = step_inputs("cuda", torch.bfloat16, 1)
-    for _ in range(3):
-        graphs(*args)
+    model, graphs, args = replaying()
     state = {key: value * 0.9 if value.is_floating_point() else value for key, value in model.state_dict().items()}
     model.load_state_dict(state)  # copied into the captured tensors
     assert torch.equal(graphs(*args), model(*args)) and graphs.captures == 1
     model.load_state_dict({key: value.clone() * 0.9 for key, value in state.items()}, assign=True)  # new tensors
-    outputs = [graphs(*args) for _ in range(3)]
-    want = model(*args)
-    assert all(torch.equal(out, want) for out in outputs) and graphs.captures == 2
+    assert_calls_match_eager(graphs, model, args)
+    assert graphs.captures == 2
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_released_graphs_give_their_memory_back_and_recapture_without_a_warm_up():
-    model = tiny_dit("cuda", torch.bfloat16)
-    graphs = DiTGraphs(model)
-    args = step_inputs("cuda", torch.bfloat16, 2)
+    model, graphs, args = replaying(batch=2)
     want = model(*args)
-    for _ in range(3):
-        graphs(*args)
     graphs.release_graphs()
     assert graphs.graph_count == 0
     model._rope_cache.clear()  # evicted tables are rebuilt before the capture, not inside it

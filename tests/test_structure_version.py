@@ -10,7 +10,7 @@ import torch
 
 import lora_files as lf
 from ernie_image.runtime.acceleration import fuse_projections
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT
+from ernie_image.runtime.dit import ErnieDiT
 from ernie_image.runtime.lora.attach import apply_stack
 from ernie_image.runtime.lora.keys import dit_linear_shapes
 from ernie_image.runtime.lora.parsed import load_lora
@@ -18,9 +18,7 @@ from ernie_image.runtime.offload.placement import DiTPlacement
 from ernie_image.runtime.offload.planner import DiTPlan
 from ernie_image.runtime.quant.linear import QuantLinear, load_quantized_into
 from ernie_image.runtime.quant.writer import quantize_state_dict
-
-CONFIG = DiTConfig(hidden_size=256, num_attention_heads=2, num_layers=3, ffn_hidden_size=512, text_in_dim=96,
-                   rope_axes_dim=(32, 48, 48))
+from reference_models import DIT_CONFIG as CONFIG
 
 
 @pytest.fixture
