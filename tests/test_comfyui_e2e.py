@@ -379,7 +379,7 @@ async def test_nan_shift_and_text_width_get_one_line_errors_and_the_next_prompt_
 
 
 async def test_a_bad_lora_strength_is_a_400_when_queued_and_an_old_lora_workflow_still_runs(comfy: Comfy) -> None:
-    graph = shrunk(load_workflow("ernie_image_turbo_two_loras"))
+    graph = shrunk(api_workflow("ernie_image_turbo_two_loras"))
     lora_id, lora = node_of(graph, "ErnieImageLoRA")
     lora["inputs"]["strength"] = float("nan")  # JSON NaN: ComfyUI's own min/max check lets it through
     status, body = await post(comfy, "/prompt", {"prompt": graph, "client_id": "e2e"})
@@ -387,7 +387,7 @@ async def test_a_bad_lora_strength_is_a_400_when_queued_and_an_old_lora_workflow
     errors = body["node_errors"][lora_id]["errors"]
     assert len(errors) == 1 and "strength nan is not allowed" in errors[0]["details"], errors
 
-    old = shrunk(load_workflow("ernie_image_turbo_two_loras"))
+    old = shrunk(api_workflow("ernie_image_turbo_two_loras"))
     for node in old.values():
         node["inputs"].pop("mode", None)  # saved before the LoRA node had its mode widget
     run = await run_prompt(comfy, old)
