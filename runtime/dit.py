@@ -365,11 +365,23 @@ class ErnieDiT(nn.Module):
         self._rope_cache: dict[tuple, RopeTables] = {}
         # Bumped by any code that changes which tensors or modules the forward uses (fusing, LoRA, re-placement):
         # a captured replay of the forward (dit_graphs.DiTGraphs) is only valid for the version it was captured at.
+        # Moves of the whole model (.to(), .to_empty()) and load_state_dict(assign=True) bump it below.
         self.structure_version = 0
 
     @property
     def dtype(self) -> torch.dtype:
         return self.final_linear.weight.dtype
+
+    def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), .to_empty(): every tensor is a new one
+        result = super()._apply(fn, recurse)
+        self.structure_version += 1
+        return result
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:  # the file's tensors replace the module's (a copy into them is an in-place edit)
+            self.structure_version += 1
+        return result
 
     def rope_tables(self, grid: tuple[int, int], text_lens: list[int], text_max: int, device, dtype) -> RopeTables:
         key = (grid, tuple(text_lens), text_max, str(device), dtype)

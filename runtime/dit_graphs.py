@@ -12,16 +12,20 @@ steps; a replayed step checks nothing inside.
 
 Where it does nothing (the DiT's own forward runs): a CPU device, gradients enabled, compiled blocks (inductor
 has its own launch path), a block runner that streams weights (`dit.block_runner.__self__.streamer`, see
-offload/placement.py: the copies are host-driven), weights on more than one device. A capture that fails (a layer
-that syncs with the host, "Only one capture at a time" under the cudaMallocAsync allocator, ...) switches this
-wrapper to eager for good, with one log line; out-of-memory propagates.
+offload/placement.py: the copies are host-driven). Weights on another device than the inputs (or on several) fail
+in the warm-up, which is the DiT's own forward, with its own error. A capture that fails (a layer that syncs with
+the host, "Only one capture at a time" under the cudaMallocAsync allocator, ...) switches this wrapper to eager for
+good, with one log line; out-of-memory propagates.
 
-Contract for code that changes the DiT (LoRA attach/detach, fusing projections, re-placement, release): a graph
-replays the tensors and modules that existed when it was captured. Any change to *which* tensors or modules the
-forward reads must bump `dit.structure_version` (an int on ErnieDiT) or call `invalidate()`. As a guard every call
-also compares a fingerprint (structure_version, the block runner, the address and device of every parameter and
-buffer, ~0.2 ms) and recaptures on a mismatch. Editing weights in place (`param.copy_`, a merged LoRA added
-in place) needs neither: a replay reads the weights where they are.
+Contract for code that changes the DiT: a graph replays the tensors and modules that existed when it was captured.
+Any change to *which* tensors or modules the forward reads must bump `dit.structure_version` (an int on ErnieDiT)
+or call `invalidate()`. The code that does so: fusing projections (acceleration.py), LoRA attach/detach
+(lora/attach.py), Linears replaced by packed ones (quant/linear.py), placement and its release (offload/
+placement.py), and ErnieDiT itself for whole-model moves (`.to()`, `.to_empty()`) and `load_state_dict(assign=True)`.
+Each call compares `structure_key` (that version and the block runner: two attribute reads) with the one its
+graphs were made for and drops them on a change. Editing weights in place (`param.copy_`, `load_state_dict`
+without assign, LoRA branch values refilled in place) needs nothing: a replay reads the weights where they are.
+Moving one block by hand (`dit.layers[3].to(...)`) is a structure change the caller must report.
 """
 from __future__ import annotations
 
@@ -54,6 +58,9 @@ class DiTGraphs:
     def __init__(self, dit: nn.Module, max_graphs: int = DEFAULT_MAX_GRAPHS) -> None:
         if max_graphs < 1:
             raise ValueError("max_graphs must be at least 1")
+        if not isinstance(getattr(dit, "structure_version", None), int):
+            raise TypeError(f"DiTGraphs needs a module that counts its structure changes (structure_version, as "
+                            f"ErnieDiT does); {type(dit).__name__} has none")
         self.dit = dit
         self.max_graphs = max_graphs
         self.disabled_reason: Optional[str] = None
@@ -62,19 +69,14 @@ class DiTGraphs:
         self._graphs: OrderedDict[tuple, _Captured] = OrderedDict()
         self._warmed: set[tuple] = set()
         self._pool: Optional[tuple] = None
-        self._fingerprint: Optional[tuple] = None
+        self._structure: Optional[tuple] = None  # the structure_key the graphs and warm-ups were made for
 
     # -- the forward -------------------------------------------------------------------------------------
     def __call__(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor,
                  text_lens: list[int]) -> torch.Tensor:
         if self.eager_reason(latents) is not None:
             return self.dit(latents, timestep, text, text_lens)
-        fingerprint, devices = self._current_fingerprint()
-        if fingerprint != self._fingerprint:
-            self.invalidate()
-            self._fingerprint = fingerprint
-        if devices != {latents.device}:  # weights elsewhere (or split): the DiT's own forward says what is wrong
-            return self.dit(latents, timestep, text, text_lens)
+        self.follow_structure()
         key = (tuple(latents.shape), latents.dtype, tuple(timestep.shape), timestep.dtype, tuple(text.shape),
                text.dtype, tuple(int(n) for n in text_lens), latents.device)
         captured = self._graphs.get(key)
@@ -82,10 +84,11 @@ class DiTGraphs:
             self._graphs.move_to_end(key)
             return self._replay(captured, latents, timestep, text)
         if key not in self._warmed:
+            output = self._warm_up(latents, timestep, text, text_lens)  # a forward that fails is never captured
             if len(self._warmed) > 4 * self.max_graphs:
                 self._warmed.clear()
             self._warmed.add(key)
-            return self._warm_up(latents, timestep, text, text_lens)
+            return output
         captured = self._capture(key, latents, timestep, text, text_lens)
         if captured is None:
             return self.dit(latents, timestep, text, text_lens)
@@ -108,6 +111,16 @@ class DiTGraphs:
         return None
 
     # -- lifetime ----------------------------------------------------------------------------------------
+    def follow_structure(self) -> bool:
+        """Drop every graph and warm-up when the DiT's structure_key differs from the one they were made for;
+        True when it did (the first call, which has nothing to compare with, included)."""
+        current = structure_key(self.dit)
+        if current == self._structure:
+            return False
+        self.invalidate()
+        self._structure = current
+        return True
+
     def invalidate(self) -> None:
         """Drop every graph and its memory (call after changing which tensors or modules the DiT uses)."""
         while self._graphs:
@@ -115,7 +128,7 @@ class DiTGraphs:
             _drop(captured)
         self._warmed.clear()
         self._pool = None
-        self._fingerprint = None
+        self._structure = None
 
     def release_graphs(self) -> None:
         """Give the graphs' memory back but remember which signatures were warmed up: the next call for one of them
@@ -131,24 +144,16 @@ class DiTGraphs:
         return len(self._graphs)
 
     # -- internals ---------------------------------------------------------------------------------------
-    def _tensors(self) -> list[torch.Tensor]:
-        return list(self.dit.parameters()) + list(self.dit.buffers())
-
-    def _current_fingerprint(self) -> tuple[tuple, set[torch.device]]:
-        tensors = self._tensors()
-        placed = tuple((t.data_ptr(), t.device) for t in tensors)
-        fingerprint = (getattr(self.dit, "structure_version", 0), getattr(self.dit, "block_runner", None),
-                       len(tensors), hash(placed))
-        return fingerprint, {device for _, device in placed}
-
     def _warm_up(self, latents, timestep, text, text_lens) -> torch.Tensor:
         """The eager forward on the capture stream, so its cuBLAS workspace and plans exist before capture."""
         current = torch.cuda.current_stream(latents.device)
         side = capture_stream(latents.device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            output = self.dit(latents, timestep, text, text_lens)
-        current.wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                output = self.dit(latents, timestep, text, text_lens)
+        finally:  # a forward that raised (a cancel, weights on another device) leaves nothing unordered either
+            current.wait_stream(side)
         output.record_stream(current)  # the caller frees it on the current stream
         return output
 
@@ -211,6 +216,12 @@ class DiTGraphs:
         captured.graph.replay()
         self.replays += 1
         return captured.output.clone()  # the next replay overwrites the static output
+
+
+def structure_key(dit: nn.Module) -> tuple:
+    """What a graph depends on besides its inputs (those are in each graph's key): which tensors and modules the
+    forward reads, as `dit.structure_version` counts their changes, and the block runner driving the blocks."""
+    return (dit.structure_version, getattr(dit, "block_runner", None))
 
 
 def graphed_dit(dit: nn.Module, enabled: bool, device: torch.device) -> Callable[..., torch.Tensor]:

@@ -12,30 +12,23 @@ import asyncio
 import copy
 import io
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-COMFY_DIR = os.environ.get("ERNIE_COMFYUI_DIR", "")
-COMFY_PYTHON = os.environ.get("ERNIE_COMFYUI_PYTHON", sys.executable)
-PACK_NAME = "ernie_image"
+from comfyui_server import (COMFY_PYTHON, PACK_NAME, REPO_ROOT, Server, api_workflow, base_directory, comfyui_found,
+                            free_port, get_json, node_of, place_tiny_models, post, run_prompt, running, saved_images)
+
 API_WORKFLOWS = sorted((REPO_ROOT / "workflows" / "api").glob("*.json"))
 NODE_IDS = ("ErnieImageLoader", "ErnieImageSampler", "ErnieImageTurboSampler", "ErnieImageQuantConfig",
             "ErnieImageRemoteBackend", "ErnieImagePromptEnhancer", "ErnieImageLoRA")
 TEST_SIDE = 256
 MAX_TEST_STEPS = 4
 START_TIMEOUT_S = 180
-RUN_TIMEOUT_S = 300
 # An API key only ComfyUI's environment holds: it must reach the server and nothing else.
 KEY_VARIABLE = "ERNIE_E2E_SGLANG_KEY"
 SECRET_KEY = "e2e-s3cret-" + uuid.uuid4().hex
@@ -44,7 +37,7 @@ pytestmark = [
     pytest.mark.comfyui,
     pytest.mark.slow,
     pytest.mark.skipif(
-        not COMFY_DIR or not (Path(COMFY_DIR) / "main.py").is_file(),
+        not comfyui_found(),
         reason="needs a real ComfyUI: set ERNIE_COMFYUI_DIR to a ComfyUI checkout (v0.8.0 tested) and "
                "ERNIE_COMFYUI_PYTHON to a Python with its requirements and this pack's dependencies",
     ),
@@ -54,45 +47,6 @@ aiohttp = pytest.importorskip("aiohttp")
 
 
 # ------------------------------------------------------------------------------------------ the server
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def place_tiny_models(models: Path, scratch: Path) -> dict[str, Path]:
-    """Tiny models under the file names the example workflows expect; returns name -> path."""
-    from ernie_image.runtime.quant.cli_quantize import read_bf16_dit
-    from ernie_image.runtime.quant.writer import write_quantized_file
-    from ernie_image.runtime.tiny import build_tiny_model
-
-    turbo = build_tiny_model(scratch / "turbo", layout="comfy", variant="turbo")
-    base = build_tiny_model(scratch / "base", layout="comfy", variant="base", with_pe=True)
-    placed = {
-        "diffusion_models/ernie-image-turbo.safetensors": turbo.dit,
-        "diffusion_models/ernie-image.safetensors": base.dit,
-        "text_encoders/ministral-3-3b.safetensors": turbo.text_encoder,
-        "text_encoders/ernie-image-prompt-enhancer.safetensors": base.pe,
-        "vae/flux2-vae.safetensors": turbo.vae,
-    }
-    paths: dict[str, Path] = {}
-    for relative, source in placed.items():
-        target = models / relative
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, target)
-        paths[Path(relative).name] = target
-    gguf = models / "diffusion_models" / "ernie-image-turbo-UD-Q4_K_M.gguf"
-    write_quantized_file(read_bf16_dit(turbo.dit), "q8_0", gguf)
-    paths[gguf.name] = gguf
-    from lora_files import write_example_loras
-
-    paths.update(write_example_loras(models / "loras", turbo.dit))  # the LoRAs the two-LoRA workflow names
-    misplaced = models / "text_encoders" / "not-a-text-encoder.safetensors"
-    shutil.copyfile(turbo.dit, misplaced)
-    paths[misplaced.name] = misplaced
-    return paths
-
-
 INPUT_IMAGE = "example.png"  # the picture the image-in workflows' Load Image names
 MASK_BOX = (64, 64, 192, 192)  # transparent in the picture: Load Image's MASK is 1 there (the area to repaint)
 
@@ -115,127 +69,25 @@ def place_input_image(input_folder: Path) -> Path:
 
 
 @dataclass
-class Comfy:
-    url: str
-    process: subprocess.Popen
-    log_path: Path
+class Comfy(Server):
     base: Path
     models: dict[str, Path]
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
 
 
 @pytest.fixture(scope="module")
 def comfy(tmp_path_factory: pytest.TempPathFactory):
-    base = tmp_path_factory.mktemp("comfy_base")
-    (base / "custom_nodes").mkdir()
-    (base / "custom_nodes" / PACK_NAME).symlink_to(REPO_ROOT, target_is_directory=True)
+    base = base_directory(tmp_path_factory, "comfy_base")
     models = place_tiny_models(base / "models", tmp_path_factory.mktemp("tiny"))
     place_input_image(base / "input")
     port = free_port()
     log_path = base / "comfyui.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(
-            [COMFY_PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
-             "--base-directory", str(base), "--preview-method", "auto"],
-            cwd=COMFY_DIR, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", KEY_VARIABLE: SECRET_KEY},
-        )
-    server = Comfy(f"http://127.0.0.1:{port}", process, log_path, base, models)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"ComfyUI exited with {process.returncode} while starting:\n{server.log()[-3000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"ComfyUI did not listen within {START_TIMEOUT_S} s:\n{server.log()[-3000:]}")
-                time.sleep(0.5)
-        yield server
-    finally:
-        process.terminate()
-        try:
-            process.wait(20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+    command = [COMFY_PYTHON, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+               "--base-directory", str(base), "--preview-method", "auto"]
+    with running(command, log_path, port, START_TIMEOUT_S, stop_timeout_s=20, env={KEY_VARIABLE: SECRET_KEY}) as process:
+        yield Comfy(f"http://127.0.0.1:{port}", process, log_path, base, models)
 
 
 # --------------------------------------------------------------------------------------------- the API
-async def get_json(comfy: Comfy, path: str) -> Any:
-    async with aiohttp.ClientSession() as session:
-        async with session.get(comfy.url + path) as response:
-            assert response.status == 200, f"GET {path} -> {response.status}"
-            return await response.json()
-
-
-async def post(comfy: Comfy, path: str, body: Any) -> tuple[int, Any]:
-    async with aiohttp.ClientSession() as session:
-        async with session.post(comfy.url + path, json=body) as response:
-            text = await response.text()
-            return response.status, (json.loads(text) if text.strip().startswith(("{", "[")) else text)
-
-
-@dataclass
-class Run:
-    prompt_id: str
-    outcome: str  # execution_success, execution_error or execution_interrupted
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    previews: int = 0
-    history: dict[str, Any] = field(default_factory=dict)
-
-    def of_type(self, kind: str) -> list[dict[str, Any]]:
-        return [m["data"] for m in self.messages if m["type"] == kind]
-
-    @property
-    def error(self) -> Optional[dict[str, Any]]:
-        errors = self.of_type("execution_error")
-        return errors[0] if errors else None
-
-
-async def run_prompt(comfy: Comfy, graph: dict[str, Any],
-                     interrupt_when: Optional[Callable[[dict[str, Any], int], bool]] = None) -> Run:
-    """Queue a prompt and follow it on the WebSocket to its end; press Cancel once `interrupt_when(event, previews)`."""
-    client_id = uuid.uuid4().hex
-    async with aiohttp.ClientSession() as session:
-        async with session.ws_connect(f"{comfy.url}/ws?clientId={client_id}") as ws:
-            async with session.post(f"{comfy.url}/prompt", json={"prompt": graph, "client_id": client_id}) as response:
-                body = await response.json()
-                assert response.status == 200, f"POST /prompt -> {response.status}: {json.dumps(body)[:2000]}"
-            run = Run(prompt_id=body["prompt_id"], outcome="")
-            interrupted = False
-            deadline = time.monotonic() + RUN_TIMEOUT_S
-            while not run.outcome:
-                message = await ws.receive(timeout=max(1.0, deadline - time.monotonic()))
-                if message.type == aiohttp.WSMsgType.BINARY:
-                    run.previews += 1
-                    continue
-                if message.type != aiohttp.WSMsgType.TEXT:
-                    pytest.fail(f"WebSocket closed: {message}")
-                event = json.loads(message.data)
-                data = event.get("data") or {}
-                if data.get("prompt_id") not in (None, run.prompt_id):
-                    continue
-                run.messages.append(event)
-                if interrupt_when is not None and not interrupted and interrupt_when(event, run.previews):
-                    interrupted = True
-                    async with session.post(f"{comfy.url}/interrupt", json={}) as answer:
-                        assert answer.status == 200
-                if event["type"] in ("execution_success", "execution_error", "execution_interrupted"):
-                    run.outcome = event["type"]
-        # ComfyUI sends execution_success before it writes the history entry: wait for the entry.
-        deadline = time.monotonic() + 30
-        while not run.history and time.monotonic() < deadline:
-            async with session.get(f"{comfy.url}/history/{run.prompt_id}") as response:
-                run.history = (await response.json()).get(run.prompt_id, {})
-            if not run.history:
-                await asyncio.sleep(0.1)
-    return run
-
-
 async def view_image(comfy: Comfy, image: dict[str, str]):
     from PIL import Image
 
@@ -243,10 +95,6 @@ async def view_image(comfy: Comfy, image: dict[str, str]):
         async with session.get(f"{comfy.url}/view", params={**image}) as response:
             assert response.status == 200
             return Image.open(io.BytesIO(await response.read())).convert("RGB")
-
-
-def node_of(graph: dict[str, Any], class_type: str) -> tuple[str, dict[str, Any]]:
-    return next((node_id, node) for node_id, node in graph.items() if node["class_type"] == class_type)
 
 
 def shrunk(graph: dict[str, Any]) -> dict[str, Any]:
@@ -260,14 +108,6 @@ def shrunk(graph: dict[str, Any]) -> dict[str, Any]:
         if node["class_type"] == "ImageScale":
             node["inputs"].update(width=TEST_SIDE, height=TEST_SIDE)
     return graph
-
-
-def load_workflow(name: str) -> dict[str, Any]:
-    return json.loads((REPO_ROOT / "workflows" / "api" / f"{name}.json").read_text())
-
-
-def saved_images(run: Run) -> list[dict[str, str]]:
-    return [image for output in run.history.get("outputs", {}).values() for image in output.get("images", [])]
 
 
 # ----------------------------------------------------------------------------------------------- tests
@@ -376,7 +216,7 @@ async def test_view_returns_the_runtimes_own_image_for_the_same_seed(comfy: Comf
     from ernie_image.runtime.model_files import ModelSources
     from ernie_image.runtime.request import GenerationRequest
 
-    graph = shrunk(load_workflow("ernie_image_turbo_local"))
+    graph = shrunk(api_workflow("ernie_image_turbo_local"))
     sampler = node_of(graph, "ErnieImageTurboSampler")[1]["inputs"]
     sampler.update(seed=1234, width=320, height=256)
     run = await run_prompt(comfy, graph)
@@ -396,7 +236,7 @@ async def test_view_returns_the_runtimes_own_image_for_the_same_seed(comfy: Comf
 
 
 async def test_cancel_mid_run_interrupts_and_releases_memory(comfy: Comfy) -> None:
-    graph = shrunk(load_workflow("ernie_image_base_prompt_enhancer"))
+    graph = shrunk(api_workflow("ernie_image_base_prompt_enhancer"))
     sampler_id, sampler = node_of(graph, "ErnieImageSampler")
     sampler["inputs"].update(steps=400, seed=77)
 
@@ -415,7 +255,7 @@ async def test_cancel_mid_run_interrupts_and_releases_memory(comfy: Comfy) -> No
 
 
 async def test_width_1000_is_refused_once_before_sampling_with_a_clear_message(comfy: Comfy) -> None:
-    graph = shrunk(load_workflow("ernie_image_turbo_local"))
+    graph = shrunk(api_workflow("ernie_image_turbo_local"))
     sampler_id, sampler = node_of(graph, "ErnieImageTurboSampler")
     sampler["inputs"]["width"] = 1000
     run = await run_prompt(comfy, graph)
@@ -427,7 +267,7 @@ async def test_width_1000_is_refused_once_before_sampling_with_a_clear_message(c
 
 
 async def test_a_bad_model_file_reaches_the_ui_as_a_clear_error_and_frees_memory(comfy: Comfy) -> None:
-    graph = shrunk(load_workflow("ernie_image_turbo_local"))
+    graph = shrunk(api_workflow("ernie_image_turbo_local"))
     loader_id, loader = node_of(graph, "ErnieImageLoader")
     loader["inputs"]["text_encoder"] = "not-a-text-encoder.safetensors"  # a DiT put in text_encoders/
     run = await run_prompt(comfy, graph)
@@ -440,7 +280,7 @@ async def test_a_bad_model_file_reaches_the_ui_as_a_clear_error_and_frees_memory
 
 
 async def test_the_prompt_enhancer_in_the_text_encoder_slot_is_refused_in_one_line(comfy: Comfy) -> None:
-    graph = shrunk(load_workflow("ernie_image_base_prompt_enhancer"))
+    graph = shrunk(api_workflow("ernie_image_base_prompt_enhancer"))
     loader_id, loader = node_of(graph, "ErnieImageLoader")
     loader["inputs"].update(text_encoder="ernie-image-prompt-enhancer.safetensors",
                             prompt_enhancer="ministral-3-3b.safetensors")
@@ -452,7 +292,7 @@ async def test_the_prompt_enhancer_in_the_text_encoder_slot_is_refused_in_one_li
 
 
 async def test_keep_loaded_and_comfyuis_free_button(comfy: Comfy) -> None:
-    graph = shrunk(load_workflow("ernie_image_turbo_local"))
+    graph = shrunk(api_workflow("ernie_image_turbo_local"))
     node_of(graph, "ErnieImageTurboSampler")[1]["inputs"]["seed"] = 5
     run = await run_prompt(comfy, graph)
     assert run.outcome == "execution_success", run.error
@@ -476,7 +316,7 @@ async def test_keep_loaded_and_comfyuis_free_button(comfy: Comfy) -> None:
 
 
 async def test_keep_loaded_off_frees_weights_after_the_run(comfy: Comfy) -> None:
-    graph = shrunk(load_workflow("ernie_image_turbo_12gb_budget"))
+    graph = shrunk(api_workflow("ernie_image_turbo_12gb_budget"))
     run = await run_prompt(comfy, graph)
     assert run.outcome == "execution_success", run.error
     plan = [m for m in run.of_type("executed") if m["node"] == node_of(graph, "ErnieImageLoader")[0]]
@@ -502,7 +342,7 @@ async def test_remote_test_connection_route(comfy: Comfy) -> None:
 async def test_the_api_key_reaches_the_server_and_never_the_png_history_or_log(comfy: Comfy) -> None:
     from fake_sglang import FakeSglang
 
-    graph = shrunk(load_workflow("ernie_image_remote_sglang"))
+    graph = shrunk(api_workflow("ernie_image_remote_sglang"))
     backend = node_of(graph, "ErnieImageRemoteBackend")[1]["inputs"]
     with FakeSglang(model_id="baidu/ERNIE-Image-Turbo", api_key=SECRET_KEY) as fake:
         backend.update(server_urls=fake.url, api_key_env=KEY_VARIABLE)
@@ -519,7 +359,7 @@ async def test_the_api_key_reaches_the_server_and_never_the_png_history_or_log(c
 
 
 async def test_nan_shift_and_text_width_get_one_line_errors_and_the_next_prompt_runs(comfy: Comfy) -> None:
-    graph = shrunk(load_workflow("ernie_image_turbo_local"))
+    graph = shrunk(api_workflow("ernie_image_turbo_local"))
     sampler_id, sampler = node_of(graph, "ErnieImageTurboSampler")
     sampler["inputs"]["width"] = "abc"  # ComfyUI's own INT conversion refuses it, once
     status, body = await post(comfy, "/prompt", {"prompt": graph, "client_id": "e2e"})
@@ -527,19 +367,19 @@ async def test_nan_shift_and_text_width_get_one_line_errors_and_the_next_prompt_
     errors = body["node_errors"][sampler_id]["errors"]
     assert len(errors) == 1 and errors[0]["extra_info"]["input_name"] == "width", errors
 
-    graph = shrunk(load_workflow("ernie_image_turbo_local"))
+    graph = shrunk(api_workflow("ernie_image_turbo_local"))
     node_of(graph, "ErnieImageTurboSampler")[1]["inputs"]["shift"] = float("nan")  # JSON NaN: ComfyUI's min check passes it
     run = await run_prompt(comfy, graph)
     assert run.outcome == "execution_error", run.outcome  # used to run on and succeed
     message = run.error["exception_message"].strip()
     assert "\n" not in message and "shift nan is not allowed" in message, message
 
-    good = await run_prompt(comfy, shrunk(load_workflow("ernie_image_turbo_local")))
+    good = await run_prompt(comfy, shrunk(api_workflow("ernie_image_turbo_local")))
     assert good.outcome == "execution_success" and saved_images(good)
 
 
 async def test_a_bad_lora_strength_is_a_400_when_queued_and_an_old_lora_workflow_still_runs(comfy: Comfy) -> None:
-    graph = shrunk(load_workflow("ernie_image_turbo_two_loras"))
+    graph = shrunk(api_workflow("ernie_image_turbo_two_loras"))
     lora_id, lora = node_of(graph, "ErnieImageLoRA")
     lora["inputs"]["strength"] = float("nan")  # JSON NaN: ComfyUI's own min/max check lets it through
     status, body = await post(comfy, "/prompt", {"prompt": graph, "client_id": "e2e"})
@@ -547,7 +387,7 @@ async def test_a_bad_lora_strength_is_a_400_when_queued_and_an_old_lora_workflow
     errors = body["node_errors"][lora_id]["errors"]
     assert len(errors) == 1 and "strength nan is not allowed" in errors[0]["details"], errors
 
-    old = shrunk(load_workflow("ernie_image_turbo_two_loras"))
+    old = shrunk(api_workflow("ernie_image_turbo_two_loras"))
     for node in old.values():
         node["inputs"].pop("mode", None)  # saved before the LoRA node had its mode widget
     run = await run_prompt(comfy, old)

@@ -23,11 +23,7 @@ import asyncio
 import copy
 import json
 import os
-import re
-import shutil
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,13 +31,11 @@ from typing import Any, Optional
 
 import pytest
 
-from test_comfyui_e2e import free_port, get_json, node_of, post, run_prompt, saved_images
+from comfyui_server import (COMFY_DIR, COMFY_PYTHON, PACK_NAME, REPO_ROOT, Server, api_workflow, base_directory,
+                            comfyui_found, free_port, get_json, node_of, place_tiny_models, post, run_prompt, running,
+                            saved_images)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-COMFY_DIR = os.environ.get("ERNIE_COMFYUI_DIR", "")
-COMFY_PYTHON = os.environ.get("ERNIE_COMFYUI_PYTHON", sys.executable)
 DRY_RUN = os.environ.get("ERNIE_GPU_SUITE_DRY_RUN") == "1"
-PACK_NAME = "ernie_image"
 GiB = 1024**3
 START_TIMEOUT_S = 240
 STEP_TIME_TOLERANCE = 0.05
@@ -63,7 +57,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.comfyui,
     pytest.mark.slow,
-    pytest.mark.skipif(not COMFY_DIR or not (Path(COMFY_DIR) / "main.py").is_file(),
+    pytest.mark.skipif(not comfyui_found(),
                        reason="needs a real ComfyUI: set ERNIE_COMFYUI_DIR (v0.8.0 tested) and ERNIE_COMFYUI_PYTHON"),
     pytest.mark.skipif(not DRY_RUN and not _cuda_here(),
                        reason="needs a CUDA GPU (ERNIE_GPU_SUITE_DRY_RUN=1 runs the driving code on the CPU)"),
@@ -101,8 +95,6 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return Path(given)
     models = Path(given) if given else tmp_path_factory.mktemp("gpu_models")
     if DRY_RUN:
-        from test_comfyui_e2e import place_tiny_models
-
         place_tiny_models(models, tmp_path_factory.mktemp("tiny"))
         return models
     started = time.monotonic()
@@ -121,30 +113,10 @@ def files(models: Path) -> dict[str, Path]:
 
 # ------------------------------------------------------------------------------------------------ ComfyUI
 @dataclass
-class GpuComfy:
+class GpuComfy(Server):
     mode: str
-    url: str
-    process: subprocess.Popen
-    log_path: Path
     baseline_device: int
     baseline_host: dict[str, int]
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def _wait_listening(process: subprocess.Popen, port: int, log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"ComfyUI exited with {process.returncode} while starting:\n{log_path.read_text()[-4000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                pytest.fail(f"ComfyUI did not listen within {START_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.5)
 
 
 # ERNIE_GPU_SUITE_MODES=cudaMallocAsync (or aimdo) runs one pass, to split the suite over two device commands.
@@ -154,9 +126,7 @@ MODES = tuple(m for m in os.environ.get("ERNIE_GPU_SUITE_MODES", "cudaMallocAsyn
 @pytest.fixture(scope="module", params=MODES)
 def comfy(request: pytest.FixtureRequest, models_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     mode = request.param
-    base = tmp_path_factory.mktemp(f"comfy_{mode}")
-    (base / "custom_nodes").mkdir()
-    (base / "custom_nodes" / PACK_NAME).symlink_to(REPO_ROOT, target_is_directory=True)
+    base = base_directory(tmp_path_factory, f"comfy_{mode}")
     (base / "models").symlink_to(models_dir, target_is_directory=True)
     web = base / "web"  # headless: no frontend package needed
     web.mkdir()
@@ -172,32 +142,17 @@ def comfy(request: pytest.FixtureRequest, models_dir: Path, tmp_path_factory: py
         command = [COMFY_PYTHON, "main.py", *arguments]
     baseline_device = device_used_bytes()
     log_path = base / "comfyui.log"
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, cwd=COMFY_DIR, stdout=log_file, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        _wait_listening(process, port, log_path)
-        server = GpuComfy(mode, f"http://127.0.0.1:{port}", process, log_path, baseline_device,
+    with running(command, log_path, port, START_TIMEOUT_S, stop_timeout_s=30) as process:
+        server = GpuComfy(f"http://127.0.0.1:{port}", process, log_path, mode, baseline_device,
                           process_memory(process.pid))
         if mode == "aimdo":
             assert "aimdo: DynamicVRAM hooks on cuda" in server.log(), server.log()[-3000:]
         report("comfyui_started", mode=mode, device_used_gib=round(baseline_device / GiB, 2),
                host=server.baseline_host)
         yield server
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
 
 
 # ------------------------------------------------------------------------------------------------- graphs
-def api_workflow(name: str) -> dict[str, Any]:
-    return json.loads((REPO_ROOT / "workflows" / "api" / f"{name}.json").read_text())
-
-
 def sized(graph: dict[str, Any], steps: int = STEPS, seed: Optional[int] = None, keep_loaded: Optional[bool] = None
           ) -> dict[str, Any]:
     graph = copy.deepcopy(graph)

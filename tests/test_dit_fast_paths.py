@@ -10,29 +10,13 @@ import pytest
 import torch
 
 from ernie_image.runtime.acceleration import compile_blocks, fuse_projections
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT
 from ernie_image.runtime.sampling import length_grouped_denoiser
-
-CONFIG = DiTConfig(hidden_size=256, num_attention_heads=2, num_layers=3, ffn_hidden_size=512, text_in_dim=96,
-                   rope_axes_dim=(32, 48, 48))
+from reference_models import DIT_CONFIG as CONFIG, diffusers_dit, random_dit
 
 
 def models(device: str, dtype: torch.dtype):
-    from diffusers import ErnieImageTransformer2DModel
-
-    torch.manual_seed(0)
-    ours = ErnieDiT(CONFIG)
-    with torch.no_grad():
-        for name, param in ours.named_parameters():
-            param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 if param.ndim > 1 else 0.05)
-            if name.endswith("_ln.weight") or "norm_" in name:
-                param.add_(1.0)
-    ours = ours.to(device, dtype).eval().requires_grad_(False)
-    reference = ErnieImageTransformer2DModel(
-        hidden_size=256, num_attention_heads=2, num_layers=3, ffn_hidden_size=512, in_channels=128, out_channels=128,
-        text_in_dim=96, rope_axes_dim=(32, 48, 48))
-    reference.load_state_dict({k: v.detach().clone() for k, v in ours.state_dict().items()})
-    return ours, reference.to(device, dtype).eval().requires_grad_(False)
+    ours = random_dit(device, dtype)
+    return ours, diffusers_dit(ours)
 
 
 def cfg_batch(device: str, dtype: torch.dtype):

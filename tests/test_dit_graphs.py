@@ -20,23 +20,14 @@ import torch
 
 from ernie_image.runtime import dit as dit_module
 from ernie_image.runtime.acceleration import fuse_projections
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT
-from ernie_image.runtime.dit_graphs import DiTGraphs, graphed_dit
+from ernie_image.runtime.dit import ErnieDiT
+from ernie_image.runtime.dit_graphs import DiTGraphs, _Captured, graphed_dit, structure_key
 from ernie_image.runtime.sampling import length_grouped_denoiser
-
-CONFIG = DiTConfig(hidden_size=256, num_attention_heads=2, num_layers=3, ffn_hidden_size=512, text_in_dim=96,
-                   rope_axes_dim=(32, 48, 48))
+from reference_models import random_dit
 
 
 def tiny_dit(device: str, dtype: torch.dtype, fused: bool = True) -> ErnieDiT:
-    torch.manual_seed(0)
-    model = ErnieDiT(CONFIG)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5 if param.ndim > 1 else 0.05)
-            if name.endswith("_ln.weight") or "norm_" in name:
-                param.add_(1.0)
-    model = model.to(device, dtype).eval().requires_grad_(False)
+    model = random_dit(device, dtype)
     if fused:
         fuse_projections(model)
     return model
@@ -157,7 +148,63 @@ def test_max_graphs_must_be_positive():
         DiTGraphs(tiny_dit("cpu", torch.float32), max_graphs=0)
 
 
+def test_a_module_that_does_not_count_its_structure_changes_is_refused():
+    with pytest.raises(TypeError, match="structure_version"):
+        DiTGraphs(torch.nn.Linear(4, 4))
+
+
+def _holding_a_graph(graphs: DiTGraphs) -> DiTGraphs:
+    """`graphs` as after a warm-up and a capture (a placeholder graph: the bookkeeping is what is under test)."""
+    graphs.follow_structure()
+    graphs._warmed.add(("signature",))
+    graphs._graphs[("signature",)] = _Captured(graph=None, inputs=(), output=torch.zeros(1))
+    return graphs
+
+
+@torch.inference_mode()
+def test_a_structure_version_bump_or_a_new_block_runner_drops_the_graphs_and_their_warm_ups():
+    model = tiny_dit("cpu", torch.float32, fused=False)
+    graphs = _holding_a_graph(DiTGraphs(model))
+    assert graphs.follow_structure() is False and graphs.graph_count == 1
+    fuse_projections(model)
+    assert graphs.follow_structure() is True
+    assert graphs.graph_count == 0 and not graphs._warmed  # the next call warms up again, then captures
+    assert graphs.follow_structure() is False
+    _holding_a_graph(graphs)
+    model.block_runner = lambda index, block, x, ctx: block(x, ctx)
+    assert graphs.follow_structure() is True and graphs.graph_count == 0
+
+
+@torch.inference_mode()
+def test_in_place_weight_edits_keep_the_graphs():
+    model = tiny_dit("cpu", torch.float32, fused=False)
+    graphs = _holding_a_graph(DiTGraphs(model))
+    before = structure_key(model)
+    model.layers[0].mlp.linear_fc2.weight.mul_(0.5)
+    model.final_linear.weight.copy_(torch.randn_like(model.final_linear.weight))
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})  # copied into the same tensors
+    assert structure_key(model) == before
+    assert graphs.follow_structure() is False and graphs.graph_count == 1 and graphs._warmed
+
+
 # -- GPU ---------------------------------------------------------------------------------------------------------
+def replaying(batch: int = 1, fused: bool = True) -> tuple[ErnieDiT, DiTGraphs, tuple]:
+    """A tiny DiT on the GPU, its DiTGraphs and one input signature, past warm-up, capture and a first replay."""
+    model = tiny_dit("cuda", torch.bfloat16, fused)
+    graphs = DiTGraphs(model)
+    args = step_inputs("cuda", torch.bfloat16, batch)
+    for _ in range(3):
+        graphs(*args)
+    assert graphs.captures == 1 and graphs.replays == 1
+    return model, graphs, args
+
+
+def assert_calls_match_eager(graphs: DiTGraphs, model: ErnieDiT, args: tuple, calls: int = 3) -> None:
+    outputs = [graphs(*args) for _ in range(calls)]
+    want = model(*args)
+    assert all(torch.equal(out, want) for out in outputs)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("batch", [1, 2])
@@ -213,15 +260,10 @@ def test_graph_count_is_bounded_and_the_oldest_is_dropped():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_structure_changes_recapture_and_in_place_weight_edits_replay():
-    model = tiny_dit("cuda", torch.bfloat16, fused=False)
-    graphs = DiTGraphs(model)
-    args = step_inputs("cuda", torch.bfloat16, 1)
-    for _ in range(3):
-        graphs(*args)
-    assert graphs.captures == 1
+    model, graphs, args = replaying(fused=False)
     model.layers[0].mlp.linear_fc2.weight.mul_(0.5)  # in place: the graph reads the edited weight
     assert torch.equal(graphs(*args), model(*args)) and graphs.captures == 1
-    fuse_projections(model)  # new tensors and modules: the fingerprint changes
+    fuse_projections(model)  # new tensors and modules: fuse_projections bumps structure_version
     for _ in range(2):
         graphs(*args)
     assert torch.equal(graphs(*args), model(*args)) and graphs.captures == 2
@@ -238,13 +280,36 @@ def test_structure_changes_recapture_and_in_place_weight_edits_replay():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
-def test_released_graphs_give_their_memory_back_and_recapture_without_a_warm_up():
-    model = tiny_dit("cuda", torch.bfloat16)
-    graphs = DiTGraphs(model)
-    args = step_inputs("cuda", torch.bfloat16, 2)
-    want = model(*args)
-    for _ in range(3):
+def test_a_dit_moved_away_and_back_recaptures_at_its_new_addresses():
+    model, graphs, args = replaying()
+    model.cpu()
+    with pytest.raises(RuntimeError):  # the warm-up is the DiT's own forward: its own device error
         graphs(*args)
+    assert graphs.graph_count == 0 and graphs.disabled_reason is None
+    model.cuda()
+    assert_calls_match_eager(graphs, model, args)  # warm-up, capture, replay
+    assert graphs.captures == 2 and graphs.replays == 2 and graphs.disabled_reason is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_weights_copied_in_replay_and_weights_assigned_recapture():
+    model, graphs, args = replaying()
+    state = {key: value * 0.9 if value.is_floating_point() else value for key, value in model.state_dict().items()}
+    model.load_state_dict(state)  # copied into the captured tensors
+    assert torch.equal(graphs(*args), model(*args)) and graphs.captures == 1
+    model.load_state_dict({key: value.clone() * 0.9 for key, value in state.items()}, assign=True)  # new tensors
+    assert_calls_match_eager(graphs, model, args)
+    assert graphs.captures == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@torch.inference_mode()
+def test_released_graphs_give_their_memory_back_and_recapture_without_a_warm_up():
+    model, graphs, args = replaying(batch=2)
+    want = model(*args)
     graphs.release_graphs()
     assert graphs.graph_count == 0
     model._rope_cache.clear()  # evicted tables are rebuilt before the capture, not inside it
@@ -324,7 +389,7 @@ with torch.inference_mode():
             raise Cancelled("cancelled")
         return block(x, ctx)
     model.block_runner = cancelling_runner
-    graphs(*short)  # a new block runner: new fingerprint, this call warms up again
+    graphs(*short)  # a new block runner: a new structure key, this call warms up again
     try:
         graphs(*short)
     except Cancelled:

@@ -4,39 +4,15 @@ Tolerance: max abs difference of the decoded image (0..1) <= 1e-4 in float32 on 
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.request import GenerationRequest
 from ernie_image.runtime.sampling import initial_noise
-from ernie_image.runtime.tiny import build_tiny_model
+from reference_models import pipe, reference, tiny_folder  # noqa: F401  (fixtures used by name)
 
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny") / "ERNIE-Image-tiny"
-    build_tiny_model(folder, layout="diffusers", variant="base")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_folder):
-    from diffusers import ErnieImagePipeline
-
-    return ErnieImagePipeline.from_pretrained(str(tiny_folder), torch_dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def pipe(tiny_folder):
-    from ernie_image.runtime.model_files import ModelSources
-
-    return LocalPipe.load(ModelSources(model_dir=tiny_folder), LoadOptions(device="cpu", dtype="fp32"))
 
 
 def reference_images(reference, request: GenerationRequest) -> torch.Tensor:

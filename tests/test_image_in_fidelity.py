@@ -8,8 +8,6 @@ every scheduler step (a step callback). Tolerance: 1/255 of the decoded image, f
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,32 +15,12 @@ from ernie_image.runtime.encode import encode_images, normalise, patchify
 from ernie_image.runtime.decode import denormalise, unpatchify
 from ernie_image.runtime.host import NullHost
 from ernie_image.runtime.image_in import denoise_sigmas
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
 from ernie_image.runtime.request import GenerationRequest
 from ernie_image.runtime.sampling import initial_noise, shifted_sigmas
 from ernie_image.runtime.tiny import build_tiny_model
+from reference_models import pipe, reference, tiny_folder  # noqa: F401  (fixtures used by name)
 
 TOLERANCE = 1 / 255
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-image-in") / "ERNIE-Image-tiny"
-    build_tiny_model(folder, layout="diffusers", variant="base")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_folder):
-    from diffusers import ErnieImagePipeline
-
-    return ErnieImagePipeline.from_pretrained(str(tiny_folder), torch_dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def pipe(tiny_folder):
-    return LocalPipe.load(ModelSources(model_dir=tiny_folder), LoadOptions(device="cpu", dtype="fp32"))
 
 
 def photo(batch: int, height: int, width: int, seed: int = 0) -> torch.Tensor:

@@ -35,6 +35,7 @@ class DiTPlacement:
             dit.layers[index].to(self.device)
         dit._rope_cache.clear()
         dit.block_runner = self.run_block
+        dit.structure_version += 1  # moved and streamed tensors: captured forwards (dit_graphs) are stale
 
     def run_block(self, index: int, block: Block, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         if self.host is not None:
@@ -60,6 +61,7 @@ class DiTPlacement:
         self.dit._rope_cache.clear()
         if _has_real_tensors(self.dit):
             self.dit.to_empty(device="meta")
+        self.dit.structure_version += 1  # the streamed blocks' tensors were pointed at meta
         self.host = None
 
 

@@ -184,7 +184,8 @@ def quantize_linears(module: nn.Module, state: dict[str, object], compute_dtype:
     """Replace every nn.Linear whose `<name>.weight` in `state` is a QuantizedWeight by a QuantLinear.
 
     The `<name>.weight` / `<name>.bias` entries it uses are removed from `state`; plain tensors stay for the
-    caller's `load_state_dict`. Returns the replaced module names.
+    caller's `load_state_dict`. Returns the replaced module names. Called on a part of a DiT (a block), the
+    caller bumps the DiT's `structure_version`.
     """
     replaced = []
     for name, child in list(module.named_modules()):
@@ -201,6 +202,8 @@ def quantize_linears(module: nn.Module, state: dict[str, object], compute_dtype:
         setattr(parent, attr, QuantLinear(qweight, bias, compute_dtype, name))
         del state[f"{name}.weight"]
         replaced.append(name)
+    if replaced and hasattr(module, "structure_version"):
+        module.structure_version += 1  # new modules: captured forwards of a DiT (dit_graphs) are stale
     return replaced
 
 
