@@ -180,6 +180,17 @@ class _Interrupts:
         if threading.current_thread() is threading.main_thread():
             for number in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(number, self._handle)
+            previous_hook = sys.unraisablehook
+
+            def quiet_interrupts(unraisable) -> None:
+                # A signal that lands in a finalizer or weakref callback (importlib's module-lock callbacks, say)
+                # is printed by Python as "Exception ignored ... KeyboardInterrupt" and dropped; it is remembered
+                # here and the run ends as cancelled at its next check, so nothing needs printing.
+                if isinstance(unraisable.exc_value, KeyboardInterrupt) and self.signal_number is not None:
+                    return
+                previous_hook(unraisable)
+
+            sys.unraisablehook = quiet_interrupts
 
     def _handle(self, number: int, frame) -> None:
         self.signal_number = number
