@@ -402,3 +402,38 @@ def test_modes_mix_in_one_stack(merged_pipe, branch_pipe, loras):
     assert wrapped_layers(merged_pipe._loaded.dit) and merge_state(merged_pipe._loaded.dit).merged
     reference = images(branch_pipe, [(loras["kohya"], 1.0), (loras["toolkit"], 0.5)])
     assert (result.images - reference).abs().max().item() <= FP32_IMAGE_BOUND
+
+
+SMALL = DiTConfig(hidden_size=256, num_attention_heads=2, num_layers=2, ffn_hidden_size=512, text_in_dim=96,
+                  rope_axes_dim=(32, 48, 48))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_a_dit_built_under_inference_mode_takes_a_merge_and_gives_its_base_back(tmp_path, fmt):
+    """Code that builds, fuses or packs the DiT inside `torch.inference_mode()` (ComfyUI runs nodes in it) holds
+    inference tensors, which may only be edited in place inside inference mode."""
+    from ernie_image.runtime.quant.linear import quantize_linears
+    from ernie_image.runtime.quant.writer import quantize_weight
+
+    path = lf.write_ai_toolkit(tmp_path / "a.safetensors", lf.random_lora(dit_linear_shapes(SMALL), 4, seed=1))
+    with torch.inference_mode():
+        torch.manual_seed(0)
+        dit = ErnieDiT(SMALL).to(torch.bfloat16).eval()
+        for param in dit.parameters():
+            param.normal_(0.0, 0.05)
+        fuse_projections(dit)
+        if fmt == "fp8":
+            quantize_linears(dit, {key: quantize_weight(value, "fp8") for key, value in dit.state_dict().items()
+                                   if key.startswith("layers.") and key.endswith(".weight") and value.dim() == 2})
+        assert dit.layers[0].mlp.linear_fc2.weight.is_inference()
+        generator = torch.Generator().manual_seed(1)
+        args = (torch.randn(1, 128, 6, 6, generator=generator).bfloat16(), torch.full((1,), 600.0).bfloat16(),
+                torch.randn(1, 8, 96, generator=generator).bfloat16(), [8])
+        base = dit(*args).clone()
+        before = {name: tensor.clone() for name, tensor in dit.state_dict().items()}
+        applied = apply_loras(dit, [(load_lora(path, SMALL), 1.0, "merge")])
+        assert applied.merged_layers and not applied.branch_layers
+        assert not torch.equal(dit(*args), base)
+        apply_loras(dit, [])
+        assert all(torch.equal(tensor, before[name]) for name, tensor in dit.state_dict().items())
+        assert torch.equal(dit(*args), base)

@@ -100,6 +100,13 @@ def _edited(module: nn.Module) -> dict[str, torch.Tensor]:
     return {"weight": module.weight.data}
 
 
+def _editing(module: nn.Module) -> torch.inference_mode:
+    """The mode a layer's tensors may be edited in place in: inference mode for tensors made in it (a DiT built or
+    fused under `torch.inference_mode()`, as a caller's code may do), outside it for normal tensors (whose in-place
+    edits outside inference mode must stay possible)."""
+    return torch.inference_mode(any(t.is_inference() for t in _edited(module).values()))
+
+
 def merge_layers(dit: nn.Module, wanted: dict[str, list[Contribution]]) -> MergeState:
     """Make the DiT's merged Linears carry exactly `wanted` (physical path -> contributions; {}: none merged)."""
     state = merge_state(dit)
@@ -110,10 +117,11 @@ def merge_layers(dit: nn.Module, wanted: dict[str, list[Contribution]]) -> Merge
                   for physical, contributions in wanted.items()}
     freed: list[LayerBackup] = []
     device = None
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.no_grad():
         for physical in [p for p, signature in state.merged.items() if signatures.get(p) != signature]:
             module = base_linear(dit, physical)
-            state.backups[physical].restore(_edited(module))
+            with _editing(module):
+                state.backups[physical].restore(_edited(module))
             del state.merged[physical]
             device = module.weight.device
             if physical not in wanted:
@@ -122,12 +130,13 @@ def merge_layers(dit: nn.Module, wanted: dict[str, list[Contribution]]) -> Merge
             if state.merged.get(physical) == signatures[physical]:
                 continue
             module = base_linear(dit, physical)
-            if physical not in state.backups:
-                state.backups[physical] = LayerBackup(_edited(module))
-            if isinstance(module, QuantLinear):
-                _merge_fp8(module, contributions, layer_seed(physical))
-            else:
-                _merge_float(module.weight.data, contributions)
+            with _editing(module):
+                if physical not in state.backups:
+                    state.backups[physical] = LayerBackup(_edited(module))
+                if isinstance(module, QuantLinear):
+                    _merge_fp8(module, contributions, layer_seed(physical))
+                else:
+                    _merge_float(module.weight.data, contributions)
             state.merged[physical] = signatures[physical]
     if freed:
         if device is not None and device.type == "cuda":
