@@ -22,7 +22,14 @@ except BaseException:
     print("\ncancelled", file=sys.stderr)
     raise SystemExit(128 + _signals_while_importing[0]) from None
 
-code = main()
+try:
+    code = main()
+except KeyboardInterrupt:
+    # A signal after the imports but before main() has put its own handlers in place.
+    if not _signals_while_importing:
+        raise
+    print("\ncancelled", file=sys.stderr)
+    code = 128 + _signals_while_importing[0]
 if code in CANCELLED_EXIT_CODES:
     # A `-m` run that handled a Ctrl-C was seen, under load, to end by SIGINT after printing "cancelled" (CPython
     # re-raises SIGINT at exit once it marks a KeyboardInterrupt unhandled). Leave with the promised code; the

@@ -123,6 +123,13 @@ def plain_expressions(model: ErnieDiT):
 
 
 def build(bench: Bench) -> ErnieDiT:
+    """The DiT at the bench's size and dtype, random weights, projections fused."""
+    model = build_unfused(bench)
+    fuse_projections(model)
+    return model
+
+
+def build_unfused(bench: Bench) -> ErnieDiT:
     config = DiTConfig.from_dict(TINY if bench.tiny else dit_config())
     torch.set_default_dtype(bench.dtype)
     try:
@@ -131,9 +138,7 @@ def build(bench: Bench) -> ErnieDiT:
     finally:
         torch.set_default_dtype(torch.float32)
     randomise_dit_(model)
-    model = model.eval().requires_grad_(False)
-    fuse_projections(model)
-    return model
+    return model.eval().requires_grad_(False)
 
 
 def quantised_copy(model: ErnieDiT, fmt: str) -> ErnieDiT:

@@ -33,11 +33,11 @@ from types import ModuleType
 
 import torch
 
-from common import REPO_ROOT, dit_config, environment, randomise_dit_, table
-from eager_graphs import TINY, Bench  # also makes the package importable as ernie_image
+from common import REPO_ROOT, environment, table
+from eager_graphs import Bench, build_unfused  # also makes the package importable as ernie_image
 
 from ernie_image.runtime.acceleration import compile_available, compile_blocks, fuse_projections  # noqa: E402
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT  # noqa: E402
+from ernie_image.runtime.dit import ErnieDiT  # noqa: E402
 from ernie_image.runtime.dit_graphs import DiTGraphs  # noqa: E402
 
 NATIVE_SITE = REPO_ROOT / ".native" / "site"
@@ -69,15 +69,7 @@ def import_kitchen() -> ModuleType:
 
 
 def build_ours(bench: Bench) -> ErnieDiT:
-    config = DiTConfig.from_dict(TINY if bench.tiny else dit_config())
-    torch.set_default_dtype(bench.dtype)
-    try:
-        with torch.device(bench.device):
-            model = ErnieDiT(config)
-    finally:
-        torch.set_default_dtype(torch.float32)
-    randomise_dit_(model)
-    return model.eval().requires_grad_(False)
+    return build_unfused(bench)
 
 
 def build_native(module: ModuleType, ours: ErnieDiT) -> torch.nn.Module:

@@ -29,6 +29,17 @@ from ernie_image.runtime.errors import Cancelled  # noqa: E402
 from ernie_image.runtime.host import NullHost  # noqa: E402
 
 
+class LoggingHost(NullHost):
+    """A host that keeps every console line the pipe logs, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def log(self, message: str) -> None:
+        self.messages.append(message)
+
+
 class CancelAfter(NullHost):
     """A host whose check_cancel lets `checks` calls pass and raises Cancelled at the next; `calls` counts them."""
 

@@ -208,3 +208,18 @@ def write_example_loras(folder: Path, dit_file: Path) -> dict[str, Path]:
     for name, seed in EXAMPLE_LORAS.items():
         paths[name] = write_down_up(folder / name, random_lora(shapes, 4, seed=seed), 4.0, kohya_name)
     return paths
+
+
+def tiny_model_loras(tiny_folder: Path, folder: Path) -> dict[str, Path]:
+    """The LoRA files the pipe tests use on the tiny Turbo model: rank-4 kohya and ai-toolkit LoRAs on every DiT
+    Linear, a rank-2 one on the attention only, and LoKr and LoHa of rank 2."""
+    weights = dit_weights(tiny_folder)
+    shapes = linear_shapes(weights)
+    attention = linear_shapes(weights, ("to_q", "to_k", "to_v"))
+    return {
+        "kohya": write_down_up(folder / "kohya.safetensors", random_lora(shapes, 4, seed=1), 2.0, kohya_name),
+        "toolkit": write_ai_toolkit(folder / "toolkit.safetensors", random_lora(shapes, 4, seed=2)),
+        "attention": write_ai_toolkit(folder / "attention.safetensors", random_lora(attention, 2, seed=3)),
+        "lokr": write_lycoris(folder / "lokr.safetensors", random_lokr(shapes, 2, seed=4), alpha=1.0),
+        "loha": write_lycoris(folder / "loha.safetensors", random_loha(shapes, 2, seed=5), alpha=2.0),
+    }

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import lora_files as lf
+from conftest import LoggingHost
 from ernie_image.runtime.errors import ErnieImageError, InvalidInputError, ModelFileError
 from ernie_image.runtime.host import NullHost
 from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
@@ -21,15 +22,6 @@ from ernie_image.runtime.request import GenerationRequest
 REQUEST = GenerationRequest(prompt="a fox", width=256, height=256, steps=1, cfg=1.0, seed=2)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
-
-
-class LoggingHost(NullHost):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def log(self, message: str) -> None:
-        self.messages.append(message)
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import lora_files as lf
+from conftest import LoggingHost
 from ernie_image.runtime import local_pipe as local_pipe_module
 from ernie_image.runtime.acceleration import fuse_projections
 from ernie_image.runtime.dit import DiTConfig, ErnieDiT
@@ -39,15 +40,6 @@ FP32_IMAGE_BOUND = 3e-5
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
 
 
-class LoggingHost(NullHost):
-    def __init__(self) -> None:
-        super().__init__()
-        self.messages: list[str] = []
-
-    def log(self, message: str) -> None:
-        self.messages.append(message)
-
-
 @pytest.fixture(scope="module")
 def model(tiny_turbo_folder):
     return ModelSources(model_dir=tiny_turbo_folder)
@@ -55,17 +47,7 @@ def model(tiny_turbo_folder):
 
 @pytest.fixture(scope="module")
 def loras(tiny_turbo_folder, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("merge-loras")
-    weights = lf.dit_weights(tiny_turbo_folder)
-    shapes = lf.linear_shapes(weights)
-    attention = lf.linear_shapes(weights, ("to_q", "to_k", "to_v"))
-    return {
-        "kohya": lf.write_down_up(folder / "kohya.safetensors", lf.random_lora(shapes, 4, seed=1), 2.0, lf.kohya_name),
-        "toolkit": lf.write_ai_toolkit(folder / "toolkit.safetensors", lf.random_lora(shapes, 4, seed=2)),
-        "attention": lf.write_ai_toolkit(folder / "attention.safetensors", lf.random_lora(attention, 2, seed=3)),
-        "lokr": lf.write_lycoris(folder / "lokr.safetensors", lf.random_lokr(shapes, 2, seed=4), alpha=1.0),
-        "loha": lf.write_lycoris(folder / "loha.safetensors", lf.random_loha(shapes, 2, seed=5), alpha=2.0),
-    }
+    return lf.tiny_model_loras(tiny_turbo_folder, tmp_path_factory.mktemp("merge-loras"))
 
 
 def load(model, **options) -> LocalPipe:

@@ -33,17 +33,7 @@ def model(tiny_turbo_folder):
 
 @pytest.fixture(scope="module")
 def loras(tiny_turbo_folder, tmp_path_factory):
-    """Two rank-4 LoRAs on every DiT Linear (kohya and ai-toolkit) and one rank-2 LoRA on the attention only."""
-    folder = tmp_path_factory.mktemp("loras")
-    weights = lf.dit_weights(tiny_turbo_folder)
-    shapes = lf.linear_shapes(weights)
-    attention = lf.linear_shapes(weights, ("to_q", "to_k", "to_v"))
-    return {
-        "kohya": lf.write_down_up(folder / "kohya.safetensors", lf.random_lora(shapes, 4, seed=1), 2.0, lf.kohya_name),
-        "toolkit": lf.write_ai_toolkit(folder / "toolkit.safetensors", lf.random_lora(shapes, 4, seed=2)),
-        "attention": lf.write_ai_toolkit(folder / "attention.safetensors", lf.random_lora(attention, 2, seed=3)),
-        "lokr": lf.write_lycoris(folder / "lokr.safetensors", lf.random_lokr(shapes, 2, seed=4), alpha=1.0),
-    }
+    return lf.tiny_model_loras(tiny_turbo_folder, tmp_path_factory.mktemp("loras"))
 
 
 @pytest.fixture(scope="module")
