@@ -139,7 +139,8 @@ class Attention(nn.Module):
         return self.to_out[0](out.transpose(1, 2).flatten(2, 3))
 
     def _fast_forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """q and k normalised in one kernel and rotated together, their norm weights folded into the tables."""
+        """q and k normalised and rotated together (one pass each for both), their norm weights folded into the
+        RoPE tables."""
         batch, length, _ = x.shape
         if self.to_qkv is not None:
             qkv = self.to_qkv(x).unflatten(-1, (3, self.heads, -1))  # [B, S, 3, H, hd]
