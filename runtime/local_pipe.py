@@ -127,12 +127,18 @@ def notice_empty_prompts(prompts: list[str], host: Host) -> None:
         host.log(f"{which} empty: the image follows no text (write a prompt to describe the picture)")
 
 
-def check_finite_latents(latents: torch.Tensor, sources: ModelSources) -> None:
-    """NaN or inf out of the DiT would decode to a black or noise image: stop with the likely cause instead."""
+def check_finite_latents(latents: torch.Tensor, sources: ModelSources, loras: LoraStack = LoraStack()) -> None:
+    """NaN or inf out of the DiT would decode to a black or noise image: stop with the likely cause instead. With
+    LoRAs applied (`loras`: the job's stack) they are named as the likely cause, not the DiT's weights."""
     finite = torch.isfinite(latents)
     if bool(finite.all()):
         return
     bad = int((~finite).sum())
+    if loras:
+        applied = ", ".join(f"{entry.name} (strength {entry.strength:g})" for entry in loras.entries)
+        raise ModelFileError(f"the DiT produced {bad} non-finite latent values (NaN/inf) of {latents.numel()} with "
+                             f"LoRA(s) {applied} applied: the LoRA is the likely cause: lower its strength or leave "
+                             "it out")
     dit = sources.dit or (sources.model_dir / "transformer" if sources.model_dir is not None else "the DiT")
     raise ModelFileError(f"the DiT produced {bad} non-finite latent values (NaN/inf) of {latents.numel()}: its "
                          f"weights in {dit} are likely damaged or mis-quantised; re-download or re-quantise it "
@@ -426,7 +432,7 @@ class LocalPipe:
         encoded = self._clock()
         host.check_cancel()
         latents = self.sample(request, text, negative, host, original)
-        check_finite_latents(latents, self.sources)
+        check_finite_latents(latents, self.sources, self._lora.wanted_stack)
         sampled = self._clock()
         host.check_cancel()
         images = composite(self.decode(latents), request)

@@ -18,6 +18,7 @@ base weight: refused in one line rather than approximated (diffusers drops those
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -92,21 +93,58 @@ def _pattern_value(patterns: dict, path: str, default):
     return default
 
 
-def peft_alphas(metadata: dict[str, str]) -> Optional[PeftAlphas]:
-    """The alphas diffusers/PEFT saved in the safetensors metadata, or None when the file has none."""
+def peft_alphas(metadata: dict[str, str], name: str = "") -> Optional[PeftAlphas]:
+    """The alphas diffusers/PEFT saved in the safetensors metadata, or None when the file has none. Malformed JSON
+    or an alpha that is not a finite number is refused in one line (a negative alpha is a sign flip: kept)."""
     raw = metadata.get("lora_adapter_metadata")
     if raw is None:
         return None
+    label = f"LoRA {name}" if name else "LoRA"
     try:
         config = json.loads(raw)
-    except ValueError:
-        return None
+    except ValueError as error:
+        raise ModelFileError(f"{label}: its metadata key lora_adapter_metadata is not valid JSON ({error}): the file "
+                             f"is damaged; export the LoRA again") from None
     if not isinstance(config, dict):
-        return None
+        raise ModelFileError(f"{label}: its metadata key lora_adapter_metadata is JSON {type(config).__name__}, not "
+                             f"an object of LoRA settings: the file is damaged; export the LoRA again")
     config = {key.removeprefix("transformer."): value for key, value in config.items()}
     alpha, rank = config.get("lora_alpha"), config.get("r")
-    return PeftAlphas(None if alpha is None else float(alpha), None if rank is None else int(rank),
-                      dict(config.get("alpha_pattern") or {}), dict(config.get("rank_pattern") or {}))
+    alpha_pattern, rank_pattern = config.get("alpha_pattern") or {}, config.get("rank_pattern") or {}
+    if not isinstance(alpha_pattern, dict) or not isinstance(rank_pattern, dict):
+        raise ModelFileError(f"{label}: alpha_pattern/rank_pattern in its metadata key lora_adapter_metadata are not "
+                             f"objects: the file is damaged; export the LoRA again")
+    return PeftAlphas(None if alpha is None else _metadata_alpha(label, "lora_alpha", alpha),
+                      None if rank is None else _metadata_rank(label, "r", rank),
+                      {key: _metadata_alpha(label, f"alpha_pattern[{key!r}]", value)
+                       for key, value in alpha_pattern.items()},
+                      {key: _metadata_rank(label, f"rank_pattern[{key!r}]", value) for key, value in rank_pattern.items()})
+
+
+def _metadata_alpha(label: str, field: str, value: object) -> float:
+    number = _number(value)
+    if number is None or not math.isfinite(number):
+        raise ModelFileError(f"{label}: {field} {value!r} in its metadata key lora_adapter_metadata is not a finite "
+                             f"number: the file is damaged; export the LoRA again")
+    return number
+
+
+def _metadata_rank(label: str, field: str, value: object) -> int:
+    number = _number(value)
+    if number is None or not math.isfinite(number) or number < 1 or number != int(number):
+        raise ModelFileError(f"{label}: {field} {value!r} in its metadata key lora_adapter_metadata is not a positive "
+                             f"whole number: the file is damaged; export the LoRA again")
+    return int(number)
+
+
+def _number(value: object) -> Optional[float]:
+    """A JSON number, or a string holding one (some writers quote them); None for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None
 
 
 def _matrix(name: str, path: str, part: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -132,23 +170,50 @@ def _need(name: str, path: str, parts: dict[str, torch.Tensor], *wanted: str) ->
     return [_matrix(name, path, part, parts[part]) for part in wanted]
 
 
+def check_parts(name: str, path: str, parts: dict[str, torch.Tensor]) -> None:
+    """What one layer's parts must be, known from the file alone (kind, dtypes, completeness, ranks): one-line
+    ModelFileError. Run on shapes only (meta tensors), so checking a file before any model is opened copies nothing;
+    its shapes against the DiT's are checked when the pipe parses it (`build_adapter`)."""
+    _check_dtypes(name, path, parts)
+    shapes_only = {part: tensor if part == "alpha" else torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+                   for part, tensor in parts.items()}
+    _adapter(name, path, shapes_only, None)
+
+
 def build_adapter(name: str, path: str, parts: dict[str, torch.Tensor], shape: tuple[int, int],
                   peft: Optional[PeftAlphas] = None) -> Adapter:
     """The adapter one layer's parts describe, checked against the layer's (out, in) `shape`."""
-    for part in parts:
-        if part in REFUSED_PARTS:
-            raise ModelFileError(f"LoRA {name} {REFUSED_PARTS[part]} (at {path})")
-    if any(part.startswith("lokr_") for part in parts):
-        adapter: Adapter = _lokr(name, path, parts)
-    elif any(part.startswith("hada_") for part in parts):
-        adapter = _loha(name, path, parts)
-    else:
-        adapter = _lora(name, path, parts, peft)
+    _check_dtypes(name, path, parts)
+    adapter = _adapter(name, path, parts, peft)
     found = _shape(adapter)
     if found != shape:
         raise ModelFileError(f"LoRA {name}: {path} adapts a [{found[0]}, {found[1]}] weight but ERNIE-Image's is "
                              f"[{shape[0]}, {shape[1]}]: the LoRA is for a model of another size")
     return adapter
+
+
+def _adapter(name: str, path: str, parts: dict[str, torch.Tensor], peft: Optional[PeftAlphas]) -> Adapter:
+    for part in parts:
+        refusal = REFUSED_PARTS.get(part) or REFUSED_PARTS.get(part.removesuffix(".weight"))
+        if refusal is not None:
+            raise ModelFileError(f"LoRA {name} {refusal} (at {path})")
+    if any(part.startswith("lokr_") for part in parts):
+        return _lokr(name, path, parts)
+    if any(part.startswith("hada_") for part in parts):
+        return _loha(name, path, parts)
+    return _lora(name, path, parts, peft)
+
+
+def _check_dtypes(name: str, path: str, parts: dict[str, torch.Tensor]) -> None:
+    """Weights are floating point; alpha is one number (a float, or an integer some writers store)."""
+    for part, tensor in parts.items():
+        if part == "alpha":
+            if tensor.numel() != 1 or tensor.dtype == torch.bool or tensor.is_complex():
+                raise ModelFileError(f"LoRA {name}: {path}.alpha is a {tensor.dtype} tensor of shape "
+                                     f"{tuple(tensor.shape)}, not one number: the file is damaged; export it again")
+        elif not tensor.is_floating_point():
+            raise ModelFileError(f"LoRA {name}: {path}.{part} holds {tensor.dtype} values, not floating point: the "
+                                 f"file is damaged or not a LoRA; export it again")
 
 
 def _shape(adapter: Adapter) -> tuple[int, int]:

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelFileError
-from ..formats.safetensors_reader import open_safetensors
+from ..formats.safetensors_reader import PICKLE_MAGICS, open_safetensors
+from .adapters import peft_alphas
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle")
 
@@ -42,11 +43,24 @@ def file_stamp(path: Path) -> FileStamp:
     return FileStamp(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
 
+def refuse_pickle(path: Path) -> None:
+    """A pickle by its magic bytes, whatever its name says (a .pt renamed .safetensors)."""
+    with open(path, "rb") as handle:
+        start = handle.read(8)
+    if any(start.startswith(magic) for magic in PICKLE_MAGICS):
+        raise ModelFileError(f"LoRA {path.name} is a PyTorch pickle, whatever its name says, which is never loaded "
+                             f"(pickles can run code): convert the LoRA to .safetensors or get its .safetensors "
+                             f"release")
+
+
 def read_lora_tensors(path: Path) -> LoraTensors:
-    """Every tensor of the file, checked: a pickle, a cut file or a NaN/inf inside is refused in one line."""
+    """Every tensor of the file, checked: a pickle, a cut file, a NaN/inf inside or malformed LoRA metadata is
+    refused in one line."""
     path = Path(path)
     stamp = file_stamp(path)
-    handle = open_safetensors(path)  # refuses pickles by their magic bytes too, and truncated files
+    refuse_pickle(path)
+    handle = open_safetensors(path)  # refuses truncated files and other formats
+    peft_alphas(handle.metadata, path.name)  # malformed lora_adapter_metadata, a NaN/inf alpha in it
     tensors: dict[str, torch.Tensor] = {}
     for key in handle.keys():
         tensor = handle.tensor(key)

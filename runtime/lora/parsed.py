@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..dit import DiTConfig
-from .adapters import Adapter, Kron, LowRank, build_adapter, peft_alphas
+from .adapters import Adapter, Kron, LowRank, build_adapter, check_parts, peft_alphas
 from .files import FileStamp, LoraTensors, file_stamp, read_lora_tensors
 from .keys import describe_unmatched, dit_linear_shapes, linear_names, map_keys
 
@@ -45,13 +45,16 @@ def check_lora_files(stack) -> None:
 
 def check_lora_file(path: Path) -> None:
     """What can be checked of a LoRA file before any model is opened: a safetensors file (not a pickle), complete,
-    finite, with LoRA weights of ERNIE-Image DiT layers (not another model's, not a text encoder's alone). One-line
-    ModelFileError; its shapes are checked against the DiT when the pipe parses it (`load_lora`)."""
+    finite, with readable metadata, with LoRA weights of ERNIE-Image DiT layers (not another model's, not a text
+    encoder's alone), each layer's parts complete, floating point, of one rank, not DoRA. One-line ModelFileError;
+    its shapes are checked against the DiT when the pipe parses it (`load_lora`)."""
     stamp = file_stamp(path)
     if stamp in _checked or any(key[0] == stamp for key in _cache):
         return
     raw = read_lora_tensors(Path(path))
-    map_keys(raw.name, raw.tensors, linear_names(list(raw.tensors)))
+    mapped = map_keys(raw.name, raw.tensors, linear_names(list(raw.tensors)))
+    for module, parts in mapped.layers.items():
+        check_parts(raw.name, module, parts)
     _checked[stamp] = raw  # parsed next without reading the file again
     while len(_checked) > CACHE_SIZE:
         _checked.popitem(last=False)
@@ -68,7 +71,7 @@ def load_lora(path: Path, config: DiTConfig) -> ParsedLora:
     raw = _checked.pop(key[0], None) or read_lora_tensors(Path(path))
     targets = dit_linear_shapes(config)
     mapped = map_keys(raw.name, raw.tensors, targets)
-    peft = peft_alphas(raw.metadata)
+    peft = peft_alphas(raw.metadata, raw.name)
     adapters = {module: build_adapter(raw.name, module, parts, targets[module], peft)
                 for module, parts in mapped.layers.items()}
     kinds = sorted({_kind(parts) for parts in mapped.layers.values()})
