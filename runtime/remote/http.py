@@ -300,6 +300,8 @@ def _server_message(body: bytes, content_type: str) -> Optional[str]:
             data = None
         if data is not None:
             return _message_from_json(data)
+    if "html" in content_type or text[:1] == "<":
+        return "an HTML page, not an API answer"  # a web server's error page: its markup says nothing to the user
     first_line = text.splitlines()[0]
     return first_line[:300]
 

@@ -17,7 +17,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from ..request import SEED_MASK, SIDE_MULTIPLE
-from .http import BadResponse, ConnectionLost, HttpClient, HttpSettings, RetryPolicy, ServerFailed, ServerUnavailable
+from .http import (AuthenticationError, BadResponse, ConnectionLost, HttpClient, HttpSettings, RetryPolicy, ServerFailed,
+                   ServerRejected, ServerUnavailable)
 from .urls import normalize_base_url
 
 ERNIE_PIPELINE = "ErnieImagePipeline"
@@ -188,6 +189,11 @@ class SglangClient:
             return Readiness(UNREACHABLE, str(exc), exc.cause)
         except ServerFailed as exc:
             return Readiness(UNHEALTHY, str(exc), f"/health failed (HTTP {exc.status})")
+        except ServerRejected as exc:
+            if exc.status not in (404, 405) or isinstance(exc, AuthenticationError):
+                raise
+            raise BadResponse(f"{self.label} answers HTTP {exc.status} on /health: not an SGLang server (check the "
+                              f"URL and port)") from None
         if response.status == 503:
             if isinstance(response.data, dict) and response.data.get("error"):
                 cause = f"a worker failed ({str(response.data['error'])[:200]})"
