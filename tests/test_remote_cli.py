@@ -336,7 +336,7 @@ def test_a_web_server_that_is_not_sglang_is_one_line_saying_so_without_its_html(
         code = main(["generate", "--server", url, "--wait-for-servers", "1", *TURBO, "--out", str(tmp_path / "x.png")])
     assert code == 2
     assert one_line_error(capsys) == (
-        f"error: {url} answers HTTP 404 on /health: not an SGLang server (check the URL and port)")
+        f"error: {url} answers HTTP 404 on GET {url}/health: not an SGLang server (check the URL and port)")
     assert not (tmp_path / "x.png").exists()
 
 
@@ -344,7 +344,7 @@ def test_check_remote_says_a_web_server_is_not_sglang(capsys, tmp_path):
     with plain_web_server(tmp_path) as url:
         assert main(["check-remote", url]) == 1
     out = capsys.readouterr().out
-    assert f"! {url} answers HTTP 404 on /health: not an SGLang server (check the URL and port)" in out
+    assert f"! {url} answers HTTP 404 on GET {url}/health: not an SGLang server (check the URL and port)" in out
     assert "<!DOCTYPE" not in out and "<html" not in out.lower()
 
 
@@ -354,6 +354,28 @@ def test_giving_up_on_one_server_of_a_fleet_is_told_while_another_takes_the_batc
         assert main(["generate", "--server", web, "--server", live.url, *TURBO, "--batch", "2",
                      "--out", str(tmp_path / "x.png")]) == 0
     err = capsys.readouterr().err
-    assert (f"giving up on {web} for this batch: {web} answers HTTP 404 on /health: not an SGLang server (check "
+    assert (f"giving up on {web} for this batch: {web} answers HTTP 404 on GET {web}/health: not an SGLang server (check "
             f"the URL and port); the batch goes on with {live.url}") in err.splitlines(), err
     assert sorted(path.name for path in tmp_path.glob("*.png")) == ["x_0.png", "x_1.png"]
+
+
+def test_check_remote_awaits_health_for_the_read_timeout_given_and_names_that_flag(capsys):
+    """A server that accepts and never answers: /health is awaited --read-timeout seconds (not a fixed 10 s), and
+    the advice names --read-timeout, the flag that governs that wait."""
+    with silent_server() as url:
+        started = time.monotonic()
+        assert main(["check-remote", url, "--read-timeout", "1", "--connect-timeout", "1"]) == 1
+        elapsed = time.monotonic() - started
+    assert 1.0 <= elapsed < 3.0, f"{elapsed:.2f} s"
+    out = capsys.readouterr().out
+    assert (f"! {url} accepted the connection but sent no answer to GET /health within 1 s: the server is hung or "
+            f"overloaded (see its log); raise --read-timeout if it is only slow") in out.splitlines(), out
+
+
+def test_check_remote_connect_timeout_bounds_a_connection_never_accepted(capsys):
+    with unaccepting_server() as url:
+        started = time.monotonic()
+        assert main(["check-remote", url, "--connect-timeout", "1"]) == 1
+        elapsed = time.monotonic() - started
+    assert 1.0 <= elapsed < 3.0, f"{elapsed:.2f} s"
+    assert f"! {url}: it did not accept a connection within 1 s" in capsys.readouterr().out

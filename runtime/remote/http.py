@@ -70,9 +70,10 @@ class ConnectionLost(RemoteError):
     """The request went out, then the connection broke or no answer came in time: the server may still be working
     on it, so sending it again could run the same job twice."""
 
-    def __init__(self, message: str, cause: Optional[str] = None) -> None:
+    def __init__(self, message: str, cause: Optional[str] = None, timed_out: bool = False) -> None:
         super().__init__(message)
         self.cause = cause or message  # what happened, in plain words, without the server's name or the fix
+        self.timed_out = timed_out  # no answer within the read timeout (else: the connection broke)
 
 
 class ServerRejected(RemoteError):
@@ -511,8 +512,8 @@ class HttpClient:
             cause = f"it sent no answer to {method} {shown} within {read_s:g} s (read timeout)"
             raise ConnectionLost(
                 f"{self.label} sent no answer to {method} {shown} within {read_s:g} s (read timeout); the server "
-                f"may still be working on it: raise the read timeout for large images or many steps", cause=cause
-            ) from None
+                f"may still be working on it: raise the read timeout for large images or many steps", cause=cause,
+                timed_out=True) from None
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
             raise ConnectionLost(
                 f"{self.label} dropped the connection during {method} {shown} ({type(exc).__name__}): the server "
