@@ -462,3 +462,28 @@ def test_a_prompt_that_is_not_utf8_is_refused_before_the_demo_model_is_built(cap
     line = _cli(capsys, "generate", "--prompt", undecodable, "--out", str(tmp_path / "x.png"))
     assert line.startswith("error: --prompt is not valid UTF-8 text")  # the one line: no demo notice before it
     assert not empty_cache.exists()
+
+
+# ---------------------------------------------------------------------- flags that need another, or exclude one
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "--lora-mode", "branch"],
+     "error: --lora-mode branch says how LoRAs run: give --lora PATH too, or leave it out"),
+    (["generate", "--no-composite"],
+     "error: --no-composite keeps the sampler's pixels outside a mask: give --init-image and --mask too, or leave "
+     "it out"),
+    (["generate", "--server", "http://127.0.0.1:9", "--api-key-env", "HOME", "--api-key-file", "{key}"],
+     "error: --api-key-env and --api-key-file both name the API key: give one of them"),
+    (["generate", "--pe-url", "http://127.0.0.1:9", "--pe-api-key-env", "HOME", "--pe-api-key-file", "{key}"],
+     "error: --pe-api-key-env and --pe-api-key-file both name the API key: give one of them"),
+    (["check-remote", "http://127.0.0.1:9", "--api-key-env", "HOME", "--api-key-file", "{key}"],
+     "error: --api-key-env and --api-key-file both name the API key: give one of them"),
+], ids=["lora-mode without lora", "no-composite without mask", "both server key sources", "both PE key sources",
+        "check-remote: both key sources"])
+def test_flags_that_cannot_work_together_are_refused_in_one_line_before_any_work(capsys, tmp_path, empty_cache,
+                                                                                 argv, expected):
+    key = tmp_path / "key.txt"
+    key.write_text("sk-never-shown-3141\n")
+    argv = [arg.format(key=key) for arg in argv]
+    line = _cli(capsys, *argv, *(["--out", str(tmp_path / "x.png")] if argv[0] == "generate" else []))
+    assert line == expected
+    assert "sk-never" not in line and not empty_cache.exists() and not (tmp_path / "x.png").exists()

@@ -142,6 +142,9 @@ def main_check_remote(argv: Optional[Sequence[str]] = None) -> int:
         normalize_base_url(url, what="URL", endpoint_suffixes=ENDPOINT_SUFFIXES)
     connect_s = checked_seconds(args.connect_timeout, "--connect-timeout")
     read_s = None if args.read_timeout is None else checked_seconds(args.read_timeout, "--read-timeout")
+    from .cli_args import check_one_key_source
+
+    check_one_key_source(args.api_key_env, args.api_key_file)
     api_key = ApiKeySource.checked(args.api_key_env, args.api_key_file, **CLI_KEY_LABELS)  # named by the flags
     rows = _check_all(args.urls, api_key, generate=not args.no_generate, connect_timeout_s=connect_s,
                       generation_timeout_s=GENERATION_TIMEOUT_S if read_s is None else read_s,
