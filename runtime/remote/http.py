@@ -193,11 +193,15 @@ def _check_env_name(name: str, *, has_file: bool, label: str, program: str) -> N
 
 
 def _shown_path(value: str) -> str:
-    """A path as typed when it is plainly one (it exists, or its folder does); else it may be a pasted key: cut."""
+    """A path as typed when it is plainly one (it exists, its folder does, or it ends in a file suffix such as .txt
+    or .key); else it may be a pasted key: cut. A path is no secret; the file's contents are."""
     path = os.path.expanduser(value)
     folder = os.path.dirname(path)
     if value.isprintable() and (os.path.exists(path) or (folder and os.path.isdir(folder))):
         return value
+    suffix = os.path.splitext(path)[1][1:]
+    if value.isprintable() and " " not in value and 1 <= len(suffix) <= 5 and suffix.isalnum():
+        return value  # nokey.txt, keys/api.key: keys carry no such suffix
     return _peek(value)
 
 
