@@ -379,3 +379,21 @@ def test_check_remote_connect_timeout_bounds_a_connection_never_accepted(capsys)
         elapsed = time.monotonic() - started
     assert 1.0 <= elapsed < 3.0, f"{elapsed:.2f} s"
     assert f"! {url}: it did not accept a connection within 1 s" in capsys.readouterr().out
+
+
+def test_an_html_error_page_is_described_not_quoted(tmp_path):
+    """Any 4xx whose body is a web page (a proxy's, a plain web server's) says so instead of quoting its markup."""
+    from ernie_image.runtime.remote.http import ServerRejected, run_sync
+    from ernie_image.runtime.remote.sglang import SglangClient
+
+    async def models(url: str) -> None:
+        client = SglangClient(url)
+        try:
+            await client.models()
+        finally:
+            await client.close()
+
+    with plain_web_server(tmp_path) as url:
+        with pytest.raises(ServerRejected) as caught:
+            run_sync(models(url))
+    assert str(caught.value) == f"{url} rejected GET {url}/v1/models (HTTP 404): an HTML page, not an API answer"
