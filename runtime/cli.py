@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from .cli_names import cli_message
-from .cli_parser import CLI_KEY_LABELS, OneLineParser  # noqa: F401 - CLI_KEY_LABELS: re-exported
+from .cli_parser import CLI_KEY_LABELS, OneLineParser, OutputPath  # noqa: F401 - CLI_KEY_LABELS: re-exported
 from .errors import Cancelled, ErnieImageError, InvalidInputError
 from .host import NullHost
 
@@ -55,7 +55,7 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", default="auto", help="VRAM budget in GB (GiB), or auto")
     parser.add_argument("--quant", default="none", metavar="{" + ",".join(QUANT_CHOICES) + "}",
                         help="quantise a bf16 DiT on load (a quantised DiT file is used as it is)")
-    parser.add_argument("--out", type=Path, default=Path("ernie.png"),
+    parser.add_argument("--out", action=OutputPath, metavar="PNG", default=Path("ernie.png"),
                         help="output PNG in an existing folder (batch: name_0.png, ...); an existing file is "
                              "replaced once the new one is complete")
 
@@ -113,16 +113,13 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     image_in = image_fields(args)  # image files read and checked before any model file is opened
     check_image_fields(image_in, args)
     check_generate_args(args, *FEATURE_CHECKS)  # before the demo model is built or any model file read
+    if args.servers:
+        _refuse_local_only_inputs(args, image_in)  # before the LoRA files are read
     loras = lora_stack(args.lora)
     remote = remote_pipe_from_args(args)  # None without --server; its options are checked before any work
     if remote is not None:
         from .remote.cli_generate import generate_on_servers
 
-        local_only = [flag for flag, given in (("--lora", bool(loras)), ("--init-image", "init_image" in image_in))
-                      if given]
-        if local_only:
-            raise InvalidInputError(f"{' and '.join(local_only)} run on the local model only: leave out --server, "
-                                    "or leave them out (the SGLang backend takes neither)")
         return generate_on_servers(args, remote, _ConsoleHost(interrupts or _Interrupts()))
     from .demo import DEMO_NOTICE, load_demo_pipe
     from .local_pipe import LoadOptions, LocalPipe
@@ -165,6 +162,19 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     host.log(f"{len(paths)} image(s) {used.width}x{used.height}, {used.steps} steps, CFG {used.cfg:g}, seed "
              f"{used.seed} in {elapsed:.2f} s ({pipe.describe()})")
     return 0
+
+
+def _refuse_local_only_inputs(args: argparse.Namespace, image_in: dict) -> None:
+    """--lora and --init-image with --server: the SGLang backend takes neither, so the run could not honour them."""
+    local_only = [flag for flag, given in (("--lora", bool(args.lora)), ("--init-image", "init_image" in image_in))
+                  if given]
+    if len(local_only) == 1:
+        taken = "no LoRA" if local_only[0] == "--lora" else "no init image"
+        raise InvalidInputError(f"{local_only[0]} runs on the local model only: the SGLang backend takes {taken}; "
+                                f"leave out --server or {local_only[0]}")
+    if local_only:
+        raise InvalidInputError(f"{' and '.join(local_only)} run on the local model only: the SGLang backend takes "
+                                f"neither; leave out --server, or leave out both")
 
 
 class _Interrupts:

@@ -188,6 +188,12 @@ def default_side(args: argparse.Namespace) -> int:
     return DEMO_SIDE if uses_demo_model(args) else REAL_SIDE
 
 
+def _check_flags_that_need_another(args: argparse.Namespace) -> None:
+    if getattr(args, "lora_mode", "merge") != "merge" and not getattr(args, "lora", None):
+        raise InvalidInputError(f"--lora-mode {args.lora_mode} says how LoRAs run: give --lora PATH too, or leave "
+                                "it out")
+
+
 def _check_numbers(args: argparse.Namespace) -> None:
     side = default_side(args)
     validate_size(side if args.width is None else args.width, side if args.height is None else args.height)
@@ -233,7 +239,7 @@ def _check_out(args: argparse.Namespace) -> None:
 
 
 # The order users meet the errors in: a size error before a file error, a file error before the output's.
-GENERATE_CHECKS: tuple[ArgCheck, ...] = (_check_numbers, _check_prompts, _check_load_options, _check_model_paths,
+GENERATE_CHECKS: tuple[ArgCheck, ...] = (_check_flags_that_need_another, _check_numbers, _check_prompts, _check_load_options, _check_model_paths,
                                          _check_out)
 
 

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import argparse
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn, Optional, Sequence, Union
 
 from .errors import InvalidInputError
 
@@ -15,3 +16,15 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise InvalidInputError(f"{message}: see '{self.prog} --help'")
+
+
+class OutputPath(argparse.Action):
+    """A path option that stores a Path and refuses an empty value (`--out=`), which Path would read as `.`.
+    `metavar` names what to give, e.g. "PNG" ("--out is empty: give a .png path")."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Union[str, Sequence[Any], None], option_string: Optional[str] = None) -> None:
+        text = str(values)
+        if not text.strip():
+            raise InvalidInputError(f"{option_string} is empty: give a .{str(self.metavar).lower()} path")
+        setattr(namespace, self.dest, Path(text))

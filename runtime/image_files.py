@@ -93,6 +93,9 @@ def image_fields(args: argparse.Namespace) -> dict[str, Any]:
                                 "leave --denoise out")
     if args.mask is None and (args.mask_grow or args.mask_feather):
         raise InvalidInputError("--mask-grow and --mask-feather shape a mask: give --mask too, or leave them out")
+    if args.mask is None and args.no_composite:
+        raise InvalidInputError("--no-composite keeps the sampler's pixels outside a mask: give --init-image and "
+                                "--mask too, or leave it out")
     fields: dict[str, Any] = {"denoise": args.denoise, "mask_grow": args.mask_grow,
                               "mask_feather": args.mask_feather, "composite": not args.no_composite}
     if args.init_image is not None:

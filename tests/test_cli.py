@@ -462,3 +462,71 @@ def test_a_prompt_that_is_not_utf8_is_refused_before_the_demo_model_is_built(cap
     line = _cli(capsys, "generate", "--prompt", undecodable, "--out", str(tmp_path / "x.png"))
     assert line.startswith("error: --prompt is not valid UTF-8 text")  # the one line: no demo notice before it
     assert not empty_cache.exists()
+
+
+# ---------------------------------------------------------------------- flags that need another, or exclude one
+@pytest.mark.parametrize("argv, expected", [
+    (["generate", "--lora-mode", "branch"],
+     "error: --lora-mode branch says how LoRAs run: give --lora PATH too, or leave it out"),
+    (["generate", "--no-composite"],
+     "error: --no-composite keeps the sampler's pixels outside a mask: give --init-image and --mask too, or leave "
+     "it out"),
+    (["generate", "--server", "http://127.0.0.1:9", "--api-key-env", "HOME", "--api-key-file", "{key}"],
+     "error: --api-key-env and --api-key-file both name the API key: give one of them"),
+    (["generate", "--pe-url", "http://127.0.0.1:9", "--pe-api-key-env", "HOME", "--pe-api-key-file", "{key}"],
+     "error: --pe-api-key-env and --pe-api-key-file both name the API key: give one of them"),
+    (["check-remote", "http://127.0.0.1:9", "--api-key-env", "HOME", "--api-key-file", "{key}"],
+     "error: --api-key-env and --api-key-file both name the API key: give one of them"),
+], ids=["lora-mode without lora", "no-composite without mask", "both server key sources", "both PE key sources",
+        "check-remote: both key sources"])
+def test_flags_that_cannot_work_together_are_refused_in_one_line_before_any_work(capsys, tmp_path, empty_cache,
+                                                                                 argv, expected):
+    key = tmp_path / "key.txt"
+    key.write_text("sk-never-shown-3141\n")
+    argv = [arg.format(key=key) for arg in argv]
+    line = _cli(capsys, *argv, *(["--out", str(tmp_path / "x.png")] if argv[0] == "generate" else []))
+    assert line == expected
+    assert "sk-never" not in line and not empty_cache.exists() and not (tmp_path / "x.png").exists()
+
+
+# ------------------------------------------------------------------------------ messages name what was given
+def test_a_cuda_device_without_a_gpu_is_named_as_given(capsys, tmp_path, empty_cache):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU")  # pragma: no cover
+    line = _cli(capsys, "generate", "--device", "cuda:7", "--out", str(tmp_path / "x.png"))
+    assert line == "error: --device cuda:7 was asked for but PyTorch sees no CUDA GPU: choose cpu"
+    assert not empty_cache.exists()
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--lora", "{lora}"], "error: --lora runs on the local model only: the SGLang backend takes no LoRA; leave out "
+                           "--server or --lora"),
+    (["--init-image", "{image}"], "error: --init-image runs on the local model only: the SGLang backend takes no "
+                                  "init image; leave out --server or --init-image"),
+    (["--lora", "{lora}", "--init-image", "{image}"],
+     "error: --lora and --init-image run on the local model only: the SGLang backend takes neither; leave out "
+     "--server, or leave out both"),
+], ids=["lora", "init image", "both"])
+def test_local_only_inputs_with_a_server_are_one_clear_line(capsys, tmp_path, empty_cache, extra, expected):
+    from PIL import Image
+
+    image = tmp_path / "in.png"
+    Image.new("RGB", (256, 256), (20, 40, 60)).save(image)
+    missing_lora = tmp_path / "style.safetensors"  # refused for --server before the file is looked at
+    argv = [arg.format(lora=missing_lora, image=image) for arg in extra]
+    line = _cli(capsys, "generate", "--server", "http://127.0.0.1:9", *argv, "--out", str(tmp_path / "x.png"))
+    assert line == expected
+
+
+@pytest.mark.parametrize("value", ["nokey.txt", "keys/api.key"])
+def test_a_missing_key_file_is_shown_as_the_path_it_is(capsys, tmp_path, monkeypatch, value):
+    monkeypatch.chdir(tmp_path)
+    line = _cli(capsys, "generate", "--server", "http://127.0.0.1:9", "--api-key-file", value,
+                "--out", str(tmp_path / "x.png"))
+    assert line == f"error: --api-key-file {value} is not a file: give the path of a file holding only the key"
+
+
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_out_says_it_is_empty(capsys, tmp_path, empty_cache, value):
+    assert _cli(capsys, "generate", f"--out={value}") == "error: --out is empty: give a .png path"
+    assert not empty_cache.exists()

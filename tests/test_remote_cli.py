@@ -305,3 +305,95 @@ def test_check_remote_refuses_a_malformed_url_as_a_usage_error_before_asking_any
     line = one_line_error(capsys)
     assert line.startswith(expected) and "pw99" not in line
     assert capsys.readouterr().out == ""
+
+
+# ------------------------------------------------------------------------ a web server that is not SGLang
+@contextmanager
+def plain_web_server(folder: Path) -> Iterator[str]:
+    """`python3 -m http.server`: answers every unknown path, /health too, with HTTP 404 and an HTML page."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class QuietHandler(SimpleHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(QuietHandler, directory=str(folder)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def test_a_web_server_that_is_not_sglang_is_one_line_saying_so_without_its_html(capsys, tmp_path):
+    (tmp_path / "site-root").mkdir()
+    with plain_web_server(tmp_path / "site-root") as url:
+        code = main(["generate", "--server", url, "--wait-for-servers", "1", *TURBO, "--out", str(tmp_path / "x.png")])
+    assert code == 2
+    assert one_line_error(capsys) == (
+        f"error: {url} answers HTTP 404 on GET {url}/health: not an SGLang server (check the URL and port)")
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_check_remote_says_a_web_server_is_not_sglang(capsys, tmp_path):
+    with plain_web_server(tmp_path) as url:
+        assert main(["check-remote", url]) == 1
+    out = capsys.readouterr().out
+    assert f"! {url} answers HTTP 404 on GET {url}/health: not an SGLang server (check the URL and port)" in out
+    assert "<!DOCTYPE" not in out and "<html" not in out.lower()
+
+
+def test_giving_up_on_one_server_of_a_fleet_is_told_while_another_takes_the_batch(capsys, tmp_path):
+    (tmp_path / "site-root").mkdir()
+    with plain_web_server(tmp_path / "site-root") as web, FakeSglang() as live:
+        assert main(["generate", "--server", web, "--server", live.url, *TURBO, "--batch", "2",
+                     "--out", str(tmp_path / "x.png")]) == 0
+    err = capsys.readouterr().err
+    assert (f"giving up on {web} for this batch: {web} answers HTTP 404 on GET {web}/health: not an SGLang server (check "
+            f"the URL and port); the batch goes on with {live.url}") in err.splitlines(), err
+    assert sorted(path.name for path in tmp_path.glob("*.png")) == ["x_0.png", "x_1.png"]
+
+
+def test_check_remote_awaits_health_for_the_read_timeout_given_and_names_that_flag(capsys):
+    """A server that accepts and never answers: /health is awaited --read-timeout seconds (not a fixed 10 s), and
+    the advice names --read-timeout, the flag that governs that wait."""
+    with silent_server() as url:
+        started = time.monotonic()
+        assert main(["check-remote", url, "--read-timeout", "1", "--connect-timeout", "1"]) == 1
+        elapsed = time.monotonic() - started
+    assert 1.0 <= elapsed < 3.0, f"{elapsed:.2f} s"
+    out = capsys.readouterr().out
+    assert (f"! {url} accepted the connection but sent no answer to GET /health within 1 s: the server is hung or "
+            f"overloaded (see its log); raise --read-timeout if it is only slow") in out.splitlines(), out
+
+
+def test_check_remote_connect_timeout_bounds_a_connection_never_accepted(capsys):
+    with unaccepting_server() as url:
+        started = time.monotonic()
+        assert main(["check-remote", url, "--connect-timeout", "1"]) == 1
+        elapsed = time.monotonic() - started
+    assert 1.0 <= elapsed < 3.0, f"{elapsed:.2f} s"
+    assert f"! {url}: it did not accept a connection within 1 s" in capsys.readouterr().out
+
+
+def test_an_html_error_page_is_described_not_quoted(tmp_path):
+    """Any 4xx whose body is a web page (a proxy's, a plain web server's) says so instead of quoting its markup."""
+    from ernie_image.runtime.remote.http import ServerRejected, run_sync
+    from ernie_image.runtime.remote.sglang import SglangClient
+
+    async def models(url: str) -> None:
+        client = SglangClient(url)
+        try:
+            await client.models()
+        finally:
+            await client.close()
+
+    with plain_web_server(tmp_path) as url:
+        with pytest.raises(ServerRejected) as caught:
+            run_sync(models(url))
+    assert str(caught.value) == f"{url} rejected GET {url}/v1/models (HTTP 404): an HTML page, not an API answer"

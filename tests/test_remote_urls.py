@@ -78,7 +78,7 @@ def test_a_proxy_prefix_is_kept_and_errors_name_the_full_url_the_server_saw():
         rows = check_remote([f"{server.url}/sglang"], generate=False)
         paths = [r.path for r in server.received]
     assert paths == ["/sglang/health"]
-    assert f"GET {server.url}/sglang/health (HTTP 404)" in rows[0].problems[0]
+    assert f"answers HTTP 404 on GET {server.url}/sglang/health: not an SGLang server" in rows[0].problems[0]
 
 
 def test_check_remote_rows_never_show_credentials():

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 from ..cli_parser import CLI_KEY_LABELS, OneLineParser
 from ..errors import ErnieImageError
 from .http import ApiKeySource, HttpSettings, RetryPolicy, Timeouts, checked_seconds, run_sync
-from .sglang import ENDPOINT_SUFFIXES, ImageParams, ReadTimeoutPolicy, SglangClient
+from .sglang import ENDPOINT_SUFFIXES, PROBE_READ_S, ImageParams, ReadTimeoutPolicy, SglangClient
 from .urls import normalize_base_url, shown_url
 
 TINY_IMAGE = ImageParams(prompt="a red fox in snow", negative_prompt="", width=256, height=256, steps=1,
@@ -40,11 +40,15 @@ class CheckRow:
 
 
 async def check_one(url: str, api_key: ApiKeySource, generate: bool, connect_timeout_s: float,
-                    generation_timeout_s: float) -> CheckRow:
+                    generation_timeout_s: float, probe_read_s: float = PROBE_READ_S,
+                    read_timeout_label: Optional[str] = None) -> CheckRow:
+    """One server's row. `probe_read_s`: how long readiness, model list and version are awaited;
+    `read_timeout_label`: the setting that governs it, named in the advice to raise it."""
     row = CheckRow(url=shown_url(url))  # never the URL as typed: it may hold a password
     try:
         settings = HttpSettings(api_key, Timeouts(connect_s=connect_timeout_s), RetryPolicy(attempts=1))
-        client = SglangClient(url, settings, ReadTimeoutPolicy(base_s=generation_timeout_s, per_step_megapixel_s=0.0))
+        client = SglangClient(url, settings, ReadTimeoutPolicy(base_s=generation_timeout_s, per_step_megapixel_s=0.0),
+                              probe_read_s=probe_read_s, probe_read_label=read_timeout_label)
     except ErnieImageError as exc:
         row.readiness, row.problems = "bad URL", [str(exc)]
         return row
@@ -89,10 +93,12 @@ def check_remote(urls: Sequence[str], api_key_env: Optional[str] = None, api_key
 
 
 def _check_all(urls: Sequence[str], api_key: ApiKeySource, generate: bool, connect_timeout_s: float,
-               generation_timeout_s: float) -> list[CheckRow]:
+               generation_timeout_s: float, probe_read_s: float = PROBE_READ_S,
+               read_timeout_label: Optional[str] = None) -> list[CheckRow]:
     async def run() -> list[CheckRow]:
         return list(await asyncio.gather(*(
-            check_one(url, api_key, generate, connect_timeout_s, generation_timeout_s) for url in urls)))
+            check_one(url, api_key, generate, connect_timeout_s, generation_timeout_s, probe_read_s,
+                      read_timeout_label) for url in urls)))
 
     return run_sync(run())
 
@@ -128,16 +134,21 @@ def main_check_remote(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--no-generate", action="store_true", help="skip the tiny test generation")
     parser.add_argument("--connect-timeout", default=5.0, metavar="S",
                         help="seconds to wait for a server to accept the connection (default 5)")
-    parser.add_argument("--read-timeout", default=GENERATION_TIMEOUT_S, metavar="S",
-                        help=f"seconds to wait for the tiny test image (default {GENERATION_TIMEOUT_S:g})")
+    parser.add_argument("--read-timeout", default=None, metavar="S",
+                        help=f"seconds to wait for each answer: readiness, model list and the tiny test image "
+                             f"(default {PROBE_READ_S:g} for the first two, {GENERATION_TIMEOUT_S:g} for the image)")
     args = parser.parse_args(argv)
     for url in args.urls:  # a malformed URL is a usage error (exit 2), before any server is asked
         normalize_base_url(url, what="URL", endpoint_suffixes=ENDPOINT_SUFFIXES)
     connect_s = checked_seconds(args.connect_timeout, "--connect-timeout")
-    read_s = checked_seconds(args.read_timeout, "--read-timeout")
+    read_s = None if args.read_timeout is None else checked_seconds(args.read_timeout, "--read-timeout")
+    from .cli_args import check_one_key_source
+
+    check_one_key_source(args.api_key_env, args.api_key_file)
     api_key = ApiKeySource.checked(args.api_key_env, args.api_key_file, **CLI_KEY_LABELS)  # named by the flags
     rows = _check_all(args.urls, api_key, generate=not args.no_generate, connect_timeout_s=connect_s,
-                      generation_timeout_s=read_s)
+                      generation_timeout_s=GENERATION_TIMEOUT_S if read_s is None else read_s,
+                      probe_read_s=PROBE_READ_S if read_s is None else read_s, read_timeout_label="--read-timeout")
     print(format_check_table(rows))
     return 0 if all(row.ok for row in rows) else 1
 

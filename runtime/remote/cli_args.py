@@ -58,7 +58,15 @@ def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
     pe.add_argument("--pe-api-key-file", default=None, metavar="PATH", help="file holding only the PE server's API key")
 
 
+def check_one_key_source(env_var: Optional[str], file: Optional[str], prefix: str = "") -> None:
+    """A key comes from a variable or a file: both given is refused (which one is meant cannot be told)."""
+    if (env_var or "").strip() and (file or "").strip():
+        raise InvalidInputError(f"--{prefix}api-key-env and --{prefix}api-key-file both name the API key: give one "
+                                f"of them")
+
+
 def _key(env_var: Optional[str], file: Optional[str], prefix: str) -> ApiKeySource:
+    check_one_key_source(env_var, file, prefix)
     return ApiKeySource.checked(env_var, file, env_label=f"--{prefix}api-key-env", file_label=f"--{prefix}api-key-file",
                                 program="ernie-image")
 

@@ -348,8 +348,9 @@ class _Batch:
     def _give_up(self, slot: ServerSlot, error: BaseException, why: str) -> None:
         slot.state, slot.gave_up, slot.detail = GIVEN_UP, error, why
         others = [s.label for s in self.slots if s is not slot and s.state != GIVEN_UP]
-        rest = f"; the batch goes on with {', '.join(others)}" if others and not self._finished() else ""
-        self._report(slot, f"giving up on {slot.label} for this batch: {why}{rest}")
+        if others and not self._finished():  # alone, its error ends the run and says it once
+            self._report(slot, f"giving up on {slot.label} for this batch: {why}; the batch goes on with "
+                               f"{', '.join(others)}")
         self._signal()
 
     async def _send(self, slot: ServerSlot, index: int) -> None:

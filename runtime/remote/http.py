@@ -70,9 +70,10 @@ class ConnectionLost(RemoteError):
     """The request went out, then the connection broke or no answer came in time: the server may still be working
     on it, so sending it again could run the same job twice."""
 
-    def __init__(self, message: str, cause: Optional[str] = None) -> None:
+    def __init__(self, message: str, cause: Optional[str] = None, timed_out: bool = False) -> None:
         super().__init__(message)
         self.cause = cause or message  # what happened, in plain words, without the server's name or the fix
+        self.timed_out = timed_out  # no answer within the read timeout (else: the connection broke)
 
 
 class ServerRejected(RemoteError):
@@ -192,11 +193,15 @@ def _check_env_name(name: str, *, has_file: bool, label: str, program: str) -> N
 
 
 def _shown_path(value: str) -> str:
-    """A path as typed when it is plainly one (it exists, or its folder does); else it may be a pasted key: cut."""
+    """A path as typed when it is plainly one (it exists, its folder does, or it ends in a file suffix such as .txt
+    or .key); else it may be a pasted key: cut. A path is no secret; the file's contents are."""
     path = os.path.expanduser(value)
     folder = os.path.dirname(path)
     if value.isprintable() and (os.path.exists(path) or (folder and os.path.isdir(folder))):
         return value
+    suffix = os.path.splitext(path)[1][1:]
+    if value.isprintable() and " " not in value and 1 <= len(suffix) <= 5 and suffix.isalnum():
+        return value  # nokey.txt, keys/api.key: keys carry no such suffix
     return _peek(value)
 
 
@@ -300,6 +305,8 @@ def _server_message(body: bytes, content_type: str) -> Optional[str]:
             data = None
         if data is not None:
             return _message_from_json(data)
+    if "html" in content_type or text[:1] == "<":
+        return "an HTML page, not an API answer"  # a web server's error page: its markup says nothing to the user
     first_line = text.splitlines()[0]
     return first_line[:300]
 
@@ -509,8 +516,8 @@ class HttpClient:
             cause = f"it sent no answer to {method} {shown} within {read_s:g} s (read timeout)"
             raise ConnectionLost(
                 f"{self.label} sent no answer to {method} {shown} within {read_s:g} s (read timeout); the server "
-                f"may still be working on it: raise the read timeout for large images or many steps", cause=cause
-            ) from None
+                f"may still be working on it: raise the read timeout for large images or many steps", cause=cause,
+                timed_out=True) from None
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
             raise ConnectionLost(
                 f"{self.label} dropped the connection during {method} {shown} ({type(exc).__name__}): the server "

@@ -17,8 +17,9 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from ..request import SEED_MASK, SIDE_MULTIPLE
-from .http import BadResponse, ConnectionLost, HttpClient, HttpSettings, RetryPolicy, ServerFailed, ServerUnavailable
-from .urls import normalize_base_url
+from .http import (AuthenticationError, BadResponse, ConnectionLost, HttpClient, HttpSettings, RetryPolicy, ServerFailed,
+                   ServerRejected, ServerUnavailable)
+from .urls import normalize_base_url, shown_url
 
 ERNIE_PIPELINE = "ErnieImagePipeline"
 GENERATE_PATH = "/v1/images/generations"
@@ -160,9 +161,12 @@ class SglangClient:
     """One SGLang server: readiness, discovery and one-image generation. Use on one event loop."""
 
     def __init__(self, base_url: str, settings: HttpSettings = HttpSettings(),
-                 read_timeout: ReadTimeoutPolicy = ReadTimeoutPolicy()) -> None:
+                 read_timeout: ReadTimeoutPolicy = ReadTimeoutPolicy(), probe_read_s: float = PROBE_READ_S,
+                 probe_read_label: Optional[str] = None) -> None:
         self.http = HttpClient(normalize_base_url(base_url, endpoint_suffixes=ENDPOINT_SUFFIXES), settings)
         self.read_timeout = read_timeout
+        self.probe_read_s = probe_read_s  # how long /health, /v1/models and /server_info are awaited
+        self.probe_read_label = probe_read_label  # the setting that governs it, as the user knows it (None: fixed)
         self.model_id: Optional[str] = None
 
     @property
@@ -180,14 +184,25 @@ class SglangClient:
         """What /health says, as far as the server lets it be told. Raises only what a wait cannot fix: a 4xx
         (wrong URL or path, refused key) or a body that is not SGLang's."""
         try:
-            response = await self.http.request_json("GET", "/health", read_timeout_s=PROBE_READ_S,
+            response = await self.http.request_json("GET", "/health", read_timeout_s=self.probe_read_s,
                                                     accept_statuses=frozenset({503}), retry=PROBE_RETRY)
         except ServerUnavailable as exc:
             return Readiness(REFUSED if exc.reason == "refused" else UNREACHABLE, str(exc), exc.cause)
         except ConnectionLost as exc:
+            if exc.timed_out:
+                cause = f"/health not answered within {self.probe_read_s:g} s (read timeout)"
+                advice = f"; raise {self.probe_read_label} if it is only slow" if self.probe_read_label else ""
+                return Readiness(UNREACHABLE, f"{self.label} accepted the connection but sent no answer to GET /health "
+                                              f"within {self.probe_read_s:g} s: the server is hung or overloaded (see "
+                                              f"its log){advice}", cause)
             return Readiness(UNREACHABLE, str(exc), exc.cause)
         except ServerFailed as exc:
             return Readiness(UNHEALTHY, str(exc), f"/health failed (HTTP {exc.status})")
+        except ServerRejected as exc:
+            if exc.status not in (404, 405) or isinstance(exc, AuthenticationError):
+                raise
+            raise BadResponse(f"{self.label} answers HTTP {exc.status} on GET {shown_url(self.http.base_url + '/health')}: "
+                              f"not an SGLang server (check the URL and port)") from None
         if response.status == 503:
             if isinstance(response.data, dict) and response.data.get("error"):
                 cause = f"a worker failed ({str(response.data['error'])[:200]})"
@@ -198,7 +213,7 @@ class SglangClient:
 
     # ---------------------------------------------------------------------------------- discovery
     async def models(self) -> list[ServerModel]:
-        response = await self.http.request_json("GET", "/v1/models", read_timeout_s=PROBE_READ_S)
+        response = await self.http.request_json("GET", "/v1/models", read_timeout_s=self.probe_read_s)
         data = response.data.get("data") if isinstance(response.data, dict) else None
         if not isinstance(data, list):
             raise BadResponse(f"{self.label}/v1/models has no model list: is this an SGLang diffusion server?")
@@ -233,7 +248,7 @@ class SglangClient:
         )
 
     async def version(self) -> Optional[str]:
-        response = await self.http.request_json("GET", "/server_info", read_timeout_s=PROBE_READ_S)
+        response = await self.http.request_json("GET", "/server_info", read_timeout_s=self.probe_read_s)
         version = response.data.get("version") if isinstance(response.data, dict) else None
         return str(version) if version is not None else None
 
