@@ -74,10 +74,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         low_precision = self.weight.dtype in (torch.float16, torch.bfloat16)
-        if low_precision and _fast_eager(x) and x.dtype == self.weight.dtype:
-            # One kernel instead of four passes; the same single rounding to bf16, only the mean of squares is
-            # summed in another order (differs from the reference in rare last bits: within the tests' GPU bound).
-            return F.rms_norm(x, (x.shape[-1],), eps=self.eps).mul_(self.weight)
         variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
         if low_precision and _eager_kernels():
             normed = torch.mul(x, torch.rsqrt(variance + self.eps), out=torch.empty_like(x, dtype=self.weight.dtype))

@@ -219,7 +219,7 @@ class StaticCacheDecoder:
         count = ids.shape[1]
         cos, sin, query_scale = self._rotary(positions)
         hidden = self.model.model.embed_tokens(ids)
-        norm = _rms_norm if self.fused else (lambda module, x: module(x))
+        norm = _rms_norm_weighted if self.fused else (lambda module, x: module(x))
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
             x = norm(layer.input_layernorm, hidden)
@@ -243,16 +243,6 @@ class StaticCacheDecoder:
             hidden = hidden + layer.mlp(norm(layer.post_attention_layernorm, hidden))
         last = self.model.model.norm(hidden[:, -1:])
         return self.model.lm_head(last)[:, -1].float()
-
-
-def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers' Ministral3RMSNorm, `weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)`, in two kernels;
-    any other norm module runs as it is."""
-    eps = getattr(module, "variance_epsilon", None)
-    weight = getattr(module, "weight", None)
-    if eps is None or weight is None or type(module).__name__ != "Ministral3RMSNorm":
-        return module(x)
-    return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def _plain_layer_tensors(layers) -> Optional[list[tuple[torch.Tensor, ...]]]:
