@@ -41,6 +41,16 @@ def teacher_forced_difference(decoder, model, steps: int) -> tuple[float, list[i
     return worst, tokens
 
 
+def assert_replay_equals_eager(graph_decoder, eager, tokens: list[int]) -> None:
+    """Replaying the captured kernels gives exactly the same decoder's eager step's logits; both are closed."""
+    eager.prefill(PROMPT_IDS)
+    graph_decoder.prefill(PROMPT_IDS)
+    for token in tokens:
+        assert torch.equal(graph_decoder.next_logits(token), eager.next_logits(token))
+    graph_decoder.close()
+    eager.close()
+
+
 @torch.inference_mode()
 def test_static_cache_logits_equal_transformers_token_by_token(model):
     decoder = StaticCacheDecoder(model, len(PROMPT_IDS) + STEPS, use_graph=False)
@@ -112,14 +122,9 @@ def test_on_the_gpu_the_graph_decoder_matches_transformers_and_frees_its_memory(
     worst, tokens = teacher_forced_difference(graph_decoder, cuda_model, STEPS)
     assert worst < 1e-3
 
-    eager = StaticCacheDecoder(cuda_model, len(PROMPT_IDS) + STEPS, use_graph=False)
-    eager.prefill(PROMPT_IDS)
-    graph_decoder.prefill(PROMPT_IDS)
-    for token in tokens[:32]:  # replaying the captured kernels gives exactly the eager decoder's logits
-        assert torch.equal(graph_decoder.next_logits(token), eager.next_logits(token))
-    graph_decoder.close()
-    eager.close()
-    del graph_decoder, eager
+    assert_replay_equals_eager(graph_decoder, StaticCacheDecoder(cuda_model, len(PROMPT_IDS) + STEPS, use_graph=False),
+                               tokens[:32])
+    del graph_decoder
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
 
@@ -168,14 +173,9 @@ def test_on_the_gpu_the_compiled_decode_step_matches_transformers_and_replays_ex
     assert isinstance(compiled, StaticCacheDecoder) and compiled.layer_tensors is not None
     worst, tokens = teacher_forced_difference(compiled, cuda_model, STEPS)
     assert worst < 1e-3
-    eager = StaticCacheDecoder(cuda_model, len(PROMPT_IDS) + STEPS, use_graph=False, compiled=True)
-    eager.prefill(PROMPT_IDS)
-    compiled.prefill(PROMPT_IDS)
-    for token in tokens[:16]:  # the captured compiled kernels give exactly the compiled step's logits
-        assert torch.equal(compiled.next_logits(token), eager.next_logits(token))
-    compiled.close()
-    eager.close()
-    del compiled, eager
+    assert_replay_equals_eager(compiled, StaticCacheDecoder(cuda_model, len(PROMPT_IDS) + STEPS, use_graph=False,
+                                                             compiled=True), tokens[:16])
+    del compiled
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before
     settings = SamplingSettings(max_new_tokens=48, min_new_tokens=48)
