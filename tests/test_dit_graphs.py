@@ -320,7 +320,7 @@ def test_released_graphs_give_their_memory_back_and_recapture_without_a_warm_up(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
-def test_a_capture_that_fails_falls_back_to_eager_with_one_warning(caplog):
+def test_a_capture_that_fails_falls_back_to_eager_with_one_warning_and_leaves_random_numbers_usable(caplog):
     model = tiny_dit("cuda", torch.bfloat16)
 
     def syncing_runner(index, block, x, ctx):
