@@ -131,7 +131,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     # The console shows no pictures: skip the per-step latent preview (it costs a device-to-host copy per step).
     options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=parse_budget(args.budget),
                           quant=args.quant, keep_loaded=False, previews=False,
-                          pe_endpoint=pe_endpoint_from_args(args), lora_mode=args.lora_mode)
+                          pe_endpoint=pe_endpoint_from_args(args), lora_mode=args.lora_mode or "merge")
     demo = uses_demo_model(args)
     if demo:
         pipe = load_demo_pipe(options, args.variant or "turbo")

@@ -189,7 +189,7 @@ def default_side(args: argparse.Namespace) -> int:
 
 
 def _check_flags_that_need_another(args: argparse.Namespace) -> None:
-    if getattr(args, "lora_mode", "merge") != "merge" and not getattr(args, "lora", None):
+    if getattr(args, "lora_mode", None) is not None and not getattr(args, "lora", None):
         raise InvalidInputError(f"--lora-mode {args.lora_mode} says how LoRAs run: give --lora PATH too, or leave "
                                 "it out")
 

@@ -468,6 +468,8 @@ def test_a_prompt_that_is_not_utf8_is_refused_before_the_demo_model_is_built(cap
 @pytest.mark.parametrize("argv, expected", [
     (["generate", "--lora-mode", "branch"],
      "error: --lora-mode branch says how LoRAs run: give --lora PATH too, or leave it out"),
+    (["generate", "--lora-mode", "merge"],  # the default's name given without a LoRA: refused the same way
+     "error: --lora-mode merge says how LoRAs run: give --lora PATH too, or leave it out"),
     (["generate", "--no-composite"],
      "error: --no-composite keeps the sampler's pixels outside a mask: give --init-image and --mask too, or leave "
      "it out"),
@@ -477,7 +479,7 @@ def test_a_prompt_that_is_not_utf8_is_refused_before_the_demo_model_is_built(cap
      "error: --pe-api-key-env and --pe-api-key-file both name the API key: give one of them"),
     (["check-remote", "http://127.0.0.1:9", "--api-key-env", "HOME", "--api-key-file", "{key}"],
      "error: --api-key-env and --api-key-file both name the API key: give one of them"),
-], ids=["lora-mode without lora", "no-composite without mask", "both server key sources", "both PE key sources",
+], ids=["lora-mode without lora", "lora-mode merge without lora", "no-composite without mask", "both server key sources", "both PE key sources",
         "check-remote: both key sources"])
 def test_flags_that_cannot_work_together_are_refused_in_one_line_before_any_work(capsys, tmp_path, empty_cache,
                                                                                  argv, expected):

@@ -12,7 +12,7 @@ from .stack import LORA_MODES, LoraStack, parse_lora_argument
 def add_lora_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                         help="a LoRA .safetensors and its strength (default 1.0, -10..10); repeat for a stack")
-    parser.add_argument("--lora-mode", choices=LORA_MODES, default="merge",
+    parser.add_argument("--lora-mode", choices=LORA_MODES, default=None,  # None: not given (merge)
                         help="merge: add the LoRAs into the resident weights (no cost per step; the originals are "
                              "kept in host RAM); branch: run them beside the weights (a few %% per step, no host "
                              "copy). Streamed blocks, GGUF and NVFP4 weights always take the branch (default: merge)")
