@@ -2,6 +2,9 @@
 random number generator after a capture that failed."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 _CAPTURE_STREAMS: dict[torch.device, "torch.cuda.Stream"] = {}
@@ -30,3 +33,21 @@ def heal_generator_after_failed_capture(device: torch.device) -> None:
     except RuntimeError:
         fresh.manual_seed(generator.initial_seed())
     generator.graphsafe_set_state(fresh.graphsafe_get_state())
+
+
+@contextmanager
+def host_syncs_raise() -> Iterator[None]:
+    """Make a CUDA operation that waits for the host (`.item()`, a blocking copy, a synchronize) raise instead of
+    running, for the duration (PyTorch's sync debug mode, process-wide). A forward that passes under it can be
+    captured; one that fails must not be: an invalidated capture aborts the process under cudaMallocAsync when
+    PyTorch frees the temporaries it made inside it."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def is_host_sync_error(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and "called a synchronizing CUDA operation" in str(error)

@@ -15,7 +15,9 @@ has its own launch path), a block runner that streams weights (`dit.block_runner
 offload/placement.py: the copies are host-driven). Weights on another device than the inputs (or on several) fail
 in the warm-up, which is the DiT's own forward, with its own error. A capture that fails (a layer that syncs with
 the host, "Only one capture at a time" under the cudaMallocAsync allocator, ...) switches this wrapper to eager for
-good, with one log line; out-of-memory propagates.
+good, with one log line; out-of-memory propagates. The warm-up runs with PyTorch's sync debug mode raising, so a
+forward that synchronizes with the host is found before any capture (where, under cudaMallocAsync, the failed
+capture would abort the process) and runs eagerly from then on.
 
 Contract for code that changes the DiT: a graph replays the tensors and modules that existed when it was captured.
 Any change to *which* tensors or modules the forward reads must bump `dit.structure_version` (an int on ErnieDiT)
@@ -37,7 +39,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from .cuda_capture import capture_stream, heal_generator_after_failed_capture
+from .cuda_capture import capture_stream, heal_generator_after_failed_capture, host_syncs_raise, is_host_sync_error
 
 log = logging.getLogger(__name__)
 
@@ -145,25 +147,43 @@ class DiTGraphs:
 
     # -- internals ---------------------------------------------------------------------------------------
     def _warm_up(self, latents, timestep, text, text_lens) -> torch.Tensor:
-        """The eager forward on the capture stream, so its cuBLAS workspace and plans exist before capture."""
+        """The eager forward on the capture stream, so its cuBLAS workspace and plans exist before capture, with
+        host syncs raising: a forward that waits for the host is never captured (see `host_syncs_raise`)."""
+        self._build_tables(latents, text, text_lens)  # their one-time uploads are blocking copies
         current = torch.cuda.current_stream(latents.device)
         side = capture_stream(latents.device)
         side.wait_stream(current)
+        output: Optional[torch.Tensor] = None
         try:
-            with torch.cuda.stream(side):
+            with torch.cuda.stream(side), host_syncs_raise():
                 output = self.dit(latents, timestep, text, text_lens)
+        except RuntimeError as error:
+            if not is_host_sync_error(error):
+                raise
+            self.disabled_reason = "the forward synchronizes with the host, which a CUDA graph cannot hold"
+            log.warning("DiT: %s (%s); running the eager forward from now on", self.disabled_reason,
+                        str(error).strip().splitlines()[0][:160])
         finally:  # a forward that raised (a cancel, weights on another device) leaves nothing unordered either
             current.wait_stream(side)
+        if output is None:
+            self.invalidate()
+            return self.dit(latents, timestep, text, text_lens)
         output.record_stream(current)  # the caller frees it on the current stream
         return output
+
+    def _build_tables(self, latents, text, text_lens) -> None:
+        """The DiT's RoPE tables and key mask for these inputs, built now if not cached: they are uploaded with
+        blocking copies, which neither a capture nor the warm-up's sync check allows."""
+        rope_tables = getattr(self.dit, "rope_tables", None)
+        if rope_tables is not None:
+            rope_tables(tuple(latents.shape[2:]), [int(n) for n in text_lens], text.shape[1], latents.device,
+                        latents.dtype)
 
     def _capture(self, key: tuple, latents, timestep, text, text_lens) -> Optional[_Captured]:
         device = latents.device
         inputs = (latents.clone(), timestep.clone(), text.clone())
         lens = [int(n) for n in text_lens]
-        rope_tables = getattr(self.dit, "rope_tables", None)
-        if rope_tables is not None:  # built now if evicted from the DiT's cache: a capture may not copy to the device
-            rope_tables(tuple(latents.shape[2:]), lens, text.shape[1], device, latents.dtype)
+        self._build_tables(latents, text, lens)  # evicted from the DiT's cache since the warm-up, say
         current = torch.cuda.current_stream(device)
         side = capture_stream(device)
         side.wait_stream(current)

@@ -320,7 +320,9 @@ def test_released_graphs_give_their_memory_back_and_recapture_without_a_warm_up(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
-def test_a_capture_that_fails_falls_back_to_eager_with_one_warning_and_leaves_random_numbers_usable(caplog):
+def test_a_forward_that_syncs_with_the_host_is_never_captured_and_runs_eagerly_with_one_warning(caplog):
+    """Found in the warm-up, before any capture: under cudaMallocAsync (ComfyUI's allocator) a capture that a host
+    sync invalidates aborts the process."""
     model = tiny_dit("cuda", torch.bfloat16)
 
     def syncing_runner(index, block, x, ctx):
@@ -329,6 +331,33 @@ def test_a_capture_that_fails_falls_back_to_eager_with_one_warning_and_leaves_ra
         return block(x, ctx)
 
     model.block_runner = syncing_runner
+    graphs = DiTGraphs(model)
+    args = step_inputs("cuda", torch.bfloat16, 1)
+    with caplog.at_level(logging.WARNING, logger="ernie_image.runtime.dit_graphs"):
+        outputs = [graphs(*args) for _ in range(4)]
+    assert graphs.disabled_reason and "synchronizes with the host" in graphs.disabled_reason
+    assert graphs.captures == 0
+    assert len([r for r in caplog.records if "synchronizes with the host" in r.getMessage()]) == 1
+    want = model(*args)
+    assert all(torch.equal(out, want) for out in outputs)
+    assert torch.cuda.get_sync_debug_mode() == 0  # the check's mode is not left on for the host application
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_allocator_backend() != "native",
+                    reason="a capture invalidated inside the forward aborts the process under cudaMallocAsync: "
+                           "the warm-up's sync check keeps the pack's forward from reaching one")
+@torch.inference_mode()
+def test_a_capture_that_fails_falls_back_to_eager_with_one_warning_and_leaves_random_numbers_usable(caplog):
+    model = tiny_dit("cuda", torch.bfloat16)
+
+    def capture_breaking_runner(index, block, x, ctx):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream().query()  # not a sync, but illegal while capturing: invalidates it
+        return block(x, ctx)
+
+    model.block_runner = capture_breaking_runner
     graphs = DiTGraphs(model)
     args = step_inputs("cuda", torch.bfloat16, 1)
     with caplog.at_level(logging.WARNING, logger="ernie_image.runtime.dit_graphs"):

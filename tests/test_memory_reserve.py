@@ -379,12 +379,12 @@ def test_on_a_gpu_a_real_out_of_memory_is_reported_and_freed(model) -> None:
 
     repo = Path(__file__).resolve().parent.parent
     script = (f"import sys; sys.path.insert(0, {str(repo / 'tests')!r}); import conftest; import test_memory_reserve as t; "
-              f"from pathlib import Path; t.real_out_of_memory_is_reported_and_freed(Path({str(model)!r})); print('ok')")
+              f"t.real_out_of_memory_is_reported_and_freed(t.ModelSources(model_dir={str(model.model_dir)!r})); print('ok')")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-4000:]
 
 
-def real_out_of_memory_is_reported_and_freed(model: Path) -> None:
+def real_out_of_memory_is_reported_and_freed(model: ModelSources) -> None:
     pipe = LocalPipe.load(model, LoadOptions(device="cuda", vram_budget_gb=8.0, compile=False))
     request = GenerationRequest(prompt="a red fox", width=1024, height=1024, steps=1, cfg=1.0, seed=5)
     pipe.generate(request, NullHost())  # first: CUDA handles and per-stream cuBLAS workspaces, kept by any program
