@@ -1,7 +1,8 @@
 """What a LoRA file alone shows to be wrong is refused in one line naming the file, the cause and the fix, with
 the other content checks: by the CLI before the demo model's notice, by the Python API before any model file is
 opened. That is: a lora_alpha in diffusers' `lora_adapter_metadata` that is not a finite number, metadata that is
-not valid JSON, an `.alpha` that is not one number, weights that are not floating point, lora_A and lora_B (or
+not valid JSON, an `.alpha` that is not one number, weights that are not floating point (complex included) or are
+empty (rank 0), lora_A and lora_B (or
 down and up) of different ranks, a lora_A without its lora_B, DoRA, and a pickle renamed `.safetensors`. A
 negative alpha (a sign flip some tools write) is accepted."""
 from __future__ import annotations
@@ -70,6 +71,13 @@ def files(tiny_turbo_folder, tmp_path_factory) -> dict[str, Path]:
         "rank": _layer(folder / "rank.safetensors", lora_A__weight=torch.zeros(4, 128), lora_B__weight=torch.zeros(64, 3)),
         "rank-down-up": _layer(folder / "rank-down-up.safetensors", lora_down__weight=torch.zeros(4, 128),
                                lora_up__weight=torch.zeros(64, 3)),
+        "rank-zero": _layer(folder / "rank-zero.safetensors", lora_A__weight=torch.zeros(0, 128),
+                            lora_B__weight=torch.zeros(64, 0)),
+        "loha-rank-zero": _layer(folder / "loha-rank-zero.safetensors", hada_w1_a=torch.zeros(64, 0),
+                                 hada_w1_b=torch.zeros(0, 128), hada_w2_a=torch.zeros(64, 2),
+                                 hada_w2_b=torch.zeros(2, 128), alpha=torch.tensor(1.0)),
+        "complex": _layer(folder / "complex.safetensors", lora_A__weight=down.to(torch.complex64),
+                          lora_B__weight=up.to(torch.complex64)),
         "incomplete": _layer(folder / "incomplete.safetensors", lora_A__weight=down),
         "dora": _layer(folder / "dora.safetensors", lora_A__weight=down, lora_B__weight=up,
                        lora_magnitude_vector=torch.ones(64)),
@@ -102,6 +110,11 @@ REFUSALS = [
     ("rank", "LoRA rank.safetensors: layers.0.mlp.linear_fc2 has rank 4 in lora_A.weight but 3 in lora_B.weight: "
              "the file is damaged or mixes two LoRAs; export it again"),
     ("rank-down-up", "has rank 4 in lora_down.weight but 3 in lora_up.weight"),
+    ("rank-zero", "LoRA rank-zero.safetensors: layers.0.mlp.linear_fc2.lora_A.weight is empty (shape (0, 128), "
+                  "rank 0): the file is damaged; export the LoRA again"),
+    ("loha-rank-zero", "layers.0.mlp.linear_fc2.hada_w1_a is empty (shape (64, 0), rank 0)"),
+    ("complex", "complex.safetensors: tensor 'diffusion_model.layers.0.mlp.linear_fc2.lora_A.weight' holds complex "
+                "numbers (C64), which no model or LoRA weights are: the file is not a weights file or is damaged"),
     ("incomplete", "LoRA incomplete.safetensors: layers.0.mlp.linear_fc2 has lora_A.weight but no lora_B.weight: "
                    "the file is incomplete; export the LoRA again"),
     ("dora", "LoRA dora.safetensors is a DoRA (lora_magnitude_vector): DoRA needs the base weight's norms and is "

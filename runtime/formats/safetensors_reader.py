@@ -139,6 +139,10 @@ def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], 
             dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise ModelFileError(f"{path.name} has a corrupt header entry for {key!r}: {REDOWNLOAD}") from None
+        if dtype == "C64":
+            raise ModelFileError(f"{path.name}: tensor {key!r} holds complex numbers (C64), which no model or LoRA "
+                                 f"weights are: the file is not a weights file or is damaged; use the model's or "
+                                 f"LoRA's .safetensors release")
         if dtype not in DTYPES:
             raise ModelFileError(f"{path.name}: tensor {key!r} has dtype {dtype}, which this PyTorch cannot hold: "
                                  f"update PyTorch or use a file in bf16/fp16/fp32")

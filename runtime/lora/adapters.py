@@ -205,7 +205,7 @@ def _adapter(name: str, path: str, parts: dict[str, torch.Tensor], peft: Optiona
 
 
 def _check_dtypes(name: str, path: str, parts: dict[str, torch.Tensor]) -> None:
-    """Weights are floating point; alpha is one number (a float, or an integer some writers store)."""
+    """Weights are floating point and not empty; alpha is one number (a float, or an integer some writers store)."""
     for part, tensor in parts.items():
         if part == "alpha":
             if tensor.numel() != 1 or tensor.dtype == torch.bool or tensor.is_complex():
@@ -214,6 +214,9 @@ def _check_dtypes(name: str, path: str, parts: dict[str, torch.Tensor]) -> None:
         elif not tensor.is_floating_point():
             raise ModelFileError(f"LoRA {name}: {path}.{part} holds {tensor.dtype} values, not floating point: the "
                                  f"file is damaged or not a LoRA; export it again")
+        elif tensor.numel() == 0:
+            raise ModelFileError(f"LoRA {name}: {path}.{part} is empty (shape {tuple(tensor.shape)}, rank 0): the "
+                                 f"file is damaged; export the LoRA again")
 
 
 def _shape(adapter: Adapter) -> tuple[int, int]:
