@@ -223,3 +223,19 @@ def test_a_bf16_branch_is_as_close_to_the_exact_merge_as_a_bf16_merge(tmp_path):
         effect = relative(dit(*args))
     assert effect > 0.05 and merge_error < 0.02
     assert branch_error <= 1.5 * merge_error
+
+
+def test_with_loras_refuses_a_lora_for_a_dit_of_another_size_when_it_is_added(model, tmp_path):
+    from safetensors.torch import save_file
+
+    from ernie_image.runtime.errors import ModelFileError
+
+    path = tmp_path / "wider.safetensors"
+    save_file({"diffusion_model.layers.0.mlp.linear_fc2.lora_A.weight": torch.zeros(2, 100),
+               "diffusion_model.layers.0.mlp.linear_fc2.lora_B.weight": torch.zeros(64, 2)}, str(path))
+    unloaded = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32"))
+    with pytest.raises(ModelFileError, match=r"^LoRA wider.safetensors: layers.0.mlp.linear_fc2 adapts a \[64, 100\] "
+                                             r"weight but ERNIE-Image's is \[64, 128\]: the LoRA is for a model of "
+                                             r"another size$"):
+        unloaded.with_loras([(path, 1.0)])
+    assert not unloaded.is_loaded()  # found from the DiT file's header, before any weights are read

@@ -28,13 +28,15 @@ class LoraPipe:
 
     def with_loras(self, entries: Iterable, mode: Optional[str] = None) -> "LoraPipe":
         """This view's stack followed by `entries` (LoraEntry, path, (path, strength) or (path, strength, mode));
-        `mode` ("merge", "branch") for those that name none. The new files' contents are checked now (one-line
-        ModelFileError: not a LoRA, another model's, NaN inside); their shapes when the pipe parses them."""
+        `mode` ("merge", "branch") for those that name none. The new files are checked and parsed for this DiT now
+        (one-line ModelFileError: not a LoRA, another model's, NaN inside, layers or shapes this DiT lacks); the
+        parse is cached for the runs."""
         from .parsed import check_lora_files
 
         added = LoraStack.of(entries, mode)
         stack = self.loras.plus(added)  # refuses a file given twice
         check_lora_files(added)
+        self.base._lora.resolve(added, self.base.sources)
         return LoraPipe(self.base, stack)
 
     def check(self) -> None:
