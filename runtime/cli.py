@@ -120,14 +120,16 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     if remote is not None:
         from .remote.cli_generate import generate_on_servers
 
-        return generate_on_servers(args, remote, _ConsoleHost(interrupts or _Interrupts()))
+        interrupts = interrupts or _Interrupts()
+        return generate_on_servers(args, remote, _ConsoleHost(interrupts), on_saved=interrupts.outputs_written)
     from .demo import DEMO_NOTICE, load_demo_pipe
     from .local_pipe import LoadOptions, LocalPipe
     from .model_files import ModelSources
     from .png_output import save_pngs
     from .request import GenerationRequest
 
-    host = _ConsoleHost(interrupts or _Interrupts())
+    interrupts = interrupts or _Interrupts()
+    host = _ConsoleHost(interrupts)
     # The console shows no pictures: skip the per-step latent preview (it costs a device-to-host copy per step).
     options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=parse_budget(args.budget),
                           quant=args.quant, keep_loaded=False, previews=False,
@@ -157,6 +159,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
                 **({"loras": loras.metadata()} if loras else {})}
     host.check_cancel()  # a Ctrl-C that landed while the last step ran: nothing is written
     paths = save_pngs(result.images, args.out, settings)
+    interrupts.outputs_written()
     for path in paths:
         print(path)
     host.log(f"{len(paths)} image(s) {used.width}x{used.height}, {used.steps} steps, CFG {used.cfg:g}, seed "
@@ -215,6 +218,15 @@ class _Interrupts:
     def raise_if_interrupted(self) -> None:
         if self.signal_number is not None:
             raise KeyboardInterrupt
+
+    def outputs_written(self) -> None:
+        """The run's files are complete: from now on Ctrl-C and SIGTERM have nothing to undo and are ignored while
+        the command finishes printing and the process exits (with the run's own exit code)."""
+        import signal
+
+        if threading.current_thread() is threading.main_thread() and self.signal_number is None:
+            for number in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(number, signal.SIG_IGN)
 
 
 def _lazy(module: str, function: str) -> Callable[[Sequence[str]], int]:

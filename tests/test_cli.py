@@ -386,6 +386,29 @@ def test_ctrl_c_while_sampling_is_cancelled_with_nothing_written(tmp_path, built
 
 
 @pytest.mark.slow
+def test_ctrl_c_as_the_png_is_written_is_a_clean_cancel_or_too_late_never_half_of_each(tmp_path, built_cache):
+    """SIGINT over and over from the moment the PNG appears until the process ends (its last prints, teardown):
+    either the run is cancelled with nothing left, or its file stands and it exits 0 as if no key was pressed."""
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    png = out_dir / "x.png"
+    run = _Run(["generate", "--steps", "1", "--out", str(png)], _env(built_cache), tmp_path)
+    deadline = time.monotonic() + 120
+    while not png.exists():
+        assert run.process.poll() is None and time.monotonic() < deadline, run.err.decode()
+        time.sleep(0.002)
+    while run.process.poll() is None:
+        run.process.send_signal(signal.SIGINT)
+        time.sleep(0.01)
+    code, lines = run.finish()
+    assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in lines), lines
+    if code == 0:
+        assert png.exists() and "cancelled" not in lines, lines
+    else:
+        _assert_cancelled(code, lines, out_dir)
+
+
+@pytest.mark.slow
 def test_ctrl_c_while_the_demo_model_is_built_leaves_no_half_built_cache(tmp_path):
     cache = tmp_path / "cache"
     out_dir = tmp_path / "out"
