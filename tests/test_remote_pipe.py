@@ -261,14 +261,17 @@ def test_cancel_returns_within_a_second_while_the_server_hangs():
         pipe.release()
 
 
-def test_progress_is_reported_while_waiting():
+def test_progress_is_reported_while_waiting_in_the_batchs_steps_and_ends_only_with_the_image():
     host = NullHost()
     with FakeSglang(service_time_s=0.6) as server:
         pipe = RemotePipe([server.url], FAST)
-        pipe.generate(request(), host)
+        asked = request()
+        pipe.generate(asked, host)
         pipe.release()
     values = [v for v, _ in host.progress_calls]
+    assert {total for _, total in host.progress_calls} == {asked.steps * asked.batch}
     assert len(values) >= 4 and values == sorted(values) and values[-1] == host.progress_calls[-1][1]
+    assert values.count(values[-1]) == 1  # the estimate stops one short: the end is reported once, when it is in
     assert any("cancelling the run stops the wait" in m for m in host.messages)
 
 

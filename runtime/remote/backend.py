@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from ..text.enhancer import RevisedPrompts
     from ..text.remote_enhancer import ChatEndpoint
 
-PROGRESS_STEPS = 1000
 # Scheduler shift of both released checkpoints; the server uses its own scheduler config, shift is not sent.
 SERVER_SHIFT = 4.0
 
@@ -226,6 +225,9 @@ class RemotePipe:
 
         started = time.monotonic()
         done_images = 0
+        # Progress in the batch's denoising steps, estimated from the time the servers are known to take (a server
+        # reports none while it works); it stops one short of the end until the last image is in.
+        total_steps = max(1, int(request.steps)) * len(jobs)
 
         def poll() -> None:  # on this thread every 0.1 s while the fleet works
             nonlocal done_images
@@ -234,8 +236,8 @@ class RemotePipe:
             host.check_cancel()
             if sending:  # no progress while no server has an image: the wait has its own lines
                 elapsed = time.monotonic() - sent_at[0]
-                fraction = min(0.99, max(done_images / len(jobs), elapsed / estimate_s))
-                host.progress(int(fraction * PROGRESS_STEPS), PROGRESS_STEPS)
+                fraction = max(done_images / len(jobs), elapsed / estimate_s)
+                host.progress(min(total_steps - 1, int(fraction * total_steps)), total_steps)
 
         try:
             images = run_sync(run(), poll)  # anything raised cancels the fleet's task; open connections close
@@ -244,7 +246,7 @@ class RemotePipe:
                             "finishes the image it started") from None
         finally:
             _drain(events, host)
-        host.progress(PROGRESS_STEPS, PROGRESS_STEPS)
+        host.progress(total_steps, total_steps)
         wall_s = time.monotonic() - started
         info = {
             "backend": "remote",
