@@ -232,8 +232,9 @@ def test_a_host_name_that_does_not_resolve_is_named_so(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("server, cause", [
-    (unaccepting_server, "no answer within 1 s (the connection was not accepted or /health not answered)"),
-    (silent_server, "no answer within 1 s (the connection was not accepted or /health not answered)"),
+    (unaccepting_server, "no answer within 1 s (the connection was not accepted or /health not answered): start the "
+                         "server"),
+    (silent_server, "no answer within 1 s (the connection was not accepted or /health not answered): start the server"),
     (lambda: _closed_port(), "nothing is listening there (connection refused), still after 1 s"),
 ], ids=["connection not accepted", "accepted, never answered", "connection refused"])
 def test_the_wait_ends_at_its_deadline_whatever_the_server_does(capsys, tmp_path, server, cause):

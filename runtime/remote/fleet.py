@@ -279,7 +279,8 @@ class _Batch:
         more_time = (f"wait longer with {WAIT_SETTING} SECONDS" if wait_s else
                      f"give a server that is still loading time with {WAIT_SETTING} SECONDS")
         if len(self.slots) == 1:
-            return ServersNotReady(f"{causes}{within.replace(' within', ', still after')}: start the server, check "
+            still = "" if self.slots[0].state == UNKNOWN else within.replace(" within", ", still after")  # timed
+            return ServersNotReady(f"{causes}{still}: start the server, check "
                                    f"the URL, or {more_time}").naming(WAIT_SETTING)
         what = f"the remaining {len(self.pending)} of {len(self.jobs)} images" if self.jobs else "any work"
         return ServersNotReady(f"no server could take {what}{within}: {causes}: start or fix the servers, check the "
