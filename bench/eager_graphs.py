@@ -30,6 +30,7 @@ from common import dit_config, environment, import_package, quantise_block_linea
 
 import_package()
 
+from ernie_image.runtime import fused_kernels  # noqa: E402
 from ernie_image.runtime import dit as dit_module  # noqa: E402
 from ernie_image.runtime.acceleration import compile_available, compile_blocks, fuse_projections  # noqa: E402
 from ernie_image.runtime.dit import DiTConfig, ErnieDiT  # noqa: E402
@@ -235,6 +236,9 @@ def main() -> None:
                             rel <= 2e-3, rel_l2=f"{rel:.2e}")
         with bench.phase("bf16 eager and graphs"):
             graphs_rows(bench, model, bench.label, reference)
+        if fused_kernels.cuda_backend() is not None:
+            with bench.phase("comfy-kitchen kernels one by one"):
+                kitchen_rows(bench, model)
         with bench.phase("CFG groups"):
             cfg_rows(bench, model)
         if device.type == "cuda":
@@ -320,12 +324,37 @@ def streamed_rows(bench: Bench, model: ErnieDiT, reference: dict) -> None:
         placement.release()
 
 
+def kitchen_rows(bench: Bench, model: ErnieDiT) -> None:
+    """The eager step with comfy-kitchen's kernels off, each alone, and both (the shipped default when installed);
+    every form within the fast forms' bound of the PyTorch forms."""
+    settings = {"PyTorch forms (no comfy-kitchen)": (False, False), "comfy-kitchen q/k norm+RoPE only": (True, False),
+                "comfy-kitchen adaLN norm only": (False, True), "comfy-kitchen both": (True, True)}
+    try:
+        for batch in (1, 2):
+            args = bench.inputs(batch)
+            outputs = {}
+            for label, (rope, adaln) in settings.items():
+                fused_kernels.ROPE_ENABLED, fused_kernels.ADALN_ENABLED = rope, adaln
+                model._rope_cache.clear()  # the tables hold the kernel's rotations only when it serves
+                outputs[label] = model(*args)
+                bench.measure(f"bf16 eager, {label}", batch, lambda: model(*args))
+            base = outputs["PyTorch forms (no comfy-kitchen)"].float()
+            for label, out in outputs.items():
+                rel = ((out.float() - base).norm() / base.norm()).item()
+                bench.check(f"b{batch}: {label} vs PyTorch forms: relative L2 <= 2e-3", rel <= 2e-3, rel_l2=f"{rel:.2e}")
+    finally:
+        fused_kernels.ROPE_ENABLED = fused_kernels.ADALN_ENABLED = True
+        model._rope_cache.clear()
+
+
 def comfy_kitchen_status() -> str:
     try:
         import comfy_kitchen  # noqa: F401
-    except Exception as error:  # not installed (the pack does not use it; see the README)
+    except Exception as error:  # not installed: the PyTorch forms run
         return f"not importable: {type(error).__name__}"
-    return "importable, not used by the pack"
+    if fused_kernels.cuda_backend() is None:
+        return "importable, its CUDA backend not available: not used"
+    return f"{getattr(comfy_kitchen, '__version__', '?')}, used by the eager DiT (runtime/fused_kernels.py)"
 
 
 if __name__ == "__main__":

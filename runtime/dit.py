@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused_kernels
 from .errors import ModelFileError
 
 
@@ -138,6 +139,8 @@ class Attention(nn.Module):
         """q and k normalised and rotated together (one pass each for both), their norm weights folded into the
         RoPE tables."""
         batch, length, _ = x.shape
+        if rope.rotation is not None and fused_kernels.rope_serves(x):
+            return self._kitchen_forward(x, rope, key_mask)
         if self.to_qkv is not None:
             qkv = self.to_qkv(x).unflatten(-1, (3, self.heads, -1))  # [B, S, 3, H, hd]
             q_k, v = qkv[:, :, :2], qkv[:, :, 2]
@@ -149,6 +152,19 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(
             rotated[:, :, 0].transpose(1, 2), rotated[:, :, 1].transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask
         )
+        return self.to_out[0](out.transpose(1, 2).reshape(batch, length, -1))
+
+    def _kitchen_forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """q and k normalised and rotated by comfy-kitchen's fused kernel, one pass each (fused_kernels.py)."""
+        batch, length, _ = x.shape
+        if self.to_qkv is not None:
+            qkv = self.to_qkv(x).unflatten(-1, (3, self.heads, -1))  # [B, S, 3, H, hd]
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        else:
+            q, k, v = (projection(x).unflatten(-1, (self.heads, -1)) for projection in (self.to_q, self.to_k, self.to_v))
+        q, k = fused_kernels.rms_rope(q, k, rope.rotation, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=key_mask)
         return self.to_out[0](out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -210,6 +226,9 @@ def _norm_modulate(norm: RMSNorm, x: torch.Tensor, one_plus_scale: torch.Tensor,
     slow casting path): norm and weight in one kernel, then (normed * scale + shift) + normed, with the raw `scale`
     and `shift` whose fp32 forms are exact."""
     if _fast_eager(x) and norm.weight.dtype == x.dtype:
+        if fused_kernels.adaln_serves(x):  # one pass: rms(x) * (w (1 + scale)) + shift = rms(x) * (1 + scale') + shift
+            folded_scale = torch.mul(norm.weight, one_plus_scale).sub_(1).to(x.dtype)  # fp32 until then: small
+            return fused_kernels.rms_adaln(x, folded_scale, shift_raw, norm.eps)
         normed = F.rms_norm(x, (x.shape[-1],), weight=norm.weight, eps=norm.eps)
         return torch.addcmul(shift_raw, normed, scale_raw).add_(normed)
     return _modulate(norm(x), one_plus_scale, shift)
@@ -261,6 +280,9 @@ class RopeTables:
         angles = torch.stack([angles, angles], dim=-1).flatten(-2).unsqueeze(2)  # [B, S, 1, head_dim]
         self.cos = torch.cos(angles).to(dtype)
         self.sin = torch.sin(angles).to(dtype)
+        # comfy-kitchen's fused q/k norm + RoPE reads the rotations as fp32 2x2 matrices (fused_kernels.py)
+        self.rotation: Optional[torch.Tensor] = (
+            fused_kernels.rope_matrices(angles) if fused_kernels.rope_serves(self.cos) else None)
         half = self.sin.shape[-1] // 2
         # -x2 * sin == x2 * -sin exactly (negation commutes with rounding): the eager path skips the negation pass.
         self.signed_sin = torch.cat((-self.sin[..., :half], self.sin[..., half:]), dim=-1)
