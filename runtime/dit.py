@@ -17,7 +17,8 @@ loads with `load_state_dict`. The maths is the reference's; what differs is how 
   times slower), using the bf16 modulation values whose fp32 forms the reference uses (exact), the norms' weights
   go into their norm kernel or the RoPE tables, gated residuals are one `addcmul`, and q and k are normalised and
   rotated together. The roundings differ from the reference's in places, so the results differ in last bits (the
-  tests' GPU bound), not bit for bit; the CPU keeps the bit-identical forms.
+  tests' GPU bound), not bit for bit; the CPU keeps the bit-identical forms. Where comfy-kitchen is installed, its
+  CUDA kernels do q/k RMSNorm + RoPE and each adaLN RMSNorm + modulation in one pass each (fused_kernels.py).
 """
 from __future__ import annotations
 
@@ -224,7 +225,7 @@ def _norm_modulate(norm: RMSNorm, x: torch.Tensor, one_plus_scale: torch.Tensor,
                    scale_raw: torch.Tensor, shift_raw: torch.Tensor) -> torch.Tensor:
     """_modulate(norm(x), ...). The fast path keeps every operand in x's dtype (mixed-dtype kernels take PyTorch's
     slow casting path): norm and weight in one kernel, then (normed * scale + shift) + normed, with the raw `scale`
-    and `shift` whose fp32 forms are exact."""
+    and `shift` whose fp32 forms are exact; or comfy-kitchen's one-pass kernel with the weight in the scale."""
     if _fast_eager(x) and norm.weight.dtype == x.dtype:
         if fused_kernels.adaln_serves(x):  # one pass: rms(x) * (w (1 + scale)) + shift = rms(x) * (1 + scale') + shift
             folded_scale = torch.mul(norm.weight, one_plus_scale).sub_(1).to(x.dtype)  # fp32 until then: small

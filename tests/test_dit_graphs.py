@@ -317,6 +317,21 @@ def test_released_graphs_give_their_memory_back_and_recapture_without_a_warm_up(
     assert graphs.captures == 2 and graphs.graph_count == 1 and graphs.disabled_reason is None
 
 
+def assert_runs_eagerly_with_one_warning(model: ErnieDiT, runner, reason: str, caplog) -> DiTGraphs:
+    """Four calls through DiTGraphs with `runner` as the block runner: each equals the eager forward, the wrapper
+    went eager for `reason` and said so in one warning."""
+    model.block_runner = runner
+    graphs = DiTGraphs(model)
+    args = step_inputs("cuda", torch.bfloat16, 1)
+    with caplog.at_level(logging.WARNING, logger="ernie_image.runtime.dit_graphs"):
+        outputs = [graphs(*args) for _ in range(4)]
+    assert graphs.disabled_reason and reason in graphs.disabled_reason
+    assert len([r for r in caplog.records if reason in r.getMessage()]) == 1
+    want = model(*args)
+    assert all(torch.equal(out, want) for out in outputs)
+    return graphs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
@@ -330,16 +345,8 @@ def test_a_forward_that_syncs_with_the_host_is_never_captured_and_runs_eagerly_w
             raise AssertionError("unreachable")
         return block(x, ctx)
 
-    model.block_runner = syncing_runner
-    graphs = DiTGraphs(model)
-    args = step_inputs("cuda", torch.bfloat16, 1)
-    with caplog.at_level(logging.WARNING, logger="ernie_image.runtime.dit_graphs"):
-        outputs = [graphs(*args) for _ in range(4)]
-    assert graphs.disabled_reason and "synchronizes with the host" in graphs.disabled_reason
+    graphs = assert_runs_eagerly_with_one_warning(model, syncing_runner, "synchronizes with the host", caplog)
     assert graphs.captures == 0
-    assert len([r for r in caplog.records if "synchronizes with the host" in r.getMessage()]) == 1
-    want = model(*args)
-    assert all(torch.equal(out, want) for out in outputs)
     assert torch.cuda.get_sync_debug_mode() == 0  # the check's mode is not left on for the host application
 
 
@@ -357,15 +364,8 @@ def test_a_capture_that_fails_falls_back_to_eager_with_one_warning_and_leaves_ra
             torch.cuda.current_stream().query()  # not a sync, but illegal while capturing: invalidates it
         return block(x, ctx)
 
-    model.block_runner = capture_breaking_runner
-    graphs = DiTGraphs(model)
-    args = step_inputs("cuda", torch.bfloat16, 1)
-    with caplog.at_level(logging.WARNING, logger="ernie_image.runtime.dit_graphs"):
-        outputs = [graphs(*args) for _ in range(4)]
-    assert graphs.disabled_reason and graphs.disabled_reason.startswith("CUDA-graph capture failed")
-    assert len([r for r in caplog.records if "capture failed" in r.getMessage()]) == 1
-    want = model(*args)
-    assert all(torch.equal(out, want) for out in outputs)
+    graphs = assert_runs_eagerly_with_one_warning(model, capture_breaking_runner, "capture failed", caplog)
+    assert graphs.disabled_reason.startswith("CUDA-graph capture failed")
     # the failed capture left the device's random numbers usable (for this process and the host application)
     assert torch.randn(4, device="cuda").isfinite().all()
     assert torch.compile(lambda t: t * 2)(torch.ones(2, device="cuda")).sum().item() == 4.0
