@@ -283,7 +283,7 @@ class RopeTables:
         self.sin = torch.sin(angles).to(dtype)
         # comfy-kitchen's fused q/k norm + RoPE reads the rotations as fp32 2x2 matrices (fused_kernels.py)
         self.rotation: Optional[torch.Tensor] = (
-            fused_kernels.rope_matrices(angles) if fused_kernels.rope_serves(self.cos) else None)
+            fused_kernels.rope_matrices(angles) if fused_kernels.rope_serves(self.cos, self.cos.shape[-1]) else None)
         half = self.sin.shape[-1] // 2
         # -x2 * sin == x2 * -sin exactly (negation commutes with rounding): the eager path skips the negation pass.
         self.signed_sin = torch.cat((-self.sin[..., :half], self.sin[..., half:]), dim=-1)

@@ -48,8 +48,10 @@ def serves(x: torch.Tensor, kernel_enabled: bool) -> bool:
     return ENABLED and kernel_enabled and x.is_cuda and x.dtype in HALF_DTYPES and cuda_backend() is not None
 
 
-def rope_serves(x: torch.Tensor) -> bool:
-    return serves(x, ROPE_ENABLED)
+def rope_serves(x: torch.Tensor, head_dim: Optional[int] = None) -> bool:
+    """For q/k rows of `head_dim` values (None: already checked): the kernel takes multiples of 32."""
+    fits = head_dim is None or (head_dim >= 32 and head_dim % 32 == 0)
+    return fits and serves(x, ROPE_ENABLED)
 
 
 def adaln_serves(x: torch.Tensor) -> bool:

@@ -5,10 +5,10 @@ next power of two (6.5 GB of weights would lock 8 GB). Here a plain host tensor 
 in place with cudaHostRegister, so pinned bytes = weight bytes + alignment. Should registration fail, the slab
 falls back to the caching allocator and reports the rounded size it really locked.
 
-Locking is paid page by page: cudaHostRegister on fresh memory faults every 4 KB page in one thread (1.8 GB/s on
-an H200 host: 8.5 s for a 15.7 GB LoRA backup). The slab is therefore an anonymous mapping advised to use
+Locking is paid page by page: cudaHostRegister on fresh memory faults every 4 KB page in one thread (1.8-2.8 GB/s
+on an H200 host: 5.5-8.5 s for a 15.7 GB LoRA backup). The slab is therefore an anonymous mapping advised to use
 transparent huge pages (2 MB pages where the system allows them), its pages are faulted in by PyTorch's threads
-(`zero_`), and only then registered: 17 GB/s on the same host (bench/host_memory.py).
+(`zero_`), and only then registered: 12-16 GB/s on the same host (bench/host_memory.py).
 """
 from __future__ import annotations
 
