@@ -301,7 +301,8 @@ def test_an_fp8_dit_merges_and_stays_fp8_with_its_error_stated(model, loras, mer
 def test_gguf_and_nvfp4_layers_keep_the_branch_with_one_notice(model, loras, fmt, reason):
     pipe = load(model, quant=fmt)
     host = LoggingHost()
-    pipe.with_loras([(loras["toolkit"], 1.0)]).generate(REQUEST, host)
+    result = pipe.with_loras([(loras["toolkit"], 1.0)]).generate(REQUEST, host)
+    assert result.info["loras"][0]["mode"] in ("branch", "merge and branch")  # what ran, not what was asked
     dit = pipe._loaded.dit
     wrapper = dit.layers[0].mlp.gate_proj
     assert isinstance(wrapper, LoraLinear) and isinstance(wrapper.base, QuantLinear)
@@ -336,6 +337,7 @@ def test_streamed_blocks_keep_the_branch_and_resident_ones_merge(tmp_path_factor
     assert placement.plan.streamed and (streamed.images - resident.images).abs().max().item() <= FP32_IMAGE_BOUND
     notices = [m for m in host.messages if m.startswith("LoRA merge:")]
     assert len(notices) == 1 and "stream" in notices[0] and "merged into the weights" in notices[0]
+    assert streamed.info["loras"][0]["mode"] == "merge and branch"
     assert torch.equal(pipe.generate(REQUEST, NullHost()).images, base.images)
 
 

@@ -30,6 +30,7 @@ class Applied:
     backup_bytes: int = 0  # host bytes of the merged Linears' originals
     backup_pinned_bytes: int = 0
     fallback: Counter = field(default_factory=Counter)  # why merge-mode adapters run as a branch -> how many
+    ran: list[str] = field(default_factory=list)  # per stack entry: "merge", "branch" or "merge and branch"
 
     def notice(self) -> str:
         """One line on what a merge did (empty when nothing was asked to merge)."""
@@ -67,6 +68,8 @@ def apply_loras(dit: nn.Module, stack: Stack, streamed: Collection[int] = ()) ->
             kept[path] = adapter
         if kept:
             branches.append((replace(parsed, adapters=kept), strength))
+        applied.ran.append("branch" if len(kept) == len(parsed.adapters) else "merge" if not kept
+                           else "merge and branch")
     if branches or wrapped_layers(dit):  # a pure merge touches no module: captured graphs stay valid
         # Zero branches keep every block of one shape for a compiled block; only where branches run anyway.
         pad = None if any(mode == "branch" for _, _, mode in stack) else set(streamed)

@@ -128,7 +128,11 @@ class PipeLoras:
                 f"{state.host_bytes / 1024**3:.2f} GiB (page-locked {state.pinned_bytes / 1024**3:.2f} GiB)")
 
     def info(self) -> dict[str, Any]:
+        """Per LoRA of the job: name, strength, style and the mode it ran in ("merge and branch": merge-mode
+        layers that could not merge, streamed or packed, took the branch)."""
         if not self.wanted_stack:
             return {}
+        applied = self.last_applied
+        ran = applied.ran if applied is not None and len(applied.ran) == len(self.modes) else self.modes
         return {"loras": [dict(item, style=parsed.style, mode=mode) for item, (parsed, _), mode in
-                          zip(self.wanted_stack.metadata(), self.wanted, self.modes)]}
+                          zip(self.wanted_stack.metadata(), self.wanted, ran)]}
