@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -175,6 +176,7 @@ class LocalPipe:
         self.memory.held_bytes = lambda: sum(pipe.device_bytes_held().values()) if (pipe := this()) else 0
         self._phase = "setup"  # the phase running now ("pe", "text", "dit", "vae"): named when memory runs out
         self.last_run: dict[str, Any] = {}  # the info of the last finished job (timings, device-memory peak)
+        self._running = threading.RLock()
 
     @classmethod
     def load(cls, sources: ModelSources, options: Optional[LoadOptions] = None, loras=None) -> "LocalPipe":
@@ -395,8 +397,9 @@ class LocalPipe:
         a bad LoRA file is refused here, before anything runs, and leaves the loaded model as it was."""
         request = request.with_defaults(self.variant)
         request.validate()
-        self._lora.prepare(loras, self.sources, host, self.memory)
-        return self._releasing_on_error(request, lambda: self._generate(request, host))
+        with self._running:  # one job at a time on the loaded model (its views share it, with their own LoRAs)
+            self._lora.prepare(loras, self.sources, host, self.memory)
+            return self._releasing_on_error(request, lambda: self._generate(request, host))
 
     def _releasing_on_error(self, request: GenerationRequest, job):
         try:

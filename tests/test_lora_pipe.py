@@ -239,3 +239,21 @@ def test_with_loras_refuses_a_lora_for_a_dit_of_another_size_when_it_is_added(mo
                                              r"another size$"):
         unloaded.with_loras([(path, 1.0)])
     assert not unloaded.is_loaded()  # found from the DiT file's header, before any weights are read
+
+
+def test_a_pipe_and_its_lora_view_generating_at_once_each_get_their_own_image(pipe, loras, base_image):
+    import threading
+
+    view = pipe.with_loras([(loras["kohya"], 1.0)])
+    want_view = view.generate(REQUEST, NullHost()).images
+    results: dict[str, torch.Tensor] = {}
+
+    def run(name, runner):
+        results[name] = runner.generate(REQUEST, NullHost()).images
+
+    threads = [threading.Thread(target=run, args=(name, runner)) for name, runner in (("base", pipe), ("view", view))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert torch.equal(results["base"], base_image) and torch.equal(results["view"], want_view)
