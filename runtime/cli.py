@@ -274,7 +274,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         STDERR.line("cancelled")
         return interrupts.exit_code
     except ErnieImageError as error:
-        STDERR.line(f"error: {cli_message(error)}")  # the CLI's flags for the settings the message names
+        # The CLI's flags for the settings the message names; a line break inside (a file name holding one) is
+        # shown escaped, so the error stays one line and a name cannot print lines of its own.
+        STDERR.line("error: " + cli_message(error).replace("\r", "\\r").replace("\n", "\\n"))
         return 2
     except SystemExit as leaving:  # argparse's --help (exit 0); its errors are InvalidInputError
         return int(leaving.code or 0)

@@ -120,7 +120,7 @@ def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], 
     if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
         if header_len > MAX_HEADER_BYTES:
             raise ModelFileError(f"{path.name} is not a safetensors file (its first bytes are not a safetensors "
-                                 f"header): pick the model's .safetensors file")
+                                 f"header): pick the .safetensors file itself")
         raise ModelFileError(
             f"{path.name} is cut inside its header ({size} bytes, header needs {8 + header_len}): {REDOWNLOAD}"
         )

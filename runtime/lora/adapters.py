@@ -102,6 +102,9 @@ def peft_alphas(metadata: dict[str, str], name: str = "") -> Optional[PeftAlphas
     label = f"LoRA {name}" if name else "LoRA"
     try:
         config = json.loads(raw)
+    except RecursionError:
+        raise ModelFileError(f"{label}: its metadata key lora_adapter_metadata is JSON nested too deeply to be LoRA "
+                             f"settings: the file is damaged; export the LoRA again") from None
     except ValueError as error:
         raise ModelFileError(f"{label}: its metadata key lora_adapter_metadata is not valid JSON ({error}): the file "
                              f"is damaged; export the LoRA again") from None
@@ -143,7 +146,7 @@ def _number(value: object) -> Optional[float]:
         return None
     try:
         return float(value)
-    except ValueError:
+    except (ValueError, OverflowError):  # an integer beyond float range is no finite number either
         return None
 
 
@@ -226,6 +229,9 @@ def _shape(adapter: Adapter) -> tuple[int, int]:
 
 
 def _lora(name: str, path: str, parts: dict[str, torch.Tensor], peft: Optional[PeftAlphas]) -> LowRank:
+    if {"lora_A.weight", "lora_B.weight"} & set(parts) and {"lora_down.weight", "lora_up.weight"} & set(parts):
+        raise ModelFileError(f"LoRA {name} holds two LoRAs for {path} (lora_A/lora_B and lora_down/lora_up keys, "
+                             f"two trainers' layouts): it was merged from two files; use each LoRA's own file")
     down_part = "lora_A.weight" if "lora_A.weight" in parts or "lora_B.weight" in parts else "lora_down.weight"
     up_part = "lora_B.weight" if down_part == "lora_A.weight" else "lora_up.weight"
     down, up = _need(name, path, parts, down_part, up_part)
@@ -236,6 +242,10 @@ def _lora(name: str, path: str, parts: dict[str, torch.Tensor], peft: Optional[P
     alpha = _alpha(parts)
     if alpha is None and peft is not None:
         peft_alpha, peft_rank = peft.alpha_for(path), peft.rank_for(path)
+        if peft_rank is not None and peft_rank != rank:
+            raise ModelFileError(f"LoRA {name}: its lora_adapter_metadata gives rank {peft_rank} for {path} but its "
+                                 f"weights have rank {rank}: the file is damaged or its metadata belongs to another "
+                                 f"LoRA; export it again")
         if peft_alpha is not None:
             return LowRank(down, up, peft_alpha / (peft_rank or rank))
     return LowRank(down, up, 1.0 if alpha is None else alpha / rank)

@@ -1,6 +1,7 @@
 """Open a LoRA file: safetensors only (never a pickle), complete, finite; one-line errors otherwise."""
 from __future__ import annotations
 
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +40,11 @@ def file_stamp(path: Path) -> FileStamp:
         raise ModelFileError(f"LoRA file {path} does not exist: check the path (ComfyUI: models/loras)")
     if path.is_dir():
         raise ModelFileError(f"LoRA {path} is a folder: give the .safetensors file inside it")
-    stat = path.stat()
-    return FileStamp(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    found = path.stat()
+    if not stat.S_ISREG(found.st_mode):  # a FIFO would block the read for ever; a device is no file
+        raise ModelFileError(f"LoRA {path} is not a regular file (a pipe, device or socket): give the LoRA's "
+                             f".safetensors file")
+    return FileStamp(str(path.resolve()), found.st_size, found.st_mtime_ns)
 
 
 def refuse_pickle(path: Path) -> None:
@@ -59,7 +63,10 @@ def read_lora_tensors(path: Path) -> LoraTensors:
     path = Path(path)
     stamp = file_stamp(path)
     refuse_pickle(path)
-    handle = open_safetensors(path)  # refuses truncated files and other formats
+    try:
+        handle = open_safetensors(path)  # refuses truncated files and other formats
+    except ModelFileError as error:  # the reader names the file; say that it was given as a LoRA
+        raise ModelFileError(f"LoRA {error}") from None
     peft_alphas(handle.metadata, path.name)  # malformed lora_adapter_metadata, a NaN/inf alpha in it
     tensors: dict[str, torch.Tensor] = {}
     for key in handle.keys():

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Optional, Union
@@ -20,7 +22,11 @@ _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(nan|inf|infin
 def check_strength(strength: float, name: str = "") -> float:
     label = f"LoRA {name} strength" if name else "LoRA strength"
     try:
+        if isinstance(strength, bool):
+            raise TypeError("a bool is not a strength")
         value = float(strength)
+    except OverflowError:
+        value = math.inf  # an integer beyond float range: refused below as out of range
     except (TypeError, ValueError):
         raise InvalidInputError(f"{label} {strength!r} is not a number: use a value from -10 to 10 (1.0 = as "
                                 f"trained)") from None
@@ -76,14 +82,11 @@ class LoraStack:
             items = items.entries
         if isinstance(items, (str, Path, LoraEntry)):
             items = [items]
+        if isinstance(items, Mapping):  # {path: strength}
+            items = list(items.items())
         entries = []
         for item in items:
-            if isinstance(item, LoraEntry):
-                entry = item
-            elif isinstance(item, (str, Path)):
-                entry = LoraEntry(Path(item))
-            else:
-                entry = LoraEntry(*item)
+            entry = _entry(item)
             entries.append(entry if entry.mode is not None or mode is None else replace(entry, mode=mode))
         return cls(tuple(entries))
 
@@ -101,12 +104,38 @@ class LoraStack:
         return [{"name": entry.name, "strength": entry.strength} for entry in self.entries]
 
 
+def _entry(item: object) -> LoraEntry:
+    """One LoRA as the Python API takes it: a LoraEntry, a path, or (path, strength[, mode])."""
+    if isinstance(item, LoraEntry):
+        return item
+    if isinstance(item, (str, Path)):
+        return LoraEntry(Path(item))
+    if isinstance(item, (tuple, list)) and 1 <= len(item) <= 3 and isinstance(item[0], (str, Path)):
+        return LoraEntry(*item)
+    raise InvalidInputError(f"LoRA entry {item!r:.80} is not a path, (path, strength) or (path, strength, mode): "
+                            f"give e.g. ('style.safetensors', 0.8)")
+
+
+def file_identity(path: Path) -> tuple:
+    """The file a path names, the same through links (symbolic or hard) and relative parts; a missing file is
+    named by its absolute path (refused later, when it is opened). A path that cannot be followed: one line."""
+    try:
+        found = os.stat(path.expanduser())
+    except FileNotFoundError:
+        return ("path", os.path.abspath(path.expanduser()))
+    except (OSError, ValueError) as error:  # a symlink loop, a NUL character, no permission on a folder
+        reason = getattr(error, "strerror", None) or str(error)
+        raise InvalidInputError(f"LoRA {path.name!r}: its path cannot be followed ({reason}): give the path of the "
+                                f".safetensors file itself") from None
+    return ("file", found.st_dev, found.st_ino)
+
+
 def refuse_repeated_files(entries: Iterable[LoraEntry]) -> None:
     """The same file twice in one stack would apply it at the sum of its strengths, which nobody means by chaining
     a node twice: refused, naming both strengths and the one strength that gives the same result."""
-    seen: dict[Path, LoraEntry] = {}
+    seen: dict[tuple, LoraEntry] = {}
     for entry in entries:
-        key = entry.path.expanduser().resolve()
+        key = file_identity(entry.path)
         first = seen.get(key)
         if first is not None:
             raise InvalidInputError(f"LoRA {entry.name} is given twice (strengths {first.strength:g} and "

@@ -1,0 +1,159 @@
+"""LoRA inputs a careless or hostile user gives, each refused in one line before any work (never a traceback, never
+a hang), or taken as meant: paths that cannot be followed, files that are not regular files, metadata numbers and
+nesting that break parsers, Python-API entries of the wrong shape, the same file under two names, a file holding
+two trainers' keys for one layer, metadata ranks the weights contradict, and file names with line breaks."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import lora_files as lf
+from ernie_image.runtime.cli import main as cli_main
+from ernie_image.runtime.errors import InvalidInputError, ModelFileError
+from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.lora import LoraStack
+from ernie_image.runtime.lora.parsed import check_lora_file
+from ernie_image.runtime.model_files import ModelSources
+
+LAYER = "layers.0.self_attention.to_q"
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def shapes(tiny_turbo_folder):
+    return lf.linear_shapes(lf.dit_weights(tiny_turbo_folder))
+
+
+@pytest.fixture(scope="module")
+def good(shapes, tmp_path_factory) -> Path:
+    return lf.write_ai_toolkit(tmp_path_factory.mktemp("odd-good") / "good.safetensors", lf.random_lora(shapes, 2, 1))
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_turbo_folder):
+    return LocalPipe.load(ModelSources(model_dir=tiny_turbo_folder), LoadOptions(device="cpu", dtype="fp32"))
+
+
+def one_line(error: pytest.ExceptionInfo) -> str:
+    message = str(error.value)
+    assert "\n" not in message and len(message) < 400
+    return message
+
+
+def test_a_symlink_loop_is_refused_in_one_line(tmp_path):
+    (tmp_path / "a.safetensors").symlink_to(tmp_path / "b.safetensors")
+    (tmp_path / "b.safetensors").symlink_to(tmp_path / "a.safetensors")
+    with pytest.raises(InvalidInputError, match=r"^LoRA 'a.safetensors': its path cannot be followed \(.*\): give "
+                                                r"the path of the .safetensors file itself$") as caught:
+        LoraStack.of([tmp_path / "a.safetensors"])
+    one_line(caught)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes (POSIX)")
+def test_a_named_pipe_given_as_the_lora_is_refused_at_once_not_read_for_ever(tmp_path, capsys):
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelFileError, match=r"is not a regular file \(a pipe, device or socket\): give the LoRA's "
+                                             r"\.safetensors file$"):
+        check_lora_file(fifo)
+    done = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, 'tests'); import conftest; "
+                           "from ernie_image.runtime.cli import main; "
+                           f"sys.exit(main(['generate', '--lora', {str(fifo)!r}, '--out', {str(tmp_path / 'x.png')!r}]))"],
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith("error: LoRA "), done.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("metadata, match", [
+    ('{"lora_alpha": 1' + "0" * 400 + ', "r": 2}', r"lora_alpha 1000.* is not a finite number"),
+    ("[" * 100000 + "]" * 100000, r"lora_adapter_metadata is JSON nested too deeply to be LoRA settings"),
+], ids=["integer alpha beyond float range", "JSON nested 100000 deep"])
+def test_metadata_that_breaks_number_or_json_parsing_is_refused_in_one_line(shapes, tmp_path, metadata, match):
+    path = tmp_path / "meta.safetensors"
+    save_file(lf.peft_keys(lf.random_lora(shapes, 2, 3), "transformer."), str(path),
+              metadata={"lora_adapter_metadata": metadata})
+    with pytest.raises(ModelFileError, match=match) as caught:
+        check_lora_file(path)
+    assert len(str(caught.value)) < 600 and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("entry", [None, 3, (None, 1.0), (b"/x.safetensors", 1.0), ("a.safetensors", 1.0, "merge", 1),
+                                   ()], ids=["None", "int", "None path", "bytes path", "four items", "empty tuple"])
+def test_a_python_api_entry_of_the_wrong_shape_is_refused_in_one_line(entry):
+    with pytest.raises(InvalidInputError, match=r"is not a path, \(path, strength\) or \(path, strength, mode\): "
+                                                r"give e\.g\. \('style\.safetensors', 0\.8\)$"):
+        LoraStack.of([entry])
+
+
+@pytest.mark.parametrize("strength, match", [(10**400, "is not allowed"), (True, "is not a number")])
+def test_strengths_python_takes_as_numbers_but_nobody_means_are_refused(good, strength, match):
+    with pytest.raises(InvalidInputError, match=match):
+        LoraStack.of([(good, strength)])
+
+
+def test_a_path_with_a_nul_character_is_refused_in_one_line():
+    with pytest.raises(InvalidInputError, match=r"its path cannot be followed"):
+        LoraStack.of(["bad\0name.safetensors"])
+
+
+def test_a_mapping_of_paths_to_strengths_keeps_its_strengths(good):
+    assert [entry.strength for entry in LoraStack.of({good: 0.5}).entries] == [0.5]
+
+
+def test_the_same_file_under_a_hard_link_is_refused_as_given_twice(good, tmp_path):
+    twin = tmp_path / "twin.safetensors"
+    os.link(good, twin)
+    with pytest.raises(InvalidInputError, match=r"^LoRA twin.safetensors is given twice \(strengths 0.5 and 0.3\)"):
+        LoraStack.of([(good, 0.5), (twin, 0.3)])
+
+
+def test_a_file_with_two_trainers_keys_for_one_layer_is_refused(shapes, tmp_path):
+    down, up = lf.random_lora({LAYER: shapes[LAYER]}, 2, 4)[LAYER]
+    path = tmp_path / "two.safetensors"
+    save_file({f"transformer.{LAYER}.lora_A.weight": down, f"transformer.{LAYER}.lora_B.weight": up,
+               f"lora_unet_{LAYER.replace('.', '_')}.lora_down.weight": down.clone(),
+               f"lora_unet_{LAYER.replace('.', '_')}.lora_up.weight": up.clone(),
+               f"lora_unet_{LAYER.replace('.', '_')}.alpha": torch.tensor(2.0)}, str(path))
+    with pytest.raises(ModelFileError, match=rf"^LoRA two.safetensors holds two LoRAs for {LAYER} \(lora_A/lora_B and "
+                                             r"lora_down/lora_up keys, two trainers' layouts\)"):
+        check_lora_file(path)
+
+
+def test_a_metadata_rank_the_weights_contradict_is_refused_when_the_pipe_parses_it(pipe, shapes, tmp_path):
+    path = tmp_path / "rank8.safetensors"
+    save_file(lf.peft_keys(lf.random_lora(shapes, 4, 5), "transformer."), str(path),
+              metadata={"lora_adapter_metadata": json.dumps({"lora_alpha": 8, "r": 8})})
+    with pytest.raises(ModelFileError, match=r"its lora_adapter_metadata gives rank 8 for .* but its weights have "
+                                             r"rank 4: the file is damaged or its metadata belongs to another LoRA"):
+        pipe.with_loras([(path, 1.0)])
+
+
+def test_a_line_break_in_a_file_name_cannot_break_the_cli_error_into_lines(tmp_path, capsys):
+    path = tmp_path / "evil\nerror: fake.safetensors"
+    path.write_text("not a LoRA")
+    assert cli_main(["generate", "--lora", str(path), "--out", str(tmp_path / "x.png")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: LoRA ") and "evil\\nerror: fake" in lines[0], lines
+
+
+def test_a_text_file_given_as_a_lora_is_named_as_a_lora(tmp_path):
+    path = tmp_path / "notes.safetensors"
+    path.write_text("just some notes")
+    with pytest.raises(ModelFileError, match=r"^LoRA notes.safetensors is not a safetensors file \(its first bytes "
+                                             r"are not a safetensors header\): pick the \.safetensors file itself$"):
+        check_lora_file(path)
+
+
+def test_a_rank_zero_lora_cannot_pass_as_applied(pipe, shapes, tmp_path):
+    path = tmp_path / "empty.safetensors"
+    save_file({f"transformer.{LAYER}.lora_A.weight": torch.zeros(0, shapes[LAYER][1]),
+               f"transformer.{LAYER}.lora_B.weight": torch.zeros(shapes[LAYER][0], 0)}, str(path))
+    with pytest.raises(ModelFileError, match=r"is empty \(shape \(0, \d+\), rank 0\)"):
+        pipe.with_loras([(path, 1.0)])
