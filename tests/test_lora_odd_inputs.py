@@ -19,7 +19,7 @@ from ernie_image.runtime.cli import main as cli_main
 from ernie_image.runtime.errors import InvalidInputError, ModelFileError
 from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.lora import LoraStack
-from ernie_image.runtime.lora.parsed import check_lora_file
+from ernie_image.runtime.lora.parsed import check_lora_file, load_lora
 from ernie_image.runtime.model_files import ModelSources
 
 LAYER = "layers.0.self_attention.to_q"
@@ -157,3 +157,17 @@ def test_a_rank_zero_lora_cannot_pass_as_applied(pipe, shapes, tmp_path):
                f"transformer.{LAYER}.lora_B.weight": torch.zeros(shapes[LAYER][0], 0)}, str(path))
     with pytest.raises(ModelFileError, match=r"is empty \(shape \(0, \d+\), rank 0\)"):
         pipe.with_loras([(path, 1.0)])
+
+
+def test_diffusers_older_lora_down_lora_up_spelling_reads_as_lora_down_lora_up(pipe, shapes, tmp_path):
+    lora = lf.random_lora(shapes, 2, 6)
+    older, current = tmp_path / "older.safetensors", tmp_path / "current.safetensors"
+    save_file({f"transformer.{name}.lora.{side}.weight": tensor.contiguous() for name, (down, up) in lora.items()
+               for side, tensor in (("down", down), ("up", up))}, str(older))
+    save_file({f"transformer.{name}.lora_{side}.weight": tensor.contiguous() for name, (down, up) in lora.items()
+               for side, tensor in (("down", down), ("up", up))}, str(current))
+    config = pipe._lora.dit_config(pipe.sources)
+    want = load_lora(current, config).adapters
+    got = load_lora(older, config).adapters
+    assert set(got) == set(want) == set(lora)
+    assert all(torch.equal(got[n].down, want[n].down) and torch.equal(got[n].up, want[n].up) for n in want)

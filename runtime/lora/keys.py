@@ -4,7 +4,7 @@ A key is `<prefix><module path><separator><adapter part>`. Prefixes: `transforme
 `base_model.model.` (PEFT), `diffusion_model.` (ai-toolkit, ComfyUI, musubi-tuner), none (bare PEFT), and the
 kohya family `lora_unet_` / `lycoris_` / `lora_transformer_`, whose module paths have every `.` written `_`
 (resolved against the DiT's own names, as ComfyUI does). Adapter parts: lora_A/lora_B, lora_down/lora_up, alpha,
-LyCORIS LoKr (lokr_*) and LoHa (hada_*), DoRA magnitudes.
+LyCORIS LoKr (lokr_*) and LoHa (hada_*), DoRA magnitudes; diffusers' older lora.down/lora.up spelling.
 """
 from __future__ import annotations
 
@@ -20,12 +20,17 @@ from ..errors import ModelFileError
 # Longest first: `lora_A.default.weight` (a raw PEFT state dict) before `lora_A.weight`.
 ADAPTER_PARTS = (
     "lora_A.default.weight", "lora_B.default.weight", "lora_A.weight", "lora_B.weight",
-    "lora_down.weight", "lora_up.weight", "lora_mid.weight", "lora_B.bias", "lora_up.bias",
+    "lora_down.weight", "lora_up.weight", "lora.down.weight", "lora.up.weight", "lora_mid.weight", "lora_B.bias",
+    "lora_up.bias",
     "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b", "lokr_w1", "lokr_w2", "lokr_t2",
     "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2",
     "dora_scale", "lora_magnitude_vector.default.weight", "lora_magnitude_vector.weight", "lora_magnitude_vector",
     "alpha", "diff", "diff_b",
 )
+# Spellings of one part: a raw PEFT state dict's adapter name, diffusers' older `lora.down`/`lora.up`.
+_CANONICAL_PARTS = {"lora_A.default.weight": "lora_A.weight", "lora_B.default.weight": "lora_B.weight",
+                    "lora_magnitude_vector.default.weight": "lora_magnitude_vector.weight",
+                    "lora.down.weight": "lora_down.weight", "lora.up.weight": "lora_up.weight"}
 DOTTED_PREFIXES = (
     ("base_model.model.", "PEFT (base_model.model.)"),
     ("model.diffusion_model.", "ComfyUI (model.diffusion_model.)"),
@@ -147,7 +152,7 @@ def map_keys(name: str, tensors: dict[str, torch.Tensor], targets: dict[str, tup
         if path is None or path not in targets:
             unmatched.append(key)
             continue
-        layers.setdefault(path, {})[part.replace(".default", "")] = tensor
+        layers.setdefault(path, {})[_CANONICAL_PARTS.get(part, part)] = tensor
     keys = list(tensors)
     style = max(styles, key=styles.get) if styles else "unknown"
     if not layers:
