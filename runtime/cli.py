@@ -68,12 +68,18 @@ class _Stderr:
         self.progress_open = False
 
     def progress(self, text: str, done: bool) -> None:
-        print(f"\r{text}", end="\n" if done else "", file=sys.stderr, flush=True)
+        self._write(f"\r{text}" + ("\n" if done else ""))
         self.progress_open = not done
 
     def line(self, text: str) -> None:
-        print(("\n" if self.progress_open else "") + text, file=sys.stderr, flush=True)
+        self._write(("\n" if self.progress_open else "") + text + "\n")
         self.progress_open = False
+
+    @staticmethod
+    def _write(text: str) -> None:
+        # One write per line (print writes the text and its end separately: a Ctrl-C between them lost the newline)
+        sys.stderr.write(text)
+        sys.stderr.flush()
 
 
 STDERR = _Stderr()
