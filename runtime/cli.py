@@ -164,8 +164,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     settings = {**used.metadata(), "variant": pipe.variant, "prompts_used": result.prompts_used, "demo_model": demo,
                 **({"loras": loras.metadata()} if loras else {})}
     host.check_cancel()  # a Ctrl-C that landed while the last step ran: nothing is written
-    paths = save_pngs(result.images, args.out, settings)
-    interrupts.outputs_written()
+    paths = save_pngs(result.images, args.out, settings, on_commit=interrupts.outputs_written)
     for path in paths:
         print(path)
     host.log(f"{len(paths)} image(s) {used.width}x{used.height}, {used.steps} steps, CFG {used.cfg:g}, seed "
@@ -226,8 +225,9 @@ class _Interrupts:
             raise KeyboardInterrupt
 
     def outputs_written(self) -> None:
-        """The run's files are complete: from now on Ctrl-C and SIGTERM have nothing to undo and are ignored while
-        the command finishes printing and the process exits (with the run's own exit code)."""
+        """The run's files are complete and about to replace the targets: from now on Ctrl-C and SIGTERM have
+        nothing to undo and are ignored while the files are renamed, the command finishes printing and the process
+        exits (with the run's own exit code)."""
         import signal
 
         if threading.current_thread() is threading.main_thread() and self.signal_number is None:

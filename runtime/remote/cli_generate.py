@@ -33,7 +33,8 @@ def _announced_variant(pipe: RemotePipe, host: Host) -> str:
 
 def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host,
                         on_saved: Callable[[], None] = lambda: None) -> int:
-    """`on_saved`: called once the PNGs are written (the CLI stops treating Ctrl-C as a cancel there)."""
+    """`on_saved`: called once the PNGs are complete, before they replace the targets (the CLI stops treating
+    Ctrl-C as a cancel there)."""
     from ..png_output import save_pngs
 
     try:
@@ -49,8 +50,7 @@ def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host,
         elapsed = time.perf_counter() - started
         settings = {**request.metadata(), "variant": variant, "prompts_used": result.prompts_used,
                     "backend": "remote", "servers": [image["server"] for image in result.info["images"]]}
-        paths = save_pngs(result.images, args.out, settings)
-        on_saved()
+        paths = save_pngs(result.images, args.out, settings, on_commit=on_saved)
     finally:
         pipe.release()
     for path in paths:
