@@ -13,6 +13,7 @@ Behaviours a fleet meets (each counted: `generations` is every POST received, `r
 - dies after N images: `die_after=N` (stops listening once the Nth image is sent: later requests are refused);
 - dies while working: `die_during=N` (drops the connection in the middle of the Nth image: it may have run);
 - 503 / 429 before any work: `faults=["503", "429"]`, or `flaky_every=K` (every Kth POST answers 503);
+  a 400 whose body quotes the Authorization header: `faults=["400_echo_auth"]`;
   `retry_after_s` is the Retry-After of a 429;
 - loading: `warmup_s` (/health answers 503, POSTs are held until ready, as SGLang does).
 
@@ -234,7 +235,7 @@ class FakeSglang:
             fault = self.faults.pop(0)
         if self.flaky_every and len(self.generations) % self.flaky_every == 0:
             fault = "503"
-        if fault in ("503", "429", "408", "reset", "garbage", "huge", "hang", "500_json"):
+        if fault in ("503", "429", "408", "reset", "garbage", "huge", "hang", "500_json", "400_echo_auth"):
             return await self._apply_fault(fault, request)
         if not isinstance(body, dict):
             return web.json_response({"detail": [{"type": "model_attributes_type", "loc": ["body"],
@@ -354,6 +355,9 @@ class FakeSglang:
                                      headers={"Retry-After": f"{self.retry_after_s:g}"})
         if fault == "500_json":
             return web.json_response({"detail": "CUDA out of memory"}, status=500)
+        if fault == "400_echo_auth":  # a proxy that quotes the request's headers in its error
+            return web.json_response({"detail": f"invalid request, auth was {request.headers.get('Authorization')}"},
+                                     status=400)
         if fault == "garbage":
             return web.Response(status=200, text="<html>not json{", content_type="application/json")
         if fault == "huge":

@@ -292,6 +292,13 @@ def test_api_key_never_lands_in_logs_errors_or_results(monkeypatch):
             pipe.generate(request(), NullHost())
         assert "bad" not in str(caught.value).replace("bad URL", "")
         pipe.release()
+    monkeypatch.setenv("ERNIE_SGLANG_API_KEY", secret)
+    with FakeSglang(api_key=secret, faults=["400_echo_auth"]) as echoing:
+        pipe = RemotePipe([echoing.url], RemoteSettings(api_key_env="ERNIE_SGLANG_API_KEY"))
+        with pytest.raises(RemoteError, match=r"HTTP 400\): invalid request, auth was Bearer \*\*\*$") as caught:
+            pipe.generate(request(), NullHost())
+        assert secret not in str(caught.value)
+        pipe.release()
 
 
 def test_check_remote_reports_each_server():

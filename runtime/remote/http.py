@@ -335,10 +335,28 @@ def _pydantic_item(item: Any) -> str:
     return str(item)
 
 
+_BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s,;\"']+")
+
+
+def without_secrets(text: Optional[str], api_key: ApiKeySource) -> Optional[str]:
+    """`text` from a server (an error body may echo the request's headers) with the API key and any bearer token
+    masked, so that it can be shown."""
+    if not text:
+        return text
+    try:
+        key = api_key.read()
+    except RemoteError:  # unreadable now: nothing of it to mask beyond bearer tokens
+        key = None
+    if key:
+        text = text.replace(key, "***")
+    return _BEARER.sub(r"\1***", text)
+
+
 def _status_error(label: str, method: str, url: str, status: int, reason: str, body: bytes,
                   content_type: str, api_key: ApiKeySource) -> RemoteError:
     """The error for an HTTP error status; `url` is the full URL asked, as shown (no credentials)."""
-    message = _server_message(body, content_type)
+    message = without_secrets(_server_message(body, content_type), api_key)
+    reason = without_secrets(reason, api_key) or ""
     if status in (401, 403):
         if api_key.env_var or api_key.file:
             hint = f"check the key in {api_key.describe()}"
@@ -545,7 +563,8 @@ class HttpClient:
                 data = json.loads(raw)
             except ValueError:
                 if status < 400:
-                    snippet = raw[:60].decode("utf-8", errors="replace").replace("\n", " ")
+                    snippet = without_secrets(raw[:60].decode("utf-8", errors="replace").replace("\n", " "),
+                                              self.settings.api_key)
                     raise BadResponse(
                         f"{self.label} answered {method} {shown} with something that is not JSON "
                         f"({content_type or 'no content type'}: {snippet!r}): is this the right server URL?"
