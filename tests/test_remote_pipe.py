@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import base64
+import io
 import threading
 import time
 
 import numpy as np
 import pytest
+from PIL import Image
 import torch
 
 from ernie_image.runtime.errors import Cancelled, InvalidInputError, RemoteError
@@ -132,6 +134,27 @@ def test_unusable_responses_are_rejected(fault, message):
 def test_decode_rejects_bytes_that_are_not_an_image():
     with pytest.raises(BadResponse, match="not a readable image"):
         decode_image(base64.b64encode(b"hello").decode(), 16, 16, "srv")
+
+
+def png_claiming(width: int, height: int) -> str:
+    """A small PNG whose header claims width x height (its pixels are never read when the size is wrong)."""
+    import struct
+    import zlib
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(buffer, format="PNG")
+    data = bytearray(buffer.getvalue())
+    ihdr = bytes(data[12:16]) + struct.pack(">II", width, height) + bytes(data[24:29])
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(ihdr))
+    return base64.b64encode(bytes(data)).decode()
+
+
+@pytest.mark.parametrize("side", [12000, 15000], ids=["large", "beyond Pillow's decompression-bomb limit"])
+def test_an_image_of_the_wrong_size_is_refused_from_its_header_before_decoding(side):
+    with pytest.raises(BadResponse, match=rf"^srv returned (a {side}x{side} image for a 256x256 request|bytes that are "
+                                          rf"not a readable image \(DecompressionBombError\))"):
+        decode_image(png_claiming(side, side), 256, 256, "srv")
 
 
 def test_server_that_is_not_ernie_is_refused():

@@ -138,17 +138,18 @@ def decode_image(b64: Any, width: int, height: int, label: str) -> torch.Tensor:
         raise BadResponse(f"{label} returned an image that is not valid base64; see the server log") from None
     try:
         with Image.open(io.BytesIO(raw)) as image:
+            size = image.size  # from the header: a wrong size is refused before any pixel is decoded
+            if size != (width, height):
+                raise BadResponse(
+                    f"{label} returned a {size[0]}x{size[1]} image for a {width}x{height} request; the server "
+                    f"may floor sizes or be misconfigured"
+                )
             image.load()
-            size = image.size
             # one float copy of the pixels, scaled in place (convert only when the PNG is not RGB already)
             array = np.asarray(image if image.mode == "RGB" else image.convert("RGB"), dtype=np.float32)
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise BadResponse(f"{label} returned bytes that are not a readable image ({type(exc).__name__})") from None
-    if size != (width, height):
-        raise BadResponse(
-            f"{label} returned a {size[0]}x{size[1]} image for a {width}x{height} request; the server "
-            f"may floor sizes or be misconfigured"
-        )
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise BadResponse(f"{label} returned bytes that are not a readable image ({type(exc).__name__}); see the "
+                          f"server log") from None
     array /= 255.0
     return torch.from_numpy(array)
 
