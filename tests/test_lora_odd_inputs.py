@@ -171,3 +171,45 @@ def test_diffusers_older_lora_down_lora_up_spelling_reads_as_lora_down_lora_up(p
     got = load_lora(older, config).adapters
     assert set(got) == set(want) == set(lora)
     assert all(torch.equal(got[n].down, want[n].down) and torch.equal(got[n].up, want[n].up) for n in want)
+
+
+def rewritten_header(path: Path, edit) -> None:
+    """Rewrite a safetensors file's JSON header in place through `edit(header)` (padded to its old length)."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+    edit(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= length
+    path.write_bytes(raw[:8] + text.ljust(length) + raw[8 + length:])
+
+
+def test_tensors_whose_bytes_overlap_or_a_file_longer_than_its_tensors_are_refused(good, tmp_path):
+    overlap, tail = tmp_path / "overlap.safetensors", tmp_path / "tail.safetensors"
+    overlap.write_bytes(good.read_bytes())
+    tail.write_bytes(good.read_bytes() + b"\0" * 100)
+
+    def overlap_first_two(header: dict) -> None:
+        first, second = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])[:2]
+        begin = header[first]["data_offsets"][0]
+        width = header[second]["data_offsets"][1] - header[second]["data_offsets"][0]
+        header[second]["data_offsets"] = [begin, begin + width]
+
+    rewritten_header(overlap, overlap_first_two)
+    with pytest.raises(ModelFileError, match=r"tensors overlap or leave gaps"):
+        check_lora_file(overlap)
+    with pytest.raises(ModelFileError, match=r"^LoRA tail.safetensors has 100 bytes after its last tensor"):
+        check_lora_file(tail)
+
+
+@pytest.mark.parametrize("loras, match", [(42, r"^LoRAs 42 are not a list"), ([("", 1.0)], r"has an empty path"),
+                                          ([""], r"has an empty path")], ids=["an int", "empty path in a tuple",
+                                                                              "empty path"])
+def test_loras_that_are_not_a_list_or_name_no_file_are_refused_in_one_line(pipe, loras, match):
+    with pytest.raises(InvalidInputError, match=match):
+        pipe.with_loras(loras)
+
+
+def test_a_mode_that_is_not_known_is_refused_even_without_loras(pipe):
+    with pytest.raises(InvalidInputError, match=r"LoRA mode 'nope' is not known"):
+        pipe.with_loras(None, mode="nope")

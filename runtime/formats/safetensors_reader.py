@@ -160,7 +160,23 @@ def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], 
             f"{path.name} is truncated: its header describes {data_end} bytes but the file has {size} "
             f"({100 * size / data_end:.0f}%): {REDOWNLOAD}"
         )
+    _check_coverage(infos, data_start, size, path)
     return infos, {str(k): str(v) for k, v in metadata.items()}
+
+
+def _check_coverage(infos: dict[str, TensorInfo], data_start: int, size: int, path: Path) -> None:
+    """The tensors' bytes tile the data section exactly, in order, as the safetensors format requires (and its own
+    library checks): overlapping tensors or bytes after the last one are a damaged or forged file."""
+    position = data_start
+    for key, info in sorted(infos.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if info.begin != position:
+            raise ModelFileError(f"{path.name}: tensor {key!r} starts at byte {info.begin - data_start} of the data "
+                                 f"where {position - data_start} was expected (tensors overlap or leave gaps): "
+                                 f"{REDOWNLOAD}")
+        position = info.end
+    if position != size:
+        raise ModelFileError(f"{path.name} has {size - position} bytes after its last tensor (the header does not "
+                             f"cover the file): {REDOWNLOAD}")
 
 
 def open_safetensors(path: Path) -> SafetensorsFile:

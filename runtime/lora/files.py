@@ -62,7 +62,11 @@ def read_lora_tensors(path: Path) -> LoraTensors:
     refused in one line."""
     path = Path(path)
     stamp = file_stamp(path)
-    refuse_pickle(path)
+    try:
+        refuse_pickle(path)
+    except OSError as error:  # an I/O error, a file that vanished or is not readable
+        raise ModelFileError(f"LoRA {path} cannot be read ({error.strerror or type(error).__name__}): check the "
+                             f"file and the disk, or export the LoRA again") from None
     try:
         handle = open_safetensors(path)  # refuses truncated files and other formats
     except ModelFileError as error:  # the reader names the file; say that it was given as a LoRA

@@ -75,15 +75,18 @@ class LoraStack:
     def of(cls, items: Union["LoraStack", Iterable[EntryLike], None], mode: Optional[str] = None) -> "LoraStack":
         """From a stack, or from entries, paths, (path, strength) or (path, strength, mode) tuples; `mode` is given
         to the entries that name none."""
+        check_mode(mode)
         if items is None:
             return cls()
-        check_mode(mode)
         if isinstance(items, LoraStack):
             items = items.entries
         if isinstance(items, (str, Path, LoraEntry)):
             items = [items]
         if isinstance(items, Mapping):  # {path: strength}
             items = list(items.items())
+        if not isinstance(items, Iterable):
+            raise InvalidInputError(f"LoRAs {items!r:.80} are not a list: give e.g. [('style.safetensors', 0.8)], "
+                                    f"{{'style.safetensors': 0.8}} or one path")
         entries = []
         for item in items:
             entry = _entry(item)
@@ -108,6 +111,8 @@ def _entry(item: object) -> LoraEntry:
     """One LoRA as the Python API takes it: a LoraEntry, a path, or (path, strength[, mode])."""
     if isinstance(item, LoraEntry):
         return item
+    if isinstance(item, (str, Path)) and str(item) == "" or isinstance(item, (tuple, list)) and item and item[0] == "":
+        raise InvalidInputError("a LoRA entry has an empty path: give the LoRA's .safetensors file")
     if isinstance(item, (str, Path)):
         return LoraEntry(Path(item))
     if isinstance(item, (tuple, list)) and 1 <= len(item) <= 3 and isinstance(item[0], (str, Path)):
