@@ -66,10 +66,13 @@ class _Stderr:
 
     def __init__(self) -> None:
         self.progress_open = False
+        self.progress_text = ""
 
     def progress(self, text: str, done: bool) -> None:
+        if self.progress_open and text == self.progress_text and not done:
+            return  # the same count again (a remote estimate polled every 0.1 s): nothing new to show
         self._write(f"\r{text}" + ("\n" if done else ""))
-        self.progress_open = not done
+        self.progress_open, self.progress_text = not done, text
 
     def line(self, text: str) -> None:
         self._write(("\n" if self.progress_open else "") + text + "\n")

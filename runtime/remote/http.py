@@ -531,9 +531,9 @@ class HttpClient:
         except aiohttp.ClientConnectorError as exc:
             raise _connect_error(self.label, exc.os_error) from None
         except aiohttp.SocketTimeoutError:
-            cause = f"it sent no answer to {method} {shown} within {read_s:g} s (read timeout)"
+            cause = f"it sent no answer to {method} {shown} within {read_s:.1f} s (read timeout)"
             raise ConnectionLost(
-                f"{self.label} sent no answer to {method} {shown} within {read_s:g} s (read timeout); the server "
+                f"{self.label} sent no answer to {method} {shown} within {read_s:.1f} s (read timeout); the server "
                 f"may still be working on it: raise the read timeout for large images or many steps", cause=cause,
                 timed_out=True) from None
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
@@ -575,7 +575,8 @@ class HttpClient:
         cap = self.settings.max_body_bytes
         too_big = BadResponse(
             f"{self.label} answered {method} {shown_url(self.base_url + path)} with more than {cap // (1024 * 1024)} MiB; refused "
-            f"(raise the response size cap if the images are really that large)"
+            f"(a server answering this much is misbehaving; for images really that large, raise "
+            f"RemoteSettings.max_response_mb)"
         )
         if resp.content_length is not None and resp.content_length > cap:
             raise too_big
