@@ -372,7 +372,7 @@ def _status_error(label: str, method: str, url: str, status: int, reason: str, b
         detail = message or reason or "no reason given"
         return ServerRejected(f"{label} rejected {method} {url} (HTTP {status}): {detail}", status)
     if message and message.lower() != "internal server error":
-        return ServerFailed(f"{label} failed (HTTP {status}): {message}", status)
+        return ServerFailed(f"{label} failed (HTTP {status}): {message.rstrip('.')}; see the server log", status)
     return ServerFailed(f"{label}: the server failed to generate; see the server log (HTTP {status})", status)
 
 
