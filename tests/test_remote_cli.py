@@ -398,3 +398,12 @@ def test_an_html_error_page_is_described_not_quoted(tmp_path):
         with pytest.raises(ServerRejected) as caught:
             run_sync(models(url))
     assert str(caught.value) == f"{url} rejected GET {url}/v1/models (HTTP 404): an HTML page, not an API answer"
+
+
+def test_a_read_timeout_below_the_readiness_looks_own_caps_that_look_too(capsys, tmp_path):
+    with silent_server() as url:
+        code = main(["generate", "--server", url, "--read-timeout", "2", "--wait-for-servers", "3", *TURBO,
+                     "--out", str(tmp_path / "x.png")])
+    assert code == 2
+    assert one_line_error(capsys).startswith(f"error: {url}: /health not answered within 2 s (read timeout), still "
+                                             f"after 3 s: start the server")

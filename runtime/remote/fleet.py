@@ -33,8 +33,8 @@ from typing import Callable, Optional, Sequence
 
 from ..errors import RemoteError
 from .http import BadResponse, ConnectionLost, HttpSettings, RetryPolicy, ServerRejected, ServerUnavailable
-from .sglang import (READY, REFUSED, UNREACHABLE, GeneratedImage, ImageParams, ReadTimeoutPolicy, Readiness,
-                     ServerModel, SglangClient)
+from .sglang import (PROBE_READ_S, READY, REFUSED, UNREACHABLE, GeneratedImage, ImageParams, ReadTimeoutPolicy,
+                     Readiness, ServerModel, SglangClient)
 
 Notify = Callable[[str], None]
 
@@ -110,7 +110,9 @@ class Fleet:
         seen: set[str] = set()
         self.slots: list[ServerSlot] = []
         for url in urls:
-            client = SglangClient(url, settings.http, settings.read_timeout)
+            # A read timeout asked for below the readiness look's own 10 s caps that look too.
+            probe_read_s = min(PROBE_READ_S, settings.read_timeout.base_s * settings.read_timeout.scale)
+            client = SglangClient(url, settings.http, settings.read_timeout, probe_read_s=probe_read_s)
             if client.http.base_url in seen:
                 continue
             seen.add(client.http.base_url)
