@@ -264,8 +264,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Streaming weights through fixed buffers while activations change size fragments the caching allocator;
     # expandable segments avoid that. Set before torch initialises CUDA; a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    from .output_files import set_commit_hook
+
     interrupts = _Interrupts()
     interrupts.install()
+    set_commit_hook(interrupts.outputs_written)  # every command's files: too late to cancel from the first rename
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if not argv or argv[0] in ("-h", "--help"):
@@ -295,6 +298,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # The interrupt landed inside an extension module's import or a C call that turned it into another error.
         STDERR.line("cancelled")
         return interrupts.exit_code
+    finally:
+        set_commit_hook(None)
 
 
 def _top_level_help() -> str:

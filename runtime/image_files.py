@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidInputError, one_line
+from .request import MAX_SIDE
 
 HIGH_DEPTH_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
 
@@ -27,7 +28,14 @@ def _open(path: Path, option: str):
         raise InvalidInputError(f"{option} {path} {what}: give the path of a PNG or JPEG file")
     try:
         image = Image.open(path)
+        # the size from the header first: an image far beyond any size ERNIE-Image takes is refused undecoded
+        if image.width * image.height > 4 * MAX_SIDE * MAX_SIDE:
+            raise InvalidInputError(f"{option} {path} is {image.width}x{image.height}: ERNIE-Image takes sides up to "
+                                    f"{MAX_SIDE}: resize it first")
         image.load()
+    except Image.DecompressionBombError:
+        raise InvalidInputError(f"{option} {path} claims more pixels than any image ERNIE-Image takes (sides up to "
+                                f"{MAX_SIDE}): resize it first, or re-save it if it is damaged") from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
         raise InvalidInputError(f"{option} {path} is not a readable image ({one_line(error, 120)}): give a PNG or "
                                 "JPEG file (re-save it if it is damaged)") from None

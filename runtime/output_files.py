@@ -11,13 +11,23 @@ import contextlib
 import itertools
 import os
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 _counter = itertools.count()
 
 
 def partial_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{next(_counter)}.partial")
+
+
+_commit_hook: list[Callable[[], None]] = []  # at most one: the running CLI command's (see set_commit_hook)
+
+
+def set_commit_hook(hook: Optional[Callable[[], None]]) -> None:
+    """Run `hook` before the first rename of every atomic output from now on (None: no hook). The CLI sets its
+    interrupt handling here while a command runs, so that for every command that writes files a signal after the
+    first rename no longer cancels."""
+    _commit_hook[:] = [hook] if hook is not None else []
 
 
 @contextlib.contextmanager
@@ -31,7 +41,8 @@ def atomic_outputs(paths: Sequence[Path], on_commit: Callable[[], None] = lambda
     renamed: list[Path] = []
     try:
         yield partials
-        on_commit()
+        for hook in (*_commit_hook, on_commit):
+            hook()
         for partial, target in zip(partials, paths):
             os.replace(partial, target)
             renamed.append(Path(target))

@@ -194,6 +194,20 @@ def test_quantize_refuses_a_gguf_renamed_to_safetensors(capsys, tmp_path, bf16_d
     assert "is a GGUF file, already quantised" in line
 
 
+def test_quantize_refuses_an_out_that_is_the_file_it_reads(capsys, tmp_path, bf16_dit):
+    import shutil
+
+    folder = tmp_path / "transformer"
+    shutil.copytree(bf16_dit, folder)
+    weights = next(folder.glob("*.safetensors"))
+    before = weights.read_bytes()
+    for dit in (weights, folder):
+        line = _cli(capsys, "quantize", "--dit", str(dit), "--format", "fp8", "--out", str(weights))
+        assert line == (f"error: --out {weights.name} is the file --dit reads: quantising would replace the bf16 "
+                        f"weights it reads; give another --out")
+    assert weights.read_bytes() == before
+
+
 def test_quantize_reports_what_it_packed_and_refuses_when_nothing_packs(capsys, tmp_path, bf16_dit):
     code, out, _ = _quantize(capsys, "--dit", str(bf16_dit), "--format", "q8_0", "--out", str(tmp_path / "q.gguf"))
     assert code == 0 and "weight matrices as q8_0" in out and ", 2 kept in high precision" in out, out

@@ -215,3 +215,15 @@ def test_a_decoder_only_vae_file_is_named_before_anything_loads(tmp_path):
         pipe.generate(request, NullHost())
     assert not pipe.is_loaded()
     pipe.generate(GenerationRequest(prompt="x", width=256, height=256, steps=1, cfg=1.0), NullHost())  # text-to-image
+
+
+def test_an_image_claiming_far_more_pixels_than_ernie_takes_is_refused_before_decoding(tmp_path):
+    from PIL import Image
+
+    from ernie_image.runtime.image_files import read_image
+
+    path = tmp_path / "bomb.png"
+    Image.new("1", (40000, 40000)).save(path)  # 1-bit zeros: a small file, 1.6 Gpx if decoded
+    with pytest.raises(InvalidInputError, match=r"^--init-image .*bomb.png (is 40000x40000: ERNIE-Image takes sides "
+                                                r"up to 4096|claims more pixels than any image ERNIE-Image takes)"):
+        read_image(path)

@@ -7,6 +7,7 @@ not at all. The report says how many weight matrices went into which format.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -82,6 +83,16 @@ def _parser() -> OneLineParser:
     return parser
 
 
+def refuse_output_over_input(out: Path, dit: Path) -> None:
+    """--out naming the file --dit reads (or one inside the --dit folder) would replace the bf16 weights."""
+    if not out.exists():
+        return
+    sources = [dit] if dit.is_file() else list(dit.rglob("*.safetensors"))
+    if any(os.path.samefile(out, source) for source in sources):
+        raise InvalidInputError(f"--out {out.name} is the file --dit reads: quantising would replace the bf16 weights "
+                                f"it reads; give another --out")
+
+
 def main_quantize(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -91,6 +102,7 @@ def main_quantize(argv: list[str] | None = None) -> int:
                                     f"is written as: give e.g. --out {args.out.stem}{suffix}")
         check_output_file(args.out, "--out", (file_suffix(args.format),), f"ernie-image-{args.format}")  # first
         check_input_path(args.dit, "--dit", "file or folder")
+        refuse_output_over_input(args.out, args.dit)
         state = read_bf16_dit(args.dit)
         counts = quantized_layer_counts(state, args.format)
         refuse_unpackable(counts, args.format)
