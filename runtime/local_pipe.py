@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import threading
 import time
 import weakref
@@ -77,6 +78,11 @@ class LoadOptions:
         if self.quant not in QUANT_CHOICES:
             raise InvalidInputError(f"quant {self.quant!r} is not supported: use one of {', '.join(QUANT_CHOICES)}, "
                                     "or give a quantised DiT file").naming("quant")
+        budget = self.vram_budget_gb
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not math.isfinite(budget) or budget <= 0):
+            raise InvalidInputError(f"VRAM budget {budget!r} GB is not a positive number: give the GB the pipe may "
+                                    f"use, or None for free VRAM minus a reserve")
 
 
 def resolve_device(name: str) -> torch.device:

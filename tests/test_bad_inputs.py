@@ -328,3 +328,12 @@ def test_a_damaged_vae_fails_when_the_pipe_loads_not_after_sampling(tmp_path):
     vae_file.write_bytes(data[: len(data) - 1000])  # an interrupted download
     with pytest.raises(ModelFileError, match="truncated.*download it again"):
         LocalPipe.load(sources, LoadOptions(device="cpu"))
+
+
+@pytest.mark.parametrize("budget", [-1, 0, float("nan"), float("inf"), "12", True])
+def test_a_load_options_budget_that_is_not_a_positive_number_is_refused_at_load(budget):
+    from ernie_image.runtime.local_pipe import LoadOptions
+
+    with pytest.raises(InvalidInputError, match=r"^VRAM budget .* GB is not a positive number: give the GB the pipe "
+                                                r"may use, or None for free VRAM minus a reserve$"):
+        LoadOptions(device="cpu", vram_budget_gb=budget).validate()
