@@ -130,7 +130,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
         from .remote.cli_generate import generate_on_servers
 
         interrupts = interrupts or _Interrupts()
-        return generate_on_servers(args, remote, _ConsoleHost(interrupts), on_saved=interrupts.outputs_written)
+        return generate_on_servers(args, remote, _ConsoleHost(interrupts))
     from .demo import DEMO_NOTICE, load_demo_pipe
     from .local_pipe import LoadOptions, LocalPipe
     from .model_files import ModelSources
@@ -167,7 +167,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     settings = {**used.metadata(), "variant": pipe.variant, "prompts_used": result.prompts_used, "demo_model": demo,
                 **({"loras": loras.metadata()} if loras else {})}
     host.check_cancel()  # a Ctrl-C that landed while the last step ran: nothing is written
-    paths = save_pngs(result.images, args.out, settings, on_commit=interrupts.outputs_written)
+    paths = save_pngs(result.images, args.out, settings)
     for path in paths:
         print(path)
     host.log(f"{len(paths)} image(s) {used.width}x{used.height}, {used.steps} steps, CFG {used.cfg:g}, seed "

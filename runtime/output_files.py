@@ -31,17 +31,17 @@ def set_commit_hook(hook: Optional[Callable[[], None]]) -> None:
 
 
 @contextlib.contextmanager
-def atomic_outputs(paths: Sequence[Path], on_commit: Callable[[], None] = lambda: None) -> Iterator[list[Path]]:
+def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
     """Yield one partial path per target; on success rename them all, on any exception (Ctrl-C too) remove them.
 
     Targets renamed before a later rename fails are removed as well, so a batch is written whole or not at all.
-    `on_commit` runs just before the first rename: from there the batch replaces the targets (the CLI stops taking
-    Ctrl-C as a cancel at that point, so a cancel never lands between two renames)."""
+    The commit hook (set_commit_hook) runs just before the first rename: from there the batch replaces the targets
+    (the CLI stops taking Ctrl-C as a cancel at that point, so a cancel never lands between two renames)."""
     partials = [partial_path(Path(p)) for p in paths]
     renamed: list[Path] = []
     try:
         yield partials
-        for hook in (*_commit_hook, on_commit):
+        for hook in _commit_hook:
             hook()
         for partial, target in zip(partials, paths):
             os.replace(partial, target)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -21,12 +21,11 @@ def png_paths(out: Path, count: int) -> list[Path]:
     return [out.with_name(f"{out.stem}_{index}{out.suffix}") for index in range(count)]
 
 
-def save_pngs(images: torch.Tensor, out: Path, settings: Mapping[str, Any],
-              on_commit: Callable[[], None] = lambda: None) -> list[Path]:
+def save_pngs(images: torch.Tensor, out: Path, settings: Mapping[str, Any]) -> list[Path]:
     """Write images [B, H, W, 3] in 0..1 as PNGs (see png_paths) with `settings` (+ batch_index) as metadata.
 
     The batch is written whole or not at all: a failure or Ctrl-C leaves no file of it behind and the files it
-    would replace as they were. `on_commit`: see atomic_outputs. Settings must hold no secrets; they are readable
+    would replace as they were (see atomic_outputs for when a cancel stops applying). Settings must hold no secrets; they are readable
     by anyone who has the image (read_png_settings)."""
     from PIL import Image
     from PIL.PngImagePlugin import PngInfo
@@ -34,7 +33,7 @@ def save_pngs(images: torch.Tensor, out: Path, settings: Mapping[str, Any],
     out = Path(out)
     paths = png_paths(out, images.shape[0])
     try:
-        with atomic_outputs(paths, on_commit) as partials:
+        with atomic_outputs(paths) as partials:
             for index, partial in enumerate(partials):
                 info = PngInfo()
                 info.add_text(METADATA_KEY, json.dumps({**settings, "batch_index": index}))

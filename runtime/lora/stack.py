@@ -111,7 +111,8 @@ def _entry(item: object) -> LoraEntry:
     """One LoRA as the Python API takes it: a LoraEntry, a path, or (path, strength[, mode])."""
     if isinstance(item, LoraEntry):
         return item
-    if isinstance(item, (str, Path)) and str(item) == "" or isinstance(item, (tuple, list)) and item and item[0] == "":
+    path = item[0] if isinstance(item, (tuple, list)) and item else item
+    if isinstance(path, str) and not path:
         raise InvalidInputError("a LoRA entry has an empty path: give the LoRA's .safetensors file")
     if isinstance(item, (str, Path)):
         return LoraEntry(Path(item))

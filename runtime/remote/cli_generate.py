@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable
 
 from ..host import Host
 from ..request import VARIANT_DEFAULTS, GenerationRequest
@@ -31,10 +30,7 @@ def _announced_variant(pipe: RemotePipe, host: Host) -> str:
     return model.variant
 
 
-def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host,
-                        on_saved: Callable[[], None] = lambda: None) -> int:
-    """`on_saved`: called once the PNGs are complete, before they replace the targets (the CLI stops treating
-    Ctrl-C as a cancel there)."""
+def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host) -> int:
     from ..png_output import save_pngs
 
     try:
@@ -50,7 +46,7 @@ def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host,
         elapsed = time.perf_counter() - started
         settings = {**request.metadata(), "variant": variant, "prompts_used": result.prompts_used,
                     "backend": "remote", "servers": [image["server"] for image in result.info["images"]]}
-        paths = save_pngs(result.images, args.out, settings, on_commit=on_saved)
+        paths = save_pngs(result.images, args.out, settings)
     finally:
         pipe.release()
     for path in paths:
