@@ -17,7 +17,7 @@ def rotate_with_matrices(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tenso
     return torch.cat((turned[..., 0], turned[..., 1]), dim=-1)
 
 
-def test_the_kernels_rotation_matrices_rotate_exactly_like_the_dits_rope_tables():
+def test_the_kernels_rotation_matrices_rotate_like_the_dits_rope_tables_to_fp32_rounding():
     positions = _positions((6, 5), [7, 4], 7, "cpu")
     tables = RopeTables(positions, DIT_CONFIG, torch.float32)
     axes = torch.cat([_axis_angles(positions[..., axis], dim, DIT_CONFIG.rope_theta)
