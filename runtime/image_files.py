@@ -24,7 +24,8 @@ def _open(path: Path, option: str):
     from PIL import Image, UnidentifiedImageError
 
     if not path.is_file():
-        what = "is a folder" if path.is_dir() else "does not exist"
+        what = ("is a folder" if path.is_dir() else "is not a regular file (a pipe, device or socket)" if path.exists()
+                else "is a broken or looping symbolic link" if path.is_symlink() else "does not exist")
         raise InvalidInputError(f"{option} {path} {what}: give the path of a PNG or JPEG file")
     try:
         image = Image.open(path)

@@ -201,10 +201,13 @@ def test_quantize_refuses_an_out_that_is_the_file_it_reads(capsys, tmp_path, bf1
     shutil.copytree(bf16_dit, folder)
     weights = next(folder.glob("*.safetensors"))
     before = weights.read_bytes()
-    for dit in (weights, folder):
-        line = _cli(capsys, "quantize", "--dit", str(dit), "--format", "fp8", "--out", str(weights))
-        assert line == (f"error: --out {weights.name} is the file --dit reads: quantising would replace the bf16 "
-                        f"weights it reads; give another --out")
+    line = _cli(capsys, "quantize", "--dit", str(weights), "--format", "fp8", "--out", str(weights))
+    assert line == (f"error: --out {weights.name} is the file --dit reads: quantising would replace the bf16 "
+                    f"weights it reads; give another --out")
+    twin = tmp_path / "twin.safetensors"
+    os.link(weights, twin)
+    line = _cli(capsys, "quantize", "--dit", str(twin), "--format", "fp8", "--out", str(weights))
+    assert "is the file --dit reads" in line
     assert weights.read_bytes() == before
 
 
@@ -572,3 +575,14 @@ def test_a_missing_key_file_is_shown_as_the_path_it_is(capsys, tmp_path, monkeyp
 def test_an_empty_out_says_it_is_empty(capsys, tmp_path, empty_cache, value):
     assert _cli(capsys, "generate", f"--out={value}") == "error: --out is empty: give a .png path"
     assert not empty_cache.exists()
+
+
+def test_quantize_refuses_an_out_inside_the_dit_folder(capsys, tmp_path, bf16_dit):
+    import shutil
+
+    folder = tmp_path / "transformer"
+    shutil.copytree(bf16_dit, folder)
+    line = _cli(capsys, "quantize", "--dit", str(folder), "--format", "fp8", "--out", str(folder / "fp8.safetensors"))
+    assert line == ("error: --out fp8.safetensors is inside the --dit folder transformer: a quantised file there "
+                    "would stop the folder loading as the bf16 model; write it elsewhere")
+    assert not (folder / "fp8.safetensors").exists()

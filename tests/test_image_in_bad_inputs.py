@@ -5,6 +5,7 @@ opened. API cases leave the pipe with nothing loaded.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -226,4 +227,22 @@ def test_an_image_claiming_far_more_pixels_than_ernie_takes_is_refused_before_de
     Image.new("1", (40000, 40000)).save(path)  # 1-bit zeros: a small file, 1.6 Gpx if decoded
     with pytest.raises(InvalidInputError, match=r"^--init-image .*bomb.png (is 40000x40000: ERNIE-Image takes sides "
                                                 r"up to 4096|claims more pixels than any image ERNIE-Image takes)"):
+        read_image(path)
+
+
+@pytest.mark.parametrize("kind, cause", [("fifo", "is not a regular file (a pipe, device or socket)"),
+                                         ("loop", "is a broken or looping symbolic link")])
+def test_an_image_path_that_is_a_pipe_or_a_link_loop_is_named_for_what_it_is(tmp_path, kind, cause):
+    import os
+
+    from ernie_image.runtime.image_files import read_image
+
+    path = tmp_path / "in.png"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        (tmp_path / "other.png").symlink_to(path)
+        path.symlink_to(tmp_path / "other.png")
+    pattern = rf"^--init-image .*in.png {re.escape(cause)}: give the path of a PNG or JPEG"
+    with pytest.raises(InvalidInputError, match=pattern):
         read_image(path)

@@ -337,3 +337,15 @@ def test_check_remote_reports_each_server():
     assert (sent["width"], sent["height"], sent["num_inference_steps"]) == (256, 256, 1)
     assert sum(r.path == "/v1/models" for r in ready.received) == 1, "the model list is asked for once"
     assert "loading" in table and "baidu/ERNIE-Image-Turbo" in table and "refused the connection" in table
+
+
+@pytest.mark.parametrize("key", ["sk-A\nB", "sk-F\tILE\x01", "sk-\rX"], ids=["line break", "tab and control", "CR"])
+def test_an_api_key_with_a_control_character_is_refused_in_one_line_without_showing_it(monkeypatch, key):
+    monkeypatch.setenv("ERNIE_SGLANG_API_KEY", key)
+    with FakeSglang() as server:
+        pipe = RemotePipe([server.url], RemoteSettings(api_key_env="ERNIE_SGLANG_API_KEY"))
+        with pytest.raises(RemoteError, match=r"^the environment variable ERNIE_SGLANG_API_KEY holds a line break or "
+                                              r"control character inside the API key: keep only the key itself") as caught:
+            pipe.generate(request(), NullHost())
+        assert key.strip() not in str(caught.value)
+        pipe.release()

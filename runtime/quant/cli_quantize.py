@@ -84,7 +84,11 @@ def _parser() -> OneLineParser:
 
 
 def refuse_output_over_input(out: Path, dit: Path) -> None:
-    """--out naming the file --dit reads (or one inside the --dit folder) would replace the bf16 weights."""
+    """--out naming the file --dit reads would replace the bf16 weights; one inside the --dit folder would make the
+    folder two models."""
+    if dit.is_dir() and out.resolve().is_relative_to(dit.resolve()):
+        raise InvalidInputError(f"--out {out.name} is inside the --dit folder {dit.name}: a quantised file there would "
+                                f"stop the folder loading as the bf16 model; write it elsewhere")
     if not out.exists():
         return
     sources = [dit] if dit.is_file() else list(dit.rglob("*.safetensors"))

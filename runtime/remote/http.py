@@ -144,7 +144,7 @@ class ApiKeySource:
         if self.env_var:
             value = os.environ.get(self.env_var, "").strip()
             if value:
-                return value
+                return _header_safe(value, f"the environment variable {self.env_var}")
         if self.file:
             path = Path(self.file).expanduser()
             try:
@@ -156,7 +156,7 @@ class ApiKeySource:
                 ) from None
             if not value:
                 raise AuthenticationError(f"the API key file {path} is empty: write the key into it", status=0)
-            return value
+            return _header_safe(value, f"the API key file {path}")
         if self.env_var and not self.file:
             # The user named a variable that is not set: say so instead of silently sending no key.
             raise AuthenticationError(
@@ -164,6 +164,15 @@ class ApiKeySource:
                 f"before starting ComfyUI or the CLI", status=0
             )
         return None
+
+
+def _header_safe(key: str, where: str) -> str:
+    """The key, refused in one line (never shown) when it holds a line break or another control character, which
+    no HTTP header may carry."""
+    if any(ord(char) < 32 or ord(char) == 127 for char in key):
+        raise AuthenticationError(f"{where} holds a line break or control character inside the API key: keep only "
+                                  f"the key itself, on one line", status=0)
+    return key
 
 
 def _peek(value: str) -> str:
