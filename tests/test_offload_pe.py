@@ -55,6 +55,22 @@ def pe_streaming_budget_gb(model, device: str = "cpu", dtype: str = "auto") -> f
     return max(streaming) / GiB
 
 
+def pe_phase_budget_gb(model) -> float:
+    """The smallest budget (GiB) at which the plan places the tiny PE whole for its phase."""
+    pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=1.0))
+    sizes = pipe.memory.sizes_for(model, pipe.variant, with_pe=True)
+    job = pipe.memory.job_for(request(), use_pe=True)
+    for step in range(1, 4000):
+        budget = step * 4096 * 16
+        try:
+            plan = plan_memory(budget, job, sizes, pipe.device.type)
+        except MemoryBudgetError:
+            continue
+        if plan.pe is not None and plan.pe.mode == "phase":
+            return budget / GiB
+    raise AssertionError("no budget places the tiny prompt enhancer for its phase")
+
+
 def budgeted_pipe(model, keep_loaded: bool = True, **options) -> LocalPipe:
     return LocalPipe.load(model, LoadOptions(device="cpu", previews=False, keep_loaded=keep_loaded,
                                              vram_budget_gb=pe_streaming_budget_gb(model), **options))
@@ -93,6 +109,21 @@ def test_streamed_pe_gives_the_unbudgeted_revision(model, unbudgeted):
     pipe.release()
     assert pipe.memory.pe is None and pipe._loaded.enhancer is None
     assert all(p.is_meta for p in placed.model.parameters()), "release leaves no PE weight behind"
+
+
+def test_a_phase_placed_pe_gives_the_unbudgeted_revision_and_waits_in_its_host_slab(model, unbudgeted):
+    pipe = LocalPipe.load(model, LoadOptions(device="cpu", previews=False, keep_loaded=True,
+                                             vram_budget_gb=pe_phase_budget_gb(model)))
+    for _ in range(2):  # the second run enters the kept PE again
+        result = pipe.generate(request(), NullHost())
+        assert result.prompts_used == unbudgeted.prompts_used
+        assert torch.equal(result.latents, unbudgeted.latents)
+        placed = pipe.memory.pe
+        assert placed.mode == "phase" and not placed.phase_weights.on_device
+        slab = placed.phase_weights.slab.data.untyped_storage().data_ptr()
+        assert {p.untyped_storage().data_ptr() for p in placed.model.parameters()} == {slab}
+    pipe.release()
+    assert all(p.is_meta for p in placed.model.parameters()) and placed.phase_weights is None
 
 
 def test_pe_free_after_each_run_releases_the_pe_before_the_text_phase(model, unbudgeted):

@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..dit import Block, ErnieDiT, StepContext, run_block_in_place
+from .phase_weights import PhaseWeights
 from .planner import DiTPlan, LayeredPlan
 from .streamer import FakeMode, LayerStreamer, StreamHooks
 
@@ -123,8 +124,8 @@ class TextPlacement:
 class PePlacement:
     """The prompt enhancer (a Ministral3ForCausalLM) placed for its phase by its plan's mode.
 
-    resident: on the device for good; phase: on the device for the PE phase, in host memory between phases;
-    streamed: the decoder layers stream through a TextPlacement's ring for every forward (prefill and each token).
+    resident: on the device for good; phase: on the device for the PE phase, between phases in a page-locked host
+    copy made once (PhaseWeights: nothing is copied back after a phase); streamed: the decoder layers stream through a TextPlacement's ring for every forward (prefill and each token).
     The stem (embedding, final norm, rotary tables, LM head) stays on the device during a streamed phase: the
     planner counts it there (a budget that cannot hold it fails with MemoryBudgetError before anything loads), the
     head is tied to the embedding (one table serves both), and the head runs for every token, so a host head
@@ -136,6 +137,10 @@ class PePlacement:
         self.model = model
         self.mode = plan.mode
         self.device = torch.device(device)
+        self.phase_weights: Optional[PhaseWeights] = None
+        if plan.mode == "phase":
+            self.phase_weights = PhaseWeights(model, self.device)
+            self.phase_weights.enter()
         self.text = TextPlacement(model.model, plan, self.device, fake_mode, host_embedding=False)
         model.lm_head.to(self.device)  # tied: moved with the embedding already; untied: its own table joins the stem
 
@@ -154,8 +159,8 @@ class PePlacement:
         if self.mode == "streamed":
             for part in self._stem():
                 part.to(self.device)
-        elif self.mode == "phase":
-            self.model.to(self.device)
+        elif self.phase_weights is not None:
+            self.phase_weights.enter()
 
     def leave(self) -> None:
         """End of a PE phase with its weights kept: everything but a resident PE goes back to host memory."""
@@ -163,11 +168,14 @@ class PePlacement:
             self.text.streamer.park()
             for part in self._stem():
                 part.to("cpu")
-        elif self.mode == "phase":
-            self.model.to("cpu")
+        elif self.phase_weights is not None:
+            self.phase_weights.leave()
 
     def release(self) -> None:
         """Hooks off, ring and slab freed, every weight (the head included, tied or not) pointed at meta."""
         self.text.release()
         if _has_real_tensors(self.model):
             self.model.to_empty(device="meta")
+        if self.phase_weights is not None:
+            self.phase_weights.release()
+            self.phase_weights = None
