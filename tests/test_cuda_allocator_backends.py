@@ -106,6 +106,32 @@ def test_the_graph_decoder_survives_every_order_of_capture_replay_cancel_and_clo
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_the_compiled_decode_step_is_captured_and_repeats_its_rewrite_under_each_backend(backend):
+    """Under cudaMallocAsync the compiled step goes through Inductor's C++ wrapper (static_decoder's
+    `_compiled_decode_layer`): its Python launchers would refuse the capture's not-yet-backed tensors."""
+    result = run_under(backend, """
+        from ernie_image.runtime.text.static_decoder import StaticCacheDecoder
+        from ernie_image.runtime.text.tiny_pe import lively_prompt_enhancer
+        from ernie_image.runtime.text.token_sampler import SamplingSettings, open_decoder, sample_tokens
+
+        model = lively_prompt_enhancer(seed=4).to(torch.bfloat16).eval().requires_grad_(False).cuda()
+        prompt = [1] + list(range(20, 60))
+        settings = SamplingSettings(max_new_tokens=24, min_new_tokens=24)
+        with torch.inference_mode():
+            decoder = open_decoder(model, 64, compiled=True)
+            assert isinstance(decoder, StaticCacheDecoder) and decoder.graph is not None
+            assert decoder.layer_tensors is not None, "the compiled step is the one captured"
+            decoder.close()
+            first = sample_tokens(model, prompt, settings, seed=5, eos_ids=[2], compiled=True)
+            again = sample_tokens(model, prompt, settings, seed=5, eos_ids=[2], compiled=True)
+            assert first.token_ids == again.token_ids and len(first.token_ids) == 24
+        torch.cuda.synchronize()
+        print("compiled decoder ok")
+    """)
+    assert result.returncode == 0 and "compiled decoder ok" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_pinned_slabs_and_streamed_copies_work_and_unpin_under_each_backend(backend):
     result = run_under(backend, """
         from ernie_image.runtime.offload.pinned import HostSlab

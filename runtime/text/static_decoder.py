@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cuda_capture import capture_stream, heal_generator_after_failed_capture
+from ..cuda_capture import capture_stream, heal_generator_after_failed_capture, host_syncs_raise
 
 CACHE_ROUNDING = 256  # slot counts are rounded up to this: a regular key length for the attention kernels
 
@@ -187,7 +187,9 @@ class StaticCacheDecoder:
         side = capture_stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._decode_step()
+            self._decode_step()  # compiles the step where it is compiled (autotuning waits for the device)
+            with host_syncs_raise():  # a step that waits for the host must not be captured (see host_syncs_raise)
+                self._decode_step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: only this thread is barred from unsafe CUDA calls while it captures, not the host app's others
@@ -285,13 +287,20 @@ def decode_layer(hidden: torch.Tensor, input_norm: torch.Tensor, qkv_weight: tor
     return torch.addmm(hidden, F.silu(gate_up[:, :width]) * gate_up[:, width:], down_weight.t())
 
 
-_COMPILED: list = []
+_COMPILED: dict[str, object] = {}
 
 
 def _compiled_decode_layer():
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(decode_layer, fullgraph=True))
-    return _COMPILED[0]
+    """`decode_layer` through torch.compile, one per allocator backend. Under cudaMallocAsync (current ComfyUI's
+    allocator) a tensor allocated inside a CUDA-graph capture has no memory until the graph first runs, and
+    Inductor's Python kernel launchers check every tensor argument with the driver (cuPointerGetAttribute: "invalid
+    argument" mid-capture, then an abort when the failed capture's tensors are freed); its C++ wrapper passes the
+    pointers on unchecked, so there the step is compiled with it (needs a C++ compiler, as Triton does)."""
+    backend = torch.cuda.get_allocator_backend() if torch.cuda.is_available() else "native"
+    if backend not in _COMPILED:
+        options = {"cpp_wrapper": True} if backend == "cudaMallocAsync" else None
+        _COMPILED[backend] = torch.compile(decode_layer, fullgraph=True, options=options)
+    return _COMPILED[backend]
 
 
 def _rms_norm_weighted(module: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -131,21 +131,12 @@ class TransformersDecoder:
         return output.logits[:, -1, :].to(dtype=torch.float32)
 
 
-def compiled_step_capturable() -> bool:
-    """Whether the compiled layer step may go inside the decoder's CUDA graph: under PyTorch's default caching
-    allocator it may; under cudaMallocAsync (current ComfyUI's choice on NVIDIA) the compiled step's buffers
-    captured in the graph are freed as ordinary allocations, and the allocator aborts the process ("invalid
-    argument" in free_impl, H200, torch 2.11), so there the graph holds the uncompiled step."""
-    return not torch.cuda.is_available() or torch.cuda.get_allocator_backend() == "native"
-
-
 def open_decoder(model, capacity: int, fast: bool = True, compiled: bool = False):
     """The static-cache CUDA-graph decoder for a resident PE on a CUDA device, else transformers'. `compiled`: its
-    layer step through torch.compile (needs Triton; compiled once per process; see `compiled_step_capturable`)."""
+    layer step through torch.compile (needs Triton; compiled once per process and allocator backend)."""
     from .static_decoder import StaticCacheDecoder, static_decoding_device
 
     if fast and static_decoding_device(model) is not None:
-        compiled = compiled and compiled_step_capturable()
         for compile_step in ((True, False) if compiled else (False,)):
             try:
                 return StaticCacheDecoder(model, capacity, use_graph=True, compiled=compile_step)
