@@ -78,15 +78,26 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.enable_progress_bar()
 
 
+def check_demo_options(options) -> None:
+    """What LocalPipe.load checks from a model's file headers, checked on the demo model's shapes before it is
+    built (on a first run that would write it to the cache first): a quant format its DiT cannot be packed in."""
+    from .local_pipe import check_quant_packs
+    from .tiny import model_shapes
+
+    _, _, _, dit_weights = model_shapes()
+    check_quant_packs(options.quant, dit_weights)
+
+
 def load_demo_pipe(options=None, variant: Variant = "turbo", cache_dir: Optional[Path] = None):
     """A LocalPipe on the demo model. A damaged cache (a file cut short, edited or removed) is one line naming the
-    folder and the fix: delete it and it is rebuilt."""
+    folder and the fix: delete it and it is rebuilt. Options it cannot run with are refused before it is built."""
     from .local_pipe import LoadOptions, LocalPipe, resolve_device
 
-    sources = demo_model_sources(variant, cache_dir)
     options = options or LoadOptions()
     options.validate()
     resolve_device(options.device)  # no CUDA for --device cuda is not a damaged demo model
+    check_demo_options(options)
+    sources = demo_model_sources(variant, cache_dir)
     try:
         return LocalPipe.load(sources, options)
     except ModelFileError as error:

@@ -131,6 +131,17 @@ class _Loaded:
     enhancer: Any = None
 
 
+def check_quant_packs(quant: str, dit_weights: dict[str, torch.Tensor]) -> None:
+    """A quantise-on-load format that none of a bf16 DiT's weights can be packed in is refused as `ernie-image
+    quantize` refuses it, not run in bf16 without a word. Only shapes and dtypes are looked at (views of a mapped
+    file, or meta tensors): no weight is read."""
+    if quant not in QUANT_ON_LOAD_FORMATS:
+        return
+    from .quant.writer import quantized_layer_counts, refuse_unpackable
+
+    refuse_unpackable(quantized_layer_counts(dit_weights, quant), quant, "quant")
+
+
 def notice_empty_prompts(prompts: list[str], host: Host) -> None:
     """An empty prompt is allowed (the DiT then follows no text), but never silently."""
     empty = sum(1 for prompt in prompts if not prompt.strip())
@@ -197,7 +208,9 @@ class LocalPipe:
         check_lora_files(LoraStack.of(loras))  # a bad LoRA file fails first, before any model file is opened
         pipe = cls(sources, options, sources.detect_variant(), loras)
         for component, kind in (("transformer", "dit"), ("text_encoder", "text_encoder"), ("vae", "vae")):
-            open_component(sources.component(component), kind)
+            opened = open_component(sources.component(component), kind)
+            if kind == "dit" and not opened.quantized:
+                check_quant_packs(options.quant, {key: opened.tensor(key) for key in opened.keys})  # mapped views
         pipe._lora.resolve(pipe.loras, sources)
         if sources.has_pe():  # a text encoder given as the PE is refused now, not when the PE first runs
             from .text.pe_model import locate_pe, open_pe_component

@@ -85,3 +85,40 @@ def test_quantize_q4_k_packs_the_layers_it_reports_and_generate_reloads_them(q4_
     images = LocalPipe.load(ModelSources(model_dir=q4_k_model, dit=quantised), LoadOptions(device="cpu")).generate(
         REQUEST, NullHost()).images
     assert 0 < (images - reference).abs().max().item() <= TOLERANCE["q4_k"]
+
+
+def test_quantise_on_load_to_a_format_nothing_packs_in_is_refused_as_quantize_refuses_it(model, tmp_path, capsys,
+                                                                                        monkeypatch):
+    """q4_k on the 64-wide tiny DiT: `generate` ran it in bf16 without a word while `quantize` refused it. Now the
+    pipe refuses it at load, from the file's shapes, in quantize's own words (naming the option that picks it)."""
+    from ernie_image.runtime import model_files
+    from ernie_image.runtime.errors import InvalidInputError
+
+    monkeypatch.setattr(model_files, "build_dit", lambda *a, **k: pytest.fail("a DiT was built"))
+    with pytest.raises(InvalidInputError) as caught:
+        LocalPipe.load(ModelSources(model_dir=model), LoadOptions(device="cpu", quant="q4_k"))
+    refusal = ("none of this DiT's 20 weight matrices can be packed as q4_k (it needs in_features divisible by 256): "
+               "pick another {}, e.g. q8_0 or fp8")
+    assert str(caught.value) == refusal.format("quant")
+    assert cli_main(["quantize", "--dit", str(model / "transformer"), "--format", "q4_k",
+                     "--out", str(tmp_path / "q4.gguf")]) == 2
+    assert capsys.readouterr().err.strip() == "error: " + refusal.format("--format")
+    assert cli_main(["generate", "--model-dir", str(model), "--quant", "q4_k", "--width", "256", "--height", "256",
+                     "--out", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.strip() == "error: " + refusal.format("--quant")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_quantise_on_load_to_a_format_the_demo_model_cannot_take_is_refused_before_it_is_built(tmp_path, capsys,
+                                                                                              monkeypatch):
+    monkeypatch.setenv("ERNIE_IMAGE_CACHE", str(tmp_path / "cache"))
+    assert cli_main(["generate", "--quant", "q4_k", "--out", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: none of this DiT's 20 weight matrices can be packed "
+                                                      "as q4_k")
+    assert list(tmp_path.iterdir()) == []  # no demo model in the cache, no image
+
+
+def test_quantise_on_load_to_a_format_that_packs_still_runs(q4_k_model):
+    pipe = LocalPipe.load(ModelSources(model_dir=q4_k_model), LoadOptions(device="cpu", quant="q4_k"))
+    pipe.generate(REQUEST, NullHost())
+    assert isinstance(pipe._dit().layers[0].mlp.gate_proj, QuantLinear)
