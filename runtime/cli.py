@@ -54,7 +54,8 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--budget", default="auto", help="VRAM budget in GB (GiB), or auto")
     parser.add_argument("--quant", default="none", metavar="{" + ",".join(QUANT_CHOICES) + "}",
-                        help="quantise a bf16 DiT on load (a quantised DiT file is used as it is)")
+                        help="quantise a bf16 DiT on load (a DiT file that is already quantised runs in its own format: "
+                             "leave --quant out for it)")
     parser.add_argument("--out", action=OutputPath, metavar="PNG", default=Path("ernie.png"),
                         help="output PNG in an existing folder (batch: name_0.png, ...); an existing file is "
                              "replaced once the new one is complete")

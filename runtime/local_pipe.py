@@ -37,7 +37,8 @@ from .request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, vali
 from .sampling import initial_noise, length_grouped_denoiser, sample_euler
 from .text.encoder import encode_prompts
 
-# LoadOptions.quant: a quantised DiT file is used as it is; a bf16 one is quantised on load to the format named.
+# LoadOptions.quant: a bf16 DiT is quantised on load to the format named; a quantised DiT file runs in its own
+# format (with 'none', 'auto' or that format; another is refused).
 QUANT_CHOICES = ("none", "auto", "bf16", *QUANT_ON_LOAD_FORMATS)
 
 
@@ -142,6 +143,26 @@ def check_quant_packs(quant: str, dit_weights: dict[str, torch.Tensor]) -> None:
     refuse_unpackable(quantized_layer_counts(dit_weights, quant), quant, "quant")
 
 
+def refuse_quant_for_quantized_dit(quant: str, dit) -> None:
+    """A format asked for beside a DiT file that is already quantised (GGUF, FP8, NVFP4) cannot be had: the file runs
+    in its own format, so asking for another is refused rather than ignored ('auto', 'none' and the file's own
+    format take the file as it is)."""
+    if quant not in ("bf16", *QUANT_ON_LOAD_FORMATS):
+        return
+    from collections import Counter
+
+    from .quant.qweight import QuantizedWeight
+
+    packed = Counter(entry.qtype.upper() if entry.format == "gguf" else entry.format.upper()
+                     for entry in (dit.tensor(key) for key in dit.keys) if isinstance(entry, QuantizedWeight))
+    if set(packed) == {quant.upper()}:
+        return  # the format the file already has
+    own = ("GGUF " if dit.layout == "gguf" else "") + "/".join(name for name, _ in packed.most_common())
+    raise InvalidInputError(f"quant {quant} does not apply to {dit.path.name}, a DiT file already quantised "
+                            f"({own or 'packed'}): drop that option to run the file as it is, or give the bf16 DiT "
+                            "to quantise it on load").naming("quant")
+
+
 def notice_empty_prompts(prompts: list[str], host: Host) -> None:
     """An empty prompt is allowed (the DiT then follows no text), but never silently."""
     empty = sum(1 for prompt in prompts if not prompt.strip())
@@ -209,7 +230,9 @@ class LocalPipe:
         pipe = cls(sources, options, sources.detect_variant(), loras)
         for component, kind in (("transformer", "dit"), ("text_encoder", "text_encoder"), ("vae", "vae")):
             opened = open_component(sources.component(component), kind)
-            if kind == "dit" and not opened.quantized:
+            if kind == "dit" and opened.quantized:
+                refuse_quant_for_quantized_dit(options.quant, opened)
+            elif kind == "dit":
                 check_quant_packs(options.quant, {key: opened.tensor(key) for key in opened.keys})  # mapped views
         pipe._lora.resolve(pipe.loras, sources)
         if sources.has_pe():  # a text encoder given as the PE is refused now, not when the PE first runs
