@@ -279,6 +279,15 @@ def test_the_summary_and_the_metadata_hold_the_settings_the_run_used(capsys, tmp
     assert (settings["width"], settings["height"], settings["steps"], settings["cfg"]) == (256, 272, 8, 1.0)
 
 
+def test_the_plan_printed_after_a_run_is_the_plan_of_the_job_that_ran(capsys, tmp_path, tiny_turbo_folder):
+    """With a budget (the planner runs, on the CPU too) the run's own size and batch, not a default 1024x1024 job."""
+    assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--budget", "4", "--width", "256", "--height",
+                 "272", "--batch", "2", "--steps", "1", "--out", str(tmp_path / "x.png")]) == 0
+    err = capsys.readouterr().err
+    assert "VRAM plan: budget 4.00 GiB on cpu; 256x272, batch 2, CFG 1" in err, err
+    assert "1024x1024" not in err
+
+
 def test_a_prompt_longer_than_the_text_encoder_takes_is_cut_with_a_notice(capsys, tmp_path, tiny_turbo_folder):
     long_prompt = "a red fox in fresh snow, " * 200  # 5,000 characters, one token each in the tiny tokenizer
     assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256",
