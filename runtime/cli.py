@@ -144,16 +144,6 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=parse_budget(args.budget),
                           quant=args.quant, keep_loaded=False, previews=False,
                           pe_endpoint=pe_endpoint_from_args(args), lora_mode=args.lora_mode or "merge")
-    demo = uses_demo_model(args)
-    if demo:
-        pipe = load_demo_pipe(options, args.variant or "turbo")
-        host.log(DEMO_NOTICE.format(path=pipe.sources.model_dir))
-        if loras:
-            pipe = pipe.with_loras(loras)
-    else:
-        sources = ModelSources(model_dir=args.model_dir, dit=args.dit, text_encoder=args.text_encoder, vae=args.vae,
-                               tokenizer=args.tokenizer, pe=args.pe, variant=args.variant)
-        pipe = LocalPipe.load(sources, options, loras=loras)  # reads the LoRA files, not the weights
     request = GenerationRequest(
         prompt=args.prompt, negative_prompt=args.negative,
         width=default_side(args) if args.width is None else args.width,
@@ -161,6 +151,16 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
         steps=args.steps, cfg=args.cfg,  # None: the variant's defaults, resolved by the pipe
         shift=args.shift, seed=args.seed, batch=args.batch, use_pe=args.use_pe, **image_in,
     )
+    demo = uses_demo_model(args)
+    if demo:
+        pipe = load_demo_pipe(options, args.variant or "turbo", job=request)  # a budget too small: before it is built
+        host.log(DEMO_NOTICE.format(path=pipe.sources.model_dir))
+        if loras:
+            pipe = pipe.with_loras(loras)
+    else:
+        sources = ModelSources(model_dir=args.model_dir, dit=args.dit, text_encoder=args.text_encoder, vae=args.vae,
+                               tokenizer=args.tokenizer, pe=args.pe, variant=args.variant)
+        pipe = LocalPipe.load(sources, options, loras=loras)  # reads the LoRA files, not the weights
     started = time.perf_counter()
     result = pipe.generate(request, host)
     elapsed = time.perf_counter() - started

@@ -129,6 +129,26 @@ def test_cuda_asked_for_without_one_is_refused_before_the_demo_model_is_built(ca
     assert not empty_cache.exists()
 
 
+def test_a_budget_below_what_the_job_needs_is_refused_before_the_demo_model_is_built(capsys, tmp_path, empty_cache):
+    line = _cli(capsys, "generate", "--budget", "0.001", "--out", str(tmp_path / "x.png"))
+    assert line.startswith("error: a 256x256 batch-1 job (CFG 1, DiT fp32) needs at least 0.1 GB of VRAM with "
+                           "everything streamed; the budget is 0.00 GB: raise the budget"), line  # no demo notice
+    assert not empty_cache.exists() and not (tmp_path / "x.png").exists()
+
+
+def test_the_demo_models_shapes_before_it_is_built_size_it_as_its_files_do(tmp_path):
+    """The budget check before the demo model is built plans on its configs: the sizes its files give once built."""
+    from ernie_image.runtime.demo import demo_model_sources
+    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+    from ernie_image.runtime.tiny import model_shapes
+
+    sources = demo_model_sources("turbo", tmp_path)
+    for options in (LoadOptions(device="cpu", vram_budget_gb=4), LoadOptions(device="cpu", dtype="bf16", quant="fp8")):
+        memory = LocalPipe.load(sources, options).memory
+        dit_config, text_config, vae_config, _ = model_shapes()
+        assert memory.sizes_from_configs(dit_config, text_config, vae_config) == memory.sizes_for(sources, "turbo")
+
+
 def test_a_batch_image_name_that_is_a_folder_is_refused_before_any_work(capsys, tmp_path, empty_cache):
     (tmp_path / "fox_1.png").mkdir()
     line = _cli(capsys, "generate", "--batch", "2", "--out", str(tmp_path / "fox.png"))
