@@ -28,7 +28,7 @@ FEATURE_CHECKS: tuple[ArgCheck, ...] = ()
 
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    from .local_pipe import QUANT_CHOICES
+    from .local_pipe import DTYPE_CHOICES, QUANT_CHOICES
     from .request import SEED_MASK
 
     parser.add_argument("--model-dir", type=Path, help="diffusers ERNIE-Image folder (model_index.json, transformer/, ...)")
@@ -50,7 +50,7 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help=f"0..{SEED_MASK}")
     parser.add_argument("--batch", type=int, default=1, help="1..64")
     parser.add_argument("--use-pe", action="store_true", help="rewrite the prompt with the prompt enhancer first")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--budget", default="auto", help="VRAM budget in GB (GiB), or auto")
     parser.add_argument("--quant", default="none", metavar="{" + ",".join(QUANT_CHOICES) + "}",

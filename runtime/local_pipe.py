@@ -40,6 +40,7 @@ from .text.encoder import encode_prompts
 # LoadOptions.quant: a bf16 DiT is quantised on load to the format named; a quantised DiT file runs in its own
 # format (with 'none', 'auto' or that format; another is refused).
 QUANT_CHOICES = ("none", "auto", "bf16", *QUANT_ON_LOAD_FORMATS)
+DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on a GPU, fp32 on the CPU
 
 
 @dataclass
@@ -76,6 +77,9 @@ class LoadOptions:
         from .lora.stack import check_mode
 
         check_mode(self.lora_mode)
+        if self.dtype not in DTYPE_CHOICES:
+            raise InvalidInputError(f"dtype {self.dtype!r} is not supported: use {', '.join(DTYPE_CHOICES)}"
+                                    ).naming("dtype")
         if self.quant not in QUANT_CHOICES:
             raise InvalidInputError(f"quant {self.quant!r} is not supported: use one of {', '.join(QUANT_CHOICES)}, "
                                     "or give a quantised DiT file").naming("quant")
@@ -105,7 +109,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in table:
-        raise ModelFileError(f"dtype {name!r} is not supported: use auto, bf16, fp16 or fp32").naming("dtype")
+        raise InvalidInputError(f"dtype {name!r} is not supported: use {', '.join(DTYPE_CHOICES)}").naming("dtype")
     return table[name]
 
 
