@@ -16,6 +16,17 @@ from typing import Callable, Iterator, Optional, Sequence
 _counter = itertools.count()
 
 
+def new_file_mode() -> int:
+    """The mode `open()` gives a new file under this process's umask (0666 less the umask)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:  # Linux: read without changing it
+            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
 def partial_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{next(_counter)}.partial")
 
@@ -41,6 +52,9 @@ def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
     renamed: list[Path] = []
     try:
         yield partials
+        mode = new_file_mode()
+        for partial in partials:  # some writers (safetensors' save_file) make their file 0600, as a temp file
+            os.chmod(partial, mode)
         for hook in _commit_hook:
             hook()
         for partial, target in zip(partials, paths):

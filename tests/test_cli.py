@@ -254,22 +254,26 @@ def _folder(path: Path) -> Path:
     return path
 
 
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])
 def test_quantize_and_generate_both_replace_an_existing_file_with_normal_permissions(capsys, tmp_path, bf16_dit,
-                                                                                     tiny_turbo_folder):
-    old_umask = os.umask(0o022)
+                                                                                     tiny_turbo_folder, umask, mode):
+    """Every format quantize writes and the PNGs get the mode a new file gets under the umask (safetensors' writer
+    made the fp8 and nvfp4 files 0600)."""
+    old_umask = os.umask(umask)
     try:
-        out = tmp_path / "q.gguf"
-        out.write_bytes(b"old")
-        assert _quantize(capsys, "--dit", str(bf16_dit), "--format", "q8_0", "--out", str(out))[0] == 0
+        outs = [tmp_path / "q.gguf", tmp_path / "fp8.safetensors", tmp_path / "nvfp4.safetensors"]
+        for out, fmt in zip(outs, ("q8_0", "fp8", "nvfp4")):
+            out.write_bytes(b"old")
+            assert _quantize(capsys, "--dit", str(bf16_dit), "--format", fmt, "--out", str(out))[0] == 0
         png = tmp_path / "x.png"
         png.write_bytes(b"old")
         assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256",
                      "--steps", "1", "--out", str(png)]) == 0
     finally:
         os.umask(old_umask)
-    for path in (out, png):
-        assert path.read_bytes() != b"old" and stat.S_IMODE(path.stat().st_mode) == 0o644  # was 0600 for quantize
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.gguf", "x.png"]  # no partial files
+    for path in (*outs, png):
+        assert path.read_bytes() != b"old" and stat.S_IMODE(path.stat().st_mode) == mode, path
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (*outs, png))  # no partial files
 
 
 # ------------------------------------------------------------------------------------- non-finite DiT output
