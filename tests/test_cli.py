@@ -320,6 +320,22 @@ def test_a_prompt_longer_than_the_text_encoder_takes_is_cut_with_a_notice(capsys
     assert "prompt of 5001 tokens cut to the text encoder's 2048" in err, err
 
 
+@pytest.mark.parametrize("layout", ["diffusers", "comfy"])
+def test_a_long_prompt_gets_the_packs_cut_notice_without_transformers_indexing_warning(capfd, tmp_path, layout):
+    """transformers printed "Token indices sequence length is longer ... indexing errors" (on the process's stderr,
+    whatever sys.stderr is) before the notice: the prompt is cut, so it says nothing true. Both tokenizer forms."""
+    from ernie_image.runtime.tiny import build_tiny_model
+
+    sources = build_tiny_model(tmp_path / "model", layout=layout, variant="turbo")
+    files = (["--model-dir", str(sources.model_dir)] if layout == "diffusers" else
+             ["--dit", str(sources.dit), "--text-encoder", str(sources.text_encoder), "--vae", str(sources.vae)])
+    assert main(["generate", *files, "--width", "256", "--height", "256", "--steps", "1",
+                 "--prompt", "a red fox in fresh snow, " * 200, "--out", str(tmp_path / "x.png")]) == 0
+    err = capfd.readouterr().err
+    assert "prompt of 5001 tokens cut to the text encoder's 2048" in err, err
+    assert "Token indices sequence length" not in err and "indexing errors" not in err, err
+
+
 def test_an_empty_prompt_runs_with_a_notice(capsys, tmp_path, tiny_turbo_folder):
     assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256",
                  "--steps", "1", "--prompt", "  ", "--out", str(tmp_path / "x.png")]) == 0
