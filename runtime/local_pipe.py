@@ -478,6 +478,8 @@ class LocalPipe:
         revised = self._enhance(request, host)
         prompts = revised.prompts
         notice_empty_prompts(prompts, host)
+        if request.unused_negative_notice():
+            host.log(request.unused_negative_notice())
         host.check_cancel()
         started = self._clock()
         negatives = [request.negative_prompt] * request.batch if request.uses_cfg else []

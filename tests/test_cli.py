@@ -336,6 +336,33 @@ def test_a_long_prompt_gets_the_packs_cut_notice_without_transformers_indexing_w
     assert "Token indices sequence length" not in err and "indexing errors" not in err, err
 
 
+def test_a_negative_prompt_at_cfg_1_runs_with_a_notice_that_it_has_no_effect(capsys, tmp_path, tiny_turbo_folder):
+    base = ["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256", "--steps", "1",
+            "--negative", "blurry", "--out", str(tmp_path / "x.png")]
+    assert main(base) == 0  # Turbo's CFG 1
+    notice = ("the negative prompt has no effect at CFG 1 (only above CFG 1, e.g. ERNIE-Image's 4.0): raise CFG for "
+              "it to act, or leave it out")
+    assert notice in capsys.readouterr().err.splitlines()
+    assert main([*base, "--cfg", "2"]) == 0
+    assert "has no effect" not in capsys.readouterr().err
+    assert main([*base[:-4], "--out", str(tmp_path / "x.png")]) == 0  # no negative prompt: nothing to say
+    assert "negative prompt" not in capsys.readouterr().err
+
+
+def test_the_python_api_tells_its_host_of_a_negative_prompt_at_cfg_1(tiny_turbo_folder):
+    from ernie_image.runtime.host import NullHost
+    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+    from ernie_image.runtime.model_files import ModelSources
+    from ernie_image.runtime.request import GenerationRequest
+
+    pipe = LocalPipe.load(ModelSources(model_dir=tiny_turbo_folder), LoadOptions(device="cpu"))
+    host = NullHost()
+    pipe.generate(GenerationRequest(prompt="a fox", negative_prompt="blurry", width=256, height=256, steps=1), host)
+    assert [m for m in host.messages if "negative prompt" in m] == [
+        "the negative prompt has no effect at CFG 1 (only above CFG 1, e.g. ERNIE-Image's 4.0): raise CFG for it to "
+        "act, or leave it out"]
+
+
 def test_an_empty_prompt_runs_with_a_notice(capsys, tmp_path, tiny_turbo_folder):
     assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256",
                  "--steps", "1", "--prompt", "  ", "--out", str(tmp_path / "x.png")]) == 0

@@ -157,6 +157,19 @@ def test_an_image_of_the_wrong_size_is_refused_from_its_header_before_decoding(s
         decode_image(png_claiming(side, side), 256, 256, "srv")
 
 
+def test_a_negative_prompt_at_cfg_1_is_sent_with_a_notice_that_it_has_no_effect():
+    """SGLang, like diffusers, runs no unconditional pass at guidance 1: the negative prompt never acts there."""
+    with FakeSglang() as server:
+        pipe = RemotePipe([server.url], FAST)
+        host = NullHost()
+        pipe.generate(request(negative_prompt="blurry"), host)
+        quiet = NullHost()
+        pipe.generate(request(negative_prompt="blurry", **BASE), quiet)
+        pipe.release()
+    assert any(m.startswith("the negative prompt has no effect at CFG 1") for m in host.messages), host.messages
+    assert not any("negative prompt" in m for m in quiet.messages), quiet.messages
+
+
 def test_server_that_is_not_ernie_is_refused():
     with FakeSglang(pipeline_name="FluxPipeline", model_id="black-forest-labs/FLUX.1-dev") as server:
         pipe = RemotePipe([server.url], FAST)
