@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .cli_names import cli_message
 from .cli_parser import CLI_KEY_LABELS, OneLineParser, OutputPath  # noqa: F401 - CLI_KEY_LABELS: re-exported
@@ -195,14 +195,17 @@ class _Interrupts:
 
     def __init__(self) -> None:
         self.signal_number: Optional[int] = None
+        self._previous: Optional[tuple[dict[int, Any], Any]] = None  # the handlers and unraisable hook install replaced
 
     def install(self) -> None:
         import signal
 
         if threading.current_thread() is threading.main_thread():
+            previous_hook = sys.unraisablehook
+            self._previous = ({number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)},
+                              previous_hook)
             for number in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(number, self._handle)
-            previous_hook = sys.unraisablehook
 
             def quiet_interrupts(unraisable) -> None:
                 # A signal that lands in a finalizer or weakref callback (importlib's module-lock callbacks, say)
@@ -213,6 +216,18 @@ class _Interrupts:
                 previous_hook(unraisable)
 
             sys.unraisablehook = quiet_interrupts
+
+    def restore(self) -> None:
+        """Put back the signal handlers and the unraisable hook that `install` replaced (for a caller that goes on
+        running in this process: main(argv) from Python or a test)."""
+        import signal
+
+        if self._previous is not None and threading.current_thread() is threading.main_thread():
+            handlers, hook = self._previous
+            for number, handler in handlers.items():
+                signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+            sys.unraisablehook = hook
+            self._previous = None
 
     def _handle(self, number: int, frame) -> None:
         self.signal_number = number
@@ -262,6 +277,10 @@ COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one command. `argv` None: the process's own command line (the `ernie-image` script, `python -m
+    ernie_image`): the signal handling stays as it ends until the process exits, so a Ctrl-C after the files are
+    committed cannot interrupt the exit. `argv` given (a call from Python): the signal handlers and the unraisable
+    hook the caller had are put back when it returns."""
     # Streaming weights through fixed buffers while activations change size fragments the caching allocator;
     # expandable segments avoid that. Set before torch initialises CUDA; a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -270,6 +289,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     interrupts = _Interrupts()
     interrupts.install()
     set_commit_hook(interrupts.outputs_written)  # every command's files: too late to cancel from the first rename
+    in_process = argv is not None
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if not argv or argv[0] in ("-h", "--help"):
@@ -301,6 +321,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return interrupts.exit_code
     finally:
         set_commit_hook(None)
+        if in_process:
+            interrupts.restore()
 
 
 def _top_level_help() -> str:

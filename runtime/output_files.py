@@ -31,14 +31,15 @@ def partial_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{next(_counter)}.partial")
 
 
-_commit_hook: list[Callable[[], None]] = []  # at most one: the running CLI command's (see set_commit_hook)
+_commit_hook: Optional[Callable[[], None]] = None  # the running CLI command's (see set_commit_hook)
 
 
 def set_commit_hook(hook: Optional[Callable[[], None]]) -> None:
     """Run `hook` before the first rename of every atomic output from now on (None: no hook). The CLI sets its
     interrupt handling here while a command runs, so that for every command that writes files a signal after the
     first rename no longer cancels."""
-    _commit_hook[:] = [hook] if hook is not None else []
+    global _commit_hook
+    _commit_hook = hook
 
 
 @contextlib.contextmanager
@@ -55,8 +56,8 @@ def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
         mode = new_file_mode()
         for partial in partials:  # some writers (safetensors' save_file) make their file 0600, as a temp file
             os.chmod(partial, mode)
-        for hook in _commit_hook:
-            hook()
+        if _commit_hook is not None:
+            _commit_hook()
         for partial, target in zip(partials, paths):
             os.replace(partial, target)
             renamed.append(Path(target))

@@ -398,6 +398,46 @@ def test_help_lists_exactly_the_formats_the_commands_accept(capsys):
     assert "--format {" + ",".join(WRITE_FORMATS) + "}" in capsys.readouterr().out
 
 
+def test_an_in_process_call_gives_back_the_signal_handlers_it_found(capsys, tmp_path, tiny_turbo_folder, bf16_dit):
+    """main(argv) from Python: after a command that wrote files (the commit hook ignores SIGINT and SIGTERM from the
+    first rename) or one that failed, Ctrl-C works in the caller again (it was left ignored)."""
+    def on_int(number, frame) -> None:
+        raise KeyboardInterrupt
+
+    def on_term(number, frame) -> None:
+        raise SystemExit(143)
+
+    before = signal.signal(signal.SIGINT, on_int), signal.signal(signal.SIGTERM, on_term), sys.unraisablehook
+    try:
+        runs = [(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256", "--steps",
+                  "1", "--out", str(tmp_path / "x.png")], 0),
+                (["quantize", "--dit", str(bf16_dit), "--format", "q8_0", "--out", str(tmp_path / "q.gguf")], 0),
+                (["generate", "--width", "100", "--out", str(tmp_path / "y.png")], 2)]
+        for argv, code in runs:
+            assert main(argv) == code
+            assert signal.getsignal(signal.SIGINT) is on_int and signal.getsignal(signal.SIGTERM) is on_term, argv
+            assert sys.unraisablehook is before[2]
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+    assert (tmp_path / "x.png").exists() and (tmp_path / "q.gguf").exists()
+
+
+def test_the_commit_hook_runs_once_before_the_first_rename(tmp_path):
+    from ernie_image.runtime.output_files import atomic_outputs, set_commit_hook
+
+    seen: list[list[str]] = []
+    targets = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    set_commit_hook(lambda: seen.append(sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))))
+    try:
+        with atomic_outputs(targets) as partials:
+            for partial in partials:
+                partial.write_text("x")
+    finally:
+        set_commit_hook(None)
+    assert seen == [[]] and all(target.exists() for target in targets)
+
+
 # --------------------------------------------------------------------- as a separate process: signals, races
 def _env(cache: Path) -> dict[str, str]:
     package_root = cache.parent / "site"
