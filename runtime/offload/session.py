@@ -82,7 +82,7 @@ class PipeMemory:
 
     def sizes_from_configs(self, dit_config: dict, text_config: dict, vae_config: dict,
                            pe_config: Optional[dict] = None) -> ModelSizes:
-        """The sizes of bf16 models with these configs, the DiT in the format this pipe builds it in."""
+        """The sizes of unquantised models with these configs, the DiT in the format this pipe builds it in."""
         from ..model_files import QUANT_ON_LOAD_FORMATS
 
         fmt = self.quant if self.quant in QUANT_ON_LOAD_FORMATS else _dtype_format(self.dtype)
