@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .cli_names import cli_message
 from .cli_parser import CLI_KEY_LABELS, OneLineParser, OutputPath  # noqa: F401 - CLI_KEY_LABELS: re-exported
@@ -28,7 +28,7 @@ FEATURE_CHECKS: tuple[ArgCheck, ...] = ()
 
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    from .local_pipe import QUANT_CHOICES
+    from .local_pipe import DTYPE_CHOICES, QUANT_CHOICES
     from .request import SEED_MASK
 
     parser.add_argument("--model-dir", type=Path, help="diffusers ERNIE-Image folder (model_index.json, transformer/, ...)")
@@ -50,11 +50,12 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help=f"0..{SEED_MASK}")
     parser.add_argument("--batch", type=int, default=1, help="1..64")
     parser.add_argument("--use-pe", action="store_true", help="rewrite the prompt with the prompt enhancer first")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--budget", default="auto", help="VRAM budget in GB (GiB), or auto")
     parser.add_argument("--quant", default="none", metavar="{" + ",".join(QUANT_CHOICES) + "}",
-                        help="quantise a bf16 DiT on load (a quantised DiT file is used as it is)")
+                        help="quantise a bf16 DiT on load (a DiT file that is already quantised runs in its own format: "
+                             "leave --quant out for it)")
     parser.add_argument("--out", action=OutputPath, metavar="PNG", default=Path("ernie.png"),
                         help="output PNG in an existing folder (batch: name_0.png, ...); an existing file is "
                              "replaced once the new one is complete")
@@ -143,16 +144,6 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=parse_budget(args.budget),
                           quant=args.quant, keep_loaded=False, previews=False,
                           pe_endpoint=pe_endpoint_from_args(args), lora_mode=args.lora_mode or "merge")
-    demo = uses_demo_model(args)
-    if demo:
-        pipe = load_demo_pipe(options, args.variant or "turbo")
-        host.log(DEMO_NOTICE.format(path=pipe.sources.model_dir))
-        if loras:
-            pipe = pipe.with_loras(loras)
-    else:
-        sources = ModelSources(model_dir=args.model_dir, dit=args.dit, text_encoder=args.text_encoder, vae=args.vae,
-                               tokenizer=args.tokenizer, pe=args.pe, variant=args.variant)
-        pipe = LocalPipe.load(sources, options, loras=loras)  # reads the LoRA files, not the weights
     request = GenerationRequest(
         prompt=args.prompt, negative_prompt=args.negative,
         width=default_side(args) if args.width is None else args.width,
@@ -160,6 +151,16 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
         steps=args.steps, cfg=args.cfg,  # None: the variant's defaults, resolved by the pipe
         shift=args.shift, seed=args.seed, batch=args.batch, use_pe=args.use_pe, **image_in,
     )
+    demo = uses_demo_model(args)
+    if demo:
+        pipe = load_demo_pipe(options, args.variant or "turbo", job=request)  # a budget too small: before it is built
+        host.log(DEMO_NOTICE.format(path=pipe.sources.model_dir))
+        if loras:
+            pipe = pipe.with_loras(loras)
+    else:
+        sources = ModelSources(model_dir=args.model_dir, dit=args.dit, text_encoder=args.text_encoder, vae=args.vae,
+                               tokenizer=args.tokenizer, pe=args.pe, variant=args.variant)
+        pipe = LocalPipe.load(sources, options, loras=loras)  # reads the LoRA files, not the weights
     started = time.perf_counter()
     result = pipe.generate(request, host)
     elapsed = time.perf_counter() - started
@@ -171,7 +172,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     for path in paths:
         print(path)
     host.log(f"{len(paths)} image(s) {used.width}x{used.height}, {used.steps} steps, CFG {used.cfg:g}, seed "
-             f"{used.seed} in {elapsed:.2f} s ({pipe.describe()})")
+             f"{used.seed} in {elapsed:.2f} s ({pipe.describe(used)})")  # the plan of this job, not a default one
     return 0
 
 
@@ -194,14 +195,17 @@ class _Interrupts:
 
     def __init__(self) -> None:
         self.signal_number: Optional[int] = None
+        self._previous: Optional[tuple[dict[int, Any], Any]] = None  # the handlers and unraisable hook install replaced
 
     def install(self) -> None:
         import signal
 
         if threading.current_thread() is threading.main_thread():
+            previous_hook = sys.unraisablehook
+            self._previous = ({number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)},
+                              previous_hook)
             for number in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(number, self._handle)
-            previous_hook = sys.unraisablehook
 
             def quiet_interrupts(unraisable) -> None:
                 # A signal that lands in a finalizer or weakref callback (importlib's module-lock callbacks, say)
@@ -212,6 +216,18 @@ class _Interrupts:
                 previous_hook(unraisable)
 
             sys.unraisablehook = quiet_interrupts
+
+    def restore(self) -> None:
+        """Put back the signal handlers and the unraisable hook that `install` replaced (for a caller that goes on
+        running in this process: main(argv) from Python or a test)."""
+        import signal
+
+        if self._previous is not None and threading.current_thread() is threading.main_thread():
+            handlers, hook = self._previous
+            for number, handler in handlers.items():
+                signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+            sys.unraisablehook = hook
+            self._previous = None
 
     def _handle(self, number: int, frame) -> None:
         self.signal_number = number
@@ -261,6 +277,10 @@ COMMANDS: dict[str, tuple[str, Callable[[Sequence[str]], int]]] = {
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one command. `argv` None: the process's own command line (the `ernie-image` script, `python -m
+    ernie_image`): the signal handling stays as it ends until the process exits, so a Ctrl-C after the files are
+    committed cannot interrupt the exit. `argv` given (a call from Python): the signal handlers and the unraisable
+    hook the caller had are put back when it returns."""
     # Streaming weights through fixed buffers while activations change size fragments the caching allocator;
     # expandable segments avoid that. Set before torch initialises CUDA; a user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -269,6 +289,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     interrupts = _Interrupts()
     interrupts.install()
     set_commit_hook(interrupts.outputs_written)  # every command's files: too late to cancel from the first rename
+    in_process = argv is not None
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if not argv or argv[0] in ("-h", "--help"):
@@ -300,6 +321,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return interrupts.exit_code
     finally:
         set_commit_hook(None)
+        if in_process:
+            interrupts.restore()
 
 
 def _top_level_help() -> str:

@@ -78,15 +78,31 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.enable_progress_bar()
 
 
-def load_demo_pipe(options=None, variant: Variant = "turbo", cache_dir: Optional[Path] = None):
+def check_demo_job(options, variant: Variant = "turbo", job=None) -> None:
+    """What a LocalPipe checks from a model's file headers, checked on the demo model's shapes before it is built
+    (a first run writes it to the cache first): a quant format its DiT cannot be packed in, and a VRAM budget below
+    what `job` (a GenerationRequest, or None) needs."""
+    from .local_pipe import LocalPipe, check_quant_packs
+    from .tiny import model_shapes
+
+    dit_config, text_config, vae_config, dit_weights = model_shapes()
+    check_quant_packs(options.quant, dit_weights)
+    if job is not None:
+        memory = LocalPipe(ModelSources(model_dir=demo_model_folder(variant)), options, variant).memory  # reads no file
+        memory.check_job(job.with_defaults(variant), memory.sizes_from_configs(dit_config, text_config, vae_config))
+
+
+def load_demo_pipe(options=None, variant: Variant = "turbo", cache_dir: Optional[Path] = None, job=None):
     """A LocalPipe on the demo model. A damaged cache (a file cut short, edited or removed) is one line naming the
-    folder and the fix: delete it and it is rebuilt."""
+    folder and the fix: delete it and it is rebuilt. Options it cannot run with, and a budget too small for `job`
+    (the GenerationRequest it will run first, or None), are refused before it is built."""
     from .local_pipe import LoadOptions, LocalPipe, resolve_device
 
-    sources = demo_model_sources(variant, cache_dir)
     options = options or LoadOptions()
     options.validate()
     resolve_device(options.device)  # no CUDA for --device cuda is not a damaged demo model
+    check_demo_job(options, variant, job)
+    sources = demo_model_sources(variant, cache_dir)
     try:
         return LocalPipe.load(sources, options)
     except ModelFileError as error:

@@ -37,8 +37,10 @@ from .request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, vali
 from .sampling import initial_noise, length_grouped_denoiser, sample_euler
 from .text.encoder import encode_prompts
 
-# LoadOptions.quant: a quantised DiT file is used as it is; a bf16 one is quantised on load to the format named.
+# LoadOptions.quant: a bf16 DiT is quantised on load to the format named; a quantised DiT file runs in its own
+# format (with 'none', 'auto' or that format; another is refused).
 QUANT_CHOICES = ("none", "auto", "bf16", *QUANT_ON_LOAD_FORMATS)
+DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on a GPU, fp32 on the CPU
 
 
 @dataclass
@@ -75,6 +77,9 @@ class LoadOptions:
         from .lora.stack import check_mode
 
         check_mode(self.lora_mode)
+        if self.dtype not in DTYPE_CHOICES:
+            raise InvalidInputError(f"dtype {self.dtype!r} is not supported: use {', '.join(DTYPE_CHOICES)}"
+                                    ).naming("dtype")
         if self.quant not in QUANT_CHOICES:
             raise InvalidInputError(f"quant {self.quant!r} is not supported: use one of {', '.join(QUANT_CHOICES)}, "
                                     "or give a quantised DiT file").naming("quant")
@@ -104,7 +109,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if name not in table:
-        raise ModelFileError(f"dtype {name!r} is not supported: use auto, bf16, fp16 or fp32").naming("dtype")
+        raise InvalidInputError(f"dtype {name!r} is not supported: use {', '.join(DTYPE_CHOICES)}").naming("dtype")
     return table[name]
 
 
@@ -129,6 +134,37 @@ class _Loaded:
     vae: Any = None
     vae_encoder: Any = None  # built only for jobs with an image in
     enhancer: Any = None
+
+
+def check_quant_packs(quant: str, dit_weights: dict[str, torch.Tensor]) -> None:
+    """A quantise-on-load format that none of a bf16 DiT's weights can be packed in is refused as `ernie-image
+    quantize` refuses it, not run in bf16 without a word. Only shapes and dtypes are looked at (views of a mapped
+    file, or meta tensors): no weight is read."""
+    if quant not in QUANT_ON_LOAD_FORMATS:
+        return
+    from .quant.writer import quantized_layer_counts, refuse_unpackable
+
+    refuse_unpackable(quantized_layer_counts(dit_weights, quant), quant, "quant")
+
+
+def refuse_quant_for_quantized_dit(quant: str, dit) -> None:
+    """A format asked for beside a DiT file that is already quantised (GGUF, FP8, NVFP4) cannot be had: the file runs
+    in its own format, so asking for another is refused rather than ignored ('auto', 'none' and the file's own
+    format take the file as it is)."""
+    if quant not in ("bf16", *QUANT_ON_LOAD_FORMATS):
+        return
+    from collections import Counter
+
+    from .quant.qweight import QuantizedWeight
+
+    packed = Counter(entry.qtype.upper() if entry.format == "gguf" else entry.format.upper()
+                     for entry in (dit.tensor(key) for key in dit.keys) if isinstance(entry, QuantizedWeight))
+    if set(packed) == {quant.upper()}:
+        return  # the format the file already has
+    own = ("GGUF " if dit.layout == "gguf" else "") + "/".join(name for name, _ in packed.most_common())
+    raise InvalidInputError(f"quant {quant} does not apply to {dit.path.name}, a DiT file already quantised "
+                            f"({own or 'packed'}): drop that option to run the file as it is, or give the bf16 DiT "
+                            "to quantise it on load").naming("quant")
 
 
 def notice_empty_prompts(prompts: list[str], host: Host) -> None:
@@ -197,7 +233,11 @@ class LocalPipe:
         check_lora_files(LoraStack.of(loras))  # a bad LoRA file fails first, before any model file is opened
         pipe = cls(sources, options, sources.detect_variant(), loras)
         for component, kind in (("transformer", "dit"), ("text_encoder", "text_encoder"), ("vae", "vae")):
-            open_component(sources.component(component), kind)
+            opened = open_component(sources.component(component), kind)
+            if kind == "dit" and opened.quantized:
+                refuse_quant_for_quantized_dit(options.quant, opened)
+            elif kind == "dit":
+                check_quant_packs(options.quant, {key: opened.tensor(key) for key in opened.keys})  # mapped views
         pipe._lora.resolve(pipe.loras, sources)
         if sources.has_pe():  # a text encoder given as the PE is refused now, not when the PE first runs
             from .text.pe_model import locate_pe, open_pe_component
@@ -438,6 +478,8 @@ class LocalPipe:
         revised = self._enhance(request, host)
         prompts = revised.prompts
         notice_empty_prompts(prompts, host)
+        if request.unused_negative_notice():
+            host.log(request.unused_negative_notice())
         host.check_cancel()
         started = self._clock()
         negatives = [request.negative_prompt] * request.batch if request.uses_cfg else []

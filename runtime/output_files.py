@@ -16,18 +16,30 @@ from typing import Callable, Iterator, Optional, Sequence
 _counter = itertools.count()
 
 
+def new_file_mode() -> int:
+    """The mode `open()` gives a new file under this process's umask (0666 less the umask)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:  # Linux: read without changing it
+            umask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
 def partial_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{next(_counter)}.partial")
 
 
-_commit_hook: list[Callable[[], None]] = []  # at most one: the running CLI command's (see set_commit_hook)
+_commit_hook: Optional[Callable[[], None]] = None  # the running CLI command's (see set_commit_hook)
 
 
 def set_commit_hook(hook: Optional[Callable[[], None]]) -> None:
     """Run `hook` before the first rename of every atomic output from now on (None: no hook). The CLI sets its
     interrupt handling here while a command runs, so that for every command that writes files a signal after the
     first rename no longer cancels."""
-    _commit_hook[:] = [hook] if hook is not None else []
+    global _commit_hook
+    _commit_hook = hook
 
 
 @contextlib.contextmanager
@@ -41,8 +53,11 @@ def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
     renamed: list[Path] = []
     try:
         yield partials
-        for hook in _commit_hook:
-            hook()
+        mode = new_file_mode()
+        for partial in partials:  # some writers (safetensors' save_file) make their file 0600, as a temp file
+            os.chmod(partial, mode)
+        if _commit_hook is not None:
+            _commit_hook()
         for partial, target in zip(partials, paths):
             os.replace(partial, target)
             renamed.append(Path(target))

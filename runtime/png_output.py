@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .errors import ErnieImageError
+from .errors import ErnieImageError, InvalidInputError
 from .output_files import atomic_outputs
 
 METADATA_KEY = "ernie-image"
@@ -45,9 +45,32 @@ def save_pngs(images: torch.Tensor, out: Path, settings: Mapping[str, Any]) -> l
 
 
 def read_png_settings(path: Path) -> dict[str, Any]:
-    """The settings save_pngs recorded in a PNG (an empty dict when it has none)."""
-    from PIL import Image
+    """The settings save_pngs recorded in a PNG (an empty dict when it has none). A file that is not a readable PNG,
+    or settings that are not JSON, is an InvalidInputError naming the file."""
+    from PIL import Image, UnidentifiedImageError
 
-    with Image.open(path) as image:
-        text = image.text.get(METADATA_KEY) if hasattr(image, "text") else None
-    return json.loads(text) if text else {}
+    try:
+        with Image.open(path) as image:
+            if image.format != "PNG":
+                raise InvalidInputError(f"{path} is not a PNG file ({image.format} image): give a PNG that "
+                                        "ernie-image wrote")
+            text = image.text.get(METADATA_KEY)
+    except UnidentifiedImageError:
+        raise InvalidInputError(f"{path} is not a PNG file (not an image at all): give a PNG that ernie-image "
+                                "wrote") from None
+    except Image.DecompressionBombError:
+        raise InvalidInputError(f"{path} claims more pixels than any image ernie-image writes (a decompression "
+                                "bomb): give a PNG that ernie-image wrote") from None
+    except OSError as error:  # missing, a folder, unreadable, cut short
+        raise InvalidInputError(f"{path} cannot be read as a PNG file ({error.strerror or error}): check the path "
+                                "and that the file is complete") from None
+    if not text:
+        return {}
+    try:
+        settings = json.loads(text)
+    except ValueError:
+        settings = None
+    if not isinstance(settings, dict):
+        raise InvalidInputError(f"{path}: its {METADATA_KEY!r} text is not the settings ernie-image writes: the file "
+                                "was edited or made by another program")
+    return settings

@@ -267,6 +267,14 @@ class GenerationRequest:
     def prompt_list(self) -> list[str]:
         return list(self.prompts) if self.prompts is not None else [self.prompt] * self.batch
 
+    def unused_negative_notice(self) -> Optional[str]:
+        """The notice for a negative prompt that cannot act (None when it acts or there is none): at CFG 1 or below
+        no unconditional pass runs, here or on an SGLang server, so the negative prompt never reaches the image."""
+        if not self.negative_prompt.strip() or self.uses_cfg:
+            return None
+        return (f"the negative prompt has no effect at CFG {self.cfg:g} (only above CFG 1, e.g. ERNIE-Image's 4.0): "
+                "raise CFG for it to act, or leave it out")
+
     def metadata(self) -> dict[str, Any]:
         """Settings worth recording next to the image (PNG text, node output). Never secrets."""
         return {

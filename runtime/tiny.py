@@ -157,6 +157,15 @@ def build_dit(sizes: TinySizes, seed: int):
     return model.eval()
 
 
+def model_shapes(sizes: TinySizes = TinySizes()) -> tuple[dict, dict, dict, dict[str, torch.Tensor]]:
+    """The DiT, text-tower and VAE configs of the model build_tiny_model writes, and its DiT's weights as meta
+    tensors (shapes and dtypes, no data): what checks that read a model's file headers need, with nothing built
+    or written."""
+    with torch.device("meta"):
+        dit, vae = build_dit(sizes, 0), build_vae(sizes, 0)
+    return dict(dit.config), _text_config(sizes), dict(vae.config), dit.state_dict()
+
+
 def build_vae(sizes: TinySizes, seed: int):
     from diffusers import AutoencoderKLFlux2
 

@@ -74,6 +74,7 @@ class FakeSglang:
     die_during: Optional[int] = None  # drop the connection and stop listening while working on this image (1-based)
     flaky_every: int = 0  # every Nth generation POST answers 503 before any work
     retry_after_s: float = 0.0  # Retry-After of a "429" fault
+    image_b64: Optional[str] = None  # when set, every generation answers this base64 image (a bad or hostile PNG)
 
     def __post_init__(self) -> None:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -300,6 +301,8 @@ class FakeSglang:
                             float(body.get("guidance_scale", 5.0)), bool(body.get("use_pe", True)), w, h, fmt)
         if fault == "bad_b64":
             b64 = "!!not base64!!" + b64[:40]
+        if self.image_b64 is not None:
+            b64 = self.image_b64
         image_id = str(uuid.uuid4())
         item: dict[str, Any] = {"b64_json": None, "url": None, "revised_prompt": body.get("prompt"),
                                 "file_path": None}
@@ -350,6 +353,8 @@ class FakeSglang:
     async def _apply_fault(self, fault: str, request: web.Request) -> web.StreamResponse:
         if fault in ("503", "408"):
             return web.Response(status=int(fault))
+        if fault == "500":  # SGLang's answer to any failure: the reason only in its log
+            return web.Response(status=500, text="Internal Server Error", content_type="text/plain")
         if fault == "429":
             return web.json_response({"detail": "Too many requests"}, status=429,
                                      headers={"Retry-After": f"{self.retry_after_s:g}"})

@@ -337,3 +337,24 @@ def test_a_load_options_budget_that_is_not_a_positive_number_is_refused_at_load(
     with pytest.raises(InvalidInputError, match=r"^VRAM budget .* GB is not a positive number: give the GB the pipe "
                                                 r"may use, or None for free VRAM minus a reserve$"):
         LoadOptions(device="cpu", vram_budget_gb=budget).validate()
+
+
+@pytest.mark.parametrize("dtype", ["fp64", "float32", ""])
+def test_a_dtype_the_pipe_does_not_run_in_is_a_bad_input_not_a_model_file_error(tiny_folder, dtype):
+    """A dtype is the user's choice: InvalidInputError when the options are checked (was ModelFileError)."""
+    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe, resolve_dtype
+    from ernie_image.runtime.model_files import ModelSources
+
+    expected = f"dtype {dtype!r} is not supported: use auto, bf16, fp16, fp32"
+    with pytest.raises(InvalidInputError) as caught:
+        LoadOptions(dtype=dtype).validate()
+    assert str(caught.value) == expected and not isinstance(caught.value, ModelFileError)
+    with pytest.raises(InvalidInputError, match="is not supported: use auto, bf16, fp16, fp32"):
+        LocalPipe.load(ModelSources(model_dir=tiny_folder), LoadOptions(device="cpu", dtype=dtype))
+    with pytest.raises(InvalidInputError):
+        resolve_dtype(dtype, torch.device("cpu"))
+
+
+def test_the_cli_refuses_a_bad_dtype_in_one_line(capsys, tiny_folder, tmp_path):
+    line = _cli(capsys, "generate", "--model-dir", str(tiny_folder), "--dtype", "fp64", "--out", str(tmp_path / "x.png"))
+    assert line.startswith("error: argument --dtype: invalid choice: 'fp64'") and list(tmp_path.iterdir()) == []

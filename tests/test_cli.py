@@ -129,6 +129,26 @@ def test_cuda_asked_for_without_one_is_refused_before_the_demo_model_is_built(ca
     assert not empty_cache.exists()
 
 
+def test_a_budget_below_what_the_job_needs_is_refused_before_the_demo_model_is_built(capsys, tmp_path, empty_cache):
+    line = _cli(capsys, "generate", "--budget", "0.001", "--out", str(tmp_path / "x.png"))
+    assert line.startswith("error: a 256x256 batch-1 job (CFG 1, DiT fp32) needs at least 0.1 GB of VRAM with "
+                           "everything streamed; the budget is 0.00 GB: raise the budget"), line  # no demo notice
+    assert not empty_cache.exists() and not (tmp_path / "x.png").exists()
+
+
+def test_the_demo_models_shapes_before_it_is_built_size_it_as_its_files_do(tmp_path):
+    """The budget check before the demo model is built plans on its configs: the sizes its files give once built."""
+    from ernie_image.runtime.demo import demo_model_sources
+    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+    from ernie_image.runtime.tiny import model_shapes
+
+    sources = demo_model_sources("turbo", tmp_path)
+    for options in (LoadOptions(device="cpu", vram_budget_gb=4), LoadOptions(device="cpu", dtype="bf16", quant="fp8")):
+        memory = LocalPipe.load(sources, options).memory
+        dit_config, text_config, vae_config, _ = model_shapes()
+        assert memory.sizes_from_configs(dit_config, text_config, vae_config) == memory.sizes_for(sources, "turbo")
+
+
 def test_a_batch_image_name_that_is_a_folder_is_refused_before_any_work(capsys, tmp_path, empty_cache):
     (tmp_path / "fox_1.png").mkdir()
     line = _cli(capsys, "generate", "--batch", "2", "--out", str(tmp_path / "fox.png"))
@@ -234,22 +254,26 @@ def _folder(path: Path) -> Path:
     return path
 
 
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664)])
 def test_quantize_and_generate_both_replace_an_existing_file_with_normal_permissions(capsys, tmp_path, bf16_dit,
-                                                                                     tiny_turbo_folder):
-    old_umask = os.umask(0o022)
+                                                                                     tiny_turbo_folder, umask, mode):
+    """Every format quantize writes and the PNGs get the mode a new file gets under the umask (safetensors' writer
+    made the fp8 and nvfp4 files 0600)."""
+    old_umask = os.umask(umask)
     try:
-        out = tmp_path / "q.gguf"
-        out.write_bytes(b"old")
-        assert _quantize(capsys, "--dit", str(bf16_dit), "--format", "q8_0", "--out", str(out))[0] == 0
+        outs = [tmp_path / "q.gguf", tmp_path / "fp8.safetensors", tmp_path / "nvfp4.safetensors"]
+        for out, fmt in zip(outs, ("q8_0", "fp8", "nvfp4")):
+            out.write_bytes(b"old")
+            assert _quantize(capsys, "--dit", str(bf16_dit), "--format", fmt, "--out", str(out))[0] == 0
         png = tmp_path / "x.png"
         png.write_bytes(b"old")
         assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256",
                      "--steps", "1", "--out", str(png)]) == 0
     finally:
         os.umask(old_umask)
-    for path in (out, png):
-        assert path.read_bytes() != b"old" and stat.S_IMODE(path.stat().st_mode) == 0o644  # was 0600 for quantize
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["q.gguf", "x.png"]  # no partial files
+    for path in (*outs, png):
+        assert path.read_bytes() != b"old" and stat.S_IMODE(path.stat().st_mode) == mode, path
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (*outs, png))  # no partial files
 
 
 # ------------------------------------------------------------------------------------- non-finite DiT output
@@ -279,12 +303,64 @@ def test_the_summary_and_the_metadata_hold_the_settings_the_run_used(capsys, tmp
     assert (settings["width"], settings["height"], settings["steps"], settings["cfg"]) == (256, 272, 8, 1.0)
 
 
+def test_the_plan_printed_after_a_run_is_the_plan_of_the_job_that_ran(capsys, tmp_path, tiny_turbo_folder):
+    """With a budget (the planner runs, on the CPU too) the run's own size and batch, not a default 1024x1024 job."""
+    assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--budget", "4", "--width", "256", "--height",
+                 "272", "--batch", "2", "--steps", "1", "--out", str(tmp_path / "x.png")]) == 0
+    err = capsys.readouterr().err
+    assert "VRAM plan: budget 4.00 GiB on cpu; 256x272, batch 2, CFG 1" in err, err
+    assert "1024x1024" not in err
+
+
 def test_a_prompt_longer_than_the_text_encoder_takes_is_cut_with_a_notice(capsys, tmp_path, tiny_turbo_folder):
     long_prompt = "a red fox in fresh snow, " * 200  # 5,000 characters, one token each in the tiny tokenizer
     assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256",
                  "--steps", "1", "--prompt", long_prompt, "--out", str(tmp_path / "x.png")]) == 0
     err = capsys.readouterr().err
     assert "prompt of 5001 tokens cut to the text encoder's 2048" in err, err
+
+
+@pytest.mark.parametrize("layout", ["diffusers", "comfy"])
+def test_a_long_prompt_gets_the_packs_cut_notice_without_transformers_indexing_warning(capfd, tmp_path, layout):
+    """transformers printed "Token indices sequence length is longer ... indexing errors" (on the process's stderr,
+    whatever sys.stderr is) before the notice: the prompt is cut, so it says nothing true. Both tokenizer forms."""
+    from ernie_image.runtime.tiny import build_tiny_model
+
+    sources = build_tiny_model(tmp_path / "model", layout=layout, variant="turbo")
+    files = (["--model-dir", str(sources.model_dir)] if layout == "diffusers" else
+             ["--dit", str(sources.dit), "--text-encoder", str(sources.text_encoder), "--vae", str(sources.vae)])
+    assert main(["generate", *files, "--width", "256", "--height", "256", "--steps", "1",
+                 "--prompt", "a red fox in fresh snow, " * 200, "--out", str(tmp_path / "x.png")]) == 0
+    err = capfd.readouterr().err
+    assert "prompt of 5001 tokens cut to the text encoder's 2048" in err, err
+    assert "Token indices sequence length" not in err and "indexing errors" not in err, err
+
+
+def test_a_negative_prompt_at_cfg_1_runs_with_a_notice_that_it_has_no_effect(capsys, tmp_path, tiny_turbo_folder):
+    base = ["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256", "--steps", "1",
+            "--negative", "blurry", "--out", str(tmp_path / "x.png")]
+    assert main(base) == 0  # Turbo's CFG 1
+    notice = ("the negative prompt has no effect at CFG 1 (only above CFG 1, e.g. ERNIE-Image's 4.0): raise CFG for "
+              "it to act, or leave it out")
+    assert notice in capsys.readouterr().err.splitlines()
+    assert main([*base, "--cfg", "2"]) == 0
+    assert "has no effect" not in capsys.readouterr().err
+    assert main([*base[:-4], "--out", str(tmp_path / "x.png")]) == 0  # no negative prompt: nothing to say
+    assert "negative prompt" not in capsys.readouterr().err
+
+
+def test_the_python_api_tells_its_host_of_a_negative_prompt_at_cfg_1(tiny_turbo_folder):
+    from ernie_image.runtime.host import NullHost
+    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+    from ernie_image.runtime.model_files import ModelSources
+    from ernie_image.runtime.request import GenerationRequest
+
+    pipe = LocalPipe.load(ModelSources(model_dir=tiny_turbo_folder), LoadOptions(device="cpu"))
+    host = NullHost()
+    pipe.generate(GenerationRequest(prompt="a fox", negative_prompt="blurry", width=256, height=256, steps=1), host)
+    assert [m for m in host.messages if "negative prompt" in m] == [
+        "the negative prompt has no effect at CFG 1 (only above CFG 1, e.g. ERNIE-Image's 4.0): raise CFG for it to "
+        "act, or leave it out"]
 
 
 def test_an_empty_prompt_runs_with_a_notice(capsys, tmp_path, tiny_turbo_folder):
@@ -320,6 +396,46 @@ def test_help_lists_exactly_the_formats_the_commands_accept(capsys):
     assert "--quant {" + ",".join(QUANT_CHOICES) + "}" in capsys.readouterr().out
     assert main(["quantize", "--help"]) == 0
     assert "--format {" + ",".join(WRITE_FORMATS) + "}" in capsys.readouterr().out
+
+
+def test_an_in_process_call_gives_back_the_signal_handlers_it_found(capsys, tmp_path, tiny_turbo_folder, bf16_dit):
+    """main(argv) from Python: after a command that wrote files (the commit hook ignores SIGINT and SIGTERM from the
+    first rename) or one that failed, Ctrl-C works in the caller again (it was left ignored)."""
+    def on_int(number, frame) -> None:
+        raise KeyboardInterrupt
+
+    def on_term(number, frame) -> None:
+        raise SystemExit(143)
+
+    before = signal.signal(signal.SIGINT, on_int), signal.signal(signal.SIGTERM, on_term), sys.unraisablehook
+    try:
+        runs = [(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256", "--steps",
+                  "1", "--out", str(tmp_path / "x.png")], 0),
+                (["quantize", "--dit", str(bf16_dit), "--format", "q8_0", "--out", str(tmp_path / "q.gguf")], 0),
+                (["generate", "--width", "100", "--out", str(tmp_path / "y.png")], 2)]
+        for argv, code in runs:
+            assert main(argv) == code
+            assert signal.getsignal(signal.SIGINT) is on_int and signal.getsignal(signal.SIGTERM) is on_term, argv
+            assert sys.unraisablehook is before[2]
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+    assert (tmp_path / "x.png").exists() and (tmp_path / "q.gguf").exists()
+
+
+def test_the_commit_hook_runs_once_before_the_first_rename(tmp_path):
+    from ernie_image.runtime.output_files import atomic_outputs, set_commit_hook
+
+    seen: list[list[str]] = []
+    targets = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    set_commit_hook(lambda: seen.append(sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))))
+    try:
+        with atomic_outputs(targets) as partials:
+            for partial in partials:
+                partial.write_text("x")
+    finally:
+        set_commit_hook(None)
+    assert seen == [[]] and all(target.exists() for target in targets)
 
 
 # --------------------------------------------------------------------- as a separate process: signals, races

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 import ernie_image
 from ernie_image.runtime.host import NullHost
@@ -85,3 +86,45 @@ def test_the_remote_pipe_sends_the_served_variants_defaults(model_id, expected):
         sent = server.generations[0].body
     assert (sent["num_inference_steps"], sent["guidance_scale"]) == expected
     assert (result.request.steps, result.request.cfg) == expected
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda path: path.write_text("hello"), "{path} is not a PNG file (not an image at all): give a PNG that "
+                                            "ernie-image wrote"),
+    (lambda path: Image.new("RGB", (4, 4)).save(path, format="JPEG"),
+     "{path} is not a PNG file (JPEG image): give a PNG that ernie-image wrote"),
+    (lambda path: None, "{path} cannot be read as a PNG file (No such file or directory): check the path and that "
+                        "the file is complete"),
+    (lambda path: path.write_bytes(_png_with_text("{not json")[:60]), "{path} cannot be read as a PNG file"),
+    (lambda path: path.write_bytes(_png_with_text("{not json")), "{path}: its 'ernie-image' text is not the settings "
+                                                                 "ernie-image writes"),
+], ids=["text file", "JPEG", "missing", "cut short", "settings not JSON"])
+def test_read_png_settings_refuses_what_is_not_its_png_in_one_line_naming_the_file(tmp_path, make, expected):
+    """Was Pillow's UnidentifiedImageError (or a JSON traceback) for a file that is not an ernie-image PNG."""
+    from ernie_image import read_png_settings
+    from ernie_image.runtime.errors import InvalidInputError
+
+    path = tmp_path / "picture.png"
+    make(path)
+    with pytest.raises(InvalidInputError) as caught:
+        read_png_settings(path)
+    assert str(caught.value).startswith(expected.format(path=path)), str(caught.value)
+
+
+def test_read_png_settings_of_a_png_without_settings_is_empty(tmp_path):
+    from ernie_image import read_png_settings
+
+    Image.new("RGB", (4, 4)).save(tmp_path / "plain.png")
+    assert read_png_settings(tmp_path / "plain.png") == {}
+
+
+def _png_with_text(text: str) -> bytes:
+    import io
+
+    from PIL.PngImagePlugin import PngInfo
+
+    info = PngInfo()
+    info.add_text("ernie-image", text)
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buffer, format="PNG", pnginfo=info)
+    return buffer.getvalue()

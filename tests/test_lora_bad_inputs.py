@@ -180,13 +180,20 @@ def test_a_bad_lora_at_load_time_fails_the_load(tiny_turbo_folder, tmp_path):
     ("C:\\loras\\a.safetensors", "C:\\loras\\a.safetensors", 1.0),
     ("C:\\loras\\a.safetensors:0.8", "C:\\loras\\a.safetensors", 0.8),
     ("D:/x/a.safetensors:2e-1", "D:/x/a.safetensors", 0.2),
+    ("c:\\loras\\a.safetensors:0.8", "c:\\loras\\a.safetensors", 0.8),
+    ("C:0.5", "C:0.5", 1.0),  # a single letter before the last colon is a drive, in either case
+    ("c:0.5", "c:0.5", 1.0),
 ])
 def test_lora_argument_parsing(text, path, strength):
     assert parse_lora_argument(text) == LoraEntry(Path(path), strength)
 
 
 @pytest.mark.parametrize("text, match", [("a.safetensors:nan", "is not allowed"), ("a.safetensors:12", "is not allowed"),
-                                         ("a.safetensors:strong", "is not a number"), ("", "needs a file")])
+                                         ("a.safetensors:strong", "is not a number"), ("", "needs a file"),
+                                         (":0.5", r"^--lora ':0.5' names no file before the colon: give --lora "
+                                                  r"PATH:0.5 \(PATH: the LoRA .safetensors\)$"),
+                                         (":", "names no file before the colon: give --lora PATH or --lora "
+                                               "PATH:STRENGTH")])
 def test_lora_argument_errors(text, match):
     with pytest.raises(InvalidInputError, match=match):
         parse_lora_argument(text)

@@ -130,3 +130,13 @@ def test_a_remote_pipe_refuses_a_lora_in_one_line(comfy_loras):
     with pytest.raises(InvalidInputError, match=r"LoRAs run only on a local pipe: SGLang's /v1/set_lora") as caught:
         ErnieImageLoRA().apply(pipe=remote, lora_name="style.safetensors", strength=1.0)
     assert "\n" not in str(caught.value)
+
+
+def test_a_lora_spec_with_no_file_before_its_strength_is_one_line_before_any_work(tiny_turbo_folder, tmp_path,
+                                                                                  capsys):
+    """`--lora :0.5` was read as a file named ':0.5' (then "does not exist")."""
+    assert cli_main(["generate", "--model-dir", str(tiny_turbo_folder), "--lora", ":0.5",
+                     "--out", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --lora ':0.5' names no file before the colon: give --lora "
+                                               "PATH:0.5 (PATH: the LoRA .safetensors)")
+    assert list(tmp_path.iterdir()) == []

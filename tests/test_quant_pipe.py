@@ -85,3 +85,76 @@ def test_quantize_q4_k_packs_the_layers_it_reports_and_generate_reloads_them(q4_
     images = LocalPipe.load(ModelSources(model_dir=q4_k_model, dit=quantised), LoadOptions(device="cpu")).generate(
         REQUEST, NullHost()).images
     assert 0 < (images - reference).abs().max().item() <= TOLERANCE["q4_k"]
+
+
+def test_quantise_on_load_to_a_format_nothing_packs_in_is_refused_as_quantize_refuses_it(model, tmp_path, capsys,
+                                                                                        monkeypatch):
+    """q4_k on the 64-wide tiny DiT: `generate` ran it in bf16 without a word while `quantize` refused it. Now the
+    pipe refuses it at load, from the file's shapes, in quantize's own words (naming the option that picks it)."""
+    from ernie_image.runtime import model_files
+    from ernie_image.runtime.errors import InvalidInputError
+
+    monkeypatch.setattr(model_files, "build_dit", lambda *a, **k: pytest.fail("a DiT was built"))
+    with pytest.raises(InvalidInputError) as caught:
+        LocalPipe.load(ModelSources(model_dir=model), LoadOptions(device="cpu", quant="q4_k"))
+    refusal = ("none of this DiT's 20 weight matrices can be packed as q4_k (it needs in_features divisible by 256): "
+               "pick another {}, e.g. q8_0 or fp8")
+    assert str(caught.value) == refusal.format("quant")
+    assert cli_main(["quantize", "--dit", str(model / "transformer"), "--format", "q4_k",
+                     "--out", str(tmp_path / "q4.gguf")]) == 2
+    assert capsys.readouterr().err.strip() == "error: " + refusal.format("--format")
+    assert cli_main(["generate", "--model-dir", str(model), "--quant", "q4_k", "--width", "256", "--height", "256",
+                     "--out", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.strip() == "error: " + refusal.format("--quant")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_quantise_on_load_to_a_format_the_demo_model_cannot_take_is_refused_before_it_is_built(tmp_path, capsys,
+                                                                                              monkeypatch):
+    monkeypatch.setenv("ERNIE_IMAGE_CACHE", str(tmp_path / "cache"))
+    assert cli_main(["generate", "--quant", "q4_k", "--out", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: none of this DiT's 20 weight matrices can be packed "
+                                                      "as q4_k")
+    assert list(tmp_path.iterdir()) == []  # no demo model in the cache, no image
+
+
+def test_quantise_on_load_to_a_format_that_packs_still_runs(q4_k_model):
+    pipe = LocalPipe.load(ModelSources(model_dir=q4_k_model), LoadOptions(device="cpu", quant="q4_k"))
+    pipe.generate(REQUEST, NullHost())
+    assert isinstance(pipe._dit().layers[0].mlp.gate_proj, QuantLinear)
+
+
+@pytest.fixture(scope="module")
+def quantised_files(model, tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("quantised")
+    files = {"q8_0": folder / "ernie-q8_0.gguf", "fp8": folder / "ernie-fp8.safetensors",
+             "nvfp4": folder / "ernie-nvfp4.safetensors"}
+    for fmt, path in files.items():
+        assert cli_main(["quantize", "--dit", str(model / "transformer"), "--format", fmt, "--out", str(path)]) == 0
+    return files
+
+
+@pytest.mark.parametrize("file_format, asked, own", [("q8_0", "fp8", "GGUF Q8_0"), ("q8_0", "bf16", "GGUF Q8_0"),
+                                                     ("fp8", "nvfp4", "FP8"), ("nvfp4", "q8_0", "NVFP4")])
+def test_a_format_asked_for_beside_an_already_quantised_dit_file_is_refused_naming_the_files_own(
+        model, quantised_files, file_format, asked, own, capsys, tmp_path):
+    """--quant beside a GGUF/FP8/NVFP4 DiT file was ignored without a word: the file runs in its own format."""
+    from ernie_image.runtime.errors import InvalidInputError
+
+    dit = quantised_files[file_format]
+    with pytest.raises(InvalidInputError) as caught:
+        LocalPipe.load(ModelSources(model_dir=model, dit=dit), LoadOptions(device="cpu", quant=asked))
+    assert str(caught.value) == (f"quant {asked} does not apply to {dit.name}, a DiT file already quantised ({own}): "
+                                 "drop that option to run the file as it is, or give the bf16 DiT to quantise it on "
+                                 "load")
+    assert cli_main(["generate", "--model-dir", str(model), "--dit", str(dit), "--quant", asked,
+                     "--out", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: --quant {asked} does not apply to {dit.name}")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("quant", ["none", "auto", "same"])
+def test_a_quantised_dit_file_runs_as_it_is_with_no_quant_auto_or_its_own_format(model, quantised_files, quant):
+    for file_format, dit in quantised_files.items():
+        LocalPipe.load(ModelSources(model_dir=model, dit=dit),
+                       LoadOptions(device="cpu", quant=file_format if quant == "same" else quant))

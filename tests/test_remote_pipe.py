@@ -152,9 +152,22 @@ def png_claiming(width: int, height: int) -> str:
 
 @pytest.mark.parametrize("side", [12000, 15000], ids=["large", "beyond Pillow's decompression-bomb limit"])
 def test_an_image_of_the_wrong_size_is_refused_from_its_header_before_decoding(side):
-    with pytest.raises(BadResponse, match=rf"^srv returned (a {side}x{side} image for a 256x256 request|bytes that are "
-                                          rf"not a readable image \(DecompressionBombError\))"):
+    with pytest.raises(BadResponse, match=rf"^srv returned (a {side}x{side} image for a 256x256 request|an image whose "
+                                          rf"header claims far more pixels than the 256x256 asked for)"):
         decode_image(png_claiming(side, side), 256, 256, "srv")
+
+
+def test_a_negative_prompt_at_cfg_1_is_sent_with_a_notice_that_it_has_no_effect():
+    """SGLang, like diffusers, runs no unconditional pass at guidance 1: the negative prompt never acts there."""
+    with FakeSglang() as server:
+        pipe = RemotePipe([server.url], FAST)
+        host = NullHost()
+        pipe.generate(request(negative_prompt="blurry"), host)
+        quiet = NullHost()
+        pipe.generate(request(negative_prompt="blurry", **BASE), quiet)
+        pipe.release()
+    assert any(m.startswith("the negative prompt has no effect at CFG 1") for m in host.messages), host.messages
+    assert not any("negative prompt" in m for m in quiet.messages), quiet.messages
 
 
 def test_server_that_is_not_ernie_is_refused():
@@ -164,6 +177,88 @@ def test_server_that_is_not_ernie_is_refused():
             pipe.generate(request(), NullHost())
         pipe.release()
         assert server.generations == []
+
+
+def test_a_server_that_names_no_pipeline_but_serves_an_ernie_image_id_is_used():
+    """/v1/models without a pipeline name said "serves X (unknown), not an ERNIE-Image pipeline": the server had
+    not said so. The model id naming ERNIE-Image is the hint it gives."""
+    with FakeSglang(pipeline_name="", model_id="baidu/ERNIE-Image-Turbo") as server:
+        pipe = RemotePipe([server.url], FAST)
+        try:
+            pipe.generate(request(), NullHost())
+        finally:
+            pipe.release()
+        rows = check_remote([server.url], generate=False)
+    assert len(server.generations) == 1
+    assert rows[0].ok and rows[0].pipeline == "not named" and rows[0].model_id == "baidu/ERNIE-Image-Turbo"
+
+
+def test_a_server_that_names_no_pipeline_for_another_model_says_ernie_could_not_be_confirmed():
+    with FakeSglang(pipeline_name="", model_id="my-model") as server:
+        pipe = RemotePipe([server.url], FAST)
+        with pytest.raises(BadResponse) as caught:
+            pipe.generate(request(), NullHost())
+        pipe.release()
+        rows = check_remote([server.url], generate=False)
+        assert server.generations == []
+    message = str(caught.value)
+    assert message == (f"{server.url} serves my-model and names no pipeline for it (/v1/models), so ERNIE-Image could "
+                       "not be confirmed: check the server's version (sglang 0.5.23 names its pipelines) and that it "
+                       "was started with `sglang serve --model-path baidu/ERNIE-Image-Turbo` (or baidu/ERNIE-Image)")
+    assert "not an ERNIE-Image pipeline" not in message and "unknown" not in message
+    assert not rows[0].ok and rows[0].problems == [message] and rows[0].pipeline == "not named"
+
+
+def _hostile(kind: str) -> str:
+    if kind == "bomb":
+        return png_claiming(15000, 15000)
+    if kind == "oversized":
+        return png_claiming(12000, 12000)
+    return base64.b64encode(b"GIF89a, or anything else that is not an image").decode()
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("bomb", "returned an image whose header claims far more pixels than the 256x256 asked for (a decompression "
+             "bomb), refused before decoding: check the server's version and its log, and that the URL is the "
+             "SGLang server's"),
+    ("oversized", "returned a 12000x12000 image for a 256x256 request, refused before decoding: the server may floor "
+                  "sizes or be misconfigured; check its version and its log"),
+    ("unreadable", "returned bytes that are not a readable image (UnidentifiedImageError); see the server log and "
+                   "check its version"),
+])
+def test_a_hostile_or_unreadable_png_from_a_server_is_one_line_naming_a_fix_without_the_key(monkeypatch, kind,
+                                                                                             expected):
+    import warnings
+
+    monkeypatch.setenv("ERNIE_TEST_KEY", "sk-never-shown-2718")
+    with FakeSglang(api_key="sk-never-shown-2718", image_b64=_hostile(kind)) as server:
+        pipe = RemotePipe([server.url], RemoteSettings(retry_attempts=2, retry_down_after_s=0.2, connect_timeout_s=1.0,
+                                                       api_key_env="ERNIE_TEST_KEY"))
+        with warnings.catch_warnings(record=True) as warned, pytest.raises(RemoteError) as caught:
+            warnings.simplefilter("always")
+            pipe.generate(request(), NullHost())
+        pipe.release()
+    assert str(caught.value) == f"{server.url} {expected}"
+    assert "sk-never" not in str(caught.value) and "\n" not in str(caught.value)
+    assert [str(w.message) for w in warned if "pixels" in str(w.message)] == []  # Pillow's bomb warning: not printed
+
+
+def test_a_bare_500_names_the_request_that_failed_and_the_server_log_without_the_key(monkeypatch):
+    """A failed model look is not "failed to generate"; a failed generation is. Neither shows the key."""
+    monkeypatch.setenv("ERNIE_TEST_KEY", "sk-never-shown-2718")
+    settings = RemoteSettings(retry_attempts=1, connect_timeout_s=1.0, api_key_env="ERNIE_TEST_KEY")
+    with FakeSglang(api_key="sk-never-shown-2718", faults=["models:500"]) as looked, \
+            FakeSglang(api_key="sk-never-shown-2718", faults=["500"]) as generating:
+        messages = []
+        for server in (looked, generating):
+            pipe = RemotePipe([server.url], settings)
+            with pytest.raises(RemoteError) as caught:
+                pipe.generate(request(), NullHost())
+            pipe.release()
+            messages.append(str(caught.value))
+    assert messages[0] == f"{looked.url} failed on GET {looked.url}/v1/models (HTTP 500); see the server log"
+    assert messages[1] == f"{generating.url}: the server failed to generate; see the server log (HTTP 500)"
+    assert not any("sk-never" in message for message in messages)
 
 
 def test_4xx_stops_the_batch_with_the_servers_message():

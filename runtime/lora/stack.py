@@ -151,12 +151,18 @@ def refuse_repeated_files(entries: Iterable[LoraEntry]) -> None:
 
 
 def parse_lora_argument(text: str) -> LoraEntry:
-    """`PATH[:STRENGTH]` (the CLI's --lora): strength 1.0 when left out; a drive colon (C:\\x) is part of the path."""
+    """`PATH[:STRENGTH]` (the CLI's --lora): strength 1.0 when left out. The last colon starts the strength; a
+    single letter before it, in either case, is a Windows drive, part of the path (C:0.5 and c:0.5 are the file 0.5
+    on that drive; C:\\x.safetensors:0.5 is x.safetensors at 0.5). Nothing before the colon is an error."""
     path, sep, tail = text.rpartition(":")
     if sep and path and _NUMBER.fullmatch(tail.strip()) and not (len(path) == 1 and path.isalpha()):
         return LoraEntry(Path(path), check_strength(tail, Path(path).name))
     if not text:
         raise InvalidInputError("--lora needs a file: give --lora PATH or --lora PATH:STRENGTH")
+    if sep and not path:
+        fix = f"--lora PATH{text}" if _NUMBER.fullmatch(tail.strip()) else "--lora PATH or --lora PATH:STRENGTH"
+        raise InvalidInputError(f"--lora {text!r} names no file before the colon: give {fix} (PATH: the LoRA "
+                                ".safetensors)")
     if sep and Path(path).suffix.lower() == ".safetensors":
         raise InvalidInputError(f"LoRA {Path(path).name} strength {tail!r} is not a number: give --lora "
                                 f"{path}:0.8 (or leave ':STRENGTH' out for 1.0)")

@@ -66,7 +66,7 @@ class PipeMemory:
 
     def _read_sizes(self, sources, variant, with_pe: bool) -> ModelSizes:
         from ..formats import open_component
-        from ..model_files import QUANT_ON_LOAD_FORMATS, dit_config_for, load_config, text_config_for
+        from ..model_files import dit_config_for, load_config, text_config_for
 
         dit_component = open_component(sources.component("transformer"), "dit")
         dit_config = dataclasses.asdict(dit_config_for(dit_component))
@@ -74,12 +74,26 @@ class PipeMemory:
         vae_component = open_component(sources.component("vae"), "vae")
         vae_config = vae_component.config or load_config("base", "vae")
         pe_config = _pe_config(sources, variant) if with_pe else None
-        fmt = self.quant if self.quant in QUANT_ON_LOAD_FORMATS else _dtype_format(self.dtype)
-        sizes = ModelSizes.from_configs(dit_config, text_config, vae_config, pe_config, fmt, self.dtype.itemsize)
+        sizes = self.sizes_from_configs(dit_config, text_config, vae_config, pe_config)
         if not dit_component.quantized:
             return sizes
         dit, packed = file_dit_size(dit_component, self.dtype.itemsize, sizes.dit.largest_linear_params)
         return dataclasses.replace(sizes, dit=dit, dit_format=packed or sizes.dit_format)
+
+    def sizes_from_configs(self, dit_config: dict, text_config: dict, vae_config: dict,
+                           pe_config: Optional[dict] = None) -> ModelSizes:
+        """The sizes of unquantised models with these configs, the DiT in the format this pipe builds it in."""
+        from ..model_files import QUANT_ON_LOAD_FORMATS
+
+        fmt = self.quant if self.quant in QUANT_ON_LOAD_FORMATS else _dtype_format(self.dtype)
+        return ModelSizes.from_configs(dit_config, text_config, vae_config, pe_config, fmt, self.dtype.itemsize)
+
+    def check_job(self, request, sizes: ModelSizes) -> None:
+        """plan_job's refusal (MemoryBudgetError: the budget is below what `request` needs) for models of `sizes`,
+        without reading a file, placing or releasing anything."""
+        if self.active:
+            plan_memory(budget_bytes(self.budget_gb, self.device, self.held_bytes()), self.job_for(request, False),
+                        sizes, self.device.type)
 
     def planning_sizes(self, sources, variant, with_pe: bool = False) -> ModelSizes:
         """`sizes_for`, with the placed DiT's measured block and stem bytes in place of the config's estimate, and

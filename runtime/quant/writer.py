@@ -150,13 +150,14 @@ def quantized_layer_counts(state: dict[str, torch.Tensor | QuantizedWeight], fmt
     return counts
 
 
-def refuse_unpackable(counts: Counter[str], fmt: str) -> None:
-    """Writing a 'quantised' file with nothing quantised is an error, not a silent bf16 copy."""
+def refuse_unpackable(counts: Counter[str], fmt: str, setting: str = "--format") -> None:
+    """Writing a 'quantised' file with nothing quantised is an error, not a silent bf16 copy; so is quantising on
+    load (`setting` "quant") to a format nothing packs in. `setting`: the option the fix names."""
     if counts[fmt] == 0:
         raise InvalidInputError(f"none of this DiT's {counts['kept']} weight matrices can be packed as {fmt} "
                                 f"(it needs in_features divisible by {_BLOCK[fmt]}"
-                                f"{' and out_features by 16' if fmt == 'nvfp4' else ''}): pick another --format, "
-                                "e.g. q8_0 or fp8")
+                                f"{' and out_features by 16' if fmt == 'nvfp4' else ''}): pick another {setting}, "
+                                "e.g. q8_0 or fp8").naming(setting)
 
 
 def write_quantized_file(state: dict[str, torch.Tensor | QuantizedWeight], fmt: str, path: str | Path,

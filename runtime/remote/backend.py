@@ -205,6 +205,8 @@ class RemotePipe:
         request, revised = self._revise(request, host)
         if request.shift != SERVER_SHIFT:
             host.log(f"shift {request.shift:g} is not sent: the SGLang server uses its own scheduler (shift {SERVER_SHIFT:g})")
+        if request.unused_negative_notice():
+            host.log(request.unused_negative_notice())
         jobs = image_jobs(request)
         fleet = self._get_fleet()
         events: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()

@@ -60,14 +60,15 @@ async def check_one(url: str, api_key: ApiKeySource, generate: bool, connect_tim
             row.problems.append(readiness.detail)
             return row
         models = await client.models()
-        ernie = next((m for m in models if m.is_ernie), models[0] if models else None)
-        if ernie is not None:
-            row.model_id, row.pipeline = ernie.id, ernie.pipeline_name
-            row.num_gpus, row.precision = ernie.num_gpus, ernie.dit_precision
         try:
-            client.choose_ernie(models)
+            ernie = client.choose_ernie(models)
         except ErnieImageError as exc:
             row.problems.append(str(exc))
+            ernie = models[0] if models else None
+        if ernie is not None:
+            row.model_id, row.pipeline = ernie.id, ernie.pipeline_name or "not named"
+            row.num_gpus, row.precision = ernie.num_gpus, ernie.dit_precision
+        if row.problems:
             return row
         row.version = await client.version()
         if generate:

@@ -382,6 +382,8 @@ def _status_error(label: str, method: str, url: str, status: int, reason: str, b
         return ServerRejected(f"{label} rejected {method} {url} (HTTP {status}): {detail}", status)
     if message and message.lower() != "internal server error":
         return ServerFailed(f"{label} failed (HTTP {status}): {message.rstrip('.')}; see the server log", status)
+    if method != "POST":  # a readiness or model look, not a generation
+        return ServerFailed(f"{label} failed on {method} {url} (HTTP {status}); see the server log", status)
     return ServerFailed(f"{label}: the server failed to generate; see the server log (HTTP {status})", status)
 
 

@@ -9,6 +9,7 @@ import asyncio
 import base64
 import binascii
 import io
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -46,13 +47,17 @@ class ReadTimeoutPolicy:
 @dataclass(frozen=True)
 class ServerModel:
     id: str
-    pipeline_name: str
+    pipeline_name: Optional[str]  # None: /v1/models did not say
     num_gpus: Optional[int]
     dit_precision: Optional[str]
     task_type: Optional[str]
 
     @property
     def is_ernie(self) -> bool:
+        """The server says it runs ERNIE-Image's pipeline, or says no pipeline and the model id names ERNIE-Image
+        (the only hint such a server gives)."""
+        if self.pipeline_name is None:
+            return "ernie-image" in self.id.lower()
         return self.pipeline_name == ERNIE_PIPELINE
 
     @property
@@ -137,19 +142,27 @@ def decode_image(b64: Any, width: int, height: int, label: str) -> torch.Tensor:
     except (binascii.Error, ValueError):
         raise BadResponse(f"{label} returned an image that is not valid base64; see the server log") from None
     try:
-        with Image.open(io.BytesIO(raw)) as image:
+        with warnings.catch_warnings():
+            # Pillow warns (several lines on stderr) of a header claiming a huge image: refused below, in one line.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(raw))
+        with image:
             size = image.size  # from the header: a wrong size is refused before any pixel is decoded
             if size != (width, height):
                 raise BadResponse(
-                    f"{label} returned a {size[0]}x{size[1]} image for a {width}x{height} request; the server "
-                    f"may floor sizes or be misconfigured"
+                    f"{label} returned a {size[0]}x{size[1]} image for a {width}x{height} request, refused before "
+                    f"decoding: the server may floor sizes or be misconfigured; check its version and its log"
                 )
             image.load()
             # one float copy of the pixels, scaled in place (convert only when the PNG is not RGB already)
             array = np.asarray(image if image.mode == "RGB" else image.convert("RGB"), dtype=np.float32)
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+    except Image.DecompressionBombError:
+        raise BadResponse(f"{label} returned an image whose header claims far more pixels than the {width}x{height} "
+                          f"asked for (a decompression bomb), refused before decoding: check the server's version "
+                          f"and its log, and that the URL is the SGLang server's") from None
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise BadResponse(f"{label} returned bytes that are not a readable image ({type(exc).__name__}); see the "
-                          f"server log") from None
+                          f"server log and check its version") from None
     array /= 255.0
     return torch.from_numpy(array)
 
@@ -225,7 +238,7 @@ class SglangClient:
             num_gpus = entry.get("num_gpus")
             models.append(ServerModel(
                 id=entry["id"],
-                pipeline_name=str(entry.get("pipeline_name") or entry.get("pipeline_class") or "unknown"),
+                pipeline_name=str(entry.get("pipeline_name") or entry.get("pipeline_class") or "") or None,
                 num_gpus=int(num_gpus) if isinstance(num_gpus, int) else None,
                 dit_precision=entry.get("dit_precision") if isinstance(entry.get("dit_precision"), str) else None,
                 task_type=entry.get("task_type") if isinstance(entry.get("task_type"), str) else None,
@@ -238,15 +251,20 @@ class SglangClient:
 
     def choose_ernie(self, models: list[ServerModel]) -> ServerModel:
         """The ERNIE-Image model among the listed ones, used from now on; raises when there is none."""
-        for model in models:
-            if model.is_ernie:
-                self.model_id = model.id
-                return model
-        served = ", ".join(f"{m.id} ({m.pipeline_name})" for m in models) or "nothing"
-        raise BadResponse(
-            f"{self.label} serves {served}, not an ERNIE-Image pipeline: start it with "
-            f"`sglang serve --model-path baidu/ERNIE-Image-Turbo` (or baidu/ERNIE-Image)"
-        )
+        named = [model for model in models if model.is_ernie and model.pipeline_name is not None]
+        for model in named or [model for model in models if model.is_ernie]:
+            self.model_id = model.id
+            return model
+        start = "`sglang serve --model-path baidu/ERNIE-Image-Turbo` (or baidu/ERNIE-Image)"
+        if models and all(model.pipeline_name is None for model in models):
+            served = ", ".join(model.id for model in models)
+            raise BadResponse(
+                f"{self.label} serves {served} and names no pipeline for it (/v1/models), so ERNIE-Image could not be "
+                f"confirmed: check the server's version (sglang 0.5.23 names its pipelines) and that it was started "
+                f"with {start}"
+            )
+        served = ", ".join(f"{m.id} ({m.pipeline_name or 'pipeline not named'})" for m in models) or "nothing"
+        raise BadResponse(f"{self.label} serves {served}, not an ERNIE-Image pipeline: start it with {start}")
 
     async def version(self) -> Optional[str]:
         response = await self.http.request_json("GET", "/server_info", read_timeout_s=self.probe_read_s)

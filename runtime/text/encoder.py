@@ -14,7 +14,9 @@ def token_ids(tokenizer, prompt: str) -> list[int]:
 
 def encoder_token_ids(tokenizer, prompt: str) -> tuple[list[int], int]:
     """The ids the text encoder sees (cut at MAX_TOKENS, as diffusers cuts) and the prompt's full token count."""
-    ids = list(tokenizer(prompt, add_special_tokens=True, truncation=False, padding=False)["input_ids"])
+    # verbose=False: transformers would warn of "indexing errors" for a prompt over its 2048; it is cut here, and the
+    # caller tells the user so in its own notice (cut_notice).
+    ids = list(tokenizer(prompt, add_special_tokens=True, truncation=False, padding=False, verbose=False)["input_ids"])
     if not ids:
         ids = [tokenizer.bos_token_id if tokenizer.bos_token_id is not None else 0]
     return ids[:MAX_TOKENS], len(ids)
