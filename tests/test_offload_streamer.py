@@ -232,6 +232,28 @@ def test_host_slab_without_cuda_is_plain_memory():
     assert slab.data[256:336].view(torch.float32).sum().item() == 60.0
 
 
+def test_host_slab_stays_pageable_when_the_system_refuses_to_lock_memory(monkeypatch, caplog):
+    class RefusingRuntime:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: RefusingRuntime())
+    real_empty = torch.empty
+
+    def empty_refusing_to_pin(*args, pin_memory=False, **kwargs):  # the caching allocator's pinning fails too
+        if pin_memory:
+            raise RuntimeError("out of locked memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty_refusing_to_pin)
+    slab = HostSlab(1 << 20, pin=True)
+    assert slab.pinned_bytes == 0 and slab.data.numel() == 1 << 20 and not slab.data.is_pinned()
+    slab.data.fill_(5)
+    assert int(slab.data[-1]) == 5
+    assert "using pageable memory" in caplog.text
+    slab.free()
+
+
 def test_streamer_rejects_an_empty_stream():
     with pytest.raises(ValueError, match="at least one"):
         LayerStreamer([torch.nn.Linear(2, 2)], [], 2, CPU)

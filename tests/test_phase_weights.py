@@ -94,6 +94,17 @@ def test_weights_a_decoder_stacked_under_inference_mode_before_the_first_phase_s
     assert torch.equal(logits(model), expected)
 
 
+def test_the_host_copy_keeps_no_reference_to_the_tensors_it_was_made_from(model):
+    import gc
+    import weakref
+
+    sources = [weakref.ref(t) for t in list(model.parameters()) + list(model.buffers())]
+    weights = PhaseWeights(model, torch.device("cpu"))
+    gc.collect()
+    assert all(source() is None for source in sources)
+    assert weights.nbytes > 0
+
+
 def test_release_frees_the_slab(model):
     weights = PhaseWeights(model, torch.device("cpu"))
     nbytes = weights.nbytes

@@ -51,7 +51,7 @@ class PhaseWeights:
     def __init__(self, module: nn.Module, device: torch.device) -> None:
         self.device = torch.device(device)
         self._slots: list[_Slot] = []
-        sources: list[torch.Tensor] = []
+        sources: list[Optional[torch.Tensor]] = []
         self._is_parameter: list[bool] = []
         seen: dict[int, int] = {}
         for owner in module.modules():
@@ -75,12 +75,16 @@ class PhaseWeights:
         self.slab = HostSlab(self.nbytes, pin=self.device.type == "cuda")
         with torch.inference_mode(False), torch.no_grad():
             host_tensors = self._tensors(self.slab.data)
-            for view, tensor in zip(host_tensors, sources):
-                view.copy_(tensor.detach())
-        del sources
+        slots_of: dict[int, list[_Slot]] = {}
+        for slot in self._slots:
+            slots_of.setdefault(slot.key, []).append(slot)
+        with torch.no_grad():
+            for key, view in enumerate(host_tensors):  # each source is dropped once copied: no second host copy
+                view.copy_(sources[key].detach())
+                sources[key] = None
+                self._point_at(host_tensors, slots_of[key])
         self._host_tensors = host_tensors
         self._device_buffer: Optional[torch.Tensor] = None
-        self._point_at(host_tensors)
 
     @property
     def on_device(self) -> bool:
@@ -121,8 +125,9 @@ class PhaseWeights:
         return [nn.Parameter(view, requires_grad=False) if is_parameter else view
                 for view, is_parameter in zip(views, self._is_parameter)]
 
-    def _point_at(self, tensors: list[torch.Tensor]) -> None:
-        """Every slot gets its tensor of `tensors`, over whatever it holds now (a decoder's stacked view included)."""
-        for slot in self._slots:
+    def _point_at(self, tensors: list[torch.Tensor], slots: Optional[list[_Slot]] = None) -> None:
+        """Every slot (or those given) gets its tensor of `tensors`, over whatever it holds now (a decoder's stacked
+        view included)."""
+        for slot in self._slots if slots is None else slots:
             table = slot.owner._parameters if slot.is_parameter else slot.owner._buffers
             table[slot.name] = tensors[slot.key]

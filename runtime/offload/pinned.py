@@ -3,7 +3,8 @@
 `torch.empty(..., pin_memory=True)` goes through the CachingHostAllocator, which rounds every request up to the
 next power of two (6.5 GB of weights would lock 8 GB). Here a plain host tensor is allocated once and locked
 in place with cudaHostRegister, so pinned bytes = weight bytes + alignment. Should registration fail, the slab
-falls back to the caching allocator and reports the rounded size it really locked.
+falls back to the caching allocator and reports the rounded size it really locked; should that fail too (the
+system's locked-memory limit), it stays pageable: every copy still works, synchronously.
 
 Locking is paid page by page: cudaHostRegister on fresh memory faults every 4 KB page in one thread (1.8-2.8 GB/s
 on an H200 host: 5.5-8.5 s for a 15.7 GB LoRA backup). The slab is therefore an anonymous mapping advised to use
@@ -46,8 +47,14 @@ class HostSlab:
             self._finalizer = weakref.finalize(self, _unregister, self._registered_ptr, raw)
             return
         log.warning("cudaHostRegister failed (%s); pinning through PyTorch, rounded up to a power of two", status)
+        try:
+            self.data = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as error:  # the system's page-locking limit: correct, only the copies get slower
+            log.warning("page-locking %.1f GB of host memory failed (%s); using pageable memory, so copies to the "
+                        "device are slower", self.nbytes / 1e9, str(error).splitlines()[0][:160])
+            self.data = raw
+            return
         del raw
-        self.data = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
         self.pinned_bytes = _power_of_two_ceil(self.nbytes)
 
     def free(self) -> None:
