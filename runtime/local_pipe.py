@@ -95,12 +95,13 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelFileError(f"device {name} was asked for but PyTorch sees no CUDA GPU: choose cpu").naming("device")
+        raise InvalidInputError(f"device {name} was asked for but PyTorch sees no CUDA GPU: choose cpu"
+                                ).naming("device")
     if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
         count = torch.cuda.device_count()
-        raise ModelFileError(f"device {name} was asked for but PyTorch sees {count} CUDA GPU(s): choose "
-                             f"{' or '.join(f'cuda:{index}' for index in range(min(count, 4)))}"
-                             f"{' or another' if count > 4 else ''}").naming("device")
+        raise InvalidInputError(f"device {name} was asked for but PyTorch sees {count} CUDA GPU(s): choose "
+                                f"{' or '.join(f'cuda:{index}' for index in range(min(count, 4)))}"
+                                f"{' or another' if count > 4 else ''}").naming("device")
     return device
 
 

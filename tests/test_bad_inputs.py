@@ -358,3 +358,13 @@ def test_a_dtype_the_pipe_does_not_run_in_is_a_bad_input_not_a_model_file_error(
 def test_the_cli_refuses_a_bad_dtype_in_one_line(capsys, tiny_folder, tmp_path):
     line = _cli(capsys, "generate", "--model-dir", str(tiny_folder), "--dtype", "fp64", "--out", str(tmp_path / "x.png"))
     assert line.startswith("error: argument --dtype: invalid choice: 'fp64'") and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:3"])
+def test_a_cuda_device_asked_for_without_one_is_the_users_input_not_a_model_file(device):
+    from ernie_image.runtime.local_pipe import resolve_device
+
+    with pytest.raises(InvalidInputError, match=rf"device {device} was asked for but PyTorch sees no CUDA GPU: "
+                                                r"choose cpu"):
+        resolve_device(device)
