@@ -37,38 +37,32 @@ def unbudgeted(model):
     return LocalPipe.load(model, LoadOptions(device="cpu", previews=False)).generate(request(), NullHost())
 
 
-def pe_streaming_budget_gb(model, device: str = "cpu", dtype: str = "auto") -> float:
-    """The largest budget (GiB) at which the plan streams the tiny PE's layers (its phase does not fit whole)."""
+def budgets_placing_the_pe(model, mode: str, device: str = "cpu", dtype: str = "auto") -> list[int]:
+    """The budgets (bytes, in 64 KiB steps) at which the plan places the tiny PE by `mode`."""
     pipe = LocalPipe.load(model, LoadOptions(device=device, dtype=dtype, vram_budget_gb=1.0))
     sizes = pipe.memory.sizes_for(model, pipe.variant, with_pe=True)
     job = pipe.memory.job_for(request(), use_pe=True)
-    streaming = []
+    budgets = []
     for step in range(1, 4000 if device == "cpu" else 24000):  # CUDA adds allocator slack and fixed overheads
         budget = step * 4096 * 16
         try:
             plan = plan_memory(budget, job, sizes, pipe.device.type)
         except MemoryBudgetError:
             continue
-        if plan.pe is not None and plan.pe.mode == "streamed":
-            streaming.append(budget)
-    assert streaming, "no budget streams the tiny prompt enhancer"
-    return max(streaming) / GiB
+        if plan.pe is not None and plan.pe.mode == mode:
+            budgets.append(budget)
+    assert budgets, f"no budget places the tiny prompt enhancer {mode}"
+    return budgets
+
+
+def pe_streaming_budget_gb(model, device: str = "cpu", dtype: str = "auto") -> float:
+    """The largest budget (GiB) at which the plan streams the tiny PE's layers (its phase does not fit whole)."""
+    return max(budgets_placing_the_pe(model, "streamed", device, dtype)) / GiB
 
 
 def pe_phase_budget_gb(model) -> float:
     """The smallest budget (GiB) at which the plan places the tiny PE whole for its phase."""
-    pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=1.0))
-    sizes = pipe.memory.sizes_for(model, pipe.variant, with_pe=True)
-    job = pipe.memory.job_for(request(), use_pe=True)
-    for step in range(1, 4000):
-        budget = step * 4096 * 16
-        try:
-            plan = plan_memory(budget, job, sizes, pipe.device.type)
-        except MemoryBudgetError:
-            continue
-        if plan.pe is not None and plan.pe.mode == "phase":
-            return budget / GiB
-    raise AssertionError("no budget places the tiny prompt enhancer for its phase")
+    return min(budgets_placing_the_pe(model, "phase")) / GiB
 
 
 def budgeted_pipe(model, keep_loaded: bool = True, **options) -> LocalPipe:
