@@ -125,7 +125,8 @@ class PePlacement:
     """The prompt enhancer (a Ministral3ForCausalLM) placed for its phase by its plan's mode.
 
     resident: on the device for good; phase: on the device for the PE phase, between phases in a page-locked host
-    copy made once (PhaseWeights: nothing is copied back after a phase); streamed: the decoder layers stream through a TextPlacement's ring for every forward (prefill and each token).
+    copy made once (PhaseWeights: nothing is copied back after a phase); streamed: the decoder layers stream
+    through a TextPlacement's ring for every forward (prefill and each token).
     The stem (embedding, final norm, rotary tables, LM head) stays on the device during a streamed phase: the
     planner counts it there (a budget that cannot hold it fails with MemoryBudgetError before anything loads), the
     head is tied to the embedding (one table serves both), and the head runs for every token, so a host head
