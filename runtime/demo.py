@@ -101,7 +101,8 @@ def load_demo_pipe(options=None, variant: Variant = "turbo", cache_dir: Optional
     options = options or LoadOptions()
     options.validate()
     resolve_device(options.device)  # no CUDA for --device cuda is not a damaged demo model
-    check_demo_job(options, variant, job)
+    if not (demo_model_folder(variant, cache_dir) / ".complete").exists():
+        check_demo_job(options, variant, job)  # once built, its file headers answer as quickly as any model's
     sources = demo_model_sources(variant, cache_dir)
     try:
         return LocalPipe.load(sources, options)

@@ -132,7 +132,7 @@ def test_cuda_asked_for_without_one_is_refused_before_the_demo_model_is_built(ca
 def test_a_budget_below_what_the_job_needs_is_refused_before_the_demo_model_is_built(capsys, tmp_path, empty_cache):
     line = _cli(capsys, "generate", "--budget", "0.001", "--out", str(tmp_path / "x.png"))
     assert line.startswith("error: a 256x256 batch-1 job (CFG 1, DiT fp32) needs at least 0.1 GB of VRAM with "
-                           "everything streamed; the budget is 0.00 GB: raise the budget"), line  # no demo notice
+                           "everything streamed; the budget is 0.001 GB: raise the budget"), line  # no demo notice
     assert not empty_cache.exists() and not (tmp_path / "x.png").exists()
 
 

@@ -238,7 +238,8 @@ def plan_memory(budget: Optional[int], job: Job, sizes: ModelSizes, device_type:
     if smallest > usable:
         raise MemoryBudgetError(
             f"a {job.width}x{job.height} batch-{job.batch} job (CFG {job.cfg:g}, DiT {sizes.dit_format}) needs at "
-            f"least {_gib_up(smallest_budget(smallest, device_type))} GB of VRAM with everything streamed; the budget is {budget / GiB:.2f} GB: "
+            f"least {_gib_up(smallest_budget(smallest, device_type))} GB of VRAM with everything streamed; the budget is "
+            f"{_gib_shown(budget)} GB: "
             f"raise the budget, lower the size or batch, or use a smaller weight format (q4_k, nvfp4)"
         )
     spare = usable - dit_floor
@@ -296,6 +297,12 @@ def _finish(budget: int, job: Job, sizes: ModelSizes, device_type: str, dit: DiT
     if encode is not None:
         peaks["encode"] = persistent + (0 if encode.persistent else encode.weight_bytes) + encode.workspace
     return MemoryPlan(budget, job, sizes, device_type, dit, text, vae, pe, peaks, notes, encode)
+
+
+def _gib_shown(num_bytes: int) -> str:
+    """GiB with two decimals, or two significant digits below 0.1 (a 0.001 budget does not read as 0.00)."""
+    value = num_bytes / GiB
+    return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"
 
 
 def _gib_up(num_bytes: int) -> str:
