@@ -510,7 +510,8 @@ class LocalPipe:
             **meter.finish(),
         }
         self.last_run = info
-        return GenerationResult(images=images, latents=latents.cpu(), prompts_used=prompts, info=info, request=request)
+        return GenerationResult(images=images, latents=latents.cpu(), prompts_used=prompts, info=info,
+                                request=request.as_enhanced(revised.enhanced))
 
     # -- device memory ------------------------------------------------------------------------------
 

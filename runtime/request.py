@@ -243,6 +243,12 @@ class GenerationRequest:
         if self.prompts is not None and len(self.prompts) != self.batch:
             raise InvalidInputError(f"{len(self.prompts)} prompts given for batch {self.batch}: give one per image")
 
+    def as_enhanced(self, revised: bool) -> "GenerationRequest":
+        """This request as it ran: `use_pe` off when the prompt enhancer revised nothing (the model has none, or its
+        endpoint failed and the original prompts were used, each with a notice), so the settings a PNG records give
+        the same image again."""
+        return self if revised or not self.use_pe else dataclasses.replace(self, use_pe=False)
+
     def with_defaults(self, variant: str) -> "GenerationRequest":
         """This request with the steps and CFG left at None set to `variant`'s recommended values."""
         defaults = VARIANT_DEFAULTS[variant]

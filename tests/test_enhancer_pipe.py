@@ -80,6 +80,7 @@ def test_pe_on_without_a_pe_says_so_and_goes_on(tmp_path):
     result = cpu_pipe(sources).generate(request(), host)
     assert result.prompts_used == [PROMPT]
     assert any("has none" in message for message in host.messages)
+    assert result.request.use_pe is False, "the settings recorded say what ran: no enhancer"
 
 
 def test_remote_pe_revises_then_the_local_dit_runs_with_the_pe_off(model_dir):
@@ -94,3 +95,4 @@ def test_remote_pe_revises_then_the_local_dit_runs_with_the_pe_off(model_dir):
     assert pipe._loaded.enhancer is None, "a remote PE loads nothing locally"
     assert fallback.prompts_used == [PROMPT] and fallback.info["pe"] == "original"
     assert any("original prompt is used" in message for message in host.messages)
+    assert result.request.use_pe and not fallback.request.use_pe, "the settings recorded say what ran"

@@ -37,6 +37,11 @@ class RevisedPrompts:
     prompts: list[str]
     revisions: list[Revision] = field(default_factory=list)
 
+    @property
+    def enhanced(self) -> bool:
+        """Whether the enhancer revised any prompt (not only kept the originals after a failure)."""
+        return any(revision.source != "original" for revision in self.revisions)
+
     def info(self) -> dict[str, Any]:
         if not self.revisions:
             return {}
