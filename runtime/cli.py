@@ -172,7 +172,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     for path in paths:
         print(path)
     host.log(f"{len(paths)} image(s) {used.width}x{used.height}, {used.steps} steps, CFG {used.cfg:g}, seed "
-             f"{used.seed} in {elapsed:.2f} s ({pipe.describe(used)})")  # the plan of this job, not a default one
+             f"{used.seed} in {elapsed:.2f} s; {pipe.describe(used)}")  # the plan of this job, not a default one
     return 0
 
 

@@ -168,6 +168,21 @@ def refuse_quant_for_quantized_dit(quant: str, dit) -> None:
                             "to quantise it on load").naming("quant")
 
 
+def dit_weight_format(dit: torch.nn.Module) -> str:
+    """The block Linears' weight formats, most used first ("FP8", "GGUF Q8_0/Q4_K", ...), or the weights' dtype
+    when none is packed."""
+    from collections import Counter
+
+    from .quant.linear import QuantLinear
+
+    packed = Counter(f"GGUF {module.qtype.upper()}" if module.format == "gguf" else module.format.upper()
+                     for module in dit.modules() if isinstance(module, QuantLinear))
+    if packed:
+        return "/".join(name for name, _ in packed.most_common())
+    weight = next((p for p in dit.parameters() if p.is_floating_point()), None)
+    return str(weight.dtype).replace("torch.", "") if weight is not None else ""
+
+
 def notice_empty_prompts(prompts: list[str], host: Host) -> None:
     """An empty prompt is allowed (the DiT then follows no text), but never silently."""
     empty = sum(1 for prompt in prompts if not prompt.strip())
@@ -208,6 +223,7 @@ class LocalPipe:
         self.dtype = resolve_dtype(options.dtype, self.device)
         self._loaded = _Loaded()
         self.quant_reason = ""
+        self.dit_weights = ""  # the loaded DiT's weight format ("bf16", "FP8", "GGUF Q8_0", ...), once built
         # quant 'auto' decided once for this device and budget: the DiT is sized (the host's ask, the plan) in the
         # format it will be built in, not as bf16 until it is built.
         self._auto_quant = self._choose_auto_quant() if options.quant == "auto" else None
@@ -275,7 +291,7 @@ class LocalPipe:
         lines = [
             f"ERNIE-Image {'Turbo' if self.variant == 'turbo' else '(base)'} on {self.device} in "
             f"{str(self.dtype).replace('torch.', '')}; defaults {int(self.defaults['steps'])} steps, "
-            f"CFG {self.defaults['cfg']}; DiT {self._dit_mode()}"
+            f"CFG {self.defaults['cfg']}; DiT {self.dit_weights + ', ' if self.dit_weights else ''}{self._dit_mode()}"
         ]
         if self.quant_reason:
             lines.append(self.quant_reason)
@@ -331,6 +347,7 @@ class LocalPipe:
             if self.compiles_dit:
                 compile_blocks(dit)
             self._loaded.dit = dit
+            self.dit_weights = dit_weight_format(dit)
         # After placement: branches stay resident, never streamed; merge-mode LoRAs merge into the resident blocks.
         streamed = self.memory.dit.plan.streamed if self.memory.dit is not None else ()
         self._lora.sync(self._loaded.dit, streamed, self.memory.host)

@@ -39,6 +39,14 @@ def test_quantise_on_load_stays_within_the_format_tolerance(fmt, model, referenc
     dit = pipe._dit()
     assert isinstance(dit.layers[0].mlp.gate_proj, QuantLinear)
     assert 0 < (images - reference).abs().max().item() <= TOLERANCE[fmt]
+    own = {"fp8": "FP8", "q8_0": "GGUF Q8_0", "nvfp4": "NVFP4"}[fmt]
+    assert f"; DiT {own}, eager" in pipe.describe().splitlines()[0]  # the format that ran is named
+
+
+def test_the_description_names_an_unpacked_dits_dtype(model):
+    pipe = LocalPipe.load(ModelSources(model_dir=model), LoadOptions(device="cpu"))
+    pipe.generate(REQUEST, NullHost())
+    assert "; DiT float32, eager" in pipe.describe().splitlines()[0]
 
 
 @pytest.mark.parametrize("fmt, suffix", [("q8_0", "gguf"), ("fp8", "safetensors"), ("nvfp4", "safetensors")])
