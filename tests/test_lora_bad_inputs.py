@@ -181,10 +181,21 @@ def test_a_bad_lora_at_load_time_fails_the_load(tiny_turbo_folder, tmp_path):
     ("C:\\loras\\a.safetensors:0.8", "C:\\loras\\a.safetensors", 0.8),
     ("D:/x/a.safetensors:2e-1", "D:/x/a.safetensors", 0.2),
     ("c:\\loras\\a.safetensors:0.8", "c:\\loras\\a.safetensors", 0.8),
-    ("C:0.5", "C:0.5", 1.0),  # a single letter before the last colon is a drive, in either case
-    ("c:0.5", "c:0.5", 1.0),
 ])
 def test_lora_argument_parsing(text, path, strength):
+    assert parse_lora_argument(text) == LoraEntry(Path(path), strength)
+
+
+@pytest.mark.parametrize("windows, text, path, strength", [
+    (True, "C:0.5", "C:0.5", 1.0),  # on Windows a single letter before the last colon is a drive, in either case
+    (True, "c:0.5", "c:0.5", 1.0),
+    (False, "C:0.5", "C", 0.5),  # elsewhere it is a file of that name
+    (False, "c:0.5", "c", 0.5),
+])
+def test_a_single_letter_before_the_colon_is_a_drive_only_on_windows(windows, text, path, strength, monkeypatch):
+    from ernie_image.runtime.lora import stack
+
+    monkeypatch.setattr(stack, "DRIVE_LETTERS", windows)
     assert parse_lora_argument(text) == LoraEntry(Path(path), strength)
 
 

@@ -12,8 +12,8 @@ from .stack import LORA_MODES, LoraStack, parse_lora_argument
 def add_lora_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]",
                         help="a LoRA .safetensors and its strength (default 1.0, -10..10); repeat for a stack. "
-                             "The last colon starts the strength; a single letter before it, either case, is a "
-                             "Windows drive: c:0.5 is the file 0.5 on drive C:, C:\\loras\\x.safetensors:0.8 "
+                             "The last colon starts the strength; on Windows a single letter before it, either "
+                             "case, is a drive: c:0.5 is the file 0.5 on drive C:, C:\\loras\\x.safetensors:0.8 "
                              "that file at 0.8")
     parser.add_argument("--lora-mode", choices=LORA_MODES, default=None,  # None: not given (merge)
                         help="merge: add the LoRAs into the resident weights (no cost per step; the originals are "

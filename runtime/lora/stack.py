@@ -16,6 +16,7 @@ MAX_STRENGTH = 10.0
 # step), "branch" runs it beside each Linear (attach.py; its own buffers, a few % per step). None: the pipe's
 # LoadOptions.lora_mode.
 LORA_MODES = ("merge", "branch")
+DRIVE_LETTERS = os.name == "nt"  # where "C:" before a colon is a drive, not a file named C
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(nan|inf|infinity)", re.IGNORECASE)
 
 
@@ -151,11 +152,13 @@ def refuse_repeated_files(entries: Iterable[LoraEntry]) -> None:
 
 
 def parse_lora_argument(text: str) -> LoraEntry:
-    """`PATH[:STRENGTH]` (the CLI's --lora): strength 1.0 when left out. The last colon starts the strength; a
-    single letter before it, in either case, is a Windows drive, part of the path (C:0.5 and c:0.5 are the file 0.5
-    on that drive; C:\\x.safetensors:0.5 is x.safetensors at 0.5). Nothing before the colon is an error."""
+    """`PATH[:STRENGTH]` (the CLI's --lora): strength 1.0 when left out. The last colon starts the strength; on
+    Windows a single letter before it, in either case, is a drive, part of the path (C:0.5 and c:0.5 are the file
+    0.5 on that drive; C:\\x.safetensors:0.5 is x.safetensors at 0.5), elsewhere it is a file name (c:0.5 is the
+    file c at 0.5). Nothing before the colon is an error."""
     path, sep, tail = text.rpartition(":")
-    if sep and path and _NUMBER.fullmatch(tail.strip()) and not (len(path) == 1 and path.isalpha()):
+    drive = DRIVE_LETTERS and len(path) == 1 and path.isalpha()
+    if sep and path and _NUMBER.fullmatch(tail.strip()) and not drive:
         return LoraEntry(Path(path), check_strength(tail, Path(path).name))
     if not text:
         raise InvalidInputError("--lora needs a file: give --lora PATH or --lora PATH:STRENGTH")
