@@ -213,3 +213,18 @@ def test_loras_that_are_not_a_list_or_name_no_file_are_refused_in_one_line(pipe,
 def test_a_mode_that_is_not_known_is_refused_even_without_loras(pipe):
     with pytest.raises(InvalidInputError, match=r"LoRA mode 'nope' is not known"):
         pipe.with_loras(None, mode="nope")
+
+
+def test_two_loras_of_one_file_name_are_told_apart_by_their_folders(tmp_path):
+    from ernie_image.runtime.lora.stack import LoraEntry, LoraStack
+    from ernie_image.runtime.lora.view import describe_stack
+
+    for folder in ("anime", "photo"):
+        (tmp_path / folder).mkdir()
+    stack = LoraStack((LoraEntry(tmp_path / "anime" / "style.safetensors", 0.5),
+                       LoraEntry(tmp_path / "photo" / "style.safetensors", 0.7),
+                       LoraEntry(tmp_path / "detail.safetensors", 1.0)))
+    assert describe_stack(stack) == "LoRA: anime/style.safetensors (0.5), photo/style.safetensors (0.7), " \
+                                    "detail.safetensors (1)"
+    assert [item["name"] for item in stack.metadata()] == ["anime/style.safetensors", "photo/style.safetensors",
+                                                           "detail.safetensors"]

@@ -103,9 +103,16 @@ class LoraStack:
     def __len__(self) -> int:
         return len(self.entries)
 
+    def display_names(self) -> list[str]:
+        """Each entry's file name, with its folder's name where two entries share a file name (names only: full
+        paths may hold a user name)."""
+        names = [entry.name for entry in self.entries]
+        return [f"{entry.path.parent.name}/{name}" if names.count(name) > 1 and entry.path.parent.name else name
+                for entry, name in zip(self.entries, names)]
+
     def metadata(self) -> list[dict]:
-        """File names and strengths, for PNG text and result info (names only: full paths may hold a user name)."""
-        return [{"name": entry.name, "strength": entry.strength} for entry in self.entries]
+        """File names and strengths, for PNG text and result info."""
+        return [{"name": name, "strength": entry.strength} for entry, name in zip(self.entries, self.display_names())]
 
 
 def _entry(item: object) -> LoraEntry:

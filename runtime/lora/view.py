@@ -71,7 +71,8 @@ class LoraPipe:
 def describe_stack(loras: LoraStack) -> str:
     if not loras:
         return "LoRA: none"
-    return "LoRA: " + ", ".join(f"{entry.name} ({entry.strength:g})" for entry in loras.entries)
+    return "LoRA: " + ", ".join(f"{name} ({entry.strength:g})" for entry, name in zip(loras.entries,
+                                                                                     loras.display_names()))
 
 
 def stack_of(pipe: Any) -> Optional[LoraStack]:
