@@ -291,6 +291,18 @@ def test_a_live_and_a_dead_server_tell_the_dead_one_once_and_finish(capsys, tmp_
                           f"still loading its weights; images go to {live.url} meanwhile"], err
 
 
+def test_a_fleet_with_a_server_answering_500_to_every_image_saves_the_whole_batch(capsys, tmp_path):
+    with FakeSglang(service_time_s=0.02) as live, FakeSglang(every_post="500") as broken:
+        code = main(["generate", "--server", live.url, "--server", broken.url, *TURBO, "--batch", "6",
+                     "--out", str(tmp_path / "x.png")])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert [Path(p) for p in captured.out.split()] == [tmp_path / f"x_{i}.png" for i in range(6)]
+    about = [line for line in captured.err.splitlines() if broken.url in line and not line.startswith(" ")]
+    assert len(about) == 1 and about[0].startswith(f"giving up on {broken.url} for this batch: ") and \
+        "HTTP 500" in about[0], captured.err
+
+
 # ------------------------------------------------------------------------------ check-remote: bad URLs
 @pytest.mark.parametrize("url, expected", [
     ("http://a b:1", "error: URL 'http://a b:1' has a space or control character: give one like "

@@ -356,15 +356,16 @@ def test_fleet_fails_clearly_when_every_server_is_down():
     pipe.release()
 
 
-def test_bare_500_stops_the_batch_without_rerunning_elsewhere():
-    # Both answer their first generation with a bare 500, so whichever takes the image fails it; the other must
-    # not be sent it again.
+def test_a_bare_500_sends_the_image_to_the_other_server_once_and_fails_when_both_fail():
+    # Both answer their first generation with a bare 500: an answered 500 means the server is done with the image,
+    # so the other server gets it once; when it fails there too, the batch ends naming both.
     with FakeSglang(faults=["500"]) as a, FakeSglang(faults=["500"]) as b:
         pipe = RemotePipe([a.url, b.url], FAST)
-        with pytest.raises(RemoteError, match="the server failed to generate; see the server log"):
+        with pytest.raises(RemoteError, match="the server failed to generate; see the server log") as caught:
             pipe.generate(request(batch=1), NullHost())
         pipe.release()
-    assert len(a.generations) + len(b.generations) == 1
+    assert len(a.generations) == len(b.generations) == 1
+    assert a.url in str(caught.value) and b.url in str(caught.value)
 
 
 def test_cancel_returns_within_a_second_while_the_server_hangs():
