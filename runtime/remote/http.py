@@ -100,6 +100,11 @@ class BadResponse(RemoteError):
     """The server answered something unusable: not JSON, wrong shape, too large, a redirect."""
 
 
+class TlsHandshakeFailed(BadResponse):
+    """An https:// URL whose TLS handshake failed (a plain-HTTP server, a certificate not trusted): nothing was
+    sent, and waiting will not change it, so it is a setup error, not a server still loading."""
+
+
 # ---------------------------------------------------------------------------------------------- api key
 @dataclass(frozen=True)
 class ApiKeySource:
@@ -539,6 +544,8 @@ class HttpClient:
             cause = "no such host (the name does not resolve)"
             raise ServerUnavailable(f"{self.label}: {cause}: check the URL", reason="unreachable",
                                     cause=cause) from None
+        except aiohttp.ClientSSLError as exc:  # before ClientConnectorError: a connector error too, not transient
+            raise _tls_error(self.label, exc) from None
         except aiohttp.ClientConnectorError as exc:
             raise _connect_error(self.label, exc.os_error) from None
         except aiohttp.SocketTimeoutError:
@@ -600,6 +607,18 @@ class HttpClient:
                 raise too_big
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+def _tls_error(label: str, exc: aiohttp.ClientSSLError) -> TlsHandshakeFailed:
+    """A failed TLS handshake in plain words (aiohttp's own text reads as errno 1, "operation not permitted")."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        why = getattr(exc.certificate_error, "verify_message", "") or type(exc.certificate_error).__name__
+        return TlsHandshakeFailed(f"{label}: the TLS handshake failed: its certificate was not accepted ({why}): "
+                                  f"check the server's certificate, or use http:// if the server speaks plain HTTP")
+    ssl_error = getattr(exc, "os_error", None)
+    why = getattr(ssl_error, "reason", None) or type(ssl_error).__name__
+    return TlsHandshakeFailed(f"{label}: the TLS handshake failed ({str(why).lower().replace('_', ' ')}): use "
+                              f"http:// if the server speaks plain HTTP, or check its certificate")
 
 
 def _connect_error(label: str, os_error: Optional[OSError]) -> ServerUnavailable:
