@@ -15,7 +15,8 @@ Behaviours a fleet meets (each counted: `generations` is every POST received, `r
 - 503 / 429 before any work: `faults=["503", "429"]`, or `flaky_every=K` (every Kth POST answers 503);
   a 400 whose body quotes the Authorization header: `faults=["400_echo_auth"]`;
   `retry_after_s` is the Retry-After of a 429;
-- broken for good: `every_post="500"` (or "reset", "jpeg", ...) answers every generation POST with that fault;
+- broken for good: `every_post="500"` (or "reset", ...) answers every generation POST with that fault;
+- ignores output_format: `faults=["jpeg"]` / `["webp"]` answers that format whatever was asked;
 - loading: `warmup_s` (/health answers 503, POSTs are held until ready, as SGLang does).
 
 Each server runs its own event loop on a thread, so sync client code (the pipe) can be tested from
@@ -301,6 +302,8 @@ class FakeSglang:
         if fault == "wrong_size":
             w, h = w // 2, h // 2
         fmt = str(body.get("output_format") or "jpeg").lower()
+        if fault in ("jpeg", "webp"):  # a server that ignores output_format
+            fmt = fault
         b64 = self._encoded(str(body.get("prompt", "")), str(body.get("negative_prompt", " ")), seed, steps,
                             float(body.get("guidance_scale", 5.0)), bool(body.get("use_pe", True)), w, h, fmt)
         if fault == "bad_b64":
@@ -336,7 +339,8 @@ class FakeSglang:
         if key not in cache:
             image = render(prompt, negative, seed, steps, guidance, use_pe, width, height, self.image_side_cap)
             buffer = io.BytesIO()
-            image.save(buffer, format="PNG" if fmt == "png" else "JPEG", **({} if fmt == "png" else {"quality": 75}))
+            image.save(buffer, format={"png": "PNG", "webp": "WEBP"}.get(fmt, "JPEG"),
+                       **({} if fmt == "png" else {"quality": 75}))
             if len(cache) > 64:
                 cache.clear()
             cache[key] = base64.b64encode(buffer.getvalue()).decode("ascii")
