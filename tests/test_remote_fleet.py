@@ -175,6 +175,18 @@ def test_an_image_every_server_fails_ends_once_each_has_failed_it_naming_each():
     assert len(a.generations) == len(b.generations) == 1, "each server fails an image once, then is out"
 
 
+def test_a_batch_that_fails_after_some_images_says_how_many_were_received():
+    with fake(faults=["", "500"]) as server:  # the first image is made, the second answered with a 500
+        pipe = RemotePipe([server.url], FAST)
+        with pytest.raises(RemoteError) as caught:
+            pipe.generate(request(3), NullHost())
+        pipe.release()
+    message = str(caught.value)
+    assert "\n" not in message and "no server could take the remaining 2 of 3 images" in message
+    assert "HTTP 500" in message and "1 of 3 images were received before this and are not kept" in message
+    assert server.ran == [100] and len(server.generations) == 2
+
+
 def test_a_server_dropping_the_connection_is_given_up_on_and_the_rest_of_the_batch_is_made():
     """A dropped connection may leave the image running: that image is not sent again, the others are made."""
     with fake(service_time_s=0.05) as live, fake(every_post="reset") as dropping:

@@ -240,7 +240,8 @@ class _Batch:
         """How many images came back before the batch failed (a batch is returned whole or not at all)."""
         if not self.jobs or not self.done:
             return ""
-        return f"; {self.done} of {len(self.jobs)} images were received before this and are not kept"
+        return (f"; {self.done} of {len(self.jobs)} images were received before this and are not kept (a batch is "
+                f"returned whole or not at all)")
 
     def _unanswered_error(self) -> UnansweredImage:
         index, error = self.unanswered[0]
@@ -374,11 +375,12 @@ class _Batch:
         slot.reported = slot.state
         self.notify(line)
 
-    def _give_up(self, slot: ServerSlot, error: BaseException, why: str) -> None:
+    def _give_up(self, slot: ServerSlot, error: BaseException, why: str, then: str = "") -> None:
+        """`why` goes into the final error too; `then` (what becomes of its image) only into the line told now."""
         slot.state, slot.gave_up, slot.detail = GIVEN_UP, error, why
         others = [s.label for s in self.slots if s is not slot and s.state != GIVEN_UP]
         if others and not self._finished():  # alone, its error ends the run and says it once
-            self._report(slot, f"giving up on {slot.label} for this batch: {why}; the batch goes on with "
+            self._report(slot, f"giving up on {slot.label} for this batch: {why}{then}; the batch goes on with "
                                f"{', '.join(others)}")
         self._signal()
 
@@ -434,14 +436,14 @@ class _Batch:
 
     def _failed(self, slot: ServerSlot, error: RemoteError, index: int) -> None:
         """An answered failure: the server is out of the rotation for this batch, its image goes to another."""
-        self._give_up(slot, error, f"{error}; image {index + 1} goes back to the queue")
+        self._give_up(slot, error, str(error), f"; image {index + 1} goes back to the queue")
 
     def _unanswered(self, slot: ServerSlot, error: ConnectionLost, index: int) -> None:
         seed = self.jobs[index].seed
         if not self.settings.resend_unanswered:
             self.unanswered.append((index, error))
-            self._give_up(slot, error, f"{error}; image {index + 1} (seed {seed}) is not sent again, so no server "
-                                       f"runs it twice")
+            self._give_up(slot, error, str(error), f"; image {index + 1} (seed {seed}) is not sent again, so no "
+                                                   f"server runs it twice")
             return
         self.pending.appendleft(index)
         slot.failures += 1
