@@ -15,6 +15,8 @@ Behaviours a fleet meets (each counted: `generations` is every POST received, `r
 - 503 / 429 before any work: `faults=["503", "429"]`, or `flaky_every=K` (every Kth POST answers 503);
   a 400 whose body quotes the Authorization header: `faults=["400_echo_auth"]`;
   `retry_after_s` is the Retry-After of a 429;
+- broken for good: `every_post="500"` (or "reset", ...) answers every generation POST with that fault;
+- ignores output_format: `faults=["jpeg"]` / `["webp"]` answers that format whatever was asked;
 - loading: `warmup_s` (/health answers 503, POSTs are held until ready, as SGLang does).
 
 Each server runs its own event loop on a thread, so sync client code (the pipe) can be tested from
@@ -75,6 +77,7 @@ class FakeSglang:
     flaky_every: int = 0  # every Nth generation POST answers 503 before any work
     retry_after_s: float = 0.0  # Retry-After of a "429" fault
     image_b64: Optional[str] = None  # when set, every generation answers this base64 image (a bad or hostile PNG)
+    every_post: Optional[str] = None  # a fault for every generation POST (a server broken for good)
 
     def __post_init__(self) -> None:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -236,6 +239,8 @@ class FakeSglang:
             fault = self.faults.pop(0)
         if self.flaky_every and len(self.generations) % self.flaky_every == 0:
             fault = "503"
+        if self.every_post is not None:
+            fault = self.every_post
         if fault in ("503", "429", "408", "reset", "garbage", "huge", "hang", "500_json", "400_echo_auth"):
             return await self._apply_fault(fault, request)
         if not isinstance(body, dict):
@@ -297,6 +302,8 @@ class FakeSglang:
         if fault == "wrong_size":
             w, h = w // 2, h // 2
         fmt = str(body.get("output_format") or "jpeg").lower()
+        if fault in ("jpeg", "webp"):  # a server that ignores output_format
+            fmt = fault
         b64 = self._encoded(str(body.get("prompt", "")), str(body.get("negative_prompt", " ")), seed, steps,
                             float(body.get("guidance_scale", 5.0)), bool(body.get("use_pe", True)), w, h, fmt)
         if fault == "bad_b64":
@@ -332,7 +339,8 @@ class FakeSglang:
         if key not in cache:
             image = render(prompt, negative, seed, steps, guidance, use_pe, width, height, self.image_side_cap)
             buffer = io.BytesIO()
-            image.save(buffer, format="PNG" if fmt == "png" else "JPEG", **({} if fmt == "png" else {"quality": 75}))
+            image.save(buffer, format={"png": "PNG", "webp": "WEBP"}.get(fmt, "JPEG"),
+                       **({} if fmt == "png" else {"quality": 75}))
             if len(cache) > 64:
                 cache.clear()
             cache[key] = base64.b64encode(buffer.getvalue()).decode("ascii")

@@ -291,6 +291,41 @@ def test_a_live_and_a_dead_server_tell_the_dead_one_once_and_finish(capsys, tmp_
                           f"still loading its weights; images go to {live.url} meanwhile"], err
 
 
+def test_a_fleet_with_a_server_answering_500_to_every_image_saves_the_whole_batch(capsys, tmp_path):
+    with FakeSglang(service_time_s=0.02) as live, FakeSglang(every_post="500") as broken:
+        code = main(["generate", "--server", live.url, "--server", broken.url, *TURBO, "--batch", "6",
+                     "--out", str(tmp_path / "x.png")])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert [Path(p) for p in captured.out.split()] == [tmp_path / f"x_{i}.png" for i in range(6)]
+    about = [line for line in captured.err.splitlines() if broken.url in line and not line.startswith(" ")]
+    assert len(about) == 1 and about[0].startswith(f"giving up on {broken.url} for this batch: ") and \
+        "HTTP 500" in about[0], captured.err
+
+
+def test_https_to_a_plain_http_server_is_one_line_at_once_with_the_default_wait(capsys, tmp_path):
+    with FakeSglang() as plain:
+        url = plain.url.replace("http://", "https://")
+        started = time.monotonic()
+        code = main(["generate", "--server", url, *TURBO, "--out", str(tmp_path / "x.png")])
+        elapsed = time.monotonic() - started
+        sent = plain.generations
+    line = one_line_error(capsys)
+    assert code == 2 and elapsed < 3, f"rc {code} after {elapsed:.1f} s"
+    assert line == (f"error: {url}: the TLS handshake failed (wrong version number): use http:// if the server "
+                    f"speaks plain HTTP, or check its certificate"), line
+    assert sent == [] and not list(tmp_path.iterdir())
+
+
+def test_a_fleet_with_one_https_url_to_a_plain_server_goes_on_with_the_other(capsys, tmp_path):
+    with FakeSglang() as plain, FakeSglang() as live:
+        url = plain.url.replace("http://", "https://")
+        assert main(["generate", "--server", url, "--server", live.url, *TURBO, "--batch", "2",
+                     "--out", str(tmp_path / "x.png")]) == 0
+    about = [line for line in capsys.readouterr().err.splitlines() if line.startswith(f"giving up on {url}")]
+    assert len(about) == 1 and "TLS handshake failed" in about[0], about
+
+
 # ------------------------------------------------------------------------------ check-remote: bad URLs
 @pytest.mark.parametrize("url, expected", [
     ("http://a b:1", "error: URL 'http://a b:1' has a space or control character: give one like "

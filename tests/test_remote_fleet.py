@@ -56,6 +56,8 @@ class Servers:
         "503": lambda: fake(service_time_s=0.01, faults=["503", "503"]),
         "429": lambda: fake(service_time_s=0.01, faults=["429"], retry_after_s=0.3),
         "loading": lambda: fake(service_time_s=0.01, warmup_s=0.4),
+        "500": lambda: fake(service_time_s=0.01, every_post="500"),
+        "500_json": lambda: fake(service_time_s=0.01, every_post="500_json"),
     }
 
     def __init__(self, kinds: tuple[str, ...]) -> None:
@@ -118,7 +120,7 @@ def test_a_live_and_a_dead_server_serve_the_batch_at_once_with_default_settings(
 MIXES = [
     ("live", "dead"), ("dead", "live"), ("live", "slow"), ("slow", "dead"), ("dead", "slow", "live"),
     ("live", "dies"), ("dies", "dead", "live"), ("live", "flaky"), ("flaky", "503"), ("429", "live"),
-    ("loading", "dead"), ("dead", "dead", "live"),
+    ("loading", "dead"), ("dead", "dead", "live"), ("live", "500"), ("500", "live"), ("500_json", "dead", "slow"),
 ]
 
 
@@ -142,8 +144,65 @@ def test_a_batch_completes_on_the_servers_that_work(kinds, batch):
             assert len(about) == 1 and "refused" in about[0], host.messages
         elif kind in ("live", "slow"):
             assert about == [], host.messages
+        elif kind.startswith("500") and len(servers.fakes[index].generations):
+            assert len(about) == 1 and "HTTP 500" in about[0] and "giving up on" in about[0], host.messages
         for line in about:
             assert "\n" not in line
+
+
+def test_a_server_answering_500_to_every_image_is_given_up_on_and_its_image_made_elsewhere():
+    """The reported failure: [live, broken] with a batch of 6 ended in the broken server's 500, nothing kept."""
+    with fake(service_time_s=0.05) as live, fake(every_post="500") as broken:
+        result, host = generate([live.url, broken.url], 6)
+    assert [i["seed"] for i in result.info["images"]] == list(range(100, 106))
+    assert sorted(live.ran) == list(range(100, 106)) and broken.ran == []
+    assert len(broken.generations) == 1, "one answered 500 takes the server out of this batch"
+    about = lines_about(broken.url, host.messages)
+    assert len(about) == 1 and "\n" not in about[0], host.messages
+    assert f"giving up on {broken.url} for this batch" in about[0] and "HTTP 500" in about[0]
+    assert "goes back to the queue" in about[0] and live.url in about[0]
+
+
+def test_an_image_every_server_fails_ends_once_each_has_failed_it_naming_each():
+    with fake(every_post="500") as a, fake(every_post="500_json") as b:
+        pipe = RemotePipe([a.url, b.url], FAST)
+        with pytest.raises(RemoteError) as caught:
+            pipe.generate(request(3), NullHost())
+        pipe.release()
+    message = str(caught.value)
+    assert "\n" not in message and "no server could take the remaining 3 of 3 images" in message
+    assert a.url in message and b.url in message and "CUDA out of memory" in message
+    assert len(a.generations) == len(b.generations) == 1, "each server fails an image once, then is out"
+
+
+def test_a_batch_that_fails_after_some_images_says_how_many_were_received():
+    with fake(faults=["", "500"]) as server:  # the first image is made, the second answered with a 500
+        pipe = RemotePipe([server.url], FAST)
+        with pytest.raises(RemoteError) as caught:
+            pipe.generate(request(3), NullHost())
+        pipe.release()
+    message = str(caught.value)
+    assert "\n" not in message and "no server could take the remaining 2 of 3 images" in message
+    assert "HTTP 500" in message and "1 of 3 images were received before this and are not kept" in message
+    assert server.ran == [100] and len(server.generations) == 2
+
+
+def test_a_server_dropping_the_connection_is_given_up_on_and_the_rest_of_the_batch_is_made():
+    """A dropped connection may leave the image running: that image is not sent again, the others are made."""
+    with fake(service_time_s=0.05) as live, fake(every_post="reset") as dropping:
+        pipe = RemotePipe([live.url, dropping.url], FAST)
+        host = NullHost()
+        with pytest.raises(UnansweredImage) as caught:
+            pipe.generate(request(6), host)
+        pipe.release()
+    message = str(caught.value)
+    assert len(dropping.generations) == 1 and len(live.ran) == 5 and len(set(live.ran)) == 5
+    unmade = dropping.generations[0].body["seed"]
+    assert unmade not in live.ran, "the dropped image went nowhere else"
+    assert "\n" not in message and f"(seed {unmade})" in message and "dropped the connection" in message
+    assert "5 of 6 images were received" in message and "not sent again" in message
+    about = lines_about(dropping.url, host.messages)
+    assert len(about) == 1 and "giving up on" in about[0] and live.url in about[0], host.messages
 
 
 def test_a_slow_server_gets_fewer_images_than_a_fast_one():

@@ -19,6 +19,7 @@ from ernie_image.runtime.remote.http import (
     ServerRejected,
     ServerUnavailable,
     Timeouts,
+    TlsHandshakeFailed,
     run_sync,
 )
 
@@ -234,3 +235,14 @@ def test_a_post_goes_out_on_a_fresh_connection_and_a_get_reuses_one(server):
     for r in server.received:
         ports[r.path].add(r.peer_port)
     assert len(ports["/health"]) == 1 and len(ports[GEN]) == 2
+
+
+def test_https_to_a_plain_http_server_is_a_tls_setup_error_at_once(server):
+    client = HttpClient(server.url.replace("http://", "https://"), HttpSettings(retry=FAST_RETRY))
+    started = time.monotonic()
+    with pytest.raises(TlsHandshakeFailed) as caught:
+        call(client, "GET", "/health")
+    assert time.monotonic() - started < 1, "a failed handshake is not retried"
+    message = str(caught.value)
+    assert "\n" not in message and "TLS handshake failed (wrong version number)" in message
+    assert "use http:// if the server speaks plain HTTP" in message and "operation not permitted" not in message

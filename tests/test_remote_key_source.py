@@ -2,7 +2,7 @@
 
 The same check serves the nodes (their widget names in the messages) and the CLI (its flags). Every refusal is
 one InvalidInputError line naming the setting, the cause and the fix, and a value that may be a pasted key
-shows at most its first 4 characters.
+shows no character of it (only a plain variable name, ERNIE_SGLANG_KEY, or a plain path is named).
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def refusal(env_var=None, file=None, **labels) -> str:
 
 
 def assert_key_hidden(message: str, value: str) -> None:
-    assert value[:5] not in message, f"more than 4 characters of {value!r} shown: {message}"
+    assert value[:3] not in message and "..." not in message, f"a part of {value!r} is shown: {message}"
 
 
 # ----------------------------------------------------------------------------------------- accepted
@@ -71,29 +71,39 @@ def test_a_key_file_under_home_is_expanded(monkeypatch, tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------- refused
 def test_a_pasted_key_instead_of_a_variable_name() -> None:
     message = refusal(PASTED_KEY, env_label="api_key_env")
-    assert message == ("api_key_env must be the NAME of an environment variable (letters, digits, _), not "
-                       "'sk-l...': put the key in an environment variable and give its name, never the key itself")
+    assert message == ("api_key_env must be the NAME of an environment variable (letters, digits, _): the value "
+                       "given looks like a key rather than a variable name (not shown); put the key in an "
+                       "environment variable and give its name, never the key itself")
     assert_key_hidden(message, PASTED_KEY)
 
 
 def test_a_pasted_key_that_looks_like_a_name_names_no_variable() -> None:
     message = refusal(KEY_AS_NAME, env_label="--api-key-env", program="ernie-image")
-    assert message.startswith("--api-key-env names a variable ('SKli...') that ernie-image's environment does "
-                              "not have: export it before starting ernie-image, or give a key file")
+    assert message == ("--api-key-env names no variable of ernie-image's environment, and the value given looks "
+                       "like a key rather than a variable name (not shown): export the key in a variable before "
+                       "starting ernie-image and give the variable's NAME, or give a key file")
     assert_key_hidden(message, KEY_AS_NAME)
+
+
+def test_a_key_given_as_the_variable_name_shows_no_character_of_it(capsys) -> None:
+    """`--api-key-env sk-ENVSECRET456` printed "not 'sk-E...'": four characters of the key."""
+    code = main(["check-remote", "http://127.0.0.1:1", "--no-generate", "--api-key-env", "sk-ENVSECRET456"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "looks like a key rather than a variable name" in err
+    assert "sk-" not in err and "ENV" not in err and "SECRET" not in err and "456" not in err
 
 
 def test_a_variable_that_is_set_but_empty(monkeypatch) -> None:
     monkeypatch.setenv("ERNIE_TEST_KEY_EMPTY", "  ")
     message = refusal("ERNIE_TEST_KEY_EMPTY", env_label="api_key_env", program="ComfyUI")
-    assert message == ("api_key_env names a variable ('ERNI...') that is empty in ComfyUI's environment: export "
+    assert message == ("api_key_env names a variable (ERNIE_TEST_KEY_EMPTY) that is empty in ComfyUI's environment: export "
                        "the key in it before starting ComfyUI, or give a key file")
 
 
 def test_a_multiline_paste_stays_one_line() -> None:
     message = refusal("ab\ncd-" + PASTED_KEY)
-    assert "'ab?c...'" in message
-    assert_key_hidden(message, PASTED_KEY)
+    assert "looks like a key rather than a variable name (not shown)" in message
+    assert_key_hidden(message, "ab\ncd-" + PASTED_KEY)
 
 
 def test_a_missing_key_file_is_named_when_it_is_plainly_a_path(tmp_path: Path) -> None:
@@ -104,7 +114,9 @@ def test_a_missing_key_file_is_named_when_it_is_plainly_a_path(tmp_path: Path) -
 
 def test_a_key_pasted_into_the_key_file_setting_is_not_echoed() -> None:
     message = refusal(None, PASTED_KEY, file_label="pe_api_key_file")
-    assert message == "pe_api_key_file 'sk-l...' is not a file: give the path of a file holding only the key"
+    assert message == ("pe_api_key_file is not a file, and the value given looks like a key rather than a path "
+                       "(not shown): give the path of a file holding only the key")
+    assert_key_hidden(message, PASTED_KEY)
     slashed = "sk/" + PASTED_KEY  # base64 keys may hold a slash; their "folder" does not exist
     assert_key_hidden(refusal(None, slashed), PASTED_KEY)
 
@@ -146,7 +158,7 @@ def test_cli_refuses_an_unset_variable_before_anything_is_sent(capsys) -> None:
         code = main(["enhance", "--pe-url", server.url, "--prompt", "a fox", "--api-key-env", UNSET])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith("error: --api-key-env names a variable ('ERNI...') that ernie-image's environment "
+    assert err.startswith(f"error: --api-key-env names a variable ({UNSET}) that ernie-image's environment "
                           "does not have")
     assert not server.received and server.models_asked == 0
 
@@ -158,8 +170,8 @@ def test_cli_never_echoes_a_key_pasted_as_an_option(capsys) -> None:
     assert_key_hidden(err, PASTED_KEY)
     code = main(["check-remote", "http://127.0.0.1:1", "--no-generate", "--api-key-file", PASTED_KEY])
     err = capsys.readouterr().err
-    assert code == 2 and err == "error: --api-key-file 'sk-l...' is not a file: give the path of a file holding " \
-                                "only the key\n"
+    assert code == 2 and err == ("error: --api-key-file is not a file, and the value given looks like a key rather "
+                                 "than a path (not shown): give the path of a file holding only the key\n")
 
 
 def test_check_remote_runs_the_same_check_when_called_directly() -> None:
@@ -177,6 +189,6 @@ def test_a_remote_pipe_refuses_a_key_source_that_cannot_work() -> None:
 
     with pytest.raises(InvalidInputError, match="the API key variable names a variable"):
         RemotePipe(["http://127.0.0.1:1"], RemoteSettings(api_key_env=UNSET))
-    with pytest.raises(InvalidInputError, match="the PE endpoint's API key file 'sk-l...' is not a file"):
+    with pytest.raises(InvalidInputError, match="the PE endpoint's API key file is not a file, and the value given looks like a key"):
         RemotePipe(["http://127.0.0.1:1"],
                    RemoteSettings(pe_endpoint=ChatEndpoint(url="http://127.0.0.1:2", api_key_file=PASTED_KEY)))

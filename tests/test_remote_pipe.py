@@ -131,6 +131,28 @@ def test_unusable_responses_are_rejected(fault, message):
         pipe.release()
 
 
+@pytest.mark.parametrize("sent, named", [("jpeg", "JPEG"), ("webp", "WEBP")])
+def test_an_image_in_another_format_than_the_png_asked_for_is_refused_naming_the_server_and_format(sent, named):
+    with FakeSglang(faults=[sent]) as server:
+        pipe = RemotePipe([server.url], FAST)
+        with pytest.raises(BadResponse) as caught:
+            pipe.generate(request(), NullHost())
+        pipe.release()
+    assert server.generations[0].body["output_format"] == "png"
+    assert str(caught.value) == (f"{server.url} sent a {named} image, not the PNG asked for: refused (the server "
+                                 f"ignored output_format png): check its version")
+
+
+def test_a_fleet_goes_on_without_a_server_that_ignores_output_format():
+    with FakeSglang(every_post="jpeg") as jpeg, FakeSglang(service_time_s=0.05) as png:
+        host = NullHost()
+        pipe = RemotePipe([jpeg.url, png.url], FAST)
+        result = pipe.generate(request(batch=3), host)
+        pipe.release()
+    assert {i["server"] for i in result.info["images"]} == {png.url} and len(jpeg.generations) == 1
+    assert any(m.startswith(f"giving up on {jpeg.url}") and "sent a JPEG image" in m for m in host.messages)
+
+
 def test_decode_rejects_bytes_that_are_not_an_image():
     with pytest.raises(BadResponse, match="not a readable image"):
         decode_image(base64.b64encode(b"hello").decode(), 16, 16, "srv")
@@ -356,15 +378,16 @@ def test_fleet_fails_clearly_when_every_server_is_down():
     pipe.release()
 
 
-def test_bare_500_stops_the_batch_without_rerunning_elsewhere():
-    # Both answer their first generation with a bare 500, so whichever takes the image fails it; the other must
-    # not be sent it again.
+def test_a_bare_500_sends_the_image_to_the_other_server_once_and_fails_when_both_fail():
+    # Both answer their first generation with a bare 500: an answered 500 means the server is done with the image,
+    # so the other server gets it once; when it fails there too, the batch ends naming both.
     with FakeSglang(faults=["500"]) as a, FakeSglang(faults=["500"]) as b:
         pipe = RemotePipe([a.url, b.url], FAST)
-        with pytest.raises(RemoteError, match="the server failed to generate; see the server log"):
+        with pytest.raises(RemoteError, match="the server failed to generate; see the server log") as caught:
             pipe.generate(request(batch=1), NullHost())
         pipe.release()
-    assert len(a.generations) + len(b.generations) == 1
+    assert len(a.generations) == len(b.generations) == 1
+    assert a.url in str(caught.value) and b.url in str(caught.value)
 
 
 def test_cancel_returns_within_a_second_while_the_server_hangs():

@@ -10,10 +10,14 @@ What a failure does depends on whether the server can have started the image (se
   (Retry-After, or a growing pause) and is probed again; after `max_failures_per_server` such failures in a row
   it is given up on for this batch;
 - may have started (sent, then no answer in time or the connection broke): the image is NOT sent again, here or
-  elsewhere, so no server runs the same job twice; the batch stops and says so. With `resend_unanswered` it is
-  queued again instead, and the user is told the first server may still be working on it;
-- the request itself is wrong (4xx) or the server failed on it (500, an unusable answer): the batch stops;
-  another server would answer the same.
+  elsewhere, so no server runs the same job twice; that server is given up on for this batch, the other images
+  go on on the servers that work, and the batch ends in an error naming the image(s) left unmade and how many
+  were received. With `resend_unanswered` it is queued again instead, and the user is told the first server may
+  still be working on it;
+- the server answered that it failed (500, an unusable answer): it is done with the image, so the image goes
+  back to the queue for another server and the failing server is given up on for this batch (each server fails
+  an image at most once, so a request that fails everywhere ends once every server has failed it);
+- the request itself is wrong (4xx): the batch stops; another server would answer the same.
 The user gets one line each time a server's state changes (failed, loading, refused, ready again), not one per
 retry; a server not ready at its first look is told about once another server takes the images meanwhile (when
 none can, the waiting lines and the final error say it). When no server can take work the batch waits up to
@@ -32,7 +36,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from ..errors import RemoteError
-from .http import BadResponse, ConnectionLost, HttpSettings, RetryPolicy, ServerRejected, ServerUnavailable
+from .http import (BadResponse, ConnectionLost, HttpSettings, RetryPolicy, ServerFailed, ServerRejected,
+                   ServerUnavailable)
 from .sglang import (PROBE_READ_S, READY, REFUSED, UNREACHABLE, GeneratedImage, ImageParams, ReadTimeoutPolicy,
                      Readiness, ServerModel, SglangClient)
 
@@ -173,6 +178,7 @@ class _Batch:
     fatal: Optional[BaseException] = None
     until_ready: bool = False  # the goal is one ready server, not images (Fleet.first_model)
     on_first_send: Optional[Callable[[], None]] = None  # called as the first image goes out
+    unanswered: list = field(default_factory=list)  # (index, error) of images sent that got no answer: not re-sent
 
     def __post_init__(self) -> None:
         self.settings = self.fleet.settings
@@ -203,7 +209,7 @@ class _Batch:
             return True
         if self.until_ready:
             return any(slot.state == READY for slot in self.slots)
-        return self.done == len(self.jobs)
+        return self.done + len(self.unanswered) == len(self.jobs)
 
     # ------------------------------------------------------------------------------------ supervision
     async def run(self) -> list[GeneratedImage]:
@@ -225,8 +231,26 @@ class _Batch:
             for task in workers:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+        if self.fatal is None and self.unanswered:
+            self.fatal = self._unanswered_error()
         if self.fatal is not None:
             raise self.fatal
+
+    def _received(self) -> str:
+        """How many images came back before the batch failed (a batch is returned whole or not at all)."""
+        if not self.jobs or not self.done:
+            return ""
+        return (f"; {self.done} of {len(self.jobs)} images were received before this and are not kept (a batch is "
+                f"returned whole or not at all)")
+
+    def _unanswered_error(self) -> UnansweredImage:
+        index, error = self.unanswered[0]
+        others = len(self.unanswered) - 1
+        more = f" (and {others} more image(s) likewise)" if others else ""
+        return UnansweredImage(
+            f"image {index + 1} of {len(self.jobs)} (seed {self.jobs[index].seed}): {error}; it is not sent again, to "
+            f"this server or another, so no server runs it twice{more}{self._received()} (to send such images "
+            f"again, turn on {RESEND_SETTING})").naming(RESEND_SETTING)
 
     async def _supervise(self) -> None:
         """Until the batch is done or cannot go on: every server given up on, or none ready within the wait."""
@@ -289,13 +313,16 @@ class _Batch:
                                f"URLs, or {more_time}").naming(WAIT_SETTING)
 
     def _all_given_up(self) -> BaseException:
-        if len(self.slots) == 1 and self.slots[0].gave_up is not None:
+        if self.unanswered and not self.pending:
+            return self._unanswered_error()
+        if len(self.slots) == 1 and self.slots[0].gave_up is not None and not self.done:
             return self.slots[0].gave_up  # its own error says what to fix
         left = len(self.pending)
         reasons = "; ".join(s.detail for s in self.slots)
+        unmade = f"; {len(self.unanswered)} image(s) sent got no answer and are not sent again" if self.unanswered else ""
         return RemoteError(
-            f"no server could take the remaining {left} of {len(self.jobs)} images ({reasons}); check that the "
-            f"servers are running and ready (ernie-image check-remote URL)")
+            f"no server could take the remaining {left} of {len(self.jobs)} images ({reasons}){unmade}"
+            f"{self._received()}; check that the servers are running and ready (ernie-image check-remote URL)")
 
     # ---------------------------------------------------------------------------------------- workers
     async def _serve(self, slot: ServerSlot) -> None:
@@ -348,11 +375,12 @@ class _Batch:
         slot.reported = slot.state
         self.notify(line)
 
-    def _give_up(self, slot: ServerSlot, error: BaseException, why: str) -> None:
+    def _give_up(self, slot: ServerSlot, error: BaseException, why: str, then: str = "") -> None:
+        """`why` goes into the final error too; `then` (what becomes of its image) only into the line told now."""
         slot.state, slot.gave_up, slot.detail = GIVEN_UP, error, why
         others = [s.label for s in self.slots if s is not slot and s.state != GIVEN_UP]
         if others and not self._finished():  # alone, its error ends the run and says it once
-            self._report(slot, f"giving up on {slot.label} for this batch: {why}; the batch goes on with "
+            self._report(slot, f"giving up on {slot.label} for this batch: {why}{then}; the batch goes on with "
                                f"{', '.join(others)}")
         self._signal()
 
@@ -371,7 +399,11 @@ class _Batch:
         except ConnectionLost as exc:  # sent, no answer: the server may be running it
             self._unanswered(slot, exc, index)
             return
-        except Exception as exc:  # 4xx, 500, an unusable answer: another server would do the same
+        except (ServerFailed, BadResponse) as exc:  # it answered, so it is done with the image: another may make it
+            self.pending.appendleft(index)
+            self._failed(slot, exc, index)
+            return
+        except Exception as exc:  # 4xx: the request is wrong, another server would answer the same
             self.fatal = exc
             return
         finally:
@@ -402,13 +434,16 @@ class _Batch:
             self.notify(f"server failed: {error}; image {index + 1} goes back to the queue for {where} "
                         f"(asked again in {pause:g} s)")
 
+    def _failed(self, slot: ServerSlot, error: RemoteError, index: int) -> None:
+        """An answered failure: the server is out of the rotation for this batch, its image goes to another."""
+        self._give_up(slot, error, str(error), f"; image {index + 1} goes back to the queue")
+
     def _unanswered(self, slot: ServerSlot, error: ConnectionLost, index: int) -> None:
         seed = self.jobs[index].seed
         if not self.settings.resend_unanswered:
-            self.fatal = UnansweredImage(
-                f"image {index + 1} of {len(self.jobs)} (seed {seed}): {error}; it is not sent again, to this "
-                f"server or another, so no server runs it twice (to send such images again, turn on "
-                f"{RESEND_SETTING})").naming(RESEND_SETTING)
+            self.unanswered.append((index, error))
+            self._give_up(slot, error, str(error), f"; image {index + 1} (seed {seed}) is not sent again, so no "
+                                                   f"server runs it twice")
             return
         self.pending.appendleft(index)
         slot.failures += 1

@@ -45,8 +45,10 @@ DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 RETRYABLE_STATUSES = frozenset({408, 429, 503})
 MAX_KEY_FILE_BYTES = 4096  # a key is a few hundred bytes at most; anything larger is the wrong file
-SHOWN_CHARS = 4  # of a value that may be a pasted key, at most this many characters appear in a message
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A variable name as people write them (ERNIE_SGLANG_KEY): upper-case words joined by "_". Keys are not written
+# so (sk-..., ghp_MixedCase..., AKIA... without "_"), so only such a name is shown; any other value may be the key.
+_PLAIN_ENV_NAME = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+")
 
 
 # ----------------------------------------------------------------------------------------------- errors
@@ -100,6 +102,11 @@ class BadResponse(RemoteError):
     """The server answered something unusable: not JSON, wrong shape, too large, a redirect."""
 
 
+class TlsHandshakeFailed(BadResponse):
+    """An https:// URL whose TLS handshake failed (a plain-HTTP server, a certificate not trusted): nothing was
+    sent, and waiting will not change it, so it is a setup error, not a server still loading."""
+
+
 # ---------------------------------------------------------------------------------------------- api key
 @dataclass(frozen=True)
 class ApiKeySource:
@@ -120,8 +127,8 @@ class ApiKeySource:
         The variable must be a valid name that `program`'s environment has (set and not blank) unless a key file
         is also given; the file must be a readable, non-empty file of at most MAX_KEY_FILE_BYTES. Raises
         InvalidInputError, one line, naming the setting by `env_label` / `file_label` (a widget or a CLI flag).
-        A value that is not a set variable's name may be the key itself, pasted in the wrong place, so at most
-        SHOWN_CHARS of it appear in a message. The key itself is still read only when a request is sent.
+        A value that is not plainly a variable's name or a path may be the key itself, pasted in the wrong place,
+        so no character of it appears in a message. The key itself is still read only when a request is sent.
         """
         env_name = (env_var or "").strip() or None
         key_file = (file or "").strip() or None
@@ -175,35 +182,42 @@ def _header_safe(key: str, where: str) -> str:
     return key
 
 
-def _peek(value: str) -> str:
-    """The first SHOWN_CHARS characters of a value that may be a pasted key, on one line, marked as cut."""
-    head = "".join(char if char.isprintable() else "?" for char in value[:SHOWN_CHARS])
-    return f"'{head}...'" if len(value) > SHOWN_CHARS else f"'{head}'"
+def _plain_name(value: str) -> Optional[str]:
+    """`value` when it is plainly a variable's name (shown in full), else None: it may be a key, shown not at all."""
+    return value if len(value) <= 64 and _PLAIN_ENV_NAME.fullmatch(value) else None
+
+
+LOOKS_LIKE_A_KEY = "the value given looks like a key rather than a variable name (not shown)"
 
 
 def _check_env_name(name: str, *, has_file: bool, label: str, program: str) -> None:
     if not _ENV_NAME.fullmatch(name):
         raise InvalidInputError(
-            f"{label} must be the NAME of an environment variable (letters, digits, _), not {_peek(name)}: put "
+            f"{label} must be the NAME of an environment variable (letters, digits, _): {LOOKS_LIKE_A_KEY}; put "
             f"the key in an environment variable and give its name, never the key itself"
         )
     if has_file:
         return  # an unset variable falls back to the key file, as ApiKeySource.read does
+    shown = _plain_name(name)
     if name not in os.environ:
+        if shown is None:
+            raise InvalidInputError(
+                f"{label} names no variable of {program}'s environment, and {LOOKS_LIKE_A_KEY}: export the key in "
+                f"a variable before starting {program} and give the variable's NAME, or give a key file")
         raise InvalidInputError(
-            f"{label} names a variable ({_peek(name)}) that {program}'s environment does not have: export it "
+            f"{label} names a variable ({shown}) that {program}'s environment does not have: export it "
             f"before starting {program}, or give a key file; write only the variable's NAME there, never the key"
         )
     if not os.environ[name].strip():
         raise InvalidInputError(
-            f"{label} names a variable ({_peek(name)}) that is empty in {program}'s environment: export the key "
-            f"in it before starting {program}, or give a key file"
+            f"{label} names a variable ({shown or 'its name not shown'}) that is empty in {program}'s environment: "
+            f"export the key in it before starting {program}, or give a key file"
         )
 
 
-def _shown_path(value: str) -> str:
+def _shown_path(value: str) -> Optional[str]:
     """A path as typed when it is plainly one (it exists, its folder does, or it ends in a file suffix such as .txt
-    or .key); else it may be a pasted key: cut. A path is no secret; the file's contents are."""
+    or .key); else None: it may be a pasted key, shown not at all. A path is no secret; the file's contents are."""
     path = os.path.expanduser(value)
     folder = os.path.dirname(path)
     if value.isprintable() and (os.path.exists(path) or (folder and os.path.isdir(folder))):
@@ -211,13 +225,16 @@ def _shown_path(value: str) -> str:
     suffix = os.path.splitext(path)[1][1:]
     if value.isprintable() and " " not in value and 1 <= len(suffix) <= 5 and suffix.isalnum():
         return value  # nokey.txt, keys/api.key: keys carry no such suffix
-    return _peek(value)
+    return None
 
 
 def _check_key_file(value: str, *, label: str) -> None:
     path = os.path.expanduser(value)
-    shown = _shown_path(value)
     fix = "give the path of a file holding only the key"
+    shown = _shown_path(value)
+    if shown is None:  # nothing exists there, so it is no file either
+        raise InvalidInputError(f"{label} is not a file, and the value given looks like a key rather than a path "
+                                f"(not shown): {fix}")
     if not os.path.isfile(path):
         raise InvalidInputError(f"{label} {shown} is not a file: {fix}")
     size = os.path.getsize(path)
@@ -539,6 +556,8 @@ class HttpClient:
             cause = "no such host (the name does not resolve)"
             raise ServerUnavailable(f"{self.label}: {cause}: check the URL", reason="unreachable",
                                     cause=cause) from None
+        except aiohttp.ClientSSLError as exc:  # before ClientConnectorError: a connector error too, not transient
+            raise _tls_error(self.label, exc) from None
         except aiohttp.ClientConnectorError as exc:
             raise _connect_error(self.label, exc.os_error) from None
         except aiohttp.SocketTimeoutError:
@@ -600,6 +619,18 @@ class HttpClient:
                 raise too_big
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+def _tls_error(label: str, exc: aiohttp.ClientSSLError) -> TlsHandshakeFailed:
+    """A failed TLS handshake in plain words (aiohttp's own text reads as errno 1, "operation not permitted")."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        why = getattr(exc.certificate_error, "verify_message", "") or type(exc.certificate_error).__name__
+        return TlsHandshakeFailed(f"{label}: the TLS handshake failed: its certificate was not accepted ({why}): "
+                                  f"check the server's certificate, or use http:// if the server speaks plain HTTP")
+    ssl_error = getattr(exc, "os_error", None)
+    why = getattr(ssl_error, "reason", None) or type(ssl_error).__name__
+    return TlsHandshakeFailed(f"{label}: the TLS handshake failed ({str(why).lower().replace('_', ' ')}): use "
+                              f"http:// if the server speaks plain HTTP, or check its certificate")
 
 
 def _connect_error(label: str, os_error: Optional[OSError]) -> ServerUnavailable:

@@ -133,6 +133,21 @@ def build_payload(params: ImageParams, model: str) -> dict[str, Any]:
     }
 
 
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _image_format(raw: bytes) -> Optional[str]:
+    """The format Pillow reads from the header of `raw` (not a PNG), or None for bytes that are no image it knows.
+    Only the header is read: nothing is decoded."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(raw)) as image:
+                return image.format or None
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError):
+        return None
+
+
 def decode_image(b64: Any, width: int, height: int, label: str) -> torch.Tensor:
     """base64 PNG -> float32 [H, W, 3] in 0..1; the size must be the one asked for."""
     if not isinstance(b64, str) or not b64:
@@ -141,6 +156,11 @@ def decode_image(b64: Any, width: int, height: int, label: str) -> torch.Tensor:
         raw = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError):
         raise BadResponse(f"{label} returned an image that is not valid base64; see the server log") from None
+    if not raw.startswith(PNG_SIGNATURE):
+        other = _image_format(raw)
+        if other is not None:  # decoded, it would pass for the lossless PNG the request asked for
+            raise BadResponse(f"{label} sent a {other} image, not the PNG asked for: refused (the server ignored "
+                              f"output_format png): check its version")
     try:
         with warnings.catch_warnings():
             # Pillow warns (several lines on stderr) of a header claiming a huge image: refused below, in one line.
