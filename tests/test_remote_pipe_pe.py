@@ -77,6 +77,7 @@ def test_a_failed_pe_server_keeps_the_original_prompt_and_still_turns_the_server
     assert (sglang.generations[0].body["prompt"], sglang.generations[0].body["use_pe"]) == (PROMPT, False)
     assert result.prompts_used == [PROMPT] and result.info["pe"] == "original"
     assert any("original prompt is used" in m for m in host.messages)
+    assert result.request.use_pe is False, "the settings recorded say what ran: no enhancer"
 
 
 def test_cancel_while_the_pe_server_hangs_sends_no_image_request():

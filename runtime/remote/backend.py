@@ -270,7 +270,7 @@ class RemotePipe:
             latents=None,
             prompts_used=request.prompt_list(),
             info=info,
-            request=as_run,
+            request=as_run if revised is None else as_run.as_enhanced(revised.enhanced),
         )
 
     def release(self) -> None:
