@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -49,13 +50,22 @@ def read_png_settings(path: Path) -> dict[str, Any]:
     or settings that are not JSON, is an InvalidInputError naming the file."""
     from PIL import Image, UnidentifiedImageError
 
+    path = Path(path)
+    if path.exists() and not path.is_file():  # a FIFO would block the read forever
+        what = "is a folder" if path.is_dir() else "is not a regular file (a pipe, device or socket)"
+        raise InvalidInputError(f"{path} {what}: give a PNG that ernie-image wrote")
     try:
         with Image.open(path) as image:
             if image.format != "PNG":
                 raise InvalidInputError(f"{path} is not a PNG file ({image.format} image): give a PNG that "
                                         "ernie-image wrote")
             text = image.text.get(METADATA_KEY)
-    except UnidentifiedImageError:
+    except InvalidInputError:  # a ValueError too: not one of Pillow's below
+        raise
+    except (UnidentifiedImageError, SyntaxError):  # Pillow's broken-chunk errors are SyntaxError
+        if _starts_as_png(path):
+            raise InvalidInputError(f"{path} is a damaged PNG file (a chunk's checksum does not match its data): "
+                                    "copy the file again from where it came from") from None
         raise InvalidInputError(f"{path} is not a PNG file (not an image at all): give a PNG that ernie-image "
                                 "wrote") from None
     except Image.DecompressionBombError:
@@ -64,13 +74,44 @@ def read_png_settings(path: Path) -> dict[str, Any]:
     except OSError as error:  # missing, a folder, unreadable, cut short
         raise InvalidInputError(f"{path} cannot be read as a PNG file ({error.strerror or error}): check the path "
                                 "and that the file is complete") from None
+    except ValueError:  # Pillow's limits on text chunks (MAX_TEXT_CHUNK, MAX_TEXT_MEMORY): a zTXt bomb too
+        from PIL import PngImagePlugin
+
+        raise InvalidInputError(f"{path} has a text chunk larger than {PngImagePlugin.MAX_TEXT_CHUNK >> 20} MiB "
+                                "unpacked (ernie-image writes a few KiB): not a PNG that ernie-image wrote") from None
     if not text:
         return {}
     try:
-        settings = json.loads(text)
-    except ValueError:
+        settings = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except _NonFinite as number:
+        raise InvalidInputError(f"{path}: its {METADATA_KEY!r} text holds the number {number}, which ernie-image "
+                                "never writes: the file was edited or made by another program") from None
+    except (ValueError, RecursionError):  # RecursionError: arrays nested too deep to parse
         settings = None
     if not isinstance(settings, dict):
         raise InvalidInputError(f"{path}: its {METADATA_KEY!r} text is not the settings ernie-image writes: the file "
                                 "was edited or made by another program")
     return settings
+
+
+class _NonFinite(Exception):
+    """A NaN or infinite number in settings JSON (its text is the message)."""
+
+
+def _refuse_constant(text: str) -> float:
+    raise _NonFinite(text)  # NaN, Infinity, -Infinity: Python's json extensions, never in what save_pngs writes
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as inf
+        raise _NonFinite(text)
+    return value
+
+
+def _starts_as_png(path: Path) -> bool:
+    try:
+        with open(path, "rb") as file:
+            return file.read(8) == b"\x89PNG\r\n\x1a\n"
+    except OSError:
+        return False
