@@ -10,6 +10,7 @@ import torch
 
 from .errors import ErnieImageError, InvalidInputError
 from .output_files import atomic_outputs
+from .pipe import short_repr
 
 METADATA_KEY = "ernie-image"
 
@@ -31,18 +32,47 @@ def save_pngs(images: torch.Tensor, out: Path, settings: Mapping[str, Any]) -> l
     from PIL import Image
     from PIL.PngImagePlugin import PngInfo
 
+    check_images(images)
+    texts = [_settings_json(settings, index) for index in range(images.shape[0])]
     out = Path(out)
     paths = png_paths(out, images.shape[0])
     try:
         with atomic_outputs(paths) as partials:
             for index, partial in enumerate(partials):
                 info = PngInfo()
-                info.add_text(METADATA_KEY, json.dumps({**settings, "batch_index": index}))
+                info.add_text(METADATA_KEY, texts[index])
                 pixels = (images[index].clamp(0, 1) * 255).round().to("cpu").byte().numpy()
                 Image.fromarray(pixels, mode="RGB").save(partial, format="PNG", pnginfo=info)
     except OSError as error:
         raise ErnieImageError(f"cannot write {out}: {error.strerror or error}: pick a writable --out path") from None
     return paths
+
+
+def check_images(images: Any) -> None:
+    """Refuse, in one line, images save_pngs cannot write: anything but a float tensor [B, H, W, 3] of finite values
+    (Pillow would say "Invalid mode for data type", or write NaN as black without a word)."""
+    if not isinstance(images, torch.Tensor):
+        raise InvalidInputError(f"images {short_repr(images)} is not a torch.Tensor: give a tensor [B, H, W, 3] of "
+                                "floats in 0..1")
+    shape = tuple(images.shape)
+    if images.dim() != 4 or shape[-1] != 3:
+        fix = ("add the batch dimension (images.unsqueeze(0))" if images.dim() == 3 and shape[-1] == 3 else
+               "give channels last (images.permute(0, 2, 3, 1))" if images.dim() == 4 and shape[1] == 3 else
+               "give RGB images, channels last")
+        raise InvalidInputError(f"images of shape {shape} are not a batch [B, H, W, 3]: {fix}")
+    if not images.is_floating_point():
+        raise InvalidInputError(f"images of dtype {images.dtype} are not floats in 0..1: give images.float() / 255")
+    if not bool(torch.isfinite(images).all()):
+        raise InvalidInputError("images hold NaN or infinite pixels: the run that made them failed numerically; "
+                                "nothing was written")
+
+
+def _settings_json(settings: Mapping[str, Any], index: int) -> str:
+    try:
+        return json.dumps({**settings, "batch_index": index}, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as error:
+        raise InvalidInputError(f"settings cannot be written as JSON ({error}): give settings of str, int, float, "
+                                "bool, None, lists and dicts (finite numbers)") from None
 
 
 def read_png_settings(path: Path) -> dict[str, Any]:
