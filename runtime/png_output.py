@@ -1,6 +1,7 @@
 """Images as PNG files with the settings that made them in their text metadata (key `ernie-image`, JSON)."""
 from __future__ import annotations
 
+import errno
 import json
 import math
 from pathlib import Path
@@ -44,8 +45,19 @@ def save_pngs(images: torch.Tensor, out: Path, settings: Mapping[str, Any]) -> l
                 pixels = (images[index].clamp(0, 1) * 255).round().to("cpu").byte().numpy()
                 Image.fromarray(pixels, mode="RGB").save(partial, format="PNG", pnginfo=info)
     except OSError as error:
-        raise ErnieImageError(f"cannot write {out}: {error.strerror or error}: pick a writable --out path") from None
+        raise write_error(out, error) from None
     return paths
+
+
+def write_error(out: Path, error: OSError) -> ErnieImageError:
+    """The one line for an output PNG that could not be written. It names the parameter `out` (the CLI shows its
+    flag, --out: cli_names.py); a full disk or quota is said so, as no other path in the same folder would help."""
+    reason = error.strerror or str(error)
+    full = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up"}.get(error.errno)
+    if full is not None:
+        return ErnieImageError(f"out {out} cannot be written: {full} ({reason}): free space on it, or give a path "
+                               "on another disk").naming("out")
+    return ErnieImageError(f"out {out} cannot be written ({reason}): give a path in a writable folder").naming("out")
 
 
 def check_images(images: Any) -> None:
