@@ -320,6 +320,19 @@ def test_quantize_refuses_a_damaged_source_and_an_output_it_cannot_write(capsys,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dit.safetensors", "notes.safetensors"]
 
 
+@pytest.mark.parametrize("fmt, suffix", [("fp8", ".safetensors"), ("q8_0", ".gguf")])
+def test_quantize_out_an_existing_folder_is_called_a_folder_with_a_file_inside_it(capsys, tmp_path, fmt, suffix):
+    """Was "--out b6 does not end in .safetensors ... give e.g. --out b6.safetensors" for the folder b6."""
+    source = tmp_path / "dit.safetensors"
+    save_file({"x_embedder.proj.weight": torch.zeros(4, 4)}, str(source))
+    folder = tmp_path / "b6"
+    folder.mkdir()
+    line = _cli(capsys, "quantize", "--dit", str(source), "--format", fmt, "--out", str(folder))
+    assert line == (f"error: --out {folder} is a folder: give a file name inside it, e.g. "
+                    f"--out {folder / ('ernie-image-' + fmt + suffix)}")
+    assert list(folder.iterdir()) == []
+
+
 def test_a_damaged_vae_fails_when_the_pipe_loads_not_after_sampling(tmp_path):
     from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
 
