@@ -30,6 +30,7 @@ FLAGS: dict[str, str] = {
     "quant": "--quant",
     "wait_for_servers_s": "--wait-for-servers",
     "resend_unanswered": "--resend-unanswered",
+    "out": "--out",
 }
 
 

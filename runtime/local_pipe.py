@@ -8,10 +8,12 @@ from __future__ import annotations
 import functools
 import gc
 import math
+import os
 import threading
 import time
 import weakref
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
@@ -32,6 +34,7 @@ from .offload.planner import budget_bytes
 from .offload.reserve import device_bytes_held, device_bytes_needed, phase_needs
 from .offload.session import PipeMemory, plans_pe
 from .out_of_memory import out_of_memory_message, without_tracebacks
+from .pipe import check_generate_call, short_repr
 from .preview import latent_preview
 from .request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
 from .sampling import initial_noise, length_grouped_denoiser, sample_euler
@@ -209,6 +212,16 @@ def check_finite_latents(latents: torch.Tensor, sources: ModelSources, loras: Lo
                          "from the bf16 weights (in fp16, try bf16 or fp32)")
 
 
+def _as_sources(sources: Any) -> ModelSources:
+    """ModelSources as given; a str or path as the model folder; anything else refused in one line."""
+    if isinstance(sources, ModelSources):
+        return sources
+    if isinstance(sources, (str, os.PathLike)):
+        return ModelSources(model_dir=Path(sources))
+    raise InvalidInputError(f"sources {short_repr(sources)} is not a ModelSources: give "
+                            "ernie_image.ModelSources(model_dir=...) or the model folder's path")
+
+
 class LocalPipe:
     kind = "local"
 
@@ -243,8 +256,13 @@ class LocalPipe:
 
         Every part's header is read here, so a missing, damaged or wrong file fails now, not after the text
         encoder and the whole sampling loop have run. `loras`: LoRA files (paths, (path, strength) pairs or
-        lora.LoraEntry) every run of this pipe applies; they are read and checked here too."""
-        options = options or LoadOptions()
+        lora.LoraEntry) every run of this pipe applies; they are read and checked here too. `sources` may be the
+        model folder's path (ModelSources(model_dir=it))."""
+        sources = _as_sources(sources)
+        options = LoadOptions() if options is None else options
+        if not isinstance(options, LoadOptions):
+            raise InvalidInputError(f"options {short_repr(options)} is not a LoadOptions: give "
+                                    "ernie_image.LoadOptions(...) or None for the defaults")
         from .lora.parsed import check_lora_files
 
         check_lora_files(LoraStack.of(loras))  # a bad LoRA file fails first, before any model file is opened
@@ -459,6 +477,7 @@ class LocalPipe:
         """Run the job. Any failure or cancel releases the pipe's device memory; running out of it is a
         MemoryBudgetError naming the phase and the fix. `loras`: the stack to run with (None: the pipe's own);
         a bad LoRA file is refused here, before anything runs, and leaves the loaded model as it was."""
+        check_generate_call(request, host)
         request = request.with_defaults(self.variant)
         request.validate()
         with self._running:  # one job at a time on the loaded model (its views share it, with their own LoRAs)

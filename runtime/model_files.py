@@ -51,6 +51,11 @@ class ModelSources:
             raise ModelFileError(
                 f"no {name} given: pass a diffusers folder (--model-dir) or the {name} file itself"
             )
+        if not self.model_dir.is_dir():
+            what = "is a file, not a folder" if self.model_dir.exists() else "does not exist"
+            hint = ("give the diffusers ERNIE-Image folder, or the file as the component it holds" if
+                    self.model_dir.exists() else "check the path")
+            raise ModelFileError(f"model folder {self.model_dir} {what}: {hint}")
         folder = self.model_dir / name
         if not folder.is_dir():
             raise ModelFileError(

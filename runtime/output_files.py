@@ -11,7 +11,7 @@ import contextlib
 import itertools
 import os
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 _counter = itertools.count()
 
@@ -25,6 +25,18 @@ def new_file_mode() -> int:
         umask = os.umask(0o022)
         os.umask(umask)
     return 0o666 & ~umask
+
+
+def give_usual_mode(paths: Iterable[Path]) -> None:
+    """Give files the mode a new file gets (new_file_mode): for writers that make theirs 0600, as safetensors'
+    save_file (and save_pretrained through it) does, which would keep a shared cache from other users."""
+    mode = new_file_mode()
+    for path in paths:
+        os.chmod(path, mode)
+
+
+def safetensors_under(folder: Path) -> list[Path]:
+    return sorted(Path(folder).rglob("*.safetensors"))
 
 
 def partial_path(path: Path) -> Path:

@@ -33,3 +33,23 @@ class ErniePipe(Protocol):
     def enhance(self, prompt: str, width: int, height: int, seed: int, temperature: float = 0.6,
                 top_p: float = 0.95, max_new_tokens: int = 512, host: Optional[Host] = None) -> Any:
         """The prompt enhancer's revision of one prompt (text.enhancer.RevisedPrompts), nothing else."""
+
+
+def check_generate_call(request: Any, host: Any) -> None:
+    """Refuse arguments of `generate` that are not a GenerationRequest and a Host, in one line, before any work
+    (else an AttributeError from deep inside: "'NoneType' object has no attribute 'check_cancel'")."""
+    from .errors import InvalidInputError
+
+    if not isinstance(request, GenerationRequest):
+        hint = " (a dict: GenerationRequest(**it))" if isinstance(request, dict) else ""
+        raise InvalidInputError(f"request {short_repr(request)} is not a GenerationRequest: give "
+                                f"ernie_image.GenerationRequest(prompt=...){hint}")
+    if not isinstance(host, Host):
+        raise InvalidInputError(f"host {short_repr(host)} is not a Host: give ernie_image.NullHost() (or an "
+                                "object with progress, check_cancel, make_room and log)")
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """`repr(value)` on one line, cut to `limit`: how a refusal quotes a wrong argument."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 
 from .model_files import CONFIG_ROOT, ModelSources, Variant
+from .output_files import give_usual_mode, safetensors_under
 from .text.pe_prompt import ERNIE_PE_CHAT_TEMPLATE
 from .tiny_vocab import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS
 
@@ -211,7 +212,7 @@ def write_pe_tokenizer(folder: Path, chat_template: str = ERNIE_PE_CHAT_TEMPLATE
 
 def _write_scheduler(folder: Path, config_root: Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(config_root / "scheduler" / "config.json", folder / "scheduler_config.json")
+    shutil.copyfile(config_root / "scheduler" / "config.json", folder / "scheduler_config.json")  # the umask's mode
 
 
 def build_tiny_model(
@@ -262,4 +263,5 @@ def _save_diffusers_layout(dest: Path, config_root: Path, dit, text_encoder, vae
     if pe is not None:
         pe.save_pretrained(dest / "pe")
         write_pe_tokenizer(dest / "pe_tokenizer")  # Baidu's layout: the chat template writes BOS
+    give_usual_mode(safetensors_under(dest))
     return ModelSources(model_dir=dest)

@@ -228,7 +228,8 @@ def test_a_failed_png_write_leaves_no_part_of_the_batch(tmp_path):
     from ernie_image.runtime.errors import ErnieImageError
 
     (tmp_path / "img_1.png").mkdir()  # the second image cannot be written
-    with pytest.raises(ErnieImageError, match=r"cannot write .*img\.png: .*: pick a writable --out path"):
+    with pytest.raises(ErnieImageError,
+                       match=r"^out .*img\.png cannot be written \(Is a directory\): give a path in a writable folder$"):
         save_pngs(torch.rand(2, 16, 16, 3), tmp_path / "img.png", {})
     assert [p.name for p in tmp_path.iterdir()] == ["img_1.png"]
 
@@ -317,6 +318,19 @@ def test_quantize_refuses_a_damaged_source_and_an_output_it_cannot_write(capsys,
     ]:
         assert expected in _cli(capsys, "quantize", "--dit", str(source), "--format", "q8_0", "--out", str(out))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dit.safetensors", "notes.safetensors"]
+
+
+@pytest.mark.parametrize("fmt, suffix", [("fp8", ".safetensors"), ("q8_0", ".gguf")])
+def test_quantize_out_an_existing_folder_is_called_a_folder_with_a_file_inside_it(capsys, tmp_path, fmt, suffix):
+    """Was "--out b6 does not end in .safetensors ... give e.g. --out b6.safetensors" for the folder b6."""
+    source = tmp_path / "dit.safetensors"
+    save_file({"x_embedder.proj.weight": torch.zeros(4, 4)}, str(source))
+    folder = tmp_path / "b6"
+    folder.mkdir()
+    line = _cli(capsys, "quantize", "--dit", str(source), "--format", fmt, "--out", str(folder))
+    assert line == (f"error: --out {folder} is a folder: give a file name inside it, e.g. "
+                    f"--out {folder / ('ernie-image-' + fmt + suffix)}")
+    assert list(folder.iterdir()) == []
 
 
 def test_a_damaged_vae_fails_when_the_pipe_loads_not_after_sampling(tmp_path):

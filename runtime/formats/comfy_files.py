@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ..model_files import ModelSources
+from ..output_files import give_usual_mode
 from ..tiny_vocab import SPECIAL_TOKENS
 from .tekken import TEKKEN_KEY, byte_symbols, tekken_json_from_vocabulary
 from .vae_keys import to_bfl_state_dict
@@ -39,6 +40,7 @@ def _save(path: Path, state: dict[str, torch.Tensor], config: Optional[dict] = N
     if config is not None:
         metadata["config"] = json.dumps(config, default=list)
     save_file(_tensors(state), str(path), metadata=metadata)
+    give_usual_mode([path])
     return path
 
 

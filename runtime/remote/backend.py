@@ -19,6 +19,7 @@ import torch
 
 from ..errors import Cancelled, InvalidInputError, RemoteError
 from ..host import Host
+from ..pipe import check_generate_call
 from ..request import GenerationRequest, GenerationResult, refuse_image_inputs
 from .fleet import Fleet, FleetSettings
 from .http import ApiKeySource, HttpSettings, checked_seconds, run_sync, server_label
@@ -196,6 +197,7 @@ class RemotePipe:
         return self.served_model(host).variant
 
     def generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
+        check_generate_call(request, host)
         refuse_image_inputs(request, "the remote SGLang backend (SGLang serves ERNIE-Image as text-to-image only: "
                                      "its /v1/images/edits refuses input images)")
         if request.steps is None or request.cfg is None:  # the served variant's defaults, as the local pipe does

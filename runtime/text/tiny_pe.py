@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from ..output_files import give_usual_mode, safetensors_under
 from ..tiny import lively_prompt_enhancer, write_pe_tokenizer
 from .pe_prompt import ERNIE_PE_CHAT_TEMPLATE
 
@@ -23,5 +24,6 @@ def build_tiny_pe_folder(dest: Path, seed: int = 0, chat_template: str = ERNIE_P
     """Write `dest/pe/` and `dest/pe_tokenizer/`; returns `dest` (usable as ModelSources(model_dir=dest))."""
     dest = Path(dest)
     (model or lively_prompt_enhancer(seed=seed)).save_pretrained(dest / "pe")
+    give_usual_mode(safetensors_under(dest / "pe"))
     write_pe_tokenizer(dest / "pe_tokenizer", chat_template, adds_bos, max_length)
     return dest
