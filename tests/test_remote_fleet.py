@@ -163,13 +163,20 @@ def test_a_server_answering_500_to_every_image_is_given_up_on_and_its_image_made
     assert "goes back to the queue" in about[0] and live.url in about[0]
 
 
+def failed_batch_message(urls: list[str], count: int) -> str:
+    """The one-line error of a batch of `count` on a fleet of `urls` that cannot complete it."""
+    pipe = RemotePipe(urls, FAST)
+    try:
+        with pytest.raises(RemoteError) as caught:
+            pipe.generate(request(count), NullHost())
+    finally:
+        pipe.release()
+    return str(caught.value)
+
+
 def test_an_image_every_server_fails_ends_once_each_has_failed_it_naming_each():
     with fake(every_post="500") as a, fake(every_post="500_json") as b:
-        pipe = RemotePipe([a.url, b.url], FAST)
-        with pytest.raises(RemoteError) as caught:
-            pipe.generate(request(3), NullHost())
-        pipe.release()
-    message = str(caught.value)
+        message = failed_batch_message([a.url, b.url], 3)
     assert "\n" not in message and "no server could take the remaining 3 of 3 images" in message
     assert a.url in message and b.url in message and "CUDA out of memory" in message
     assert len(a.generations) == len(b.generations) == 1, "each server fails an image once, then is out"
@@ -177,11 +184,7 @@ def test_an_image_every_server_fails_ends_once_each_has_failed_it_naming_each():
 
 def test_a_batch_that_fails_after_some_images_says_how_many_were_received():
     with fake(faults=["", "500"]) as server:  # the first image is made, the second answered with a 500
-        pipe = RemotePipe([server.url], FAST)
-        with pytest.raises(RemoteError) as caught:
-            pipe.generate(request(3), NullHost())
-        pipe.release()
-    message = str(caught.value)
+        message = failed_batch_message([server.url], 3)
     assert "\n" not in message and "no server could take the remaining 2 of 3 images" in message
     assert "HTTP 500" in message and "1 of 3 images were received before this and are not kept" in message
     assert server.ran == [100] and len(server.generations) == 2
@@ -214,11 +217,7 @@ def test_a_slow_server_gets_fewer_images_than_a_fast_one():
 def test_every_server_given_up_on_is_one_line_per_server():
     """Ready servers that keep refusing work (503 after /health said ok) are given up on, each named once."""
     with fake(faults=["503"] * 10) as a, fake(faults=["503"] * 10) as b:
-        pipe = RemotePipe([a.url, b.url], FAST)
-        with pytest.raises(RemoteError) as caught:
-            pipe.generate(request(2), NullHost())
-        pipe.release()
-    message = str(caught.value)
+        message = failed_batch_message([a.url, b.url], 2)
     assert "\n" not in message and "no server could take the remaining 2 of 2 images" in message
     assert a.url in message and b.url in message and a.ran == b.ran == []
 
