@@ -159,13 +159,13 @@ def refuse_quant_for_quantized_dit(quant: str, dit) -> None:
         return
     from collections import Counter
 
-    from .quant.qweight import QuantizedWeight
+    from .quant.qweight import QuantizedWeight, block_format, format_label
 
-    packed = Counter(entry.qtype.upper() if entry.format == "gguf" else entry.format.upper()
-                     for entry in (dit.tensor(key) for key in dit.keys) if isinstance(entry, QuantizedWeight))
-    if set(packed) == {quant.upper()}:
+    entries = [entry for entry in (dit.tensor(key) for key in dit.keys) if isinstance(entry, QuantizedWeight)]
+    if {block_format(entry.format, entry.qtype) for entry in entries} == {quant}:
         return  # the format the file already has
-    own = ("GGUF " if dit.layout == "gguf" else "") + "/".join(name for name, _ in packed.most_common())
+    packed = Counter(format_label(entry.format, entry.qtype) for entry in entries)
+    own = "/".join(name for name, _ in packed.most_common())
     raise InvalidInputError(f"quant {quant} does not apply to {dit.path.name}, a DiT file already quantised "
                             f"({own or 'packed'}): drop that option to run the file as it is, or give the bf16 DiT "
                             "to quantise it on load").naming("quant")
@@ -177,9 +177,10 @@ def dit_weight_format(dit: torch.nn.Module) -> str:
     from collections import Counter
 
     from .quant.linear import QuantLinear
+    from .quant.qweight import format_label
 
-    packed = Counter(f"GGUF {module.qtype.upper()}" if module.format == "gguf" else module.format.upper()
-                     for module in dit.modules() if isinstance(module, QuantLinear))
+    packed = Counter(format_label(module.format, module.qtype) for module in dit.modules()
+                     if isinstance(module, QuantLinear))
     if packed:
         return "/".join(name for name, _ in packed.most_common())
     weight = next((p for p in dit.parameters() if p.is_floating_point()), None)

@@ -15,6 +15,7 @@ from typing import Collection, Mapping, Optional
 import torch
 from torch import nn
 
+from ..quant.qweight import block_format
 from .sizes import FORMAT_BYTES, LayeredSize, ModelSizes
 from .workspace import Job, dit_workspace, pe_workspace, text_workspace, vae_encode_workspace, vae_workspace
 
@@ -77,7 +78,7 @@ def file_dit_size(component, dtype_bytes: int, largest_linear_params: int) -> tu
             size = value.numel() * dtype_bytes
         else:  # quant.qweight.QuantizedWeight: its packed tensors as they will sit in the QuantLinear
             size = value.nbytes
-            name = (value.qtype if value.format == "gguf" else value.format).lower()
+            name = block_format(value.format, value.qtype)
             formats[name] = formats.get(name, 0) + size
         parts = key.split(".")
         if parts[0] == "layers" and len(parts) > 2:

@@ -20,6 +20,16 @@ from .gguf_blocks import BLOCK_GEOMETRY, FLOAT_TYPES, KERNELS
 FORMATS = ("gguf", "fp8", "nvfp4")
 
 
+
+def block_format(fmt: str, qtype: str) -> str:
+    """A packed weight's format as the user picks it: the GGUF block type ("q8_0", "q4_k") or "fp8" / "nvfp4"."""
+    return (qtype if fmt == "gguf" else fmt).lower()
+
+
+def format_label(fmt: str, qtype: str) -> str:
+    """The same as shown to the user: "GGUF Q8_0", "FP8", "NVFP4"."""
+    return f"GGUF {qtype.upper()}" if fmt == "gguf" else fmt.upper()
+
 @dataclass
 class QuantizedWeight:
     format: str
