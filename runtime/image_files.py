@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidInputError, one_line
+from .file_kind import not_a_regular_file
 from .request import MAX_SIDE
 
 HIGH_DEPTH_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
@@ -23,9 +24,8 @@ HIGH_DEPTH_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
 def _open(path: Path, option: str):
     from PIL import Image, UnidentifiedImageError
 
-    if not path.is_file():
-        what = ("is a folder" if path.is_dir() else "is not a regular file (a pipe, device or socket)" if path.exists()
-                else "is a broken or looping symbolic link" if path.is_symlink() else "does not exist")
+    what = not_a_regular_file(path)
+    if what is not None:
         raise InvalidInputError(f"{option} {path} {what}: give the path of a PNG or JPEG file")
     try:
         image = Image.open(path)

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 import torch
 
 from .errors import ErnieImageError, InvalidInputError
+from .file_kind import not_a_regular_file
 from .output_files import atomic_outputs
 from .pipe import short_repr
 
@@ -93,8 +94,8 @@ def read_png_settings(path: Path) -> dict[str, Any]:
     from PIL import Image, UnidentifiedImageError
 
     path = Path(path)
-    if path.exists() and not path.is_file():  # a FIFO would block the read forever
-        what = "is a folder" if path.is_dir() else "is not a regular file (a pipe, device or socket)"
+    what = not_a_regular_file(path)
+    if what is not None and what != "does not exist":  # a missing file: Pillow's own words below
         raise InvalidInputError(f"{path} {what}: give a PNG that ernie-image wrote")
     try:
         with Image.open(path) as image:
