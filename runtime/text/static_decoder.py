@@ -22,6 +22,7 @@ transformers' path (the reference the tests compare with).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -287,20 +288,16 @@ def decode_layer(hidden: torch.Tensor, input_norm: torch.Tensor, qkv_weight: tor
     return torch.addmm(hidden, F.silu(gate_up[:, :width]) * gate_up[:, width:], down_weight.t())
 
 
-_COMPILED: dict[str, object] = {}
-
-
+@functools.cache
 def _compiled_decode_layer():
-    """`decode_layer` through torch.compile, one per allocator backend. Under cudaMallocAsync (current ComfyUI's
+    """`decode_layer` through torch.compile, made once (the allocator backend is fixed for the process). Under cudaMallocAsync (current ComfyUI's
     allocator) a tensor allocated inside a CUDA-graph capture has no memory until the graph first runs, and
     Inductor's Python kernel launchers check every tensor argument with the driver (cuPointerGetAttribute: "invalid
     argument" mid-capture, then an abort when the failed capture's tensors are freed); its C++ wrapper passes the
     pointers on unchecked, so there the step is compiled with it (needs a C++ compiler, as Triton does)."""
     backend = torch.cuda.get_allocator_backend() if torch.cuda.is_available() else "native"
-    if backend not in _COMPILED:
-        options = {"cpp_wrapper": True} if backend == "cudaMallocAsync" else None
-        _COMPILED[backend] = torch.compile(decode_layer, fullgraph=True, options=options)
-    return _COMPILED[backend]
+    options = {"cpp_wrapper": True} if backend == "cudaMallocAsync" else None
+    return torch.compile(decode_layer, fullgraph=True, options=options)
 
 
 def _rms_norm_weighted(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
