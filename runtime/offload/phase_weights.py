@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from .pinned import HostSlab
-
-ALIGNMENT = 256
+from .streamer import ALIGN, typed_view
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,6 @@ class _Slot:
 @dataclass(frozen=True)
 class _Span:
     start: int
-    nbytes: int
     dtype: torch.dtype
     shape: torch.Size
 
@@ -67,9 +65,9 @@ class PhaseWeights:
         self._spans: list[_Span] = []
         offset = 0
         for tensor in sources:
-            offset = -(-offset // ALIGNMENT) * ALIGNMENT
+            offset = -(-offset // ALIGN) * ALIGN
             nbytes = tensor.numel() * tensor.element_size()
-            self._spans.append(_Span(offset, nbytes, tensor.dtype, tensor.shape))
+            self._spans.append(_Span(offset, tensor.dtype, tensor.shape))
             offset += nbytes
         self.nbytes = offset
         self.slab = HostSlab(self.nbytes, pin=self.device.type == "cuda")
@@ -121,7 +119,7 @@ class PhaseWeights:
 
     def _tensors(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per unique tensor, its view of `flat` (a Parameter where the original was one)."""
-        views = [flat[span.start:span.start + span.nbytes].view(span.dtype).view(span.shape) for span in self._spans]
+        views = [typed_view(flat, span.start, span.dtype, tuple(span.shape)) for span in self._spans]
         return [nn.Parameter(view, requires_grad=False) if is_parameter else view
                 for view, is_parameter in zip(views, self._is_parameter)]
 
