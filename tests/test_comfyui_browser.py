@@ -136,14 +136,24 @@ async def test_a_workflow_queued_from_the_editor_runs_and_the_loader_shows_its_m
     assert "plan" in plan.lower() and len(plan.splitlines()) >= 2
 
 
-async def test_test_connection_to_a_dead_server_says_so_on_the_node_and_never_shows_the_password(
-        page: Browser) -> None:
-    password = "s3cret-" + str(free_port())
+async def press_test_connection(page: Browser, server_urls: str) -> str:
+    """A new Remote Backend with `server_urls`, its Test connection button pressed: the answer on the node."""
     await add_node(page, "ErnieImageRemoteBackend")
-    await page.evaluate(set_widget("server_urls", f"http://user:{password}@127.0.0.1:{free_port()}"))
+    await page.evaluate(set_widget("server_urls", server_urls))
     await page.evaluate(set_widget("connect_timeout_s", 1.0))
     await page.evaluate("testNode.widgets.find((w) => w.name === 'Test connection').callback(); true")
-    status = await page.wait_for("(() => { const v = testNode.widgets.find((w) => w.name === 'status').value; "
-                                 "return v && !v.startsWith('checking') ? v : null; })()", 30, "the check's answer")
-    assert password not in status
-    assert "127.0.0.1" in status and len(status.splitlines()) <= 6
+    return await page.wait_for("(() => { const v = testNode.widgets.find((w) => w.name === 'status').value; "
+                               "return v && !v.startsWith('checking') ? v : null; })()", 30, "the check's answer")
+
+
+async def test_test_connection_to_a_dead_server_says_it_refused_on_the_node(page: Browser) -> None:
+    port = free_port()
+    status = await press_test_connection(page, f"http://127.0.0.1:{port}")
+    assert f"127.0.0.1:{port}" in status and "refused" in status and len(status.splitlines()) <= 6
+
+
+async def test_test_connection_refuses_a_password_in_the_url_and_never_shows_it(page: Browser) -> None:
+    password = "s3cret-" + str(free_port())
+    status = await press_test_connection(page, f"http://user:{password}@127.0.0.1:{free_port()}")
+    assert password not in status and "user:" not in status
+    assert "holds a user name or password" in status
