@@ -73,6 +73,8 @@ def check_images(images: Any) -> None:
                "give channels last (images.permute(0, 2, 3, 1))" if images.dim() == 4 and shape[1] == 3 else
                "give RGB images, channels last")
         raise InvalidInputError(f"images of shape {shape} are not a batch [B, H, W, 3]: {fix}")
+    if shape[0] == 0:
+        raise InvalidInputError("images is an empty batch [0, H, W, 3]: nothing to write; give at least one image")
     if not images.is_floating_point():
         raise InvalidInputError(f"images of dtype {images.dtype} are not floats in 0..1: give images.float() / 255")
     if not bool(torch.isfinite(images).all()):

@@ -86,7 +86,8 @@ def test_a_model_folder_that_is_a_file_is_named_as_a_file(tmp_path):
     (torch.full((1, 16, 16, 3), float("nan")), "images hold NaN or infinite pixels: the run that made them failed "
                                                "numerically; nothing was written"),
     ([[0.5]], "images [[0.5]] is not a torch.Tensor: give a tensor [B, H, W, 3] of floats in 0..1"),
-], ids=["no batch", "channels first", "uint8", "NaN", "a list"])
+    (torch.zeros(0, 16, 16, 3), "images is an empty batch [0, H, W, 3]: nothing to write; give at least one image"),
+], ids=["no batch", "channels first", "uint8", "NaN", "a list", "empty batch"])
 def test_save_pngs_refuses_images_it_cannot_write_and_says_what_it_takes(tmp_path, images, expected):
     with pytest.raises(InvalidInputError) as caught:
         save_pngs(images, tmp_path / "x.png", {})
