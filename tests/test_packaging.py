@@ -30,3 +30,22 @@ def test_every_template_workflow_api_copy_and_web_file_is_package_data():
     missing = [str(p.relative_to(ROOT)) for p in shipped
                if not any(fnmatch(str(p.relative_to(ROOT)), pattern) for pattern in patterns)]
     assert shipped and missing == [], f"add to [tool.setuptools.package-data]: {missing}"
+
+
+def requirement_lines() -> list[str]:
+    lines = (ROOT / "requirements.txt").read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_requirements_txt_is_pyprojects_dependencies_without_torch():
+    """ComfyUI-Manager installs requirements.txt, not pyproject's dependencies: the two must agree, and torch
+    (which would replace ComfyUI's CUDA build) is left to ComfyUI."""
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert requirement_lines() == [line for line in dependencies if not line.startswith("torch")]
+
+
+def test_requirements_txt_never_touches_torch():
+    import re
+
+    names = [re.split(r"[<>=!~\[; ]", line, maxsplit=1)[0].lower() for line in requirement_lines()]
+    assert not {"torch", "torchvision", "torchaudio"} & set(names)
