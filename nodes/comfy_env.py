@@ -133,3 +133,14 @@ def _is_within(path: Path, root: Path) -> bool:
     except ValueError:
         return False
     return True
+
+
+def user_credentials() -> Any:
+    """The user's API-key bindings (runtime/remote/credentials.py), read now from the keys file, which inside
+    ComfyUI lives in its user directory: <user>/ernie_image/keys.json, beside the per-user folders (never served
+    over ComfyUI's /userdata routes)."""
+    from ..runtime.remote.credentials import load_credentials
+
+    fp = folder_paths_module()
+    user_dir = fp.get_user_directory() if fp is not None and hasattr(fp, "get_user_directory") else None
+    return load_credentials(user_dir)

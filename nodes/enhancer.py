@@ -8,7 +8,7 @@ from ..runtime.request import SEED_MASK
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .host import ComfyHost, cancel_as_comfy_interrupt
 from .live_pipes import generation_lock
-from .remote import chat_endpoint, pe_endpoint_inputs
+from .remote import LEGACY_HIDDEN, chat_endpoint, pe_endpoint_inputs, refuse_url_credentials
 from .sampler import resolve_size, seed_input, size_inputs
 
 MAX_NEW_TOKENS = 8192
@@ -76,17 +76,23 @@ class ErnieImagePromptEnhancer:
                                      "endpoint. Not needed when pe_url is set on this node."}),
                 **pe_endpoint_inputs("When set it is used instead of the pipe's PE."),
             },
-            "hidden": {"unique_id": "UNIQUE_ID"},
+            "hidden": {"unique_id": "UNIQUE_ID", **{name: kind for name, kind in LEGACY_HIDDEN.items()
+                                                    if name.startswith("pe_")}},
         }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, pe_url: Optional[str] = None) -> "bool | str":
+        return refuse_url_credentials(pe_url=pe_url)
 
     def enhance(self, prompt: str, resolution: str, width: int, height: int, seed: int, temperature: float,
                 top_p: float, max_new_tokens: int, pipe: Any = None, pe_url: str = "", pe_model: str = "",
-                pe_api_key_env: str = "", pe_api_key_file: str = "",
-                unique_id: Optional[str] = None) -> dict[str, Any]:
+                pe_credential: str = "", unique_id: Optional[str] = None, pe_api_key_env: str = "",
+                pe_api_key_file: str = "") -> dict[str, Any]:
         width, height = resolve_size(resolution, width, height)
         if not prompt.strip():
             raise InvalidInputError("the prompt is empty: write what to draw, the PE expands it")
-        endpoint = chat_endpoint(pe_url, pe_model, pe_api_key_env, pe_api_key_file)
+        endpoint = chat_endpoint(pe_url, pe_model, pe_credential,
+                                 legacy={"pe_api_key_env": pe_api_key_env, "pe_api_key_file": pe_api_key_file})
         sampling = dict(seed=int(seed) & SEED_MASK, temperature=float(temperature), top_p=float(top_p),
                         max_new_tokens=int(max_new_tokens))
         host = _NoteHost(unique_id)

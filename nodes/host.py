@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -19,6 +20,12 @@ def _model_management() -> Optional[Any]:
     except ImportError:
         return None
     return model_management
+
+
+def _prompt_server() -> Optional[Any]:
+    """ComfyUI's running server, when this process is ComfyUI (its `server` module is loaded by then)."""
+    server_module = sys.modules.get("server")
+    return getattr(getattr(server_module, "PromptServer", None), "instance", None)
 
 
 def _preview_size() -> int:
@@ -64,6 +71,13 @@ class ComfyHost:
 
     def log(self, message: str) -> None:
         log.info("[ERNIE-Image] %s", message)
+
+    def status(self, text: str) -> None:
+        """The running node's text in the editor (ComfyUI's progress text), e.g. what a remote batch waits for."""
+        server = _prompt_server()
+        if server is None or self.node_id is None or not hasattr(server, "send_progress_text"):
+            return
+        server.send_progress_text(text, self.node_id, getattr(server, "client_id", None))
 
     def _bar(self, total: int) -> Optional[Any]:
         if self._progress_bar is None:

@@ -1,64 +1,99 @@
 """ErnieImageRemoteBackend: SGLang server URL(s) in, the same ERNIE_PIPE as the Loader out."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from ..runtime.errors import InvalidInputError
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .live_pipes import track
 
-if TYPE_CHECKING:
-    from ..runtime.remote.http import ApiKeySource
-
 DEFAULT_URL = "http://127.0.0.1:30000"
 
 
-def parse_urls(server_urls: str) -> list[str]:
+def parse_urls(server_urls: str, required: bool = True) -> list[str]:
     """One URL per line (commas work too); blank lines and # comments are skipped."""
     urls: list[str] = []
     for line in server_urls.replace(",", "\n").splitlines():
         url = line.split("#", 1)[0].strip()
         if url and url not in urls:
             urls.append(url)
-    if not urls:
+    if not urls and required:
         raise InvalidInputError(f"no server URL given: write one SGLang server per line, e.g. {DEFAULT_URL}")
     return urls
 
 
-def checked_key_source(api_key_env: str, api_key_file: str, widget_prefix: str = "") -> "ApiKeySource":
-    """Where the key lives, checked by the runtime; the key itself is read only when a request is sent.
-    `widget_prefix` names the widgets in the messages ("pe_" for the PE endpoint's)."""
-    from ..runtime.remote.http import ApiKeySource
+# Widgets of earlier versions that named where a key is read from (any variable, any file): a workflow may no longer
+# do that. Declared hidden so that ComfyUI hands their values over, and a workflow still carrying one is refused.
+LEGACY_KEY_INPUTS = ("api_key_env", "api_key_file", "pe_api_key_env", "pe_api_key_file")
+LEGACY_HIDDEN = {name: "ERNIE_LEGACY_KEY_SOURCE" for name in LEGACY_KEY_INPUTS}
+CREDENTIAL_TOOLTIP = ("Label of one of YOUR API keys, from the keys file on this machine "
+                      "(<ComfyUI>/user/ernie_image/keys.json, see the README). Empty: each server gets the key "
+                      "bound to its own origin there, if any. A workflow never holds a key nor says where one is read.")
 
-    return ApiKeySource.checked(api_key_env, api_key_file, env_label=f"{widget_prefix}api_key_env",
-                                file_label=f"{widget_prefix}api_key_file", program="ComfyUI")
+
+def refuse_legacy_key_inputs(values: dict[str, Any], credentials: Any, server_url: str) -> Optional[str]:
+    """The credential label an old workflow's key widget maps to, or None when it carried none. Its value is a
+    variable's name or a path; it maps only to a credential the user labelled with that very name and bound to
+    `server_url`'s origin (Credentials.for_server checks both); anything else is refused in one line."""
+    given = [(name, str(value).strip()) for name, value in values.items() if str(value or "").strip()]
+    if not given:
+        return None
+    name, value = given[0]
+    try:
+        credentials.for_server(server_url, value, setting=name)
+    except InvalidInputError:
+        raise InvalidInputError(
+            f"this workflow names where an API key is read from ({name}, a widget of earlier versions); a workflow "
+            f"may no longer do that: bind the key to the server in your keys file ({credentials.location}) and "
+            f"leave {'pe_' if name.startswith('pe_') else ''}credential empty, or pick it by its label") from None
+    return value
 
 
-def chat_endpoint(pe_url: str, pe_model: str, pe_api_key_env: str, pe_api_key_file: str,
-                  connect_timeout_s: float = 5.0) -> Optional[Any]:
-    """The PE chat endpoint the widgets describe, checked now; None when pe_url is empty."""
+def refuse_url_credentials(**urls: Optional[str]) -> "bool | str":
+    """VALIDATE_INPUTS: a user name or password in a URL is refused before the prompt is queued, so it never
+    reaches the queue or /history. Links (None) are checked when the node runs."""
+    from ..runtime.remote.urls import shown_url
+
+    for name, text in urls.items():
+        for url in parse_urls(text, required=False) if isinstance(text, str) else ():
+            if "@" in url.split("://", 1)[-1].split("/", 1)[0]:
+                return (f"{name}: {shown_url(url)} holds a user name or password, which a workflow would carry "
+                        f"and ComfyUI would keep in its history: remove it and bind the server's key in your keys "
+                        f"file (see the README)")
+    return True
+
+
+def chat_endpoint(pe_url: str, pe_model: str, pe_credential: str, connect_timeout_s: float = 5.0,
+                  legacy: Optional[dict[str, Any]] = None) -> Optional[Any]:
+    """The PE chat endpoint the widgets describe, with the credential bound to its origin; None when pe_url is
+    empty. Checked now, before anything is sent."""
     from ..runtime.remote.urls import normalize_base_url
     from ..runtime.text.remote_enhancer import ChatEndpoint
+    from .comfy_env import user_credentials
 
     url = pe_url.strip()
     if not url:
         return None
-    key = checked_key_source(pe_api_key_env, pe_api_key_file, widget_prefix="pe_")
-    endpoint = ChatEndpoint(url=url, model=pe_model.strip() or None, api_key_env=key.env_var, api_key_file=key.file,
-                            connect_timeout_s=float(connect_timeout_s))
-    normalize_base_url(endpoint.base_url(), what="pe_url")  # a malformed URL fails here, before anything is sent
-    return endpoint
+    credentials = user_credentials()
+    base = normalize_base_url(ChatEndpoint(url=url).base_url(), what="pe_url")
+    label = refuse_legacy_key_inputs(legacy or {}, credentials, base) or pe_credential
+    return ChatEndpoint.bound(url, credentials, label, model=pe_model.strip() or None,
+                              connect_timeout_s=float(connect_timeout_s))
 
 
-def make_remote_pipe(urls: list[str], connect_timeout_s: float, read_timeout_s: float,
-                     api_key_env: Optional[str], api_key_file: Optional[str], pe_endpoint: Optional[Any] = None,
-                     wait_for_servers_s: float = 600.0, resend_unanswered: bool = False) -> Any:
+def make_remote_pipe(urls: list[str], connect_timeout_s: float, read_timeout_s: float, credential: str = "",
+                     pe_endpoint: Optional[Any] = None, wait_for_servers_s: float = 600.0,
+                     resend_unanswered: bool = False, legacy: Optional[dict[str, Any]] = None) -> Any:
     from ..runtime.remote.backend import RemotePipe, RemoteSettings
     from ..runtime.remote.http import checked_seconds
+    from ..runtime.remote.urls import normalize_base_url
+    from .comfy_env import user_credentials
 
+    credentials = user_credentials()
+    label = refuse_legacy_key_inputs(legacy or {}, credentials, normalize_base_url(urls[0])) or credential
     settings = RemoteSettings(
-        api_key_env=api_key_env,
-        api_key_file=api_key_file,
+        credentials=credentials,
+        credential=label,
         connect_timeout_s=checked_seconds(connect_timeout_s, "connect_timeout_s"),
         read_timeout_base_s=checked_seconds(read_timeout_s, "read_timeout_s"),
         wait_for_servers_s=checked_seconds(wait_for_servers_s, "wait_for_servers_s", allow_zero=True),
@@ -69,7 +104,7 @@ def make_remote_pipe(urls: list[str], connect_timeout_s: float, read_timeout_s: 
 
 
 def pe_endpoint_inputs(role: str) -> dict[str, Any]:
-    """Optional widgets naming a PE chat endpoint (vLLM or SGLang serving the PE); the key only by name or path."""
+    """Optional widgets naming a PE chat endpoint (vLLM or SGLang serving the PE); a key only by its label."""
     return {
         "pe_url": (
             "STRING",
@@ -80,23 +115,15 @@ def pe_endpoint_inputs(role: str) -> dict[str, Any]:
             "STRING",
             {"default": "", "tooltip": "Model name on the PE server. Empty: the first model it lists at /v1/models."},
         ),
-        "pe_api_key_env": (
-            "STRING",
-            {"default": "", "tooltip": "NAME of the environment variable holding the PE server's API key. "
-             "Never the key itself. Empty: no key."},
-        ),
-        "pe_api_key_file": (
-            "STRING",
-            {"default": "", "tooltip": "PATH of a file holding only the PE server's API key. Empty: no key file."},
-        ),
+        "pe_credential": ("STRING", {"default": "", "tooltip": CREDENTIAL_TOOLTIP}),
     }
 
 
 class ErnieImageRemoteBackend:
     DESCRIPTION = (
         "Runs ERNIE-Image on one or more SGLang diffusion servers instead of this machine. Outputs the same pipe "
-        "as the Loader: connect it to a Sampler. Several URLs spread a batch and fail over. The API key is read "
-        "from an environment variable or a key file, never stored in the workflow."
+        "as the Loader: connect it to a Sampler. Several URLs spread a batch and fail over. API keys are "
+        "bound to servers in your keys file on this machine; a workflow can only pick one by its label."
     )
     CATEGORY = CATEGORY
     FUNCTION = "connect"
@@ -124,16 +151,7 @@ class ErnieImageRemoteBackend:
                     {"default": 120.0, "min": 5.0, "max": 3600.0, "step": 5.0,
                      "tooltip": "Base seconds to wait for an image; it grows with steps and size."},
                 ),
-                "api_key_env": (
-                    "STRING",
-                    {"default": "", "tooltip": "NAME of the environment variable holding the server's API key "
-                     "(e.g. SGLANG_API_KEY). Never the key itself. Empty: no key."},
-                ),
-                "api_key_file": (
-                    "STRING",
-                    {"default": "", "tooltip": "PATH of a file holding only the API key, read when a request is sent. "
-                     "Empty: no key file."},
-                ),
+                "credential": ("STRING", {"default": "", "tooltip": CREDENTIAL_TOOLTIP}),
             },
             "optional": {
                 **pe_endpoint_inputs(
@@ -156,16 +174,24 @@ class ErnieImageRemoteBackend:
                      "Off: the run stops and says so."},
                 ),
             },
+            "hidden": dict(LEGACY_HIDDEN),
         }
 
-    def connect(self, server_urls: str, connect_timeout_s: float, read_timeout_s: float, api_key_env: str,
-                api_key_file: str, pe_url: str = "", pe_model: str = "", pe_api_key_env: str = "",
-                pe_api_key_file: str = "", wait_for_servers_s: float = 600.0,
-                resend_unanswered: bool = False) -> dict[str, Any]:
+    @classmethod
+    def VALIDATE_INPUTS(cls, server_urls: Optional[str] = None, pe_url: Optional[str] = None) -> "bool | str":
+        return refuse_url_credentials(server_urls=server_urls, pe_url=pe_url)
+
+    def connect(self, server_urls: str, connect_timeout_s: float, read_timeout_s: float, credential: str = "",
+                pe_url: str = "", pe_model: str = "", pe_credential: str = "", wait_for_servers_s: float = 600.0,
+                resend_unanswered: bool = False, **legacy: Any) -> dict[str, Any]:
         urls = parse_urls(server_urls)
-        key = checked_key_source(api_key_env, api_key_file)
-        pe_endpoint = chat_endpoint(pe_url, pe_model, pe_api_key_env, pe_api_key_file, connect_timeout_s)
-        pipe = track(make_remote_pipe(urls, connect_timeout_s, read_timeout_s, key.env_var, key.file, pe_endpoint,
-                                      wait_for_servers_s, resend_unanswered))
+        unknown = sorted(set(legacy) - set(LEGACY_KEY_INPUTS))
+        if unknown:
+            raise InvalidInputError(f"unknown input {unknown[0]!r}: update the pack or remove it from the workflow")
+        pe_endpoint = chat_endpoint(pe_url, pe_model, pe_credential, connect_timeout_s,
+                                    legacy={k: v for k, v in legacy.items() if k.startswith("pe_")})
+        pipe = track(make_remote_pipe(urls, connect_timeout_s, read_timeout_s, credential, pe_endpoint,
+                                      wait_for_servers_s, resend_unanswered,
+                                      legacy={k: v for k, v in legacy.items() if not k.startswith("pe_")}))
         description = pipe.describe()
         return shown_on_node(description, pipe, description)

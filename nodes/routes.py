@@ -2,23 +2,32 @@
 
 POST /ernie_image/test_connection: readiness and served model of the Remote Backend's servers. Not a proxy:
 only each server's fixed health/model/version endpoints are asked, with a short total timeout, no redirects
-and a size cap (runtime/remote/http.py), and only a summary goes back, never a server's raw body.
+and a size cap (runtime/remote/http.py), and only a summary goes back, never a server's raw body. It takes the
+server URLs, a credential LABEL and a timeout, nothing else: it reads no variable or file a request names, and a
+server gets only the key the user bound to its origin (runtime/remote/credentials.py).
 GET /ernie_image/memory: the pack's live pipes and whether their weights are loaded.
 POST /ernie_image/free: release the weights of every live pipe (ComfyUI's own "unload models" cannot reach them).
+
+Every POST must come from ComfyUI's own page: any web page the user visits can send a POST to 127.0.0.1:8188, so
+a request whose Origin is another site, or which a browser marks cross-site, or which is not JSON (a form or
+text/plain POST skips the browser's preflight), is refused with 403/415 before anything runs.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
+from urllib.parse import urlsplit
 
-from ..runtime.errors import ErnieImageError
+from ..runtime.errors import ErnieImageError, InvalidInputError
 from . import live_pipes
-from .remote import checked_key_source, parse_urls
+from .remote import parse_urls
 
 if TYPE_CHECKING:
-    from ..runtime.remote.http import ApiKeySource
+    from aiohttp import web
+
+    from ..runtime.remote.credentials import ServerKeys
 
 log = logging.getLogger("ernie_image")
 
@@ -27,16 +36,33 @@ CHECK_TOTAL_TIMEOUT_S = 15.0
 MAX_CONNECT_TIMEOUT_S = 5.0
 MAX_SERVERS_PER_CHECK = 8
 MAX_BODY_BYTES = 16 * 1024
+CHECK_FIELDS = frozenset({"server_urls", "credential", "connect_timeout_s"})
+SAME_SITE_FETCHES = frozenset({"same-origin", "none"})
 
 
-async def _check_rows(urls: list[str], api_key: "ApiKeySource", connect_timeout_s: float) -> list[dict[str, Any]]:
+def foreign_request(headers: Any) -> Optional[str]:
+    """Why a POST must be refused as not coming from ComfyUI's own page, or None when it may run. A request with no
+    Origin and no Sec-Fetch-Site is no browser page's (a script, the headless API): allowed, as ComfyUI allows it."""
+    origin = headers.get("Origin")
+    if origin is not None:
+        own = headers.get("Host", "")
+        parsed = urlsplit(origin)
+        if origin == "null" or not own or parsed.netloc.lower() != own.lower():
+            return "this route answers ComfyUI's own page only (the request came from another origin)"
+    fetch_site = headers.get("Sec-Fetch-Site")
+    if fetch_site is not None and fetch_site.lower() not in SAME_SITE_FETCHES:
+        return "this route answers ComfyUI's own page only (the browser marked the request cross-site)"
+    return None
+
+
+async def _check_rows(urls: list[str], keys: "ServerKeys", connect_timeout_s: float) -> list[dict[str, Any]]:
     from ..runtime.remote.check import check_one
     from ..runtime.remote.urls import shown_url
 
     async def one(url: str) -> dict[str, Any]:
         try:
             row = await asyncio.wait_for(
-                check_one(url, api_key, generate=False, connect_timeout_s=connect_timeout_s,
+                check_one(url, keys, generate=False, connect_timeout_s=connect_timeout_s,
                           generation_timeout_s=CHECK_TOTAL_TIMEOUT_S),
                 timeout=CHECK_TOTAL_TIMEOUT_S,
             )
@@ -55,13 +81,21 @@ def check_servers(body: dict[str, Any]) -> dict[str, Any]:
     """Blocking: run on a worker thread. Raises ErnieImageError for bad input."""
     from ..runtime.remote.http import run_sync
 
-    urls = parse_urls(str(body.get("server_urls", "")))[:MAX_SERVERS_PER_CHECK]
-    api_key = checked_key_source(str(body.get("api_key_env", "")), str(body.get("api_key_file", "")))
+    from ..runtime.remote.check import server_keys
     from ..runtime.remote.http import checked_seconds
+    from .comfy_env import user_credentials
+
+    unknown = sorted(str(name)[:40] for name in body if name not in CHECK_FIELDS)
+    if unknown:
+        raise InvalidInputError(f"test_connection takes server_urls, credential and connect_timeout_s only, not "
+                                f"{unknown[0]!r}: API keys are bound to servers in your keys file (see the README's "
+                                f"security section)")
+    urls = parse_urls(str(body.get("server_urls", "")))[:MAX_SERVERS_PER_CHECK]
+    keys = server_keys(urls, user_credentials(), str(body.get("credential", "") or ""))
 
     connect_timeout_s = checked_seconds(body.get("connect_timeout_s", MAX_CONNECT_TIMEOUT_S), "connect_timeout_s")
     connect_timeout_s = min(MAX_CONNECT_TIMEOUT_S, max(0.5, connect_timeout_s))
-    rows = run_sync(_check_rows(urls, api_key, connect_timeout_s))
+    rows = run_sync(_check_rows(urls, keys, connect_timeout_s))
     return {"ok": all(row["ok"] for row in rows), "servers": rows, "text": format_rows(rows)}
 
 
@@ -75,6 +109,59 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _json(data: dict[str, Any], status: int = 200) -> "web.Response":
+    from aiohttp import web
+
+    return web.json_response(data, status=status)
+
+
+def _refuse_foreign(request: "web.Request") -> "Optional[web.Response]":
+    why = foreign_request(request.headers)
+    if why is None:
+        return None
+    log.warning("[ERNIE-Image] refused %s %s: %s", request.method, request.path, why)
+    return _json({"ok": False, "error": why}, status=403)
+
+
+async def test_connection(request: "web.Request") -> "web.Response":
+    refused = _refuse_foreign(request)
+    if refused is not None:
+        return refused
+    if request.content_type != "application/json":  # a form or text/plain POST skips a browser's preflight
+        return _json({"ok": False, "error": "send JSON (Content-Type: application/json)"}, status=415)
+    if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+        return _json({"ok": False, "error": "request too large"}, status=413)
+    try:
+        body = await request.json()
+        if not isinstance(body, dict):
+            raise ValueError("body must be a JSON object")
+    except ValueError as error:
+        return _json({"ok": False, "error": f"bad request: {error}"}, status=400)
+    try:
+        result = await asyncio.get_running_loop().run_in_executor(None, check_servers, body)
+    except ErnieImageError as error:
+        return _json({"ok": False, "error": str(error)}, status=400)
+    return _json(result)
+
+
+async def memory(request: "web.Request") -> "web.Response":
+    return _json(live_pipes.summary())
+
+
+async def free(request: "web.Request") -> "web.Response":
+    refused = _refuse_foreign(request)
+    if refused is not None:
+        return refused
+    released = await asyncio.get_running_loop().run_in_executor(None, live_pipes.release_all)
+    return _json({"released": released})
+
+
+def add_routes(routes: "web.RouteTableDef") -> None:
+    routes.post(f"{ROUTE_PREFIX}/test_connection")(test_connection)
+    routes.get(f"{ROUTE_PREFIX}/memory")(memory)
+    routes.post(f"{ROUTE_PREFIX}/free")(free)
+
+
 def register_routes() -> bool:
     """Add the routes when running inside ComfyUI's server; a no-op anywhere else (tests, CLI)."""
     server_module = sys.modules.get("server")
@@ -82,33 +169,5 @@ def register_routes() -> bool:
     if prompt_server is None or getattr(prompt_server, "_ernie_image_routes", False):
         return False  # outside ComfyUI, or already added (aiohttp refuses a route registered twice)
     prompt_server._ernie_image_routes = True
-    from aiohttp import web
-
-    routes = prompt_server.routes
-
-    @routes.post(f"{ROUTE_PREFIX}/test_connection")
-    async def test_connection(request: web.Request) -> web.Response:
-        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-            return web.json_response({"ok": False, "error": "request too large"}, status=413)
-        try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise ValueError("body must be a JSON object")
-        except ValueError as error:
-            return web.json_response({"ok": False, "error": f"bad request: {error}"}, status=400)
-        try:
-            result = await asyncio.get_running_loop().run_in_executor(None, check_servers, body)
-        except ErnieImageError as error:
-            return web.json_response({"ok": False, "error": str(error)}, status=400)
-        return web.json_response(result)
-
-    @routes.get(f"{ROUTE_PREFIX}/memory")
-    async def memory(request: web.Request) -> web.Response:
-        return web.json_response(live_pipes.summary())
-
-    @routes.post(f"{ROUTE_PREFIX}/free")
-    async def free(request: web.Request) -> web.Response:
-        released = await asyncio.get_running_loop().run_in_executor(None, live_pipes.release_all)
-        return web.json_response({"released": released})
-
+    add_routes(prompt_server.routes)
     return True

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from .cli_names import cli_message
-from .cli_parser import CLI_KEY_LABELS, OneLineParser, OutputPath  # noqa: F401 - CLI_KEY_LABELS: re-exported
+from .cli_parser import OneLineParser, OutputPath
 from .errors import Cancelled, ErnieImageError, InvalidInputError
 from .host import NullHost
 

@@ -7,10 +7,6 @@ from typing import Any, NoReturn, Optional, Sequence, Union
 
 from .errors import InvalidInputError
 
-# How the key options of `enhance` and `check-remote` are named in messages (the nodes name their widgets).
-CLI_KEY_LABELS = dict(env_label="--api-key-env", file_label="--api-key-file", program="ernie-image")
-
-
 class OneLineParser(argparse.ArgumentParser):
     """argparse, with its usage errors raised as InvalidInputError (the CLI prints `error: ...` and exits 2)."""
 

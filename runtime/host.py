@@ -25,6 +25,14 @@ class Host(Protocol):
         """A one-line notice for the user (not an error)."""
 
 
+def show_status(host: Host, text: str) -> None:
+    """A one-line state shown where the run is shown (ComfyUI: the running node's text), replacing the last one.
+    `status(text)` is optional for a host: one without it shows nothing (its log lines still tell the story)."""
+    status = getattr(host, "status", None)
+    if callable(status):
+        status(text)
+
+
 class NullHost:
     """Host for the CLI and tests: no progress display, cancellation through a flag."""
 
@@ -33,6 +41,7 @@ class NullHost:
         self.verbose = verbose
         self.messages: list[str] = []
         self.progress_calls: list[tuple[int, int]] = []
+        self.statuses: list[str] = []
 
     def progress(self, value: int, total: int, preview: Optional[Any] = None) -> None:
         self.progress_calls.append((value, total))
@@ -43,6 +52,9 @@ class NullHost:
 
     def make_room(self, num_bytes: int, device: Any) -> None:
         return None
+
+    def status(self, text: str) -> None:
+        self.statuses.append(text)
 
     def log(self, message: str) -> None:
         self.messages.append(message)

@@ -71,6 +71,32 @@ def no_model_list_from_another_test():
     _listed_models.clear()
 
 
+@pytest.fixture(autouse=True)
+def keys_file_of_this_test(tmp_path_factory, monkeypatch) -> Path:
+    """No test reads the keys file of whoever runs the suite: each gets an empty config home of its own, and
+    `keys_file(...)` (below) writes the keys file there."""
+    home = tmp_path_factory.mktemp("config-home")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(home))
+    monkeypatch.delenv("ERNIE_IMAGE_KEYS_FILE", raising=False)
+    return home / "ernie-image" / "keys.json"
+
+
+@pytest.fixture
+def keys_file(keys_file_of_this_test: Path):
+    """`keys_file({"label": ..., "origin": ..., "env"|"file"|"key": ...}, ...)` writes the user's keys file (mode
+    0600) where the pack looks for it, and returns its path."""
+    import json
+    import os
+
+    def write(*entries: dict) -> Path:
+        keys_file_of_this_test.parent.mkdir(parents=True, exist_ok=True)
+        keys_file_of_this_test.write_text(json.dumps({"credentials": list(entries)}))
+        os.chmod(keys_file_of_this_test, 0o600)
+        return keys_file_of_this_test
+
+    return write
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One intra-op thread: tiny models only lose to threading overhead on a 2-core runner."""

@@ -17,7 +17,12 @@ Behaviours a fleet meets (each counted: `generations` is every POST received, `r
   `retry_after_s` is the Retry-After of a 429;
 - broken for good: `every_post="500"` (or "reset", ...) answers every generation POST with that fault;
 - ignores output_format: `faults=["jpeg"]` / `["webp"]` answers that format whatever was asked;
-- loading: `warmup_s` (/health answers 503, POSTs are held until ready, as SGLang does).
+- loading: `warmup_s` (/health answers 503, POSTs are held until ready, as SGLang does);
+- a redirect: `redirect_to=URL` answers `redirect_status` (307) with `Location: URL + path` on every path, or on
+  `redirect_path` alone (the client must never follow it, least of all with the API key).
+
+`wire` holds every request exactly as it arrived (method, path and query, every header, the raw body), whatever
+the path and whatever the answer: what a server learnt, for tests that search it for secrets.
 
 Each server runs its own event loop on a thread, so sync client code (the pipe) can be tested from
 ordinary test functions:
@@ -57,6 +62,21 @@ class Received:
 
 
 @dataclass
+class WireRequest:
+    """One request as it arrived: nothing of it left out."""
+
+    method: str
+    path_qs: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    def text(self) -> str:
+        """All of it as text, for searching."""
+        lines = [f"{self.method} {self.path_qs}", *(f"{name}: {value}" for name, value in self.headers)]
+        return "\n".join(lines) + "\n\n" + self.body.decode("utf-8", errors="replace")
+
+
+@dataclass
 class FakeSglang:
     model_id: str = "baidu/ERNIE-Image-Turbo"
     pipeline_name: str = "ErnieImagePipeline"
@@ -78,6 +98,10 @@ class FakeSglang:
     retry_after_s: float = 0.0  # Retry-After of a "429" fault
     image_b64: Optional[str] = None  # when set, every generation answers this base64 image (a bad or hostile PNG)
     every_post: Optional[str] = None  # a fault for every generation POST (a server broken for good)
+    redirect_to: Optional[str] = None  # when set, answer a redirect to this URL (+ the path asked) instead
+    redirect_status: int = 307
+    redirect_path: Optional[str] = None  # redirect this path only (None: every path)
+    wire: list[WireRequest] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -120,7 +144,7 @@ class FakeSglang:
         ready.wait(10)
 
     async def _start_site(self) -> None:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._on_the_wire])
         app.router.add_get("/health", self._health)
         app.router.add_get("/liveness", self._liveness)
         app.router.add_get("/v1/models", self._models)
@@ -176,6 +200,15 @@ class FakeSglang:
         if header != f"Bearer {self.api_key}":
             return web.json_response({"error": "Forbidden: invalid API key"}, status=403)
         return None
+
+    @web.middleware
+    async def _on_the_wire(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Record the request as it arrived, before any handler; answer the redirect asked for."""
+        headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in request.raw_headers]
+        self.wire.append(WireRequest(request.method, request.path_qs, headers, await request.read()))
+        if self.redirect_to is not None and self.redirect_path in (None, request.path):
+            return web.Response(status=self.redirect_status, headers={"Location": self.redirect_to + request.path_qs})
+        return await handler(request)
 
     # ------------------------------------------------------------------------------------- handlers
     async def _health(self, request: web.Request) -> web.Response:

@@ -157,3 +157,40 @@ async def test_test_connection_refuses_a_password_in_the_url_and_never_shows_it(
     status = await press_test_connection(page, f"http://user:{password}@127.0.0.1:{free_port()}")
     assert password not in status and "user:" not in status
     assert "holds a user name or password" in status
+
+
+def saved_by_an_earlier_version(path: Path, key_values: dict[str, list]) -> dict:
+    """The shipped UI workflow as an earlier version saved it: its key-source widgets (api_key_env, api_key_file,
+    pe_api_key_env, pe_api_key_file) back in their old places, holding `key_values[node type]`."""
+    graph = json.loads(path.read_text())
+    for node in graph["nodes"]:
+        if node["type"] == "ErnieImageRemoteBackend":
+            u, c, r, _, pe_url, pe_model, _, wait, resend = node["widgets_values"]
+            env, file, pe_env, pe_file = key_values[node["type"]]
+            node["widgets_values"] = [u, c, r, env, file, pe_url, pe_model, pe_env, pe_file, wait, resend]
+        if node["type"] == "ErnieImagePromptEnhancer":
+            node["widgets_values"] = node["widgets_values"][:11] + key_values[node["type"]]
+    return graph
+
+
+@pytest.mark.parametrize("name, key_values, expected", [
+    ("ernie_image_remote_sglang", {"ErnieImageRemoteBackend": ["SGLANG_API_KEY", "", "", "/home/me/pe.key"]},
+     {"credential": "SGLANG_API_KEY", "pe_credential": "/home/me/pe.key"}),
+    ("ernie_image_remote_sglang", {"ErnieImageRemoteBackend": ["", "", "", ""]}, {"credential": "", "pe_credential": ""}),
+    ("ernie_image_base_prompt_enhancer", {"ErnieImagePromptEnhancer": ["PE_KEY", ""]}, {"pe_credential": "PE_KEY"}),
+])
+async def test_an_earlier_versions_key_widgets_load_into_the_credential_and_the_rest_stays_in_place(
+        page: Browser, comfy, name: str, key_values: dict, expected: dict) -> None:  # noqa: F811
+    """The key source an old workflow named becomes the credential label (it then runs only if the user's keys
+    file binds that label to that server); every other widget keeps its value, and no key source is queued."""
+    old = saved_by_an_earlier_version(REPO_ROOT / "example_workflows" / f"{name}.json", key_values)
+    await page.evaluate(f"{APP}.loadGraphData({json.dumps(old)}).then(() => true)")
+    queued = await page.evaluate(f"{APP}.graphToPrompt().then((p) => p.output)")
+    shipped = json.loads((REPO_ROOT / "workflows" / "api" / f"{name}.json").read_text())
+    for key, node in shipped.items():
+        for field, value in expected.items():
+            if field in node["inputs"]:
+                node["inputs"][field] = value
+    info = await get_json(comfy, "/object_info")
+    assert differences(queued, shipped, info) == []
+    assert not any(name.startswith(("api_key", "pe_api_key")) for node in queued.values() for name in node["inputs"])

@@ -31,6 +31,7 @@ MAX_TEST_STEPS = 4
 START_TIMEOUT_S = 180
 # An API key only ComfyUI's environment holds: it must reach the server and nothing else.
 KEY_VARIABLE = "ERNIE_E2E_SGLANG_KEY"
+KEY_LABEL = "e2e-sglang"  # the user's keys file binds KEY_VARIABLE's key to the fake server under this label
 SECRET_KEY = "e2e-s3cret-" + uuid.uuid4().hex
 
 pytestmark = [
@@ -336,7 +337,8 @@ async def test_remote_test_connection_route(comfy: Comfy) -> None:
     status, body = await post(comfy, "/ernie_image/test_connection", {"server_urls": fake.url})
     assert status == 200 and not body["ok"] and body["servers"][0]["problems"]
     status, body = await post(comfy, "/ernie_image/test_connection", {"server_urls": fake.url, "api_key_env": "sk-123 secret"})
-    assert status == 400 and "NAME of an environment variable" in body["error"] and "secret" not in body["error"]
+    assert status == 400 and "API keys are bound to servers in your keys file" in body["error"]
+    assert "secret" not in body["error"]
 
 
 async def test_the_api_key_reaches_the_server_and_never_the_png_history_or_log(comfy: Comfy) -> None:
@@ -345,14 +347,22 @@ async def test_the_api_key_reaches_the_server_and_never_the_png_history_or_log(c
     graph = shrunk(api_workflow("ernie_image_remote_sglang"))
     backend = node_of(graph, "ErnieImageRemoteBackend")[1]["inputs"]
     with FakeSglang(model_id="baidu/ERNIE-Image-Turbo", api_key=SECRET_KEY) as fake:
-        backend.update(server_urls=fake.url, api_key_env=KEY_VARIABLE)
-        run = await run_prompt(comfy, graph)
+        # the user binds the key to the server in ComfyUI's user directory; the workflow names only its label
+        keys = comfy.base / "user" / "ernie_image" / "keys.json"
+        keys.parent.mkdir(parents=True, exist_ok=True)
+        keys.write_text(json.dumps({"credentials": [{"label": KEY_LABEL, "origin": fake.url, "env": KEY_VARIABLE}]}))
+        keys.chmod(0o600)
+        backend.update(server_urls=fake.url, credential=KEY_LABEL)
+        try:
+            run = await run_prompt(comfy, graph)
+        finally:
+            keys.unlink()
         assert run.outcome == "execution_success", run.error
         assert fake.generations[0].headers.get("Authorization") == f"Bearer {SECRET_KEY}"
     async with aiohttp.ClientSession() as session:
         async with session.get(f"{comfy.url}/view", params={**saved_images(run)[0]}) as response:
             png = await response.read()
-    assert png.startswith(b"\x89PNG") and KEY_VARIABLE.encode() in png, "the PNG should record the variable's name"
+    assert png.startswith(b"\x89PNG") and KEY_LABEL.encode() in png, "the PNG should record the credential's label"
     assert SECRET_KEY.encode() not in png
     assert SECRET_KEY not in json.dumps(run.history) + json.dumps(run.messages)
     assert SECRET_KEY not in comfy.log()

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from ernie_image.runtime.errors import Cancelled, InvalidInputError, RemoteError
 from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.remote.credentials import Credentials, load_credentials
 from ernie_image.runtime.remote.http import AuthenticationError, ServerRejected
 from ernie_image.runtime.text.cli_enhance import main_enhance
 from ernie_image.runtime.text.remote_enhancer import ChatEndpoint, revise_prompts_remote
@@ -147,7 +148,7 @@ def test_distinct_prompts_are_sent_once_each():
 
 @pytest.mark.parametrize("fault, said", [
     ("500", "(HTTP 500)"),
-    ("hang", "read timeout"),
+    ("hang", "sent no revised prompt within 1 s"),
     ("not_json", "not JSON"),
     ("no_choices", "choices[0].message.content"),
 ])
@@ -206,28 +207,42 @@ def test_server_down_keeps_the_original_prompt():
     assert result.prompts == ["a fox"] and "refused the connection" in host.messages[0]
 
 
-def test_api_key_comes_from_the_environment_and_is_never_shown(monkeypatch):
+def test_the_key_bound_to_the_pe_servers_origin_is_sent_and_never_shown(monkeypatch, keys_file):
     monkeypatch.setenv("ERNIE_PE_KEY", SECRET)
     with ChatServer(api_key=SECRET) as server:
+        path = keys_file({"label": "pe", "origin": server.url, "env": "ERNIE_PE_KEY"})
+        endpoint = ChatEndpoint.bound(server.url, load_credentials(), connect_timeout_s=1.0, read_timeout_s=1.0)
         host = NullHost()
-        result = revise_prompts_remote(fast_endpoint(server.url, api_key_env="ERNIE_PE_KEY"), ["a fox"], 1024, 1024,
-                                       seed=0, host=host)
+        result = revise_prompts_remote(endpoint, ["a fox"], 1024, 1024, seed=0, host=host)
         assert result.prompts == ["revised: a fox @0"]
         assert server.headers[0]["Authorization"] == f"Bearer {SECRET}"
-        monkeypatch.setenv("ERNIE_PE_KEY", "wrong")
+        monkeypatch.setenv("ERNIE_PE_KEY", "wrong")  # read when sent: the same endpoint now sends this one
         with pytest.raises(AuthenticationError) as refused:
-            revise_prompts_remote(fast_endpoint(server.url, api_key_env="ERNIE_PE_KEY"), ["a fox"], 1024, 1024, seed=0)
-    assert "ERNIE_PE_KEY" in str(refused.value) and SECRET not in str(refused.value) and "wrong" not in str(refused.value)
-    assert SECRET not in repr(fast_endpoint(server.url, api_key_env="ERNIE_PE_KEY"))
+            revise_prompts_remote(endpoint, ["a fox"], 1024, 1024, seed=0)
+    assert str(refused.value).endswith(f"check the key of credential 'pe' (the keys file {path})")
+    assert SECRET not in str(refused.value) and "wrong" not in str(refused.value)
+    assert SECRET not in repr(endpoint) and "credential 'pe'" in repr(endpoint)
 
 
-def test_key_file_is_read(tmp_path):
+def test_a_key_file_named_on_the_command_line_is_read(tmp_path):
     key_file = tmp_path / "pe.key"
     key_file.write_text(SECRET + "\n")
     with ChatServer(api_key=SECRET) as server:
-        result = revise_prompts_remote(fast_endpoint(server.url, api_key_file=str(key_file)), ["a fox"], 1024, 1024,
-                                       seed=0)
+        credentials = Credentials.bound_to([server.url], None, str(key_file), file_flag="--pe-api-key-file")
+        endpoint = ChatEndpoint.bound(server.url + "/v1", credentials, connect_timeout_s=1.0, read_timeout_s=1.0)
+        result = revise_prompts_remote(endpoint, ["a fox"], 1024, 1024, seed=0)
     assert result.prompts == ["revised: a fox @0"]
+
+
+def test_a_label_bound_to_another_origin_is_refused_before_anything_is_sent(monkeypatch, keys_file):
+    monkeypatch.setenv("ERNIE_PE_KEY", SECRET)
+    with ChatServer() as server, ChatServer() as other:
+        keys_file({"label": "pe", "origin": server.url, "env": "ERNIE_PE_KEY"})
+        with pytest.raises(InvalidInputError, match=rf"^pe_credential 'pe' is not bound to {other.url}: a key is "
+                                                    rf"sent only to the server it is bound to; add"):
+            ChatEndpoint.bound(other.url, load_credentials(), "pe")
+        assert ChatEndpoint.bound(other.url, load_credentials()).credential is None, "no label: its own origin's key"
+    assert other.models_asked == 0 and not other.headers
 
 
 def test_missing_key_is_a_clear_error():

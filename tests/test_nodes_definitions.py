@@ -86,14 +86,16 @@ def test_resolution_presets_are_baidus_seven_and_win_over_width_height() -> None
 def test_the_size_rule_is_checked_once_when_the_node_runs() -> None:
     """ComfyUI repeats a VALIDATE_INPUTS message for every input the method names (execution.validate_inputs),
     so no node validates its size there: resolve_size checks it, before anything is loaded or sampled. A node
-    that validates at queue time names one input (the LoRA node's strength), so its message comes once."""
+    that validates at queue time names as few inputs as it must: the LoRA node's strength, and the URL inputs in
+    which a password must be refused before the prompt is queued (else ComfyUI keeps it in /history)."""
     import inspect
 
     from ernie_image.nodes import NODE_CLASS_MAPPINGS
 
     validating = {name: inspect.getfullargspec(cls.VALIDATE_INPUTS).args[1:]
                   for name, cls in NODE_CLASS_MAPPINGS.items() if hasattr(cls, "VALIDATE_INPUTS")}
-    assert validating == {"ErnieImageLoRA": ["strength"]}
+    assert validating == {"ErnieImageLoRA": ["strength"], "ErnieImagePromptEnhancer": ["pe_url"],
+                          "ErnieImageRemoteBackend": ["server_urls", "pe_url"]}
     assert resolve_size("custom", 1024, 848) == (1024, 848)
     with pytest.raises(InvalidInputError) as refused:
         resolve_size("custom", 1000, 1024)

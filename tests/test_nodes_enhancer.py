@@ -61,10 +61,15 @@ def test_definition_has_baidus_defaults_a_seed_widget_and_optional_sources() -> 
             required["max_new_tokens"][1]["default"]) == (0.6, 0.95, 512)
     assert required["width"][1]["step"] == required["height"][1]["step"] == 16
     assert optional["pipe"][0] == "ERNIE_PIPE"
-    assert list(optional) == ["pipe", "pe_url", "pe_model", "pe_api_key_env", "pe_api_key_file"]
+    assert list(optional) == ["pipe", "pe_url", "pe_model", "pe_credential"]
+    assert set(node.INPUT_TYPES()["hidden"]) == {"unique_id", "pe_api_key_env", "pe_api_key_file"}
     for section in (required, optional):
         assert all(spec[1].get("tooltip") for spec in section.values())
-    assert not hasattr(node, "VALIDATE_INPUTS")  # the size is checked once, when the node runs (resolve_size)
+    # the size is checked once, when the node runs (resolve_size); a password in pe_url before the prompt is queued
+    assert node.VALIDATE_INPUTS(pe_url="http://127.0.0.1:8000") is True
+    refused = node.VALIDATE_INPUTS(pe_url="http://pe:pw-5678@127.0.0.1:8000")
+    assert refused.startswith("pe_url: http://***@127.0.0.1:8000 holds a user name or password")
+    assert "pw-5678" not in refused
 
 
 # ------------------------------------------------------------------------------------------ local PE
@@ -91,10 +96,12 @@ def test_preset_resolution_is_what_the_pe_is_told(model_dir) -> None:
 
 
 # ----------------------------------------------------------------------------------------- remote PE
-def test_chat_endpoint_revises_with_the_nodes_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chat_endpoint_revises_with_the_nodes_settings_and_the_key_bound_to_it(monkeypatch: pytest.MonkeyPatch,
+                                                                               keys_file) -> None:
     monkeypatch.setenv("ERNIE_TEST_PE_KEY", SECRET)
     with ChatServer(api_key=SECRET) as server:
-        revised, info = enhance(pe_url=server.url, pe_api_key_env="ERNIE_TEST_PE_KEY", resolution="1264x848 (3:2)",
+        keys_file({"label": "pe-box", "origin": server.url, "env": "ERNIE_TEST_PE_KEY"})
+        revised, info = enhance(pe_url=server.url, pe_credential="pe-box", resolution="1264x848 (3:2)",
                                 seed=7, temperature=0.3, top_p=0.9, max_new_tokens=300)
     assert revised == f"revised: {PROMPT} @7"
     body = server.received[0]
@@ -124,8 +131,7 @@ def test_a_failing_server_passes_the_original_prompt_on_and_says_so() -> None:
 def test_a_remote_backend_with_a_pe_endpoint_feeds_the_node() -> None:
     with ChatServer() as server:
         backend = ErnieImageRemoteBackend().connect(
-            server_urls="http://127.0.0.1:1", connect_timeout_s=1.0, read_timeout_s=30.0, api_key_env="",
-            api_key_file="", pe_url=server.url)
+            server_urls="http://127.0.0.1:1", connect_timeout_s=1.0, read_timeout_s=30.0, pe_url=server.url)
         pipe = backend["result"][0]
         assert "prompt enhancer: chat endpoint" in backend["result"][1]
         revised, _ = enhance(pipe=pipe, seed=3)
@@ -152,17 +158,20 @@ def test_a_pipe_without_a_pe_says_what_to_do(tmp_path) -> None:
         RemotePipe(["http://127.0.0.1:1"]).enhance(PROMPT, 256, 256, 0)
 
 
-def test_bad_endpoint_settings_are_refused_before_anything_is_sent(tmp_path) -> None:
-    with pytest.raises(InvalidInputError, match="pe_api_key_env must be the NAME") as error:
-        enhance(pe_url="http://127.0.0.1:1", pe_api_key_env="sk-live-1234567890")
-    assert "1234567890" not in str(error.value)
-    with pytest.raises(InvalidInputError, match="pe_api_key_env names a variable"):
-        enhance(pe_url="http://127.0.0.1:1", pe_api_key_env="ERNIE_TEST_UNSET_PE_KEY")
-    with pytest.raises(InvalidInputError, match="pe_api_key_file .* is not a file"):
-        enhance(pe_url="http://127.0.0.1:1", pe_api_key_file=str(tmp_path / "missing"))
-    with pytest.raises(InvalidInputError, match="pe_url 'ftp://pe-box:8000' has the scheme 'ftp'"):
-        enhance(pe_url="ftp://pe-box:8000")
-    with pytest.raises(InvalidInputError, match="prompt is empty"):
-        enhance(prompt="  ", pe_url="http://127.0.0.1:1")
-    with pytest.raises(InvalidInputError, match="temperature"):
-        enhance(pe_url="http://127.0.0.1:1", temperature=9.0)
+def test_bad_endpoint_settings_are_refused_before_anything_is_sent(keys_file_of_this_test: Path) -> None:
+    with ChatServer() as server:
+        for name in ("pe_api_key_env", "pe_api_key_file"):
+            with pytest.raises(InvalidInputError, match=rf"^this workflow names where an API key is read from "
+                                                        rf"\({name}, a widget of earlier versions\)") as error:
+                enhance(pe_url=server.url, **{name: "sk-live-1234567890"})
+            assert "1234567890" not in str(error.value) and str(keys_file_of_this_test) in str(error.value)
+        with pytest.raises(InvalidInputError, match="^pe_credential names no credential of yours: add .* to the "
+                                                    "keys file"):
+            enhance(pe_url=server.url, pe_credential="pe-box")
+        with pytest.raises(InvalidInputError, match="pe_url 'ftp://pe-box:8000' has the scheme 'ftp'"):
+            enhance(pe_url="ftp://pe-box:8000")
+        with pytest.raises(InvalidInputError, match="prompt is empty"):
+            enhance(prompt="  ", pe_url=server.url)
+        with pytest.raises(InvalidInputError, match="temperature"):
+            enhance(pe_url=server.url, temperature=9.0)
+    assert server.models_asked == 0 and not server.headers

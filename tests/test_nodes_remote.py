@@ -13,11 +13,21 @@ from ernie_image.runtime.errors import InvalidInputError
 from fake_sglang import FakeSglang, free_port
 
 
+KEY = "s3cret-key-0123456789"
+KEY_VAR = "ERNIE_TEST_SGLANG_KEY"
+LEGACY_INPUTS = ("api_key_env", "api_key_file", "pe_api_key_env", "pe_api_key_file")
+
+
 def connect(**changes):
-    inputs = dict(server_urls="http://127.0.0.1:1", connect_timeout_s=2.0, read_timeout_s=30.0, api_key_env="",
-                  api_key_file="")
+    inputs = dict(server_urls="http://127.0.0.1:1", connect_timeout_s=2.0, read_timeout_s=30.0)
     inputs.update(changes)
     return ErnieImageRemoteBackend().connect(**inputs)
+
+
+def generate_one(pipe) -> None:
+    ErnieImageTurboSampler().generate(pipe=pipe, prompt="x", resolution="custom", width=256, height=256, steps=1,
+                                      cfg=1.0, seed=0, batch_size=1, shift=4.0, use_pe=False)
+    pipe.release()
 
 
 def test_urls_one_per_line_with_comments_and_duplicates() -> None:
@@ -42,32 +52,70 @@ def test_remote_pipe_drives_the_same_sampler() -> None:
     assert latent is None  # no latents from a server; inside ComfyUI this is an ExecutionBlocker with a message
 
 
-def test_the_api_key_is_named_never_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(InvalidInputError, match="NAME of an environment variable") as error:
-        connect(api_key_env="sk-live-1234567890")
-    assert "1234567890" not in str(error.value)
-    # A pasted key that looks like a name names no variable of ComfyUI's: refused, and not echoed either.
-    monkeypatch.delenv("mysecretkey42", raising=False)
-    with pytest.raises(InvalidInputError, match="api_key_env names no variable of ComfyUI's environment, and the "
-                                                "value given looks like a key") as error:
-        connect(api_key_env="mysecretkey42")
-    assert "mys" not in str(error.value)
-    big = tmp_path / "not_a_key.txt"
-    big.write_bytes(b"x" * 10_000)
-    with pytest.raises(InvalidInputError, match="not a key file"):
-        connect(api_key_file=str(big))
-    with pytest.raises(InvalidInputError, match="is not a file"):
-        connect(api_key_file=str(tmp_path / "missing"))
+@pytest.mark.parametrize("name", LEGACY_INPUTS)
+@pytest.mark.parametrize("value", [KEY_VAR, "sk-live-1234567890", "~/.config/sglang.key", "/etc/hostname"])
+def test_a_workflow_naming_where_a_key_is_read_is_refused_in_one_line_naming_the_keys_file(
+        name: str, value: str, keys_file_of_this_test: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The widgets of earlier versions named any variable or file, whose content went to any URL: refused."""
+    monkeypatch.setenv(KEY_VAR, KEY)
+    with pytest.raises(InvalidInputError) as refused:
+        connect(server_urls="http://127.0.0.1:1", pe_url="http://127.0.0.1:2", **{name: value})
+    prefix = "pe_" if name.startswith("pe_") else ""
+    assert str(refused.value) == (
+        f"this workflow names where an API key is read from ({name}, a widget of earlier versions); a workflow may "
+        f"no longer do that: bind the key to the server in your keys file ({keys_file_of_this_test}) and leave "
+        f"{prefix}credential empty, or pick it by its label")
+    assert value not in str(refused.value), "the value (maybe a pasted key) is not echoed"
 
 
-def test_a_key_from_the_environment_reaches_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("ERNIE_TEST_SGLANG_KEY", "s3cret-key")
-    with FakeSglang(api_key="s3cret-key") as server:
-        pipe = connect(server_urls=server.url, api_key_env="ERNIE_TEST_SGLANG_KEY")["result"][0]
-        ErnieImageTurboSampler().generate(pipe=pipe, prompt="x", resolution="custom", width=256, height=256,
-                                          steps=1, cfg=1.0, seed=0, batch_size=1, shift=4.0, use_pe=False)
-        pipe.release()
-        assert server.generations[0].headers.get("Authorization") == "Bearer s3cret-key"
+def test_a_legacy_key_input_maps_only_to_a_credential_of_that_label_bound_to_that_server(
+        keys_file, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEY_VAR, KEY)
+    with FakeSglang(api_key=KEY) as server, FakeSglang() as other:
+        keys_file({"label": KEY_VAR, "origin": server.url, "env": KEY_VAR})
+        generate_one(connect(server_urls=server.url, api_key_env=KEY_VAR)["result"][0])
+        assert server.generations[0].headers.get("Authorization") == f"Bearer {KEY}"
+        for refused in (dict(server_urls=other.url, api_key_env=KEY_VAR),  # the label is bound elsewhere
+                        dict(server_urls=server.url, api_key_file=KEY_VAR + ".key"),  # no such label
+                        dict(server_urls=f"{server.url}\n{other.url}", api_key_env=KEY_VAR)):  # one server is not
+            with pytest.raises(InvalidInputError, match="keys file"):
+                connect(**refused)
+    assert other.wire == []
+
+
+def test_an_unknown_input_is_refused() -> None:
+    with pytest.raises(InvalidInputError, match="unknown input 'api_key'"):
+        connect(api_key="sk-live-1234567890")
+
+
+def test_a_key_bound_in_the_keys_file_reaches_its_server_by_origin_or_by_label(
+        keys_file, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEY_VAR, KEY)
+    with FakeSglang(api_key=KEY) as server:
+        keys_file({"label": "gpu-box", "origin": server.url, "env": KEY_VAR})
+        generate_one(connect(server_urls=server.url)["result"][0])
+        generate_one(connect(server_urls=server.url, credential="gpu-box")["result"][0])
+        assert [g.headers.get("Authorization") for g in server.generations] == [f"Bearer {KEY}"] * 2
+
+
+def test_a_credential_label_bound_to_another_server_is_refused_naming_how_to_bind_one(
+        keys_file, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KEY_VAR, KEY)
+    path = keys_file({"label": "gpu-box", "origin": "http://gpu-box:30000", "env": KEY_VAR})
+    with pytest.raises(InvalidInputError) as refused:
+        connect(server_urls="http://127.0.0.1:1", credential="gpu-box")
+    assert str(refused.value) == (
+        "credential 'gpu-box' is not bound to http://127.0.0.1:1: a key is sent only to the server it is bound to; "
+        'add {"label": "NAME", "origin": "http://127.0.0.1:1", "env": "VARIABLE"} (or "file": PATH) to the keys file '
+        f"{path}, or leave credential empty")
+
+
+def test_a_password_in_a_url_is_refused_before_the_prompt_is_queued() -> None:
+    said = ErnieImageRemoteBackend.VALIDATE_INPUTS(server_urls="http://127.0.0.1:1\nhttp://bob:pw-4321@gpu:1",
+                                                   pe_url="")
+    assert isinstance(said, str) and said.startswith("server_urls: http://***@gpu:1 holds a user name or password")
+    assert "pw-4321" not in said and "keys file" in said
+    assert ErnieImageRemoteBackend.VALIDATE_INPUTS(server_urls="http://127.0.0.1:1", pe_url=None) is True
 
 
 def test_check_reports_the_served_model_without_generating() -> None:
@@ -102,7 +150,11 @@ def test_wait_and_resend_widgets_reach_the_pipe_and_bad_timeouts_are_refused() -
             connect(**changes)
 
 
-def test_the_new_widgets_come_after_the_pe_ones_so_saved_workflows_keep_their_values() -> None:
-    optional = list(ErnieImageRemoteBackend.INPUT_TYPES()["optional"])
-    assert optional[:4] == ["pe_url", "pe_model", "pe_api_key_env", "pe_api_key_file"]
-    assert optional[4:] == ["wait_for_servers_s", "resend_unanswered"]
+def test_a_key_is_picked_by_its_label_and_the_old_key_widgets_are_hidden_inputs() -> None:
+    inputs = ErnieImageRemoteBackend.INPUT_TYPES()
+    assert list(inputs["required"]) == ["server_urls", "connect_timeout_s", "read_timeout_s", "credential"]
+    assert list(inputs["optional"]) == ["pe_url", "pe_model", "pe_credential", "wait_for_servers_s",
+                                        "resend_unanswered"]
+    assert inputs["required"]["credential"][0] == inputs["optional"]["pe_credential"][0] == "STRING"
+    assert sorted(inputs["hidden"]) == sorted(LEGACY_INPUTS), "an old workflow's values still reach connect()"
+    assert "keys file" in inputs["required"]["credential"][1]["tooltip"]

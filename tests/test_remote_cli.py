@@ -87,7 +87,10 @@ def test_a_base_model_gets_the_base_defaults_and_given_values_win(capsys, tmp_pa
     (["--quant", "fp8"], "--quant is for a local model"),
     (["--api-key-env", "sk-pasted-0123456789"], "--api-key-env must be the NAME of an environment variable"),
     (["--pe-model", "pe"], "--pe-model is for the PE chat server: give its URL with --pe-url"),
-    (["--pe-url", "http://127.0.0.1:0"], "--pe-url 'http://127.0.0.1:0' has the port 0, out of range"),
+    (["--pe-url", "http://127.0.0.1:0", "--use-pe"], "--pe-url 'http://127.0.0.1:0' has the port 0, out of range"),
+    (["--pe-url", "http://127.0.0.1:1"], "--pe-url revises the prompt only with --use-pe: add --use-pe, or drop --pe-url"),
+    (["--pe-url", "http://127.0.0.1:1", "--use-pe", "--pe-timeout", "0"], "--pe-timeout 0 is not allowed"),
+    (["--pe-timeout", "5"], "--pe-timeout is for the PE chat server: give its URL with --pe-url"),
 ])
 def test_every_bad_value_is_one_line_and_exit_2_before_any_network_work(capsys, tmp_path, extra, expected):
     with FakeSglang() as server:
@@ -146,6 +149,63 @@ def test_pe_url_serves_a_local_generation_too(capsys, tmp_path, tiny_turbo_folde
         asked = len(chat.received)
     assert code == 0, capsys.readouterr().err
     assert asked == 1 and png_settings(tmp_path / "x.png")["prompts_used"] == ["revised: a fox @4"]
+
+
+CLI_KEY = "sk-cli-bound-0123456789"
+PE_KEY = "sk-cli-pe-9876543210"
+
+
+def authorization_headers(*servers: FakeSglang) -> set[str]:
+    return {dict(request.headers).get("Authorization", "") for server in servers for request in server.wire}
+
+
+def test_the_key_flags_bind_a_key_to_the_servers_of_that_command_line_and_no_other(capsys, tmp_path, monkeypatch,
+                                                                                  keys_file_of_this_test):
+    monkeypatch.setenv("ERNIE_TEST_CLI_KEY", CLI_KEY)
+    (tmp_path / "pe.key").write_text(PE_KEY)
+    written = keys_file_of_this_test
+    written.parent.mkdir(parents=True)
+    written.write_text("{not json")  # the flags win: the keys file is not even read
+    with FakeSglang(api_key=CLI_KEY) as first, FakeSglang(api_key=CLI_KEY) as second, \
+            ChatServer(api_key=PE_KEY) as chat:
+        code = main(["generate", "--server", first.url, "--server", second.url, "--api-key-env", "ERNIE_TEST_CLI_KEY",
+                     "--pe-url", chat.url, "--pe-api-key-file", str(tmp_path / "pe.key"), "--use-pe", *TURBO,
+                     "--batch", "2", "--out", str(tmp_path / "x.png")])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        assert authorization_headers(first, second) == {f"Bearer {CLI_KEY}"}
+        assert {headers["Authorization"] for headers in chat.headers} == {f"Bearer {PE_KEY}"}, "the PE's own key"
+        code = main(["enhance", "--pe-url", chat.url, "--prompt", "a fox", "--api-key-env", "ERNIE_TEST_CLI_KEY"])
+    assert code == 2 and "HTTP 401" in one_line_error(capsys), "enhance's --api-key-env is the PE server's key"
+
+
+def test_without_key_flags_the_keys_file_gives_each_server_the_key_bound_to_it(capsys, tmp_path, monkeypatch,
+                                                                               keys_file):
+    monkeypatch.setenv("ERNIE_TEST_CLI_KEY", CLI_KEY)
+    with FakeSglang(api_key=CLI_KEY) as bound, FakeSglang() as unbound, ChatServer(api_key=PE_KEY) as chat:
+        keys_file({"label": "gpu", "origin": bound.url, "env": "ERNIE_TEST_CLI_KEY"},
+                  {"label": "pe", "origin": chat.url, "key": PE_KEY})
+        code = main(["check-remote", bound.url, unbound.url, "--no-generate"])
+        assert code == 0, capsys.readouterr()
+        assert authorization_headers(bound) == {f"Bearer {CLI_KEY}"} and authorization_headers(unbound) == {""}
+        code = main(["generate", "--server", bound.url, "--pe-url", chat.url, "--use-pe", *TURBO,
+                     "--out", str(tmp_path / "x.png")])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        assert {headers["Authorization"] for headers in chat.headers} == {f"Bearer {PE_KEY}"}
+        assert main(["enhance", "--pe-url", chat.url, "--prompt", "a fox", "--quiet"]) == 0
+    assert PE_KEY not in capsys.readouterr().out
+
+
+def test_a_broken_keys_file_is_one_line_naming_it_before_anything_is_sent(capsys, tmp_path, keys_file_of_this_test):
+    keys_file_of_this_test.parent.mkdir(parents=True)
+    keys_file_of_this_test.write_text('{"credentials": [{"label": "gpu"}]}')
+    with FakeSglang() as server:
+        code = main(["generate", "--server", server.url, *TURBO, "--out", str(tmp_path / "x.png")])
+        assert server.wire == []
+    assert code == 2 and one_line_error(capsys) == (
+        f"error: an origin is missing or not text: write it as scheme://host:port, e.g. http://gpu-box:30000 (entry 1 "
+        f"of the keys file {keys_file_of_this_test})")
 
 
 def test_a_dead_fleet_fails_in_one_line_naming_each_server(capsys, tmp_path):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from ernie_image.runtime.errors import Cancelled, RemoteError
+from ernie_image.runtime.errors import Cancelled, InvalidInputError, RemoteError
 from ernie_image.runtime.cli_names import cli_message
 from ernie_image.runtime.host import NullHost
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
@@ -369,3 +369,28 @@ def test_the_start_notice_never_says_about_0_s():
     starts = [m for m in host.messages if m.startswith("sending")]
     assert "time known after the first image" in starts[0]
     assert re.search(r"about \d+\.\d s", starts[1]) and "about 0 s" not in " ".join(starts)
+
+
+# ------------------------------------------------------------------------------------------ keys
+def test_each_server_of_a_fleet_gets_the_key_bound_to_its_own_origin_and_an_unbound_one_none(keys_file, monkeypatch):
+    """One batch over three servers: each is sent only its own key (the user's keys file), the third none at all."""
+    monkeypatch.setenv("ERNIE_TEST_FLEET_KEY", "sk-fleet-first-0123")
+    with fake(api_key="sk-fleet-first-0123", service_time_s=0.01) as first, \
+            fake(api_key="sk-fleet-second-4567", service_time_s=0.01) as second, fake(service_time_s=0.01) as third:
+        keys_file({"label": "first", "origin": first.url, "env": "ERNIE_TEST_FLEET_KEY"},
+                  {"label": "second", "origin": second.url, "key": "sk-fleet-second-4567"})
+        result, _ = generate([first.url, second.url, third.url], 6)
+        sent = {server.url: {dict(r.headers).get("Authorization", "") for r in server.wire}
+                for server in (first, second, third)}
+    assert len(result.images) == 6 and all(server.ran for server in (first, second, third))
+    assert sent == {first.url: {"Bearer sk-fleet-first-0123"}, second.url: {"Bearer sk-fleet-second-4567"},
+                    third.url: {""}}
+
+
+def test_one_label_for_a_fleet_is_refused_unless_every_server_is_its_origin(keys_file, monkeypatch):
+    monkeypatch.setenv("ERNIE_TEST_FLEET_KEY", "sk-fleet-first-0123")
+    with fake() as first, fake() as second:
+        keys_file({"label": "first", "origin": first.url, "env": "ERNIE_TEST_FLEET_KEY"})
+        with pytest.raises(InvalidInputError, match=f"credential 'first' is not bound to {second.url}"):
+            RemotePipe([first.url, second.url], RemoteSettings(credential="first"))
+        assert first.wire == [] and second.wire == []

@@ -7,8 +7,9 @@ import time
 import pytest
 
 from ernie_image.runtime.errors import Cancelled, InvalidInputError
+from ernie_image.runtime.remote import errors
+from ernie_image.runtime.remote.credentials import Credential, Credentials, Origin
 from ernie_image.runtime.remote.http import (
-    ApiKeySource,
     AuthenticationError,
     BadResponse,
     ConnectionLost,
@@ -22,6 +23,7 @@ from ernie_image.runtime.remote.http import (
     TlsHandshakeFailed,
     run_sync,
 )
+from ernie_image.runtime.remote.key_source import ApiKeySource
 
 from fake_sglang import FakeSglang, UnacceptingListener, free_port
 
@@ -179,29 +181,62 @@ def test_host_check_cancel_works_as_the_cancel_callable(server):
 SECRET = "sk-test-very-secret-123"
 
 
+def bound(url: str, env_var: str | None = None, file: str | None = None) -> Credential:
+    """The credential a user binds to the server at `url` (here as the CLI's key flags bind one)."""
+    credential = Credentials.bound_to([url], env_var, file, env_flag="--api-key-env",
+                                      file_flag="--api-key-file").for_server(url)
+    assert credential is not None
+    return credential
+
+
 def test_api_key_is_sent_as_bearer_and_never_shown(monkeypatch, tmp_path):
     monkeypatch.setenv("ERNIE_TEST_KEY", SECRET)
     with FakeSglang(api_key=SECRET) as server:
-        client = HttpClient(server.url, HttpSettings(api_key=ApiKeySource(env_var="ERNIE_TEST_KEY")))
+        client = HttpClient(server.url, HttpSettings(credential=bound(server.url, "ERNIE_TEST_KEY")))
         assert SECRET not in repr(client)
         call(client, "GET", "/v1/models")
         assert server.received[-1].headers["Authorization"] == f"Bearer {SECRET}"
 
         key_file = tmp_path / "key.txt"
         key_file.write_text(SECRET + "\n")
-        call(HttpClient(server.url, HttpSettings(api_key=ApiKeySource(file=str(key_file)))), "GET", "/v1/models")
+        call(HttpClient(server.url, HttpSettings(credential=bound(server.url, file=str(key_file)))), "GET",
+             "/v1/models")
         assert server.received[-1].headers["Authorization"] == f"Bearer {SECRET}"
 
         with pytest.raises(AuthenticationError) as missing:
             call(HttpClient(server.url), "GET", "/v1/models")
-        assert "HTTP 401" in str(missing.value) and "needs an API key" in str(missing.value)
+        assert "HTTP 401" in str(missing.value) and "needs an API key: add" in str(missing.value)
+        assert f'"origin": "{server.url}"' in str(missing.value) and "to the keys file" in str(missing.value)
 
         monkeypatch.setenv("ERNIE_TEST_KEY", "wrong-" + SECRET)
         with pytest.raises(AuthenticationError) as wrong:
-            call(HttpClient(server.url, HttpSettings(api_key=ApiKeySource(env_var="ERNIE_TEST_KEY"))), "GET",
+            call(HttpClient(server.url, HttpSettings(credential=bound(server.url, "ERNIE_TEST_KEY"))), "GET",
                  "/v1/models")
-        assert "HTTP 403" in str(wrong.value) and "ERNIE_TEST_KEY" in str(wrong.value)
+        assert "HTTP 403" in str(wrong.value) and "--api-key-env ERNIE_TEST_KEY" in str(wrong.value)
         assert SECRET not in str(wrong.value)
+
+
+def test_a_key_goes_to_its_own_origin_only_and_never_after_a_redirect(monkeypatch):
+    monkeypatch.setenv("ERNIE_TEST_KEY_HTTP", "sk-http-redirect")
+    with FakeSglang() as elsewhere, FakeSglang() as server:
+        credential = bound(server.url, "ERNIE_TEST_KEY_HTTP")
+        with pytest.raises(InvalidInputError, match=f"is bound to {server.url}, so it is not sent to "
+                                                    f"{elsewhere.url}: bind a key to {elsewhere.url}"):
+            HttpClient(elsewhere.url, HttpSettings(credential=credential))
+        server.redirect_to = elsewhere.url
+        with pytest.raises(BadResponse, match=r"redirected GET .* \(HTTP 307\); redirects are not followed"):
+            call(HttpClient(server.url, HttpSettings(credential=credential)), "GET", "/v1/models")
+    assert elsewhere.wire == [], "nothing reached the other server, least of all the key"
+    assert [dict(r.headers)["Authorization"] for r in server.wire] == ["Bearer sk-http-redirect"]
+
+
+def test_the_errors_moved_to_errors_py_are_the_ones_http_raises():
+    from ernie_image.runtime.remote import http
+
+    for name in ("AuthenticationError", "BadResponse", "ConnectionLost", "ServerFailed", "ServerRejected",
+                 "ServerUnavailable", "TlsHandshakeFailed"):
+        assert getattr(http, name) is getattr(errors, name)
+    assert Origin.of("http://127.0.0.1:1") == Origin("http", "127.0.0.1", 1)
 
 
 def test_unset_key_variable_and_unreadable_key_file_are_clear(monkeypatch, tmp_path):

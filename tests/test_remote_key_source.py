@@ -1,6 +1,7 @@
 """Where the API key comes from, checked by the runtime before anything is sent (ApiKeySource.checked).
 
-The same check serves the nodes (their widget names in the messages) and the CLI (its flags). Every refusal is
+The same check serves the CLI's key flags and the sources of the user's keys file (a workflow never names a source:
+see test_credentials.py); messages name the flag or the credential. Every refusal is
 one InvalidInputError line naming the setting, the cause and the fix, and a value that may be a pasted key
 shows no character of it (only a plain variable name, ERNIE_SGLANG_KEY, or a plain path is named).
 """
@@ -13,7 +14,7 @@ import pytest
 
 from ernie_image.runtime.cli import main
 from ernie_image.runtime.errors import InvalidInputError
-from ernie_image.runtime.remote.http import MAX_KEY_FILE_BYTES, ApiKeySource
+from ernie_image.runtime.remote.key_source import MAX_KEY_FILE_BYTES, ApiKeySource
 from test_enhancer_remote import ChatServer
 
 PASTED_KEY = "sk-live-0123456789abcdef"
@@ -70,8 +71,8 @@ def test_a_key_file_under_home_is_expanded(monkeypatch, tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------------------- refused
 def test_a_pasted_key_instead_of_a_variable_name() -> None:
-    message = refusal(PASTED_KEY, env_label="api_key_env")
-    assert message == ("api_key_env must be the NAME of an environment variable (letters, digits, _): the value "
+    message = refusal(PASTED_KEY, env_label="--api-key-env")
+    assert message == ("--api-key-env must be the NAME of an environment variable (letters, digits, _): the value "
                        "given looks like a key rather than a variable name (not shown); put the key in an "
                        "environment variable and give its name, never the key itself")
     assert_key_hidden(message, PASTED_KEY)
@@ -95,9 +96,10 @@ def test_a_key_given_as_the_variable_name_shows_no_character_of_it(capsys) -> No
 
 def test_a_variable_that_is_set_but_empty(monkeypatch) -> None:
     monkeypatch.setenv("ERNIE_TEST_KEY_EMPTY", "  ")
-    message = refusal("ERNIE_TEST_KEY_EMPTY", env_label="api_key_env", program="ComfyUI")
-    assert message == ("api_key_env names a variable (ERNIE_TEST_KEY_EMPTY) that is empty in ComfyUI's environment: export "
-                       "the key in it before starting ComfyUI, or give a key file")
+    label = "credential 'gpu' (the keys file K): its env"  # as Credential.check names a keys file's source
+    message = refusal("ERNIE_TEST_KEY_EMPTY", env_label=label, program="ComfyUI")
+    assert message == (f"{label} names a variable (ERNIE_TEST_KEY_EMPTY) that is empty in ComfyUI's environment: "
+                       f"export the key in it before starting ComfyUI, or give a key file")
 
 
 def test_a_multiline_paste_stays_one_line() -> None:
@@ -108,13 +110,13 @@ def test_a_multiline_paste_stays_one_line() -> None:
 
 def test_a_missing_key_file_is_named_when_it_is_plainly_a_path(tmp_path: Path) -> None:
     missing = tmp_path / "missing.key"
-    assert refusal(None, str(missing), file_label="api_key_file") == (
-        f"api_key_file {missing} is not a file: give the path of a file holding only the key")
+    assert refusal(None, str(missing), file_label="--api-key-file") == (
+        f"--api-key-file {missing} is not a file: give the path of a file holding only the key")
 
 
 def test_a_key_pasted_into_the_key_file_setting_is_not_echoed() -> None:
-    message = refusal(None, PASTED_KEY, file_label="pe_api_key_file")
-    assert message == ("pe_api_key_file is not a file, and the value given looks like a key rather than a path "
+    message = refusal(None, PASTED_KEY, file_label="--pe-api-key-file")
+    assert message == ("--pe-api-key-file is not a file, and the value given looks like a key rather than a path "
                        "(not shown): give the path of a file holding only the key")
     assert_key_hidden(message, PASTED_KEY)
     slashed = "sk/" + PASTED_KEY  # base64 keys may hold a slash; their "folder" does not exist
@@ -122,15 +124,15 @@ def test_a_key_pasted_into_the_key_file_setting_is_not_echoed() -> None:
 
 
 def test_a_folder_is_not_a_key_file(tmp_path: Path) -> None:
-    assert refusal(None, str(tmp_path), file_label="api_key_file") == (
-        f"api_key_file {tmp_path} is not a file: give the path of a file holding only the key")
+    assert refusal(None, str(tmp_path), file_label="--api-key-file") == (
+        f"--api-key-file {tmp_path} is not a file: give the path of a file holding only the key")
 
 
 def test_a_large_file_is_not_a_key_file(tmp_path: Path) -> None:
     big = tmp_path / "model.safetensors"
     big.write_bytes(b"x" * (MAX_KEY_FILE_BYTES + 1))
-    assert refusal(None, str(big), file_label="api_key_file") == (
-        f"api_key_file {big} is larger than {MAX_KEY_FILE_BYTES} bytes, so it is not a key file: give the path "
+    assert refusal(None, str(big), file_label="--api-key-file") == (
+        f"--api-key-file {big} is larger than {MAX_KEY_FILE_BYTES} bytes, so it is not a key file: give the path "
         f"of a file holding only the key")
 
 
@@ -176,19 +178,28 @@ def test_cli_never_echoes_a_key_pasted_as_an_option(capsys) -> None:
 
 def test_check_remote_runs_the_same_check_when_called_directly() -> None:
     from ernie_image.runtime.remote.check import check_remote, main_check_remote
+    from ernie_image.runtime.remote.credentials import Credentials
 
     with pytest.raises(InvalidInputError, match=r"^--api-key-env names a variable"):
         main_check_remote(["http://127.0.0.1:1", "--api-key-env", UNSET])
     with pytest.raises(InvalidInputError, match=r"^the API key variable must be the NAME"):
-        check_remote(["http://127.0.0.1:1"], api_key_env=PASTED_KEY)
+        Credentials.bound_to(["http://127.0.0.1:1"], PASTED_KEY)
+    with pytest.raises(InvalidInputError, match=r"^credential names no credential of yours: add "):
+        check_remote(["http://127.0.0.1:1"], credential="pe")
 
 
-def test_a_remote_pipe_refuses_a_key_source_that_cannot_work() -> None:
+def test_a_remote_pipe_refuses_a_bound_key_source_that_cannot_work(keys_file) -> None:
     from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
+    from ernie_image.runtime.remote.credentials import Credential, Origin
     from ernie_image.runtime.text.remote_enhancer import ChatEndpoint
 
-    with pytest.raises(InvalidInputError, match="the API key variable names a variable"):
-        RemotePipe(["http://127.0.0.1:1"], RemoteSettings(api_key_env=UNSET))
-    with pytest.raises(InvalidInputError, match="the PE endpoint's API key file is not a file, and the value given looks like a key"):
-        RemotePipe(["http://127.0.0.1:1"],
-                   RemoteSettings(pe_endpoint=ChatEndpoint(url="http://127.0.0.1:2", api_key_file=PASTED_KEY)))
+    path = keys_file({"label": "gpu", "origin": "http://127.0.0.1:1", "env": UNSET})
+    with pytest.raises(InvalidInputError, match=rf"^credential 'gpu' \(the keys file {path}\): its env names a "
+                                                rf"variable \({UNSET}\)"):
+        RemotePipe(["http://127.0.0.1:1"])
+    pasted = Credential("pe", Origin.of("http://127.0.0.1:2"), ApiKeySource(file=PASTED_KEY), given_by="the test")
+    with pytest.raises(InvalidInputError, match=r"^credential 'pe' \(the test\): its file is not a file, and the "
+                                                r"value given looks like a key") as caught:
+        RemotePipe(["http://127.0.0.1:3"],
+                   RemoteSettings(pe_endpoint=ChatEndpoint(url="http://127.0.0.1:2", credential=pasted)))
+    assert_key_hidden(str(caught.value), PASTED_KEY)

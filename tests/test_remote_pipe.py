@@ -16,6 +16,7 @@ from ernie_image.runtime.host import NullHost
 from ernie_image.runtime.pipe import ErniePipe
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
 from ernie_image.runtime.remote.check import check_remote, format_check_table
+from ernie_image.runtime.remote.credentials import Credentials
 from ernie_image.runtime.remote.fleet import Fleet
 from ernie_image.runtime.remote.http import BadResponse, ServerRejected, run_sync
 from ernie_image.runtime.remote.sglang import ImageParams, decode_image, mask_seed
@@ -26,6 +27,11 @@ from fake_sglang import FakeSglang, free_port, render
 TURBO = dict(steps=8, cfg=1.0)  # what the Turbo Sampler puts into the request
 BASE = dict(steps=50, cfg=4.0)
 FAST = RemoteSettings(retry_attempts=2, retry_down_after_s=0.2, connect_timeout_s=1.0)
+
+
+def key_of(*urls: str, env_var: str = "ERNIE_TEST_KEY") -> Credentials:
+    """The key in `env_var`, bound by the user to these servers (here as the CLI's --api-key-env binds it)."""
+    return Credentials.bound_to(list(urls), env_var, env_flag="--api-key-env")
 
 
 def request(**overrides) -> GenerationRequest:
@@ -255,7 +261,7 @@ def test_a_hostile_or_unreadable_png_from_a_server_is_one_line_naming_a_fix_with
     monkeypatch.setenv("ERNIE_TEST_KEY", "sk-never-shown-2718")
     with FakeSglang(api_key="sk-never-shown-2718", image_b64=_hostile(kind)) as server:
         pipe = RemotePipe([server.url], RemoteSettings(retry_attempts=2, retry_down_after_s=0.2, connect_timeout_s=1.0,
-                                                       api_key_env="ERNIE_TEST_KEY"))
+                                                       credentials=key_of(server.url)))
         with warnings.catch_warnings(record=True) as warned, pytest.raises(RemoteError) as caught:
             warnings.simplefilter("always")
             pipe.generate(request(), NullHost())
@@ -268,9 +274,10 @@ def test_a_hostile_or_unreadable_png_from_a_server_is_one_line_naming_a_fix_with
 def test_a_bare_500_names_the_request_that_failed_and_the_server_log_without_the_key(monkeypatch):
     """A failed model look is not "failed to generate"; a failed generation is. Neither shows the key."""
     monkeypatch.setenv("ERNIE_TEST_KEY", "sk-never-shown-2718")
-    settings = RemoteSettings(retry_attempts=1, connect_timeout_s=1.0, api_key_env="ERNIE_TEST_KEY")
     with FakeSglang(api_key="sk-never-shown-2718", faults=["models:500"]) as looked, \
             FakeSglang(api_key="sk-never-shown-2718", faults=["500"]) as generating:
+        settings = RemoteSettings(retry_attempts=1, connect_timeout_s=1.0,
+                                  credentials=key_of(looked.url, generating.url))
         messages = []
         for server in (looked, generating):
             pipe = RemotePipe([server.url], settings)
@@ -421,21 +428,24 @@ def test_api_key_never_lands_in_logs_errors_or_results(monkeypatch):
     monkeypatch.setenv("ERNIE_SGLANG_API_KEY", secret)
     host = NullHost()
     with FakeSglang(api_key=secret) as server:
-        pipe = RemotePipe([server.url], RemoteSettings(api_key_env="ERNIE_SGLANG_API_KEY"))
+        pipe = RemotePipe([server.url], RemoteSettings(
+            credentials=key_of(server.url, env_var="ERNIE_SGLANG_API_KEY")))
         result = pipe.generate(request(), host)
         assert all(r.headers.get("Authorization") == f"Bearer {secret}" for r in server.received)
         text = repr(pipe) + pipe.describe() + repr(result.info) + repr(pipe.settings) + " ".join(host.messages)
         assert secret not in text
         pipe.release()
         monkeypatch.setenv("ERNIE_SGLANG_API_KEY", "bad")
-        pipe = RemotePipe([server.url], RemoteSettings(api_key_env="ERNIE_SGLANG_API_KEY"))
+        pipe = RemotePipe([server.url], RemoteSettings(
+            credentials=key_of(server.url, env_var="ERNIE_SGLANG_API_KEY")))
         with pytest.raises(RemoteError, match="HTTP 403.*ERNIE_SGLANG_API_KEY") as caught:
             pipe.generate(request(), NullHost())
         assert "bad" not in str(caught.value).replace("bad URL", "")
         pipe.release()
     monkeypatch.setenv("ERNIE_SGLANG_API_KEY", secret)
     with FakeSglang(api_key=secret, faults=["400_echo_auth"]) as echoing:
-        pipe = RemotePipe([echoing.url], RemoteSettings(api_key_env="ERNIE_SGLANG_API_KEY"))
+        pipe = RemotePipe([echoing.url], RemoteSettings(
+            credentials=key_of(echoing.url, env_var="ERNIE_SGLANG_API_KEY")))
         with pytest.raises(RemoteError, match=r"HTTP 400\): invalid request, auth was Bearer \*\*\*$") as caught:
             pipe.generate(request(), NullHost())
         assert secret not in str(caught.value)
@@ -461,7 +471,8 @@ def test_check_remote_reports_each_server():
 def test_an_api_key_with_a_control_character_is_refused_in_one_line_without_showing_it(monkeypatch, key):
     monkeypatch.setenv("ERNIE_SGLANG_API_KEY", key)
     with FakeSglang() as server:
-        pipe = RemotePipe([server.url], RemoteSettings(api_key_env="ERNIE_SGLANG_API_KEY"))
+        pipe = RemotePipe([server.url], RemoteSettings(
+            credentials=key_of(server.url, env_var="ERNIE_SGLANG_API_KEY")))
         with pytest.raises(RemoteError, match=r"^the environment variable ERNIE_SGLANG_API_KEY holds a line break or "
                                               r"control character inside the API key: keep only the key itself") as caught:
             pipe.generate(request(), NullHost())

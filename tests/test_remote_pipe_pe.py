@@ -98,7 +98,7 @@ def test_cancel_while_the_pe_server_hangs_sends_no_image_request():
 def test_remote_backend_node_and_sampler_output_the_revised_prompt():
     with FakeSglang() as sglang, ChatServer() as chat:
         node = ErnieImageRemoteBackend().connect(
-            server_urls=sglang.url, connect_timeout_s=2.0, read_timeout_s=30.0, api_key_env="", api_key_file="",
+            server_urls=sglang.url, connect_timeout_s=2.0, read_timeout_s=30.0,
             pe_url=chat.url, pe_model="baidu/ERNIE-Image-PE")
         pipe = node["result"][0]
         try:

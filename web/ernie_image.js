@@ -105,8 +105,7 @@ async function testConnection(node) {
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify({
         server_urls: value("server_urls"),
-        api_key_env: value("api_key_env"),
-        api_key_file: value("api_key_file"),
+        credential: value("credential"),
         connect_timeout_s: value("connect_timeout_s"),
       }),
     });
@@ -115,6 +114,36 @@ async function testConnection(node) {
   } catch (error) {
     showText(node, "ErnieImageRemoteBackend", `!! the check could not run: ${error}`);
   }
+}
+
+// Workflows saved before API keys were bound on the user's machine kept, per node, where a key was read from (any
+// variable or file the workflow named). Their widget values are laid out as the new widgets by name; a key source
+// they named becomes the credential label, which runs only if the user's keys file has a credential of that label
+// bound to that very server (else the run stops with one line saying how to bind one).
+const LEGACY_LAYOUTS = {
+  ErnieImageRemoteBackend: {
+    names: ["server_urls", "connect_timeout_s", "read_timeout_s", "api_key_env", "api_key_file", "pe_url", "pe_model",
+      "pe_api_key_env", "pe_api_key_file", "wait_for_servers_s", "resend_unanswered"],
+    // the current layout has 9 values, of which the 8th is a number (wait_for_servers_s)
+    isLegacy: (values) => values.length !== 9 || typeof values[7] === "string",
+  },
+  ErnieImagePromptEnhancer: {
+    names: ["prompt", "resolution", "width", "height", "seed", "control_after_generate", "temperature", "top_p",
+      "max_new_tokens", "pe_url", "pe_model", "pe_api_key_env", "pe_api_key_file"],
+    isLegacy: (values) => values.length === 13,
+  },
+};
+
+function migrateKeyWidgets(node, layout, values) {
+  if (!Array.isArray(values) || !layout.isLegacy(values)) return;
+  const saved = Object.fromEntries(layout.names.slice(0, values.length).map((name, i) => [name, values[i]]));
+  for (const shown of node.widgets ?? []) {
+    if (shown.name in saved) shown.value = saved[shown.name];
+  }
+  const credential = widget(node, "credential");
+  if (credential) credential.value = String(saved.api_key_env || saved.api_key_file || "");
+  const peCredential = widget(node, "pe_credential");
+  if (peCredential) peCredential.value = String(saved.pe_api_key_env || saved.pe_api_key_file || "");
 }
 
 app.registerExtension({
@@ -126,6 +155,14 @@ app.registerExtension({
       nodeType.prototype.onNodeCreated = function () {
         const result = onNodeCreated?.apply(this, arguments);
         attachResolutionPicker(this);
+        return result;
+      };
+    }
+    if (LEGACY_LAYOUTS[name]) {
+      const onConfigure = nodeType.prototype.onConfigure;
+      nodeType.prototype.onConfigure = function (info) {
+        const result = onConfigure?.apply(this, arguments);
+        migrateKeyWidgets(this, LEGACY_LAYOUTS[name], info?.widgets_values);
         return result;
       };
     }

@@ -12,18 +12,20 @@ from __future__ import annotations
 import dataclasses
 import queue
 import time
+import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
 from ..errors import Cancelled, InvalidInputError, RemoteError
-from ..host import Host
+from ..host import Host, show_status
 from ..pipe import check_generate_call
 from ..request import GenerationRequest, GenerationResult, refuse_image_inputs
 from .fleet import Fleet, FleetSettings
-from .http import ApiKeySource, HttpSettings, checked_seconds, run_sync, server_label
-from .sglang import GeneratedImage, ImageParams, ReadTimeoutPolicy, ServerModel
+from .credentials import Credentials, ServerKeys, load_credentials
+from .http import HttpSettings, checked_seconds, run_soon, run_sync, server_label
+from .sglang import ENDPOINT_SUFFIXES, GeneratedImage, ImageParams, ReadTimeoutPolicy, ServerModel
 from .urls import normalize_base_url
 
 if TYPE_CHECKING:
@@ -36,10 +38,12 @@ SERVER_SHIFT = 4.0
 
 @dataclass(frozen=True)
 class RemoteSettings:
-    """Everything the Remote Backend node exposes. No secret here: only where to read the key from."""
+    """Everything the Remote Backend node exposes. No secret here, nor where one is read from: the user's
+    bindings (credentials.py) decide which key each server gets; `credential` may only pick one by its label.
+    `credentials` None: the user's keys file (load_credentials)."""
 
-    api_key_env: Optional[str] = None
-    api_key_file: Optional[str] = None
+    credentials: Optional[Credentials] = None
+    credential: str = ""
     connect_timeout_s: float = 5.0
     read_timeout_base_s: float = 120.0
     read_timeout_per_step_megapixel_s: float = 3.0
@@ -64,12 +68,17 @@ class RemoteSettings:
         checked_seconds(self.wait_for_servers_s, "wait for servers", allow_zero=True)
         checked_seconds(self.probe_every_s, "probe interval")
 
-    def fleet_settings(self) -> FleetSettings:
+    def server_keys(self, urls: Sequence[str]) -> ServerKeys:
+        """The credential each server gets, checked now (one line for a label that cannot be used)."""
+        credentials = self.credentials if self.credentials is not None else load_credentials()
+        return ServerKeys.resolve(credentials, urls, self.credential)
+
+    def fleet_settings(self, keys: ServerKeys = ServerKeys()) -> FleetSettings:
         return FleetSettings(
-            http=HttpSettings.from_widgets(
-                api_key_env=self.api_key_env, api_key_file=self.api_key_file, connect_timeout_s=self.connect_timeout_s,
-                read_timeout_s=self.read_timeout_base_s, retry_attempts=self.retry_attempts,
-                max_response_mb=self.max_response_mb),
+            http=HttpSettings.of(
+                credential=None, connect_timeout_s=self.connect_timeout_s, read_timeout_s=self.read_timeout_base_s,
+                retry_attempts=self.retry_attempts, max_response_mb=self.max_response_mb, keys=keys.advice),
+            keys=keys,
             read_timeout=ReadTimeoutPolicy(base_s=self.read_timeout_base_s,
                                            per_step_megapixel_s=self.read_timeout_per_step_megapixel_s,
                                            scale=self.read_timeout_scale),
@@ -108,16 +117,21 @@ class RemotePipe:
     def __init__(self, urls: Sequence[str], settings: RemoteSettings = RemoteSettings()) -> None:
         self.settings = settings
         self.urls = [u for u in (u.strip() for u in urls) if u]
-        # Fail on a bad URL, setting or key source now (the node shows it at once), before any connection is tried.
+        # Fail on a bad URL, setting or credential now (the node shows it at once), before any connection is tried.
         settings.validate()
-        ApiKeySource.checked(settings.api_key_env, settings.api_key_file)
+        for url in self.urls:
+            normalize_base_url(url, endpoint_suffixes=ENDPOINT_SUFFIXES)
+        self.keys = settings.server_keys([normalize_base_url(url) for url in self.urls])
         if settings.pe_endpoint is not None:
             normalize_base_url(settings.pe_endpoint.base_url(), what="PE endpoint URL")
-            ApiKeySource.checked(settings.pe_endpoint.api_key_env, settings.pe_endpoint.api_key_file,
-                                 env_label="the PE endpoint's API key variable",
-                                 file_label="the PE endpoint's API key file")
-        Fleet(self.urls, settings.fleet_settings())
+            if settings.pe_endpoint.credential is not None:
+                settings.pe_endpoint.credential.check()
+        Fleet(self.urls, settings.fleet_settings(self.keys))
         self._fleet: Optional[Fleet] = None
+        # A pipe ComfyUI drops from its cache (a changed widget replaces it) closes its connections as it goes.
+        self._built: list[Fleet] = []
+        finalizer = weakref.finalize(self, _close_soon, self._built)
+        finalizer.atexit = False
 
     def __repr__(self) -> str:
         return f"RemotePipe({', '.join(server_label(url) for url in self.urls)})"
@@ -125,12 +139,21 @@ class RemotePipe:
     def _get_fleet(self) -> Fleet:
         if self._fleet is None:
             async def build() -> Fleet:  # asyncio objects of the fleet belong to the private loop
-                return Fleet(self.urls, self.settings.fleet_settings())
+                return Fleet(self.urls, self.settings.fleet_settings(self.keys))
             self._fleet = run_sync(build())
+            self._built.append(self._fleet)
         return self._fleet
 
+    def _close_connections(self) -> None:
+        """After a failed or cancelled run: no connection stays open; the fleet's knowledge of its servers stays."""
+        if self._fleet is not None:
+            try:
+                run_sync(self._fleet.close())
+            except RemoteError:
+                pass
+
     def describe(self) -> str:
-        fleet = self._fleet or Fleet(self.urls, self.settings.fleet_settings())  # no I/O: names and models
+        fleet = self._fleet or Fleet(self.urls, self.settings.fleet_settings(self.keys))  # no I/O: names and models
         lines = [f"remote: {len(fleet.slots)} SGLang server(s)"]
         for slot in fleet.slots:
             model = slot.model
@@ -177,9 +200,9 @@ class RemotePipe:
                                         request.pe_max_new_tokens, host)
         return dataclasses.replace(request, prompts=tuple(revised.prompts), use_pe=False), revised
 
-    def served_model(self, host: Host) -> ServerModel:
+    def served_model(self, host: Host, images: int = 0) -> ServerModel:
         """The model of the first server that is ready (waiting for one as a batch would): its id is the only hint
-        whether it serves Turbo or the base model."""
+        whether it serves Turbo or the base model. `images`: the batch it is sought for, named if none gets ready."""
         fleet = self._get_fleet()
         events: "queue.SimpleQueue[tuple[str, Any]]" = queue.SimpleQueue()
 
@@ -188,7 +211,11 @@ class RemotePipe:
             host.check_cancel()
 
         try:
-            return run_sync(fleet.first_model(lambda message: events.put(("log", message))), poll)
+            return run_sync(fleet.first_model(lambda message: events.put(("log", message)),
+                                              on_wait=_waiting(events), images=images), poll)
+        except BaseException:
+            self._close_connections()
+            raise
         finally:
             _drain(events, host)
 
@@ -200,9 +227,13 @@ class RemotePipe:
         check_generate_call(request, host)
         refuse_image_inputs(request, "the remote SGLang backend (SGLang serves ERNIE-Image as text-to-image only: "
                                      "its /v1/images/edits refuses input images)")
+        # The local pipe's rules and messages, before anything is sent: a size it refuses is refused here too (the
+        # steps and CFG left to the served model's defaults cannot be wrong, whichever they turn out to be).
+        request.with_defaults("base").validate()
+        # The first ready server's model makes the whole batch (a server of another is set aside for it).
+        model = self.served_model(host, images=len(request.prompt_list()))
         if request.steps is None or request.cfg is None:  # the served variant's defaults, as the local pipe does
-            request = request.with_defaults(self.served_variant(host))
-        request.validate()  # the local pipe's rules and messages: a size it refuses is refused here too
+            request = request.with_defaults(model.variant)
         as_run = request  # what the result records: before the PE's prompts replace the user's
         request, revised = self._revise(request, host)
         if request.shift != SERVER_SHIFT:
@@ -220,12 +251,14 @@ class RemotePipe:
 
         def first_sent() -> None:
             events.put(("log", start_notice))
+            events.put(("status", f"sending {len(jobs)} image(s) to {len(fleet.slots)} SGLang server(s)"))
             sent_at.append(time.monotonic())  # after the notice: whoever sees this time finds the notice queued
 
         async def run() -> list[GeneratedImage]:
             return await fleet.generate(jobs, notify=lambda message: events.put(("log", message)),
                                         on_image=lambda index, image: events.put(("image", index)),
-                                        on_first_send=first_sent)
+                                        on_first_send=first_sent, on_wait=_waiting(events), model_id=model.id,
+                                        after_first_look=True)
 
         started = time.monotonic()
         done_images = 0
@@ -246,8 +279,12 @@ class RemotePipe:
         try:
             images = run_sync(run(), poll)  # anything raised cancels the fleet's task; open connections close
         except Cancelled:
+            self._close_connections()
             raise Cancelled("cancelled: stopped waiting for the SGLang server(s); a server cannot cancel and "
                             "finishes the image it started") from None
+        except BaseException:
+            self._close_connections()
+            raise
         finally:
             _drain(events, host)
         host.progress(total_steps, total_steps)
@@ -255,6 +292,8 @@ class RemotePipe:
         info = {
             "backend": "remote",
             "servers": [slot.label for slot in fleet.slots],
+            "model": model.id,
+            "variant": model.variant,
             "images": [
                 {"seed": image.seed, "server": image.server, "inference_time_s": image.inference_time_s,
                  "peak_memory_mb": image.peak_memory_mb, "request_s": round(image.elapsed_s, 3)}
@@ -280,12 +319,16 @@ class RemotePipe:
             from ..text.remote_enhancer import forget_listed_model
 
             forget_listed_model(self.settings.pe_endpoint)
-        fleet, self._fleet = self._fleet, None
-        if fleet is not None:
-            try:
-                run_sync(fleet.close())
-            except RemoteError:
-                pass
+        self._close_connections()
+        self._fleet = None
+        self._built.clear()
+
+
+def _close_soon(built: list[Fleet]) -> None:
+    """A dropped pipe's connections, closed on the private loop without waiting (a finalizer may run anywhere)."""
+    for fleet in built:
+        run_soon(fleet.close())
+    built.clear()
 
 
 def _estimate_text(seconds: float, measured: bool) -> str:
@@ -300,6 +343,13 @@ def _pe_note(request: GenerationRequest, revised: Optional["RevisedPrompts"]) ->
     return "run on the server; its rewritten prompt is not returned" if request.use_pe else "off"
 
 
+def _waiting(events: "queue.SimpleQueue[tuple[str, Any]]") -> Callable[[str, float, float], None]:
+    """The fleet's waiting state, for the host: shown where the run is shown (a node's text)."""
+    def on_wait(line: str, waited_s: float, wait_s: float) -> None:
+        events.put(("wait", (line, waited_s, wait_s)))
+    return on_wait
+
+
 def _drain(events: "queue.SimpleQueue[tuple[str, Any]]", host: Host) -> int:
     images = 0
     while True:
@@ -309,5 +359,9 @@ def _drain(events: "queue.SimpleQueue[tuple[str, Any]]", host: Host) -> int:
             return images
         if kind == "log":
             host.log(value)
+        elif kind == "status":
+            show_status(host, value)
+        elif kind == "wait":  # the progress bar stays in the batch's steps; the node's text says what it waits for
+            show_status(host, value[0])
         elif kind == "image":
             images += 1

@@ -11,9 +11,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..cli_parser import CLI_KEY_LABELS, OneLineParser
+from ..cli_parser import OneLineParser
 from ..errors import ErnieImageError
-from .http import ApiKeySource, HttpSettings, RetryPolicy, Timeouts, checked_seconds, run_sync
+from .credentials import Credentials, ServerKeys, load_credentials
+from .http import HttpSettings, RetryPolicy, Timeouts, checked_seconds, run_sync
 from .sglang import ENDPOINT_SUFFIXES, PROBE_READ_S, ImageParams, ReadTimeoutPolicy, SglangClient
 from .urls import normalize_base_url, shown_url
 
@@ -39,14 +40,17 @@ class CheckRow:
         return self.readiness == "ready" and not self.problems
 
 
-async def check_one(url: str, api_key: ApiKeySource, generate: bool, connect_timeout_s: float,
+async def check_one(url: str, keys: ServerKeys, generate: bool, connect_timeout_s: float,
                     generation_timeout_s: float, probe_read_s: float = PROBE_READ_S,
                     read_timeout_label: Optional[str] = None) -> CheckRow:
     """One server's row. `probe_read_s`: how long readiness, model list and version are awaited;
-    `read_timeout_label`: the setting that governs it, named in the advice to raise it."""
+    `read_timeout_label`: the setting that governs it, named in the advice to raise it; `keys`: each server's
+    credential, resolved before any server is asked."""
     row = CheckRow(url=shown_url(url))  # never the URL as typed: it may hold a password
     try:
-        settings = HttpSettings(api_key, Timeouts(connect_s=connect_timeout_s), RetryPolicy(attempts=1))
+        credential = keys.for_url(normalize_base_url(url))
+        settings = HttpSettings(credential, Timeouts(connect_s=connect_timeout_s), RetryPolicy(attempts=1),
+                                keys=keys.advice)
         client = SglangClient(url, settings, ReadTimeoutPolicy(base_s=generation_timeout_s, per_step_megapixel_s=0.0),
                               probe_read_s=probe_read_s, probe_read_label=read_timeout_label)
     except ErnieImageError as exc:
@@ -82,23 +86,36 @@ async def check_one(url: str, api_key: ApiKeySource, generate: bool, connect_tim
     return row
 
 
-def check_remote(urls: Sequence[str], api_key_env: Optional[str] = None, api_key_file: Optional[str] = None,
+def check_remote(urls: Sequence[str], credentials: Optional[Credentials] = None, credential: str = "",
                  generate: bool = True, connect_timeout_s: float = 5.0,
                  generation_timeout_s: float = GENERATION_TIMEOUT_S) -> list[CheckRow]:
     """Check every server concurrently; never raises for a server problem (it lands in the row).
 
-    Raises InvalidInputError for a key source that cannot work (see ApiKeySource.checked); blank means no key.
+    Each server gets the key bound to its origin in `credentials` (None: the user's keys file), or the one the label
+    `credential` picks; a label that cannot be used is InvalidInputError, before any server is asked.
     """
-    return _check_all(urls, ApiKeySource.checked(api_key_env, api_key_file), generate, connect_timeout_s,
+    return _check_all(urls, server_keys(urls, credentials, credential), generate, connect_timeout_s,
                       generation_timeout_s)
 
 
-def _check_all(urls: Sequence[str], api_key: ApiKeySource, generate: bool, connect_timeout_s: float,
+def server_keys(urls: Sequence[str], credentials: Optional[Credentials], label: str = "",
+                setting: str = "credential") -> ServerKeys:
+    """Each well-formed URL's credential (a malformed one gets its row's error instead)."""
+    bases = []
+    for url in urls:
+        try:
+            bases.append(normalize_base_url(url))
+        except ErnieImageError:
+            continue
+    return ServerKeys.resolve(credentials if credentials is not None else load_credentials(), bases, label, setting)
+
+
+def _check_all(urls: Sequence[str], keys: ServerKeys, generate: bool, connect_timeout_s: float,
                generation_timeout_s: float, probe_read_s: float = PROBE_READ_S,
                read_timeout_label: Optional[str] = None) -> list[CheckRow]:
     async def run() -> list[CheckRow]:
         return list(await asyncio.gather(*(
-            check_one(url, api_key, generate, connect_timeout_s, generation_timeout_s, probe_read_s,
+            check_one(url, keys, generate, connect_timeout_s, generation_timeout_s, probe_read_s,
                       read_timeout_label) for url in urls)))
 
     return run_sync(run())
@@ -143,11 +160,11 @@ def main_check_remote(argv: Optional[Sequence[str]] = None) -> int:
         normalize_base_url(url, what="URL", endpoint_suffixes=ENDPOINT_SUFFIXES)
     connect_s = checked_seconds(args.connect_timeout, "--connect-timeout")
     read_s = None if args.read_timeout is None else checked_seconds(args.read_timeout, "--read-timeout")
-    from .cli_args import check_one_key_source
+    from .cli_args import cli_credentials
 
-    check_one_key_source(args.api_key_env, args.api_key_file)
-    api_key = ApiKeySource.checked(args.api_key_env, args.api_key_file, **CLI_KEY_LABELS)  # named by the flags
-    rows = _check_all(args.urls, api_key, generate=not args.no_generate, connect_timeout_s=connect_s,
+    bases = [normalize_base_url(url) for url in args.urls]
+    keys = ServerKeys.resolve(cli_credentials(bases, args.api_key_env, args.api_key_file), bases)
+    rows = _check_all(args.urls, keys, generate=not args.no_generate, connect_timeout_s=connect_s,
                       generation_timeout_s=GENERATION_TIMEOUT_S if read_s is None else read_s,
                       probe_read_s=PROBE_READ_S if read_s is None else read_s, read_timeout_label="--read-timeout")
     print(format_check_table(rows))

@@ -12,7 +12,8 @@ import argparse
 from typing import TYPE_CHECKING, Optional
 
 from ..errors import InvalidInputError
-from .http import ApiKeySource, checked_seconds
+from .credentials import Credentials, load_credentials
+from .http import checked_seconds
 
 if TYPE_CHECKING:
     from ..text.remote_enhancer import ChatEndpoint
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 DEFAULT_READ_TIMEOUT_S = 120.0
 DEFAULT_WAIT_FOR_SERVERS_S = 600.0
+DEFAULT_PE_TIMEOUT_S = 120.0
 # Local-model options that mean nothing to a server, with the default that means "not given".
 LOCAL_ONLY = {"model_dir": None, "dit": None, "text_encoder": None, "vae": None, "tokenizer": None, "pe": None,
               "dtype": "auto", "device": "auto", "budget": "auto", "quant": "none"}
@@ -56,6 +58,8 @@ def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
     pe.add_argument("--pe-api-key-env", default=None, metavar="NAME",
                     help="NAME of the environment variable holding the PE server's API key")
     pe.add_argument("--pe-api-key-file", default=None, metavar="PATH", help="file holding only the PE server's API key")
+    pe.add_argument("--pe-timeout", default=None, metavar="S",
+                    help=f"seconds to wait for the PE server's revised prompt (default {DEFAULT_PE_TIMEOUT_S:g})")
 
 
 def check_one_key_source(env_var: Optional[str], file: Optional[str], prefix: str = "") -> None:
@@ -65,10 +69,13 @@ def check_one_key_source(env_var: Optional[str], file: Optional[str], prefix: st
                                 f"of them")
 
 
-def _key(env_var: Optional[str], file: Optional[str], prefix: str) -> ApiKeySource:
+def cli_credentials(urls: list[str], env_var: Optional[str], file: Optional[str], prefix: str = "") -> Credentials:
+    """The key the command line names, bound to the servers given on it; without one, the user's keys file."""
     check_one_key_source(env_var, file, prefix)
-    return ApiKeySource.checked(env_var, file, env_label=f"--{prefix}api-key-env", file_label=f"--{prefix}api-key-file",
-                                program="ernie-image")
+    if not (env_var or "").strip() and not (file or "").strip():
+        return load_credentials()
+    return Credentials.bound_to(urls, env_var, file, env_flag=f"--{prefix}api-key-env",
+                                file_flag=f"--{prefix}api-key-file", program="ernie-image")
 
 
 def pe_endpoint_from_args(args: argparse.Namespace) -> Optional["ChatEndpoint"]:
@@ -79,16 +86,19 @@ def pe_endpoint_from_args(args: argparse.Namespace) -> Optional["ChatEndpoint"]:
     url = (args.pe_url or "").strip()
     if not url:
         given = [flag for flag, value in (("--pe-model", args.pe_model), ("--pe-api-key-env", args.pe_api_key_env),
-                                          ("--pe-api-key-file", args.pe_api_key_file)) if value]
+                                          ("--pe-api-key-file", args.pe_api_key_file),
+                                          ("--pe-timeout", args.pe_timeout)) if value]
         if given:
             raise InvalidInputError(f"{given[0]} is for the PE chat server: give its URL with --pe-url")
         return None
-    key = _key(args.pe_api_key_env, args.pe_api_key_file, "pe-")
+    if not args.use_pe:
+        raise InvalidInputError("--pe-url revises the prompt only with --use-pe: add --use-pe, or drop --pe-url")
     connect_s = _seconds(args.connect_timeout, "--connect-timeout", DEFAULT_CONNECT_TIMEOUT_S)
-    endpoint = ChatEndpoint(url=url, model=(args.pe_model or "").strip() or None, api_key_env=key.env_var,
-                            api_key_file=key.file, connect_timeout_s=connect_s)
-    normalize_base_url(endpoint.base_url(), what="--pe-url")
-    return endpoint
+    base = normalize_base_url(ChatEndpoint(url=url).base_url(), what="--pe-url")
+    credentials = cli_credentials([base], args.pe_api_key_env, args.pe_api_key_file, "pe-")
+    return ChatEndpoint.bound(url, credentials, what="--pe-url", model=(args.pe_model or "").strip() or None,
+                              connect_timeout_s=connect_s, timeout_setting="--pe-timeout",
+                              read_timeout_s=_seconds(args.pe_timeout, "--pe-timeout", DEFAULT_PE_TIMEOUT_S))
 
 
 def remote_pipe_from_args(args: argparse.Namespace) -> Optional["RemotePipe"]:
@@ -114,11 +124,9 @@ def remote_pipe_from_args(args: argparse.Namespace) -> Optional["RemotePipe"]:
         flag = "--" + local[0].replace("_", "-")
         raise InvalidInputError(f"{flag} is for a local model, but --server sends the work to SGLang servers, which "
                                 f"load their own model and precision: drop {flag} or --server")
-    for url in args.servers:
-        normalize_base_url(url, what="--server", endpoint_suffixes=ENDPOINT_SUFFIXES)
-    key = _key(args.api_key_env, args.api_key_file, "")
+    bases = [normalize_base_url(url, what="--server", endpoint_suffixes=ENDPOINT_SUFFIXES) for url in args.servers]
     settings = RemoteSettings(
-        api_key_env=key.env_var, api_key_file=key.file, connect_timeout_s=connect_s,
+        credentials=cli_credentials(bases, args.api_key_env, args.api_key_file), connect_timeout_s=connect_s,
         read_timeout_base_s=_seconds(args.read_timeout, "--read-timeout", DEFAULT_READ_TIMEOUT_S),
         wait_for_servers_s=_seconds(args.wait_for_servers, "--wait-for-servers", DEFAULT_WAIT_FOR_SERVERS_S,
                                     allow_zero=True),

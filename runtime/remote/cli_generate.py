@@ -30,6 +30,14 @@ def _announced_variant(pipe: RemotePipe, host: Host) -> str:
     return model.variant
 
 
+def _servers_that_made(images: list[dict]) -> str:
+    """Each server that made an image, with how many (one that made none is not named)."""
+    counts: dict[str, int] = {}
+    for image in images:
+        counts[image["server"]] = counts.get(image["server"], 0) + 1
+    return ", ".join(f"{server} ({count})" for server, count in counts.items())
+
+
 def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host) -> int:
     from ..png_output import save_pngs
 
@@ -44,13 +52,19 @@ def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host) 
         started = time.perf_counter()
         result = pipe.generate(request, host)
         elapsed = time.perf_counter() - started
-        settings = {**request.metadata(), "variant": variant, "prompts_used": result.prompts_used,
-                    "backend": "remote", "servers": [image["server"] for image in result.info["images"]]}
+        served = result.info["variant"]  # what made the images, whatever --variant said
+        if args.variant and args.variant != served:
+            host.log(f"--variant {args.variant} given, but the images were made by {result.info['model']} "
+                     f"({served}): the PNGs record {served}")
+        settings = {**request.metadata(), "variant": served, "model": result.info["model"],
+                    "prompts_used": result.prompts_used, "backend": "remote",
+                    "servers": [image["server"] for image in result.info["images"]]}
         paths = save_pngs(result.images, args.out, settings)
     finally:
         pipe.release()
     for path in paths:
         print(path)
     host.log(result.info["summary"])
-    host.log(f"{len(paths)} image(s) {request.width}x{request.height} in {elapsed:.2f} s ({pipe.describe()})")
+    host.log(f"{len(paths)} image(s) {request.width}x{request.height} in {elapsed:.2f} s by {result.info['model']} "
+             f"on {_servers_that_made(result.info['images'])}")
     return 0

@@ -30,18 +30,22 @@ once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from ..errors import RemoteError
+from .credentials import ServerKeys
 from .http import (BadResponse, ConnectionLost, HttpSettings, RetryPolicy, ServerFailed, ServerRejected,
                    ServerUnavailable)
 from .sglang import (PROBE_READ_S, READY, REFUSED, UNREACHABLE, GeneratedImage, ImageParams, ReadTimeoutPolicy,
                      Readiness, ServerModel, SglangClient)
+from .urls import normalize_base_url
 
 Notify = Callable[[str], None]
+OnWait = Callable[[str, float, float], None]  # (what the batch waits for, seconds waited, seconds it may wait)
 
 # Until a server has reported its own speed: ERNIE-Image at 1 MP, 50 steps is ~15 s on one H200.
 DEFAULT_SECONDS_PER_STEP_MEGAPIXEL = 0.3
@@ -65,14 +69,17 @@ class ServersNotReady(ServerUnavailable):
 
 @dataclass(frozen=True)
 class FleetSettings:
-    http: HttpSettings = HttpSettings()  # the same key, timeouts and size cap for every server
+    http: HttpSettings = HttpSettings()  # the same timeouts and size cap for every server
+    keys: ServerKeys = ServerKeys()  # each server's own credential, if the user bound one to it
     read_timeout: ReadTimeoutPolicy = ReadTimeoutPolicy()
     retry_down_after_s: float = 10.0  # first pause after a server did not take an image; doubles, up to 60 s
+    busy_retry_s: float = 1.0  # the same after it answered "busy" (503/429/408): it is up, /health is asked first
     max_failures_per_server: int = 3  # images in a row a ready server did not take before it is given up on
     wait_for_servers_s: float = 600.0  # how long a batch waits while no server can take work (loading, refused)
     resend_unanswered: bool = False  # send an image again after it got no answer (the server may be running it)
     probe_every_s: float = 1.0  # /health of a server that is not ready
     notice_every_s: float = 10.0  # how often the user hears what the batch waits for
+    status_every_s: float = 1.0  # how often the waiting state is shown where the run is shown (a node, a status)
 
 
 @dataclass
@@ -117,7 +124,8 @@ class Fleet:
         for url in urls:
             # A read timeout asked for below the readiness look's own 10 s caps that look too.
             probe_read_s = min(PROBE_READ_S, settings.read_timeout.base_s * settings.read_timeout.scale)
-            client = SglangClient(url, settings.http, settings.read_timeout, probe_read_s=probe_read_s)
+            http = dataclasses.replace(settings.http, credential=settings.keys.for_url(normalize_base_url(url)))
+            client = SglangClient(url, http, settings.read_timeout, probe_read_s=probe_read_s)
             if client.http.base_url in seen:
                 continue
             seen.add(client.http.base_url)
@@ -150,18 +158,25 @@ class Fleet:
             slot.model = await slot.client.ernie_model()
         return slot.model
 
-    async def first_model(self, notify: Notify) -> ServerModel:
+    async def first_model(self, notify: Notify, on_wait: Optional[OnWait] = None, images: int = 0) -> ServerModel:
         """The model of the first server that is ready, waiting for one as a batch would."""
-        return await _Batch(self, [], notify, None, until_ready=True).run_until_ready()
+        return await _Batch(self, [], notify, None, until_ready=True, on_wait=on_wait,
+                            images_for=images).run_until_ready()
 
     # ------------------------------------------------------------------------------------- generation
     async def generate(self, jobs: Sequence[ImageParams], notify: Notify,
                        on_image: Optional[Callable[[int, GeneratedImage], None]] = None,
-                       on_first_send: Optional[Callable[[], None]] = None) -> list[GeneratedImage]:
+                       on_first_send: Optional[Callable[[], None]] = None,
+                       on_wait: Optional[OnWait] = None, model_id: Optional[str] = None,
+                       after_first_look: bool = False) -> list[GeneratedImage]:
         """All `jobs`, in order; images are spread over the servers that work. Cancel by cancelling the task
         (run_sync's poll does): open requests are closed. `on_first_send` is called as the first image goes out
-        (the caller's start notice: a batch that no server takes ends in its one error line alone)."""
-        return await _Batch(self, jobs, notify, on_image, on_first_send=on_first_send).run()
+        (the caller's start notice: a batch that no server takes ends in its one error line alone); `on_wait` every
+        `status_every_s` while no server can take work, with what the batch waits for. With `model_id`, a batch is
+        made by that model alone: a server serving another is set aside for the batch, with one line.
+        `after_first_look`: first_model has just looked for these images; a server it gave up on is not asked again."""
+        return await _Batch(self, jobs, notify, on_image, on_first_send=on_first_send, on_wait=on_wait,
+                            model_id=model_id, after_first_look=after_first_look).run()
 
 
 @dataclass
@@ -179,6 +194,10 @@ class _Batch:
     until_ready: bool = False  # the goal is one ready server, not images (Fleet.first_model)
     on_first_send: Optional[Callable[[], None]] = None  # called as the first image goes out
     unanswered: list = field(default_factory=list)  # (index, error) of images sent that got no answer: not re-sent
+    on_wait: Optional[OnWait] = None  # told, while no server can take work, what the batch waits for
+    model_id: Optional[str] = None  # the one model this batch is made by (None: whatever each server serves)
+    images_for: int = 0  # until_ready: the images of the batch a ready server is sought for (named in its error)
+    after_first_look: bool = False  # follows first_model for the same images: what it gave up on stays given up
 
     def __post_init__(self) -> None:
         self.settings = self.fleet.settings
@@ -188,7 +207,7 @@ class _Batch:
         self._change = asyncio.Event()
         for slot in self.slots:  # a server given up on in an earlier batch gets another chance
             slot.failures, slot.busy, slot.next_try_at = 0, False, 0.0
-            if slot.state == GIVEN_UP:
+            if slot.state == GIVEN_UP and not self.after_first_look:
                 slot.state, slot.gave_up, slot.reported = UNKNOWN, None, None
 
     # --------------------------------------------------------------------------------------- signals
@@ -255,7 +274,7 @@ class _Batch:
     async def _supervise(self) -> None:
         """Until the batch is done or cannot go on: every server given up on, or none ready within the wait."""
         stalled_since: Optional[float] = None
-        next_notice = 0.0
+        next_notice = next_status = 0.0
         wait_s = self.settings.wait_for_servers_s
         while not self._finished():
             now = time.monotonic()
@@ -276,6 +295,9 @@ class _Batch:
                 if now >= next_notice and not first_looks and wait_s >= self.settings.notice_every_s:
                     self.notify(self._waiting_line(waited, wait_s))
                     next_notice = now + self.settings.notice_every_s
+                if self.on_wait is not None and now >= next_status:
+                    self.on_wait(self._waiting_line(waited, wait_s), waited, wait_s)
+                    next_status = now + self.settings.status_every_s
             await self._until_change(0.1)
         if self.fatal is None:
             self._report_first_looks()
@@ -288,7 +310,7 @@ class _Batch:
             return
         for slot in self.slots:
             if slot.reported is None and slot.state not in (READY, UNKNOWN, GIVEN_UP):
-                meanwhile = f"; images go to {', '.join(ready)} meanwhile" if self.jobs else ""
+                meanwhile = f"; images go to {', '.join(ready)} meanwhile" if self.jobs or self.images_for else ""
                 self._report(slot, f"{slot.detail}{meanwhile}")
 
     def _waiting_line(self, waited_s: float, wait_s: float) -> str:
@@ -308,7 +330,8 @@ class _Batch:
             still = "" if self.slots[0].state == UNKNOWN else within.replace(" within", ", still after")  # timed
             return ServersNotReady(f"{causes}{still}: start the server, check "
                                    f"the URL, or {more_time}").naming(WAIT_SETTING)
-        what = f"the remaining {len(self.pending)} of {len(self.jobs)} images" if self.jobs else "any work"
+        what = (f"the remaining {len(self.pending)} of {len(self.jobs)} images" if self.jobs else
+                f"the remaining {self.images_for} of {self.images_for} images" if self.images_for else "any work")
         return ServersNotReady(f"no server could take {what}{within}: {causes}: start or fix the servers, check the "
                                f"URLs, or {more_time}").naming(WAIT_SETTING)
 
@@ -341,6 +364,8 @@ class _Batch:
             if slot.state != READY:
                 await self._probe(slot)
                 continue
+            if self._serves_another_model(slot):
+                return
             if not self.pending:
                 await self._until_change(1.0)  # an image may come back to the queue
                 continue
@@ -370,6 +395,14 @@ class _Batch:
             self._report(slot, f"{readiness.detail}{meanwhile}")
         self._signal()
         slot.next_try_at = time.monotonic() + self.settings.probe_every_s
+
+    def _serves_another_model(self, slot: ServerSlot) -> bool:
+        """A ready server of another model than the batch's is set aside for the batch (one picture, one model)."""
+        if self.model_id is None or slot.model is None or slot.model.id == self.model_id:
+            return False
+        why = f"it serves {slot.model.id}, not {self.model_id}, which makes this batch"
+        self._give_up(slot, RemoteError(f"{slot.label}: {why}"), why)
+        return True
 
     def _report(self, slot: ServerSlot, line: str) -> None:
         slot.reported = slot.state
@@ -422,7 +455,10 @@ class _Batch:
         if slot.failures >= self.settings.max_failures_per_server:
             self._give_up(slot, error, f"{error} ({slot.failures} images in a row not taken)")
             return
-        pause = min(MAX_PAUSE_S, self.settings.retry_down_after_s * 2 ** (slot.failures - 1))
+        first_pause = self.settings.retry_down_after_s
+        if error.reason == "busy":  # it answered: up, and /health is asked before the next image
+            first_pause = min(first_pause, self.settings.busy_retry_s)
+        pause = min(MAX_PAUSE_S, first_pause * 2 ** (slot.failures - 1))
         if error.retry_after is not None:
             pause = max(pause, error.retry_after)
         slot.next_try_at = time.monotonic() + pause

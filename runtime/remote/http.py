@@ -8,7 +8,8 @@ What it guarantees:
   not come in time). Only the first kind is retried (with exponential backoff) for a POST; a POST always goes
   out on a fresh connection, so a pooled connection the server closed meanwhile cannot blur the two;
 - responses read in chunks and refused over a size cap; redirects are never followed;
-- an API key sent as `Authorization: Bearer`, read from an environment variable or a key file, never shown
+- the credential the user bound to this server's origin (credentials.py), read when a request is sent, sent as
+  `Authorization: Bearer` to that origin only (a client or request for another origin is refused), never shown
   in repr, logs or error text;
 - cancellation polled every 0.1 s (`cancel` may return True or raise `Cancelled`, so `Host.check_cancel`
   fits as it is), so a cancel stops the wait within a second;
@@ -30,11 +31,20 @@ import re
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Awaitable, Callable, Coroutine, Mapping, Optional, TypeVar
 import aiohttp
 
 from ..errors import Cancelled, InvalidInputError, RemoteError
+from .errors import (
+    AuthenticationError,
+    BadResponse,
+    ConnectionLost,
+    ServerFailed,
+    ServerRejected,
+    ServerUnavailable,
+    TlsHandshakeFailed,
+)
+from .credentials import Credential, Credentials, Origin
 from .urls import normalize_base_url, shown_url
 
 T = TypeVar("T")
@@ -44,209 +54,6 @@ CANCEL_POLL_S = 0.1
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 RETRYABLE_STATUSES = frozenset({408, 429, 503})
-MAX_KEY_FILE_BYTES = 4096  # a key is a few hundred bytes at most; anything larger is the wrong file
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# A variable name as people write them (ERNIE_SGLANG_KEY): upper-case words joined by "_". Keys are not written
-# so (sk-..., ghp_MixedCase..., AKIA... without "_"), so only such a name is shown; any other value may be the key.
-_PLAIN_ENV_NAME = re.compile(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+")
-
-
-# ----------------------------------------------------------------------------------------------- errors
-class ServerUnavailable(RemoteError):
-    """The server did not take the request, so it cannot have started it: safe to send again, here or elsewhere.
-
-    `reason`: "refused" (nothing listening), "unreachable" (no such host, connect timeout) or "busy" (it answered
-    503/429/408); `retry_after`: the seconds the server asked for (Retry-After), if any.
-    """
-
-    def __init__(self, message: str, reason: str = "busy", status: Optional[int] = None,
-                 retry_after: Optional[float] = None, cause: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.status = status
-        self.retry_after = retry_after
-        self.cause = cause or message  # what happened, in plain words, without the server's name or the fix
-
-
-class ConnectionLost(RemoteError):
-    """The request went out, then the connection broke or no answer came in time: the server may still be working
-    on it, so sending it again could run the same job twice."""
-
-    def __init__(self, message: str, cause: Optional[str] = None, timed_out: bool = False) -> None:
-        super().__init__(message)
-        self.cause = cause or message  # what happened, in plain words, without the server's name or the fix
-        self.timed_out = timed_out  # no answer within the read timeout (else: the connection broke)
-
-
-class ServerRejected(RemoteError):
-    """The server answered 4xx: the request itself is wrong; another server would answer the same."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class AuthenticationError(ServerRejected):
-    """401/403: the API key is missing or wrong."""
-
-
-class ServerFailed(RemoteError):
-    """The server answered 5xx (other than 503): it failed while working on the request."""
-
-    def __init__(self, message: str, status: int) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class BadResponse(RemoteError):
-    """The server answered something unusable: not JSON, wrong shape, too large, a redirect."""
-
-
-class TlsHandshakeFailed(BadResponse):
-    """An https:// URL whose TLS handshake failed (a plain-HTTP server, a certificate not trusted): nothing was
-    sent, and waiting will not change it, so it is a setup error, not a server still loading."""
-
-
-# ---------------------------------------------------------------------------------------------- api key
-@dataclass(frozen=True)
-class ApiKeySource:
-    """Where the API key comes from: an environment variable and/or a file. Never the key itself.
-
-    The key is read at request time, so it is never stored in an object that could be pickled, logged or
-    put into workflow JSON.
-    """
-
-    env_var: Optional[str] = None
-    file: Optional[str] = None
-
-    @classmethod
-    def checked(cls, env_var: Optional[str], file: Optional[str], *, env_label: str = "the API key variable",
-                file_label: str = "the API key file", program: str = "this program") -> "ApiKeySource":
-        """The source the user named, checked before anything is sent; blank or None means none.
-
-        The variable must be a valid name that `program`'s environment has (set and not blank) unless a key file
-        is also given; the file must be a readable, non-empty file of at most MAX_KEY_FILE_BYTES. Raises
-        InvalidInputError, one line, naming the setting by `env_label` / `file_label` (a widget or a CLI flag).
-        A value that is not plainly a variable's name or a path may be the key itself, pasted in the wrong place,
-        so no character of it appears in a message. The key itself is still read only when a request is sent.
-        """
-        env_name = (env_var or "").strip() or None
-        key_file = (file or "").strip() or None
-        if env_name is not None:
-            _check_env_name(env_name, has_file=key_file is not None, label=env_label, program=program)
-        if key_file is not None:
-            _check_key_file(key_file, label=file_label)
-        return cls(env_var=env_name, file=key_file)
-
-    def describe(self) -> str:
-        parts = []
-        if self.env_var:
-            parts.append(f"environment variable {self.env_var}")
-        if self.file:
-            parts.append(f"key file {self.file}")
-        return " or ".join(parts) if parts else "no API key configured"
-
-    def read(self) -> Optional[str]:
-        """The key, or None when neither source is configured. A configured source that is empty is an error."""
-        if self.env_var:
-            value = os.environ.get(self.env_var, "").strip()
-            if value:
-                return _header_safe(value, f"the environment variable {self.env_var}")
-        if self.file:
-            path = Path(self.file).expanduser()
-            try:
-                value = path.read_text(encoding="utf-8").strip()
-            except OSError as exc:
-                raise AuthenticationError(
-                    f"cannot read the API key file {path} ({exc.strerror or type(exc).__name__}): "
-                    f"check the path and its permissions", status=0
-                ) from None
-            if not value:
-                raise AuthenticationError(f"the API key file {path} is empty: write the key into it", status=0)
-            return _header_safe(value, f"the API key file {path}")
-        if self.env_var and not self.file:
-            # The user named a variable that is not set: say so instead of silently sending no key.
-            raise AuthenticationError(
-                f"the environment variable {self.env_var} holding the API key is not set: export it "
-                f"before starting ComfyUI or the CLI", status=0
-            )
-        return None
-
-
-def _header_safe(key: str, where: str) -> str:
-    """The key, refused in one line (never shown) when it holds a line break or another control character, which
-    no HTTP header may carry."""
-    if any(ord(char) < 32 or ord(char) == 127 for char in key):
-        raise AuthenticationError(f"{where} holds a line break or control character inside the API key: keep only "
-                                  f"the key itself, on one line", status=0)
-    return key
-
-
-def _plain_name(value: str) -> Optional[str]:
-    """`value` when it is plainly a variable's name (shown in full), else None: it may be a key, shown not at all."""
-    return value if len(value) <= 64 and _PLAIN_ENV_NAME.fullmatch(value) else None
-
-
-LOOKS_LIKE_A_KEY = "the value given looks like a key rather than a variable name (not shown)"
-
-
-def _check_env_name(name: str, *, has_file: bool, label: str, program: str) -> None:
-    if not _ENV_NAME.fullmatch(name):
-        raise InvalidInputError(
-            f"{label} must be the NAME of an environment variable (letters, digits, _): {LOOKS_LIKE_A_KEY}; put "
-            f"the key in an environment variable and give its name, never the key itself"
-        )
-    if has_file:
-        return  # an unset variable falls back to the key file, as ApiKeySource.read does
-    shown = _plain_name(name)
-    if name not in os.environ:
-        if shown is None:
-            raise InvalidInputError(
-                f"{label} names no variable of {program}'s environment, and {LOOKS_LIKE_A_KEY}: export the key in "
-                f"a variable before starting {program} and give the variable's NAME, or give a key file")
-        raise InvalidInputError(
-            f"{label} names a variable ({shown}) that {program}'s environment does not have: export it "
-            f"before starting {program}, or give a key file; write only the variable's NAME there, never the key"
-        )
-    if not os.environ[name].strip():
-        raise InvalidInputError(
-            f"{label} names a variable ({shown or 'its name not shown'}) that is empty in {program}'s environment: "
-            f"export the key in it before starting {program}, or give a key file"
-        )
-
-
-def _shown_path(value: str) -> Optional[str]:
-    """A path as typed when it is plainly one (it exists, its folder does, or it ends in a file suffix such as .txt
-    or .key); else None: it may be a pasted key, shown not at all. A path is no secret; the file's contents are."""
-    path = os.path.expanduser(value)
-    folder = os.path.dirname(path)
-    if value.isprintable() and (os.path.exists(path) or (folder and os.path.isdir(folder))):
-        return value
-    suffix = os.path.splitext(path)[1][1:]
-    if value.isprintable() and " " not in value and 1 <= len(suffix) <= 5 and suffix.isalnum():
-        return value  # nokey.txt, keys/api.key: keys carry no such suffix
-    return None
-
-
-def _check_key_file(value: str, *, label: str) -> None:
-    path = os.path.expanduser(value)
-    fix = "give the path of a file holding only the key"
-    shown = _shown_path(value)
-    if shown is None:  # nothing exists there, so it is no file either
-        raise InvalidInputError(f"{label} is not a file, and the value given looks like a key rather than a path "
-                                f"(not shown): {fix}")
-    if not os.path.isfile(path):
-        raise InvalidInputError(f"{label} {shown} is not a file: {fix}")
-    size = os.path.getsize(path)
-    if size > MAX_KEY_FILE_BYTES:
-        raise InvalidInputError(f"{label} {shown} is larger than {MAX_KEY_FILE_BYTES} bytes, so it is not a key "
-                                f"file: {fix}")
-    try:
-        content = Path(path).read_bytes()
-    except OSError:
-        raise InvalidInputError(f"{label} {shown} cannot be read by this process: check its permissions") from None
-    if not content.strip():
-        raise InvalidInputError(f"{label} {shown} is empty: write the key into it")
 
 
 # -------------------------------------------------------------------------------------------- settings
@@ -285,22 +92,24 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class HttpSettings:
-    """How a client talks to its server: where the key is read from, timeouts, retries, the response cap."""
+    """How a client talks to its server: the credential bound to it, timeouts, retries, the response cap."""
 
-    api_key: ApiKeySource = ApiKeySource()
+    credential: Optional[Credential] = None  # sent only to its own origin (HttpClient refuses any other)
     timeouts: Timeouts = Timeouts()
     retry: RetryPolicy = RetryPolicy()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    keys: Credentials = Credentials()  # where the user binds keys, named when a server asks for one
 
     @classmethod
-    def from_widgets(cls, *, api_key_env: Optional[str], api_key_file: Optional[str], connect_timeout_s: float,
-                     read_timeout_s: float, retry_attempts: int, max_response_mb: int) -> "HttpSettings":
-        """From the flat values a node or CLI exposes (an empty key name or path means no key)."""
+    def of(cls, *, credential: Optional[Credential], connect_timeout_s: float, read_timeout_s: float,
+           retry_attempts: int, max_response_mb: int, keys: Credentials = Credentials()) -> "HttpSettings":
+        """From the flat values a node or CLI exposes."""
         return cls(
-            api_key=ApiKeySource(env_var=api_key_env, file=api_key_file),
+            credential=credential,
             timeouts=Timeouts(connect_s=connect_timeout_s, read_s=read_timeout_s),
             retry=RetryPolicy(attempts=max(1, retry_attempts)),
             max_body_bytes=max_response_mb * 1024 * 1024,
+            keys=keys,
         )
 
 
@@ -364,13 +173,13 @@ def _pydantic_item(item: Any) -> str:
 _BEARER = re.compile(r"(?i)\b(bearer\s+)[^\s,;\"']+")
 
 
-def without_secrets(text: Optional[str], api_key: ApiKeySource) -> Optional[str]:
+def without_secrets(text: Optional[str], credential: Optional[Credential]) -> Optional[str]:
     """`text` from a server (an error body may echo the request's headers) with the API key and any bearer token
     masked, so that it can be shown."""
     if not text:
         return text
     try:
-        key = api_key.read()
+        key = credential.read() if credential is not None else None
     except RemoteError:  # unreadable now: nothing of it to mask beyond bearer tokens
         key = None
     if key:
@@ -379,15 +188,16 @@ def without_secrets(text: Optional[str], api_key: ApiKeySource) -> Optional[str]
 
 
 def _status_error(label: str, method: str, url: str, status: int, reason: str, body: bytes,
-                  content_type: str, api_key: ApiKeySource) -> RemoteError:
+                  content_type: str, settings: HttpSettings) -> RemoteError:
     """The error for an HTTP error status; `url` is the full URL asked, as shown (no credentials)."""
-    message = without_secrets(_server_message(body, content_type), api_key)
-    reason = without_secrets(reason, api_key) or ""
+    credential = settings.credential
+    message = without_secrets(_server_message(body, content_type), credential)
+    reason = without_secrets(reason, credential) or ""
     if status in (401, 403):
-        if api_key.env_var or api_key.file:
-            hint = f"check the key in {api_key.describe()}"
+        if credential is not None:
+            hint = f"check the key of {credential.describe()}"
         else:
-            hint = "this server needs an API key: set an environment variable or key file for it"
+            hint = f"this server needs an API key: {settings.keys.how_to_bind(Origin.of(url))}"
         verb = "refused the API key" if status == 401 else "denied access with this API key"
         return AuthenticationError(f"{label} {verb} (HTTP {status}): {hint}", status)
     if status in RETRYABLE_STATUSES:
@@ -468,9 +278,19 @@ class HttpClient:
         self.user_agent = user_agent
         self._session: Optional[aiohttp.ClientSession] = None
         self._fresh_session: Optional[aiohttp.ClientSession] = None
+        if settings.credential is not None:
+            self._require_bound_origin(self.base_url)
+
+    def _require_bound_origin(self, url: str) -> None:
+        """The credential goes to its own origin only: a client or request for any other is refused."""
+        credential = self.settings.credential
+        if credential is not None and Origin.of(url) != credential.origin:
+            raise InvalidInputError(f"{credential.describe()} is bound to {credential.origin}, so it is not sent to "
+                                    f"{self.label}: bind a key to {Origin.of(url)} for that server")
 
     def __repr__(self) -> str:
-        return f"HttpClient({self.label}, key from {self.settings.api_key.describe()})"
+        key = self.settings.credential.describe() if self.settings.credential else "no API key"
+        return f"HttpClient({self.label}, {key})"
 
     async def _get_session(self, method: str) -> aiohttp.ClientSession:
         if method not in IDEMPOTENT_METHODS:
@@ -535,9 +355,9 @@ class HttpClient:
         url = self.base_url + path
         shown = shown_url(url)
         headers = {"Accept": "application/json", "User-Agent": self.user_agent}
-        key = self.settings.api_key.read()
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
+        if self.settings.credential is not None:
+            self._require_bound_origin(url)
+            headers["Authorization"] = f"Bearer {self.settings.credential.read()}"
         read_s = read_timeout_s if read_timeout_s is not None else self.settings.timeouts.read_s
         timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=self.settings.timeouts.connect_s,
                                         sock_read=read_s)
@@ -583,7 +403,7 @@ class HttpClient:
                 f"followed: use the final server URL"
             )
         if status >= 400 and status not in accept_statuses:
-            error = _status_error(self.label, method, shown, status, "", raw, content_type, self.settings.api_key)
+            error = _status_error(self.label, method, shown, status, "", raw, content_type, self.settings)
             if isinstance(error, ServerUnavailable):
                 error.retry_after = _retry_after(resp_headers)
             raise error
@@ -594,7 +414,7 @@ class HttpClient:
             except ValueError:
                 if status < 400:
                     snippet = without_secrets(raw[:60].decode("utf-8", errors="replace").replace("\n", " "),
-                                              self.settings.api_key)
+                                              self.settings.credential)
                     raise BadResponse(
                         f"{self.label} answered {method} {shown} with something that is not JSON "
                         f"({content_type or 'no content type'}: {snippet!r}): is this the right server URL?"
@@ -677,6 +497,11 @@ class _LoopThread:
 
 
 _LOOP = _LoopThread()
+
+
+def run_soon(coro: Coroutine[Any, Any, Any]) -> None:
+    """Start `coro` on the private loop and return at once (closing connections from a finalizer)."""
+    asyncio.run_coroutine_threadsafe(coro, _LOOP.loop())
 
 
 def run_sync(coro: Coroutine[Any, Any, T], poll: Optional[Callable[[], None]] = None) -> T:

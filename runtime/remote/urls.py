@@ -74,10 +74,12 @@ def normalize_base_url(url: str, *, what: str = "server URL", endpoint_suffixes:
         raise InvalidInputError(f"{what} {shown!r} has the scheme {parts.scheme!r}: use http:// or https://")
     if "@" in parts.netloc:
         raise InvalidInputError(f"{what} {shown!r} holds a user name or password: credentials never go into a "
-                                f"server URL (it is shown and logged); use an API key environment variable or key file")
+                                f"server URL (it is shown and logged); bind the server's API key in your keys file "
+                                f"(the CLI: --api-key-env or --api-key-file)")
     if parts.query or parts.fragment or "?" in text or "#" in text:
         raise InvalidInputError(f"{what} {shown!r} has a query or fragment (?... or #...): give the server's base "
-                                f"URL only; a token belongs in an API key environment variable or key file")
+                                f"URL only; a token belongs in your keys file, bound to the server (the CLI: "
+                                f"--api-key-env or --api-key-file)")
     if not parts.hostname:
         raise InvalidInputError(f"{what} {shown!r} has no host name: give one like {EXAMPLE}")
     _check_port(parts.netloc, what, shown)

@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Sequence
 
 from ..cli_checks import check_input_path, check_seed
-from ..cli_parser import CLI_KEY_LABELS, OneLineParser
+from ..cli_parser import OneLineParser
 from ..errors import InvalidInputError
 from ..host import NullHost
 from ..local_pipe import LoadOptions, resolve_device, resolve_dtype
 from ..model_files import ModelSources
-from ..remote.http import ApiKeySource
+from ..remote.cli_args import cli_credentials
+from ..remote.http import checked_seconds
+from ..remote.urls import normalize_base_url
 from ..request import SEED_MASK, validate_size
 from .enhancer import LocalEnhancer, revise_prompts, validate_sampling
 from .remote_enhancer import ChatEndpoint, revise_prompts_remote
@@ -32,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pe-model", help="model name on that server (default: the first one it lists)")
     parser.add_argument("--api-key-env", help="environment variable holding the server's API key")
     parser.add_argument("--api-key-file", help="file holding the server's API key")
+    parser.add_argument("--pe-timeout", default=None, metavar="S",
+                        help="seconds to wait for the server's revised prompt (default 120)")
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--height", type=int, default=1024)
@@ -50,6 +54,10 @@ def check_enhance_args(args: argparse.Namespace) -> None:
     validate_size(args.width, args.height)
     check_seed(args.seed)
     validate_sampling(args.temperature, args.top_p, args.max_new_tokens)
+    if args.pe_timeout is not None:
+        if not args.pe_url:
+            raise InvalidInputError("--pe-timeout is for a PE server: give its URL with --pe-url")
+        checked_seconds(args.pe_timeout, "--pe-timeout")
     if not args.pe_url:
         LoadOptions(device=args.device, dtype=args.dtype).validate()
         check_input_path(args.model_dir, "--model-dir", "folder")
@@ -68,8 +76,11 @@ def main_enhance(argv: Sequence[str]) -> int:
     host = _StderrHost()
     started = time.perf_counter()
     if args.pe_url:
-        key = ApiKeySource.checked(args.api_key_env, args.api_key_file, **CLI_KEY_LABELS)
-        endpoint = ChatEndpoint(url=args.pe_url, model=args.pe_model, api_key_env=key.env_var, api_key_file=key.file)
+        base = normalize_base_url(ChatEndpoint(url=args.pe_url).base_url(), what="--pe-url")
+        endpoint = ChatEndpoint.bound(args.pe_url, cli_credentials([base], args.api_key_env, args.api_key_file),
+                                      what="--pe-url", model=args.pe_model, timeout_setting="--pe-timeout",
+                                      read_timeout_s=120.0 if args.pe_timeout is None else
+                                      checked_seconds(args.pe_timeout, "--pe-timeout"))
         # Rewriting is this command's only job: a fault is its error, not the original prompt passed off as one.
         result = revise_prompts_remote(endpoint, [args.prompt], args.width, args.height, args.seed,
                                        args.temperature, args.top_p, args.max_new_tokens, host, keep_original=False)

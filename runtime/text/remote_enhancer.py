@@ -11,13 +11,16 @@ Transport (timeouts, safe retries, size cap, API key, cancel) is `remote/http.py
 """
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from ..errors import RemoteError
-from ..host import Host, NullHost
+from ..host import Host, NullHost, show_status
+from ..remote.urls import shown_url
 from ..request import SEED_MASK
+from ..remote.credentials import Credential, Credentials
 from ..remote.http import (
     BadResponse,
     ConnectionLost,
@@ -37,22 +40,32 @@ MODELS_PATH = "/v1/models"
 
 @dataclass(frozen=True)
 class ChatEndpoint:
-    """Where the remote PE is. Holds no secret: only where the API key is read from."""
+    """Where the remote PE is. Holds no secret: only the credential the user bound to its origin, if any."""
 
     url: str
     model: Optional[str] = None  # None: the first model the server lists
-    api_key_env: Optional[str] = None
-    api_key_file: Optional[str] = None
+    credential: Optional[Credential] = None
+    keys: Credentials = field(default=Credentials(), compare=False, repr=False)  # named when a key is asked for
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 120.0
+    timeout_setting: str = ""  # the setting that gives read_timeout_s, named when the server is too slow
     retry_attempts: int = 3
     max_response_mb: int = 8
 
     def __repr__(self) -> str:
-        from ..remote.urls import shown_url
+        key = self.credential.describe() if self.credential is not None else "no API key"
+        return f"ChatEndpoint(url={shown_url(self.url)!r}, model={self.model!r}, {key})"
 
-        return (f"ChatEndpoint(url={shown_url(self.url)!r}, model={self.model!r}, api_key_env={self.api_key_env!r}, "
-                f"api_key_file={self.api_key_file!r})")
+    @classmethod
+    def bound(cls, url: str, credentials: Credentials, label: str = "", *, what: str = "pe_url",
+              setting: str = "pe_credential", **fields: Any) -> "ChatEndpoint":
+        """The endpoint at `url` with the credential the user bound to its origin (or the one `label` picks, which
+        must be bound there); the URL and the credential are checked now, before anything is sent."""
+        from ..remote.urls import normalize_base_url
+
+        endpoint = cls(url=url.strip(), keys=credentials, **fields)
+        base = normalize_base_url(endpoint.base_url(), what=what)
+        return dataclasses.replace(endpoint, credential=credentials.for_server(base, label, setting=setting))
 
     def base_url(self) -> str:
         url = self.url.strip().rstrip("/")
@@ -62,10 +75,10 @@ class ChatEndpoint:
         return url
 
     def client(self) -> HttpClient:
-        return HttpClient(self.base_url(), HttpSettings.from_widgets(
-            api_key_env=self.api_key_env, api_key_file=self.api_key_file, connect_timeout_s=self.connect_timeout_s,
+        return HttpClient(self.base_url(), HttpSettings.of(
+            credential=self.credential, connect_timeout_s=self.connect_timeout_s,
             read_timeout_s=self.read_timeout_s, retry_attempts=self.retry_attempts,
-            max_response_mb=self.max_response_mb))
+            max_response_mb=self.max_response_mb, keys=self.keys))
 
 
 class _Unusable(RemoteError):
@@ -169,7 +182,8 @@ async def _revise_all(endpoint: ChatEndpoint, prompts: Sequence[str], width: int
             except _KEEP_ORIGINAL as error:
                 if not keep_original:
                     raise
-                notes.append(_fallback_note(error))
+                slow = isinstance(error, ConnectionLost) and error.timed_out
+                notes.append(_fallback_note(_slow_server(error, endpoint) if slow else error))
                 revisions.append(Revision(prompt, prompt, 0, time.perf_counter() - started, "original"))
                 continue
             seconds = time.perf_counter() - started
@@ -194,6 +208,17 @@ def _fallback_note(error: Exception) -> str:
     return f"remote prompt enhancer failed, the original prompt is used: {error}"
 
 
+WAIT_NOTICE_EVERY_S = 10.0
+
+
+def _slow_server(error: ConnectionLost, endpoint: ChatEndpoint) -> ConnectionLost:
+    """A read timeout in the enhancer's words: the transport's own advice names the image read timeout."""
+    longer = (f", or give it longer with {endpoint.timeout_setting}" if endpoint.timeout_setting else "")
+    return ConnectionLost(f"the prompt enhancer at {shown_url(endpoint.base_url())} sent no revised prompt within "
+                          f"{endpoint.read_timeout_s:g} s: it may be overloaded or still loading its model; check the "
+                          f"server{longer}", cause=error.cause, timed_out=True)
+
+
 def revise_prompts_remote(endpoint: ChatEndpoint, prompts: Sequence[str], width: int, height: int, seed: int,
                           temperature: float = 0.6, top_p: float = 0.95, max_new_tokens: int = 512,
                           host: Optional[Host] = None, keep_original: bool = True) -> RevisedPrompts:
@@ -207,14 +232,30 @@ def revise_prompts_remote(endpoint: ChatEndpoint, prompts: Sequence[str], width:
     host = host or NullHost()
     unique = list(dict.fromkeys(prompts))
     notes: list[str] = []
+    started = time.monotonic()
+    next_notice = started + WAIT_NOTICE_EVERY_S
+
+    def poll() -> None:  # every 0.1 s on this thread: Cancel, and what a long wait is for
+        nonlocal next_notice
+        host.check_cancel()
+        now = time.monotonic()
+        if now >= next_notice:
+            waited = f"{now - started:.0f} s (up to {endpoint.read_timeout_s:g} s a prompt)"
+            line = f"waiting for the prompt enhancer at {shown_url(endpoint.base_url())}: {waited}"
+            host.log(line)
+            show_status(host, line)
+            next_notice = now + WAIT_NOTICE_EVERY_S
+
     try:
         revisions = run_sync(
             _revise_all(endpoint, unique, width, height, seed, temperature, top_p, max_new_tokens, notes,
                         keep_original),
-            host.check_cancel,
+            poll,
         )
     except ServerRejected as error:
         raise _rejected(error, endpoint) from None
+    except ConnectionLost as error:
+        raise (_slow_server(error, endpoint) if error.timed_out else error) from None
     finally:
         for note in notes:
             host.log(note)
