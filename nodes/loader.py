@@ -6,6 +6,7 @@ from typing import Any, Optional
 from ..runtime.errors import InvalidInputError
 from . import comfy_env
 from .comfy_env import GGUF_FOLDER_KEY, NONE_CHOICE
+from .comfy_names import in_comfy_words
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .live_pipes import track
 from .quant_config import QUANT_TYPE, QuantChoice
@@ -110,9 +111,10 @@ class ErnieImageLoader:
              quant_config: Optional[QuantChoice] = None) -> dict[str, Any]:
         from ..runtime.local_pipe import LocalPipe
 
-        sources = build_sources(diffusers_folder, diffusion_model, text_encoder, vae, prompt_enhancer, variant)
-        options = build_options(vram_budget_gb, keep_loaded, quant_config)
-        pipe = LocalPipe.load(sources, options)  # reads only the files' headers: nothing to cancel
+        with in_comfy_words():
+            sources = build_sources(diffusers_folder, diffusion_model, text_encoder, vae, prompt_enhancer, variant)
+            options = build_options(vram_budget_gb, keep_loaded, quant_config)
+            pipe = LocalPipe.load(sources, options)  # reads only the files' headers: nothing to cancel
         track(pipe)
         plan = pipe.describe()
         if quant_config is not None:

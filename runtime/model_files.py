@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 CONFIG_ROOT = Path(__file__).parent / "configs"
 Variant = Literal["base", "turbo"]
+# What a component is called where a message asks for its file, and the setting that takes that file.
+_FILE_WORDS = {"transformer": ("DiT", "dit"), "text_encoder": ("text encoder", "text_encoder"), "vae": ("VAE", "vae"),
+               "pe": ("prompt enhancer", "pe")}
 
 
 @dataclass
@@ -47,10 +50,10 @@ class ModelSources:
             if not explicit.exists():
                 raise ModelFileError(f"{name} file {explicit} does not exist: check the path")
             return explicit
+        part, setting = _FILE_WORDS[name]
         if self.model_dir is None:
-            raise ModelFileError(
-                f"no {name} given: pass a diffusers folder (--model-dir) or the {name} file itself"
-            )
+            raise ModelFileError(f"no {part} given: pass a diffusers folder (model_dir) or the {part} file ({setting})"
+                                 ).naming("model_dir", setting)
         if not self.model_dir.is_dir():
             what = "is a file, not a folder" if self.model_dir.exists() else "does not exist"
             hint = ("give the diffusers ERNIE-Image folder, or the file as the component it holds" if
@@ -59,9 +62,9 @@ class ModelSources:
         folder = self.model_dir / name
         if not folder.is_dir():
             raise ModelFileError(
-                f"{self.model_dir} has no {name}/ folder: point --model-dir at a diffusers ERNIE-Image folder "
-                f"(model_index.json, transformer/, text_encoder/, tokenizer/, vae/) or give the {name} file"
-            )
+                f"{self.model_dir} has no {name}/ folder: point model_dir at a diffusers ERNIE-Image folder "
+                f"(model_index.json, transformer/, text_encoder/, tokenizer/, vae/) or give the {part} file ({setting})"
+            ).naming("model_dir", setting)
         return folder
 
     def has_pe(self) -> bool:
