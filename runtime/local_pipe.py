@@ -39,6 +39,7 @@ from .preview import latent_preview
 from .request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
 from .sampling import initial_noise, length_grouped_denoiser, sample_euler
 from .text.encoder import encode_prompts
+from .variant import VariantChoice, decide_variant, set_by_user
 
 # LoadOptions.quant: a bf16 DiT is quantised on load to the format named; a quantised DiT file runs in its own
 # format (with 'none', 'auto' or that format; another is refused).
@@ -226,13 +227,16 @@ def _as_sources(sources: Any) -> ModelSources:
 class LocalPipe:
     kind = "local"
 
-    def __init__(self, sources: ModelSources, options: LoadOptions, variant: Variant, loras=None) -> None:
+    def __init__(self, sources: ModelSources, options: LoadOptions, variant: Variant | VariantChoice,
+                 loras=None) -> None:
+        """`variant`: how LocalPipe.load decided it (VariantChoice), or a variant the caller sets."""
         options.validate()
         self.loras = LoraStack.of(loras)  # the pipe's own LoRA stack (empty: the base model); see with_loras
         self._lora = PipeLoras(self.loras, options.lora_mode)
         self.sources = sources
         self.options = options
-        self.variant = variant
+        self.variant_choice = variant if isinstance(variant, VariantChoice) else set_by_user(variant)
+        self.variant: Variant = self.variant_choice.variant
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self._loaded = _Loaded()
@@ -267,13 +271,15 @@ class LocalPipe:
         from .lora.parsed import check_lora_files
 
         check_lora_files(LoraStack.of(loras))  # a bad LoRA file fails first, before any model file is opened
-        pipe = cls(sources, options, sources.detect_variant(), loras)
-        for component, kind in (("transformer", "dit"), ("text_encoder", "text_encoder"), ("vae", "vae")):
-            opened = open_component(sources.component(component), kind)
-            if kind == "dit" and opened.quantized:
-                refuse_quant_for_quantized_dit(options.quant, opened)
-            elif kind == "dit":
-                check_quant_packs(options.quant, {key: opened.tensor(key) for key in opened.keys})  # mapped views
+        options.validate()
+        dit = open_component(sources.component("transformer"), "dit")
+        if dit.quantized:
+            refuse_quant_for_quantized_dit(options.quant, dit)
+        else:
+            check_quant_packs(options.quant, {key: dit.tensor(key) for key in dit.keys})  # mapped views
+        for component in ("text_encoder", "vae"):
+            open_component(sources.component(component), component)
+        pipe = cls(sources, options, decide_variant(dit, sources.variant), loras)
         pipe._lora.resolve(pipe.loras, sources)
         if sources.has_pe():  # a text encoder given as the PE is refused now, not when the PE first runs
             from .text.pe_model import locate_pe, open_pe_component
@@ -308,7 +314,7 @@ class LocalPipe:
     def describe(self, request: Optional[GenerationRequest] = None) -> str:
         """The variant, device, formats and the VRAM plan (of the last job, else of a default 1024x1024 job)."""
         lines = [
-            f"ERNIE-Image {'Turbo' if self.variant == 'turbo' else '(base)'} on {self.device} in "
+            f"ERNIE-Image {self.variant_choice.text()}; on {self.device} in "
             f"{str(self.dtype).replace('torch.', '')}; defaults {int(self.defaults['steps'])} steps, "
             f"CFG {self.defaults['cfg']}; DiT {self.dit_weights + ', ' if self.dit_weights else ''}{self._dit_mode()}"
         ]
