@@ -39,7 +39,7 @@ from .preview import latent_preview
 from .request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
 from .sampling import initial_noise, length_grouped_denoiser, sample_euler
 from .text.encoder import encode_prompts
-from .variant import VariantChoice, decide_variant, set_by_user
+from .variant import VariantChoice, decide_variant, set_by_user, settings_notice
 
 # LoadOptions.quant: a bf16 DiT is quantised on load to the format named; a quantised DiT file runs in its own
 # format (with 'none', 'auto' or that format; another is refused).
@@ -507,6 +507,9 @@ class LocalPipe:
 
     def _generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         self._phase = "setup"
+        mismatch = settings_notice(self.variant_choice, request.settings_for, request.steps, request.cfg)
+        if mismatch:
+            host.log(mismatch)
         if needs_encoding(request):
             require_vae_encoder(open_component(self.sources.component("vae"), "vae"))
         room = self.device_bytes_needed(request)

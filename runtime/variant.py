@@ -93,3 +93,20 @@ def _names(path: Path) -> list[tuple[str, str]]:
         return [(path.name, "folder"), (path.parent.name, "folder")]
     return [(path.name, "file")]
 
+
+def settings_notice(model: VariantChoice, settings_for: Optional[str], steps: int, cfg: float) -> Optional[str]:
+    """The notice for settings chosen for the other variant (a Turbo model under the base Sampler, or the base
+    model under the Turbo Sampler); None when they are the model's own or nobody said whose they are. It names
+    the variant setting once (VariantChoice.settings), for a front end to show its own name for it."""
+    from .request import VARIANT_DEFAULTS
+
+    if settings_for is None or settings_for == model.variant:
+        return None
+    own = VARIANT_DEFAULTS[model.variant]
+    sampler = "Turbo Sampler" if model.variant == "turbo" else "Sampler"
+    other = "Turbo" if settings_for == "turbo" else "the base model"
+    override = "" if model.settings else f", or set {VARIANT_SETTING} if the model is not {model.label}"
+    return (f"the model is {model.text()}, but these settings ({steps} step{'' if steps == 1 else 's'}, CFG {cfg:g}) "
+            f"are meant for {other}: "
+            f"{model.label} is made for {int(own['steps'])} steps at CFG {own['cfg']:g}: use its settings (in "
+            f"ComfyUI: the {sampler}){override}")

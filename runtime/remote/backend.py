@@ -21,6 +21,7 @@ from ..errors import Cancelled, InvalidInputError, RemoteError
 from ..host import Host
 from ..pipe import check_generate_call
 from ..request import GenerationRequest, GenerationResult, refuse_image_inputs
+from ..variant import VariantChoice, settings_notice
 from .fleet import Fleet, FleetSettings
 from .http import ApiKeySource, HttpSettings, checked_seconds, run_sync, server_label
 from .sglang import GeneratedImage, ImageParams, ReadTimeoutPolicy, ServerModel
@@ -251,6 +252,7 @@ class RemotePipe:
         finally:
             _drain(events, host)
         host.progress(total_steps, total_steps)
+        _notice_other_variant(request, fleet, host)
         wall_s = time.monotonic() - started
         info = {
             "backend": "remote",
@@ -286,6 +288,18 @@ class RemotePipe:
                 run_sync(fleet.close())
             except RemoteError:
                 pass
+
+
+def _notice_other_variant(request: GenerationRequest, fleet: Fleet, host: Host) -> None:
+    """Settings meant for the other variant than the servers serve: a notice once the servers have named their model
+    (their model id is the only hint a server gives; no request is added to ask it)."""
+    model = next((slot.model for slot in fleet.slots if slot.model is not None), None)
+    if model is None or request.settings_for is None:
+        return
+    served = VariantChoice(model.variant, "name", f"from the served model's id {model.id}")
+    mismatch = settings_notice(served, request.settings_for, int(request.steps), float(request.cfg))
+    if mismatch:
+        host.log(mismatch)
 
 
 def _estimate_text(seconds: float, measured: bool) -> str:

@@ -18,6 +18,8 @@ def _request(args: argparse.Namespace, steps: int, cfg: float) -> GenerationRequ
         width=DEFAULT_SIDE if args.width is None else args.width,
         height=DEFAULT_SIDE if args.height is None else args.height,
         steps=steps, cfg=cfg, shift=args.shift, seed=args.seed, batch=args.batch, use_pe=args.use_pe,
+        # --variant's defaults sent to a server of the other variant: a notice (steps and CFG both given: the user's)
+        settings_for=args.variant if args.steps is None or args.cfg is None else None,
     )
 
 
