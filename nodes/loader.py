@@ -9,7 +9,7 @@ from .comfy_env import GGUF_FOLDER_KEY, NONE_CHOICE
 from .comfy_names import comfy_words, in_comfy_words
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .live_pipes import track
-from .quant_config import QUANT_TYPE, QuantChoice
+from .quant_config import QUANT_TYPE, QuantChoice, refuse_gguf_file_without_gguf
 
 VARIANTS = ("auto", "base", "turbo")
 MAX_BUDGET_GB = 1024.0
@@ -118,9 +118,11 @@ class ErnieImageLoader:
         with in_comfy_words():
             sources = build_sources(diffusers_folder, diffusion_model, text_encoder, vae, prompt_enhancer, variant)
             options = build_options(vram_budget_gb, keep_loaded, quant_config)
+            if quant_config is not None:
+                refuse_gguf_file_without_gguf(quant_config, sources.component("transformer"))
             pipe = LocalPipe.load(sources, options)  # reads only the files' headers: nothing to cancel
         track(pipe)
         plan = comfy_words(pipe.describe(), pipe.variant_choice.settings)
-        if quant_config is not None:
+        if quant_config is not None and not pipe.quant_reason:  # the pipe says itself what 'auto' runs
             plan = f"{plan}\nquant: {quant_config.reason}"
         return shown_on_node(plan, pipe, plan)

@@ -158,18 +158,26 @@ def refuse_quant_for_quantized_dit(quant: str, dit) -> None:
     format take the file as it is)."""
     if quant not in ("bf16", *QUANT_ON_LOAD_FORMATS):
         return
-    from collections import Counter
-
-    from .quant.qweight import QuantizedWeight, block_format, format_label
+    from .quant.qweight import QuantizedWeight, block_format
 
     entries = [entry for entry in (dit.tensor(key) for key in dit.keys) if isinstance(entry, QuantizedWeight)]
     if {block_format(entry.format, entry.qtype) for entry in entries} == {quant}:
         return  # the format the file already has
-    packed = Counter(format_label(entry.format, entry.qtype) for entry in entries)
-    own = "/".join(name for name, _ in packed.most_common())
     raise InvalidInputError(f"quant {quant} does not apply to {dit.path.name}, a DiT file already quantised "
-                            f"({own or 'packed'}): drop that option to run the file as it is, or give the bf16 DiT "
-                            "to quantise it on load").naming("quant")
+                            f"({file_weight_format(dit) or 'packed'}): drop that option to run the file as it is, or "
+                            "give the bf16 DiT to quantise it on load").naming("quant")
+
+
+def file_weight_format(dit) -> str:
+    """The packed weight formats of a quantised DiT file, most used first ("GGUF Q8_0", "FP8", ...), from its
+    entries (no weight is read); "" when nothing in it is packed."""
+    from collections import Counter
+
+    from .quant.qweight import QuantizedWeight, format_label
+
+    packed = Counter(format_label(entry.format, entry.qtype) for entry in (dit.tensor(key) for key in dit.keys)
+                     if isinstance(entry, QuantizedWeight))
+    return "/".join(name for name, _ in packed.most_common())
 
 
 def dit_weight_format(dit: torch.nn.Module) -> str:
@@ -280,6 +288,12 @@ class LocalPipe:
         for component in ("text_encoder", "vae"):
             open_component(sources.component(component), component)
         pipe = cls(sources, options, decide_variant(dit, sources.variant), loras)
+        if dit.quantized:
+            pipe.dit_weights = file_weight_format(dit)
+        if pipe._auto_quant is not None:  # what 'auto' runs, said before the DiT is built
+            pipe.quant_reason = (f"auto -> {pipe.dit_weights}, the DiT file's own format ({dit.path.name} is already "
+                                 "quantised; auto picks a format for a bf16 DiT only)" if dit.quantized
+                                 else pipe._auto_quant[1])
         pipe._lora.resolve(pipe.loras, sources)
         if sources.has_pe():  # a text encoder given as the PE is refused now, not when the PE first runs
             from .text.pe_model import locate_pe, open_pe_component
