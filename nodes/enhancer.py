@@ -6,7 +6,7 @@ from typing import Any, Optional
 from ..runtime.errors import InvalidInputError
 from ..runtime.request import SEED_MASK
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
-from .host import ComfyHost, cancel_as_comfy_interrupt
+from .host import NoteHost, cancel_as_comfy_interrupt
 from .live_pipes import generation_lock
 from .remote import LEGACY_HIDDEN, chat_endpoint, pe_endpoint_inputs, refuse_url_credentials
 from .sampler import resolve_size, seed_input, size_inputs
@@ -25,18 +25,6 @@ def timing_text(info: dict[str, Any], notes: list[str]) -> str:
         head = (f"prompt enhancer ({source}): {info.get('pe_tokens', 0)} tokens in {info.get('pe_s', 0.0):.2f} s, "
                 f"{info.get('pe_tokens_per_s', 0.0)} tokens/s")
     return "\n".join([head, *notes])
-
-
-class _NoteHost(ComfyHost):
-    """ComfyHost that also keeps the notices, so they reach the node's info output and not only the log."""
-
-    def __init__(self, node_id: Optional[str]) -> None:
-        super().__init__(node_id)
-        self.notes: list[str] = []
-
-    def log(self, message: str) -> None:
-        self.notes.append(message)
-        super().log(message)
 
 
 class ErnieImagePromptEnhancer:
@@ -95,7 +83,7 @@ class ErnieImagePromptEnhancer:
                                  legacy={"pe_api_key_env": pe_api_key_env, "pe_api_key_file": pe_api_key_file})
         sampling = dict(seed=int(seed) & SEED_MASK, temperature=float(temperature), top_p=float(top_p),
                         max_new_tokens=int(max_new_tokens))
-        host = _NoteHost(unique_id)
+        host = NoteHost(unique_id)
         if endpoint is not None:
             from ..runtime.text.remote_enhancer import revise_prompts_remote
 

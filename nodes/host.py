@@ -7,6 +7,8 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
 from ..runtime.errors import Cancelled
+from ..runtime.variant import VARIANT_SETTING
+from .comfy_names import comfy_words
 
 PREVIEW_FORMAT = "JPEG"
 DEFAULT_PREVIEW_SIZE = 512
@@ -91,6 +93,20 @@ class ComfyHost:
     def _is_interrupt(self, error: BaseException) -> bool:
         mm = self._model_management
         return mm is not None and isinstance(error, mm.InterruptProcessingException)
+
+
+class NoteHost(ComfyHost):
+    """ComfyHost that also keeps the notices, so they reach the node's own text and outputs, not only the log. A
+    notice naming the variant setting (runtime/variant.py) names it as ComfyUI shows it, on the node and the console."""
+
+    def __init__(self, node_id: Optional[str] = None) -> None:
+        super().__init__(node_id)
+        self.notes: list[str] = []
+
+    def log(self, message: str) -> None:
+        message = comfy_words(message, (VARIANT_SETTING,))
+        self.notes.append(message)
+        super().log(message)
 
 
 @contextmanager

@@ -6,9 +6,10 @@ from typing import Any, Optional
 from ..runtime.errors import InvalidInputError
 from . import comfy_env
 from .comfy_env import GGUF_FOLDER_KEY, NONE_CHOICE
+from .comfy_names import comfy_words, in_comfy_words
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .live_pipes import track
-from .quant_config import QUANT_TYPE, QuantChoice
+from .quant_config import QUANT_TYPE, QuantChoice, refuse_gguf_file_without_gguf
 
 VARIANTS = ("auto", "base", "turbo")
 MAX_BUDGET_GB = 1024.0
@@ -24,7 +25,7 @@ def build_sources(diffusers_folder: str, diffusion_model: str, text_encoder: str
         text_encoder=comfy_env.resolve_model_file(("text_encoders", GGUF_FOLDER_KEY), text_encoder, "text encoder"),
         vae=comfy_env.resolve_model_file(("vae",), vae, "VAE"),
         pe=comfy_env.resolve_model_file(("text_encoders",), prompt_enhancer, "prompt enhancer"),
-        variant=None if variant == "auto" else variant,
+        variant=variant,  # "auto": decided from the files
     )
     if sources.model_dir is None and (sources.dit is None or sources.text_encoder is None or sources.vae is None):
         missing = [name for name, path in (("diffusion_model", sources.dit), ("text_encoder", sources.text_encoder),
@@ -50,7 +51,8 @@ class ErnieImageLoader:
     DESCRIPTION = (
         "Loads ERNIE-Image or ERNIE-Image-Turbo from ComfyUI's model folders (a diffusers folder, or "
         "diffusion_models + text_encoders + vae single files, .safetensors or .gguf) and plans its memory for "
-        "the VRAM budget. Base or Turbo is detected from the files. Outputs the pipe for the Samplers."
+        "the VRAM budget. Base or Turbo: the variant widget, else what the DiT file records, its config, then its "
+        "name; the text says which decided. Outputs the pipe for the Samplers."
     )
     CATEGORY = CATEGORY
     FUNCTION = "load"
@@ -86,7 +88,10 @@ class ErnieImageLoader:
                 ),
                 "variant": (
                     list(VARIANTS),
-                    {"default": "auto", "tooltip": "auto detects base or Turbo from the files; set it if detection is wrong."},
+                    {"default": "auto",
+                     "tooltip": "auto: base or Turbo from what the DiT file records (files this pack writes), its "
+                     "diffusers config, else its name (the two have the same weights' shapes); the text below says "
+                     "which decided. Set it when that is wrong."},
                 ),
                 "vram_budget_gb": (
                     "FLOAT",
@@ -110,11 +115,14 @@ class ErnieImageLoader:
              quant_config: Optional[QuantChoice] = None) -> dict[str, Any]:
         from ..runtime.local_pipe import LocalPipe
 
-        sources = build_sources(diffusers_folder, diffusion_model, text_encoder, vae, prompt_enhancer, variant)
-        options = build_options(vram_budget_gb, keep_loaded, quant_config)
-        pipe = LocalPipe.load(sources, options)  # reads only the files' headers: nothing to cancel
+        with in_comfy_words():
+            sources = build_sources(diffusers_folder, diffusion_model, text_encoder, vae, prompt_enhancer, variant)
+            options = build_options(vram_budget_gb, keep_loaded, quant_config)
+            if quant_config is not None:
+                refuse_gguf_file_without_gguf(quant_config, sources.component("transformer"))
+            pipe = LocalPipe.load(sources, options)  # reads only the files' headers: nothing to cancel
         track(pipe)
-        plan = pipe.describe()
-        if quant_config is not None:
+        plan = comfy_words(pipe.describe(), pipe.variant_choice.settings)
+        if quant_config is not None and not pipe.quant_reason:  # the pipe says itself what 'auto' runs
             plan = f"{plan}\nquant: {quant_config.reason}"
         return shown_on_node(plan, pipe, plan)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..runtime.errors import InvalidInputError
@@ -31,11 +32,24 @@ def resolve_choice(requested: str) -> QuantChoice:
     device = gpu_support.detect_device()
     if requested == "auto":
         _, reason = gpu_support.choose_auto(device)
-        return QuantChoice("auto", "auto", f"{reason} (the Loader re-checks against its VRAM budget)")
+        return QuantChoice("auto", "auto", f"{reason} for a bf16 DiT (a quantised DiT file runs in its own format; the "
+                           "Loader shows what runs, checked against its VRAM budget)")
     if requested == "gguf-file":
         return QuantChoice("gguf-file", "none", f"gguf-file on {device.name}: the block format stored in the "
                            ".gguf file picked in the Loader, dequantised per layer")
     return QuantChoice(requested, LOAD_QUANT[requested], gpu_support.format_reasons(device)[requested])
+
+
+def refuse_gguf_file_without_gguf(choice: QuantChoice, dit: Path) -> None:
+    """'gguf-file' keeps a .gguf DiT's blocks: beside a DiT that is not a GGUF file it would run something else, so
+    it is refused before anything loads. What the file is comes from its first bytes, not its name."""
+    from ..runtime.formats.safetensors_reader import is_gguf
+
+    if choice.requested != "gguf-file" or (dit.is_file() and is_gguf(dit)):
+        return
+    raise InvalidInputError(f"the Quant Config's gguf-file keeps a .gguf DiT's own blocks, but the DiT picked "
+                            f"({dit.name}) is not a GGUF file: pick a .gguf as the Loader's diffusion_model, or "
+                            "another Quant Config format (auto, bf16, fp8, q8_0, ...)")
 
 
 class ErnieImageQuantConfig:

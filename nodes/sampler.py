@@ -16,8 +16,9 @@ from ..runtime.request import (
     GenerationResult,
     validate_size,
 )
-from .common import CATEGORY, PIPE_TYPE
-from .host import ComfyHost, cancel_as_comfy_interrupt, log
+from .comfy_names import in_comfy_words
+from .common import CATEGORY, PIPE_TYPE, shown_on_node
+from .host import NoteHost, cancel_as_comfy_interrupt, log
 from .image_inputs import image_input_fields, image_input_types
 from .live_pipes import generation_lock
 
@@ -76,14 +77,18 @@ def latent_output(result: GenerationResult) -> Any:
     )
 
 
-def run_generation(pipe: Any, request: GenerationRequest, node_id: Optional[str]) -> GenerationResult:
-    """Generate with ComfyUI as host. The pipe asks the host to make room on its device, frees its own memory
-    after an error or a cancel, and reports running out of memory as a MemoryBudgetError."""
+def run_generation(pipe: Any, request: GenerationRequest, node_id: Optional[str]) -> tuple[GenerationResult, list[str]]:
+    """Generate with ComfyUI as host: the result, and the notices the run gave (in ComfyUI's words; each is also a
+    console line). The pipe asks the host to make room on its device, frees its own memory after an error or a
+    cancel, and reports running out of memory as a MemoryBudgetError."""
     if pipe is None or not hasattr(pipe, "generate"):
         raise InvalidInputError("the pipe input is not connected: wire an ERNIE-Image Loader or Remote Backend to it")
-    request.validate()  # before anything runs, so a bad request unloads nothing of ComfyUI's
-    with generation_lock, cancel_as_comfy_interrupt():
-        return pipe.generate(request, ComfyHost(node_id))
+    host = NoteHost(node_id)
+    with in_comfy_words():
+        request.validate()  # before anything runs, so a bad request unloads nothing of ComfyUI's
+        with generation_lock, cancel_as_comfy_interrupt():
+            result = pipe.generate(request, host)
+    return result, host.notes
 
 
 def size_inputs(resolution_tooltip: str) -> dict[str, Any]:
@@ -159,7 +164,7 @@ class ErnieImageSampler:
                  seed: int, batch_size: int, shift: float, use_pe: bool, negative_prompt: str = "",
                  unique_id: Optional[str] = None, image: Any = None, latent: Any = None, mask: Any = None,
                  denoise: float = 1.0, mask_grow: int = 0, mask_feather: int = 0,
-                 composite: bool = True) -> tuple[Any, ...]:
+                 composite: bool = True) -> dict[str, Any]:
         width, height = resolve_size(resolution, width, height)
         image_in = image_input_fields(image, latent, mask, denoise, mask_grow, mask_feather, composite)
         if "width" in image_in:
@@ -176,11 +181,13 @@ class ErnieImageSampler:
             seed=int(seed) & SEED_MASK,
             batch=int(batch_size),
             use_pe=bool(use_pe),
+            settings_for=self.VARIANT,  # a pipe of the other variant runs them with a notice
         )
         if image_in:
             request = dataclasses.replace(request, **image_in)
-        result = run_generation(pipe, request, unique_id)
-        return (result.images, latent_output(result), joined_prompts(result.prompts_used))
+        result, notes = run_generation(pipe, request, unique_id)
+        outputs = (result.images, latent_output(result), joined_prompts(result.prompts_used))
+        return shown_on_node("\n".join(notes), *outputs)
 
 
 class ErnieImageTurboSampler(ErnieImageSampler):

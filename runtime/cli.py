@@ -13,10 +13,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from .cli_names import cli_message
+from .cli_names import cli_message, cli_words
 from .cli_parser import OneLineParser, OutputPath
 from .errors import Cancelled, ErnieImageError, InvalidInputError
 from .host import NullHost
+from .variant import VARIANT_SETTING
 
 ArgCheck = Callable[[argparse.Namespace], None]
 CANCELLED_EXIT_CODES = (130, 143)  # 128 + SIGINT, 128 + SIGTERM
@@ -37,7 +38,9 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vae", type=Path, help="VAE file (flux2-vae.safetensors or diffusers layout)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer folder or tokenizer.json (single files embed one)")
     parser.add_argument("--pe", type=Path, help="prompt-enhancer folder or file")
-    parser.add_argument("--variant", choices=["base", "turbo"], help="default: detected")
+    parser.add_argument("--variant", choices=["auto", "base", "turbo"], default="auto",
+                        help="auto (default): what the DiT file records, its diffusers config, else its name; the run "
+                             "line says which decided")
     parser.add_argument("--prompt", default="a red fox in fresh snow, morning light",
                         help="up to 2048 tokens reach the model (a longer prompt is cut, with a notice); an empty "
                              "prompt is allowed, with a notice")
@@ -100,7 +103,7 @@ class _ConsoleHost(NullHost):
         STDERR.progress(f"step {value}/{total}", done=value >= total)
 
     def log(self, message: str) -> None:
-        STDERR.line(message)
+        STDERR.line(cli_words(message, (VARIANT_SETTING,)))  # a notice naming the variant setting names --variant
 
     def check_cancel(self) -> None:
         self.interrupts.raise_if_interrupted()
@@ -118,6 +121,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     add_image_arguments(parser)
     add_remote_arguments(parser)  # --server URL (a fleet when repeated), its timeouts and key, --pe-url
     args = parser.parse_args(argv)
+    args.variant = None if args.variant == "auto" else args.variant
     from .cli_checks import check_generate_args, default_side, parse_budget, uses_demo_model
 
     image_in = image_fields(args)  # image files read and checked before any model file is opened
@@ -171,8 +175,9 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     paths = save_pngs(result.images, args.out, settings)
     for path in paths:
         print(path)
+    described = cli_words(pipe.describe(used), pipe.variant_choice.settings)  # the plan of this job, not a default one
     host.log(f"{len(paths)} image(s) {used.width}x{used.height}, {used.steps} steps, CFG {used.cfg:g}, seed "
-             f"{used.seed} in {elapsed:.2f} s; {pipe.describe(used)}")  # the plan of this job, not a default one
+             f"{used.seed} in {elapsed:.2f} s; {described}")
     return 0
 
 

@@ -2,13 +2,15 @@
 
 The runtime's checks speak the Python API's and the nodes' language (`mask_grow 5000 is not allowed`); an error
 records which of its words are such names (ErnieImageError.naming), and the CLI shows its own flags instead
-(`--mask-grow 5000 is not allowed`). A name without a flag here is shown as it is.
+(`--mask-grow 5000 is not allowed`). A name without a flag here is shown as it is. Lines that are not errors but
+name a setting (a pipe's description naming `variant`) are worded the same way (`cli_words`). ComfyUI's names for
+the same settings: nodes/comfy_names.py.
 """
 from __future__ import annotations
 
-import re
+from typing import Iterable
 
-from .errors import ErnieImageError
+from .errors import ErnieImageError, worded
 
 FLAGS: dict[str, str] = {
     "prompt": "--prompt",
@@ -31,16 +33,21 @@ FLAGS: dict[str, str] = {
     "wait_for_servers_s": "--wait-for-servers",
     "resend_unanswered": "--resend-unanswered",
     "out": "--out",
+    "variant": "--variant",
+    "model_dir": "--model-dir",
+    "dit": "--dit",
+    "text_encoder": "--text-encoder",
+    "vae": "--vae",
+    "pe": "--pe",
 }
 
 
 def cli_message(error: BaseException) -> str:
     """`str(error)` with each setting it names (ErnieImageError.naming) written as the CLI's flag where the message
     first names it (later words may be prose: "save the prompt as UTF-8")."""
-    text = str(error)
-    names = error.settings if isinstance(error, ErnieImageError) else ()
-    for name in sorted(names, key=len, reverse=True):  # "mask_grow" before "mask"
-        flag = FLAGS.get(name)
-        if flag is not None:
-            text = re.sub(rf"(?<![\w-]){re.escape(name)}(?![\w-])", flag, text, count=1)
-    return text
+    return cli_words(str(error), error.settings if isinstance(error, ErnieImageError) else ())
+
+
+def cli_words(text: str, settings: Iterable[str]) -> str:
+    """`text` naming `settings` by their Python names, with the CLI's flags for them (errors.worded)."""
+    return worded(text, settings, FLAGS)

@@ -1,7 +1,8 @@
 """Errors the runtime raises. Every message is one line naming the cause and the fix."""
 from __future__ import annotations
 
-from typing import TypeVar
+import re
+from typing import Iterable, Mapping, TypeVar
 
 _E = TypeVar("_E", bound="ErnieImageError")
 
@@ -11,7 +12,8 @@ class ErnieImageError(Exception):
 
     A message names a setting by its Python name (a request field, a node widget: `mask_grow`); `naming` records
     which words of the message are such names, so a front end that calls them otherwise (the CLI: `--mask-grow`,
-    cli_names.py) can say its own names without the checks knowing about it.
+    cli_names.py; ComfyUI: the Loader's widgets, nodes/comfy_names.py) can say its own names without the checks
+    knowing about it (`worded`).
     """
 
     settings: tuple[str, ...] = ()
@@ -45,3 +47,32 @@ class Cancelled(ErnieImageError):
 def one_line(error: BaseException, limit: int = 200) -> str:
     """`Type: message` of an unexpected error, whitespace collapsed and cut: the detail a one-line message quotes."""
     return " ".join(f"{type(error).__name__}: {error}".split())[:limit]
+
+
+def worded(text: str, settings: Iterable[str], names: Mapping[str, str]) -> str:
+    """`text` with each of `settings` (Python names it uses) written as a front end calls it (`names`), where the
+    text first names it as a word: later words may be prose ("save the prompt as UTF-8"), and a name inside a path or
+    a file name (`/models/vae/flux2-vae.safetensors`, `pe.safetensors`, a folder listed as `text_encoder/`) is not the
+    setting. A name without an entry in `names` is shown as it is."""
+    settings = tuple(settings)
+    words = set(settings) | {names[name] for name in settings if name in names}
+    for name in sorted(settings, key=len, reverse=True):  # "mask_grow" before "mask"
+        label = names.get(name)
+        if label is None:
+            continue
+        for found in re.finditer(rf"(?<![\w-]){re.escape(name)}(?![\w-])(?!\.\w)", text):
+            if not _in_path(text, found.start(), found.end(), words):
+                text = text[:found.start()] + label + text[found.end():]
+                break
+    return text
+
+
+def _in_path(text: str, start: int, end: int, words: set[str]) -> bool:
+    """Whether text[start:end] is part of a path: a word with / or \\ in it whose parts are not all setting names
+    ("width/height" names two settings; "/models/vae/x" and "vae/" are paths)."""
+    left = max(text.rfind(" ", 0, start), text.rfind("\t", 0, start)) + 1
+    right = min((i for i in (text.find(" ", end), text.find("\t", end)) if i != -1), default=len(text))
+    token = text[left:right].strip("()[]{},;:'\"`")
+    if "/" not in token and "\\" not in token:
+        return False
+    return not all(part in words for part in re.split(r"[/\\]", token))

@@ -39,6 +39,7 @@ from .preview import latent_preview
 from .request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
 from .sampling import initial_noise, length_grouped_denoiser, sample_euler
 from .text.encoder import encode_prompts
+from .variant import VariantChoice, decide_variant, set_by_user, settings_notice
 
 # LoadOptions.quant: a bf16 DiT is quantised on load to the format named; a quantised DiT file runs in its own
 # format (with 'none', 'auto' or that format; another is refused).
@@ -157,18 +158,26 @@ def refuse_quant_for_quantized_dit(quant: str, dit) -> None:
     format take the file as it is)."""
     if quant not in ("bf16", *QUANT_ON_LOAD_FORMATS):
         return
-    from collections import Counter
-
-    from .quant.qweight import QuantizedWeight, block_format, format_label
+    from .quant.qweight import QuantizedWeight, block_format
 
     entries = [entry for entry in (dit.tensor(key) for key in dit.keys) if isinstance(entry, QuantizedWeight)]
     if {block_format(entry.format, entry.qtype) for entry in entries} == {quant}:
         return  # the format the file already has
-    packed = Counter(format_label(entry.format, entry.qtype) for entry in entries)
-    own = "/".join(name for name, _ in packed.most_common())
     raise InvalidInputError(f"quant {quant} does not apply to {dit.path.name}, a DiT file already quantised "
-                            f"({own or 'packed'}): drop that option to run the file as it is, or give the bf16 DiT "
-                            "to quantise it on load").naming("quant")
+                            f"({file_weight_format(dit) or 'packed'}): drop that option to run the file as it is, or "
+                            "give the bf16 DiT to quantise it on load").naming("quant")
+
+
+def file_weight_format(dit) -> str:
+    """The packed weight formats of a quantised DiT file, most used first ("GGUF Q8_0", "FP8", ...), from its
+    entries (no weight is read); "" when nothing in it is packed."""
+    from collections import Counter
+
+    from .quant.qweight import QuantizedWeight, format_label
+
+    packed = Counter(format_label(entry.format, entry.qtype) for entry in (dit.tensor(key) for key in dit.keys)
+                     if isinstance(entry, QuantizedWeight))
+    return "/".join(name for name, _ in packed.most_common())
 
 
 def dit_weight_format(dit: torch.nn.Module) -> str:
@@ -226,13 +235,16 @@ def _as_sources(sources: Any) -> ModelSources:
 class LocalPipe:
     kind = "local"
 
-    def __init__(self, sources: ModelSources, options: LoadOptions, variant: Variant, loras=None) -> None:
+    def __init__(self, sources: ModelSources, options: LoadOptions, variant: Variant | VariantChoice,
+                 loras=None) -> None:
+        """`variant`: how LocalPipe.load decided it (VariantChoice), or a variant the caller sets."""
         options.validate()
         self.loras = LoraStack.of(loras)  # the pipe's own LoRA stack (empty: the base model); see with_loras
         self._lora = PipeLoras(self.loras, options.lora_mode)
         self.sources = sources
         self.options = options
-        self.variant = variant
+        self.variant_choice = variant if isinstance(variant, VariantChoice) else set_by_user(variant)
+        self.variant: Variant = self.variant_choice.variant
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self._loaded = _Loaded()
@@ -267,13 +279,21 @@ class LocalPipe:
         from .lora.parsed import check_lora_files
 
         check_lora_files(LoraStack.of(loras))  # a bad LoRA file fails first, before any model file is opened
-        pipe = cls(sources, options, sources.detect_variant(), loras)
-        for component, kind in (("transformer", "dit"), ("text_encoder", "text_encoder"), ("vae", "vae")):
-            opened = open_component(sources.component(component), kind)
-            if kind == "dit" and opened.quantized:
-                refuse_quant_for_quantized_dit(options.quant, opened)
-            elif kind == "dit":
-                check_quant_packs(options.quant, {key: opened.tensor(key) for key in opened.keys})  # mapped views
+        options.validate()
+        dit = open_component(sources.component("transformer"), "dit")
+        if dit.quantized:
+            refuse_quant_for_quantized_dit(options.quant, dit)
+        else:
+            check_quant_packs(options.quant, {key: dit.tensor(key) for key in dit.keys})  # mapped views
+        for component in ("text_encoder", "vae"):
+            open_component(sources.component(component), component)
+        pipe = cls(sources, options, decide_variant(dit, sources.variant), loras)
+        if dit.quantized:
+            pipe.dit_weights = file_weight_format(dit)
+        if pipe._auto_quant is not None:  # what 'auto' runs, said before the DiT is built
+            pipe.quant_reason = (f"auto -> {pipe.dit_weights}, the DiT file's own format ({dit.path.name} is already "
+                                 "quantised; auto picks a format for a bf16 DiT only)" if dit.quantized
+                                 else pipe._auto_quant[1])
         pipe._lora.resolve(pipe.loras, sources)
         if sources.has_pe():  # a text encoder given as the PE is refused now, not when the PE first runs
             from .text.pe_model import locate_pe, open_pe_component
@@ -308,7 +328,7 @@ class LocalPipe:
     def describe(self, request: Optional[GenerationRequest] = None) -> str:
         """The variant, device, formats and the VRAM plan (of the last job, else of a default 1024x1024 job)."""
         lines = [
-            f"ERNIE-Image {'Turbo' if self.variant == 'turbo' else '(base)'} on {self.device} in "
+            f"ERNIE-Image {self.variant_choice.text()}; on {self.device} in "
             f"{str(self.dtype).replace('torch.', '')}; defaults {int(self.defaults['steps'])} steps, "
             f"CFG {self.defaults['cfg']}; DiT {self.dit_weights + ', ' if self.dit_weights else ''}{self._dit_mode()}"
         ]
@@ -501,6 +521,9 @@ class LocalPipe:
 
     def _generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         self._phase = "setup"
+        mismatch = settings_notice(self.variant_choice, request.settings_for, request.steps, request.cfg)
+        if mismatch:
+            host.log(mismatch)
         if needs_encoding(request):
             require_vae_encoder(open_component(self.sources.component("vae"), "vae"))
         room = self.device_bytes_needed(request)

@@ -14,12 +14,15 @@ from typing import TYPE_CHECKING, Literal, Optional
 import torch
 
 from .errors import ModelFileError
+from .variant import Variant, checked_variant_option
 
 if TYPE_CHECKING:
     from .dit import DiTConfig
 
 CONFIG_ROOT = Path(__file__).parent / "configs"
-Variant = Literal["base", "turbo"]
+# What a component is called where a message asks for its file, and the setting that takes that file.
+_FILE_WORDS = {"transformer": ("DiT", "dit"), "text_encoder": ("text encoder", "text_encoder"), "vae": ("VAE", "vae"),
+               "pe": ("prompt enhancer", "pe")}
 
 
 @dataclass
@@ -32,13 +35,14 @@ class ModelSources:
     vae: Optional[Path] = None
     pe: Optional[Path] = None
     tokenizer: Optional[Path] = None  # a tokenizer folder or tokenizer.json; else found next to the weights
-    variant: Optional[Variant] = None  # None: detected
+    variant: Optional[Variant] = None  # None or "auto": decided from the files (runtime/variant.py)
 
     def __post_init__(self) -> None:
         for name in ("model_dir", "dit", "text_encoder", "vae", "pe", "tokenizer"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, Path(value))
+        self.variant = checked_variant_option(self.variant)
 
     def component(self, name: str) -> Path:
         """The file or folder holding one component ("transformer", "text_encoder", "vae", "pe")."""
@@ -47,10 +51,10 @@ class ModelSources:
             if not explicit.exists():
                 raise ModelFileError(f"{name} file {explicit} does not exist: check the path")
             return explicit
+        part, setting = _FILE_WORDS[name]
         if self.model_dir is None:
-            raise ModelFileError(
-                f"no {name} given: pass a diffusers folder (--model-dir) or the {name} file itself"
-            )
+            raise ModelFileError(f"no {part} given: pass a diffusers folder (model_dir) or the {part} file ({setting})"
+                                 ).naming("model_dir", setting)
         if not self.model_dir.is_dir():
             what = "is a file, not a folder" if self.model_dir.exists() else "does not exist"
             hint = ("give the diffusers ERNIE-Image folder, or the file as the component it holds" if
@@ -59,27 +63,13 @@ class ModelSources:
         folder = self.model_dir / name
         if not folder.is_dir():
             raise ModelFileError(
-                f"{self.model_dir} has no {name}/ folder: point --model-dir at a diffusers ERNIE-Image folder "
-                f"(model_index.json, transformer/, text_encoder/, tokenizer/, vae/) or give the {name} file"
-            )
+                f"{self.model_dir} has no {name}/ folder: point model_dir at a diffusers ERNIE-Image folder "
+                f"(model_index.json, transformer/, text_encoder/, tokenizer/, vae/) or give the {part} file ({setting})"
+            ).naming("model_dir", setting)
         return folder
 
     def has_pe(self) -> bool:
         return self.pe is not None or (self.model_dir is not None and (self.model_dir / "pe").is_dir())
-
-    def detect_variant(self) -> Variant:
-        if self.variant is not None:
-            return self.variant
-        # Turbo and base share every shape; only their metadata tells them apart.
-        hints: list[str] = []
-        if self.model_dir is not None:
-            hints.append(self.model_dir.name)
-            config = self.model_dir / "transformer" / "config.json"
-            if config.exists() and "use_lora" in json.loads(config.read_text()):
-                return "turbo"
-        if self.dit is not None:
-            hints.append(self.dit.name)
-        return "turbo" if any("turbo" in hint.lower() for hint in hints) else "base"
 
 
 def load_config(variant: Variant, component: str) -> dict:

@@ -221,10 +221,16 @@ class GenerationRequest:
     mask_grow: int = 0  # pixels the mask is grown by before use
     mask_feather: int = 0  # pixels of soft edge after growing
     composite: bool = True  # paste the result onto the original pixels outside the mask (needs init_image)
+    # Whose settings steps and cfg are: "base" or "turbo" (the Sampler nodes say theirs), None when nobody says. A pipe
+    # of the other variant runs them with a notice (variant.settings_notice), never silently.
+    settings_for: Optional[str] = None
 
     def validate(self) -> None:
         _check_types(self)
         _check_texts(self)
+        if self.settings_for not in (None, *VARIANT_DEFAULTS):
+            raise InvalidInputError(f"settings_for {self.settings_for!r} is not allowed: give 'base', 'turbo' or None"
+                                    ).naming("settings_for")
         _check_image_inputs(self)  # first: a bad image's size is named as the image's, not as width/height
         validate_size(self.width, self.height)
         if self.steps is not None and not 1 <= self.steps <= 1000:

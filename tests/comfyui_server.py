@@ -124,7 +124,7 @@ def place_tiny_models(models: Path, scratch: Path) -> dict[str, Path]:
         shutil.copyfile(source, target)
         paths[Path(relative).name] = target
     gguf = models / "diffusion_models" / "ernie-image-turbo-UD-Q4_K_M.gguf"
-    write_quantized_file(read_bf16_dit(turbo.dit), "q8_0", gguf)
+    write_quantized_file(read_bf16_dit(turbo.dit), "q8_0", gguf, variant="turbo")
     paths[gguf.name] = gguf
     paths.update(write_example_loras(models / "loras", turbo.dit))  # the LoRAs the two-LoRA workflow names
     misplaced = models / "text_encoders" / "not-a-text-encoder.safetensors"

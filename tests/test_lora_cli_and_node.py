@@ -99,12 +99,12 @@ def test_chained_lora_nodes_give_the_api_image(tiny_turbo_folder, comfy_loras):
     assert stacked.base is pipe  # one loaded model, however many LoRA nodes
     images, _, _ = ErnieImageTurboSampler().generate(pipe=stacked, prompt=REQUEST.prompt, resolution="custom",
                                                      width=256, height=256, steps=2, cfg=1.0, seed=4, batch_size=1,
-                                                     shift=4.0, use_pe=False)
+                                                     shift=4.0, use_pe=False)["result"]
     expected = pipe.with_loras([(comfy_loras / "style.safetensors", 0.7), (comfy_loras / "detail.safetensors", 1.0)])
     assert torch.equal(images, expected.generate(REQUEST, NullHost()).images)
     base_images, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, prompt=REQUEST.prompt, resolution="custom",
                                                           width=256, height=256, steps=2, cfg=1.0, seed=4,
-                                                          batch_size=1, shift=4.0, use_pe=False)
+                                                          batch_size=1, shift=4.0, use_pe=False)["result"]
     assert torch.equal(base_images, pipe.generate(REQUEST, NullHost()).images)
     assert not torch.equal(base_images, images)
 

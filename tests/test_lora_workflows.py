@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import types
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 
 import lora_files as lf
 import test_workflows as tw
+from comfy_folders import fake_folder_paths
 from ernie_image.nodes import NODE_CLASS_MAPPINGS
 from ernie_image.runtime.host import NullHost
 from ernie_image.runtime.local_pipe import LocalPipe
@@ -45,23 +45,6 @@ def test_the_loras_are_chained_between_loader_and_sampler_and_named_in_the_note(
     first = api[second["inputs"]["pipe"][0]]
     assert (second["class_type"], first["class_type"]) == ("ErnieImageLoRA", "ErnieImageLoRA")
     assert api[first["inputs"]["pipe"][0]]["class_type"] == "ErnieImageLoader"
-
-
-def fake_folder_paths(models: Path) -> types.ModuleType:
-    """ComfyUI's folder registry over `models/` (its folder per key), answering as folder_paths does."""
-    keys = {"diffusion_models": "diffusion_models", "text_encoders": "text_encoders", "vae": "vae", "loras": "loras",
-            "diffusers": "diffusers"}
-    fake = types.ModuleType("folder_paths")
-    fake.folder_names_and_paths = {key: ([str(models / folder)], {".safetensors"}) for key, folder in keys.items()}
-    fake.get_folder_paths = lambda key: list(fake.folder_names_and_paths[key][0])
-
-    def files(key: str) -> list[Path]:
-        folders, extensions = fake.folder_names_and_paths[key]
-        return [p for f in folders if Path(f).is_dir() for p in sorted(Path(f).iterdir()) if p.suffix in extensions]
-
-    fake.get_filename_list = lambda key: [p.name for p in files(key)]
-    fake.get_full_path = lambda key, name: next((str(p) for p in files(key) if p.name == name), None)
-    return fake
 
 
 def run_api_graph(graph: dict[str, Any]) -> dict[str, tuple]:

@@ -29,7 +29,7 @@ IMAGE = torch.rand(1, 256, 320, 3)  # what Load Image gives: [B, H, W, 3] float 
 
 
 def test_the_image_sets_the_size_and_the_node_equals_the_runtime(pipe):
-    images, latent, _ = ErnieImageTurboSampler().generate(pipe=pipe, **inputs(image=IMAGE, denoise=0.5))
+    images, latent, _ = ErnieImageTurboSampler().generate(pipe=pipe, **inputs(image=IMAGE, denoise=0.5))["result"]
     assert images.shape == (1, 256, 320, 3)  # the preset 1024x1024 is not used: the image decides
     assert latent["samples"].shape == (1, 128, 16, 20)
     request = GenerationRequest(prompt="a red fox", width=320, height=256, steps=3, cfg=1.0, seed=3,
@@ -38,14 +38,15 @@ def test_the_image_sets_the_size_and_the_node_equals_the_runtime(pipe):
 
 
 def test_the_latent_output_feeds_a_second_pass_and_a_noise_mask_inpaints(pipe):
-    first, latent, _ = ErnieImageTurboSampler().generate(pipe=pipe, **inputs(image=IMAGE, denoise=0.6))
-    refined, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **inputs(latent=latent, denoise=0.4, seed=4))
+    first, latent, _ = ErnieImageTurboSampler().generate(pipe=pipe, **inputs(image=IMAGE, denoise=0.6))["result"]
+    refined, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **inputs(latent=latent, denoise=0.4, seed=4))["result"]
     assert refined.shape == first.shape and not torch.equal(refined, first)
     # core SetLatentNoiseMask: s["noise_mask"] = mask.reshape((-1, 1, H, W)), at the image's pixel size
     mask = torch.zeros(1, 256, 320)
     mask[:, 64:192, 96:224] = 1
     masked = {**latent, "noise_mask": mask.reshape(-1, 1, 256, 320)}
-    from_latent, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **inputs(latent=masked, denoise=0.7, seed=5))
+    from_latent, _, _ = ErnieImageTurboSampler().generate(pipe=pipe,
+                                                          **inputs(latent=masked, denoise=0.7, seed=5))["result"]
     request = GenerationRequest(prompt="a red fox", width=320, height=256, steps=3, cfg=1.0, seed=5,
                                 init_latents=latent["samples"], mask=mask, denoise=0.7)
     assert torch.equal(from_latent, pipe.generate(request, NullHost()).images)
@@ -54,10 +55,10 @@ def test_the_latent_output_feeds_a_second_pass_and_a_noise_mask_inpaints(pipe):
 def test_a_mask_with_the_image_composites_onto_the_original(pipe):
     mask = torch.zeros(1, 256, 320)
     mask[:, :128, :] = 1
-    images, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **inputs(image=IMAGE, mask=mask, denoise=0.8))
+    images, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **inputs(image=IMAGE, mask=mask, denoise=0.8))["result"]
     assert torch.equal(images[0, 128:], IMAGE[0, 128:])
     kept, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **inputs(image=IMAGE, mask=mask, denoise=0.8,
-                                                                       composite=False))
+                                                                       composite=False))["result"]
     assert not torch.equal(kept[0, 128:], IMAGE[0, 128:])
 
 

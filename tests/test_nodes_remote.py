@@ -43,7 +43,7 @@ def test_remote_pipe_drives_the_same_sampler() -> None:
         assert pipe.kind == "remote" and server.url in node["ui"]["text"][0]
         images, latent, prompt_used = ErnieImageTurboSampler().generate(
             pipe=pipe, prompt="a lighthouse", resolution="custom", width=256, height=320, steps=8, cfg=1.0,
-            seed=11, batch_size=2, shift=4.0, use_pe=False)
+            seed=11, batch_size=2, shift=4.0, use_pe=False)["result"]
         pipe.release()
     assert images.shape == (2, 320, 256, 3) and images.dtype == torch.float32
     assert [g.body["seed"] for g in server.generations] == [11, 12]

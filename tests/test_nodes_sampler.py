@@ -29,7 +29,7 @@ def turbo_inputs(**changes):
 
 def test_turbo_sampler_outputs_image_latent_and_prompt(tiny_sources) -> None:
     pipe = LocalPipe.load(tiny_sources, LoadOptions(device="cpu"))
-    images, latent, prompt_used = ErnieImageTurboSampler().generate(pipe=pipe, **turbo_inputs())
+    images, latent, prompt_used = ErnieImageTurboSampler().generate(pipe=pipe, **turbo_inputs())["result"]
     assert images.shape == (2, 256, 320, 3) and images.dtype == torch.float32
     assert 0.0 <= float(images.min()) and float(images.max()) <= 1.0
     assert latent["samples"].shape == (2, 128, 16, 20)
@@ -38,7 +38,7 @@ def test_turbo_sampler_outputs_image_latent_and_prompt(tiny_sources) -> None:
 
 def test_node_output_equals_the_runtime_output_for_the_same_seed(tiny_sources) -> None:
     pipe = LocalPipe.load(tiny_sources, LoadOptions(device="cpu"))
-    images, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **turbo_inputs(batch_size=1))
+    images, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **turbo_inputs(batch_size=1))["result"]
     request = GenerationRequest(prompt="a red fox", width=320, height=256, steps=2, cfg=1.0, seed=3, use_pe=True)
     reference = LocalPipe.load(tiny_sources, LoadOptions(device="cpu")).generate(request, NullHost())
     assert torch.equal(images, reference.images)
@@ -47,8 +47,8 @@ def test_node_output_equals_the_runtime_output_for_the_same_seed(tiny_sources) -
 def test_base_sampler_sends_the_negative_prompt_through_cfg(tiny_sources) -> None:
     pipe = LocalPipe.load(tiny_sources, LoadOptions(device="cpu"))
     common = turbo_inputs(batch_size=1, cfg=4.0)
-    plain, _, _ = ErnieImageSampler().generate(pipe=pipe, negative_prompt="", **common)
-    negative, _, _ = ErnieImageSampler().generate(pipe=pipe, negative_prompt="blurry, dark", **common)
+    plain, _, _ = ErnieImageSampler().generate(pipe=pipe, negative_prompt="", **common)["result"]
+    negative, _, _ = ErnieImageSampler().generate(pipe=pipe, negative_prompt="blurry, dark", **common)["result"]
     assert not torch.equal(plain, negative)
 
 
@@ -76,9 +76,9 @@ def test_a_failed_run_releases_the_weights(tiny_sources, tmp_path: Path) -> None
 
 def test_keep_loaded_keeps_weights_between_runs(tiny_sources) -> None:
     pipe = track(LocalPipe.load(tiny_sources, LoadOptions(device="cpu", keep_loaded=True)))
-    first, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **turbo_inputs(batch_size=1))
+    first, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **turbo_inputs(batch_size=1))["result"]
     assert pipe.is_loaded() and any(p["kind"] == "local" and p["loaded"] for p in summary()["pipes"])
-    second, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **turbo_inputs(batch_size=1))
+    second, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **turbo_inputs(batch_size=1))["result"]
     assert pipe.is_loaded() and torch.equal(first, second)
     pipe.release()
     assert not pipe.is_loaded()

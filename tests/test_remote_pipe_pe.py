@@ -104,7 +104,7 @@ def test_remote_backend_node_and_sampler_output_the_revised_prompt():
         try:
             _, _, prompt_used = ErnieImageTurboSampler().generate(
                 pipe=pipe, prompt=PROMPT, resolution="custom", width=256, height=256, steps=8, cfg=1.0, seed=5,
-                batch_size=1, shift=4.0, use_pe=True)
+                batch_size=1, shift=4.0, use_pe=True)["result"]
         finally:
             pipe.release()
     assert prompt_used == f"revised: {PROMPT} @5"

@@ -5,6 +5,9 @@ import { api } from "../../scripts/api.js";
 // Nodes with the resolution / width / height widgets (nodes/sampler.py size_inputs).
 const HAS_RESOLUTION = new Set(["ErnieImageSampler", "ErnieImageTurboSampler", "ErnieImagePromptEnhancer"]);
 const SHOWS_TEXT = new Set(["ErnieImageLoader", "ErnieImageRemoteBackend", "ErnieImageQuantConfig", "ErnieImagePromptEnhancer"]);
+// Nodes that show text only when a run has a notice (a Turbo model under the base Sampler): their box is added
+// with the first notice, so a Sampler keeps its usual size until there is something to say.
+const SHOWS_NOTICES = new Set(["ErnieImageSampler", "ErnieImageTurboSampler"]);
 const CUSTOM = "custom";
 const PRESET = /^(\d+)x(\d+)\b/;
 
@@ -60,6 +63,8 @@ const TEXT_BOX_LINES = {
   ErnieImageRemoteBackend: 6, // two servers with a problem line each, or one line per server
   ErnieImageQuantConfig: 3,
   ErnieImagePromptEnhancer: 4,
+  ErnieImageSampler: 4,
+  ErnieImageTurboSampler: 4,
 };
 const LINE_PX = 14;
 const TEXT_NAME = { ErnieImageLoader: "memory_plan" };
@@ -189,6 +194,15 @@ app.registerExtension({
         onExecuted?.apply(this, arguments);
         const text = message?.text;
         if (text?.length) showText(this, name, text.join("\n"));
+      };
+    }
+    if (SHOWS_NOTICES.has(name)) {
+      const onExecuted = nodeType.prototype.onExecuted;
+      nodeType.prototype.onExecuted = function (message) {
+        onExecuted?.apply(this, arguments);
+        const text = (message?.text ?? []).join("\n");
+        // A run without notices clears an earlier run's notice, and adds no box.
+        if (text || widget(this, "status")) showText(this, name, text);
       };
     }
   },

@@ -8,7 +8,8 @@
 
 A tiny model cannot be recognised as Ministral-3B or the FLUX.2 VAE from its shapes (and GroupNorm group counts
 are not in any shape), so the text encoder, PE and VAE files carry their config as JSON in the safetensors
-metadata key "config"; the released-size files are read without it.
+metadata key "config"; the released-size files are read without it. The DiT file records its variant
+(`ernie_image.variant`), as every DiT file this pack writes does.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from ..model_files import ModelSources
 from ..output_files import give_usual_mode
 from ..tiny_vocab import SPECIAL_TOKENS
+from ..variant import METADATA_KEY, Variant
 from .tekken import TEKKEN_KEY, byte_symbols, tekken_json_from_vocabulary
 from .vae_keys import to_bfl_state_dict
 
@@ -32,11 +34,12 @@ def _tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: value.detach().clone().contiguous() for key, value in state.items()}
 
 
-def _save(path: Path, state: dict[str, torch.Tensor], config: Optional[dict] = None) -> Path:
+def _save(path: Path, state: dict[str, torch.Tensor], config: Optional[dict] = None,
+          recorded: Optional[dict[str, str]] = None) -> Path:
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    metadata = {"format": "pt"}
+    metadata = {"format": "pt", **(recorded or {})}
     if config is not None:
         metadata["config"] = json.dumps(config, default=list)
     save_file(_tensors(state), str(path), metadata=metadata)
@@ -65,13 +68,14 @@ def _text_state(text_encoder) -> dict[str, torch.Tensor]:
     return state
 
 
-def save_comfy_layout(dest: Path, variant: str, dit, text_encoder, vae, pe=None,
+def save_comfy_layout(dest: Path, variant: Variant, dit, text_encoder, vae, pe=None,
                       dit_prefix: str = COMFY_DIT_PREFIX) -> ModelSources:
     dest = Path(dest)
     tekken = _tekken_tensor(tiny_tekken_bytes())
     dit_name = "ernie-image-turbo-tiny.safetensors" if variant == "turbo" else "ernie-image-tiny.safetensors"
     dit_path = _save(dest / "diffusion_models" / dit_name,
-                     {dit_prefix + key: value for key, value in dit.state_dict().items()})
+                     {dit_prefix + key: value for key, value in dit.state_dict().items()},
+                     recorded={METADATA_KEY: variant})
     text_state = _text_state(text_encoder)
     text_state[TEKKEN_KEY] = tekken
     text_path = _save(dest / "text_encoders" / "ministral-3-3b-tiny.safetensors", text_state,
@@ -87,4 +91,4 @@ def save_comfy_layout(dest: Path, variant: str, dit, text_encoder, vae, pe=None,
         pe_state[TEKKEN_KEY] = tekken
         pe_path = _save(dest / "text_encoders" / "ernie-image-prompt-enhancer-tiny.safetensors", pe_state,
                         config=pe.config.to_dict())
-    return ModelSources(dit=dit_path, text_encoder=text_path, vae=vae_path, pe=pe_path, variant=variant)
+    return ModelSources(dit=dit_path, text_encoder=text_path, vae=vae_path, pe=pe_path)  # the DiT file says its variant

@@ -99,7 +99,7 @@ def open_component(path: Path, kind: Kind) -> ComponentFile:
     if _is_quantized(owner, metadata):
         if path.is_dir():
             raise ModelFileError(f"{path} holds quantised weights in a folder: give the quantised .safetensors file itself")
-        return _open_quantized(path, kind, "quantized-safetensors")
+        return _open_quantized(path, kind, "quantized-safetensors", metadata)
     identity = identify(shapes)
     _check_kind(identity, kind, path, shapes)
     loaders, bfl, releasers = _canonical_loaders(kind, identity, owner)
@@ -221,7 +221,8 @@ def _released_vae_config() -> dict:
     return load_config("base", "vae")
 
 
-def _open_quantized(path: Path, kind: str, layout: str) -> ComponentFile:
+def _open_quantized(path: Path, kind: str, layout: str, metadata: Optional[dict[str, str]] = None) -> ComponentFile:
+    """A GGUF or quantised safetensors file; `metadata`: the safetensors header's (a GGUF's is read here)."""
     try:
         from .. import quant
     except ImportError as err:
@@ -236,6 +237,10 @@ def _open_quantized(path: Path, kind: str, layout: str) -> ComponentFile:
             state = quant.load_quantized_state_dict(path, "dit")
         else:
             state = quant.load_text_encoder_gguf(path) if layout == "gguf" else quant.load_quantized_state_dict(path, "any")
+        if layout == "gguf":
+            from ..quant.gguf_files import pack_fields
+
+            metadata = pack_fields(path)  # what this pack records in the GGUF files it writes (the DiT's variant)
     except ErnieImageError:
         raise
     except (IndexError, KeyError, ValueError, TypeError, OSError, struct.error) as err:
@@ -259,7 +264,7 @@ def _open_quantized(path: Path, kind: str, layout: str) -> ComponentFile:
             continue
         loaders[name] = (lambda value=entry: value)
     return ComponentFile(kind=kind, layout=layout, path=path, config=None, keys=sorted(loaders), _loaders=loaders,
-                         quantized=True)
+                         metadata=metadata or {}, quantized=True)
 
 
 def _read_config(path: Path, metadata: dict[str, str]) -> Optional[dict]:

@@ -1,8 +1,10 @@
 """`ernie-image quantize`: a quantised copy of the bf16 DiT, written once (quant/writer.py writes it).
 
 The output path is checked first, then the input (a bf16 DiT; FP8/NVFP4 and GGUF files are refused from their
-headers), then what can be packed is counted (nothing packable is an error), then the file is written whole or
-not at all. The report says how many weight matrices went into which format.
+headers) and its variant (base or Turbo: `--variant`, else what the input's metadata, config or name says; an input
+that says nothing is refused), then what can be packed is counted (nothing packable is an error), then the file is
+written whole or not at all, recording the variant. The report says how many weight matrices went into which
+format, and which variant was recorded and how it was decided.
 """
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ from pathlib import Path
 import torch
 
 from ..cli_checks import check_input_path, check_output_file
+from ..cli_names import cli_message, cli_words
 from ..cli_parser import OneLineParser
 from ..errors import ErnieImageError, InvalidInputError, ModelFileError
-from ..formats.component_file import QUANT_MARKERS
+from ..formats.component_file import QUANT_MARKERS, open_component
 from ..formats.safetensors_reader import is_gguf, open_safetensors
+from ..variant import VARIANT_SETTING, VariantChoice, checked_variant_option, decide_variant
 from .gguf_files import DIT_MARKER_KEYS, strip_dit_prefix
 from .safetensors_files import read_safetensors_file
 from .writer import WRITE_FORMATS, file_suffix, quantized_layer_counts, refuse_unpackable, write_quantized_file
@@ -53,11 +57,31 @@ def refuse_quantized_source(files: list[Path], source: Path) -> None:
                                     "bf16 DiT (the transformer folder or diffusion_models/ernie-image*.safetensors)")
 
 
-def read_bf16_dit(source: str | Path) -> dict[str, torch.Tensor]:
-    """A diffusers transformer folder or single bf16 DiT file -> {diffusers key: tensor}."""
+def bf16_dit_files(source: str | Path) -> list[Path]:
+    """The safetensors files of a bf16 DiT (a transformer folder's or the file itself), from their headers alone."""
     source = Path(source)
     files = _source_files(source)
     refuse_quantized_source(files, source)
+    return files
+
+
+def source_variant(source: Path, asked: str | None) -> VariantChoice:
+    """The variant the written file records: `--variant`, else what the bf16 source says (its metadata, config or
+    name; runtime/variant.py); a source that says nothing is refused rather than recorded as the base model."""
+    choice = decide_variant(open_component(source, "dit"), checked_variant_option(asked))
+    if choice.source == "default":
+        raise InvalidInputError(
+            f"--dit {source.name} does not say whether it is ERNIE-Image or ERNIE-Image-Turbo (its metadata records "
+            f"neither, it has no transformer config, and its name has no 'ernie' or 'turbo'): set {VARIANT_SETTING} "
+            "to base or turbo, which the written file records").naming(VARIANT_SETTING)
+    return choice
+
+
+def read_bf16_dit(source: str | Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
+    """A diffusers transformer folder or single bf16 DiT file -> {diffusers key: tensor}. `files`: its
+    bf16_dit_files, when the caller has them already."""
+    source = Path(source)
+    files = bf16_dit_files(source) if files is None else files
     state: dict[str, torch.Tensor] = {}
     for file in files:
         tensors, _ = read_safetensors_file(file)
@@ -79,6 +103,9 @@ def _parser() -> OneLineParser:
     parser.add_argument("--out", required=True, type=Path,
                         help="output file in an existing folder (.safetensors for fp8/nvfp4, .gguf for q8_0/q4_k); "
                              "an existing file is replaced once the new one is complete, as generate does")
+    parser.add_argument("--variant", choices=("auto", "base", "turbo"), default="auto",
+                        help="the DiT's release, recorded in the file (auto: what the input's metadata, config or "
+                             "name says)")
     parser.add_argument("--overwrite", action="store_true", help=argparse.SUPPRESS)  # the rule now; kept for scripts
     return parser
 
@@ -108,16 +135,16 @@ def main_quantize(argv: list[str] | None = None) -> int:
         check_output_file(args.out, "--out", (file_suffix(args.format),), f"ernie-image-{args.format}")  # first
         check_input_path(args.dit, "--dit", "file or folder")
         refuse_output_over_input(args.out, args.dit)
-        state = read_bf16_dit(args.dit)
+        files = bf16_dit_files(args.dit)
+        variant = source_variant(args.dit, args.variant)  # before any weight is read
+        state = read_bf16_dit(args.dit, files)
         counts = quantized_layer_counts(state, args.format)
         refuse_unpackable(counts, args.format)
-        out = write_quantized_file(state, args.format, args.out)
+        out = write_quantized_file(state, args.format, args.out, variant=variant.variant)
     except ErnieImageError as err:
-        from ..cli_names import cli_message
-
         print(f"error: {cli_message(err)}", file=sys.stderr)
         return 2
     kept = f", {counts['kept']} kept in high precision" if counts["kept"] else ""
     print(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB): {counts[args.format]} weight matrices as "
-          f"{args.format}{kept}")
+          f"{args.format}{kept}; recorded as {cli_words(variant.text(), variant.settings)}")
     return 0

@@ -19,6 +19,7 @@ from .qweight import QuantizedWeight
 
 DIT_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.")
 DIT_MARKER_KEYS = ("layers.0.self_attention.norm_k.weight", "final_linear.weight")
+PACK_FIELD_PREFIX = "ernie_image."
 
 
 def _open_reader(path: Path):
@@ -37,6 +38,13 @@ def _field_str(reader, key: str) -> str | None:
         return bytes(field.parts[field.data[0]]).decode("utf-8")
     except (IndexError, UnicodeDecodeError):
         return None
+
+
+def pack_fields(path: str | Path) -> dict[str, str]:
+    """The `ernie_image.*` string fields this pack writes into a GGUF header (the DiT's variant, its component)."""
+    reader = _open_reader(Path(path))
+    fields = {key: _field_str(reader, key) for key in reader.fields if key.startswith(PACK_FIELD_PREFIX)}
+    return {key: value for key, value in fields.items() if value is not None}
 
 
 def _field_int(reader, key: str) -> int | None:

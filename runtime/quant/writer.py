@@ -9,6 +9,8 @@ Files written:
   q8_0, q4_k  GGUF in the unsloth layout (diffusers names, 1-D tensors F32, other unquantised tensors
               BF16, header `general.architecture = "wan"` because that is the name ComfyUI-GGUF accepts
               for these files; this pack recognises ERNIE by its keys).
+Both record the DiT's variant (`ernie_image.variant`: base or turbo) when it is known, since the two releases
+share every key and shape and a file name can be changed (runtime/variant.py reads it first).
 Files are written under a hidden partial name and renamed over `out` when complete (runtime/output_files.py), so a
 failure or Ctrl-C leaves nothing behind, and an existing file is replaced only by a complete one (as `generate`
 replaces its PNG). The source must be the bf16 (or fp16/fp32) DiT: an FP8/NVFP4 or GGUF file is refused, since
@@ -19,12 +21,13 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 from ..errors import InvalidInputError
 from ..output_files import atomic_output
+from ..variant import METADATA_KEY, Variant, checked_variant_option
 from .fp8 import quantize_fp8
 from .gguf_quantize import QUANTIZERS
 from .nvfp4 import quantize_nvfp4
@@ -79,7 +82,8 @@ def _comfy_tensors(name: str, qweight: QuantizedWeight) -> dict[str, torch.Tenso
     return out
 
 
-def _write_comfy_safetensors(items: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], path: Path) -> None:
+def _write_comfy_safetensors(items: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], path: Path,
+                             recorded: dict[str, str]) -> None:
     from safetensors.torch import save_file
     tensors: dict[str, torch.Tensor] = {}
     layers: dict[str, dict[str, str]] = {}
@@ -91,15 +95,18 @@ def _write_comfy_safetensors(items: Iterator[tuple[str, torch.Tensor | Quantized
             layers[name[: -len(".weight")]] = {"format": "nvfp4" if entry.format == "nvfp4" else "float8_e4m3fn"}
         else:
             tensors[name] = entry.contiguous()
-    metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
+    metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers}), **recorded}
     save_file(tensors, str(path), metadata=metadata)
 
 
-def _write_gguf(items: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], path: Path) -> None:
+def _write_gguf(items: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], path: Path,
+                recorded: dict[str, str]) -> None:
     import gguf
     writer = gguf.GGUFWriter(str(path), arch="wan")
     writer.add_string("general.name", "ERNIE-Image DiT")
     writer.add_string("ernie_image.component", "dit")
+    for key, value in recorded.items():
+        writer.add_string(key, value)
     try:
         for name, entry in items:
             if isinstance(entry, QuantizedWeight):
@@ -161,12 +168,15 @@ def refuse_unpackable(counts: Counter[str], fmt: str, setting: str = "--format")
 
 
 def write_quantized_file(state: dict[str, torch.Tensor | QuantizedWeight], fmt: str, path: str | Path,
-                         overwrite: bool = True) -> Path:
+                         overwrite: bool = True, variant: Optional[Variant] = None) -> Path:
     """Quantise what is still plain (eligible weights only) and write a file this pack and ComfyUI load.
 
-    An existing file at `path` is replaced once the new one is complete (overwrite=False refuses it)."""
+    An existing file at `path` is replaced once the new one is complete (overwrite=False refuses it). `variant`:
+    the DiT's ("base" or "turbo"), recorded in the file's metadata (None: nothing recorded)."""
     if fmt not in WRITE_FORMATS:
         raise InvalidInputError(f"unknown quantisation format {fmt!r}: choose one of {', '.join(WRITE_FORMATS)}")
+    variant = checked_variant_option(variant)
+    recorded = {} if variant is None else {METADATA_KEY: variant}
     path = checked_out_path(path, overwrite)
     per_row_fp8 = False  # ComfyUI's float8_e4m3fn layout takes a per-tensor scale
 
@@ -178,7 +188,7 @@ def write_quantized_file(state: dict[str, torch.Tensor | QuantizedWeight], fmt: 
 
     with atomic_output(path) as partial:
         if fmt in ("fp8", "nvfp4"):
-            _write_comfy_safetensors(items(), partial)
+            _write_comfy_safetensors(items(), partial, recorded)
         else:
-            _write_gguf(items(), partial)
+            _write_gguf(items(), partial, recorded)
     return path

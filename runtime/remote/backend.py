@@ -22,6 +22,7 @@ from ..errors import Cancelled, InvalidInputError, RemoteError
 from ..host import Host, show_status
 from ..pipe import check_generate_call
 from ..request import GenerationRequest, GenerationResult, refuse_image_inputs
+from ..variant import VariantChoice, settings_notice
 from .fleet import Fleet, FleetSettings
 from .credentials import Credentials, ServerKeys, load_credentials
 from .http import HttpSettings, checked_seconds, run_soon, run_sync, server_label
@@ -234,6 +235,7 @@ class RemotePipe:
         model = self.served_model(host, images=len(request.prompt_list()))
         if request.steps is None or request.cfg is None:  # the served variant's defaults, as the local pipe does
             request = request.with_defaults(model.variant)
+        _notice_other_variant(request, model, host)
         as_run = request  # what the result records: before the PE's prompts replace the user's
         request, revised = self._revise(request, host)
         if request.shift != SERVER_SHIFT:
@@ -329,6 +331,17 @@ def _close_soon(built: list[Fleet]) -> None:
     for fleet in built:
         run_soon(fleet.close())
     built.clear()
+
+
+def _notice_other_variant(request: GenerationRequest, model: ServerModel, host: Host) -> None:
+    """Settings meant for the other variant than the batch's model: a notice before anything is sent (the model id
+    is the only hint a server gives)."""
+    if request.settings_for is None:
+        return
+    served = VariantChoice(model.variant, "name", f"from the served model's id {model.id}")
+    mismatch = settings_notice(served, request.settings_for, int(request.steps), float(request.cfg))
+    if mismatch:
+        host.log(mismatch)
 
 
 def _estimate_text(seconds: float, measured: bool) -> str:

@@ -39,8 +39,8 @@ def locate_pe(sources: ModelSources) -> PeWeights:
     if not sources.has_pe():
         raise ModelFileError(
             "no prompt enhancer found: give a diffusers folder with pe/ and pe_tokenizer/, or the "
-            "ernie-image-prompt-enhancer.safetensors file (--pe), or turn the prompt enhancer off"
-        )
+            "ernie-image-prompt-enhancer.safetensors file (pe), or turn the prompt enhancer off"
+        ).naming("pe")
     weights = sources.component("pe")
     tokenizer_folder = None
     for candidate in ([weights.parent / "pe_tokenizer"] if weights.is_dir() else []) + (

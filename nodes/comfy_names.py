@@ -1,0 +1,41 @@
+"""ComfyUI's names for the settings runtime messages name by their Python names, and the one place nodes swap them.
+
+The runtime's checks speak the Python API's language (`point model_dir at a diffusers folder`) and record which of
+their words are such names (ErnieImageError.naming); the CLI shows its flags for them (runtime/cli_names.py), the
+nodes show what a ComfyUI user sees on the canvas (`point the Loader's diffusers_folder at ...`). A name the nodes
+call the same (`mask_grow`, `steps`) needs no entry.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+from ..runtime.errors import ErnieImageError, worded
+
+NAMES: dict[str, str] = {
+    "model_dir": "the Loader's diffusers_folder",
+    "dit": "the Loader's diffusion_model",
+    "text_encoder": "the Loader's text_encoder",
+    "vae": "the Loader's vae",
+    "pe": "the Loader's prompt_enhancer",
+    "variant": "the Loader's variant widget",
+    "quant": "Quant Config format",
+}
+
+
+def comfy_words(text: str, settings: Iterable[str]) -> str:
+    """`text` naming `settings` by their Python names, with ComfyUI's names for them (errors.worded)."""
+    return worded(text, settings, NAMES)
+
+
+@contextmanager
+def in_comfy_words() -> Iterator[None]:
+    """Run a node's work so that an ErnieImageError it raises names settings as ComfyUI shows them (the same error,
+    its message re-worded: ComfyUI shows `str(error)`)."""
+    try:
+        yield
+    except ErnieImageError as error:
+        if error.settings:
+            error.args = (comfy_words(str(error), error.settings),)
+            error.settings = ()
+        raise

@@ -1,0 +1,209 @@
+"""Base or Turbo is read from what the DiT says before what it is called, and every line that names the variant says
+how it was decided.
+
+The two releases share every key and shape, so the weights cannot tell them apart. First to last: the variant the
+user sets (ModelSources.variant, the Loader's variant widget, --variant), `ernie_image.variant` in the metadata
+every DiT file this pack writes records, the transformer config (the Turbo release's carries use_lora/lora_rank),
+the file or folder name, else the base model with a line saying nothing told.
+"""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from comfy_folders import fake_folder_paths
+from ernie_image.nodes.loader import ErnieImageLoader
+from ernie_image.runtime.cli import main
+from ernie_image.runtime.errors import InvalidInputError, ModelFileError
+from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.tiny import build_tiny_model
+
+CPU = LoadOptions(device="cpu")
+
+pytestmark = pytest.mark.usefixtures("one_thread", "no_comfy_modules_left_behind")  # tiny models: one thread
+
+
+@pytest.fixture(scope="module")
+def turbo(tmp_path_factory) -> ModelSources:
+    """A tiny Turbo model in ComfyUI's single-file layout (its DiT file records its variant, as the pack writes it)."""
+    return build_tiny_model(tmp_path_factory.mktemp("turbo"), layout="comfy", variant="turbo")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> ModelSources:
+    return build_tiny_model(tmp_path_factory.mktemp("base"), layout="comfy", variant="base")
+
+
+def copied(source: Path, target: Path) -> Path:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, target)
+    return target
+
+
+def without_metadata(source: Path, target: Path) -> Path:
+    """The DiT as a file that records nothing but its tensors, as the released single files are."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    save_file(load_file(str(source)), str(target))
+    return target
+
+
+def first_line(sources: ModelSources) -> str:
+    return LocalPipe.load(sources, CPU).describe().splitlines()[0]
+
+
+# ------------------------------------------------------------------------------------------- what decides
+def test_a_turbo_dit_renamed_without_turbo_is_turbo_by_its_metadata(turbo, tmp_path):
+    renamed = dataclasses.replace(turbo, dit=copied(turbo.dit, tmp_path / "my-model.safetensors"))
+    pipe = LocalPipe.load(renamed, CPU)
+    assert pipe.variant == "turbo" and pipe.defaults == {"steps": 8, "cfg": 1.0}
+    assert pipe.describe().startswith("ERNIE-Image Turbo, from the file's metadata; on cpu")
+
+
+def test_the_metadata_wins_over_a_name_that_says_otherwise(base, tmp_path):
+    misnamed = dataclasses.replace(base, dit=copied(base.dit, tmp_path / "ernie-image-turbo.safetensors"))
+    assert first_line(misnamed).startswith("ERNIE-Image Base, from the file's metadata;")
+
+
+@pytest.mark.parametrize("variant, folder_name, expected", [
+    ("turbo", "my-copy", "ERNIE-Image Turbo, from the transformer config;"),
+    ("base", "ERNIE-Image-Turbo", "ERNIE-Image Base, from the transformer config;"),
+])
+def test_a_diffusers_folder_is_told_by_its_transformer_config_whatever_its_name(tmp_path, variant, folder_name,
+                                                                                expected):
+    folder = build_tiny_model(tmp_path / folder_name, layout="diffusers", variant=variant).model_dir
+    assert first_line(ModelSources(model_dir=folder)).startswith(expected)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("ernie-image-turbo.safetensors", "ERNIE-Image Turbo, from the file name;"),
+    ("ernie-image.safetensors", "ERNIE-Image Base, from the file name;"),
+])
+def test_a_file_that_records_nothing_is_told_by_its_name_and_says_so(turbo, tmp_path, name, expected):
+    release_like = dataclasses.replace(turbo, dit=without_metadata(turbo.dit, tmp_path / name))
+    assert first_line(release_like).startswith(expected)
+
+
+def test_a_file_whose_name_says_nothing_runs_as_base_saying_nothing_told(turbo, tmp_path):
+    anonymous = dataclasses.replace(turbo, dit=without_metadata(turbo.dit, tmp_path / "model.safetensors"))
+    pipe = LocalPipe.load(anonymous, CPU)
+    assert pipe.variant == "base"
+    assert pipe.describe().startswith("ERNIE-Image Base, by default: nothing in the files says which (set variant "
+                                      "if it is Turbo); on cpu")
+
+
+def test_the_variant_option_overrides_what_the_file_says(turbo):
+    assert first_line(dataclasses.replace(turbo, variant="base")).startswith("ERNIE-Image Base, set by variant;")
+    assert first_line(dataclasses.replace(turbo, variant="auto")).startswith("ERNIE-Image Turbo, from the file's "
+                                                                            "metadata;")
+
+
+@pytest.mark.parametrize("value", ["Turbo", "sdxl", 1])
+def test_a_variant_option_that_is_not_base_turbo_or_auto_is_refused_in_one_line(value):
+    with pytest.raises(InvalidInputError) as refused:
+        ModelSources(model_dir="/models/ERNIE-Image", variant=value)
+    assert str(refused.value) == (f"variant {value!r} is not allowed: give 'base', 'turbo' or 'auto' (decided from "
+                                  "the files)")
+
+
+def test_a_recorded_variant_that_is_neither_is_refused_naming_the_file(turbo, tmp_path):
+    odd = tmp_path / "odd.safetensors"
+    save_file(load_file(str(turbo.dit)), str(odd), metadata={"ernie_image.variant": "lightning"})
+    with pytest.raises(ModelFileError) as refused:
+        LocalPipe.load(dataclasses.replace(turbo, dit=odd), CPU)
+    assert str(refused.value) == ("odd.safetensors records ernie_image.variant 'lightning' in its metadata, which is "
+                                  "neither 'base' nor 'turbo': set variant to the right one, or write the file again")
+
+
+# ------------------------------------------------------------------------------------------- quantize records it
+def _quantize(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["quantize", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("fmt, name", [("q8_0", "renamed.gguf"), ("fp8", "renamed.safetensors")])
+def test_quantize_records_the_variant_so_a_renamed_output_still_loads_as_turbo(capsys, tmp_path, tiny_turbo_folder,
+                                                                              fmt, name):
+    out = tmp_path / name
+    code, printed, _ = _quantize(capsys, "--dit", str(tiny_turbo_folder / "transformer"), "--format", fmt,
+                                 "--out", str(out))
+    assert code == 0 and printed.rstrip().endswith("; recorded as Turbo, from the transformer config"), printed
+    quantised = ModelSources(model_dir=tiny_turbo_folder, dit=out)
+    assert first_line(quantised).startswith("ERNIE-Image Turbo, from the file's metadata;")
+
+
+def test_quantize_refuses_a_source_that_does_not_say_its_variant_until_variant_is_given(capsys, tmp_path, turbo):
+    source = without_metadata(turbo.dit, tmp_path / "weights.safetensors")
+    out = tmp_path / "q.gguf"
+    code, _, err = _quantize(capsys, "--dit", str(source), "--format", "q8_0", "--out", str(out))
+    assert code == 2 and err.strip() == (
+        "error: --dit weights.safetensors does not say whether it is ERNIE-Image or ERNIE-Image-Turbo (its metadata "
+        "records neither, it has no transformer config, and its name has no 'ernie' or 'turbo'): set --variant to "
+        "base or turbo, which the written file records")
+    assert not out.exists()
+    code, printed, _ = _quantize(capsys, "--dit", str(source), "--format", "q8_0", "--out", str(out),
+                                 "--variant", "turbo")
+    assert code == 0 and printed.rstrip().endswith("; recorded as Turbo, set by --variant"), printed
+    assert first_line(dataclasses.replace(turbo, dit=out)).startswith("ERNIE-Image Turbo, from the file's metadata;")
+
+
+# ------------------------------------------------------------------------------------------- the run line says it
+def _generate(capsys, sources: ModelSources, out: Path, *extra: str) -> str:
+    """The CLI's run line ("1 image(s) 256x256, ...; ERNIE-Image ...") for a one-step 256x256 run of `sources`."""
+    code = main(["generate", "--dit", str(sources.dit), "--text-encoder", str(sources.text_encoder), "--vae",
+                 str(sources.vae), "--prompt", "a fox", "--width", "256", "--height", "256", "--steps", "1",
+                 "--device", "cpu", "--out", str(out), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 0, err
+    return next(line for line in err if line.startswith("1 image(s) 256x256"))
+
+
+def test_the_cli_run_line_says_the_variant_and_how_it_was_decided(capsys, tmp_path, turbo):
+    renamed = dataclasses.replace(turbo, dit=copied(turbo.dit, tmp_path / "my-model.safetensors"))
+    assert "; ERNIE-Image Turbo, from the file's metadata; on cpu" in _generate(capsys, renamed, tmp_path / "a.png")
+    assert "; ERNIE-Image Turbo, from the file's metadata; on cpu" in _generate(capsys, renamed, tmp_path / "b.png",
+                                                                              "--variant", "auto")
+    assert "; ERNIE-Image Base, set by --variant; on cpu" in _generate(capsys, renamed, tmp_path / "c.png",
+                                                                      "--variant", "base")
+
+
+# ------------------------------------------------------------------------------------------- the Loader says it
+@pytest.fixture
+def comfy_models(tmp_path, turbo, monkeypatch) -> Path:
+    """ComfyUI's model folders holding the tiny Turbo model, its DiT under a name that says nothing of Turbo."""
+    models = tmp_path / "models"
+    copied(turbo.dit, models / "diffusion_models" / "my-model.safetensors")
+    copied(turbo.text_encoder, models / "text_encoders" / "ministral-3-3b.safetensors")
+    copied(turbo.vae, models / "vae" / "flux2-vae.safetensors")
+    monkeypatch.setitem(sys.modules, "folder_paths", fake_folder_paths(models))
+    return models
+
+
+def load_with_loader(variant: str, **changes) -> dict:
+    inputs = dict(diffusers_folder="(none)", diffusion_model="my-model.safetensors",
+                  text_encoder="ministral-3-3b.safetensors", vae="flux2-vae.safetensors", prompt_enhancer="(none)",
+                  variant=variant, vram_budget_gb=0.0, keep_loaded=False)
+    return ErnieImageLoader().load(**{**inputs, **changes})
+
+
+@pytest.mark.parametrize("variant, expected", [
+    ("auto", "ERNIE-Image Turbo, from the file's metadata;"),
+    ("base", "ERNIE-Image Base, set by the Loader's variant widget;"),
+])
+def test_the_loader_text_says_the_variant_and_how_it_was_decided(comfy_models, variant, expected):
+    shown = load_with_loader(variant)
+    pipe, plan = shown["result"]
+    assert plan.startswith(expected) and shown["ui"]["text"] == [plan]
+    assert pipe.variant == ("base" if variant == "base" else "turbo")
+
+
+def test_the_variant_widget_keeps_its_place_in_saved_workflows():
+    """UI workflows save widget values by position: the variant widget stays between prompt_enhancer and the budget."""
+    names = list(ErnieImageLoader.INPUT_TYPES()["required"])
+    assert names.index("variant") == names.index("prompt_enhancer") + 1 == names.index("vram_budget_gb") - 1
