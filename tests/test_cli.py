@@ -222,8 +222,8 @@ def test_quantize_refuses_an_out_that_is_the_file_it_reads(capsys, tmp_path, bf1
     weights = next(folder.glob("*.safetensors"))
     before = weights.read_bytes()
     line = _cli(capsys, "quantize", "--dit", str(weights), "--format", "fp8", "--out", str(weights))
-    assert line == (f"error: --out {weights.name} is the file --dit reads: quantising would replace the bf16 "
-                    f"weights it reads; give another --out")
+    assert line == (f"error: --out {weights} is the file --dit {weights} reads: writing it would replace that "
+                    "input; give another --out")
     twin = tmp_path / "twin.safetensors"
     os.link(weights, twin)
     line = _cli(capsys, "quantize", "--dit", str(twin), "--format", "fp8", "--out", str(weights))

@@ -7,7 +7,6 @@ not at all. The report says how many weight matrices went into which format.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from ..cli_parser import OneLineParser
 from ..errors import ErnieImageError, InvalidInputError, ModelFileError
 from ..formats.component_file import QUANT_MARKERS
 from ..formats.safetensors_reader import is_gguf, open_safetensors
+from ..inputs_outputs import refuse_outputs_over_inputs
 from .gguf_files import DIT_MARKER_KEYS, strip_dit_prefix
 from .safetensors_files import read_safetensors_file
 from .writer import WRITE_FORMATS, file_suffix, quantized_layer_counts, refuse_unpackable, write_quantized_file
@@ -84,17 +84,12 @@ def _parser() -> OneLineParser:
 
 
 def refuse_output_over_input(out: Path, dit: Path) -> None:
-    """--out naming the file --dit reads would replace the bf16 weights; one inside the --dit folder would make the
-    folder two models."""
+    """--out naming a file --dit reads would replace the bf16 weights (refuse_outputs_over_inputs); one inside the
+    --dit folder would make the folder two models."""
     if dit.is_dir() and out.resolve().is_relative_to(dit.resolve()):
         raise InvalidInputError(f"--out {out.name} is inside the --dit folder {dit.name}: a quantised file there would "
                                 f"stop the folder loading as the bf16 model; write it elsewhere")
-    if not out.exists():
-        return
-    sources = [dit] if dit.is_file() else list(dit.rglob("*.safetensors"))
-    if any(os.path.samefile(out, source) for source in sources):
-        raise InvalidInputError(f"--out {out.name} is the file --dit reads: quantising would replace the bf16 weights "
-                                f"it reads; give another --out")
+    refuse_outputs_over_inputs([("--dit", dit)], [("--out", out, out)])
 
 
 def main_quantize(argv: list[str] | None = None) -> int:
