@@ -227,7 +227,7 @@ def test_quantize_refuses_an_out_that_is_the_file_it_reads(capsys, tmp_path, bf1
     twin = tmp_path / "twin.safetensors"
     os.link(weights, twin)
     line = _cli(capsys, "quantize", "--dit", str(twin), "--format", "fp8", "--out", str(weights))
-    assert "is the file --dit reads" in line
+    assert f"is the file --dit {twin} reads" in line
     assert weights.read_bytes() == before
 
 
