@@ -195,6 +195,7 @@ class _Interrupts:
 
     def __init__(self) -> None:
         self.signal_number: Optional[int] = None
+        self.ignoring = False  # outputs_written: the signals are ignored from now on
         self._previous: Optional[tuple[dict[int, Any], Any]] = None  # the handlers and unraisable hook install replaced
 
     def install(self) -> None:
@@ -213,6 +214,11 @@ class _Interrupts:
                 # here and the run ends as cancelled at its next check, so nothing needs printing.
                 if isinstance(unraisable.exc_value, KeyboardInterrupt) and self.signal_number is not None:
                     return
+                # A signal that arrived just before outputs_written ignored it: Python reports the handler it no
+                # longer finds ("Signal 2 ignored due to race condition"); ignoring it was the point.
+                if self.ignoring and isinstance(unraisable.exc_value, OSError) and \
+                        "ignored due to race condition" in str(unraisable.exc_value):
+                    return
                 previous_hook(unraisable)
 
             sys.unraisablehook = quiet_interrupts
@@ -230,8 +236,11 @@ class _Interrupts:
             self._previous = None
 
     def _handle(self, number: int, frame) -> None:
+        from .uninterrupted import interrupt_now
+
         self.signal_number = number
-        raise KeyboardInterrupt
+        if interrupt_now():  # else a file step under way raises it once it is over
+            raise KeyboardInterrupt
 
     @property
     def exit_code(self) -> int:
@@ -250,6 +259,7 @@ class _Interrupts:
         import signal
 
         if threading.current_thread() is threading.main_thread() and self.signal_number is None:
+            self.ignoring = True
             for number in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(number, signal.SIG_IGN)
 

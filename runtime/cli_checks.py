@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Literal, Optional
 from .errors import InvalidInputError
 from .inputs_outputs import refuse_outputs_over_inputs
 from .request import SEED_MASK, validate_size
+from .uninterrupted import uninterrupted
 
 ArgCheck = Callable[[argparse.Namespace], None]
 PathKind = Literal["file", "folder", "file or folder"]
@@ -119,9 +120,10 @@ def check_output_file(path: Path, option: str, suffixes: Iterable[str], example:
 
 
 def _check_writable_folder(folder: Path, path: Path, option: str) -> None:
-    """Create and remove a scratch file: the only test that holds for read-only mounts, ACLs and root alike."""
+    """Create and remove a scratch file: the only test that holds for read-only mounts, ACLs and root alike. Made
+    and removed uninterrupted, so a Ctrl-C at any moment leaves no scratch file behind."""
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name[:40]}.", suffix=".check"):
+        with uninterrupted(), tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name[:40]}.", suffix=".check"):
             pass
     except OSError as error:
         if error.errno == errno.ENAMETOOLONG:

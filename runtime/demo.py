@@ -13,6 +13,7 @@ from typing import Iterator, Optional
 
 from .errors import ErnieImageError, ModelFileError
 from .model_files import ModelSources, Variant
+from .uninterrupted import uninterrupted
 
 DEMO_NOTICE = (
     "no model given: using a tiny random ERNIE-Image model built in code at {path}. "
@@ -60,7 +61,9 @@ def _build(folder: Path, variant: Variant) -> None:
         raise ErnieImageError(f"cannot build the demo model in {folder}: {error.strerror or error}: set "
                               "ERNIE_IMAGE_CACHE to a writable folder, or pass --model-dir") from None
     finally:
-        shutil.rmtree(building, ignore_errors=True)  # ours, when another run's build won or this one failed
+        # ours, when another run's build won or this one failed; a second Ctrl-C cannot stop it half way
+        with uninterrupted():
+            shutil.rmtree(building, ignore_errors=True)
 
 
 @contextlib.contextmanager

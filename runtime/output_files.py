@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
+from .uninterrupted import uninterrupted
+
 _counter = itertools.count()
 
 
@@ -74,9 +76,10 @@ def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
             os.replace(partial, target)
             renamed.append(Path(target))
     except BaseException:
-        for leftover in (*partials, *renamed):
-            with contextlib.suppress(OSError):
-                leftover.unlink()
+        with uninterrupted():  # a second Ctrl-C cannot stop it half way
+            for leftover in (*partials, *renamed):
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
         raise
 
 
