@@ -29,6 +29,7 @@ from .lora.pipe_loras import PipeLoras
 from .lora.stack import LoraStack
 from .model_files import (QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae,
                           require_vae_encoder)
+from .non_finite import refuse_non_finite
 from .offload.device_memory import JobMemoryMeter
 from .offload.planner import budget_bytes
 from .offload.reserve import device_bytes_held, device_bytes_needed, phase_needs
@@ -208,9 +209,7 @@ def check_finite_latents(latents: torch.Tensor, sources: ModelSources, loras: Lo
                              f"LoRA(s) {applied} applied: the LoRA is the likely cause: lower its strength or leave "
                              "it out")
     dit = sources.dit or (sources.model_dir / "transformer" if sources.model_dir is not None else "the DiT")
-    raise ModelFileError(f"the DiT produced {bad} non-finite latent values (NaN/inf) of {latents.numel()}: its "
-                         f"weights in {dit} are likely damaged or mis-quantised; re-download or re-quantise it "
-                         "from the bf16 weights (in fp16, try bf16 or fp32)")
+    refuse_non_finite(latents, "DiT", dit, "latent values")
 
 
 def _as_sources(sources: Any) -> ModelSources:
@@ -428,6 +427,7 @@ class LocalPipe:
         if not self.memory.encoder_is_persistent():
             self._loaded.vae_encoder = None
             self.memory.after_encode()
+        refuse_non_finite(latents, "VAE encoder", self.sources.component("vae"), "latent values")
         return latents
 
     def encode(self, prompts: list[str], host: Optional[Host] = None) -> list[torch.Tensor]:
@@ -439,6 +439,7 @@ class LocalPipe:
         with torch.inference_mode():
             encoded = dict(zip(unique, encode_prompts(self._tokenizer(), tower, unique, log)))
         self.memory.after_text()
+        refuse_non_finite(encoded.values(), "text encoder", self.sources.component("text_encoder"), "embedding values")
         return [encoded[p] for p in prompts]
 
     def sample(self, request: GenerationRequest, text: list[torch.Tensor], negative: Optional[list[torch.Tensor]],
@@ -470,6 +471,7 @@ class LocalPipe:
             images = decode_images(latents, self._vae(), tile)
         if not self.memory.vae_is_persistent():
             self._loaded.vae = None
+        refuse_non_finite(images, "VAE decoder", self.sources.component("vae"), "pixel values")
         return images
 
     # -- the whole job ------------------------------------------------------------------------------

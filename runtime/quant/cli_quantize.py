@@ -18,9 +18,11 @@ from ..errors import ErnieImageError, InvalidInputError, ModelFileError
 from ..formats.component_file import QUANT_MARKERS
 from ..formats.safetensors_reader import is_gguf, open_safetensors
 from ..inputs_outputs import refuse_outputs_over_inputs
+from ..non_finite import refuse_non_finite_weights
 from .gguf_files import DIT_MARKER_KEYS, strip_dit_prefix
 from .safetensors_files import read_safetensors_file
-from .writer import WRITE_FORMATS, file_suffix, quantized_layer_counts, refuse_unpackable, write_quantized_file
+from .writer import (WRITE_FORMATS, file_suffix, quantized_layer_counts, refuse_unpackable, should_quantize,
+                     write_quantized_file)
 
 
 def _source_files(source: Path) -> list[Path]:
@@ -92,6 +94,12 @@ def refuse_output_over_input(out: Path, dit: Path) -> None:
     refuse_outputs_over_inputs([("--dit", dit)], [("--out", out, out)])
 
 
+def kept_dtypes(state: dict[str, torch.Tensor], fmt: str) -> str:
+    """The dtypes of the weight matrices left unpacked ("float32", "bfloat16/float32"): the file keeps them so."""
+    return "/".join(sorted({str(tensor.dtype).removeprefix("torch.") for name, tensor in state.items()
+                            if name.endswith(".weight") and tensor.dim() == 2 and not should_quantize(name, tensor, fmt)}))
+
+
 def main_quantize(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -104,6 +112,7 @@ def main_quantize(argv: list[str] | None = None) -> int:
         check_input_path(args.dit, "--dit", "file or folder")
         refuse_output_over_input(args.out, args.dit)
         state = read_bf16_dit(args.dit)
+        refuse_non_finite_weights(state, f"--dit {args.dit}", "re-download them, then quantise again")
         counts = quantized_layer_counts(state, args.format)
         refuse_unpackable(counts, args.format)
         out = write_quantized_file(state, args.format, args.out)
@@ -112,7 +121,8 @@ def main_quantize(argv: list[str] | None = None) -> int:
 
         print(f"error: {cli_message(err)}", file=sys.stderr)
         return 2
-    kept = f", {counts['kept']} kept in high precision" if counts["kept"] else ""
+    kept = f", {counts['kept']} kept in high precision ({kept_dtypes(state, args.format)}, as --dit holds them)" \
+        if counts["kept"] else ""
     print(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB): {counts[args.format]} weight matrices as "
           f"{args.format}{kept}")
     return 0

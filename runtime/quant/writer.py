@@ -6,9 +6,10 @@ Files written:
   fp8, nvfp4  ComfyUI comfy_quant safetensors (per-layer `.comfy_quant` JSON tensors plus
               `_quantization_metadata`), so ComfyUI loads them natively and this pack reloads them.
               FP8 files carry a per-tensor scale, the form ComfyUI's float8_e4m3fn layout expects.
-  q8_0, q4_k  GGUF in the unsloth layout (diffusers names, 1-D tensors F32, other unquantised tensors
-              BF16, header `general.architecture = "wan"` because that is the name ComfyUI-GGUF accepts
-              for these files; this pack recognises ERNIE by its keys).
+  q8_0, q4_k  GGUF in the unsloth layout (diffusers names, 1-D tensors F32, other unquantised tensors in the
+              source's precision: F32, F16, or BF16 from bf16; header `general.architecture = "wan"` because that
+              is the name ComfyUI-GGUF accepts for these files; this pack recognises ERNIE by its keys).
+Unpacked matrices keep their dtype in every format: an fp32 DiT's are never rounded to bf16 without a word.
 Files are written under a hidden partial name and renamed over `out` when complete (runtime/output_files.py), so a
 failure or Ctrl-C leaves nothing behind, and an existing file is replaced only by a complete one (as `generate`
 replaces its PNG). The source must be the bf16 (or fp16/fp32) DiT: an FP8/NVFP4 or GGUF file is refused, since
@@ -107,8 +108,9 @@ def _write_gguf(items: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], pat
                     raise InvalidInputError(f"{name} is {entry.format}: only GGUF block weights go into a GGUF file")
                 writer.add_tensor(name, entry.data.contiguous().numpy(),
                                   raw_dtype=gguf.GGMLQuantizationType[entry.qtype])
-            elif entry.dim() <= 1:
-                writer.add_tensor(name, entry.to(torch.float32).contiguous().numpy())
+            elif entry.dim() <= 1 or entry.dtype in (torch.float32, torch.float16):
+                # kept in the source's precision: an fp32 DiT's unpacked matrices are not rounded to BF16
+                writer.add_tensor(name, (entry if entry.dim() > 1 else entry.to(torch.float32)).contiguous().numpy())
             else:
                 raw = entry.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
                 writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.BF16)
