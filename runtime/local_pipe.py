@@ -28,7 +28,7 @@ from .host import Host, NullHost
 from .lora.pipe_loras import PipeLoras
 from .lora.stack import LoraStack
 from .model_files import (QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae,
-                          require_vae_encoder)
+                          check_config_builds, require_vae_encoder)
 from .non_finite import refuse_non_finite
 from .offload.device_memory import JobMemoryMeter
 from .offload.planner import budget_bytes
@@ -269,6 +269,7 @@ class LocalPipe:
         pipe = cls(sources, options, sources.detect_variant(), loras)
         for component, kind in (("transformer", "dit"), ("text_encoder", "text_encoder"), ("vae", "vae")):
             opened = open_component(sources.component(component), kind)
+            check_config_builds(opened, kind, pipe.variant)  # on the meta device: a bad config.json fails now
             if kind == "dit" and opened.quantized:
                 refuse_quant_for_quantized_dit(options.quant, opened)
             elif kind == "dit":
