@@ -24,8 +24,8 @@ from typing import Iterator
 
 import torch
 
-from ..errors import InvalidInputError
-from ..output_files import atomic_output
+from ..errors import ErnieImageError, InvalidInputError
+from ..output_files import atomic_output, error_number, write_error
 from .fp8 import quantize_fp8
 from .gguf_quantize import QUANTIZERS
 from .nvfp4 import quantize_nvfp4
@@ -178,9 +178,14 @@ def write_quantized_file(state: dict[str, torch.Tensor | QuantizedWeight], fmt: 
                 entry = quantize_weight(entry, fmt, per_row_fp8)
             yield name, entry
 
-    with atomic_output(path) as partial:
-        if fmt in ("fp8", "nvfp4"):
-            _write_comfy_safetensors(items(), partial)
-        else:
-            _write_gguf(items(), partial)
+    try:
+        with atomic_output(path) as partial:
+            if fmt in ("fp8", "nvfp4"):
+                _write_comfy_safetensors(items(), partial)
+            else:
+                _write_gguf(items(), partial)
+    except Exception as error:  # safetensors reports a failed write as its own SafetensorError
+        if isinstance(error, ErnieImageError) or error_number(error) is None:
+            raise
+        raise write_error(path, error) from None  # a full disk said so, in one line; the partial file is gone
     return path
