@@ -34,7 +34,7 @@ from .offload.device_memory import JobMemoryMeter
 from .offload.planner import budget_bytes
 from .offload.reserve import device_bytes_held, device_bytes_needed, phase_needs
 from .offload.session import PipeMemory, plans_pe
-from .out_of_memory import out_of_memory_message, without_tracebacks
+from .out_of_memory import out_of_host_memory_message, out_of_memory_message, without_tracebacks
 from .pipe import check_generate_call, short_repr
 from .preview import latent_preview
 from .request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
@@ -493,13 +493,17 @@ class LocalPipe:
             return job()
         except BaseException as error:
             message = out_of_memory_message(error, self._phase, request, self.device, self.options.vram_budget_gb)
-            if message is None:
+            host_message = None if message is not None else out_of_host_memory_message(error, self._phase, request,
+                                                                                        self.device)
+            if message is None and host_message is None:
                 self.release()
                 raise
             cause = without_tracebacks(error)
-        # Out of device memory: past the except block the failed phase's frames, and the tensors they held, are
-        # gone, so releasing now gives their memory back too.
+        # Out of memory: past the except block the failed phase's frames, and the tensors they held, are gone, so
+        # releasing now gives their memory back too.
         self.release()
+        if message is None:
+            raise MemoryBudgetError(host_message).naming("device") from cause
         raise MemoryBudgetError(message) from cause
 
     def _generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
