@@ -17,6 +17,7 @@ from .cli_names import cli_message
 from .cli_parser import CLI_KEY_LABELS, OneLineParser, OutputPath  # noqa: F401 - CLI_KEY_LABELS: re-exported
 from .errors import Cancelled, ErnieImageError, InvalidInputError
 from .host import NullHost
+from .uninterrupted import interrupt_now
 
 ArgCheck = Callable[[argparse.Namespace], None]
 CANCELLED_EXIT_CODES = (130, 143)  # 128 + SIGINT, 128 + SIGTERM
@@ -190,8 +191,9 @@ def _refuse_local_only_inputs(args: argparse.Namespace, image_in: dict) -> None:
 
 
 class _Interrupts:
-    """SIGINT (Ctrl-C) and SIGTERM as a cancel: the first raises KeyboardInterrupt wherever Python runs, and is
-    remembered, so code that swallowed the KeyboardInterrupt still ends as cancelled (host.check_cancel)."""
+    """SIGINT (Ctrl-C) and SIGTERM as a cancel: the first raises KeyboardInterrupt wherever Python runs (a file step
+    that must not be cut in half raises it once done: uninterrupted.py), and is remembered, so code that swallowed
+    the KeyboardInterrupt still ends as cancelled (host.check_cancel)."""
 
     def __init__(self) -> None:
         self.signal_number: Optional[int] = None
@@ -236,8 +238,6 @@ class _Interrupts:
             self._previous = None
 
     def _handle(self, number: int, frame) -> None:
-        from .uninterrupted import interrupt_now
-
         self.signal_number = number
         if interrupt_now():  # else a file step under way raises it once it is over
             raise KeyboardInterrupt

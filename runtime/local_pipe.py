@@ -493,18 +493,17 @@ class LocalPipe:
             return job()
         except BaseException as error:
             message = out_of_memory_message(error, self._phase, request, self.device, self.options.vram_budget_gb)
-            host_message = None if message is not None else out_of_host_memory_message(error, self._phase, request,
-                                                                                        self.device)
-            if message is None and host_message is None:
+            names: tuple[str, ...] = ()
+            if message is None:  # host RAM rather than the device's: its fix names the device setting
+                message, names = out_of_host_memory_message(error, self._phase, request, self.device), ("device",)
+            if message is None:
                 self.release()
                 raise
             cause = without_tracebacks(error)
         # Out of memory: past the except block the failed phase's frames, and the tensors they held, are gone, so
         # releasing now gives their memory back too.
         self.release()
-        if message is None:
-            raise MemoryBudgetError(host_message).naming("device") from cause
-        raise MemoryBudgetError(message) from cause
+        raise MemoryBudgetError(message).naming(*names) from cause
 
     def _generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         self._phase = "setup"
