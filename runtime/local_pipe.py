@@ -414,6 +414,14 @@ class LocalPipe:
             self._loaded.vae_encoder = build_vae(component, self.device, dtype, part="encoder")
         return self._loaded.vae_encoder
 
+    def _weights_of(self, component: str) -> object:
+        """Where a part's weights are, for a message: its file or folder, or the part's name where none was given
+        (weights handed over already built)."""
+        try:
+            return self.sources.component(component)
+        except ModelFileError:
+            return f"the {component} given"
+
     def encode_image(self, request: GenerationRequest) -> Optional[torch.Tensor]:
         """The image-in phase: the original's normalised latents (a LATENT input as given, an IMAGE through the VAE
         encoder), or None when the job starts from pure noise. The encoder leaves the device after its phase
@@ -428,7 +436,7 @@ class LocalPipe:
         if not self.memory.encoder_is_persistent():
             self._loaded.vae_encoder = None
             self.memory.after_encode()
-        refuse_non_finite(latents, "VAE encoder", self.sources.component("vae"), "latent values")
+        refuse_non_finite(latents, "VAE encoder", lambda: self._weights_of("vae"), "latent values")
         return latents
 
     def encode(self, prompts: list[str], host: Optional[Host] = None) -> list[torch.Tensor]:
@@ -440,7 +448,8 @@ class LocalPipe:
         with torch.inference_mode():
             encoded = dict(zip(unique, encode_prompts(self._tokenizer(), tower, unique, log)))
         self.memory.after_text()
-        refuse_non_finite(encoded.values(), "text encoder", self.sources.component("text_encoder"), "embedding values")
+        refuse_non_finite(encoded.values(), "text encoder", lambda: self._weights_of("text_encoder"),
+                          "embedding values")
         return [encoded[p] for p in prompts]
 
     def sample(self, request: GenerationRequest, text: list[torch.Tensor], negative: Optional[list[torch.Tensor]],
@@ -472,7 +481,7 @@ class LocalPipe:
             images = decode_images(latents, self._vae(), tile)
         if not self.memory.vae_is_persistent():
             self._loaded.vae = None
-        refuse_non_finite(images, "VAE decoder", self.sources.component("vae"), "pixel values")
+        refuse_non_finite(images, "VAE decoder", lambda: self._weights_of("vae"), "pixel values")
         return images
 
     # -- the whole job ------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ part's output is checked as it is made: the first part whose output is not finit
 """
 from __future__ import annotations
 
-from typing import Iterable, Union
+from typing import Callable, Iterable, Union
 
 import torch
 
@@ -21,14 +21,16 @@ def _count(values: Tensors) -> tuple[int, int]:
     return bad, sum(tensor.numel() for tensor in tensors)
 
 
-def refuse_non_finite(values: Tensors, part: str, weights: object, what: str = "values") -> None:
-    """A ModelFileError naming `part` ("text encoder", "DiT", "VAE decoder", ...) and its `weights` (a path) when
-    `values` hold NaN or inf; nothing otherwise."""
+def refuse_non_finite(values: Tensors, part: str, weights: Union[object, Callable[[], object]],
+                      what: str = "values") -> None:
+    """A ModelFileError naming `part` ("text encoder", "DiT", "VAE decoder", ...) and its `weights` (a path, or a
+    function giving it, asked only then) when `values` hold NaN or inf; nothing otherwise."""
     bad, total = _count(values)
     if not bad:
         return
+    where = weights() if callable(weights) else weights
     raise ModelFileError(f"the {part} produced {bad} non-finite {what} (NaN/inf) of {total}: its weights in "
-                         f"{weights} are likely damaged or mis-quantised; re-download or re-quantise them from the "
+                         f"{where} are likely damaged or mis-quantised; re-download or re-quantise them from the "
                          "bf16 weights (in fp16, try bf16 or fp32)")
 
 
