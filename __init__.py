@@ -36,6 +36,8 @@ _LIBRARY = {
     "load_demo_pipe": "runtime.demo",
     "save_pngs": "runtime.png_output",
     "read_png_settings": "runtime.png_output",
+    "read_image": "runtime.image_files",
+    "read_mask": "runtime.image_files",
     "ErnieImageError": "runtime.errors",
     "InvalidInputError": "runtime.errors",
     "ModelFileError": "runtime.errors",

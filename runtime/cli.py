@@ -18,6 +18,7 @@ from .cli_parser import OneLineParser, OutputPath
 from .errors import Cancelled, ErnieImageError, InvalidInputError
 from .host import NullHost
 from .variant import VARIANT_SETTING
+from .uninterrupted import interrupt_now
 
 ArgCheck = Callable[[argparse.Namespace], None]
 CANCELLED_EXIT_CODES = (130, 143)  # 128 + SIGINT, 128 + SIGTERM
@@ -195,11 +196,13 @@ def _refuse_local_only_inputs(args: argparse.Namespace, image_in: dict) -> None:
 
 
 class _Interrupts:
-    """SIGINT (Ctrl-C) and SIGTERM as a cancel: the first raises KeyboardInterrupt wherever Python runs, and is
-    remembered, so code that swallowed the KeyboardInterrupt still ends as cancelled (host.check_cancel)."""
+    """SIGINT (Ctrl-C) and SIGTERM as a cancel: the first raises KeyboardInterrupt wherever Python runs (a file step
+    that must not be cut in half raises it once done: uninterrupted.py), and is remembered, so code that swallowed
+    the KeyboardInterrupt still ends as cancelled (host.check_cancel)."""
 
     def __init__(self) -> None:
         self.signal_number: Optional[int] = None
+        self.ignoring = False  # outputs_written: the signals are ignored from now on
         self._previous: Optional[tuple[dict[int, Any], Any]] = None  # the handlers and unraisable hook install replaced
 
     def install(self) -> None:
@@ -217,6 +220,11 @@ class _Interrupts:
                 # is printed by Python as "Exception ignored ... KeyboardInterrupt" and dropped; it is remembered
                 # here and the run ends as cancelled at its next check, so nothing needs printing.
                 if isinstance(unraisable.exc_value, KeyboardInterrupt) and self.signal_number is not None:
+                    return
+                # A signal that arrived just before outputs_written ignored it: Python reports the handler it no
+                # longer finds ("Signal 2 ignored due to race condition"); ignoring it was the point.
+                if self.ignoring and isinstance(unraisable.exc_value, OSError) and \
+                        "ignored due to race condition" in str(unraisable.exc_value):
                     return
                 previous_hook(unraisable)
 
@@ -236,7 +244,8 @@ class _Interrupts:
 
     def _handle(self, number: int, frame) -> None:
         self.signal_number = number
-        raise KeyboardInterrupt
+        if interrupt_now():  # else a file step under way raises it once it is over
+            raise KeyboardInterrupt
 
     @property
     def exit_code(self) -> int:
@@ -255,6 +264,7 @@ class _Interrupts:
         import signal
 
         if threading.current_thread() is threading.main_thread() and self.signal_number is None:
+            self.ignoring = True
             for number in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(number, signal.SIG_IGN)
 

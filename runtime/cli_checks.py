@@ -3,7 +3,8 @@
 Small validators, each raising InvalidInputError with one line naming the option, the cause and the fix, and
 `check_generate_args(args, *feature_checks)`, the one place `generate` checks its arguments. A feature that adds
 flags to `generate` exposes its own `check(args)` and cli.py lists it in FEATURE_CHECKS; it runs after the checks
-here (numbers first, then input files, then the output path), still before anything heavy.
+here (numbers first, then input files, then the output path and that it is none of the inputs), still before
+anything heavy.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from pathlib import Path
 from typing import Callable, Iterable, Literal, Optional
 
 from .errors import InvalidInputError
+from .inputs_outputs import refuse_outputs_over_inputs
 from .request import SEED_MASK, validate_size
+from .uninterrupted import uninterrupted
 
 ArgCheck = Callable[[argparse.Namespace], None]
 PathKind = Literal["file", "folder", "file or folder"]
@@ -117,9 +120,10 @@ def check_output_file(path: Path, option: str, suffixes: Iterable[str], example:
 
 
 def _check_writable_folder(folder: Path, path: Path, option: str) -> None:
-    """Create and remove a scratch file: the only test that holds for read-only mounts, ACLs and root alike."""
+    """Create and remove a scratch file: the only test that holds for read-only mounts, ACLs and root alike. Made
+    and removed uninterrupted, so a Ctrl-C at any moment leaves no scratch file behind."""
     try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name[:40]}.", suffix=".check"):
+        with uninterrupted(), tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name[:40]}.", suffix=".check"):
             pass
     except OSError as error:
         if error.errno == errno.ENAMETOOLONG:
@@ -238,9 +242,24 @@ def _check_out(args: argparse.Namespace) -> None:
             raise InvalidInputError(f"--out {args.out}: batch image {path} is a folder: pick another output name")
 
 
+GENERATE_INPUTS = ("model_dir", "dit", "text_encoder", "vae", "tokenizer", "pe", "init_image", "mask", "api_key_file",
+                   "pe_api_key_file")
+
+
+def _check_inputs_are_not_outputs(args: argparse.Namespace) -> None:
+    """No PNG the run writes (`--out`, or a batch's name_N.png) is a file it reads."""
+    from .lora.stack import parse_lora_argument
+    from .png_output import png_paths
+
+    inputs = [("--" + name.replace("_", "-"), getattr(args, name, None)) for name in GENERATE_INPUTS]
+    inputs += [("--lora", parse_lora_argument(value).path) for value in getattr(args, "lora", None) or ()]
+    refuse_outputs_over_inputs([(option, Path(path) if path is not None else None) for option, path in inputs],
+                               [("--out", args.out, path) for path in png_paths(args.out, args.batch)])
+
+
 # The order users meet the errors in: a size error before a file error, a file error before the output's.
 GENERATE_CHECKS: tuple[ArgCheck, ...] = (_check_flags_that_need_another, _check_numbers, _check_prompts, _check_load_options, _check_model_paths,
-                                         _check_out)
+                                         _check_out, _check_inputs_are_not_outputs)
 
 
 def check_generate_args(args: argparse.Namespace, *feature_checks: ArgCheck) -> None:

@@ -13,6 +13,8 @@ from typing import Iterator, Optional
 
 from .errors import ErnieImageError, ModelFileError
 from .model_files import ModelSources, Variant
+from .output_files import error_number, full_disk
+from .uninterrupted import uninterrupted
 
 DEMO_NOTICE = (
     "no model given: using a tiny random ERNIE-Image model built in code at {path}. "
@@ -56,11 +58,24 @@ def _build(folder: Path, variant: Variant) -> None:
         except OSError:
             if not (folder / ".complete").exists():  # not another run's finished build: a real failure
                 raise
-    except OSError as error:
-        raise ErnieImageError(f"cannot build the demo model in {folder}: {error.strerror or error}: set "
-                              "ERNIE_IMAGE_CACHE to a writable folder, or pass --model-dir") from None
+    except Exception as error:  # safetensors and tokenizers report a failed write as errors of their own
+        if not isinstance(error, OSError) and error_number(error) is None:
+            raise
+        raise _build_error(folder, error) from None
     finally:
-        shutil.rmtree(building, ignore_errors=True)  # ours, when another run's build won or this one failed
+        # ours, when another run's build won or this one failed; a second Ctrl-C cannot stop it half way
+        with uninterrupted():
+            shutil.rmtree(building, ignore_errors=True)
+
+
+def _build_error(folder: Path, error: Exception) -> ErnieImageError:
+    full = full_disk(error)
+    if full is not None:
+        return ErnieImageError(f"cannot build the demo model in {folder}: {full}: free space on that disk, or set "
+                               "ERNIE_IMAGE_CACHE to a folder on another disk, or pass --model-dir")
+    reason = getattr(error, "strerror", None) or error
+    return ErnieImageError(f"cannot build the demo model in {folder}: {reason}: set ERNIE_IMAGE_CACHE to a writable "
+                           "folder, or pass --model-dir")
 
 
 @contextlib.contextmanager

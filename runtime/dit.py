@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused_kernels
-from .errors import ModelFileError
 
 
 @dataclass(frozen=True)
@@ -51,14 +50,16 @@ class DiTConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> "DiTConfig":
+        """The config a dict (config.json) describes; ValueError or TypeError for one ERNIE-Image cannot run (the
+        caller names the file: formats.config_json.config_named)."""
         known = {name: raw[name] for name in cls.__dataclass_fields__ if name in raw}
         if "rope_axes_dim" in known:
             known["rope_axes_dim"] = tuple(known["rope_axes_dim"])
         config = cls(**known)
         if config.patch_size != 1:
-            raise ModelFileError(f"DiT patch_size {config.patch_size} is not supported: ERNIE-Image uses 1")
+            raise ValueError(f"patch_size {config.patch_size} is not supported: ERNIE-Image uses 1")
         if sum(config.rope_axes_dim) != config.hidden_size // config.num_attention_heads:
-            raise ModelFileError("DiT config is inconsistent: rope_axes_dim must sum to hidden_size / heads")
+            raise ValueError("rope_axes_dim must sum to hidden_size / num_attention_heads")
         return config
 
     @property

@@ -1,15 +1,21 @@
-"""Image and mask files for the CLI: PNG/JPEG/WebP read with PIL into ComfyUI's IMAGE and MASK tensors.
+"""Image and mask files read into ComfyUI's IMAGE and MASK tensors: the one reader of the CLI and the library.
 
-Policy (the same as the nodes' and the API's): 8-bit images only (16-bit and float files are refused: save them
-as 8-bit RGB); an alpha channel that is fully opaque carries nothing and is dropped, one with transparent pixels
-is refused (flatten it, or paint the area to repaint as a mask); sizes are never resized or cropped: a side that
-is not a multiple of 16 is refused by the request with the nearest valid size.
+Read the way ComfyUI's Load Image reads them (nodes.py LoadImage, v0.8.0), so a file gives the same pixels here as
+in a workflow: turned upright by its EXIF orientation (a portrait phone photo stays portrait), a 32-bit integer
+('I') image scaled by 1/255 as 16-bit data, every frame of an animated file of the first frame's size as a batch
+(an MPO camera file: its first picture only), RGB at 8 bits, divided by 255.
+
+Where Load Image would give wrong pixels without a word, the file is refused in one line instead: 16-bit ('I;16')
+and float ('F') files (Load Image clips them to white: save them as 8-bit RGB), transparent pixels (flatten them, or
+paint the area to repaint as a mask; a fully opaque alpha channel carries nothing and is dropped), damaged or
+truncated files. Sizes are never resized or cropped: a side that is not a multiple of 16 is refused by the request
+with the nearest valid size. A mask is read from its grey level (white = repaint), upright by the same rule.
 """
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -18,7 +24,14 @@ from .errors import InvalidInputError, one_line
 from .file_kind import not_a_regular_file
 from .request import MAX_SIDE
 
-HIGH_DEPTH_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
+HIGH_DEPTH_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "F")
+MAX_FRAMES = 64  # a batch's largest size: more frames can never be a valid init image
+PILLOW_ERRORS = (OSError, ValueError, SyntaxError, KeyError, IndexError, TypeError)  # what a damaged file raises
+
+
+def _unreadable(path: Path, option: str, error: BaseException) -> InvalidInputError:
+    return InvalidInputError(f"{option} {path} is not a readable image ({one_line(error, 120)}): give a PNG or JPEG "
+                             "file (re-save it if it is damaged)")
 
 
 def _open(path: Path, option: str):
@@ -37,13 +50,47 @@ def _open(path: Path, option: str):
     except Image.DecompressionBombError:
         raise InvalidInputError(f"{option} {path} claims more pixels than any image ERNIE-Image takes (sides up to "
                                 f"{MAX_SIDE}): resize it first, or re-save it if it is damaged") from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
-        raise InvalidInputError(f"{option} {path} is not a readable image ({one_line(error, 120)}): give a PNG or "
-                                "JPEG file (re-save it if it is damaged)") from None
+    except (UnidentifiedImageError, *PILLOW_ERRORS) as error:
+        raise _unreadable(path, option, error) from None
     if image.mode in HIGH_DEPTH_MODES:
         raise InvalidInputError(f"{option} {path} is a {image.mode} ({'16-bit' if '16' in image.mode else '32-bit'}) "
                                 "image: ERNIE-Image reads 8-bit images: save it as 8-bit RGB")
     return image
+
+
+def _upright(frame, path: Path, option: str):
+    """One frame as Load Image takes it: turned by its EXIF orientation; 'I' (32-bit integer) scaled by 1/255."""
+    from PIL import ImageOps
+
+    try:
+        frame = ImageOps.exif_transpose(frame)
+    except PILLOW_ERRORS as error:  # an orientation tag Pillow cannot apply: the picture would come out turned
+        raise InvalidInputError(f"{option} {path} has EXIF data that cannot be read ({one_line(error, 120)}): "
+                                "re-save it (without EXIF, turned upright)") from None
+    if frame.mode == "I":
+        frame = frame.point(lambda value: value * (1 / 255))
+    return frame
+
+
+def _frames(image, path: Path, option: str) -> Iterator[Any]:
+    """Every frame of the first frame's size, upright (Load Image's rule); an MPO file's first picture only."""
+    from PIL import ImageSequence
+
+    count = getattr(image, "n_frames", 1)
+    if image.format != "MPO" and count > MAX_FRAMES:
+        raise InvalidInputError(f"{option} {path} has {count} frames: a batch takes up to {MAX_FRAMES} images: save "
+                                "the frame to start from as a PNG")
+    size = None
+    try:
+        for frame in ImageSequence.Iterator(image):
+            upright = _upright(frame, path, option)
+            size = size or upright.size
+            if upright.size == size:
+                yield upright
+            if image.format == "MPO":
+                return
+    except PILLOW_ERRORS as error:  # a later frame cut short or damaged
+        raise _unreadable(path, option, error) from None
 
 
 def _has_alpha(image) -> bool:
@@ -61,17 +108,19 @@ def _opaque(image, refusal: str):
 
 
 def read_image(path: Path, option: str = "--init-image") -> torch.Tensor:
-    """An image file -> float32 [1, H, W, 3] in 0..1 (ComfyUI's IMAGE)."""
-    image = _opaque(_open(Path(path), option),
-                    f"{option} {path} has transparent pixels (alpha): flatten it onto a background and save it as "
-                    "RGB, or paint the area to repaint into a --mask")
-    pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
-    return torch.from_numpy(pixels.copy()).unsqueeze(0)
+    """An image file -> float32 [frames, H, W, 3] in 0..1 (ComfyUI's IMAGE; one frame for a still image)."""
+    path = Path(path)
+    refusal = (f"{option} {path} has transparent pixels (alpha): flatten it onto a background and save it as RGB, "
+               "or paint the area to repaint into a --mask")
+    frames = [np.asarray(_opaque(frame, refusal).convert("RGB"), dtype=np.float32) / 255.0
+              for frame in _frames(_open(path, option), path, option)]
+    return torch.from_numpy(np.stack(frames))
 
 
 def read_mask(path: Path, option: str = "--mask") -> torch.Tensor:
-    """A mask file -> float32 [1, H, W] in 0..1: its grey level, white = repaint, black = keep."""
-    image = _opaque(_open(Path(path), option),
+    """A mask file -> float32 [1, H, W] in 0..1: its grey level, white = repaint, black = keep (first frame, upright)."""
+    path = Path(path)
+    image = _opaque(_upright(_open(path, option), path, option),
                     f"{option} {path} has transparent pixels: a mask is read from its grey level (white = repaint): "
                     "save it as grayscale without alpha")
     grey = np.asarray(image.convert("L"), dtype=np.float32) / 255.0

@@ -28,12 +28,13 @@ from .host import Host, NullHost
 from .lora.pipe_loras import PipeLoras
 from .lora.stack import LoraStack
 from .model_files import (QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae,
-                          require_vae_encoder)
+                          check_config_builds, require_vae_encoder)
+from .non_finite import refuse_non_finite
 from .offload.device_memory import JobMemoryMeter
 from .offload.planner import budget_bytes
 from .offload.reserve import device_bytes_held, device_bytes_needed, phase_needs
 from .offload.session import PipeMemory, plans_pe
-from .out_of_memory import out_of_memory_message, without_tracebacks
+from .out_of_memory import out_of_host_memory_message, out_of_memory_message, without_tracebacks
 from .pipe import check_generate_call, short_repr
 from .preview import latent_preview
 from .request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
@@ -217,9 +218,7 @@ def check_finite_latents(latents: torch.Tensor, sources: ModelSources, loras: Lo
                              f"LoRA(s) {applied} applied: the LoRA is the likely cause: lower its strength or leave "
                              "it out")
     dit = sources.dit or (sources.model_dir / "transformer" if sources.model_dir is not None else "the DiT")
-    raise ModelFileError(f"the DiT produced {bad} non-finite latent values (NaN/inf) of {latents.numel()}: its "
-                         f"weights in {dit} are likely damaged or mis-quantised; re-download or re-quantise it "
-                         "from the bf16 weights (in fp16, try bf16 or fp32)")
+    refuse_non_finite(latents, "DiT", dit, "latent values")
 
 
 def _as_sources(sources: Any) -> ModelSources:
@@ -280,14 +279,16 @@ class LocalPipe:
 
         check_lora_files(LoraStack.of(loras))  # a bad LoRA file fails first, before any model file is opened
         options.validate()
-        dit = open_component(sources.component("transformer"), "dit")
+        opened = {kind: open_component(sources.component(component), kind)
+                  for component, kind in (("transformer", "dit"), ("text_encoder", "text_encoder"), ("vae", "vae"))}
+        dit = opened["dit"]
         if dit.quantized:
             refuse_quant_for_quantized_dit(options.quant, dit)
         else:
             check_quant_packs(options.quant, {key: dit.tensor(key) for key in dit.keys})  # mapped views
-        for component in ("text_encoder", "vae"):
-            open_component(sources.component(component), component)
         pipe = cls(sources, options, decide_variant(dit, sources.variant), loras)
+        for kind, component in opened.items():
+            check_config_builds(component, kind, pipe.variant)  # on the meta device: a bad config.json fails now
         if dit.quantized:
             pipe.dit_weights = file_weight_format(dit)
         if pipe._auto_quant is not None:  # what 'auto' runs, said before the DiT is built
@@ -434,6 +435,14 @@ class LocalPipe:
             self._loaded.vae_encoder = build_vae(component, self.device, dtype, part="encoder")
         return self._loaded.vae_encoder
 
+    def _weights_of(self, component: str) -> object:
+        """Where a part's weights are, for a message: its file or folder, or the part's name where none was given
+        (weights handed over already built)."""
+        try:
+            return self.sources.component(component)
+        except ModelFileError:
+            return f"the {component} given"
+
     def encode_image(self, request: GenerationRequest) -> Optional[torch.Tensor]:
         """The image-in phase: the original's normalised latents (a LATENT input as given, an IMAGE through the VAE
         encoder), or None when the job starts from pure noise. The encoder leaves the device after its phase
@@ -448,6 +457,7 @@ class LocalPipe:
         if not self.memory.encoder_is_persistent():
             self._loaded.vae_encoder = None
             self.memory.after_encode()
+        refuse_non_finite(latents, "VAE encoder", lambda: self._weights_of("vae"), "latent values")
         return latents
 
     def encode(self, prompts: list[str], host: Optional[Host] = None) -> list[torch.Tensor]:
@@ -459,6 +469,8 @@ class LocalPipe:
         with torch.inference_mode():
             encoded = dict(zip(unique, encode_prompts(self._tokenizer(), tower, unique, log)))
         self.memory.after_text()
+        refuse_non_finite(encoded.values(), "text encoder", lambda: self._weights_of("text_encoder"),
+                          "embedding values")
         return [encoded[p] for p in prompts]
 
     def sample(self, request: GenerationRequest, text: list[torch.Tensor], negative: Optional[list[torch.Tensor]],
@@ -490,6 +502,7 @@ class LocalPipe:
             images = decode_images(latents, self._vae(), tile)
         if not self.memory.vae_is_persistent():
             self._loaded.vae = None
+        refuse_non_finite(images, "VAE decoder", lambda: self._weights_of("vae"), "pixel values")
         return images
 
     # -- the whole job ------------------------------------------------------------------------------
@@ -510,14 +523,17 @@ class LocalPipe:
             return job()
         except BaseException as error:
             message = out_of_memory_message(error, self._phase, request, self.device, self.options.vram_budget_gb)
+            names: tuple[str, ...] = ()
+            if message is None:  # host RAM rather than the device's: its fix names the device setting
+                message, names = out_of_host_memory_message(error, self._phase, request, self.device), ("device",)
             if message is None:
                 self.release()
                 raise
             cause = without_tracebacks(error)
-        # Out of device memory: past the except block the failed phase's frames, and the tensors they held, are
-        # gone, so releasing now gives their memory back too.
+        # Out of memory: past the except block the failed phase's frames, and the tensors they held, are gone, so
+        # releasing now gives their memory back too.
         self.release()
-        raise MemoryBudgetError(message) from cause
+        raise MemoryBudgetError(message).naming(*names) from cause
 
     def _generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         self._phase = "setup"

@@ -6,6 +6,7 @@ mappings, so no random init is ever materialised and host RAM stays near one cop
 """
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 from .errors import ModelFileError
 from .variant import Variant, checked_variant_option
+from .formats.config_json import config_named
 
 if TYPE_CHECKING:
     from .dit import DiTConfig
@@ -124,7 +126,8 @@ def dit_config_for(component) -> "DiTConfig":
     from .dit import DiTConfig
 
     if component.config is not None:
-        return DiTConfig.from_dict(component.config)
+        with config_named(component, "DiT"):
+            return DiTConfig.from_dict(component.config)
     shape = {key: tuple(component.tensor(key).shape) for key in
              ("x_embedder.proj.weight", "layers.0.self_attention.norm_q.weight", "layers.0.mlp.gate_proj.weight")}
     hidden, in_channels = shape["x_embedder.proj.weight"][:2]
@@ -189,11 +192,15 @@ def _moved(packed, device: torch.device):
 def build_dit(component, device: torch.device, dtype: torch.dtype, quant: str = "none",
               quant_device: Optional[torch.device] = None):
     """The DiT on `device`; `quant` quantises bf16 Linear weights on load (on `quant_device`, default `device`)."""
+    return fill_from_file(dit_on_meta(component), component, device, dtype, quant, quant_device)
+
+
+def dit_on_meta(component) -> torch.nn.Module:
+    """The DiT its config describes, on the meta device (no memory): a config that does not build it is named."""
     from .dit import ErnieDiT
 
-    with torch.device("meta"):
-        model = ErnieDiT(dit_config_for(component))
-    return fill_from_file(model, component, device, dtype, quant, quant_device)
+    with config_named(component, "DiT"), torch.device("meta"):
+        return ErnieDiT(dit_config_for(component))
 
 
 def text_config_for(component, variant: Variant = "base") -> dict:
@@ -219,21 +226,29 @@ def rebuild_rotary_tables(model: torch.nn.Module, config, device: torch.device) 
 
 def build_text_tower(component, device: torch.device, dtype: torch.dtype, variant: Variant = "base"):
     """Mistral text tower cut at the layer whose output is hidden_states[-2]: later layers and norm never load."""
+    tower = text_tower_on_meta(component, variant)
+    rebuild_rotary_tables(tower, tower.config, device)
+    return fill_from_file(tower, component, device, dtype)
+
+
+def text_tower_on_meta(component, variant: Variant = "base") -> torch.nn.Module:
+    """The text tower its config describes, on the meta device: a config that does not build it is named."""
     from transformers import MistralConfig, MistralModel
 
-    raw = text_config_for(component, variant)
-    total_layers = int(raw["num_hidden_layers"])
-    raw = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "dtype", "transformers_version")}
-    # Only Ministral3 (the PE) reads llama_4_scaling_beta; the reference text tower is a plain MistralModel.
-    raw["rope_parameters"] = {k: v for k, v in raw.get("rope_parameters", {}).items() if k != "llama_4_scaling_beta"}
-    raw["num_hidden_layers"] = total_layers - 1
-    config = MistralConfig(**raw)
-    config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        tower = MistralModel(config)
+    with config_named(component, "text encoder"):
+        raw = text_config_for(component, variant)
+        total_layers = int(raw["num_hidden_layers"])
+        raw = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "dtype", "transformers_version")}
+        # Only Ministral3 (the PE) reads llama_4_scaling_beta; the reference text tower is a plain MistralModel.
+        raw["rope_parameters"] = {k: v for k, v in raw.get("rope_parameters", {}).items()
+                                  if k != "llama_4_scaling_beta"}
+        raw["num_hidden_layers"] = total_layers - 1
+        config = MistralConfig(**raw)
+        config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            tower = MistralModel(config)
     tower.norm = torch.nn.Identity()
-    rebuild_rotary_tables(tower, config, device)
-    return fill_from_file(tower, component, device, dtype)
+    return tower
 
 
 VaePart = Literal["decoder", "encoder"]
@@ -249,14 +264,9 @@ def require_vae_encoder(component) -> None:
 def build_vae(component, device: torch.device, dtype: torch.dtype, part: VaePart = "decoder"):
     """One half of the FLUX.2 VAE with the latent BatchNorm statistics: the decoder (text-to-image never encodes)
     or the encoder (image inputs). The other half is dropped before anything is materialised."""
-    from diffusers import AutoencoderKLFlux2
-
-    config = component.config or load_config("base", "vae")
-    config = {k: v for k, v in config.items() if not k.startswith("_")}
     if part == "encoder":
         require_vae_encoder(component)
-    with torch.device("meta"):
-        vae = AutoencoderKLFlux2.from_config(config)
+    vae = vae_on_meta(component)
     if part == "encoder":
         vae.decoder = None
         vae.post_quant_conv = None
@@ -264,3 +274,22 @@ def build_vae(component, device: torch.device, dtype: torch.dtype, part: VaePart
         vae.encoder = None
         vae.quant_conv = None
     return fill_from_file(vae, component, device, dtype, keep_fp32=("bn.running_mean", "bn.running_var"))
+
+
+def vae_on_meta(component) -> torch.nn.Module:
+    """The whole VAE its config describes, on the meta device: a config that does not build it is named."""
+    from diffusers import AutoencoderKLFlux2
+
+    with config_named(component, "VAE"):
+        config = component.config or load_config("base", "vae")
+        # Keys the class does not take (force_upcast: a pipeline's setting) would print a warning at every build.
+        accepted = inspect.signature(AutoencoderKLFlux2.__init__).parameters
+        config = {k: v for k, v in config.items() if k in accepted}
+        with torch.device("meta"):
+            return AutoencoderKLFlux2.from_config(config)
+
+
+def check_config_builds(component, kind: str, variant: Variant = "base") -> None:
+    """Build the part `component`'s config describes on the meta device and drop it: a config that does not build
+    its part (wrong types, values out of range) fails at load in one line, before any work."""
+    {"dit": dit_on_meta, "text_encoder": lambda c: text_tower_on_meta(c, variant), "vae": vae_on_meta}[kind](component)

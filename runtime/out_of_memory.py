@@ -1,4 +1,5 @@
-"""Running out of device memory, said in one line: the phase, the job, the allocation that failed, and the fix.
+"""Running out of memory, said in one line: the phase, the job, the allocation that failed, and the fix. Device
+(GPU) memory and host memory (RAM: the CPU's allocator, or Python's MemoryError) each have their own words.
 
 A failed phase's tensors are referenced from the exception's traceback frames; a host that keeps the exception
 (ComfyUI shows it later) would keep them allocated, so the chain is stripped of its tracebacks before re-raising.
@@ -68,6 +69,41 @@ def out_of_memory_message(error: BaseException, phase: str, request: GenerationR
     fix = PHASE_FIXES.get(phase, DIT_FIX)
     return (f"out of GPU memory on {device} in the {PHASE_NAMES.get(phase, phase)} phase ({job}{tried}): "
             f"{budget}, {fix}")
+
+
+_HOST_ALLOCATION = re.compile(r"DefaultCPUAllocator: .*?you tried to allocate (\d+) bytes")
+
+
+def _out_of_host_memory(error: BaseException) -> Optional[BaseException]:
+    """`error` or the exception it wraps when it is host RAM running out: Python's MemoryError or torch's CPU
+    allocator failing ("DefaultCPUAllocator: can't allocate memory: you tried to allocate N bytes")."""
+    for link in _chain(error):
+        if isinstance(link, MemoryError) or (isinstance(link, RuntimeError) and _HOST_ALLOCATION.search(str(link))):
+            return link
+    return None
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} bytes"
+
+
+def out_of_host_memory_message(error: BaseException, phase: str, request: GenerationRequest,
+                               device: torch.device) -> Optional[str]:
+    """One line for host RAM that ran out (None when `error` is something else): phase, job, the allocation that
+    failed, and what to change. It names the setting `device` (the CLI shows --device)."""
+    oom = _out_of_host_memory(error)
+    if oom is None:
+        return None
+    allocation = _HOST_ALLOCATION.search(str(oom))
+    tried = f", tried to allocate {_size(int(allocation.group(1)))}" if allocation else ""
+    cfg = f" CFG {request.cfg:g}" if request.uses_cfg else ""
+    job = f"{request.width}x{request.height} batch {request.batch}{cfg}"
+    fix = ("use a smaller size or batch, or run on a GPU (device cuda)" if device.type == "cpu" else
+           "use a smaller size or batch, or free host RAM (close other programs, keep fewer models loaded)")
+    return f"out of host memory (RAM) in the {PHASE_NAMES.get(phase, phase)} phase ({job}{tried}): {fix}"
 
 
 def without_tracebacks(error: BaseException) -> BaseException:

@@ -8,12 +8,23 @@ complete new one. Files get the usual permissions (0666 less the umask, 0644 mos
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import os
+import re
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
+from .errors import ErnieImageError
+from .uninterrupted import uninterrupted
+
 _counter = itertools.count()
+FULL_DISK = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up"}
+FREE_SPACE_FIX = "free space on it, or give a path on another disk"
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' and tokenizers' writers carry errno
+# numpy's tofile (the GGUF writer's) reports a short write with no errno; to a regular file, only a disk (or quota)
+# that ran out stops a write short.
+_SHORT_WRITE = re.compile(r"^\d+ requested and \d+ written$")
 
 
 def new_file_mode() -> int:
@@ -74,9 +85,10 @@ def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
             os.replace(partial, target)
             renamed.append(Path(target))
     except BaseException:
-        for leftover in (*partials, *renamed):
-            with contextlib.suppress(OSError):
-                leftover.unlink()
+        with uninterrupted():  # a second Ctrl-C cannot stop it half way
+            for leftover in (*partials, *renamed):
+                with contextlib.suppress(OSError):
+                    leftover.unlink()
         raise
 
 
@@ -85,3 +97,32 @@ def atomic_output(path: Path) -> Iterator[Path]:
     """`atomic_outputs` for one file."""
     with atomic_outputs([path]) as (partial,):
         yield partial
+
+
+def error_number(error: BaseException) -> Optional[int]:
+    """The errno of a failed write: an OSError's, or the one a Rust writer's message carries (safetensors)."""
+    if isinstance(error, OSError) and error.errno:
+        return error.errno
+    if isinstance(error, OSError) and _SHORT_WRITE.match(str(error)):
+        return errno.ENOSPC
+    match = _RUST_OS_ERROR.search(str(error))
+    return int(match.group(1)) if match else None
+
+
+def full_disk(error: BaseException) -> Optional[str]:
+    """'the disk is full (No space left on device)' (or its quota) when `error` is a write that ran out of space;
+    None for any other error. No other path in the same folder would help: the fix is FREE_SPACE_FIX."""
+    number = error_number(error)
+    what = FULL_DISK.get(number or 0)
+    return f"{what} ({os.strerror(number)})" if what is not None else None
+
+
+def write_error(out: Path, error: BaseException) -> ErnieImageError:
+    """The one line for an output file that could not be written. It names the parameter `out` (the CLI shows its
+    flag, --out: cli_names.py); a full disk or quota is said so, as no other path in the same folder would help."""
+    full = full_disk(error)
+    if full is not None:
+        return ErnieImageError(f"out {out} cannot be written: {full}: {FREE_SPACE_FIX}").naming("out")
+    reason = getattr(error, "strerror", None) or str(error)
+    return ErnieImageError(f"out {out} cannot be written ({reason}): give a path in a writable folder").naming("out")
+

@@ -1,7 +1,6 @@
 """Images as PNG files with the settings that made them in their text metadata (key `ernie-image`, JSON)."""
 from __future__ import annotations
 
-import errno
 import json
 import math
 from pathlib import Path
@@ -9,9 +8,9 @@ from typing import Any, Mapping
 
 import torch
 
-from .errors import ErnieImageError, InvalidInputError
+from .errors import InvalidInputError
 from .file_kind import not_a_regular_file
-from .output_files import atomic_outputs
+from .output_files import atomic_outputs, write_error
 from .pipe import short_repr
 
 METADATA_KEY = "ernie-image"
@@ -48,17 +47,6 @@ def save_pngs(images: torch.Tensor, out: Path, settings: Mapping[str, Any]) -> l
     except OSError as error:
         raise write_error(out, error) from None
     return paths
-
-
-def write_error(out: Path, error: OSError) -> ErnieImageError:
-    """The one line for an output PNG that could not be written. It names the parameter `out` (the CLI shows its
-    flag, --out: cli_names.py); a full disk or quota is said so, as no other path in the same folder would help."""
-    reason = error.strerror or str(error)
-    full = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up"}.get(error.errno)
-    if full is not None:
-        return ErnieImageError(f"out {out} cannot be written: {full} ({reason}): free space on it, or give a path "
-                               "on another disk").naming("out")
-    return ErnieImageError(f"out {out} cannot be written ({reason}): give a path in a writable folder").naming("out")
 
 
 def check_images(images: Any) -> None:

@@ -162,6 +162,10 @@ def model_shapes(sizes: TinySizes = TinySizes()) -> tuple[dict, dict, dict, dict
     """The DiT, text-tower and VAE configs of the model build_tiny_model writes, and its DiT's weights as meta
     tensors (shapes and dtypes, no data): what checks that read a model's file headers need, with nothing built
     or written."""
+    # Imported outside the meta device: diffusers makes module-level tensors on import (quantizer tables), which
+    # would otherwise live on the meta device for the rest of the process.
+    from diffusers import AutoencoderKLFlux2, ErnieImageTransformer2DModel  # noqa: F401
+
     with torch.device("meta"):
         dit, vae = build_dit(sizes, 0), build_vae(sizes, 0)
     return dict(dit.config), _text_config(sizes), dict(vae.config), dit.state_dict()

@@ -222,12 +222,12 @@ def test_quantize_refuses_an_out_that_is_the_file_it_reads(capsys, tmp_path, bf1
     weights = next(folder.glob("*.safetensors"))
     before = weights.read_bytes()
     line = _cli(capsys, "quantize", "--dit", str(weights), "--format", "fp8", "--out", str(weights))
-    assert line == (f"error: --out {weights.name} is the file --dit reads: quantising would replace the bf16 "
-                    f"weights it reads; give another --out")
+    assert line == (f"error: --out {weights} is the file --dit {weights} reads: writing it would replace that "
+                    "input; give another --out")
     twin = tmp_path / "twin.safetensors"
     os.link(weights, twin)
     line = _cli(capsys, "quantize", "--dit", str(twin), "--format", "fp8", "--out", str(weights))
-    assert "is the file --dit reads" in line
+    assert f"is the file --dit {twin} reads" in line
     assert weights.read_bytes() == before
 
 
@@ -518,30 +518,71 @@ def test_ctrl_c_while_sampling_is_cancelled_with_nothing_written(tmp_path, built
     _assert_cancelled(*run.finish(), out_dir)
 
 
+def _ctrl_c_after(function, when=lambda *args: True):
+    """`function`, then a real SIGINT to this process when `when(*its arguments)` holds."""
+    def wrapper(*args, **kwargs):
+        result = function(*args, **kwargs)
+        if when(*args):
+            os.kill(os.getpid(), signal.SIGINT)
+        return result
+
+    return wrapper
+
+
+def _ctrl_c_before(function, when):
+    def wrapper(*args, **kwargs):
+        if when(*args):
+            os.kill(os.getpid(), signal.SIGINT)
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def _at_the_write_check(monkeypatch):  # the output folder's scratch file has just been made
+    monkeypatch.setattr(os, "open", _ctrl_c_after(os.open, lambda path, *_: str(path).endswith(".check")))
+
+
+def _as_the_png_is_written(monkeypatch):  # the new PNG's partial file is complete, not yet renamed
+    from PIL import Image
+
+    monkeypatch.setattr(Image.Image, "save", _ctrl_c_after(Image.Image.save))
+
+
+def _as_the_png_is_written_and_again_as_it_is_removed(monkeypatch):
+    _as_the_png_is_written(monkeypatch)
+    monkeypatch.setattr(Path, "unlink", _ctrl_c_before(Path.unlink, lambda path, *_: path.name.endswith(".partial")))
+
+
+def _as_the_new_png_replaces_the_old(monkeypatch):  # complete: from here the run no longer takes a cancel
+    from ernie_image.runtime import cli
+
+    monkeypatch.setattr(cli._Interrupts, "outputs_written", _ctrl_c_after(cli._Interrupts.outputs_written))
+
+
 @pytest.mark.slow
-def test_ctrl_c_as_the_png_is_written_is_a_clean_cancel_or_too_late_never_half_of_each(tmp_path, built_cache):
-    """SIGINT over and over from the moment the new PNG's partial file appears until the process ends (the rename,
-    the last prints, teardown): either the run is cancelled and the older file it would replace is untouched, or
-    the new file stands and the run exits 0 as if no key was pressed."""
+@pytest.mark.parametrize("moment, cancelled", [(_at_the_write_check, True), (_as_the_png_is_written, True),
+                                               (_as_the_png_is_written_and_again_as_it_is_removed, True),
+                                               (_as_the_new_png_replaces_the_old, False)],
+                         ids=lambda value: value.__name__.strip("_") if callable(value) else None)
+def test_ctrl_c_as_the_png_is_written_is_a_clean_cancel_or_too_late_never_half_of_each(
+        capsys, monkeypatch, tmp_path, built_cache, moment, cancelled):
+    """A real SIGINT at each moment of writing the PNG: before the new file is complete the run is cancelled, the
+    older file it would replace is untouched and no scratch or partial file is left; once it is complete the new
+    file stands and the run exits 0 as if no key was pressed."""
+    monkeypatch.setenv("ERNIE_IMAGE_CACHE", str(built_cache))
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     png = out_dir / "x.png"
     png.write_bytes(b"OLDFILE")
-    run = _Run(["generate", "--steps", "1", "--out", str(png)], _env(built_cache), tmp_path)
-    deadline = time.monotonic() + 120
-    while len(list(out_dir.iterdir())) == 1 and png.read_bytes() == b"OLDFILE":
-        assert run.process.poll() is None and time.monotonic() < deadline, run.err.decode()
-        time.sleep(0.001)
-    while run.process.poll() is None:
-        run.process.send_signal(signal.SIGINT)
-        time.sleep(0.01)
-    code, lines = run.finish()
-    assert not any("Traceback" in line or "KeyboardInterrupt" in line for line in lines), lines
-    assert list(out_dir.iterdir()) == [png]  # no partial file either way
-    if code == 0:
-        assert png.read_bytes().startswith(b"\x89PNG") and "cancelled" not in lines, lines
-    else:
+    moment(monkeypatch)
+    code = main(["generate", "--steps", "1", "--device", "cpu", "--out", str(png)])
+    monkeypatch.undo()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert list(out_dir.iterdir()) == [png]  # no scratch or partial file either way
+    if cancelled:
         assert code == 130 and lines[-1] == "cancelled" and png.read_bytes() == b"OLDFILE", (code, lines)
+    else:
+        assert code == 0 and png.read_bytes().startswith(b"\x89PNG") and "cancelled" not in lines, (code, lines)
 
 
 @pytest.mark.slow

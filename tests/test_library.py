@@ -128,3 +128,16 @@ def _png_with_text(text: str) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (4, 4)).save(buffer, format="PNG", pnginfo=info)
     return buffer.getvalue()
+
+
+def test_checking_a_demo_job_first_leaves_diffusers_usable_in_the_same_process(tmp_path):
+    """The demo's shape check builds diffusers models on the meta device; were diffusers first imported there, its
+    module-level tables (the NVFP4 lookup) would stay meta tensors and fail later diffusers calls in the process."""
+    (tmp_path / "ernie_image").symlink_to(REPO_ROOT, target_is_directory=True)
+    code = ("import sys, torch; from ernie_image.runtime.tiny import model_shapes; model_shapes(); "
+            "from diffusers.quantizers.bfl.utils import dequantize_nvfp4; "
+            "print(dequantize_nvfp4(torch.zeros(2, 8, dtype=torch.uint8), torch.ones(2, 1, dtype=torch.float8_e4m3fn), "
+            "torch.tensor(1.0)).abs().sum().item())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
+    assert done.stdout.strip() == "0.0", done.stderr[-2000:]

@@ -5,36 +5,17 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from full_disk import needs_namespaces, on_a_full_disk
 
 
 def _on_a_full_disk(tmp_path: Path, argv: list[str], disk: Path) -> subprocess.CompletedProcess:
-    """Run `argv` with `disk` a 16 KiB tmpfs of its own."""
-    site = tmp_path / "site"
-    site.mkdir(exist_ok=True)
-    (site / "ernie_image").symlink_to(REPO_ROOT, target_is_directory=True)  # `-m ernie_image` runs this checkout
-    disk.mkdir()
-    script = f"mount -t tmpfs -o size=16k tmpfs {disk} && exec \"$@\""
-    env = {**os.environ, "PYTHONPATH": str(site), "ERNIE_IMAGE_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *argv], env=env, capture_output=True,
-                          text=True, timeout=300)
-
-
-def _namespaces_allowed() -> bool:
-    if shutil.which("unshare") is None:
-        return False
-    return subprocess.run(["unshare", "-rm", "true"], capture_output=True).returncode == 0
-
-
-needs_namespaces = pytest.mark.skipif(not _namespaces_allowed(), reason="no unprivileged mount namespaces here")
+    return on_a_full_disk(tmp_path, argv, disk)[0]
 
 
 @needs_namespaces

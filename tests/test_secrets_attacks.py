@@ -183,7 +183,7 @@ def sample(pipe: Any, use_pe: bool = False, batch: int = 1) -> str:
     try:
         _, _, prompt_used = ErnieImageTurboSampler().generate(
             pipe=pipe, prompt="a fox", resolution="custom", width=256, height=256, steps=1, cfg=1.0, seed=0,
-            batch_size=batch, shift=4.0, use_pe=use_pe)
+            batch_size=batch, shift=4.0, use_pe=use_pe)["result"]
         return prompt_used
     finally:
         pipe.release()

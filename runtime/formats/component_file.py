@@ -22,6 +22,7 @@ from typing import Callable, Literal, Optional
 import torch
 
 from ..errors import ErnieImageError, ModelFileError, one_line
+from .config_json import read_config
 from .detect import Identity, identify, sample_keys, text_model_role
 from .safetensors_reader import SafetensorsFile, is_gguf, open_safetensors
 from .vae_keys import bfl_to_diffusers, config_from_shapes, num_up_blocks_bfl
@@ -269,10 +270,13 @@ def _open_quantized(path: Path, kind: str, layout: str, metadata: Optional[dict[
 
 def _read_config(path: Path, metadata: dict[str, str]) -> Optional[dict]:
     if path.is_dir() and (path / "config.json").exists():
-        return json.loads((path / "config.json").read_text())
+        return read_config(path / "config.json")
     if "config" in metadata:
         try:
-            return json.loads(metadata["config"])
-        except ValueError:
-            raise ModelFileError(f"{path.name} carries an unreadable 'config' in its metadata: re-export the file") from None
+            config = json.loads(metadata["config"])
+        except (ValueError, RecursionError):
+            config = None
+        if not isinstance(config, dict):
+            raise ModelFileError(f"{path.name} carries an unreadable 'config' in its metadata: re-export the file")
+        return config
     return None

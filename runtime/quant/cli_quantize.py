@@ -9,7 +9,6 @@ format, and which variant was recorded and how it was decided.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -22,9 +21,12 @@ from ..errors import ErnieImageError, InvalidInputError, ModelFileError
 from ..formats.component_file import QUANT_MARKERS, open_component
 from ..formats.safetensors_reader import is_gguf, open_safetensors
 from ..variant import VARIANT_SETTING, VariantChoice, checked_variant_option, decide_variant
+from ..inputs_outputs import refuse_outputs_over_inputs
+from ..non_finite import refuse_non_finite_weights
 from .gguf_files import DIT_MARKER_KEYS, strip_dit_prefix
 from .safetensors_files import read_safetensors_file
-from .writer import WRITE_FORMATS, file_suffix, quantized_layer_counts, refuse_unpackable, write_quantized_file
+from .writer import (WRITE_FORMATS, file_suffix, quantized_layer_counts, refuse_unpackable, should_quantize,
+                     write_quantized_file)
 
 
 def _source_files(source: Path) -> list[Path]:
@@ -111,17 +113,18 @@ def _parser() -> OneLineParser:
 
 
 def refuse_output_over_input(out: Path, dit: Path) -> None:
-    """--out naming the file --dit reads would replace the bf16 weights; one inside the --dit folder would make the
-    folder two models."""
+    """--out naming a file --dit reads would replace the bf16 weights (refuse_outputs_over_inputs); one inside the
+    --dit folder would make the folder two models."""
     if dit.is_dir() and out.resolve().is_relative_to(dit.resolve()):
         raise InvalidInputError(f"--out {out.name} is inside the --dit folder {dit.name}: a quantised file there would "
                                 f"stop the folder loading as the bf16 model; write it elsewhere")
-    if not out.exists():
-        return
-    sources = [dit] if dit.is_file() else list(dit.rglob("*.safetensors"))
-    if any(os.path.samefile(out, source) for source in sources):
-        raise InvalidInputError(f"--out {out.name} is the file --dit reads: quantising would replace the bf16 weights "
-                                f"it reads; give another --out")
+    refuse_outputs_over_inputs([("--dit", dit)], [("--out", out, out)])
+
+
+def kept_dtypes(state: dict[str, torch.Tensor], fmt: str) -> str:
+    """The dtypes of the weight matrices left unpacked ("float32", "bfloat16/float32"): the file keeps them so."""
+    return "/".join(sorted({str(tensor.dtype).removeprefix("torch.") for name, tensor in state.items()
+                            if name.endswith(".weight") and tensor.dim() == 2 and not should_quantize(name, tensor, fmt)}))
 
 
 def main_quantize(argv: list[str] | None = None) -> int:
@@ -138,13 +141,15 @@ def main_quantize(argv: list[str] | None = None) -> int:
         files = bf16_dit_files(args.dit)
         variant = source_variant(args.dit, args.variant)  # before any weight is read
         state = read_bf16_dit(args.dit, files)
+        refuse_non_finite_weights(state, f"--dit {args.dit}", "re-download them, then quantise again")
         counts = quantized_layer_counts(state, args.format)
         refuse_unpackable(counts, args.format)
         out = write_quantized_file(state, args.format, args.out, variant=variant.variant)
     except ErnieImageError as err:
         print(f"error: {cli_message(err)}", file=sys.stderr)
         return 2
-    kept = f", {counts['kept']} kept in high precision" if counts["kept"] else ""
+    kept = f", {counts['kept']} kept in high precision ({kept_dtypes(state, args.format)}, as --dit holds them)" \
+        if counts["kept"] else ""
     print(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB): {counts[args.format]} weight matrices as "
           f"{args.format}{kept}; recorded as {cli_words(variant.text(), variant.settings)}")
     return 0

@@ -6,9 +6,10 @@ Files written:
   fp8, nvfp4  ComfyUI comfy_quant safetensors (per-layer `.comfy_quant` JSON tensors plus
               `_quantization_metadata`), so ComfyUI loads them natively and this pack reloads them.
               FP8 files carry a per-tensor scale, the form ComfyUI's float8_e4m3fn layout expects.
-  q8_0, q4_k  GGUF in the unsloth layout (diffusers names, 1-D tensors F32, other unquantised tensors
-              BF16, header `general.architecture = "wan"` because that is the name ComfyUI-GGUF accepts
-              for these files; this pack recognises ERNIE by its keys).
+  q8_0, q4_k  GGUF in the unsloth layout (diffusers names, 1-D tensors F32, other unquantised tensors in the
+              source's precision: F32, F16, or BF16 from bf16; header `general.architecture = "wan"` because that
+              is the name ComfyUI-GGUF accepts for these files; this pack recognises ERNIE by its keys).
+Unpacked matrices keep their dtype in every format: an fp32 DiT's are never rounded to bf16 without a word.
 Both record the DiT's variant (`ernie_image.variant`: base or turbo) when it is known, since the two releases
 share every key and shape and a file name can be changed (runtime/variant.py reads it first).
 Files are written under a hidden partial name and renamed over `out` when complete (runtime/output_files.py), so a
@@ -25,8 +26,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..errors import InvalidInputError
-from ..output_files import atomic_output
+from ..errors import ErnieImageError, InvalidInputError
+from ..output_files import atomic_output, error_number, write_error
 from ..variant import METADATA_KEY, Variant, checked_variant_option
 from .fp8 import quantize_fp8
 from .gguf_quantize import QUANTIZERS
@@ -114,8 +115,9 @@ def _write_gguf(items: Iterator[tuple[str, torch.Tensor | QuantizedWeight]], pat
                     raise InvalidInputError(f"{name} is {entry.format}: only GGUF block weights go into a GGUF file")
                 writer.add_tensor(name, entry.data.contiguous().numpy(),
                                   raw_dtype=gguf.GGMLQuantizationType[entry.qtype])
-            elif entry.dim() <= 1:
-                writer.add_tensor(name, entry.to(torch.float32).contiguous().numpy())
+            elif entry.dim() <= 1 or entry.dtype in (torch.float32, torch.float16):
+                # kept in the source's precision: an fp32 DiT's unpacked matrices are not rounded to BF16
+                writer.add_tensor(name, (entry if entry.dim() > 1 else entry.to(torch.float32)).contiguous().numpy())
             else:
                 raw = entry.to(torch.bfloat16).contiguous().view(torch.uint8).numpy()
                 writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.BF16)
@@ -186,9 +188,14 @@ def write_quantized_file(state: dict[str, torch.Tensor | QuantizedWeight], fmt: 
                 entry = quantize_weight(entry, fmt, per_row_fp8)
             yield name, entry
 
-    with atomic_output(path) as partial:
-        if fmt in ("fp8", "nvfp4"):
-            _write_comfy_safetensors(items(), partial, recorded)
-        else:
-            _write_gguf(items(), partial, recorded)
+    try:
+        with atomic_output(path) as partial:
+            if fmt in ("fp8", "nvfp4"):
+                _write_comfy_safetensors(items(), partial, recorded)
+            else:
+                _write_gguf(items(), partial, recorded)
+    except Exception as error:  # safetensors reports a failed write as its own SafetensorError
+        if isinstance(error, ErnieImageError) or error_number(error) is None:
+            raise
+        raise write_error(path, error) from None  # a full disk said so, in one line; the partial file is gone
     return path

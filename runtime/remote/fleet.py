@@ -232,6 +232,7 @@ class _Batch:
 
     # ------------------------------------------------------------------------------------ supervision
     async def run(self) -> list[GeneratedImage]:
+        self._tell_given_up_at_first_look()
         await self._run_workers()
         return list(self.results)
 
@@ -301,6 +302,14 @@ class _Batch:
             await self._until_change(0.1)
         if self.fatal is None:
             self._report_first_looks()
+
+    def _tell_given_up_at_first_look(self) -> None:
+        """A server first_model gave up on while another was ready (so nothing was said then), told once now."""
+        others = [s.label for s in self.slots if s.state != GIVEN_UP]
+        for slot in self.slots:
+            if self.after_first_look and slot.state == GIVEN_UP and slot.reported != GIVEN_UP and others:
+                self._report(slot, f"giving up on {slot.label} for this batch: {slot.detail}; the batch goes on "
+                                   f"with {', '.join(others)}")
 
     def _report_first_looks(self) -> None:
         """A server not ready at its first look, told once another takes the images (else the wait's lines and

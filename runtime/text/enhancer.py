@@ -127,7 +127,7 @@ class LocalEnhancer:
                 host.progress(count, total)
 
         sampled = sample_tokens(self.model, ids, settings, seed, self.eos_ids, host.check_cancel, on_token,
-                                compiled=self.compiled_decode)
+                                compiled=self.compiled_decode, weights=self.located.weights)
         revised = self.tokenizer.decode(sampled.token_ids, skip_special_tokens=True).strip()
         truncated = not sampled.stopped_by_eos and len(sampled.token_ids) >= settings.max_new_tokens
         if not revised:

@@ -11,7 +11,6 @@ about one copy of the weights and no random init is ever materialised.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -20,6 +19,7 @@ import torch
 
 from ..errors import ModelFileError
 from ..formats import open_component
+from ..formats.config_json import config_named, read_config
 from ..model_files import ModelSources, Variant, fill_from_file, load_config, rebuild_rotary_tables
 from .token_sampler import TRANSFORMERS_DEFAULT_TOP_K
 
@@ -51,7 +51,7 @@ def locate_pe(sources: ModelSources) -> PeWeights:
             break
     generation_config = {}
     if weights.is_dir() and (weights / "generation_config.json").exists():
-        generation_config = json.loads((weights / "generation_config.json").read_text())
+        generation_config = read_config(weights / "generation_config.json")
     return PeWeights(weights, tokenizer_folder, generation_config)
 
 
@@ -92,11 +92,11 @@ def build_pe_model(component, device: torch.device, dtype: torch.dtype, variant:
     """Ministral3ForCausalLM filled from a "pe" ComponentFile (canonical MistralModel keys)."""
     from transformers import Ministral3Config, Ministral3ForCausalLM
 
-    raw = pe_config_for(component, variant)
-    config = Ministral3Config(**raw)
-    config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = Ministral3ForCausalLM(config)
+    with config_named(component, "prompt enhancer"):
+        config = Ministral3Config(**pe_config_for(component, variant))
+        config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            model = Ministral3ForCausalLM(config)
     rebuild_rotary_tables(model.model, config, device)
     fill_from_file(model.model, component, device, dtype)
     if config.tie_word_embeddings:

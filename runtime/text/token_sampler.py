@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..non_finite import refuse_non_finite
 from ..request import SEED_MASK
 
 log = logging.getLogger(__name__)
@@ -158,9 +159,11 @@ def sample_tokens(
     on_token: Optional[Callable[[int], None]] = None,
     fast: bool = True,
     compiled: bool = False,
+    weights: object = "its files",
 ) -> SampledTokens:
     """New tokens after `prompt_ids` (the EOS that ended them not included). `fast`: allow the CUDA-graph decoder;
-    `compiled`: its layer step compiled (open_decoder)."""
+    `compiled`: its layer step compiled (open_decoder). `weights`: where the model's weights are, named when its
+    logits are not finite (damaged weights would otherwise sample a garbage prompt without a word)."""
     device = model.get_input_embeddings().weight.device
     generator = torch.Generator(device="cpu").manual_seed(int(seed) & SEED_MASK)
     warpers = None if settings.greedy else _warpers(settings)
@@ -175,6 +178,7 @@ def sample_tokens(
         try:
             logits = decoder.prefill(prompt_ids)
             torch.cuda.synchronize(device)
+            refuse_non_finite(logits, "prompt enhancer", weights, "logits")
             prefilled = time.perf_counter()
             generated, stopped_by_eos = _sample_on_device(decoder, logits, settings, seed, eos, eos_ids, check_cancel,
                                                           on_token)
@@ -186,6 +190,7 @@ def sample_tokens(
     draws: Optional[ExponentialDraws] = None
     try:
         logits = decoder.prefill(prompt_ids)
+        refuse_non_finite(logits, "prompt enhancer", weights, "logits")
         if not settings.greedy:
             draws = ExponentialDraws(generator, logits.shape[-1])
         if device.type == "cuda":

@@ -1,0 +1,63 @@
+"""A model's config.json files, read and checked in one line each: damaged JSON, or JSON that is not a config,
+names the file and the fix (re-download it) instead of a JSONDecodeError or AttributeError traceback."""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..errors import ErnieImageError, ModelFileError, one_line
+
+CONFIG_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError)
+
+
+def _config_errors() -> tuple[type[BaseException], ...]:
+    """CONFIG_ERRORS, and transformers' own refusal of a field of the wrong type (huggingface_hub's strict
+    dataclasses raise an Exception of their own)."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: its configs raise TypeError or ValueError
+        return CONFIG_ERRORS
+    return (*CONFIG_ERRORS, StrictDataclassError)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """The JSON object in `path` (config.json, generation_config.json)."""
+    path = Path(path)
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as error:
+        raise ModelFileError(f"{path} cannot be read ({error.strerror or error}): check its permissions, or "
+                             "re-download it") from None
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ModelFileError(f"{path} is not valid JSON ({one_line(error, 120)}): the file is damaged or cut short: "
+                             "re-download it") from None
+    if not isinstance(config, dict):
+        raise ModelFileError(f"{path} holds a JSON {type(config).__name__}, not a config (a JSON object): the file "
+                             "is damaged: re-download it")
+    return config
+
+
+def config_origin(component) -> tuple[str, str]:
+    """Where a component's config came from, and how to restore it: (its name in a message, the fix)."""
+    path = Path(component.path)
+    if path.is_dir() and (path / "config.json").exists():
+        return str(path / "config.json"), "re-download it"
+    if "config" in getattr(component, "metadata", {}):
+        return f"the config in {path.name}'s metadata", "re-download the file"
+    return f"the config inferred for {path} (it has no config.json)", "put the model's config.json there"
+
+
+@contextlib.contextmanager
+def config_named(component, part: str) -> Iterator[None]:
+    """A config that does not build `part` (a value of the wrong type, out of range, missing) as one line naming
+    the config and the fix."""
+    try:
+        yield
+    except ErnieImageError:
+        raise
+    except _config_errors() as error:
+        origin, fix = config_origin(component)
+        raise ModelFileError(f"{origin} does not describe an ERNIE-Image {part} ({one_line(error, 160)}): "
+                             f"{fix}") from None
