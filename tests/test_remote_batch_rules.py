@@ -129,3 +129,31 @@ def test_a_failed_run_leaves_no_connection_open(unclosed_sessions_fail) -> None:
             pipe.generate(request(), NullHost())
         del pipe
         gc.collect()
+
+
+# ---------------------------------------------------------------------------------------- a server's words
+FORGED = "baidu/ERNIE-Image-Turbo\x1b[31m\r\nFAKE LOG LINE: all good\x07"
+
+
+def test_text_a_server_sends_is_shown_as_one_printable_line_never_as_terminal_codes_or_log_lines() -> None:
+    from ernie_image.runtime.remote.check import check_remote, format_check_table
+
+    with FakeSglang(model_id=FORGED, pipeline_name="ErnieImagePipeline\x1b]0;title\x07") as forging:
+        rows = check_remote([forging.url], generate=False)
+        with FakeSglang(model_id=FORGED, pipeline_name="Other\r\nPipeline") as wrong:
+            other = check_remote([wrong.url], generate=False)
+    shown = "\n".join([format_check_table(rows), *rows[0].problems, *other[0].problems, str(rows[0].model_id)])
+    assert rows[0].model_id and all(char.isprintable() or char == "\n" for char in shown)
+    assert not any(line.startswith("FAKE LOG LINE") for line in shown.splitlines())
+    assert other[0].problems and "\n" not in other[0].problems[0] and "\x1b" not in other[0].problems[0]
+
+
+def test_a_command_line_key_going_to_several_servers_names_each_of_them(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("ERNIE_TEST_FLEET_KEY", "sk-fleet")
+    with FakeSglang(api_key="sk-fleet") as one, FakeSglang(api_key="sk-fleet") as two:
+        code = main(["generate", "--server", one.url, "--server", two.url, "--api-key-env", "ERNIE_TEST_FLEET_KEY",
+                     "--prompt", "a fox", "--width", "256", "--height", "256", "--out", str(tmp_path / "f.png")])
+    assert code == 0
+    told = [line for line in capsys.readouterr().err.splitlines() if "goes to each of these servers" in line]
+    assert told == [f"the key --api-key-env ERNIE_TEST_FLEET_KEY names goes to each of these servers: "
+                    f"{one.url}, {two.url}"]

@@ -160,10 +160,13 @@ def main_check_remote(argv: Optional[Sequence[str]] = None) -> int:
         normalize_base_url(url, what="URL", endpoint_suffixes=ENDPOINT_SUFFIXES)
     connect_s = checked_seconds(args.connect_timeout, "--connect-timeout")
     read_s = None if args.read_timeout is None else checked_seconds(args.read_timeout, "--read-timeout")
-    from .cli_args import cli_credentials
+    from .cli_args import cli_credentials, key_destinations
 
     bases = [normalize_base_url(url) for url in args.urls]
-    keys = ServerKeys.resolve(cli_credentials(bases, args.api_key_env, args.api_key_file), bases)
+    credentials = cli_credentials(bases, args.api_key_env, args.api_key_file)
+    if key_destinations(credentials):
+        print(key_destinations(credentials), file=sys.stderr)
+    keys = ServerKeys.resolve(credentials, bases)
     rows = _check_all(args.urls, keys, generate=not args.no_generate, connect_timeout_s=connect_s,
                       generation_timeout_s=GENERATION_TIMEOUT_S if read_s is None else read_s,
                       probe_read_s=PROBE_READ_S if read_s is None else read_s, read_timeout_label="--read-timeout")

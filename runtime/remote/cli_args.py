@@ -78,6 +78,16 @@ def cli_credentials(urls: list[str], env_var: Optional[str], file: Optional[str]
                                 file_flag=f"--{prefix}api-key-file", program="ernie-image")
 
 
+def key_destinations(credentials: Credentials) -> Optional[str]:
+    """A notice naming every server a key from the command line goes to, when it goes to more than one origin (a
+    fleet command copied from elsewhere may hold a server that is not yours)."""
+    flagged = [entry for entry in credentials.entries if entry.given_by.startswith("--")]
+    if len(flagged) < 2:
+        return None
+    return (f"the key {flagged[0].given_by} names goes to each of these servers: "
+            f"{', '.join(str(entry.origin) for entry in flagged)}")
+
+
 def pe_endpoint_from_args(args: argparse.Namespace) -> Optional["ChatEndpoint"]:
     """The PE chat endpoint --pe-url names, checked (URL, key source); None without --pe-url."""
     from ..text.remote_enhancer import ChatEndpoint

@@ -8,6 +8,7 @@ import time
 from ..host import Host
 from ..request import VARIANT_DEFAULTS, GenerationRequest
 from .backend import RemotePipe
+from .credentials import Credentials
 
 DEFAULT_SIDE = 1024
 
@@ -43,6 +44,11 @@ def _servers_that_made(images: list[dict]) -> str:
 def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host) -> int:
     from ..png_output import save_pngs
 
+    from .cli_args import key_destinations
+
+    notice = key_destinations(pipe.settings.credentials or Credentials())
+    if notice:
+        host.log(notice)
     try:
         # Every value given is checked before any network work (steps and CFG may still come from the server).
         _request(args, 1 if args.steps is None else args.steps, 1.0 if args.cfg is None else args.cfg).validate()

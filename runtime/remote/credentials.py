@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 from ..errors import InvalidInputError
 from .errors import AuthenticationError
 from .key_source import ApiKeySource, header_safe
+from .urls import shown_url
 
 KEYS_FILE_ENV = "ERNIE_IMAGE_KEYS_FILE"
 KEYS_FILE_NAME = "keys.json"
@@ -57,8 +58,13 @@ class Origin:
         """The origin of a URL already checked by urls.normalize_base_url (its path, if any, is left out)."""
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
+        try:
+            port = parts.port
+        except ValueError:  # normalize_base_url refuses such a URL first; never a traceback all the same
+            raise InvalidInputError(f"{shown_url(url)!r} has a port that is not a number: give one like "
+                                    f"http://gpu-box:30000") from None
         return cls(scheme, (parts.hostname or "").lower(),
-                   DEFAULT_PORTS.get(scheme, 0) if parts.port is None else parts.port)  # ":0" is no default port
+                   DEFAULT_PORTS.get(scheme, 0) if port is None else port)  # ":0" is no default port
 
     @classmethod
     def parse(cls, text: Any, where: str) -> "Origin":

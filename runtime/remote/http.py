@@ -128,11 +128,24 @@ def server_label(url: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------- error text
+def server_text(value: object, limit: int = 300) -> str:
+    """Text a server sent, as it may be shown: one line of printable characters (a control character, an escape
+    sequence or a line break from a stranger's server could forge log lines or restyle a terminal), at most
+    `limit` characters."""
+    text = "".join(char if char.isprintable() else "?" for char in str(value))
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _server_message(body: bytes, content_type: str) -> Optional[str]:
     """The human message inside an error body (FastAPI detail, OpenAI error, plain text), one line."""
     text = body.decode("utf-8", errors="replace").strip()
     if not text:
         return None
+    message = _message_in(text, content_type)
+    return server_text(message) if message is not None else None
+
+
+def _message_in(text: str, content_type: str) -> Optional[str]:
     if "json" in content_type or text[:1] in "{[":
         try:
             data = json.loads(text)
@@ -417,7 +430,8 @@ class HttpClient:
                                               self.settings.credential)
                     raise BadResponse(
                         f"{self.label} answered {method} {shown} with something that is not JSON "
-                        f"({content_type or 'no content type'}: {snippet!r}): is this the right server URL?"
+                        f"({server_text(content_type, 60) or 'no content type'}: {snippet!r}): is this the right "
+                        f"server URL?"
                     ) from None
         return JsonResponse(status=status, data=data, headers=resp_headers, num_bytes=len(raw), elapsed_s=elapsed)
 

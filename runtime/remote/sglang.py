@@ -19,7 +19,7 @@ from PIL import Image, UnidentifiedImageError
 
 from ..request import SEED_MASK, SIDE_MULTIPLE
 from .http import (AuthenticationError, BadResponse, ConnectionLost, HttpClient, HttpSettings, RetryPolicy, ServerFailed,
-                   ServerRejected, ServerUnavailable)
+                   ServerRejected, ServerUnavailable, server_text)
 from .urls import normalize_base_url, shown_url
 
 ERNIE_PIPELINE = "ErnieImagePipeline"
@@ -191,6 +191,11 @@ def _number(value: Any) -> Optional[float]:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
+def _text_field(entry: dict, name: str) -> Optional[str]:
+    value = entry.get(name)
+    return server_text(value, 60) if isinstance(value, str) else None
+
+
 class SglangClient:
     """One SGLang server: readiness, discovery and one-image generation. Use on one event loop."""
 
@@ -256,12 +261,13 @@ class SglangClient:
             if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
                 continue
             num_gpus = entry.get("num_gpus")
-            models.append(ServerModel(
-                id=entry["id"],
-                pipeline_name=str(entry.get("pipeline_name") or entry.get("pipeline_class") or "") or None,
+            pipeline = entry.get("pipeline_name") or entry.get("pipeline_class")
+            models.append(ServerModel(  # every text as it may be shown: it comes from a server nobody vetted
+                id=server_text(entry["id"], 200),
+                pipeline_name=server_text(pipeline, 200) if pipeline else None,
                 num_gpus=int(num_gpus) if isinstance(num_gpus, int) else None,
-                dit_precision=entry.get("dit_precision") if isinstance(entry.get("dit_precision"), str) else None,
-                task_type=entry.get("task_type") if isinstance(entry.get("task_type"), str) else None,
+                dit_precision=_text_field(entry, "dit_precision"),
+                task_type=_text_field(entry, "task_type"),
             ))
         return models
 
@@ -289,7 +295,7 @@ class SglangClient:
     async def version(self) -> Optional[str]:
         response = await self.http.request_json("GET", "/server_info", read_timeout_s=self.probe_read_s)
         version = response.data.get("version") if isinstance(response.data, dict) else None
-        return str(version) if version is not None else None
+        return server_text(version, 60) if version is not None else None
 
     # --------------------------------------------------------------------------------- generation
     async def generate(self, params: ImageParams, retry: Optional[RetryPolicy] = None) -> GeneratedImage:

@@ -99,7 +99,7 @@ def _check_port(netloc: str, what: str, shown: str) -> None:
     if host_port.startswith("["):  # [IPv6]:port
         port_text = host_port.partition("]")[2].removeprefix(":") if "]:" in host_port else ""
     else:
-        port_text = host_port.rpartition(":")[2] if ":" in host_port else ""
+        port_text = host_port.partition(":")[2] if ":" in host_port else ""  # the first ':', as urlsplit reads it
     if ":" in host_port and not port_text and not host_port.startswith("["):
         raise InvalidInputError(f"{what} {shown!r} ends in ':' without a port: give one like {EXAMPLE}")
     if not port_text:
