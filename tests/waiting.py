@@ -25,8 +25,9 @@ WAIT_S = 30.0  # the default cap on a wait: far above what any awaited event tak
 POLL_S = 0.02
 PROMPTLY_S = 5.0
 """The cap on something the code does at once (a cancel seen at its next 0.1 s poll, a deadline honoured, a
-refused connection told in one line): generous on a loaded runner, and below every wait or timeout a test tells
-"at once" apart from (10 s and more: a test whose alternative is shorter widens it first)."""
+refused connection told in one line): generous on a loaded runner, and below the wait or timeout a test tells "at
+once" apart from; where that is shorter, the test widens it first (a longer timeout, a patched constant) or says
+why its own cap still tells them apart."""
 
 
 def wait_until(condition: Callable[[], T], timeout_s: float = WAIT_S, what: Described = "",
