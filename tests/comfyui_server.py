@@ -6,7 +6,6 @@ with ComfyUI's requirements and this pack's dependencies (default: the one runni
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Protocol
 
 import pytest
+
+from waiting import wait_until, wait_until_async
 
 aiohttp = pytest.importorskip("aiohttp")
 
@@ -84,17 +85,16 @@ def running(command: list[str], log_path: Path, port: int, start_timeout_s: floa
 
 
 def wait_listening(process: subprocess.Popen, port: int, log_path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def listening() -> bool:
         if process.poll() is not None:
             pytest.fail(f"ComfyUI exited with {process.returncode} while starting:\n{_log_tail(log_path)}")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
-                return
+                return True
         except OSError:
-            if time.monotonic() > deadline:
-                pytest.fail(f"ComfyUI did not listen within {timeout_s} s:\n{_log_tail(log_path)}")
-            time.sleep(0.5)
+            return False
+
+    wait_until(listening, timeout_s, poll_s=0.2, what=lambda: f"ComfyUI listening:\n{_log_tail(log_path)}")
 
 
 def _log_tail(log_path: Path) -> str:
@@ -200,12 +200,12 @@ async def run_prompt(comfy: Served, graph: dict[str, Any],
                 if event["type"] in ("execution_success", "execution_error", "execution_interrupted"):
                     run.outcome = event["type"]
         # ComfyUI sends execution_success before it writes the history entry: wait for the entry.
-        deadline = time.monotonic() + 30
-        while not run.history and time.monotonic() < deadline:
+        async def history_entry() -> dict[str, Any]:
             async with session.get(f"{comfy.url}/history/{run.prompt_id}") as response:
-                run.history = (await response.json()).get(run.prompt_id, {})
-            if not run.history:
-                await asyncio.sleep(0.1)
+                return (await response.json()).get(run.prompt_id, {})
+
+        run.history = await wait_until_async(history_entry, poll_s=0.1,
+                                             what=f"the history entry of prompt {run.prompt_id}")
     return run
 
 

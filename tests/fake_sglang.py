@@ -10,6 +10,9 @@ connection resets, garbage JSON, huge bodies, 401/403, 429 with Retry-After, wro
 Behaviours a fleet meets (each counted: `generations` is every POST received, `ran` the seeds it generated):
 - dead from the start: `dead_url()` (nothing listens: connection refused);
 - slow: `service_time_s` / `per_step_s`;
+- still working, however long the client waits: `hold_answers=True` (every image is made but not answered until the
+  test calls `let_answers_go()`): a client's read timeout is met for certain, and the test picks the moment the
+  server finishes;
 - dies after N images: `die_after=N` (stops listening once the Nth image is sent: later requests are refused);
 - dies while working: `die_during=N` (drops the connection in the middle of the Nth image: it may have run);
 - 503 / 429 before any work: `faults=["503", "429"]`, or `flaky_every=K` (every Kth POST answers 503);
@@ -102,6 +105,7 @@ class FakeSglang:
     redirect_status: int = 307
     redirect_path: Optional[str] = None  # redirect this path only (None: every path)
     wire: list[WireRequest] = field(default_factory=list)
+    hold_answers: bool = False  # every image waits for `let_answers_go()` before it is answered
 
     def __post_init__(self) -> None:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -152,6 +156,9 @@ class FakeSglang:
         app.router.add_post("/v1/images/generations", self._generate)
         app.router.add_route("*", "/{tail:.*}", self._not_found)  # FastAPI's 404, recorded like the rest
         self._lock = asyncio.Lock()  # asyncio.Lock wakes waiters in FIFO order: SGLang's one-at-a-time queue
+        self._answers_go = asyncio.Event()
+        if not self.hold_answers:
+            self._answers_go.set()
         self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port)
@@ -180,6 +187,11 @@ class FakeSglang:
             self._thread.join(10)
         loop.close()
         self._loop = None
+
+    def let_answers_go(self) -> None:
+        """With `hold_answers`: answer the image held now, and every later one as soon as it is made."""
+        assert self._loop is not None, "the server is not running"
+        self._loop.call_soon_threadsafe(self._answers_go.set)
 
     def kill_after(self, generations: int) -> None:
         """Die (stop listening, drop connections) once this many generations have been served."""
@@ -332,6 +344,7 @@ class FakeSglang:
             asyncio.ensure_future(self._die())
             await asyncio.sleep(3600)  # the connection is dropped by the shutdown
         await asyncio.sleep(self.service_time_s + self.per_step_s * steps)
+        await self._answers_go.wait()
         if fault == "wrong_size":
             w, h = w // 2, h // 2
         fmt = str(body.get("output_format") or "jpeg").lower()

@@ -14,10 +14,11 @@ import json
 import os
 import socket
 import subprocess
-import time
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
+
+from waiting import wait_until
 
 SGLANG_PYTHON_ENV = "ERNIE_SGLANG_PYTHON"
 SGLANG_PYTHONPATH_ENV = "ERNIE_SGLANG_PYTHONPATH"
@@ -156,9 +157,9 @@ def wait_until_ready(servers: list[SglangServer], timeout_s: float = 300.0) -> d
     from ernie_image.runtime.remote.sglang import SglangClient
 
     seen: dict[str, list[str]] = {s.url: [] for s in servers}
-    deadline = time.monotonic() + timeout_s
     pending = list(servers)
-    while pending:
+
+    def all_ready() -> bool:
         for server in list(pending):
             if server.process.poll() is not None:
                 raise RuntimeError(f"sglang serve exited ({server.process.returncode}); log:\n{server.log_text()[-3000:]}")
@@ -175,7 +176,7 @@ def wait_until_ready(servers: list[SglangServer], timeout_s: float = 300.0) -> d
                 seen[server.url].append(state)
             if state == "ready":
                 pending.remove(server)
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"sglang serve not ready after {timeout_s:.0f} s: {seen}")
-        time.sleep(0.5)
+        return not pending
+
+    wait_until(all_ready, timeout_s, poll_s=0.5, what=lambda: f"sglang serve ready: {seen}")
     return seen

@@ -8,7 +8,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from ernie_image.runtime.cli import main
 from ernie_image.runtime.request import SEED_MASK
+
+from waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -464,11 +465,12 @@ class _Run:
             self.err += chunk
 
     def wait_for(self, text: bytes, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while text not in self.err:
-            assert self.process.poll() is None, self.err.decode()
-            assert time.monotonic() < deadline, self.err.decode()
-            time.sleep(0.02)
+        """Until the run has written `text` to stderr (failing at once if it ended without)."""
+        def written() -> bool:
+            assert text in self.err or self.process.poll() is None, self.err.decode()
+            return text in self.err
+
+        wait_until(written, timeout, what=lambda: f"{text!r} on stderr: {self.err.decode()}")
 
     def finish(self, timeout: float = 60) -> tuple[int, list[str]]:
         code = self.process.wait(timeout)
@@ -591,9 +593,8 @@ def test_ctrl_c_while_the_demo_model_is_built_leaves_no_half_built_cache(tmp_pat
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     run = _Run(["generate", "--out", str(out_dir / "x.png")], _env(cache), tmp_path)
-    deadline = time.monotonic() + 60
-    while not any(cache.glob(".tiny-turbo-v1.*.partial/transformer")) and time.monotonic() < deadline:
-        time.sleep(0.01)  # the build is under way: the DiT is written
+    wait_until(lambda: any(cache.glob(".tiny-turbo-v1.*.partial/transformer")), 60, poll_s=0.01,
+               what=lambda: f"the demo build writing its DiT: {run.err.decode()}")  # the build is under way
     run.process.send_signal(signal.SIGINT)
     _assert_cancelled(*run.finish(), out_dir)
     assert list(cache.iterdir()) == []  # neither the model nor its partial build

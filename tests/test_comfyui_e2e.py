@@ -8,11 +8,9 @@ so the example workflows run as shipped (only their size and step count are shru
 """
 from __future__ import annotations
 
-import asyncio
 import copy
 import io
 import json
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +20,7 @@ import pytest
 
 from comfyui_server import (COMFY_PYTHON, PACK_NAME, REPO_ROOT, Server, api_workflow, base_directory, comfyui_found,
                             free_port, get_json, node_of, place_tiny_models, post, run_prompt, running, saved_images)
+from waiting import wait_until_async
 
 API_WORKFLOWS = sorted((REPO_ROOT / "workflows" / "api").glob("*.json"))
 NODE_IDS = ("ErnieImageLoader", "ErnieImageSampler", "ErnieImageTurboSampler", "ErnieImageQuantConfig",
@@ -303,17 +302,29 @@ async def test_keep_loaded_and_comfyuis_free_button(comfy: Comfy) -> None:
     # "Unload models" only reaches ComfyUI's own model list: the pack's weights stay (documented limit).
     status, _ = await post(comfy, "/free", {"unload_models": True})
     assert status == 200
-    await asyncio.sleep(2)
+    await free_handled(comfy, graph)
     memory = await get_json(comfy, "/ernie_image/memory")
     assert any(p["loaded"] for p in memory["pipes"])
 
     # "Free model and node cache" drops the node cache, and with it the Loader's pipe and its weights.
     status, _ = await post(comfy, "/free", {"unload_models": True, "free_memory": True})
     assert status == 200
-    deadline = time.monotonic() + 20
-    while (await get_json(comfy, "/ernie_image/memory"))["live_pipes"] and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
-    assert (await get_json(comfy, "/ernie_image/memory"))["live_pipes"] == 0
+    await wait_until_async(lambda: no_pipe_alive(comfy), what="the Loader's pipe dropped with the node cache")
+
+
+async def no_pipe_alive(comfy: Comfy) -> bool:
+    return (await get_json(comfy, "/ernie_image/memory"))["live_pipes"] == 0
+
+
+async def free_handled(comfy: Comfy, graph: dict[str, Any]) -> None:
+    """Until ComfyUI has acted on the /free posted before: its prompt worker reads the flags /free sets when it
+    wakes, or after a prompt queued before it woke (main.py prompt_worker), so once a second prompt queued after the
+    /free has run they have been handled. The prompts are `graph`, just run, again: all of it from ComfyUI's cache,
+    so nothing is loaded again (a prompt of other nodes would drop the graph's outputs from the cache)."""
+    for _ in range(2):
+        run = await run_prompt(comfy, graph)
+        assert run.outcome == "execution_success", run.error
+        assert sorted(run.of_type("execution_cached")[0]["nodes"]) == sorted(graph), "a node ran again"
 
 
 async def test_keep_loaded_off_frees_weights_after_the_run(comfy: Comfy) -> None:

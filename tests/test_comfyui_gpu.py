@@ -19,7 +19,7 @@ with tiny models and no measurements (for working on the suite without a GPU).
 """
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import copy
 import json
 import os
@@ -34,6 +34,7 @@ import pytest
 from comfyui_server import (COMFY_DIR, COMFY_PYTHON, PACK_NAME, REPO_ROOT, Server, api_workflow, base_directory,
                             comfyui_found, free_port, get_json, node_of, place_tiny_models, post, run_prompt, running,
                             saved_images)
+from waiting import wait_until_async
 
 DRY_RUN = os.environ.get("ERNIE_GPU_SUITE_DRY_RUN") == "1"
 GiB = 1024**3
@@ -41,6 +42,7 @@ START_TIMEOUT_S = 240
 STEP_TIME_TOLERANCE = 0.05
 # After "Free model and node cache" the process keeps its CUDA context, cuBLAS workspaces and compiled kernels.
 FREED_DEVICE_SLACK = 1.5 * GiB
+PINNED_SLACK = 64 * 1024**2  # locked and pinned host memory left after the free, over the start's
 SIDE = 256 if DRY_RUN else 1024
 STEPS = 2 if DRY_RUN else 8
 
@@ -171,6 +173,10 @@ async def memory(comfy: GpuComfy) -> dict[str, Any]:
     return await get_json(comfy, "/ernie_image/memory")
 
 
+async def no_pipe_alive(comfy: GpuComfy) -> bool:
+    return (await memory(comfy))["live_pipes"] == 0
+
+
 async def last_run(comfy: GpuComfy) -> dict[str, Any]:
     runs = [p["last_run"] for p in (await memory(comfy))["pipes"] if p.get("last_run")]
     assert runs, "no local pipe reported a finished job"
@@ -267,12 +273,18 @@ async def test_free_model_and_node_cache_gives_device_and_pinned_memory_back(com
     during = {"device": device_used_bytes(), **process_memory(comfy.process.pid)}
     status, _ = await post(comfy, "/free", {"unload_models": True, "free_memory": True})
     assert status == 200
-    deadline = time.monotonic() + 60
-    while (await memory(comfy))["live_pipes"] and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
-    assert (await memory(comfy))["live_pipes"] == 0, "the node cache still holds a pipe"
-    await asyncio.sleep(2)
+    await wait_until_async(lambda: no_pipe_alive(comfy), 60, poll_s=0.5, what="the node cache dropping the pipe")
+
+    def given_back() -> Optional[dict[str, int]]:
+        now = {"device": device_used_bytes(), **process_memory(comfy.process.pid)}
+        pinned_back = all(now[key] <= comfy.baseline_host.get(key, 0) + PINNED_SLACK
+                          for key in ("VmLck", "VmPin") if key in now)
+        return now if DRY_RUN or (now["device"] <= comfy.baseline_device + FREED_DEVICE_SLACK and pinned_back) else None
+
+    # The driver and the kernel see the memory back a moment after the pipe is gone: wait for that, not a fixed time.
     after = {"device": device_used_bytes(), **process_memory(comfy.process.pid)}
+    with contextlib.suppress(AssertionError):  # never given back: the figures are reported and asserted below
+        after = await wait_until_async(given_back, 30, poll_s=0.5)
     report("free_model_and_node_cache", mode=comfy.mode, pinned_by_pack_before=pinned_held,
            baseline={"device": comfy.baseline_device, **comfy.baseline_host}, during=during, after=after)
     if DRY_RUN:
@@ -282,7 +294,7 @@ async def test_free_model_and_node_cache_gives_device_and_pinned_memory_back(com
         f"device memory {after['device'] / GiB:.2f} GiB after the free, {comfy.baseline_device / GiB:.2f} at start")
     for key in ("VmLck", "VmPin"):
         if key in after:
-            assert after[key] <= comfy.baseline_host.get(key, 0) + 64 * 1024**2, (key, during, after)
+            assert after[key] <= comfy.baseline_host.get(key, 0) + PINNED_SLACK, (key, during, after)
 
 
 def with_core_vae_decode(graph: dict[str, Any]) -> dict[str, Any]:

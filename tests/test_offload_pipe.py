@@ -16,6 +16,8 @@ from ernie_image.runtime.offload.workspace import Job
 from ernie_image.runtime.request import GenerationRequest
 from ernie_image.runtime.tiny import TinySizes, build_tiny_model
 
+from waiting import PROMPTLY_S
+
 SIZES = TinySizes(dit_layers=6)
 REQUEST = GenerationRequest(prompt="a red fox", negative_prompt="blurry", width=256, height=256, steps=2, cfg=3.0,
                             seed=7, batch=1)
@@ -155,7 +157,7 @@ def test_on_the_gpu_a_cancel_in_mid_step_returns_at_once_and_leaves_no_device_me
     host = TimedCancel(blocks=counting.calls - 5)  # 3 blocks into the second step, streamed copies in flight
     with pytest.raises(Cancelled):
         pipe.generate(REQUEST, host)
-    assert time.perf_counter() - host.cancelled_at < 1.0
+    assert time.perf_counter() - host.cancelled_at < PROMPTLY_S, "back at the Cancel, no wait on copies in flight"
     assert host.progress_calls == [(1, 2)]
     assert not pipe.is_loaded()
     assert torch.cuda.memory_allocated() == baseline, "the cancelled run left device memory allocated"

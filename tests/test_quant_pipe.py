@@ -161,8 +161,27 @@ def test_a_format_asked_for_beside_an_already_quantised_dit_file_is_refused_nami
     assert list(tmp_path.iterdir()) == []
 
 
+OWN_FORMAT = {"q8_0": "GGUF Q8_0", "fp8": "FP8", "nvfp4": "NVFP4"}  # as the pipe's description names them
+
+
 @pytest.mark.parametrize("quant", ["none", "auto", "same"])
-def test_a_quantised_dit_file_runs_as_it_is_with_no_quant_auto_or_its_own_format(model, quantised_files, quant):
+def test_a_quantised_dit_file_runs_as_it_is_with_no_quant_auto_or_its_own_format(model, quantised_files, reference,
+                                                                                 quant):
+    """Runs: an image within the file format's tolerance. As it is: every packed weight of the file is what the DiT
+    holds, bit for bit (not quantised again, not unpacked), and the description names the file's own format."""
+    from ernie_image.runtime.quant import load_quantized_state_dict
+
     for file_format, dit in quantised_files.items():
-        LocalPipe.load(ModelSources(model_dir=model, dit=dit),
-                       LoadOptions(device="cpu", quant=file_format if quant == "same" else quant))
+        pipe = LocalPipe.load(ModelSources(model_dir=model, dit=dit),
+                              LoadOptions(device="cpu", quant=file_format if quant == "same" else quant))
+        images = pipe.generate(REQUEST, NullHost()).images
+        assert 0 < (images - reference).abs().max().item() <= TOLERANCE[file_format], file_format
+        assert f"; DiT {OWN_FORMAT[file_format]}, eager" in pipe.describe().splitlines()[0]
+        packed = {name.removesuffix(".weight"): entry for name, entry in load_quantized_state_dict(dit).items()
+                  if getattr(entry, "qtype", None)}
+        assert packed, f"{dit.name} holds no packed weight"
+        for name, entry in packed.items():
+            layer = pipe._dit().get_submodule(name)
+            assert isinstance(layer, QuantLinear) and (layer.format, layer.qtype) == (entry.format, entry.qtype), name
+            for buffer, stored in entry.tensors().items():
+                assert torch.equal(getattr(layer, buffer), stored), f"{dit.name}: {name}.{buffer} is not the file's"

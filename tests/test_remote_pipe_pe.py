@@ -5,7 +5,6 @@ server of the remote-PE tests. What the DiT server received is the proof.
 """
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -21,6 +20,7 @@ from ernie_image.runtime.text.remote_enhancer import ChatEndpoint
 
 from fake_sglang import FakeSglang
 from test_enhancer_remote import ChatServer
+from waiting import PROMPTLY_S, WAIT_S, do_when, press_cancel
 
 PROMPT = "a red fox in snow"
 
@@ -84,14 +84,14 @@ def test_cancel_while_the_pe_server_hangs_sends_no_image_request():
     with FakeSglang() as sglang, ChatServer(faults=["hang"]) as chat:
         pipe = pipe_for(sglang, chat)
         host = NullHost()
-        threading.Timer(0.3, lambda: setattr(host, "cancel_requested", True)).start()
-        started = time.monotonic()
+        cancelled = do_when(lambda: chat.received, lambda: press_cancel(host))  # Cancel while the PE server hangs
         try:
             with pytest.raises(Cancelled):
                 pipe.generate(request(), host)
+            returned_at = time.monotonic()
         finally:
             pipe.release()
-        assert time.monotonic() - started < 2.0
+    assert returned_at - cancelled.result(WAIT_S) < PROMPTLY_S, "back at the Cancel, not when the PE server answers"
     assert not sglang.generations
 
 
