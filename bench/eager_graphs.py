@@ -30,12 +30,11 @@ from common import dit_config, environment, import_package, quantise_block_linea
 
 import_package()
 
-from ernie_image.runtime import fused_kernels  # noqa: E402
-from ernie_image.runtime import dit as dit_module  # noqa: E402
-from ernie_image.runtime.acceleration import compile_available, compile_blocks, fuse_projections  # noqa: E402
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT  # noqa: E402
-from ernie_image.runtime.dit_graphs import DiTGraphs  # noqa: E402
-from ernie_image.runtime.sampling import length_grouped_denoiser  # noqa: E402
+from ernie_image.runtime.model import dit as dit_module, fused_kernels  # noqa: E402
+from ernie_image.runtime.model.compile import compile_available, compile_blocks, fuse_projections  # noqa: E402
+from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT  # noqa: E402
+from ernie_image.runtime.model.dit_graphs import DiTGraphs  # noqa: E402
+from ernie_image.runtime.sampling.euler import length_grouped_denoiser  # noqa: E402
 
 TINY = {"hidden_size": 256, "num_attention_heads": 2, "num_layers": 3, "ffn_hidden_size": 512, "text_in_dim": 96,
         "rope_axes_dim": [32, 48, 48]}
@@ -297,9 +296,9 @@ def main() -> None:
 
 def streamed_rows(bench: Bench, model: ErnieDiT, reference: dict) -> None:
     """The eager step with blocks streamed at a 12 GiB budget (the planner's placement; graphs never serve it)."""
+    from ernie_image.runtime.local.memory import measured_dit_size
     from ernie_image.runtime.offload.placement import DiTPlacement
     from ernie_image.runtime.offload.planner import GiB, plan_memory
-    from ernie_image.runtime.offload.session import measured_dit_size
     from ernie_image.runtime.offload.sizes import ModelSizes
     from ernie_image.runtime.offload.workspace import Job
 
@@ -354,7 +353,7 @@ def comfy_kitchen_status() -> str:
         return f"not importable: {type(error).__name__}"
     if fused_kernels.cuda_backend() is None:
         return "importable, its CUDA backend not available: not used"
-    return f"{getattr(comfy_kitchen, '__version__', '?')}, used by the eager DiT (runtime/fused_kernels.py)"
+    return f"{getattr(comfy_kitchen, '__version__', '?')}, used by the eager DiT (runtime/model/fused_kernels.py)"
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from common import REPO_ROOT, import_package, print_environment, table
 
 import_package()
 
-from ernie_image.runtime.model_files import rebuild_rotary_tables  # noqa: E402
+from ernie_image.runtime.model.builders import rebuild_rotary_tables  # noqa: E402
 from ernie_image.runtime.text.pe_model import pe_weight_bytes  # noqa: E402
 from ernie_image.runtime.text.token_sampler import SamplingSettings, sample_tokens  # noqa: E402
 

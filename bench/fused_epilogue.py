@@ -30,8 +30,8 @@ import_package()
 
 from speed import build_ours, inputs  # noqa: E402
 
-from ernie_image.runtime import dit as dit_module  # noqa: E402
-from ernie_image.runtime.acceleration import compile_blocks, fuse_projections  # noqa: E402
+from ernie_image.runtime.model import dit as dit_module  # noqa: E402
+from ernie_image.runtime.model.compile import compile_blocks, fuse_projections  # noqa: E402
 
 HIDDEN, FFN, LAYERS = 4096, 12288, 36
 CONFIGS = [  # BM x BN output tile (per gate and per up), BK, grouped rows, warps, pipeline stages, persistent grid

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ernie_image.runtime import dit as dit_module
-from ernie_image.runtime.acceleration import fuse_projections
-from ernie_image.runtime.dit import ErnieDiT
-from ernie_image.runtime.dit_graphs import DiTGraphs, _Captured, graphed_dit, structure_key
-from ernie_image.runtime.sampling import length_grouped_denoiser
+from ernie_image.runtime.model import dit as dit_module
+from ernie_image.runtime.model.compile import fuse_projections
+from ernie_image.runtime.model.dit import ErnieDiT
+from ernie_image.runtime.model.dit_graphs import DiTGraphs, _Captured, graphed_dit, structure_key
+from ernie_image.runtime.sampling.euler import length_grouped_denoiser
 from reference_models import random_dit
 
 
@@ -226,8 +226,8 @@ def test_replay_is_bit_identical_to_the_eager_forward(batch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_cfg_length_groups_share_one_pool_and_match_eager_over_a_whole_sampling_run():
-    from ernie_image.runtime.host import NullHost
-    from ernie_image.runtime.sampling import sample_euler
+    from ernie_image.runtime.core.host import NullHost
+    from ernie_image.runtime.sampling.euler import sample_euler
 
     model = tiny_dit("cuda", torch.bfloat16)
     graphs = DiTGraphs(model)
@@ -323,7 +323,7 @@ def assert_runs_eagerly_with_one_warning(model: ErnieDiT, runner, reason: str, c
     model.block_runner = runner
     graphs = DiTGraphs(model)
     args = step_inputs("cuda", torch.bfloat16, 1)
-    with caplog.at_level(logging.WARNING, logger="ernie_image.runtime.dit_graphs"):
+    with caplog.at_level(logging.WARNING, logger="ernie_image.runtime.model.dit_graphs"):
         outputs = [graphs(*args) for _ in range(4)]
     assert graphs.disabled_reason and reason in graphs.disabled_reason
     assert len([r for r in caplog.records if reason in r.getMessage()]) == 1
@@ -402,8 +402,8 @@ sys.path.insert(0, {str(REPO_ROOT / "tests")!r})
 import torch
 assert torch.cuda.get_allocator_backend() == sys.argv[1], torch.cuda.get_allocator_backend()
 from test_dit_graphs import tiny_dit, step_inputs
-from ernie_image.runtime.dit_graphs import DiTGraphs
-from ernie_image.runtime.errors import Cancelled
+from ernie_image.runtime.model.dit_graphs import DiTGraphs
+from ernie_image.runtime.core.errors import Cancelled
 with torch.inference_mode():
     model = tiny_dit("cuda", torch.bfloat16)
     graphs = DiTGraphs(model, max_graphs=1)

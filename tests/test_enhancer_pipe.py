@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
-from ernie_image.runtime.request import GenerationRequest
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.model.builders import ModelSources
 from ernie_image.runtime.text.enhancer import LocalEnhancer
 from ernie_image.runtime.text.remote_enhancer import ChatEndpoint
-from ernie_image.runtime.tiny import build_tiny_model
 
 from test_enhancer_remote import ChatServer
 

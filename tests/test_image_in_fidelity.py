@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ernie_image.runtime.encode import encode_images, normalise, patchify
-from ernie_image.runtime.decode import denormalise, unpatchify
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.image_in import denoise_sigmas
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.sampling import initial_noise, shifted_sigmas
-from ernie_image.runtime.tiny import build_tiny_model
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.model.vae_decode import denormalise, unpatchify
+from ernie_image.runtime.model.vae_encode import encode_images, normalise, patchify
+from ernie_image.runtime.sampling.euler import initial_noise, shifted_sigmas
+from ernie_image.runtime.sampling.image_in import denoise_sigmas
 from reference_models import pipe, reference, tiny_folder  # noqa: F401  (fixtures used by name)
 
 TOLERANCE = 1 / 255
@@ -112,7 +112,7 @@ def test_encoded_latents_match_diffusers_and_the_inverses_hold(pipe, reference):
 
 def test_the_encoder_is_the_same_from_bfl_named_single_files(tmp_path, pipe):
     from ernie_image.runtime.formats import open_component
-    from ernie_image.runtime.model_files import build_vae
+    from ernie_image.runtime.model.builders import build_vae
 
     comfy = build_tiny_model(tmp_path / "comfy", layout="comfy", variant="base")
     component = open_component(comfy.vae, "vae")
@@ -215,7 +215,7 @@ def test_a_grown_feathered_mask_blends_softly_and_keeps_far_pixels(pipe):
     request = GenerationRequest(prompt="a window", steps=3, cfg=1.0, width=256, height=256, seed=10,
                                 init_image=image, mask=mask, denoise=0.7, mask_grow=8, mask_feather=8)
     images = pipe.generate(request, NullHost()).images[0]
-    from ernie_image.runtime.image_in import pixel_mask
+    from ernie_image.runtime.sampling.image_in import pixel_mask
 
     soft = pixel_mask(request)[0, 0]
     assert soft[120, 150] > 0.999 and 0 < soft[56, 150] < 1 and soft[40, 150] == 0  # grown 8 px, feathered 8 px

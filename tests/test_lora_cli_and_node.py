@@ -15,14 +15,14 @@ from PIL import Image
 import lora_files as lf
 from ernie_image.nodes.lora import ErnieImageLoRA
 from ernie_image.nodes.sampler import ErnieImageTurboSampler
-from ernie_image.runtime import local_pipe as local_pipe_module
-from ernie_image.runtime.cli import main as cli_main
-from ernie_image.runtime.errors import InvalidInputError, ModelFileError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.cli.commands import main as cli_main
+from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.local import pipe as local_pipe_module
+from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.model.builders import ModelSources
 from ernie_image.runtime.remote.backend import RemotePipe
-from ernie_image.runtime.request import GenerationRequest
 
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=4)
 

@@ -13,24 +13,23 @@ import torch
 
 import lora_files as lf
 from conftest import LoggingHost
-from ernie_image.runtime import local_pipe as local_pipe_module
-from ernie_image.runtime.acceleration import fuse_projections
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT
-from ernie_image.runtime.errors import InvalidInputError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.lora import pipe_loras as pipe_loras_module
+from ernie_image.runtime.core.errors import InvalidInputError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.local import loras as pipe_loras_module, pipe as local_pipe_module
+from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.lora.apply import apply_loras
 from ernie_image.runtime.lora.attach import LoraLinear, wrapped_layers
 from ernie_image.runtime.lora.keys import dit_linear_shapes
 from ernie_image.runtime.lora.merge import merge_state
 from ernie_image.runtime.lora.parsed import load_lora
-from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.model.builders import ModelSources
+from ernie_image.runtime.model.compile import fuse_projections
+from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
 from ernie_image.runtime.quant.fp8 import dequantize_fp8, quantize_fp8
 from ernie_image.runtime.quant.linear import QuantLinear
 from ernie_image.runtime.quant.qweight import QuantizedWeight
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.tiny import build_tiny_model
 
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=7)
 # fp32: merged and branch images differ only by fp32 summation order: bound 3e-5 of the 0..1 image (measured 6e-6;
@@ -153,7 +152,7 @@ def test_the_diffusers_layout_merged_matches_diffusers_within_1_255(merged_pipe,
     """The branch's fidelity test (test_lora_fidelity.py) in merge mode for the layout diffusers writes itself."""
     from diffusers import ErnieImagePipeline
 
-    from ernie_image.runtime.sampling import initial_noise
+    from ernie_image.runtime.sampling.euler import initial_noise
 
     shapes = lf.linear_shapes(lf.dit_weights(tiny_turbo_folder))
     path = lf.write_diffusers(tmp_path, lf.random_lora(shapes, 4, seed=8), 4, alpha=8)

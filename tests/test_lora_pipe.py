@@ -9,17 +9,17 @@ import pytest
 import torch
 
 import lora_files as lf
-from ernie_image.runtime import local_pipe as local_pipe_module
-from ernie_image.runtime.acceleration import fuse_projections
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
+from ernie_image.runtime.local import pipe as local_pipe_module
+from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.lora import parsed as parsed_module
 from ernie_image.runtime.lora.attach import LoraLinear, apply_stack, wrapped_layers
 from ernie_image.runtime.lora.parsed import load_lora
-from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.model.builders import ModelSources
+from ernie_image.runtime.model.compile import fuse_projections
 from ernie_image.runtime.quant.linear import QuantLinear
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.tiny import TinySizes, build_tiny_model
 
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=7)
 
@@ -191,8 +191,8 @@ def test_a_bf16_branch_is_as_close_to_the_exact_merge_as_a_bf16_merge(tmp_path):
     branch 0.54%, bf16 merge 0.51% relative, for a LoRA that moves the output by 12.5%)."""
     import copy
 
-    from ernie_image.runtime.dit import DiTConfig, ErnieDiT
     from ernie_image.runtime.lora.keys import dit_linear_shapes
+    from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
 
     config = DiTConfig(hidden_size=256, num_attention_heads=2, num_layers=4, ffn_hidden_size=768, text_in_dim=192,
                        rope_axes_dim=(32, 48, 48))
@@ -228,7 +228,7 @@ def test_a_bf16_branch_is_as_close_to_the_exact_merge_as_a_bf16_merge(tmp_path):
 def test_with_loras_refuses_a_lora_for_a_dit_of_another_size_when_it_is_added(model, tmp_path):
     from safetensors.torch import save_file
 
-    from ernie_image.runtime.errors import ModelFileError
+    from ernie_image.runtime.core.errors import ModelFileError
 
     path = tmp_path / "wider.safetensors"
     save_file({"diffusion_model.layers.0.mlp.linear_fc2.lora_A.weight": torch.zeros(2, 100),

@@ -13,13 +13,17 @@ import torch
 from torch import nn
 
 from ernie_image.nodes.sampler import ErnieImageTurboSampler
-from ernie_image.runtime.cli import main as cli_main
 from ernie_image.runtime import formats
-from ernie_image.runtime.errors import MemoryBudgetError
+from ernie_image.runtime.cli.commands import main as cli_main
+from ernie_image.runtime.core.errors import MemoryBudgetError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import build_tiny_model
 from ernie_image.runtime.formats import open_component
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.local.memory import measured_dit_size
+from ernie_image.runtime.local.out_of_memory import out_of_memory_message, without_tracebacks
+from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.model.builders import ModelSources
 from ernie_image.runtime.offload.planner import GiB
 from ernie_image.runtime.offload.reserve import (
     PhaseNeed,
@@ -28,14 +32,10 @@ from ernie_image.runtime.offload.reserve import (
     file_dit_size,
     phase_needs,
 )
-from ernie_image.runtime.offload.session import measured_dit_size
 from ernie_image.runtime.offload.sizes import ModelSizes
 from ernie_image.runtime.offload.workspace import Job
-from ernie_image.runtime.out_of_memory import out_of_memory_message, without_tracebacks
 from ernie_image.runtime.quant import gpu_support
 from ernie_image.runtime.quant.gpu_support import DeviceInfo
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.tiny import build_tiny_model
 
 H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0), 141 * 10**9)
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=5)
@@ -323,7 +323,7 @@ def test_the_cli_prints_one_line_and_fails(model, tmp_path, monkeypatch, capsys)
     def decode_runs_out(*args, **kwargs):
         raise torch.OutOfMemoryError(TORCH_OOM)
 
-    monkeypatch.setattr("ernie_image.runtime.local_pipe.decode_images", decode_runs_out)
+    monkeypatch.setattr("ernie_image.runtime.local.pipe.decode_images", decode_runs_out)
     code = cli_main(["generate", "--model-dir", str(model.model_dir), "--device", "cpu", "--width", "256",
                      "--height", "256", "--steps", "1", "--out", str(tmp_path / "out.png")])
     assert code == 2 and not (tmp_path / "out.png").exists()

@@ -12,13 +12,13 @@ import pytest
 from ernie_image.nodes import NODE_CLASS_MAPPINGS
 from ernie_image.nodes.enhancer import ErnieImagePromptEnhancer
 from ernie_image.nodes.remote import ErnieImageRemoteBackend
-from ernie_image.runtime.errors import InvalidInputError, ModelFileError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.model.builders import ModelSources
 from ernie_image.runtime.remote.backend import RemotePipe
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.tiny import build_tiny_model
 
 from test_enhancer_remote import SECRET, ChatServer
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ernie_image.runtime.errors import Cancelled, MemoryBudgetError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.core.errors import Cancelled, MemoryBudgetError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
+from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.offload.planner import GiB, plan_memory
-from ernie_image.runtime.request import GenerationRequest
 from ernie_image.runtime.text.remote_enhancer import ChatEndpoint
-from ernie_image.runtime.tiny import TinySizes, build_tiny_model
 
 # A text width and depth at which the PE's phase (KV cache for 4096 tokens) outgrows the tiny VAE's decode, so a
 # budget exists that fits the PE streamed but not whole.
@@ -200,9 +200,9 @@ def test_on_the_gpu_the_streamed_pe_matches_the_resident_one_and_hands_its_memor
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu_a_streamed_untied_pe_keeps_its_whole_stem_on_the_device():
+    from ernie_image.runtime.demo.tiny import build_prompt_enhancer
     from ernie_image.runtime.offload.placement import PePlacement
     from ernie_image.runtime.offload.planner import LayeredPlan
-    from ernie_image.runtime.tiny import build_prompt_enhancer
 
     model = build_prompt_enhancer(SIZES, seed=5).requires_grad_(False)
     model.config.tie_word_embeddings = False

@@ -7,14 +7,14 @@ import time
 import pytest
 import torch
 
-from ernie_image.runtime.errors import Cancelled, MemoryBudgetError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.core.errors import Cancelled, MemoryBudgetError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
+from ernie_image.runtime.local.memory import TEXT_TOKENS_FOR_PLAN, measured_dit_size
+from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.offload.planner import GiB, plan_memory
-from ernie_image.runtime.offload.session import TEXT_TOKENS_FOR_PLAN, measured_dit_size
 from ernie_image.runtime.offload.workspace import Job
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.tiny import TinySizes, build_tiny_model
 
 SIZES = TinySizes(dit_layers=6)
 REQUEST = GenerationRequest(prompt="a red fox", negative_prompt="blurry", width=256, height=256, steps=2, cfg=3.0,

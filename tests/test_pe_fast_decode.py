@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ernie_image.runtime.errors import InvalidInputError
+from ernie_image.runtime.core.errors import InvalidInputError
+from ernie_image.runtime.demo.tiny_pe import lively_prompt_enhancer
 from ernie_image.runtime.quant.linear import QuantLinear
 from ernie_image.runtime.text.pe_quant import quantize_pe_layers_
 from ernie_image.runtime.text.static_decoder import StaticCacheDecoder
-from ernie_image.runtime.text.tiny_pe import lively_prompt_enhancer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,9 +62,9 @@ def test_unknown_pe_quantisation_is_refused_with_the_choices():
 
 
 def test_a_pipe_with_an_fp8_pe_revises_through_packed_layers(tiny_turbo_with_pe):
-    from ernie_image.runtime.host import NullHost
-    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-    from ernie_image.runtime.model_files import ModelSources
+    from ernie_image.runtime.core.host import NullHost
+    from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+    from ernie_image.runtime.model.builders import ModelSources
 
     with pytest.raises(InvalidInputError, match="pe_quant 'int4' is not supported"):
         LoadOptions(pe_quant="int4").validate()

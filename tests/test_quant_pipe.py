@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ernie_image.runtime.cli import main as cli_main
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.cli.commands import main as cli_main
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.model.builders import ModelSources
 from ernie_image.runtime.quant.linear import QuantLinear
-from ernie_image.runtime.request import GenerationRequest
 
 TOLERANCE = {"q8_0": 0.01, "fp8": 0.02, "q4_k": 0.05, "nvfp4": 0.05}
 REQUEST = GenerationRequest(prompt="a fox in the snow", steps=4, cfg=1.0, width=256, height=256, seed=5)
@@ -63,7 +63,7 @@ def test_quantize_command_writes_a_file_the_generate_command_reloads(fmt, suffix
 
 
 def test_unknown_quant_choice_is_refused_when_the_pipe_is_made(model):
-    from ernie_image.runtime.errors import InvalidInputError
+    from ernie_image.runtime.core.errors import InvalidInputError
 
     with pytest.raises(InvalidInputError, match="quant 'int3' is not supported: use one of none, auto, bf16, fp8"):
         LocalPipe.load(ModelSources(model_dir=model), LoadOptions(device="cpu", quant="int3"))
@@ -72,7 +72,7 @@ def test_unknown_quant_choice_is_refused_when_the_pipe_is_made(model):
 @pytest.fixture(scope="module")
 def q4_k_model(tmp_path_factory) -> Path:
     """A tiny Turbo model wide enough for Q4_K's 256-wide blocks (the default tiny DiT is 64 wide: nothing packs)."""
-    from ernie_image.runtime.tiny import TinySizes, build_tiny_model
+    from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
 
     sizes = TinySizes(dit_hidden=256, dit_heads=8, dit_ffn=512)
     return build_tiny_model(tmp_path_factory.mktemp("tiny-q4k"), variant="turbo", sizes=sizes).model_dir
@@ -99,8 +99,8 @@ def test_quantise_on_load_to_a_format_nothing_packs_in_is_refused_as_quantize_re
                                                                                         monkeypatch):
     """q4_k on the 64-wide tiny DiT: `generate` ran it in bf16 without a word while `quantize` refused it. Now the
     pipe refuses it at load, from the file's shapes, in quantize's own words (naming the option that picks it)."""
-    from ernie_image.runtime import model_files
-    from ernie_image.runtime.errors import InvalidInputError
+    from ernie_image.runtime.core.errors import InvalidInputError
+    from ernie_image.runtime.model import builders as model_files
 
     monkeypatch.setattr(model_files, "build_dit", lambda *a, **k: pytest.fail("a DiT was built"))
     with pytest.raises(InvalidInputError) as caught:
@@ -147,7 +147,7 @@ def quantised_files(model, tmp_path_factory) -> dict[str, Path]:
 def test_a_format_asked_for_beside_an_already_quantised_dit_file_is_refused_naming_the_files_own(
         model, quantised_files, file_format, asked, own, capsys, tmp_path):
     """--quant beside a GGUF/FP8/NVFP4 DiT file was ignored without a word: the file runs in its own format."""
-    from ernie_image.runtime.errors import InvalidInputError
+    from ernie_image.runtime.core.errors import InvalidInputError
 
     dit = quantised_files[file_format]
     with pytest.raises(InvalidInputError) as caught:

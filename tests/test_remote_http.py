@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from ernie_image.runtime.errors import Cancelled, InvalidInputError
-from ernie_image.runtime.remote import errors
-from ernie_image.runtime.remote.credentials import Credential, Credentials, Origin
-from ernie_image.runtime.remote.http import (
+from ernie_image.runtime.core.errors import Cancelled, InvalidInputError
+from ernie_image.runtime.net import errors
+from ernie_image.runtime.net.credentials import Credential, Credentials, Origin
+from ernie_image.runtime.net.http import (
     AuthenticationError,
     BadResponse,
     ConnectionLost,
@@ -23,7 +23,7 @@ from ernie_image.runtime.remote.http import (
     TlsHandshakeFailed,
     run_sync,
 )
-from ernie_image.runtime.remote.key_source import ApiKeySource
+from ernie_image.runtime.net.key_source import ApiKeySource
 
 from fake_sglang import FakeSglang, UnacceptingListener, free_port
 
@@ -167,7 +167,7 @@ def test_cancel_returns_within_a_second_while_the_server_hangs(server):
 
 
 def test_host_check_cancel_works_as_the_cancel_callable(server):
-    from ernie_image.runtime.host import NullHost
+    from ernie_image.runtime.core.host import NullHost
 
     host = NullHost()
     server.faults.append("hang")
@@ -231,7 +231,7 @@ def test_a_key_goes_to_its_own_origin_only_and_never_after_a_redirect(monkeypatc
 
 
 def test_the_errors_moved_to_errors_py_are_the_ones_http_raises():
-    from ernie_image.runtime.remote import http
+    from ernie_image.runtime.net import http
 
     for name in ("AuthenticationError", "BadResponse", "ConnectionLost", "ServerFailed", "ServerRejected",
                  "ServerUnavailable", "TlsHandshakeFailed"):

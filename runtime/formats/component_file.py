@@ -21,7 +21,7 @@ from typing import Callable, Literal, Optional
 
 import torch
 
-from ..errors import ErnieImageError, ModelFileError, one_line
+from ..core.errors import ErnieImageError, ModelFileError, one_line
 from .config_json import read_config
 from .detect import Identity, identify, sample_keys, text_model_role
 from .safetensors_reader import SafetensorsFile, is_gguf, open_safetensors
@@ -217,7 +217,7 @@ def _decoder_shapes(loaders: dict[str, Loader]) -> dict:
 
 
 def _released_vae_config() -> dict:
-    from ..model_files import load_config
+    from ..model.builders import load_config
 
     return load_config("base", "vae")
 

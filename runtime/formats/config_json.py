@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import ErnieImageError, ModelFileError, one_line
+from ..core.errors import ErnieImageError, ModelFileError, one_line
 
 CONFIG_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError)
 

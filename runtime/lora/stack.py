@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
-from ..errors import InvalidInputError
+from ..core.errors import InvalidInputError
 
 MAX_STRENGTH = 10.0
 # How a LoRA reaches the DiT: "merge" adds its delta into the resident weights in place (merge.py; no cost per

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelFileError
+from ..core.errors import ModelFileError
 from ..formats.safetensors_reader import is_gguf
 from .gguf_files import DIT_MARKER_KEYS, load_dit_gguf, strip_dit_prefix
 from .qweight import QuantizedWeight

@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from ..errors import Cancelled, InvalidInputError, RemoteError
-from ..host import Host, show_status
-from ..pipe import check_generate_call
-from ..request import GenerationRequest, GenerationResult, refuse_image_inputs
-from ..variant import VariantChoice, settings_notice
+from ..core.errors import Cancelled, InvalidInputError, RemoteError
+from ..core.host import Host, show_status
+from ..core.pipe import check_generate_call
+from ..core.request import GenerationRequest, GenerationResult, refuse_image_inputs
+from ..core.variant import VariantChoice, settings_notice
+from ..net.credentials import Credentials, ServerKeys, load_credentials
+from ..net.http import HttpSettings, checked_seconds, run_soon, run_sync, server_label
+from ..net.urls import normalize_base_url
 from .fleet import Fleet, FleetSettings
-from .credentials import Credentials, ServerKeys, load_credentials
-from .http import HttpSettings, checked_seconds, run_soon, run_sync, server_label
 from .sglang import ENDPOINT_SUFFIXES, GeneratedImage, ImageParams, ReadTimeoutPolicy, ServerModel
-from .urls import normalize_base_url
 
 if TYPE_CHECKING:
     from ..text.enhancer import RevisedPrompts
@@ -40,7 +40,7 @@ SERVER_SHIFT = 4.0
 @dataclass(frozen=True)
 class RemoteSettings:
     """Everything the Remote Backend node exposes. No secret here, nor where one is read from: the user's
-    bindings (credentials.py) decide which key each server gets; `credential` may only pick one by its label.
+    bindings (net/credentials.py) decide which key each server gets; `credential` may only pick one by its label.
     `credentials` None: the user's keys file (load_credentials)."""
 
     credentials: Optional[Credentials] = None
@@ -167,7 +167,7 @@ class RemotePipe:
 
     def with_loras(self, loras) -> "RemotePipe":
         """LoRAs are not sent to SGLang servers: refused in one line (see lora.view.REMOTE_LORA_REFUSAL)."""
-        from ..lora.view import REMOTE_LORA_REFUSAL
+        from ..local.lora_view import REMOTE_LORA_REFUSAL
 
         raise InvalidInputError(REMOTE_LORA_REFUSAL)
 

@@ -17,10 +17,10 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import ModelFileError
+from ..core.errors import ModelFileError
 from ..formats import open_component
 from ..formats.config_json import config_named, read_config
-from ..model_files import ModelSources, Variant, fill_from_file, load_config, rebuild_rotary_tables
+from ..model.builders import ModelSources, Variant, fill_from_file, load_config, rebuild_rotary_tables
 from .token_sampler import TRANSFORMERS_DEFAULT_TOP_K
 
 _DROPPED_CONFIG_KEYS = ("architectures", "dtype", "torch_dtype", "transformers_version", "model_type")

@@ -1,0 +1,1 @@
+"""LocalPipe: the in-process backend, its options, memory, LoRA views and checks."""

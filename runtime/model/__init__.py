@@ -1,0 +1,1 @@
+"""The DiT and the VAE as runnable modules: their definitions and kernels, compilation, CUDA-graph replay, building them from files."""
