@@ -28,7 +28,7 @@ _LIBRARY = {
     "GenerationResult": "runtime.core.request",
     "VARIANT_DEFAULTS": "runtime.core.request",
     "RESOLUTION_PRESETS": "runtime.core.request",
-    "ModelSources": "runtime.model.builders",
+    "ModelSources": "runtime.formats.sources",
     "Host": "runtime.core.host",
     "NullHost": "runtime.core.host",
     "build_tiny_model": "runtime.demo.tiny",

@@ -151,7 +151,7 @@ def block_matmuls(dit: torch.nn.Module, batch: int, seq: int) -> Callable[[], No
 
 
 def dit_config(variant: str = "ERNIE-Image") -> dict:
-    return json.loads((REPO_ROOT / "runtime" / "configs" / variant / "transformer" / "config.json").read_text())
+    return json.loads((REPO_ROOT / "runtime" / "formats" / "configs" / variant / "transformer" / "config.json").read_text())
 
 
 @torch.no_grad()

@@ -13,8 +13,8 @@ import_package()
 from ernie_image.runtime.core.host import NullHost  # noqa: E402
 from ernie_image.runtime.core.request import GenerationRequest  # noqa: E402
 from ernie_image.runtime.demo.tiny import BOS_ID, EOS_ID, PAD_ID, build_tokenizer  # noqa: E402
+from ernie_image.runtime.formats.sources import ModelSources  # noqa: E402
 from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe  # noqa: E402
-from ernie_image.runtime.model.builders import ModelSources  # noqa: E402
 from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT  # noqa: E402
 from ernie_image.runtime.sampling.euler import initial_noise  # noqa: E402
 
@@ -25,7 +25,7 @@ PROMPT = ("a detailed photograph of a red fox standing in fresh snow at sunrise,
 
 
 def _config(component: str) -> dict:
-    return json.loads((REPO_ROOT / "runtime" / "configs" / "ERNIE-Image" / component / "config.json").read_text())
+    return json.loads((REPO_ROOT / "runtime" / "formats" / "configs" / "ERNIE-Image" / component / "config.json").read_text())
 
 
 def build_components():

@@ -1,4 +1,4 @@
-"""Prompt-enhancer speed on the GPU with full-size random weights (runtime/configs/ERNIE-Image/pe/config.json).
+"""Prompt-enhancer speed on the GPU with full-size random weights (runtime/formats/configs/ERNIE-Image/pe/config.json).
 
     python bench/enhancer.py [--new-tokens 256] [--prompt-tokens 128] [--runs 3] [--skip-reference]
 
@@ -30,7 +30,7 @@ from ernie_image.runtime.text.token_sampler import SamplingSettings, sample_toke
 EOS_ID = 2
 
 
-PE_CONFIG = REPO_ROOT / "runtime" / "configs" / "ERNIE-Image" / "pe" / "config.json"
+PE_CONFIG = REPO_ROOT / "runtime" / "formats" / "configs" / "ERNIE-Image" / "pe" / "config.json"
 
 
 def full_size_pe(device: torch.device, config_path=PE_CONFIG):

@@ -34,7 +34,7 @@ from common import dit_config, import_package, print_environment, randomise_dit_
 import_package()
 
 from ernie_image.runtime.core.host import NullHost  # noqa: E402
-from ernie_image.runtime.model.builders import load_config  # noqa: E402
+from ernie_image.runtime.formats.config_json import load_config  # noqa: E402
 from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT  # noqa: E402
 from ernie_image.runtime.model.vae_decode import decode_images  # noqa: E402
 from ernie_image.runtime.model.vae_encode import encode_images  # noqa: E402

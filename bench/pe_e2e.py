@@ -7,7 +7,7 @@ Rows: Turbo (8 steps, CFG 1) with an FP8 and with a bf16 DiT, Base (50 steps, CF
 PE on and off, then diffusers' pipeline (bf16 DiT, eager: it has no FP8 path) for Turbo and Base, PE on and off.
 Each image is timed whole and split into PE rewrite / text encode / DiT sampling / VAE decode / the rest.
 
-- Weights: full-size random ones built on the GPU from the released configs (runtime/configs; no file is written or
+- Weights: full-size random ones built on the GPU from the released configs (runtime/formats/configs; no file is written or
   read). Both pipelines hold the same tensors (DiT, text encoder, PE, VAE), so both fit on one GPU at once; the
   pack's DiT additionally holds its fused projections and, for the FP8 rows, an FP8 copy of the block Linears.
 - The PE rewrite is forced to exactly `--pe-tokens` (256) new tokens, since random weights stop anywhere: both
@@ -196,7 +196,7 @@ def build_full_size(pe_tokens: int) -> Components:
     force_rewrite_length(pe, pe_tokens)
     described = {"DiT": f"{dit.config.num_layers} blocks, hidden {dit.config.hidden_size}",
                  "PE": f"{raw['num_hidden_layers']} layers, hidden {raw['hidden_size']}, vocab {raw['vocab_size']}",
-                 "weights": "full-size random (runtime/configs), bf16, built on the GPU"}
+                 "weights": "full-size random (runtime/formats/configs), bf16, built on the GPU"}
     return Components(device, torch.bfloat16, dit, reference_dit, text_encoder, tower, vae, pe, text_tokenizer,
                       pe_tokenizer, described)
 
@@ -255,8 +255,8 @@ class DiTs:
 def our_pipe(components: Components):
     """LocalPipe with the components given in memory (its VRAM manager off, since no file is read), the PE
     resident as the pack's plan keeps it when everything fits."""
+    from ernie_image.runtime.formats.sources import ModelSources
     from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
-    from ernie_image.runtime.model.builders import ModelSources
 
     weights_path = Path("(random weights in memory)")
     dtype = "bf16" if components.dtype == torch.bfloat16 else "fp32"
@@ -293,7 +293,7 @@ def our_image(pipe, model, steps: int, cfg: float, pe: bool, size: int, pe_token
 def diffusers_pipe(components: Components):
     from diffusers import ErnieImagePipeline, FlowMatchEulerDiscreteScheduler
 
-    config = json.loads((REPO_ROOT / "runtime" / "configs" / "ERNIE-Image" / "scheduler" / "config.json").read_text())
+    config = json.loads((REPO_ROOT / "runtime" / "formats" / "configs" / "ERNIE-Image" / "scheduler" / "config.json").read_text())
     reference = ErnieImagePipeline(transformer=components.reference_dit, vae=components.vae,
                                    text_encoder=components.text_encoder, tokenizer=components.text_tokenizer,
                                    scheduler=FlowMatchEulerDiscreteScheduler.from_config(config), pe=components.pe,

@@ -17,7 +17,7 @@ MAX_BUDGET_GB = 1024.0
 
 def build_sources(diffusers_folder: str, diffusion_model: str, text_encoder: str, vae: str,
                   prompt_enhancer: str, variant: str) -> Any:
-    from ..runtime.model.builders import ModelSources
+    from ..runtime.formats.sources import ModelSources
 
     sources = ModelSources(
         model_dir=comfy_env.resolve_diffusers_folder(diffusers_folder),

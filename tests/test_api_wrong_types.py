@@ -12,8 +12,8 @@ from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.files.png_output import save_pngs
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model.builders import ModelSources
 from ernie_image.runtime.remote.backend import RemotePipe
 
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, seed=1)

@@ -263,8 +263,8 @@ def test_gguf_whose_metadata_is_garbage(tmp_path):
 
 
 def test_an_explicit_tokenizer_without_one_is_refused_not_ignored(tiny_folder, tmp_path):
+    from ernie_image.runtime.formats.sources import ModelSources
     from ernie_image.runtime.formats.tokenizer import load_tokenizer
-    from ernie_image.runtime.model.builders import ModelSources
 
     with pytest.raises(ModelFileError, match="tokenizer .*nowhere has no tokenizer.json"):
         load_tokenizer(ModelSources(model_dir=tiny_folder, tokenizer=tmp_path / "nowhere"))
@@ -356,8 +356,8 @@ def test_a_load_options_budget_that_is_not_a_positive_number_is_refused_at_load(
 @pytest.mark.parametrize("dtype", ["fp64", "float32", ""])
 def test_a_dtype_the_pipe_does_not_run_in_is_a_bad_input_not_a_model_file_error(tiny_folder, dtype):
     """A dtype is the user's choice: InvalidInputError when the options are checked (was ModelFileError)."""
+    from ernie_image.runtime.formats.sources import ModelSources
     from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe, resolve_dtype
-    from ernie_image.runtime.model.builders import ModelSources
 
     expected = f"dtype {dtype!r} is not supported: use auto, bf16, fp16, fp32"
     with pytest.raises(InvalidInputError) as caught:

@@ -352,8 +352,8 @@ def test_a_negative_prompt_at_cfg_1_runs_with_a_notice_that_it_has_no_effect(cap
 def test_the_python_api_tells_its_host_of_a_negative_prompt_at_cfg_1(tiny_turbo_folder):
     from ernie_image.runtime.core.host import NullHost
     from ernie_image.runtime.core.request import GenerationRequest
+    from ernie_image.runtime.formats.sources import ModelSources
     from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
-    from ernie_image.runtime.model.builders import ModelSources
 
     pipe = LocalPipe.load(ModelSources(model_dir=tiny_turbo_folder), LoadOptions(device="cpu"))
     host = NullHost()

@@ -13,8 +13,8 @@ from comfy_folders import fake_folder_paths
 from ernie_image.nodes.loader import ErnieImageLoader
 from ernie_image.runtime.cli.commands import main
 from ernie_image.runtime.core.errors import ModelFileError, worded
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model.builders import ModelSources
 
 pytestmark = pytest.mark.usefixtures("no_comfy_modules_left_behind")
 

@@ -13,7 +13,7 @@ from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.demo.tiny import TinySizes
 from ernie_image.runtime.demo.tiny_pe import build_tiny_pe_folder, lively_prompt_enhancer
-from ernie_image.runtime.model.builders import ModelSources
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.text.enhancer import LocalEnhancer, revise_prompts
 from ernie_image.runtime.text.pe_prompt import ERNIE_PE_SYSTEM_TEXT, render_chat, user_message
 from ernie_image.runtime.text.token_sampler import ExponentialDraws, SamplingSettings, sample_tokens

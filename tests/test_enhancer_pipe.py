@@ -9,8 +9,8 @@ import torch
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model.builders import ModelSources
 from ernie_image.runtime.text.enhancer import LocalEnhancer
 from ernie_image.runtime.text.remote_enhancer import ChatEndpoint
 

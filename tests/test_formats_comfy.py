@@ -12,9 +12,9 @@ from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.demo.comfy_files import save_comfy_layout
 from ernie_image.runtime.demo.tiny import TinySizes, build_dit, build_text_encoder, build_tiny_model, build_vae
 from ernie_image.runtime.formats import open_component
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.formats.vae_keys import bfl_to_diffusers, diffusers_to_bfl, to_bfl_state_dict
 from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model.builders import ModelSources
 from ernie_image.runtime.sampling.euler import initial_noise
 
 TOLERANCE = 1e-4

@@ -17,8 +17,8 @@ from ernie_image.runtime.core.errors import InvalidInputError
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model.builders import ModelSources
 
 
 def _refused(**fields) -> str:

@@ -31,8 +31,8 @@ def full_size_vae(folder: Path):
     from diffusers import AutoencoderKLFlux2
 
     from ernie_image.runtime.demo.comfy_files import save_comfy_layout  # noqa: F401  (the writer's module)
+    from ernie_image.runtime.formats.config_json import load_config
     from ernie_image.runtime.formats.vae_keys import to_bfl_state_dict
-    from ernie_image.runtime.model.builders import load_config
 
     config = {k: v for k, v in load_config("turbo", "vae").items() if not k.startswith("_") and k != "force_upcast"}
     torch.manual_seed(0)

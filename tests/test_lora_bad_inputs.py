@@ -15,9 +15,9 @@ from conftest import LoggingHost
 from ernie_image.runtime.core.errors import ErnieImageError, InvalidInputError, ModelFileError
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.lora import LoraEntry, parse_lora_argument
-from ernie_image.runtime.model.builders import ModelSources
 
 REQUEST = GenerationRequest(prompt="a fox", width=256, height=256, steps=1, cfg=1.0, seed=2)
 

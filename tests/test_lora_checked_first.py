@@ -19,10 +19,10 @@ from ernie_image.nodes.lora import ErnieImageLoRA
 from ernie_image.runtime.cli.commands import main as cli_main
 from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
 from ernie_image.runtime.demo import cached_model as demo_module
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local import pipe as local_pipe_module
 from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.lora import LoraStack
-from ernie_image.runtime.model.builders import ModelSources
 
 pytestmark = pytest.mark.usefixtures("one_thread", "no_comfy_modules_left_behind")
 

@@ -19,9 +19,9 @@ from ernie_image.runtime.cli.commands import main as cli_main
 from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local import pipe as local_pipe_module
 from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model.builders import ModelSources
 from ernie_image.runtime.remote.backend import RemotePipe
 
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=4)

@@ -10,8 +10,8 @@ import torch
 
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model.builders import ModelSources
 from ernie_image.runtime.sampling.euler import initial_noise
 
 import lora_files as lf

@@ -17,6 +17,7 @@ from ernie_image.runtime.core.errors import InvalidInputError
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local import loras as pipe_loras_module, pipe as local_pipe_module
 from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.lora.apply import apply_loras
@@ -24,7 +25,6 @@ from ernie_image.runtime.lora.attach import LoraLinear, wrapped_layers
 from ernie_image.runtime.lora.keys import dit_linear_shapes
 from ernie_image.runtime.lora.merge import merge_state
 from ernie_image.runtime.lora.parsed import load_lora
-from ernie_image.runtime.model.builders import ModelSources
 from ernie_image.runtime.model.compile import fuse_projections
 from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
 from ernie_image.runtime.quant.fp8 import dequantize_fp8, quantize_fp8

@@ -17,10 +17,10 @@ from safetensors.torch import save_file
 import lora_files as lf
 from ernie_image.runtime.cli.commands import main as cli_main
 from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.lora import LoraStack
 from ernie_image.runtime.lora.parsed import check_lora_file, load_lora
-from ernie_image.runtime.model.builders import ModelSources
 
 LAYER = "layers.0.self_attention.to_q"
 pytestmark = pytest.mark.usefixtures("one_thread")

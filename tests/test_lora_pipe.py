@@ -12,12 +12,12 @@ import lora_files as lf
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local import pipe as local_pipe_module
 from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
 from ernie_image.runtime.lora import parsed as parsed_module
 from ernie_image.runtime.lora.attach import LoraLinear, apply_stack, wrapped_layers
 from ernie_image.runtime.lora.parsed import load_lora
-from ernie_image.runtime.model.builders import ModelSources
 from ernie_image.runtime.model.compile import fuse_projections
 from ernie_image.runtime.quant.linear import QuantLinear
 

@@ -20,10 +20,10 @@ from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.demo.tiny import build_tiny_model
 from ernie_image.runtime.formats import open_component
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local.memory import measured_dit_size
 from ernie_image.runtime.local.out_of_memory import out_of_memory_message, without_tracebacks
 from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model.builders import ModelSources
 from ernie_image.runtime.offload.planner import GiB
 from ernie_image.runtime.offload.reserve import (
     PhaseNeed,

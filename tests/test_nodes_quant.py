@@ -26,7 +26,7 @@ def test_on_a_machine_without_cuda_auto_explains_bf16() -> None:
 
 
 def test_the_choices_are_the_runtimes_formats() -> None:
-    from ernie_image.runtime.model.builders import QUANT_ON_LOAD_FORMATS
+    from ernie_image.runtime.model.fill import QUANT_ON_LOAD_FORMATS
     from ernie_image.runtime.quant.gpu_support import SELECTOR_CHOICES
 
     assert set(FORMATS) == set(SELECTOR_CHOICES) | {"gguf-file"}

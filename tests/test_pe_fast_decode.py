@@ -63,8 +63,8 @@ def test_unknown_pe_quantisation_is_refused_with_the_choices():
 
 def test_a_pipe_with_an_fp8_pe_revises_through_packed_layers(tiny_turbo_with_pe):
     from ernie_image.runtime.core.host import NullHost
+    from ernie_image.runtime.formats.sources import ModelSources
     from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
-    from ernie_image.runtime.model.builders import ModelSources
 
     with pytest.raises(InvalidInputError, match="pe_quant 'int4' is not supported"):
         LoadOptions(pe_quant="int4").validate()

@@ -14,8 +14,8 @@ import torch
 from ernie_image.runtime.cli.commands import main as cli_main
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model.builders import ModelSources
 from ernie_image.runtime.quant.linear import QuantLinear
 
 TOLERANCE = {"q8_0": 0.01, "fp8": 0.02, "q4_k": 0.05, "nvfp4": 0.05}
@@ -100,9 +100,9 @@ def test_quantise_on_load_to_a_format_nothing_packs_in_is_refused_as_quantize_re
     """q4_k on the 64-wide tiny DiT: `generate` ran it in bf16 without a word while `quantize` refused it. Now the
     pipe refuses it at load, from the file's shapes, in quantize's own words (naming the option that picks it)."""
     from ernie_image.runtime.core.errors import InvalidInputError
-    from ernie_image.runtime.model import builders as model_files
+    from ernie_image.runtime.model import builders
 
-    monkeypatch.setattr(model_files, "build_dit", lambda *a, **k: pytest.fail("a DiT was built"))
+    monkeypatch.setattr(builders, "build_dit", lambda *a, **k: pytest.fail("a DiT was built"))
     with pytest.raises(InvalidInputError) as caught:
         LocalPipe.load(ModelSources(model_dir=model), LoadOptions(device="cpu", quant="q4_k"))
     refusal = ("none of this DiT's 20 weight matrices can be packed as q4_k (it needs in_features divisible by 256): "

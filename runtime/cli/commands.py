@@ -140,8 +140,8 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     from ..core.request import GenerationRequest
     from ..demo.cached_model import DEMO_NOTICE, load_demo_pipe
     from ..files.png_output import save_pngs
+    from ..formats.sources import ModelSources
     from ..local.pipe import LoadOptions, LocalPipe
-    from ..model.builders import ModelSources
 
     interrupts = interrupts or _Interrupts()
     host = _ConsoleHost(interrupts)

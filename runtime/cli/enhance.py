@@ -10,8 +10,8 @@ from typing import Sequence
 from ..core.errors import InvalidInputError
 from ..core.host import NullHost
 from ..core.request import SEED_MASK, validate_size
+from ..formats.sources import ModelSources
 from ..local.pipe import LoadOptions, resolve_device, resolve_dtype
-from ..model.builders import ModelSources
 from ..net.http import checked_seconds
 from ..net.urls import normalize_base_url
 from ..text.enhancer import LocalEnhancer, revise_prompts, validate_sampling

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from ..core.errors import ErnieImageError, ModelFileError
+from ..core.variant import Variant
 from ..files.output_files import error_number, full_disk
 from ..files.uninterrupted import uninterrupted
-from ..model.builders import ModelSources, Variant
+from ..formats.sources import ModelSources
 
 DEMO_NOTICE = (
     "no model given: using a tiny random ERNIE-Image model built in code at {path}. "

@@ -21,9 +21,9 @@ import torch
 
 from ..core.variant import METADATA_KEY, Variant
 from ..files.output_files import give_usual_mode
+from ..formats.sources import ModelSources
 from ..formats.tekken import TEKKEN_KEY, byte_symbols, tekken_json_from_vocabulary
 from ..formats.vae_keys import to_bfl_state_dict
-from ..model.builders import ModelSources
 from .tiny_vocab import SPECIAL_TOKENS
 
 COMFY_DIT_PREFIX = "model.diffusion_model."

@@ -14,8 +14,10 @@ from typing import Literal
 
 import torch
 
+from ..core.variant import Variant
 from ..files.output_files import give_usual_mode, safetensors_under
-from ..model.builders import CONFIG_ROOT, ModelSources, Variant
+from ..formats.config_json import released_config_folder
+from ..formats.sources import ModelSources
 from ..text.pe_prompt import ERNIE_PE_CHAT_TEMPLATE
 from .tiny_vocab import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS
 
@@ -234,7 +236,7 @@ def build_tiny_model(
     diffusion_models/, text_encoders/ (tokenizer embedded as `tekken_model`) and vae/ (BFL key layout).
     """
     dest = Path(dest)
-    config_root = CONFIG_ROOT / ("ERNIE-Image-Turbo" if variant == "turbo" else "ERNIE-Image")
+    config_root = released_config_folder(variant)
     dit, text_encoder, vae = build_dit(sizes, seed), build_text_encoder(sizes, seed + 1), build_vae(sizes, seed + 2)
     pe = None
     if with_pe:

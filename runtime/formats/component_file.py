@@ -217,7 +217,7 @@ def _decoder_shapes(loaders: dict[str, Loader]) -> dict:
 
 
 def _released_vae_config() -> dict:
-    from ..model.builders import load_config
+    from .config_json import load_config
 
     return load_config("base", "vae")
 

@@ -66,7 +66,8 @@ class PipeMemory:
 
     def _read_sizes(self, sources, variant, with_pe: bool) -> ModelSizes:
         from ..formats import open_component
-        from ..model.builders import dit_config_for, load_config, text_config_for
+        from ..formats.config_json import load_config
+        from ..model.builders import dit_config_for, text_config_for
 
         dit_component = open_component(sources.component("transformer"), "dit")
         dit_config = dataclasses.asdict(dit_config_for(dit_component))
@@ -83,7 +84,7 @@ class PipeMemory:
     def sizes_from_configs(self, dit_config: dict, text_config: dict, vae_config: dict,
                            pe_config: Optional[dict] = None) -> ModelSizes:
         """The sizes of unquantised models with these configs, the DiT in the format this pipe builds it in."""
-        from ..model.builders import QUANT_ON_LOAD_FORMATS
+        from ..model.fill import QUANT_ON_LOAD_FORMATS
 
         fmt = self.quant if self.quant in QUANT_ON_LOAD_FORMATS else _dtype_format(self.dtype)
         return ModelSizes.from_configs(dit_config, text_config, vae_config, pe_config, fmt, self.dtype.itemsize)

@@ -23,12 +23,13 @@ from ..core.host import Host, NullHost
 from ..core.non_finite import refuse_non_finite
 from ..core.pipe import check_generate_call, short_repr
 from ..core.request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
-from ..core.variant import VariantChoice, decide_variant, set_by_user, settings_notice
+from ..core.variant import Variant, VariantChoice, decide_variant, set_by_user, settings_notice
 from ..formats import open_component
+from ..formats.sources import ModelSources
 from ..lora.stack import LoraStack
-from ..model.builders import (QUANT_ON_LOAD_FORMATS, ModelSources, Variant, build_dit, build_text_tower, build_vae,
-                              check_config_builds, require_vae_encoder)
+from ..model.builders import build_dit, build_text_tower, build_vae, check_config_builds, require_vae_encoder
 from ..model.compile import compile_available, compile_blocks, fuse_projections
+from ..model.fill import QUANT_ON_LOAD_FORMATS
 from ..model.vae_decode import decode_images
 from ..model.vae_encode import encode_images
 from ..offload.device_memory import JobMemoryMeter

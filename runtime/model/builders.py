@@ -1,125 +1,22 @@
-"""Where a model's parts are, and turning those files into runtime modules.
+"""The DiT, text tower and VAE a part's file describes: built on the meta device from its config (the file's own,
+the released one, or one read from the weights' shapes), then filled from the file (fill.py).
 
-Parsing weight files (layouts, key names, detection, errors) lives in `formats/`; this module composes the
-parts: it builds the DiT, text tower and VAE on the meta device and fills them straight from the file
-mappings, so no random init is ever materialised and host RAM stays near one copy of the weights.
+Reading weight files (layouts, key names, detection, errors) is `formats/`'s job; this module composes the parts.
 """
 from __future__ import annotations
 
 import inspect
-import json
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Optional
 
 import torch
 
 from ..core.errors import ModelFileError
-from ..core.variant import Variant, checked_variant_option
-from ..formats.config_json import config_named
+from ..core.variant import Variant
+from ..formats.config_json import config_named, load_config
+from .fill import fill_from_file
 
 if TYPE_CHECKING:
     from .dit import DiTConfig
-
-CONFIG_ROOT = Path(__file__).parent.parent / "configs"
-# What a component is called where a message asks for its file, and the setting that takes that file.
-_FILE_WORDS = {"transformer": ("DiT", "dit"), "text_encoder": ("text encoder", "text_encoder"), "vae": ("VAE", "vae"),
-               "pe": ("prompt enhancer", "pe")}
-
-
-@dataclass
-class ModelSources:
-    """Any mix of a diffusers folder and single files; a single file overrides the folder's component."""
-
-    model_dir: Optional[Path] = None
-    dit: Optional[Path] = None
-    text_encoder: Optional[Path] = None
-    vae: Optional[Path] = None
-    pe: Optional[Path] = None
-    tokenizer: Optional[Path] = None  # a tokenizer folder or tokenizer.json; else found next to the weights
-    variant: Optional[Variant] = None  # None or "auto": decided from the files (runtime/core/variant.py)
-
-    def __post_init__(self) -> None:
-        for name in ("model_dir", "dit", "text_encoder", "vae", "pe", "tokenizer"):
-            value = getattr(self, name)
-            if value is not None:
-                setattr(self, name, Path(value))
-        self.variant = checked_variant_option(self.variant)
-
-    def component(self, name: str) -> Path:
-        """The file or folder holding one component ("transformer", "text_encoder", "vae", "pe")."""
-        explicit = {"transformer": self.dit, "text_encoder": self.text_encoder, "vae": self.vae, "pe": self.pe}[name]
-        if explicit is not None:
-            if not explicit.exists():
-                raise ModelFileError(f"{name} file {explicit} does not exist: check the path")
-            return explicit
-        part, setting = _FILE_WORDS[name]
-        if self.model_dir is None:
-            raise ModelFileError(f"no {part} given: pass a diffusers folder (model_dir) or the {part} file ({setting})"
-                                 ).naming("model_dir", setting)
-        if not self.model_dir.is_dir():
-            what = "is a file, not a folder" if self.model_dir.exists() else "does not exist"
-            hint = ("give the diffusers ERNIE-Image folder, or the file as the component it holds" if
-                    self.model_dir.exists() else "check the path")
-            raise ModelFileError(f"model folder {self.model_dir} {what}: {hint}")
-        folder = self.model_dir / name
-        if not folder.is_dir():
-            raise ModelFileError(
-                f"{self.model_dir} has no {name}/ folder: point model_dir at a diffusers ERNIE-Image folder "
-                f"(model_index.json, transformer/, text_encoder/, tokenizer/, vae/) or give the {part} file ({setting})"
-            ).naming("model_dir", setting)
-        return folder
-
-    def has_pe(self) -> bool:
-        return self.pe is not None or (self.model_dir is not None and (self.model_dir / "pe").is_dir())
-
-
-def load_config(variant: Variant, component: str) -> dict:
-    folder = "ERNIE-Image-Turbo" if variant == "turbo" else "ERNIE-Image"
-    return json.loads((CONFIG_ROOT / folder / component / "config.json").read_text())
-
-
-def fill_from_file(module: torch.nn.Module, component, device: torch.device, dtype: torch.dtype, quant: str = "none",
-                   quant_device: Optional[torch.device] = None, keep_fp32: tuple[str, ...] = ()) -> torch.nn.Module:
-    """Fill a meta-device module from `component` (packed Linears when the file is quantised or `quant` asks),
-    then check that nothing is left on the meta device."""
-    if component.quantized or quant in QUANT_ON_LOAD_FORMATS:
-        module = _build_quantized(module, component, device, dtype, quant, quant_device or device)
-    else:
-        module = _fill_module(module, component, device, dtype, keep_fp32)
-    for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-        if tensor.is_meta:
-            raise ModelFileError(f"{component.path}: {name} was not filled from the file: report this as a bug")
-    return module
-
-
-def _fill_module(module: torch.nn.Module, component, device: torch.device, dtype: torch.dtype,
-                 keep_fp32: tuple[str, ...] = ()) -> torch.nn.Module:
-    """Load every parameter and buffer of a meta-device module from `component`, one tensor at a time."""
-    expected = dict(module.state_dict(keep_vars=True))
-    missing = [key for key in expected if key not in component.keys]
-    if missing:
-        raise ModelFileError(
-            f"{component.path} is missing {len(missing)} {component.kind} tensors (e.g. {missing[0]}): "
-            f"the file is incomplete or not an ERNIE-Image {component.kind}"
-        )
-    loaded: dict[str, torch.Tensor] = {}
-    for key, target in expected.items():
-        tensor = component.tensor(key)
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ModelFileError(
-                f"{component.path}: tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}: "
-                f"the file does not match the ERNIE-Image {component.kind} configuration"
-            )
-        if not tensor.is_floating_point():
-            want = tensor.dtype
-        else:
-            want = torch.float32 if any(key.endswith(k) for k in keep_fp32) else dtype
-        loaded[key] = tensor.to(device=device, dtype=want)
-        if loaded[key].data_ptr() != tensor.data_ptr() and hasattr(component, "release"):
-            component.release(key)  # a converted copy exists: the mapped file pages need not stay in RAM
-    module.load_state_dict(loaded, strict=True, assign=True)
-    return module.eval().requires_grad_(False)
 
 
 def dit_config_for(component) -> "DiTConfig":
@@ -142,51 +39,6 @@ def dit_config_for(component) -> "DiTConfig":
         "out_channels": tuple(component.tensor("final_linear.weight").shape)[0], "text_in_dim": text_in,
         "rope_axes_dim": axes,
     })
-
-
-QUANT_ON_LOAD_FORMATS = ("fp8", "q8_0", "q4_k", "nvfp4")
-
-
-def _build_quantized(module: torch.nn.Module, component, device: torch.device, dtype: torch.dtype,
-                     quant: str, quant_device: torch.device) -> torch.nn.Module:
-    """Fill a meta module whose Linears take packed weights: from a quantised file (GGUF, comfy_quant FP8/NVFP4)
-    and/or by quantising bf16 weights on load (`quant` in QUANT_ON_LOAD_FORMATS), one tensor at a time."""
-    from ..quant.linear import quantize_linears
-    from ..quant.qweight import QuantizedWeight
-    from ..quant.writer import quantize_weight, should_quantize
-
-    linear_weights = {f"{name}.weight" for name, child in module.named_modules() if isinstance(child, torch.nn.Linear)}
-    state: dict[str, object] = {}
-    for key in module.state_dict(keep_vars=True):
-        if key not in component.keys:
-            raise ModelFileError(f"{component.path} has no tensor {key!r}: the file is not a complete ERNIE-Image "
-                                 f"{component.kind}")
-        value = component.tensor(key)
-        if isinstance(value, QuantizedWeight) and key not in linear_weights:
-            value = value.dequantize(dtype, key)  # e.g. a quantised embedding table: used by lookup, not matmul
-        elif (quant in QUANT_ON_LOAD_FORMATS and key in linear_weights and isinstance(value, torch.Tensor)
-              and should_quantize(key, value, quant)):
-            packed = quantize_weight(value.to(quant_device, dtype), quant)
-            value = _moved(packed, device)
-        state[key] = value
-    replaced = quantize_linears(module, state, dtype)
-    for name in replaced:
-        module.get_submodule(name).to(device)
-    plain = {}
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            raise ModelFileError(f"{component.path}: {key} is quantised but is not a Linear weight here")
-        plain[key] = value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
-    module.load_state_dict(plain, strict=False, assign=True)
-    return module.eval().requires_grad_(False)
-
-
-def _moved(packed, device: torch.device):
-    import dataclasses
-
-    fields = ("data", "scale", "scale_2", "input_scale")
-    return dataclasses.replace(packed, **{name: getattr(packed, name).to(device) for name in fields
-                                          if getattr(packed, name) is not None})
 
 
 def build_dit(component, device: torch.device, dtype: torch.dtype, quant: str = "none",

@@ -220,7 +220,7 @@ class ModelSizes:
 
     @classmethod
     def released(cls, variant: str = "turbo", dit_format: str = "bf16", with_pe: bool = False) -> "ModelSizes":
-        from ..model.builders import load_config
+        from ..formats.config_json import load_config
 
         return cls.from_configs(load_config(variant, "transformer"), load_config(variant, "text_encoder"),
                                 load_config(variant, "vae"), load_config(variant, "pe") if with_pe else None,

@@ -14,7 +14,8 @@ import torch
 
 from ..core.errors import InvalidInputError
 from ..core.host import Host, NullHost
-from ..model.builders import ModelSources, Variant
+from ..core.variant import Variant
+from ..formats.sources import ModelSources
 from .pe_model import PeWeights, build_pe_model, default_top_k, load_pe_tokenizer, locate_pe, open_pe_component
 from .pe_prompt import prompt_token_ids, render_chat
 from .token_sampler import SamplingSettings, sample_tokens
