@@ -20,7 +20,7 @@ _NODE_NAMES = ("NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS")
 # The public API: name -> the runtime module that defines it.
 _LIBRARY = {
     "LocalPipe": "runtime.local.pipe",
-    "LoadOptions": "runtime.local.pipe",
+    "LoadOptions": "runtime.local.options",
     "RemotePipe": "runtime.remote.backend",
     "RemoteSettings": "runtime.remote.backend",
     "ErniePipe": "runtime.core.pipe",

@@ -14,7 +14,8 @@ from ernie_image.runtime.core.host import NullHost  # noqa: E402
 from ernie_image.runtime.core.request import GenerationRequest  # noqa: E402
 from ernie_image.runtime.demo.tiny import BOS_ID, EOS_ID, PAD_ID, build_tokenizer  # noqa: E402
 from ernie_image.runtime.formats.sources import ModelSources  # noqa: E402
-from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe  # noqa: E402
+from ernie_image.runtime.local.options import LoadOptions  # noqa: E402
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT  # noqa: E402
 from ernie_image.runtime.sampling.euler import initial_noise  # noqa: E402
 
@@ -80,9 +81,9 @@ def fp8_rows(ours: LocalPipe, dit: ErnieDiT, compile_dit: bool, presets: dict) -
 
     from ernie_image.runtime.model.compile import compile_blocks
 
-    ours._loaded.dit = quantised_copy(dit, "fp8")
+    ours.parts.dit = quantised_copy(dit, "fp8")
     if compile_dit:
-        compile_blocks(ours._loaded.dit)
+        compile_blocks(ours.parts.dit)
     label = "ours, FP8 DiT" + (" (compiled)" if compile_dit else "")
     return [ours_row(ours, label, preset, steps, cfg) for preset, (steps, cfg) in presets.items()]
 
@@ -111,7 +112,7 @@ def end_to_end_rows(compile_dit: bool) -> list[dict]:
     reference.set_progress_bar_config(disable=True)
     ours = LocalPipe(ModelSources(), LoadOptions(device="cuda", dtype="bf16", previews=False), "turbo")
     ours.memory.active = False  # everything resident, as diffusers runs it; weights injected, not read from files
-    ours._loaded.tokenizer, ours._loaded.text_tower, ours._loaded.dit, ours._loaded.vae = tokenizer, tower, dit, vae
+    ours.parts.tokenizer, ours.parts.text_tower, ours.parts.dit, ours.parts.vae = tokenizer, tower, dit, vae
     from ernie_image.runtime.model.compile import compile_blocks, fuse_projections
 
     fuse_projections(dit)

@@ -256,14 +256,15 @@ def our_pipe(components: Components):
     """LocalPipe with the components given in memory (its VRAM manager off, since no file is read), the PE
     resident as the pack's plan keeps it when everything fits."""
     from ernie_image.runtime.formats.sources import ModelSources
-    from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
 
     weights_path = Path("(random weights in memory)")
     dtype = "bf16" if components.dtype == torch.bfloat16 else "fp32"
     pipe = LocalPipe(ModelSources(pe=weights_path), LoadOptions(device=str(components.device), dtype=dtype,
                                                                 previews=False), "turbo")
     pipe.memory.active = False
-    loaded = pipe._loaded
+    loaded = pipe.parts
     loaded.tokenizer, loaded.text_tower, loaded.vae = components.text_tokenizer, components.tower, components.vae
     enhancer = ForcedLengthEnhancer(components.pe, components.pe_tokenizer, PeWeights(weights_path, None, {}),
                                     components.device, components.dtype)
@@ -273,7 +274,7 @@ def our_pipe(components: Components):
 
 
 def our_image(pipe, model, steps: int, cfg: float, pe: bool, size: int, pe_tokens: int) -> Image:
-    pipe._loaded.dit = model
+    pipe.parts.dit = model
     request = GenerationRequest(prompt=PROMPT, steps=steps, cfg=cfg, width=size, height=size, seed=SEED, use_pe=pe,
                                 pe_max_new_tokens=pe_tokens)
     sync = device_sync(pipe.device)

@@ -38,7 +38,7 @@ def build_sources(diffusers_folder: str, diffusion_model: str, text_encoder: str
 
 
 def build_options(vram_budget_gb: float, keep_loaded: bool, quant_config: Optional[QuantChoice]) -> Any:
-    from ..runtime.local.pipe import LoadOptions
+    from ..runtime.local.options import LoadOptions
 
     return LoadOptions(
         vram_budget_gb=None if vram_budget_gb <= 0 else float(vram_budget_gb),

@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..runtime.core.errors import InvalidInputError
-from ..runtime.local.lora_view import describe_stack
-from ..runtime.lora.stack import LORA_MODES, MAX_STRENGTH, check_strength
+from ..runtime.lora.stack import LORA_MODES, MAX_STRENGTH, check_strength, describe_stack
 from . import comfy_env
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 

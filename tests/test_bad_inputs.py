@@ -334,7 +334,8 @@ def test_quantize_out_an_existing_folder_is_called_a_folder_with_a_file_inside_i
 
 
 def test_a_damaged_vae_fails_when_the_pipe_loads_not_after_sampling(tmp_path):
-    from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
 
     sources = build_tiny_model(tmp_path, layout="diffusers", variant="turbo")
     vae_file = sources.model_dir / "vae" / "diffusion_pytorch_model.safetensors"
@@ -346,7 +347,7 @@ def test_a_damaged_vae_fails_when_the_pipe_loads_not_after_sampling(tmp_path):
 
 @pytest.mark.parametrize("budget", [-1, 0, float("nan"), float("inf"), "12", True])
 def test_a_load_options_budget_that_is_not_a_positive_number_is_refused_at_load(budget):
-    from ernie_image.runtime.local.pipe import LoadOptions
+    from ernie_image.runtime.local.options import LoadOptions
 
     with pytest.raises(InvalidInputError, match=r"^VRAM budget .* GB is not a positive number: give the GB the pipe "
                                                 r"may use, or None for free VRAM minus a reserve$"):
@@ -357,7 +358,8 @@ def test_a_load_options_budget_that_is_not_a_positive_number_is_refused_at_load(
 def test_a_dtype_the_pipe_does_not_run_in_is_a_bad_input_not_a_model_file_error(tiny_folder, dtype):
     """A dtype is the user's choice: InvalidInputError when the options are checked (was ModelFileError)."""
     from ernie_image.runtime.formats.sources import ModelSources
-    from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe, resolve_dtype
+    from ernie_image.runtime.local.options import LoadOptions, resolve_dtype
+    from ernie_image.runtime.local.pipe import LocalPipe
 
     expected = f"dtype {dtype!r} is not supported: use auto, bf16, fp16, fp32"
     with pytest.raises(InvalidInputError) as caught:
@@ -377,7 +379,7 @@ def test_the_cli_refuses_a_bad_dtype_in_one_line(capsys, tiny_folder, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
 @pytest.mark.parametrize("device", ["cuda", "cuda:3"])
 def test_a_cuda_device_asked_for_without_one_is_the_users_input_not_a_model_file(device):
-    from ernie_image.runtime.local.pipe import resolve_device
+    from ernie_image.runtime.local.options import resolve_device
 
     with pytest.raises(InvalidInputError, match=rf"device {device} was asked for but PyTorch sees no CUDA GPU: "
                                                 r"choose cpu"):

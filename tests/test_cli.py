@@ -140,7 +140,8 @@ def test_the_demo_models_shapes_before_it_is_built_size_it_as_its_files_do(tmp_p
     """The budget check before the demo model is built plans on its configs: the sizes its files give once built."""
     from ernie_image.runtime.demo.cached_model import demo_model_sources
     from ernie_image.runtime.demo.tiny import model_shapes
-    from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
 
     sources = demo_model_sources("turbo", tmp_path)
     for options in (LoadOptions(device="cpu", vram_budget_gb=4), LoadOptions(device="cpu", dtype="bf16", quant="fp8")):
@@ -353,7 +354,8 @@ def test_the_python_api_tells_its_host_of_a_negative_prompt_at_cfg_1(tiny_turbo_
     from ernie_image.runtime.core.host import NullHost
     from ernie_image.runtime.core.request import GenerationRequest
     from ernie_image.runtime.formats.sources import ModelSources
-    from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
 
     pipe = LocalPipe.load(ModelSources(model_dir=tiny_turbo_folder), LoadOptions(device="cpu"))
     host = NullHost()
@@ -389,7 +391,7 @@ def test_top_level_help_is_on_stdout_with_exit_0(capsys):
 
 
 def test_help_lists_exactly_the_formats_the_commands_accept(capsys):
-    from ernie_image.runtime.local.pipe import QUANT_CHOICES
+    from ernie_image.runtime.local.options import QUANT_CHOICES
     from ernie_image.runtime.quant.writer import WRITE_FORMATS
 
     assert main(["generate", "--help"]) == 0

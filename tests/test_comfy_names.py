@@ -14,7 +14,8 @@ from ernie_image.nodes.loader import ErnieImageLoader
 from ernie_image.runtime.cli.commands import main
 from ernie_image.runtime.core.errors import ModelFileError, worded
 from ernie_image.runtime.formats.sources import ModelSources
-from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 
 pytestmark = pytest.mark.usefixtures("no_comfy_modules_left_behind")
 

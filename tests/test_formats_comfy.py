@@ -14,7 +14,8 @@ from ernie_image.runtime.demo.tiny import TinySizes, build_dit, build_text_encod
 from ernie_image.runtime.formats import open_component
 from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.formats.vae_keys import bfl_to_diffusers, diffusers_to_bfl, to_bfl_state_dict
-from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.sampling.euler import initial_noise
 
 TOLERANCE = 1e-4

@@ -18,7 +18,8 @@ from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.demo.tiny import build_tiny_model
 from ernie_image.runtime.formats.sources import ModelSources
-from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 
 
 def _refused(**fields) -> str:

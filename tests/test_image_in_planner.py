@@ -87,7 +87,8 @@ def test_jobs_encode_only_when_they_need_the_images_latents():
 def test_a_budgeted_pipe_plans_encodes_and_drops_the_encoder(tiny_turbo_folder):
     from ernie_image.runtime.core.host import NullHost
     from ernie_image.runtime.formats.sources import ModelSources
-    from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
 
     sources = ModelSources(model_dir=tiny_turbo_folder)
     request = GenerationRequest(prompt="x", width=256, height=256, steps=2, cfg=1.0, init_image=torch.rand(1, 256, 256, 3),

@@ -13,7 +13,8 @@ from ernie_image.runtime.core.errors import ModelFileError
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.formats.sources import ModelSources
-from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 
 REQUEST = GenerationRequest(prompt="a fox", width=256, height=256, steps=1, cfg=1.0, seed=2)
 

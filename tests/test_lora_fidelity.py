@@ -11,7 +11,8 @@ import torch
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.formats.sources import ModelSources
-from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.sampling.euler import initial_noise
 
 import lora_files as lf

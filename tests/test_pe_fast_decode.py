@@ -64,7 +64,8 @@ def test_unknown_pe_quantisation_is_refused_with_the_choices():
 def test_a_pipe_with_an_fp8_pe_revises_through_packed_layers(tiny_turbo_with_pe):
     from ernie_image.runtime.core.host import NullHost
     from ernie_image.runtime.formats.sources import ModelSources
-    from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
 
     with pytest.raises(InvalidInputError, match="pe_quant 'int4' is not supported"):
         LoadOptions(pe_quant="int4").validate()
@@ -72,7 +73,7 @@ def test_a_pipe_with_an_fp8_pe_revises_through_packed_layers(tiny_turbo_with_pe)
                           LoadOptions(device="cpu", dtype="fp32", previews=False, pe_quant="fp8"))
     revised = pipe.enhance("a lighthouse at dusk", 256, 256, seed=21, max_new_tokens=12, host=NullHost())
     assert revised.revisions[0].source in ("local", "original") and revised.revisions[0].tokens > 0
-    model = pipe._loaded.enhancer.model
+    model = pipe.parts.enhancer.model
     assert any(isinstance(m, QuantLinear) for m in model.modules())
     assert not any(type(m) is torch.nn.Linear for m in model.model.layers.modules())
 

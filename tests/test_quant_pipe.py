@@ -15,7 +15,8 @@ from ernie_image.runtime.cli.commands import main as cli_main
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.formats.sources import ModelSources
-from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.quant.linear import QuantLinear
 
 TOLERANCE = {"q8_0": 0.01, "fp8": 0.02, "q4_k": 0.05, "nvfp4": 0.05}
@@ -36,7 +37,7 @@ def reference(model) -> torch.Tensor:
 def test_quantise_on_load_stays_within_the_format_tolerance(fmt, model, reference):
     pipe = LocalPipe.load(ModelSources(model_dir=model), LoadOptions(device="cpu", quant=fmt))
     images = pipe.generate(REQUEST, NullHost()).images
-    dit = pipe._dit()
+    dit = pipe.parts.load_dit()
     assert isinstance(dit.layers[0].mlp.gate_proj, QuantLinear)
     assert 0 < (images - reference).abs().max().item() <= TOLERANCE[fmt]
     own = {"fp8": "FP8", "q8_0": "GGUF Q8_0", "nvfp4": "NVFP4"}[fmt]
@@ -129,7 +130,7 @@ def test_quantise_on_load_to_a_format_the_demo_model_cannot_take_is_refused_befo
 def test_quantise_on_load_to_a_format_that_packs_still_runs(q4_k_model):
     pipe = LocalPipe.load(ModelSources(model_dir=q4_k_model), LoadOptions(device="cpu", quant="q4_k"))
     pipe.generate(REQUEST, NullHost())
-    assert isinstance(pipe._dit().layers[0].mlp.gate_proj, QuantLinear)
+    assert isinstance(pipe.parts.load_dit().layers[0].mlp.gate_proj, QuantLinear)
 
 
 @pytest.fixture(scope="module")

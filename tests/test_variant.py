@@ -22,7 +22,8 @@ from ernie_image.runtime.cli.commands import main
 from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
 from ernie_image.runtime.demo.tiny import build_tiny_model
 from ernie_image.runtime.formats.sources import ModelSources
-from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 
 CPU = LoadOptions(device="cpu")
 

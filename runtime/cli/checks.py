@@ -219,7 +219,7 @@ def _check_prompts(args: argparse.Namespace) -> None:
 
 
 def _check_load_options(args: argparse.Namespace) -> None:
-    from ..local.pipe import LoadOptions, resolve_device  # the pipe's own checks, not a copy of them
+    from ..local.options import LoadOptions, resolve_device  # the pipe's own checks, not a copy of them
 
     LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=parse_budget(args.budget),
                 quant=args.quant).validate()

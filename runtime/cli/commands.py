@@ -31,7 +31,7 @@ FEATURE_CHECKS: tuple[ArgCheck, ...] = ()
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     from ..core.request import SEED_MASK
-    from ..local.pipe import DTYPE_CHOICES, QUANT_CHOICES
+    from ..local.options import DTYPE_CHOICES, QUANT_CHOICES
 
     parser.add_argument("--model-dir", type=Path, help="diffusers ERNIE-Image folder (model_index.json, transformer/, ...)")
     parser.add_argument("--dit", type=Path, help="DiT file (safetensors, GGUF, FP8/NVFP4); overrides the folder's")
@@ -141,7 +141,8 @@ def main_generate(argv: Sequence[str], interrupts: Optional["_Interrupts"] = Non
     from ..demo.cached_model import DEMO_NOTICE, load_demo_pipe
     from ..files.png_output import save_pngs
     from ..formats.sources import ModelSources
-    from ..local.pipe import LoadOptions, LocalPipe
+    from ..local.options import LoadOptions
+    from ..local.pipe import LocalPipe
 
     interrupts = interrupts or _Interrupts()
     host = _ConsoleHost(interrupts)

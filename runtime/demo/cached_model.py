@@ -98,7 +98,8 @@ def check_demo_job(options, variant: Variant = "turbo", job=None) -> None:
     """What a LocalPipe checks from a model's file headers, checked on the demo model's shapes before it is built
     (a first run writes it to the cache first): a quant format its DiT cannot be packed in, and a VRAM budget below
     what `job` (a GenerationRequest, or None) needs."""
-    from ..local.pipe import LocalPipe, check_quant_packs
+    from ..local.checks import check_quant_packs
+    from ..local.pipe import LocalPipe
     from .tiny import model_shapes
 
     dit_config, text_config, vae_config, dit_weights = model_shapes()
@@ -112,7 +113,8 @@ def load_demo_pipe(options=None, variant: Variant = "turbo", cache_dir: Optional
     """A LocalPipe on the demo model. A damaged cache (a file cut short, edited or removed) is one line naming the
     folder and the fix: delete it and it is rebuilt. Options it cannot run with, and a budget too small for `job`
     (the GenerationRequest it will run first, or None), are refused before it is built."""
-    from ..local.pipe import LoadOptions, LocalPipe, resolve_device
+    from ..local.options import LoadOptions, resolve_device
+    from ..local.pipe import LocalPipe
 
     options = options or LoadOptions()
     options.validate()

@@ -1,1 +1,2 @@
-"""LocalPipe: the in-process backend, its options, memory, LoRA views and checks."""
+"""LocalPipe, the in-process backend: options, checks, the parts it builds, their memory, LoRAs and views,
+the prompt-enhancer phase, running out of memory, and its description."""

@@ -10,11 +10,7 @@ from typing import Any, Iterable, Optional
 
 from ..core.host import Host
 from ..core.request import GenerationRequest, GenerationResult
-from ..lora.stack import LoraStack
-
-REMOTE_LORA_REFUSAL = (
-    "LoRAs run only on a local pipe: SGLang's /v1/set_lora loads LoRA files from the server's own disk, which this "
-    "pack does not drive yet; wire the LoRA node to an ERNIE-Image Loader, or load the LoRA on the server yourself")
+from ..lora.stack import LoraStack, describe_stack
 
 
 class LoraPipe:
@@ -66,14 +62,3 @@ class LoraPipe:
         if name in ("base", "loras"):
             raise AttributeError(name)
         return getattr(self.base, name)
-
-
-def describe_stack(loras: LoraStack) -> str:
-    if not loras:
-        return "LoRA: none"
-    return "LoRA: " + ", ".join(f"{name} ({entry.strength:g})" for entry, name in zip(loras.entries,
-                                                                                     loras.display_names()))
-
-
-def stack_of(pipe: Any) -> Optional[LoraStack]:
-    return getattr(pipe, "loras", None)

@@ -11,6 +11,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from ..core.errors import MemoryBudgetError
 from ..core.request import GenerationRequest
 
 
@@ -112,3 +113,18 @@ def without_tracebacks(error: BaseException) -> BaseException:
     for link in _chain(error):
         link.__traceback__ = None
     return error
+
+
+def memory_refusal(error: BaseException, phase: str, request: GenerationRequest, device: torch.device,
+                   budget_gb: Optional[float]) -> Optional[MemoryBudgetError]:
+    """The MemoryBudgetError to raise for `error` when it is device memory or host RAM running out (None for any
+    other error), caused by `error` stripped of its tracebacks."""
+    message = out_of_memory_message(error, phase, request, device, budget_gb)
+    names: tuple[str, ...] = ()
+    if message is None:  # host RAM rather than the device's: its fix names the device setting
+        message, names = out_of_host_memory_message(error, phase, request, device), ("device",)
+    if message is None:
+        return None
+    refusal = MemoryBudgetError(message).naming(*names)
+    refusal.__cause__ = without_tracebacks(error)
+    return refusal

@@ -1,235 +1,46 @@
 """The in-process backend: text encoder, DiT and VAE as phases on one device.
 
-Weights load lazily, phase by phase, straight from the (memory-mapped) files. After a run, or after an error
-or a cancel, device memory is released according to `keep_loaded`; nothing stays half-loaded.
+Weights load lazily, phase by phase, straight from the (memory-mapped) files (parts.py). After a run, or after an
+error or a cancel, device memory is released according to `keep_loaded`; nothing stays half-loaded.
 """
 from __future__ import annotations
 
-import functools
 import gc
-import math
-import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from ..core.errors import ErnieImageError, InvalidInputError, MemoryBudgetError, ModelFileError
+from ..core.errors import ModelFileError
 from ..core.host import Host, NullHost
 from ..core.non_finite import refuse_non_finite
-from ..core.pipe import check_generate_call, short_repr
+from ..core.pipe import check_generate_call
 from ..core.request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
 from ..core.variant import Variant, VariantChoice, decide_variant, set_by_user, settings_notice
 from ..formats import open_component
 from ..formats.sources import ModelSources
 from ..lora.stack import LoraStack
-from ..model.builders import build_dit, build_text_tower, build_vae, check_config_builds, require_vae_encoder
-from ..model.compile import compile_available, compile_blocks, fuse_projections
-from ..model.fill import QUANT_ON_LOAD_FORMATS
+from ..model.builders import require_vae_encoder
 from ..model.vae_decode import decode_images
 from ..model.vae_encode import encode_images
 from ..offload.device_memory import JobMemoryMeter
 from ..offload.planner import budget_bytes
-from ..offload.reserve import device_bytes_held, device_bytes_needed, phase_needs
+from ..offload.reserve import device_bytes_needed, phase_needs
 from ..sampling.euler import initial_noise, length_grouped_denoiser, sample_euler
 from ..sampling.image_in import composite, init_latents, needs_encoding, start_state
 from ..sampling.preview import latent_preview
 from ..text.encoder import encode_prompts
+from .checks import (check_configs_build, check_finite_latents, check_pe_file, checked_load_arguments,
+                     notice_empty_prompts, open_checked_parts)
+from .description import describe_pipe
 from .loras import PipeLoras
 from .memory import PipeMemory, plans_pe
-from .out_of_memory import out_of_host_memory_message, out_of_memory_message, without_tracebacks
-
-# LoadOptions.quant: a bf16 DiT is quantised on load to the format named; a quantised DiT file runs in its own
-# format (with 'none', 'auto' or that format; another is refused).
-QUANT_CHOICES = ("none", "auto", "bf16", *QUANT_ON_LOAD_FORMATS)
-DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on a GPU, fp32 on the CPU
-
-
-@dataclass
-class LoadOptions:
-    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1"...
-    dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU), "bf16", "fp16", "fp32"
-    vram_budget_gb: Optional[float] = None  # None: free VRAM minus a reserve
-    keep_loaded: bool = True  # keep weights (in host RAM when they do not fit) between runs
-    quant: str = "none"  # "none", "auto", "fp8", "q8_0", "nvfp4", or a quantised file given as the DiT
-    previews: bool = True
-    compile: bool = True  # regional torch.compile of the DiT and the PE's decode step, on CUDA when Triton is installed
-    # Uncompiled DiT resident on a CUDA device (compile off or no Triton): replay its forward as CUDA graphs
-    # (dit_graphs.py; bit-identical output). Streamed blocks always run eagerly.
-    cuda_graphs: bool = True
-    pe_quant: str = "none"  # "none" or "fp8": the local prompt enhancer's layer weights packed on load (text/pe_quant.py)
-    # Prompt enhancer on an OpenAI-compatible chat server (text.remote_enhancer.ChatEndpoint; holds no secret).
-    # When set, requests with use_pe are revised there instead of by a local PE.
-    pe_endpoint: Optional[Any] = None
-    # How LoRAs that name no mode of their own are applied: "merge" (added into the resident weights in place, no
-    # cost per step, originals kept in host memory) or "branch" (beside the weights). See lora/merge.py.
-    lora_mode: str = "merge"
-
-    def validate(self) -> None:
-        """Refuse a device name or quantisation the pipe cannot use, before any file is read or model built."""
-        kind, _, index = self.device.partition(":")
-        if self.device not in ("auto", "cpu") and not (kind == "cuda" and (not index or index.isdigit())):
-            raise InvalidInputError(f"device {self.device!r} is not supported: use auto, cpu, cuda or cuda:N"
-                                    ).naming("device")
-        from ..text.pe_quant import PE_QUANT_FORMATS
-
-        if self.pe_quant not in ("none", *PE_QUANT_FORMATS):
-            raise InvalidInputError(f"pe_quant {self.pe_quant!r} is not supported: use none or "
-                                    f"{', '.join(PE_QUANT_FORMATS)}")
-        from ..lora.stack import check_mode
-
-        check_mode(self.lora_mode)
-        if self.dtype not in DTYPE_CHOICES:
-            raise InvalidInputError(f"dtype {self.dtype!r} is not supported: use {', '.join(DTYPE_CHOICES)}"
-                                    ).naming("dtype")
-        if self.quant not in QUANT_CHOICES:
-            raise InvalidInputError(f"quant {self.quant!r} is not supported: use one of {', '.join(QUANT_CHOICES)}, "
-                                    "or give a quantised DiT file").naming("quant")
-        budget = self.vram_budget_gb
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                                   or not math.isfinite(budget) or budget <= 0):
-            raise InvalidInputError(f"VRAM budget {budget!r} GB is not a positive number: give the GB the pipe may "
-                                    f"use, or None for free VRAM minus a reserve")
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidInputError(f"device {name} was asked for but PyTorch sees no CUDA GPU: choose cpu"
-                                ).naming("device")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
-        count = torch.cuda.device_count()
-        raise InvalidInputError(f"device {name} was asked for but PyTorch sees {count} CUDA GPU(s): choose "
-                                f"{' or '.join(f'cuda:{index}' for index in range(min(count, 4)))}"
-                                f"{' or another' if count > 4 else ''}").naming("device")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in table:
-        raise InvalidInputError(f"dtype {name!r} is not supported: use {', '.join(DTYPE_CHOICES)}").naming("dtype")
-    return table[name]
-
-
-def _built_outside_inference_mode(build: Callable[..., Any]) -> Callable[..., Any]:
-    """Models and their placements (streaming rings, host copies) are made as normal tensors, even when the
-    caller runs in inference mode (ComfyUI runs every node so); the phases then use them inside inference mode.
-    Tensors made in one mode and used in the other fail later ("Inference tensors do not track version counter")."""
-    @functools.wraps(build)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with torch.inference_mode(False):
-            return build(*args, **kwargs)
-
-    return wrapper
-
-
-@dataclass
-class _Loaded:
-    tokenizer: Any = None
-    text_tower: Any = None
-    dit: Any = None
-    dit_forward: Any = None  # what the sampler calls: the DiT, or dit_graphs.DiTGraphs around it
-    vae: Any = None
-    vae_encoder: Any = None  # built only for jobs with an image in
-    enhancer: Any = None
-
-
-def check_quant_packs(quant: str, dit_weights: dict[str, torch.Tensor]) -> None:
-    """A quantise-on-load format that none of a bf16 DiT's weights can be packed in is refused as `ernie-image
-    quantize` refuses it, not run in bf16 without a word. Only shapes and dtypes are looked at (views of a mapped
-    file, or meta tensors): no weight is read."""
-    if quant not in QUANT_ON_LOAD_FORMATS:
-        return
-    from ..quant.writer import quantized_layer_counts, refuse_unpackable
-
-    refuse_unpackable(quantized_layer_counts(dit_weights, quant), quant, "quant")
-
-
-def refuse_quant_for_quantized_dit(quant: str, dit) -> None:
-    """A format asked for beside a DiT file that is already quantised (GGUF, FP8, NVFP4) cannot be had: the file runs
-    in its own format, so asking for another is refused rather than ignored ('auto', 'none' and the file's own
-    format take the file as it is)."""
-    if quant not in ("bf16", *QUANT_ON_LOAD_FORMATS):
-        return
-    from ..quant.qweight import QuantizedWeight, block_format
-
-    entries = [entry for entry in (dit.tensor(key) for key in dit.keys) if isinstance(entry, QuantizedWeight)]
-    if {block_format(entry.format, entry.qtype) for entry in entries} == {quant}:
-        return  # the format the file already has
-    raise InvalidInputError(f"quant {quant} does not apply to {dit.path.name}, a DiT file already quantised "
-                            f"({file_weight_format(dit) or 'packed'}): drop that option to run the file as it is, or "
-                            "give the bf16 DiT to quantise it on load").naming("quant")
-
-
-def file_weight_format(dit) -> str:
-    """The packed weight formats of a quantised DiT file, most used first ("GGUF Q8_0", "FP8", ...), from its
-    entries (no weight is read); "" when nothing in it is packed."""
-    from collections import Counter
-
-    from ..quant.qweight import QuantizedWeight, format_label
-
-    packed = Counter(format_label(entry.format, entry.qtype) for entry in (dit.tensor(key) for key in dit.keys)
-                     if isinstance(entry, QuantizedWeight))
-    return "/".join(name for name, _ in packed.most_common())
-
-
-def dit_weight_format(dit: torch.nn.Module) -> str:
-    """The block Linears' weight formats, most used first ("FP8", "GGUF Q8_0/Q4_K", ...), or the weights' dtype
-    when none is packed."""
-    from collections import Counter
-
-    from ..quant.linear import QuantLinear
-    from ..quant.qweight import format_label
-
-    packed = Counter(format_label(module.format, module.qtype) for module in dit.modules()
-                     if isinstance(module, QuantLinear))
-    if packed:
-        return "/".join(name for name, _ in packed.most_common())
-    weight = next((p for p in dit.parameters() if p.is_floating_point()), None)
-    return str(weight.dtype).replace("torch.", "") if weight is not None else ""
-
-
-def notice_empty_prompts(prompts: list[str], host: Host) -> None:
-    """An empty prompt is allowed (the DiT then follows no text), but never silently."""
-    empty = sum(1 for prompt in prompts if not prompt.strip())
-    if empty:
-        which = "the prompt is" if len(prompts) == 1 else f"{empty} of {len(prompts)} prompts are"
-        host.log(f"{which} empty: the image follows no text (write a prompt to describe the picture)")
-
-
-def check_finite_latents(latents: torch.Tensor, sources: ModelSources, loras: LoraStack = LoraStack()) -> None:
-    """NaN or inf out of the DiT would decode to a black or noise image: stop with the likely cause instead. With
-    LoRAs applied (`loras`: the job's stack) they are named as the likely cause, not the DiT's weights."""
-    finite = torch.isfinite(latents)
-    if bool(finite.all()):
-        return
-    bad = int((~finite).sum())
-    if loras:
-        applied = ", ".join(f"{entry.name} (strength {entry.strength:g})" for entry in loras.entries)
-        raise ModelFileError(f"the DiT produced {bad} non-finite latent values (NaN/inf) of {latents.numel()} with "
-                             f"LoRA(s) {applied} applied: the LoRA is the likely cause: lower its strength or leave "
-                             "it out")
-    dit = sources.dit or (sources.model_dir / "transformer" if sources.model_dir is not None else "the DiT")
-    refuse_non_finite(latents, "DiT", dit, "latent values")
-
-
-def _as_sources(sources: Any) -> ModelSources:
-    """ModelSources as given; a str or path as the model folder; anything else refused in one line."""
-    if isinstance(sources, ModelSources):
-        return sources
-    if isinstance(sources, (str, os.PathLike)):
-        return ModelSources(model_dir=Path(sources))
-    raise InvalidInputError(f"sources {short_repr(sources)} is not a ModelSources: give "
-                            "ernie_image.ModelSources(model_dir=...) or the model folder's path")
+from .options import LoadOptions, resolve_device, resolve_dtype
+from .out_of_memory import memory_refusal
+from .parts import PipeParts, choose_auto_quant
+from .prompt_phase import revised_by_local_pe, revised_without_local_pe
 
 
 class LocalPipe:
@@ -247,14 +58,13 @@ class LocalPipe:
         self.variant: Variant = self.variant_choice.variant
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(options.dtype, self.device)
-        self._loaded = _Loaded()
-        self.quant_reason = ""
-        self.dit_weights = ""  # the loaded DiT's weight format ("bf16", "FP8", "GGUF Q8_0", ...), once built
         # quant 'auto' decided once for this device and budget: the DiT is sized (the host's ask, the plan) in the
         # format it will be built in, not as bf16 until it is built.
-        self._auto_quant = self._choose_auto_quant() if options.quant == "auto" else None
-        planned_quant = self._auto_quant[0] if self._auto_quant is not None else options.quant
+        auto_quant = choose_auto_quant(options, self.device)
+        planned_quant = auto_quant[0] if auto_quant is not None else options.quant
         self.memory = PipeMemory(self.device, self.dtype, options.vram_budget_gb, planned_quant)
+        self.parts = PipeParts(sources, options, self.variant, self.device, self.dtype, self.memory, self._lora,
+                               auto_quant)
         # Through a weak reference: a pipe dropped by its last owner (ComfyUI evicting its node cache) must be freed
         # at once by reference counting, with its pinned slabs, not at some later garbage collection.
         this = weakref.ref(self)
@@ -271,36 +81,17 @@ class LocalPipe:
         encoder and the whole sampling loop have run. `loras`: LoRA files (paths, (path, strength) pairs or
         lora.LoraEntry) every run of this pipe applies; they are read and checked here too. `sources` may be the
         model folder's path (ModelSources(model_dir=it))."""
-        sources = _as_sources(sources)
-        options = LoadOptions() if options is None else options
-        if not isinstance(options, LoadOptions):
-            raise InvalidInputError(f"options {short_repr(options)} is not a LoadOptions: give "
-                                    "ernie_image.LoadOptions(...) or None for the defaults")
+        sources, options = checked_load_arguments(sources, options)
         from ..lora.parsed import check_lora_files
 
         check_lora_files(LoraStack.of(loras))  # a bad LoRA file fails first, before any model file is opened
         options.validate()
-        opened = {kind: open_component(sources.component(component), kind)
-                  for component, kind in (("transformer", "dit"), ("text_encoder", "text_encoder"), ("vae", "vae"))}
-        dit = opened["dit"]
-        if dit.quantized:
-            refuse_quant_for_quantized_dit(options.quant, dit)
-        else:
-            check_quant_packs(options.quant, {key: dit.tensor(key) for key in dit.keys})  # mapped views
-        pipe = cls(sources, options, decide_variant(dit, sources.variant), loras)
-        for kind, component in opened.items():
-            check_config_builds(component, kind, pipe.variant)  # on the meta device: a bad config.json fails now
-        if dit.quantized:
-            pipe.dit_weights = file_weight_format(dit)
-        if pipe._auto_quant is not None:  # what 'auto' runs, said before the DiT is built
-            pipe.quant_reason = (f"auto -> {pipe.dit_weights}, the DiT file's own format ({dit.path.name} is already "
-                                 "quantised; auto picks a format for a bf16 DiT only)" if dit.quantized
-                                 else pipe._auto_quant[1])
+        opened = open_checked_parts(sources, options)
+        pipe = cls(sources, options, decide_variant(opened["dit"], sources.variant), loras)
+        check_configs_build(opened, pipe.variant)  # on the meta device: a bad config.json fails now
+        pipe.parts.note_dit_file(opened["dit"])  # what 'auto' runs is said before the DiT is built
         pipe._lora.resolve(pipe.loras, sources)
-        if sources.has_pe():  # a text encoder given as the PE is refused now, not when the PE first runs
-            from ..text.pe_model import locate_pe, open_pe_component
-
-            open_pe_component(locate_pe(sources))
+        check_pe_file(sources)
         return pipe
 
     def with_loras(self, loras, mode: Optional[str] = None):
@@ -318,131 +109,27 @@ class LocalPipe:
     @property
     def compiles_dit(self) -> bool:
         """Whether the DiT's blocks are (or, once loaded, will be) compiled: asked for and possible here."""
-        return self.options.compile and compile_available(self.device)
+        return self.parts.compiles_dit
 
-    def _dit_mode(self) -> str:
-        if self.compiles_dit:
-            return "compiled"
-        if self.options.cuda_graphs and self.device.type == "cuda":
-            return "eager, replayed as CUDA graphs when resident"
-        return "eager"
+    @property
+    def dit_weights(self) -> str:
+        """The DiT's weight format ("bf16", "FP8", "GGUF Q8_0", ...), once known."""
+        return self.parts.dit_weights
+
+    @property
+    def quant_reason(self) -> str:
+        """What quant 'auto' runs, and why ("" for any other quant)."""
+        return self.parts.quant_reason
 
     def describe(self, request: Optional[GenerationRequest] = None) -> str:
         """The variant, device, formats and the VRAM plan (of the last job, else of a default 1024x1024 job)."""
-        lines = [
-            f"ERNIE-Image {self.variant_choice.text()}; on {self.device} in "
-            f"{str(self.dtype).replace('torch.', '')}; defaults {int(self.defaults['steps'])} steps, "
-            f"CFG {self.defaults['cfg']}; DiT {self.dit_weights + ', ' if self.dit_weights else ''}{self._dit_mode()}"
-        ]
-        if self.quant_reason:
-            lines.append(self.quant_reason)
-        if self.loras:
-            from .lora_view import describe_stack
-
-            lines.append(describe_stack(self.loras))
-        merged = self._lora.describe(self._loaded.dit)
-        if merged:
-            lines.append(merged)
-        if self.memory.plan is not None and request is None:
-            lines.append(self.memory.describe())
-        else:
-            job = (request or GenerationRequest(prompt="")).with_defaults(self.variant)
-            try:
-                lines.append(self.memory.preview(job, self.sources, self.variant, self._local_pe()))
-            except ErnieImageError as error:
-                lines.append(f"VRAM plan unavailable: {error}")
-        return "\n".join(lines)
+        return describe_pipe(self, request)
 
     def is_loaded(self) -> bool:
         """Whether any weights (text encoder, DiT, VAE, prompt enhancer) are held by this pipe."""
-        loaded = self._loaded
-        return any(part is not None for part in (loaded.text_tower, loaded.dit, loaded.vae, loaded.vae_encoder,
-                                                 loaded.enhancer))
+        return self.parts.any_loaded()
 
     # -- phases ---------------------------------------------------------------------------------------
-
-    def _tokenizer(self):
-        if self._loaded.tokenizer is None:
-            from ..formats.tokenizer import load_tokenizer
-
-            self._loaded.tokenizer = load_tokenizer(self.sources)
-        return self._loaded.tokenizer
-
-    @_built_outside_inference_mode
-    def _text_tower(self):
-        if self._loaded.text_tower is None:
-            component = open_component(self.sources.component("text_encoder"), "text_encoder")
-            tower = build_text_tower(component, self.memory.build_device(), self.dtype, self.variant)
-            self._loaded.text_tower = self.memory.place_text(tower)
-        return self._loaded.text_tower
-
-    @_built_outside_inference_mode
-    def _dit(self):
-        if self._loaded.dit is None:
-            component = open_component(self.sources.component("transformer"), "dit")
-            dit = build_dit(component, self.memory.build_device(), self.dtype, quant=self._quant_on_load(component),
-                            quant_device=self.device)
-            if self.device.type == "cuda":
-                fuse_projections(dit)
-            dit = self.memory.place_dit(dit)
-            if self.compiles_dit:
-                compile_blocks(dit)
-            self._loaded.dit = dit
-            self.dit_weights = dit_weight_format(dit)
-        # After placement: branches stay resident, never streamed; merge-mode LoRAs merge into the resident blocks.
-        streamed = self.memory.dit.plan.streamed if self.memory.dit is not None else ()
-        self._lora.sync(self._loaded.dit, streamed, self.memory.host)
-        return self._loaded.dit
-
-    def _dit_forward(self, dit):
-        """The DiT's forward as the sampler calls it: replayed as CUDA graphs where dit_graphs can (kept, with their
-        graphs, for as long as this DiT is the loaded one), else the module itself."""
-        from ..model.dit_graphs import graphed_dit
-
-        forward = self._loaded.dit_forward
-        if forward is None or getattr(forward, "dit", forward) is not dit:
-            forward = graphed_dit(dit, self.options.cuda_graphs and not self.compiles_dit, self.device)
-            self._loaded.dit_forward = forward
-        return forward
-
-    def _quant_on_load(self, component) -> str:
-        """The format to quantise a bf16 DiT into while loading ("none" keeps the file's weights as they are)."""
-        choice = self.options.quant
-        if component.quantized or choice in ("none", "bf16"):
-            return "none"
-        if choice == "auto":
-            choice, self.quant_reason = self._auto_quant
-        return choice if choice in QUANT_ON_LOAD_FORMATS else "none"
-
-    def _choose_auto_quant(self) -> tuple[str, str]:
-        """quant 'auto' on this device under this budget: (format, reason)."""
-        from ..quant.gpu_support import choose_auto, detect_device
-
-        budget = None if self.options.vram_budget_gb is None else int(self.options.vram_budget_gb * 1024**3)
-        return choose_auto(detect_device(self.device), budget)
-
-    @_built_outside_inference_mode
-    def _vae(self):
-        if self._loaded.vae is None:
-            component = open_component(self.sources.component("vae"), "vae")
-            self._loaded.vae = build_vae(component, self.device, torch.float32 if self.device.type == "cpu" else self.dtype)
-        return self._loaded.vae
-
-    @_built_outside_inference_mode
-    def _vae_encoder(self):
-        if self._loaded.vae_encoder is None:
-            component = open_component(self.sources.component("vae"), "vae")
-            dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-            self._loaded.vae_encoder = build_vae(component, self.device, dtype, part="encoder")
-        return self._loaded.vae_encoder
-
-    def _weights_of(self, component: str) -> object:
-        """Where a part's weights are, for a message: its file or folder, or the part's name where none was given
-        (weights handed over already built)."""
-        try:
-            return self.sources.component(component)
-        except ModelFileError:
-            return f"the {component} given"
 
     def encode_image(self, request: GenerationRequest) -> Optional[torch.Tensor]:
         """The image-in phase: the original's normalised latents (a LATENT input as given, an IMAGE through the VAE
@@ -454,11 +141,11 @@ class LocalPipe:
         self._phase = "encode"
         tile = self.memory.plan.encode.tile if self.memory.plan is not None and self.memory.plan.encode else None
         with torch.inference_mode():
-            latents = encode_images(request.init_image, self._vae_encoder(), tile)
+            latents = encode_images(request.init_image, self.parts.load_vae_encoder(), tile)
         if not self.memory.encoder_is_persistent():
-            self._loaded.vae_encoder = None
+            self.parts.vae_encoder = None
             self.memory.after_encode()
-        refuse_non_finite(latents, "VAE encoder", lambda: self._weights_of("vae"), "latent values")
+        refuse_non_finite(latents, "VAE encoder", lambda: self.parts.weights_of("vae"), "latent values")
         return latents
 
     def encode(self, prompts: list[str], host: Optional[Host] = None) -> list[torch.Tensor]:
@@ -466,11 +153,11 @@ class LocalPipe:
         self._phase = "text"
         unique = list(dict.fromkeys(prompts))
         log = host.log if host is not None else None
-        tower = self._text_tower()
+        tower = self.parts.load_text_tower()
         with torch.inference_mode():
-            encoded = dict(zip(unique, encode_prompts(self._tokenizer(), tower, unique, log)))
+            encoded = dict(zip(unique, encode_prompts(self.parts.load_tokenizer(), tower, unique, log)))
         self.memory.after_text()
-        refuse_non_finite(encoded.values(), "text encoder", lambda: self._weights_of("text_encoder"),
+        refuse_non_finite(encoded.values(), "text encoder", lambda: self.parts.weights_of("text_encoder"),
                           "embedding values")
         return [encoded[p] for p in prompts]
 
@@ -479,9 +166,9 @@ class LocalPipe:
         """`original`: the image's normalised latents (encode_image) the job starts from; None: pure noise."""
         self._phase = "dit"
         self.memory.set_host(host)
-        dit = self._dit()
+        dit = self.parts.load_dit()
         rows = (negative + text) if negative is not None else text
-        denoise = length_grouped_denoiser(self._dit_forward(dit), rows, self.device, self.dtype)
+        denoise = length_grouped_denoiser(self.parts.load_dit_forward(dit), rows, self.device, self.dtype)
         noise = initial_noise(request.seed, request.batch, request.width, request.height).to(self.device)
         start = start_state(request, original, self.device)
 
@@ -492,7 +179,7 @@ class LocalPipe:
                 return sample_euler(denoise, noise, request.steps, request.shift, cfg, self.dtype, host, preview,
                                     start)
         finally:
-            release_graphs = getattr(self._loaded.dit_forward, "release_graphs", None)
+            release_graphs = getattr(self.parts.dit_forward, "release_graphs", None)
             if release_graphs is not None and self.memory.plan is not None:
                 release_graphs()  # the plan gives the DiT's activation memory to the VAE phase next
 
@@ -500,10 +187,10 @@ class LocalPipe:
         self._phase = "vae"
         tile = self.memory.plan.vae.tile if self.memory.plan is not None else None
         with torch.inference_mode():
-            images = decode_images(latents, self._vae(), tile)
+            images = decode_images(latents, self.parts.load_vae(), tile)
         if not self.memory.vae_is_persistent():
-            self._loaded.vae = None
-        refuse_non_finite(images, "VAE decoder", lambda: self._weights_of("vae"), "pixel values")
+            self.parts.vae = None
+        refuse_non_finite(images, "VAE decoder", lambda: self.parts.weights_of("vae"), "pixel values")
         return images
 
     # -- the whole job ------------------------------------------------------------------------------
@@ -523,18 +210,14 @@ class LocalPipe:
         try:
             return job()
         except BaseException as error:
-            message = out_of_memory_message(error, self._phase, request, self.device, self.options.vram_budget_gb)
-            names: tuple[str, ...] = ()
-            if message is None:  # host RAM rather than the device's: its fix names the device setting
-                message, names = out_of_host_memory_message(error, self._phase, request, self.device), ("device",)
-            if message is None:
+            refusal = memory_refusal(error, self._phase, request, self.device, self.options.vram_budget_gb)
+            if refusal is None:
                 self.release()
                 raise
-            cause = without_tracebacks(error)
         # Out of memory: past the except block the failed phase's frames, and the tensors they held, are gone, so
         # releasing now gives their memory back too.
         self.release()
-        raise MemoryBudgetError(message).naming(*names) from cause
+        raise refusal
 
     def _generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         self._phase = "setup"
@@ -614,25 +297,12 @@ class LocalPipe:
 
     def device_bytes_held(self) -> dict[str, int]:
         """Bytes of weights (and streaming buffers) this pipe holds on its device now, by phase."""
-        loaded = self._loaded
-        enhancer = loaded.enhancer.model if loaded.enhancer is not None else None
-        parts = {"pe": enhancer, "text": loaded.text_tower, "dit": loaded.dit, "vae": loaded.vae}
-        if loaded.vae_encoder is not None:  # built only for jobs with an image in
-            parts["encode"] = loaded.vae_encoder
-        return {phase: device_bytes_held(module, self.device) for phase, module in parts.items()}
+        return self.parts.device_bytes_held()
 
     def _plan(self, request: GenerationRequest, host: Host) -> None:
         """Plan the job; drop the parts the new plan released (they are rebuilt on use)."""
         self.memory.plan_job(request, self.sources, self.variant, self._local_pe())
-        if self.memory.active:
-            if self.memory.dit is None:
-                self._loaded.dit = self._loaded.dit_forward = None
-            if self.memory.text is None:
-                self._loaded.text_tower = None
-            if self.memory.pe is None:
-                self._loaded.enhancer = None
-            if not self.memory.encoder_is_persistent():
-                self._loaded.vae_encoder = None  # kept from an earlier job whose plan had room for it
+        self.parts.drop_unplanned()
         self.memory.set_host(host)
 
     def _local_pe(self) -> bool:
@@ -678,69 +348,21 @@ class LocalPipe:
         return self._enhance(request, host)
 
     def _enhance(self, request: GenerationRequest, host: Host):
-        """The prompt-enhancer phase, before text encoding: returns text.enhancer.RevisedPrompts.
-
-        Local PE: loaded (or brought back from host RAM), run, then moved to host RAM (keep_loaded) or dropped, so
-        the device is free for the text encoder. With a VRAM plan the PE is built on the host and placed by the
-        plan's PE mode (loaded for the phase, or its layers streamed); see PipeMemory.place_pe. Remote PE: nothing
-        local is loaded.
-        """
-        from ..text.enhancer import LocalEnhancer, RevisedPrompts, revise_prompts, validate_sampling
-
-        prompts = request.prompt_list()
-        if not request.use_pe:
-            return RevisedPrompts(prompts)
-        validate_sampling(request.pe_temperature, request.pe_top_p, request.pe_max_new_tokens)
-        if self.options.pe_endpoint is not None:
-            from ..text.remote_enhancer import revise_prompts_remote
-
-            return revise_prompts_remote(self.options.pe_endpoint, prompts, request.width, request.height,
-                                         request.seed, request.pe_temperature, request.pe_top_p,
-                                         request.pe_max_new_tokens, host)
-        if not self.sources.has_pe():
-            host.log("prompt enhancer is on but this model has none (no pe/ folder, PE file or PE server): "
-                     "the prompt is used as written")
-            return RevisedPrompts(prompts)
+        """The prompt-enhancer phase, before text encoding: text.enhancer.RevisedPrompts (prompt_phase.py)."""
+        revised = revised_without_local_pe(request, host, self.options, self.sources)
+        if revised is not None:
+            return revised
         self._phase = "pe"
-        placed = self.memory.places_pe()
-        enhancer = self._loaded.enhancer or _built_outside_inference_mode(LocalEnhancer.load)(
-            self.sources, self.device, self.dtype, self.variant, host,
-            build_device=self.memory.build_device() if placed else None, quant=self.options.pe_quant)
-        self._loaded.enhancer = enhancer
-        enhancer.compiled_decode = self.compiles_dit  # compile asked for and Triton present: the PE's step too
-        try:
-            if placed:
-                self.memory.place_pe(enhancer.model)
-                enhancer.placed = True
-            settings = enhancer.settings(request.pe_temperature, request.pe_top_p, request.pe_max_new_tokens)
-            return revise_prompts(enhancer, prompts, request.width, request.height, request.seed, settings, host)
-        finally:
-            if placed:
-                self.memory.after_pe(self.options.keep_loaded)
-            if self.options.keep_loaded:
-                enhancer.offload()
-            else:
-                enhancer.release()
-                self._loaded.enhancer = None
+        return revised_by_local_pe(request, host, self.options, self.parts, self.memory)
 
     def host_bytes(self) -> dict[str, int]:
         """Host memory this pipe holds now: all of it (`host_tensors`, each storage once) and the page-locked part."""
-        storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in self.host_tensors()}
-        return {"host": sum(n for _, n in storages),
-                "pinned": self.memory.pinned_bytes() + self._lora.pinned_bytes(self._loaded.dit)}
+        return self.parts.host_bytes()
 
     def host_tensors(self) -> list[torch.Tensor]:
         """Every host tensor this pipe holds now: streaming slabs (page-locked on CUDA) and weights kept in host
         memory (a parked prompt enhancer, a CPU device's models). Read-only; loads nothing."""
-        loaded = self._loaded
-        enhancer = loaded.enhancer.model if loaded.enhancer is not None else None
-        tensors: list[torch.Tensor] = list(self.memory.host_slabs())
-        for module in (loaded.text_tower, loaded.dit, loaded.vae, enhancer):
-            if module is None:
-                continue
-            tensors += [t for t in (*module.parameters(), *module.buffers()) if t.device.type == "cpu"]
-        tensors += self._lora.host_tensors(loaded.dit)  # a merged LoRA's copy of the original weights
-        return tensors
+        return self.parts.host_tensors()
 
     # ComfyUI's node cache (comfy_execution/caching.py RAMPressureCache) sizes a cached output by the CPU tensors
     # this returns, so under RAM pressure it can weigh and evict the Loader's pipe; see __del__.
@@ -757,7 +379,7 @@ class LocalPipe:
 
     def release(self) -> None:
         self.memory.release()
-        self._loaded = _Loaded(tokenizer=self._loaded.tokenizer)
+        self.parts.drop()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

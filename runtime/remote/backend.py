@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 # Scheduler shift of both released checkpoints; the server uses its own scheduler config, shift is not sent.
 SERVER_SHIFT = 4.0
+REMOTE_LORA_REFUSAL = (
+    "LoRAs run only on a local pipe: SGLang's /v1/set_lora loads LoRA files from the server's own disk, which this "
+    "pack does not drive yet; wire the LoRA node to an ERNIE-Image Loader, or load the LoRA on the server yourself")
 
 
 @dataclass(frozen=True)
@@ -166,9 +169,7 @@ class RemotePipe:
         return "\n".join(lines)
 
     def with_loras(self, loras) -> "RemotePipe":
-        """LoRAs are not sent to SGLang servers: refused in one line (see lora.view.REMOTE_LORA_REFUSAL)."""
-        from ..local.lora_view import REMOTE_LORA_REFUSAL
-
+        """LoRAs are not sent to SGLang servers: refused in one line (REMOTE_LORA_REFUSAL)."""
         raise InvalidInputError(REMOTE_LORA_REFUSAL)
 
     def is_loaded(self) -> bool:
