@@ -84,7 +84,7 @@ def chat_endpoint(pe_url: str, pe_model: str, pe_credential: str, connect_timeou
 def make_remote_pipe(urls: list[str], connect_timeout_s: float, read_timeout_s: float, credential: str = "",
                      pe_endpoint: Optional[Any] = None, wait_for_servers_s: float = 600.0,
                      resend_unanswered: bool = False, legacy: Optional[dict[str, Any]] = None) -> Any:
-    from ..runtime.net.http import checked_seconds
+    from ..runtime.net.settings import checked_seconds
     from ..runtime.net.urls import normalize_base_url
     from ..runtime.remote.backend import RemotePipe, RemoteSettings
     from .comfy_env import user_credentials

@@ -2,7 +2,7 @@
 
 POST /ernie_image/test_connection: readiness and served model of the Remote Backend's servers. Not a proxy:
 only each server's fixed health/model/version endpoints are asked, with a short total timeout, no redirects
-and a size cap (runtime/net/http.py), and only a summary goes back, never a server's raw body. It takes the
+and a size cap (runtime/net/client.py), and only a summary goes back, never a server's raw body. It takes the
 server URLs, a credential LABEL and a timeout, nothing else: it reads no variable or file a request names, and a
 server gets only the key the user bound to its origin (runtime/net/credentials.py).
 GET /ernie_image/memory: the pack's live pipes and whether their weights are loaded.
@@ -79,9 +79,9 @@ async def _check_rows(urls: list[str], keys: "ServerKeys", connect_timeout_s: fl
 
 def check_servers(body: dict[str, Any]) -> dict[str, Any]:
     """Blocking: run on a worker thread. Raises ErnieImageError for bad input."""
-    from ..runtime.net.http import run_sync
+    from ..runtime.net.loop_thread import run_sync
 
-    from ..runtime.net.http import checked_seconds
+    from ..runtime.net.settings import checked_seconds
     from ..runtime.remote.server_check import server_keys
     from .comfy_env import user_credentials
 

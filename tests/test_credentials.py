@@ -16,6 +16,7 @@ from typing import Any, Callable
 import pytest
 
 from ernie_image.runtime.core.errors import ErnieImageError, InvalidInputError
+from ernie_image.runtime.net.client import HttpClient, JsonResponse
 from ernie_image.runtime.net.credentials import (
     KEYS_FILE_ENV,
     MAX_KEYS_FILE_BYTES,
@@ -27,8 +28,9 @@ from ernie_image.runtime.net.credentials import (
     load_credentials,
 )
 from ernie_image.runtime.net.errors import AuthenticationError
-from ernie_image.runtime.net.http import HttpClient, HttpSettings, JsonResponse, run_sync
 from ernie_image.runtime.net.key_source import ApiKeySource
+from ernie_image.runtime.net.loop_thread import run_sync
+from ernie_image.runtime.net.settings import HttpSettings
 
 from fake_sglang import FakeSglang
 

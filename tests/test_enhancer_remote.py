@@ -20,7 +20,7 @@ from ernie_image.runtime.cli.enhance import main_enhance
 from ernie_image.runtime.core.errors import Cancelled, InvalidInputError, RemoteError
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.net.credentials import Credentials, load_credentials
-from ernie_image.runtime.net.http import AuthenticationError, ServerRejected
+from ernie_image.runtime.net.errors import AuthenticationError, ServerRejected
 from ernie_image.runtime.text.remote_enhancer import ChatEndpoint, revise_prompts_remote
 
 SECRET = "sk-test-0123456789"

@@ -20,8 +20,7 @@ from ernie_image.runtime.cli.commands import main as cli_main
 from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
 from ernie_image.runtime.demo import cached_model as demo_module
 from ernie_image.runtime.formats.sources import ModelSources
-from ernie_image.runtime.local import parts as local_parts
-from ernie_image.runtime.local import pipe as local_pipe_module
+from ernie_image.runtime.local import parts as local_parts, pipe as local_pipe_module
 from ernie_image.runtime.local.options import LoadOptions
 from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.lora import LoraStack

@@ -479,7 +479,8 @@ def test_check_remote_connect_timeout_bounds_a_connection_never_accepted(capsys)
 
 def test_an_html_error_page_is_described_not_quoted(tmp_path):
     """Any 4xx whose body is a web page (a proxy's, a plain web server's) says so instead of quoting its markup."""
-    from ernie_image.runtime.net.http import ServerRejected, run_sync
+    from ernie_image.runtime.net.errors import ServerRejected
+    from ernie_image.runtime.net.loop_thread import run_sync
     from ernie_image.runtime.remote.sglang import SglangClient
 
     async def models(url: str) -> None:

@@ -16,7 +16,8 @@ from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.pipe import ErniePipe
 from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.net.credentials import Credentials
-from ernie_image.runtime.net.http import BadResponse, ServerRejected, run_sync
+from ernie_image.runtime.net.errors import BadResponse, ServerRejected
+from ernie_image.runtime.net.loop_thread import run_sync
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
 from ernie_image.runtime.remote.fleet import Fleet
 from ernie_image.runtime.remote.server_check import check_remote, format_check_table

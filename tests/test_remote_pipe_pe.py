@@ -15,7 +15,7 @@ from ernie_image.nodes.sampler import ErnieImageTurboSampler
 from ernie_image.runtime.core.errors import Cancelled
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
-from ernie_image.runtime.net.http import ServerRejected
+from ernie_image.runtime.net.errors import ServerRejected
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
 from ernie_image.runtime.text.remote_enhancer import ChatEndpoint
 

@@ -12,7 +12,7 @@ from ..core.host import NullHost
 from ..core.request import SEED_MASK, validate_size
 from ..formats.sources import ModelSources
 from ..local.options import LoadOptions, resolve_device, resolve_dtype
-from ..net.http import checked_seconds
+from ..net.settings import checked_seconds
 from ..net.urls import normalize_base_url
 from ..text.enhancer import LocalEnhancer, revise_prompts, validate_sampling
 from ..text.remote_enhancer import ChatEndpoint, revise_prompts_remote

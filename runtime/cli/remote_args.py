@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ..core.errors import InvalidInputError
 from ..net.credentials import Credentials, load_credentials
-from ..net.http import checked_seconds
+from ..net.settings import checked_seconds
 
 if TYPE_CHECKING:
     from ..remote.backend import RemotePipe

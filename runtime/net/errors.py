@@ -1,4 +1,4 @@
-"""The remote client's failures, told apart where they happen (see http.py for when each is raised)."""
+"""The remote client's failures, told apart where they happen (see client.py for when each is raised)."""
 from __future__ import annotations
 
 from typing import Optional

@@ -109,3 +109,8 @@ def _check_port(netloc: str, what: str, shown: str) -> None:
                                 f"one like {EXAMPLE}")
     if not 1 <= int(port_text) <= 65535:
         raise InvalidInputError(f"{what} {shown!r} has the port {int(port_text)}, out of range: use 1..65535")
+
+
+def server_label(url: str) -> str:
+    """How a server is named to the user: its URL without credentials, query or trailing slash (urls.shown_url)."""
+    return shown_url(url).rstrip("/")

@@ -24,8 +24,9 @@ from ..core.pipe import check_generate_call
 from ..core.request import GenerationRequest, GenerationResult, refuse_image_inputs
 from ..core.variant import VariantChoice, settings_notice
 from ..net.credentials import Credentials, ServerKeys, load_credentials
-from ..net.http import HttpSettings, checked_seconds, run_soon, run_sync, server_label
-from ..net.urls import normalize_base_url
+from ..net.loop_thread import run_soon, run_sync
+from ..net.settings import HttpSettings, checked_seconds
+from ..net.urls import normalize_base_url, server_label
 from .fleet import Fleet, FleetSettings
 from .sglang import ENDPOINT_SUFFIXES, GeneratedImage, ImageParams, ReadTimeoutPolicy, ServerModel
 

@@ -14,7 +14,8 @@ from typing import Optional, Sequence
 from ..cli.parser import OneLineParser
 from ..core.errors import ErnieImageError
 from ..net.credentials import Credentials, ServerKeys, load_credentials
-from ..net.http import HttpSettings, RetryPolicy, Timeouts, checked_seconds, run_sync
+from ..net.loop_thread import run_sync
+from ..net.settings import HttpSettings, RetryPolicy, Timeouts, checked_seconds
 from ..net.urls import normalize_base_url, shown_url
 from .sglang import ENDPOINT_SUFFIXES, PROBE_READ_S, ImageParams, ReadTimeoutPolicy, SglangClient
 

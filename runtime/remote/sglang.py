@@ -18,8 +18,11 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from ..core.request import SEED_MASK, SIDE_MULTIPLE
-from ..net.http import (AuthenticationError, BadResponse, ConnectionLost, HttpClient, HttpSettings, RetryPolicy, ServerFailed,
-                        ServerRejected, ServerUnavailable, server_text)
+from ..net.client import HttpClient
+from ..net.error_answers import server_text
+from ..net.errors import (AuthenticationError, BadResponse, ConnectionLost, ServerFailed, ServerRejected,
+                          ServerUnavailable)
+from ..net.settings import HttpSettings, RetryPolicy
 from ..net.urls import normalize_base_url, shown_url
 
 ERNIE_PIPELINE = "ErnieImagePipeline"

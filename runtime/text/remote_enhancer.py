@@ -4,7 +4,7 @@ Baidu's "Method 2": the PE runs on its own server, the DiT then gets the revised
 server applies the PE's own chat template (system text fixed inside it); we send only the user message, as JSON
 `{"prompt", "width", "height"}`, with the seed, so a server that honours `seed` gives the same revision again.
 
-Transport (timeouts, safe retries, size cap, API key, cancel) is `net/http.py`'s. Failure policy:
+Transport (timeouts, safe retries, size cap, API key, cancel) is `net/client.py`'s. Failure policy:
 - the server is down, times out, fails (5xx), or answers something unusable or empty: the original prompt is
   used and the user is told in one line (an image without the PE beats no image);
 - 401/403 and other 4xx (wrong key, wrong model name, wrong URL path) raise: those are settings to fix.
@@ -19,17 +19,11 @@ from typing import Any, Optional, Sequence
 from ..core.errors import RemoteError
 from ..core.host import Host, NullHost, show_status
 from ..core.request import SEED_MASK
+from ..net.client import HttpClient
 from ..net.credentials import Credential, Credentials
-from ..net.http import (
-    BadResponse,
-    ConnectionLost,
-    HttpClient,
-    HttpSettings,
-    ServerFailed,
-    ServerRejected,
-    ServerUnavailable,
-    run_sync,
-)
+from ..net.errors import BadResponse, ConnectionLost, ServerFailed, ServerRejected, ServerUnavailable
+from ..net.loop_thread import run_sync
+from ..net.settings import HttpSettings
 from ..net.urls import shown_url
 from .enhancer import RevisedPrompts, Revision, validate_sampling
 from .pe_prompt import chat_messages
