@@ -159,7 +159,7 @@ def test_a_batch_image_name_that_is_a_folder_is_refused_before_any_work(capsys, 
 
 def test_check_remote_advice_names_an_option_it_has(capsys):
     """A server that answers too slowly is told to raise the read timeout: check-remote has --read-timeout."""
-    from ernie_image.runtime.remote.server_check import main_check_remote
+    from ernie_image.runtime.cli.check_remote import main_check_remote
 
     with pytest.raises(SystemExit):
         main_check_remote(["--help"])
@@ -167,7 +167,7 @@ def test_check_remote_advice_names_an_option_it_has(capsys):
 
 
 def test_a_feature_adds_its_check_to_generate_in_one_place(capsys, tmp_path, monkeypatch, empty_cache):
-    from ernie_image.runtime.cli import commands as cli
+    from ernie_image.runtime.cli import generate
     from ernie_image.runtime.core.errors import InvalidInputError
 
     seen = []
@@ -176,7 +176,7 @@ def test_a_feature_adds_its_check_to_generate_in_one_place(capsys, tmp_path, mon
         seen.append(args.out)
         raise InvalidInputError("--lora x.safetensors does not exist: check the path")
 
-    monkeypatch.setattr(cli, "FEATURE_CHECKS", (check_lora,))
+    monkeypatch.setattr(generate, "FEATURE_CHECKS", (check_lora,))
     assert "--lora x.safetensors" in _cli(capsys, "generate", "--out", str(tmp_path / "x.png"))
     assert seen and not empty_cache.exists()  # run after the core checks, before the demo model
     assert "width 8 is not allowed" in _cli(capsys, "generate", "--width", "8", "--out", str(tmp_path / "x.png"))
@@ -556,9 +556,9 @@ def _as_the_png_is_written_and_again_as_it_is_removed(monkeypatch):
 
 
 def _as_the_new_png_replaces_the_old(monkeypatch):  # complete: from here the run no longer takes a cancel
-    from ernie_image.runtime.cli import commands as cli
+    from ernie_image.runtime.cli.interrupts import Interrupts
 
-    monkeypatch.setattr(cli._Interrupts, "outputs_written", _ctrl_c_after(cli._Interrupts.outputs_written))
+    monkeypatch.setattr(Interrupts, "outputs_written", _ctrl_c_after(Interrupts.outputs_written))
 
 
 @pytest.mark.slow

@@ -177,8 +177,9 @@ def test_cli_never_echoes_a_key_pasted_as_an_option(capsys) -> None:
 
 
 def test_check_remote_runs_the_same_check_when_called_directly() -> None:
+    from ernie_image.runtime.cli.check_remote import main_check_remote
     from ernie_image.runtime.net.credentials import Credentials
-    from ernie_image.runtime.remote.server_check import check_remote, main_check_remote
+    from ernie_image.runtime.remote.server_check import check_remote
 
     with pytest.raises(InvalidInputError, match=r"^--api-key-env names a variable"):
         main_check_remote(["http://127.0.0.1:1", "--api-key-env", UNSET])

@@ -2,7 +2,7 @@
 
 Small validators, each raising InvalidInputError with one line naming the option, the cause and the fix, and
 `check_generate_args(args, *feature_checks)`, the one place `generate` checks its arguments. A feature that adds
-flags to `generate` exposes its own `check(args)` and commands.py lists it in FEATURE_CHECKS; it runs after the checks
+flags to `generate` exposes its own `check(args)` and generate.py lists it in FEATURE_CHECKS; it runs after the checks
 here (numbers first, then input files, then the output path and that it is none of the inputs), still before
 anything heavy.
 """

@@ -1,4 +1,4 @@
-"""`ernie-image check-remote URL...` and the node's "Test connection": one row per server.
+"""Checking SGLang servers for `ernie-image check-remote` and the node's "Test connection": one row per server.
 
 Readiness (/health), the served model (/v1/models: must be an ERNIE-Image pipeline), GPUs, precision,
 version (/server_info) and the time of one tiny generation (256x256, 1 step), as a text table.
@@ -6,18 +6,16 @@ version (/server_info) and the time of one tiny generation (256x256, 1 step), as
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..cli.parser import OneLineParser
 from ..core.errors import ErnieImageError
 from ..net.credentials import Credentials, ServerKeys, load_credentials
 from ..net.loop_thread import run_sync
-from ..net.settings import HttpSettings, RetryPolicy, Timeouts, checked_seconds
+from ..net.settings import HttpSettings, RetryPolicy, Timeouts
 from ..net.urls import normalize_base_url, shown_url
-from .sglang import ENDPOINT_SUFFIXES, PROBE_READ_S, ImageParams, ReadTimeoutPolicy, SglangClient
+from .sglang import PROBE_READ_S, ImageParams, ReadTimeoutPolicy, SglangClient
 
 TINY_IMAGE = ImageParams(prompt="a red fox in snow", negative_prompt="", width=256, height=256, steps=1,
                          guidance_scale=1.0, seed=0, use_pe=False)
@@ -95,8 +93,8 @@ def check_remote(urls: Sequence[str], credentials: Optional[Credentials] = None,
     Each server gets the key bound to its origin in `credentials` (None: the user's keys file), or the one the label
     `credential` picks; a label that cannot be used is InvalidInputError, before any server is asked.
     """
-    return _check_all(urls, server_keys(urls, credentials, credential), generate, connect_timeout_s,
-                      generation_timeout_s)
+    return check_with_keys(urls, server_keys(urls, credentials, credential), generate, connect_timeout_s,
+                           generation_timeout_s)
 
 
 def server_keys(urls: Sequence[str], credentials: Optional[Credentials], label: str = "",
@@ -111,9 +109,10 @@ def server_keys(urls: Sequence[str], credentials: Optional[Credentials], label: 
     return ServerKeys.resolve(credentials if credentials is not None else load_credentials(), bases, label, setting)
 
 
-def _check_all(urls: Sequence[str], keys: ServerKeys, generate: bool, connect_timeout_s: float,
-               generation_timeout_s: float, probe_read_s: float = PROBE_READ_S,
-               read_timeout_label: Optional[str] = None) -> list[CheckRow]:
+def check_with_keys(urls: Sequence[str], keys: ServerKeys, generate: bool, connect_timeout_s: float,
+                    generation_timeout_s: float, probe_read_s: float = PROBE_READ_S,
+                    read_timeout_label: Optional[str] = None) -> list[CheckRow]:
+    """Every server checked concurrently with the credentials `keys` resolved for them."""
     async def run() -> list[CheckRow]:
         return list(await asyncio.gather(*(
             check_one(url, keys, generate, connect_timeout_s, generation_timeout_s, probe_read_s,
@@ -142,40 +141,3 @@ def format_check_table(rows: Sequence[CheckRow]) -> str:
         for problem in row.problems:
             lines.append(f"! {problem}")
     return "\n".join(lines)
-
-
-def main_check_remote(argv: Optional[Sequence[str]] = None) -> int:
-    parser = OneLineParser(prog="ernie-image check-remote",
-                           description="Check SGLang ERNIE-Image servers: readiness, model, version, one tiny generation.")
-    parser.add_argument("urls", nargs="+", metavar="URL", help="server base URL, e.g. http://127.0.0.1:30000")
-    parser.add_argument("--api-key-env", default=None, help="environment variable holding the API key")
-    parser.add_argument("--api-key-file", default=None, help="file holding the API key")
-    parser.add_argument("--no-generate", action="store_true", help="skip the tiny test generation")
-    parser.add_argument("--connect-timeout", default=5.0, metavar="S",
-                        help="seconds to wait for a server to accept the connection (default 5)")
-    parser.add_argument("--read-timeout", default=None, metavar="S",
-                        help=f"seconds to wait for each answer: readiness, model list and the tiny test image "
-                             f"(default {PROBE_READ_S:g} for the first two, {GENERATION_TIMEOUT_S:g} for the image)")
-    args = parser.parse_args(argv)
-    for url in args.urls:  # a malformed URL is a usage error (exit 2), before any server is asked
-        normalize_base_url(url, what="URL", endpoint_suffixes=ENDPOINT_SUFFIXES)
-    connect_s = checked_seconds(args.connect_timeout, "--connect-timeout")
-    read_s = None if args.read_timeout is None else checked_seconds(args.read_timeout, "--read-timeout")
-    from ..cli.remote_args import cli_credentials, key_destinations
-
-    bases = [normalize_base_url(url) for url in args.urls]
-    credentials = cli_credentials(bases, args.api_key_env, args.api_key_file)
-    if key_destinations(credentials):
-        print(key_destinations(credentials), file=sys.stderr)
-    keys = ServerKeys.resolve(credentials, bases)
-    rows = _check_all(args.urls, keys, generate=not args.no_generate, connect_timeout_s=connect_s,
-                      generation_timeout_s=GENERATION_TIMEOUT_S if read_s is None else read_s,
-                      probe_read_s=PROBE_READ_S if read_s is None else read_s, read_timeout_label="--read-timeout")
-    print(format_check_table(rows))
-    return 0 if all(row.ok for row in rows) else 1
-
-
-if __name__ == "__main__":
-    from ..cli.commands import main  # one-line errors and exit code 2, as `ernie-image check-remote`
-
-    sys.exit(main(["check-remote", *sys.argv[1:]]))
