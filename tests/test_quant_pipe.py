@@ -80,7 +80,7 @@ def q4_k_model(tmp_path_factory) -> Path:
 
 
 def test_quantize_q4_k_packs_the_layers_it_reports_and_generate_reloads_them(q4_k_model, tmp_path, capsys):
-    from ernie_image.runtime.quant import load_quantized_state_dict
+    from ernie_image.runtime.formats.quantized_file import load_quantized_state_dict
 
     quantised = tmp_path / "ernie-image-turbo-q4_k.gguf"
     assert cli_main(["quantize", "--dit", str(q4_k_model / "transformer"), "--format", "q4_k",

@@ -1,4 +1,5 @@
-"""`load_quantized_state_dict`: one entry point for a quantised (or plain) ERNIE-Image DiT file."""
+"""`load_quantized_state_dict`: one entry point for a quantised (or plain) ERNIE-Image DiT file, GGUF or
+safetensors, into packed QuantizedWeights (quant/) or plain tensors."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,10 +7,10 @@ from pathlib import Path
 import torch
 
 from ..core.errors import ModelFileError
-from ..formats.safetensors_reader import is_gguf
-from .gguf_files import DIT_MARKER_KEYS, load_dit_gguf, strip_dit_prefix
-from .qweight import QuantizedWeight
-from .safetensors_files import load_quantized_safetensors
+from ..quant.gguf_files import DIT_MARKER_KEYS, load_dit_gguf, strip_dit_prefix
+from ..quant.qweight import QuantizedWeight
+from ..quant.safetensors_files import load_quantized_safetensors
+from .safetensors_reader import is_gguf
 
 
 def load_quantized_state_dict(path: str | Path, component: str = "dit"
