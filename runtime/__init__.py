@@ -10,8 +10,8 @@ Its packages, in import order: each imports only itself and the packages above i
                the event-loop thread
     quant/     packed weights (GGUF blocks, FP8, NVFP4): reading, quantising and writing them, QuantLinear
     formats/   weight files in every layout users have, ModelSources, config.json files and the released configs
-    model/     the DiT and its fused kernels, the VAE's halves, compile, CUDA graphs, building the parts from
-               their files
+    model/     the DiT (its arithmetic, chosen per model, and fused kernels), the VAE's halves, compile, CUDA
+               graphs, building the parts from their files
     text/      the text encoder's embeddings; the prompt enhancer, local or on a chat endpoint
     sampling/  the flow-match schedule, the Euler sampler, image inputs (img2img, inpainting), previews
     offload/   the VRAM plan per job and placing each phase's weights (resident or streamed)

@@ -9,12 +9,14 @@ from ..lora.stack import describe_stack
 
 
 def dit_mode(pipe: Any) -> str:
-    """How a LocalPipe's DiT forward runs: compiled, or eager (replayed as CUDA graphs where it can be)."""
+    """How a LocalPipe's DiT forward runs: compiled, or eager (replayed as CUDA graphs where it can be, in the exact
+    arithmetic where asked)."""
     if pipe.compiles_dit:
         return "compiled"
+    exact = ", exact arithmetic" if pipe.options.arithmetic == "exact" else ""
     if pipe.options.cuda_graphs and pipe.device.type == "cuda":
-        return "eager, replayed as CUDA graphs when resident"
-    return "eager"
+        return f"eager{exact}, replayed as CUDA graphs when resident"
+    return f"eager{exact}"
 
 
 def describe_pipe(pipe: Any, request: Optional[GenerationRequest] = None) -> str:

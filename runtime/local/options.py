@@ -14,6 +14,7 @@ from ..model.fill import QUANT_ON_LOAD_FORMATS
 # format (with 'none', 'auto' or that format; another is refused).
 QUANT_CHOICES = ("none", "auto", "bf16", *QUANT_ON_LOAD_FORMATS)
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on a GPU, fp32 on the CPU
+DIT_ARITHMETIC_CHOICES = ("fast", "exact")
 
 
 @dataclass
@@ -28,6 +29,9 @@ class LoadOptions:
     # Uncompiled DiT resident on a CUDA device (compile off or no Triton): replay its forward as CUDA graphs
     # (dit_graphs.py; bit-identical output). Streamed blocks always run eagerly.
     cuda_graphs: bool = True
+    # How the uncompiled DiT computes on CUDA: "fast" (fewer passes, last-bit differences from the reference) or
+    # "exact" (the reference's numbers bit for bit); see model/arithmetic.py. Compiled blocks are not affected.
+    arithmetic: str = "fast"
     pe_quant: str = "none"  # "none" or "fp8": the local prompt enhancer's layer weights packed on load (text/pe_quant.py)
     # Prompt enhancer on an OpenAI-compatible chat server (text.remote_enhancer.ChatEndpoint; holds no secret).
     # When set, requests with use_pe are revised there instead of by a local PE.
@@ -53,6 +57,9 @@ class LoadOptions:
         if self.dtype not in DTYPE_CHOICES:
             raise InvalidInputError(f"dtype {self.dtype!r} is not supported: use {', '.join(DTYPE_CHOICES)}"
                                     ).naming("dtype")
+        if self.arithmetic not in DIT_ARITHMETIC_CHOICES:
+            raise InvalidInputError(f"arithmetic {self.arithmetic!r} is not supported: use "
+                                    f"{' or '.join(DIT_ARITHMETIC_CHOICES)}").naming("arithmetic")
         if self.quant not in QUANT_CHOICES:
             raise InvalidInputError(f"quant {self.quant!r} is not supported: use one of {', '.join(QUANT_CHOICES)}, "
                                     "or give a quantised DiT file").naming("quant")

@@ -104,7 +104,7 @@ class PipeParts:
         if self.dit is None:
             component = open_component(self.sources.component("transformer"), "dit")
             dit = build_dit(component, self.memory.build_device(), self.dtype, quant=self._quant_on_load(component),
-                            quant_device=self.device)
+                            quant_device=self.device, arithmetic=self.options.arithmetic)
             if self.device.type == "cuda":
                 fuse_projections(dit)
             dit = self.memory.place_dit(dit)

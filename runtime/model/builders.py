@@ -13,6 +13,7 @@ import torch
 from ..core.errors import ModelFileError
 from ..core.variant import Variant
 from ..formats.config_json import config_named, load_config
+from .arithmetic import ArithmeticName
 from .fill import fill_from_file
 
 if TYPE_CHECKING:
@@ -42,17 +43,18 @@ def dit_config_for(component) -> "DiTConfig":
 
 
 def build_dit(component, device: torch.device, dtype: torch.dtype, quant: str = "none",
-              quant_device: Optional[torch.device] = None):
-    """The DiT on `device`; `quant` quantises bf16 Linear weights on load (on `quant_device`, default `device`)."""
-    return fill_from_file(dit_on_meta(component), component, device, dtype, quant, quant_device)
+              quant_device: Optional[torch.device] = None, arithmetic: ArithmeticName = "fast"):
+    """The DiT on `device`; `quant` quantises bf16 Linear weights on load (on `quant_device`, default `device`);
+    `arithmetic`: how its uncompiled forward computes (arithmetic.py)."""
+    return fill_from_file(dit_on_meta(component, arithmetic), component, device, dtype, quant, quant_device)
 
 
-def dit_on_meta(component) -> torch.nn.Module:
+def dit_on_meta(component, arithmetic: ArithmeticName = "fast") -> torch.nn.Module:
     """The DiT its config describes, on the meta device (no memory): a config that does not build it is named."""
     from .dit import ErnieDiT
 
     with config_named(component, "DiT"), torch.device("meta"):
-        return ErnieDiT(dit_config_for(component))
+        return ErnieDiT(dit_config_for(component), arithmetic)
 
 
 def text_config_for(component, variant: Variant = "base") -> dict:

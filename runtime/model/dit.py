@@ -12,16 +12,21 @@ loads with `load_state_dict`. The maths is the reference's; what differs is how 
   the kernel computes in fp32 and rounds once on store, exactly as `.float()` ... `.to(bf16)` does), which halves
   the memory traffic of everything between the GEMMs with bit-identical results; compiled blocks keep the plain
   expressions, which inductor fuses itself;
-- uncompiled on CUDA (`fast_eager`), a block's elementwise work takes fewer and faster passes: every operand of
-  the large kernels stays in the activations' dtype (PyTorch's mixed-dtype kernels take a casting path about three
-  times slower), using the bf16 modulation values whose fp32 forms the reference uses (exact), the norms' weights
-  go into their norm kernel or the RoPE tables, gated residuals are one `addcmul`, and q and k are normalised and
-  rotated together. The roundings differ from the reference's in places, so the results differ in last bits (the
-  tests' GPU bound), not bit for bit; the CPU keeps the bit-identical forms. Where comfy-kitchen is installed, its
-  CUDA kernels do q/k RMSNorm + RoPE and each adaLN RMSNorm + modulation in one pass each (fused_kernels.py).
+- uncompiled on CUDA with the "fast" arithmetic (the default, arithmetic.py), a block's elementwise work takes
+  fewer and faster passes: every operand of the large kernels stays in the activations' dtype (PyTorch's
+  mixed-dtype kernels take a casting path about three times slower), using the bf16 modulation values whose fp32
+  forms the reference uses (exact), the norms' weights go into their norm kernel or the RoPE tables, gated
+  residuals are one `addcmul`, and q and k are normalised and rotated together. The roundings differ from the
+  reference's in places, so the results differ in last bits (the tests' GPU bound), not bit for bit; the CPU and
+  the "exact" arithmetic keep the bit-identical forms. Where comfy-kitchen is installed, its CUDA kernels do q/k
+  RMSNorm + RoPE and each adaLN RMSNorm + modulation in one pass each (fused_kernels.py).
+
+The arithmetic is chosen once per model (ErnieDiT(config, arithmetic=...)) and reaches every block through the
+step's context.
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -31,6 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import fused_kernels
+from .arithmetic import Arithmetic, ArithmeticName
+
+FAST = Arithmetic()
 
 
 @dataclass(frozen=True)
@@ -75,30 +83,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, arithmetic: Arithmetic = FAST) -> torch.Tensor:
         low_precision = self.weight.dtype in (torch.float16, torch.bfloat16)
         variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        if low_precision and _eager_kernels():
+        if low_precision and arithmetic.folds_casts():
             normed = torch.mul(x, torch.rsqrt(variance + self.eps), out=torch.empty_like(x, dtype=self.weight.dtype))
             return normed.mul_(self.weight)
         x = x * torch.rsqrt(variance + self.eps)
         if low_precision:
             x = x.to(self.weight.dtype)
         return x * self.weight
-
-
-# The uncompiled forward on CUDA takes the fewer-pass forms (module docstring); False gives the bit-identical ones.
-FAST_EAGER_ON_CUDA = True
-
-
-def _eager_kernels() -> bool:
-    """Whether to use the cast-folding `out=` forms (bit-identical): not while torch.compile traces, where the
-    plain expressions fuse better and `out=` would only get in the compiler's way."""
-    return not torch.compiler.is_compiling()
-
-
-def _fast_eager(x: torch.Tensor) -> bool:
-    return FAST_EAGER_ON_CUDA and x.is_cuda and _eager_kernels()
 
 
 class Attention(nn.Module):
@@ -121,9 +115,10 @@ class Attention(nn.Module):
         del self.to_q, self.to_k, self.to_v
         return True
 
-    def forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        if _fast_eager(x):
-            return self._fast_forward(x, rope, key_mask)
+    def forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor],
+                arithmetic: Arithmetic = FAST) -> torch.Tensor:
+        if arithmetic.fast_for(x):
+            return self._fast_forward(x, rope, key_mask, arithmetic)
         if self.to_qkv is not None:
             q, k, v = self.to_qkv(x).chunk(3, dim=-1)
         else:
@@ -137,11 +132,12 @@ class Attention(nn.Module):
         )
         return self.to_out[0](out.transpose(1, 2).flatten(2, 3))
 
-    def _fast_forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def _fast_forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor],
+                      arithmetic: Arithmetic) -> torch.Tensor:
         """q and k normalised and rotated together (one pass each for both), their norm weights folded into the
         RoPE tables."""
         batch, length, _ = x.shape
-        if rope.rotation is not None and fused_kernels.rope_serves(x):
+        if rope.rotation is not None and arithmetic.kitchen_rope and fused_kernels.rope_serves(x):
             return self._kitchen_forward(x, rope, key_mask)
         if self.to_qkv is not None:
             qkv = self.to_qkv(x).unflatten(-1, (3, self.heads, -1))  # [B, S, 3, H, hd]
@@ -195,8 +191,8 @@ class FeedForward(nn.Module):
         del self.gate_proj, self.up_proj
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None and type(self.gate_up) is nn.Linear and _fast_eager(x):
+    def forward(self, x: torch.Tensor, arithmetic: Arithmetic = FAST) -> torch.Tensor:
+        if self.gate_up is not None and type(self.gate_up) is nn.Linear and arithmetic.fast_for(x):
             # The stacked weight's halves as two GEMMs (as fast as one here): contiguous outputs let gelu and the
             # product run vectorised, twice as fast as on the strided halves of one output.
             width = self.gate_up.weight.shape[0] // 2
@@ -223,32 +219,34 @@ def _fuse_linears(linears: list[nn.Module]) -> Optional[nn.Linear]:
 
 
 def _norm_modulate(norm: RMSNorm, x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor,
-                   scale_raw: torch.Tensor, shift_raw: torch.Tensor) -> torch.Tensor:
+                   scale_raw: torch.Tensor, shift_raw: torch.Tensor, arithmetic: Arithmetic = FAST) -> torch.Tensor:
     """_modulate(norm(x), ...). The fast path keeps every operand in x's dtype (mixed-dtype kernels take PyTorch's
     slow casting path): norm and weight in one kernel, then (normed * scale + shift) + normed, with the raw `scale`
     and `shift` whose fp32 forms are exact; or comfy-kitchen's one-pass kernel with the weight in the scale."""
-    if _fast_eager(x) and norm.weight.dtype == x.dtype:
-        if fused_kernels.adaln_serves(x):  # one pass: rms(x) * (w (1 + scale)) + shift = rms(x) * (1 + scale') + shift
+    if arithmetic.fast_for(x) and norm.weight.dtype == x.dtype:
+        # comfy-kitchen, one pass: rms(x) * (w (1 + scale)) + shift = rms(x) * (1 + scale') + shift
+        if arithmetic.kitchen_adaln and fused_kernels.adaln_serves(x):
             folded_scale = torch.mul(norm.weight, one_plus_scale).sub_(1).to(x.dtype)  # fp32 until then: small
             return fused_kernels.rms_adaln(x, folded_scale, shift_raw, norm.eps)
         normed = F.rms_norm(x, (x.shape[-1],), weight=norm.weight, eps=norm.eps)
         return torch.addcmul(shift_raw, normed, scale_raw).add_(normed)
-    return _modulate(norm(x), one_plus_scale, shift)
+    return _modulate(norm(x, arithmetic), one_plus_scale, shift, arithmetic)
 
 
-def _modulate(x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+def _modulate(x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor,
+              arithmetic: Arithmetic = FAST) -> torch.Tensor:
     """(x.float() * one_plus_scale + shift).to(x.dtype); the fp32 factors are [B, 1, D]."""
-    if _eager_kernels():
+    if arithmetic.folds_casts():
         return torch.add(torch.mul(x, one_plus_scale), shift, out=torch.empty_like(x))
     return (x.float() * one_plus_scale + shift).to(x.dtype)
 
 
 def _gated_residual(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
-                    gate_raw: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    gate_raw: Optional[torch.Tensor] = None, arithmetic: Arithmetic = FAST) -> torch.Tensor:
     """x + (gate * update.float()).to(x.dtype), the gate fp32 [B, 1, D] (`gate_raw`: the same in x's dtype)."""
-    if gate_raw is not None and _fast_eager(x):
+    if gate_raw is not None and arithmetic.fast_for(x):
         return torch.addcmul(x, update, gate_raw)
-    if _eager_kernels():
+    if arithmetic.folds_casts():
         return torch.mul(gate, update, out=torch.empty_like(update, dtype=x.dtype)).add_(x)
     return x + (gate * update.float()).to(x.dtype)
 
@@ -264,17 +262,22 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
         shift_msa, one_plus_scale_msa, gate_msa, shift_mlp, one_plus_scale_mlp, gate_mlp = ctx.modulation
         raw_shift_msa, raw_scale_msa, raw_gate_msa, raw_shift_mlp, raw_scale_mlp, raw_gate_mlp = ctx.raw_modulation
-        attn_in = _norm_modulate(self.adaLN_sa_ln, x, one_plus_scale_msa, shift_msa, raw_scale_msa, raw_shift_msa)
-        attn = self.self_attention(attn_in, ctx.rope, ctx.key_mask)
-        x = _gated_residual(x, gate_msa, attn, raw_gate_msa)
-        mlp = self.mlp(_norm_modulate(self.adaLN_mlp_ln, x, one_plus_scale_mlp, shift_mlp, raw_scale_mlp, raw_shift_mlp))
-        return _gated_residual(x, gate_mlp, mlp, raw_gate_mlp)
+        arithmetic = ctx.arithmetic
+        attn_in = _norm_modulate(self.adaLN_sa_ln, x, one_plus_scale_msa, shift_msa, raw_scale_msa, raw_shift_msa,
+                                 arithmetic)
+        attn = self.self_attention(attn_in, ctx.rope, ctx.key_mask, arithmetic)
+        x = _gated_residual(x, gate_msa, attn, raw_gate_msa, arithmetic)
+        mlp_in = _norm_modulate(self.adaLN_mlp_ln, x, one_plus_scale_mlp, shift_mlp, raw_scale_mlp, raw_shift_mlp,
+                                arithmetic)
+        return _gated_residual(x, gate_mlp, self.mlp(mlp_in, arithmetic), raw_gate_mlp, arithmetic)
 
 
 class RopeTables:
     """cos/sin of ERNIE's 3-axis rotary embedding for one sequence layout, in the activations' dtype."""
 
-    def __init__(self, positions: torch.Tensor, config: DiTConfig, dtype: torch.dtype) -> None:
+    def __init__(self, positions: torch.Tensor, config: DiTConfig, dtype: torch.dtype,
+                 arithmetic: Arithmetic = FAST) -> None:
+        self.arithmetic = arithmetic
         angles = torch.cat(
             [_axis_angles(positions[..., axis], dim, config.rope_theta) for axis, dim in enumerate(config.rope_axes_dim)],
             dim=-1,
@@ -283,8 +286,9 @@ class RopeTables:
         self.cos = torch.cos(angles).to(dtype)
         self.sin = torch.sin(angles).to(dtype)
         # comfy-kitchen's fused q/k norm + RoPE reads the rotations as fp32 2x2 matrices (fused_kernels.py)
-        self.rotation: Optional[torch.Tensor] = (
-            fused_kernels.rope_matrices(angles) if fused_kernels.rope_serves(self.cos, self.cos.shape[-1]) else None)
+        head_dim = self.cos.shape[-1]
+        uses_kernel = arithmetic.fast and arithmetic.kitchen_rope and fused_kernels.rope_serves(self.cos, head_dim)
+        self.rotation: Optional[torch.Tensor] = fused_kernels.rope_matrices(angles) if uses_kernel else None
         half = self.sin.shape[-1] // 2
         # -x2 * sin == x2 * -sin exactly (negation commutes with rounding): the eager path skips the negation pass.
         self.signed_sin = torch.cat((-self.sin[..., :half], self.sin[..., half:]), dim=-1)
@@ -292,7 +296,7 @@ class RopeTables:
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.chunk(2, dim=-1)
-        if _eager_kernels():
+        if self.arithmetic.folds_casts():
             return torch.cat((x2, x1), dim=-1).mul_(self.signed_sin).add_(x * self.cos)
         return x * self.cos + torch.cat((-x2, x1), dim=-1) * self.sin
 
@@ -323,6 +327,7 @@ class StepContext:
     raw_modulation: tuple[torch.Tensor, ...]
     rope: RopeTables
     key_mask: Optional[torch.Tensor]  # bool [B, 1, 1, S] or None when no key is padded
+    arithmetic: Arithmetic = FAST  # the model's (ErnieDiT.arithmetic)
 
 
 BlockRunner = Callable[[int, Block, torch.Tensor, StepContext], torch.Tensor]
@@ -371,9 +376,11 @@ def sinusoidal_timestep(timestep: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class ErnieDiT(nn.Module):
-    def __init__(self, config: DiTConfig) -> None:
+    def __init__(self, config: DiTConfig, arithmetic: ArithmeticName | Arithmetic = "fast") -> None:
+        """`arithmetic`: how the uncompiled forward computes ("fast", "exact", "plain"; arithmetic.py)."""
         super().__init__()
         self.config = config
+        self.arithmetic = Arithmetic.of(arithmetic)
         dim = config.hidden_size
         self.x_embedder = PatchEmbed(config)
         self.text_proj = nn.Linear(config.text_in_dim, dim, bias=False) if config.text_in_dim != dim else None
@@ -393,6 +400,14 @@ class ErnieDiT(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.final_linear.weight.dtype
 
+    def with_arithmetic(self, arithmetic: ArithmeticName | Arithmetic) -> "ErnieDiT":
+        """This model's blocks and weights (shared, not copied) computing with `arithmetic`: a second model to
+        compare the forms on the same weights."""
+        twin = copy.copy(self)
+        twin.arithmetic = Arithmetic.of(arithmetic)
+        twin._rope_cache = {}
+        return twin
+
     def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), .to_empty(): every tensor is a new one
         result = super()._apply(fn, recurse)
         self.structure_version += 1
@@ -410,7 +425,7 @@ class ErnieDiT(nn.Module):
         if tables is None:
             if len(self._rope_cache) > 8:
                 self._rope_cache.clear()
-            tables = RopeTables(_positions(grid, text_lens, text_max, device), self.config, dtype)
+            tables = RopeTables(_positions(grid, text_lens, text_max, device), self.config, dtype, self.arithmetic)
             tables.key_mask = _key_mask(len(text_lens), grid[0] * grid[1], text_lens, text_max, device)
             self._rope_cache[key] = tables
         return tables
@@ -433,7 +448,8 @@ class ErnieDiT(nn.Module):
         raw_modulation = tuple(m.unsqueeze(1) for m in self.adaLN_modulation(conditioning).chunk(6, dim=-1))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (m.float() for m in raw_modulation)
         modulation = (shift_msa, 1 + scale_msa, gate_msa, shift_mlp, 1 + scale_mlp, gate_mlp)
-        ctx = StepContext(modulation=modulation, raw_modulation=raw_modulation, rope=rope, key_mask=key_mask)
+        ctx = StepContext(modulation=modulation, raw_modulation=raw_modulation, rope=rope, key_mask=key_mask,
+                          arithmetic=self.arithmetic)
         for index, block in enumerate(self.layers):
             x = self.block_runner(index, block, x, ctx)
         x = self.final_norm(x, conditioning).type_as(x)

@@ -6,9 +6,10 @@ forward:
 - `rms_rope_split_half`: q's and k's per-head RMSNorm (with their weights) and ERNIE's split-half RoPE, one pass
   over each;
 - `rms_adaln`: an adaLN RMSNorm and its modulation (the norm's weight folded into the scale), one pass.
-They serve only the eager forward on CUDA with bf16/fp16 activations (torch.compile fuses the same work itself)
-and only through the package's CUDA backend, never its Python fallbacks. `ENABLED = False` or the environment
-variable ERNIE_IMAGE_FUSED_KERNELS=0 turns them off; without the package the PyTorch forms run.
+They serve only the eager forward's fast arithmetic (arithmetic.py) on CUDA with bf16/fp16 activations
+(torch.compile fuses the same work itself) and only through the package's CUDA backend, never its Python
+fallbacks. A model's Arithmetic(kitchen_rope=False, kitchen_adaln=False), or the environment variable
+ERNIE_IMAGE_FUSED_KERNELS=0 for the whole process, turns them off; without the package the PyTorch forms run.
 """
 from __future__ import annotations
 
@@ -19,9 +20,6 @@ from typing import Optional
 
 import torch
 
-ENABLED = True
-ROPE_ENABLED = True  # the two kernels can be switched off one by one (bench/eager_graphs.py compares them)
-ADALN_ENABLED = True
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -44,18 +42,19 @@ def cuda_backend() -> Optional[ModuleType]:
     return backend
 
 
-def serves(x: torch.Tensor, kernel_enabled: bool) -> bool:
-    return ENABLED and kernel_enabled and x.is_cuda and x.dtype in HALF_DTYPES and cuda_backend() is not None
+def serves(x: torch.Tensor) -> bool:
+    """Whether the kernels can take `x`: a bf16/fp16 CUDA tensor, with comfy-kitchen's CUDA backend present."""
+    return x.is_cuda and x.dtype in HALF_DTYPES and cuda_backend() is not None
 
 
 def rope_serves(x: torch.Tensor, head_dim: Optional[int] = None) -> bool:
     """For q/k rows of `head_dim` values (None: already checked): the kernel takes multiples of 32."""
     fits = head_dim is None or (head_dim >= 32 and head_dim % 32 == 0)
-    return fits and serves(x, ROPE_ENABLED)
+    return fits and serves(x)
 
 
 def adaln_serves(x: torch.Tensor) -> bool:
-    return serves(x, ADALN_ENABLED)
+    return serves(x)
 
 
 def rope_matrices(angles: torch.Tensor) -> torch.Tensor:
