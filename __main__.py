@@ -1,4 +1,4 @@
-"""`python -m ernie_image`: the CLI (runtime/cli.py). A Ctrl-C while it is still being imported is a cancel too."""
+"""`python -m ernie_image`: the CLI (runtime/cli/commands.py). A Ctrl-C while it is still being imported is a cancel too."""
 import os
 import signal
 import sys
@@ -14,7 +14,7 @@ def _interrupt_while_importing(number: int, frame) -> None:
 for _number in (signal.SIGINT, signal.SIGTERM):
     signal.signal(_number, _interrupt_while_importing)
 try:
-    from .runtime.cli import CANCELLED_EXIT_CODES, main
+    from .runtime.cli.commands import CANCELLED_EXIT_CODES, main
 except BaseException:
     # A Ctrl-C inside an extension module's import can surface as an ImportError: the signal decides.
     if not _signals_while_importing:

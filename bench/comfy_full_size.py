@@ -11,7 +11,7 @@ models/ folder, under the file names the example workflows expect:
     python bench/comfy_full_size.py MODELS_DIR      (needs CUDA; ~40 GB of files)
 
 Random weights from bench/e2e.py and bench/enhancer.py's builders; written by the pack's own Comfy-layout writer
-(runtime/formats/comfy_files.py) with the tiny byte-level Tekken tokenizer (the vocabulary is the full 131072).
+(runtime/demo/comfy_files.py) with the tiny byte-level Tekken tokenizer (the vocabulary is the full 131072).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from common import import_package  # noqa: E402
 
 import_package()
 
-from ernie_image.runtime.formats.comfy_files import save_comfy_layout  # noqa: E402
+from ernie_image.runtime.demo.comfy_files import save_comfy_layout  # noqa: E402
 from ernie_image.runtime.quant.qweight import QuantizedWeight  # noqa: E402
 from ernie_image.runtime.quant.writer import quantize_state_dict, read_bf16_dit, write_quantized_file  # noqa: E402
 

@@ -124,7 +124,7 @@ BLOCK_GEMMS = ("qkv", "out", "gate_up", "down")  # a fused block's GEMMs, in the
 
 
 def block_gemm_weights(dit: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
-    """Per block, the weight of each GEMM of a model whose projections are fused (acceleration.fuse_projections)."""
+    """Per block, the weight of each GEMM of a model whose projections are fused (model.compile.fuse_projections)."""
     return [{"qkv": b.self_attention.to_qkv.weight, "out": b.self_attention.to_out[0].weight,
              "gate_up": b.mlp.gate_up.weight, "down": b.mlp.linear_fc2.weight} for b in dit.layers]
 
@@ -151,7 +151,7 @@ def block_matmuls(dit: torch.nn.Module, batch: int, seq: int) -> Callable[[], No
 
 
 def dit_config(variant: str = "ERNIE-Image") -> dict:
-    return json.loads((REPO_ROOT / "runtime" / "configs" / variant / "transformer" / "config.json").read_text())
+    return json.loads((REPO_ROOT / "runtime" / "formats" / "configs" / variant / "transformer" / "config.json").read_text())
 
 
 @torch.no_grad()

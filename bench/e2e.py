@@ -10,13 +10,14 @@ from common import REPO_ROOT, dit_config, import_package, randomise_dit_, wall_t
 
 import_package()
 
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT  # noqa: E402
-from ernie_image.runtime.host import NullHost  # noqa: E402
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe  # noqa: E402
-from ernie_image.runtime.model_files import ModelSources  # noqa: E402
-from ernie_image.runtime.request import GenerationRequest  # noqa: E402
-from ernie_image.runtime.sampling import initial_noise  # noqa: E402
-from ernie_image.runtime.tiny import BOS_ID, EOS_ID, PAD_ID, build_tokenizer  # noqa: E402
+from ernie_image.runtime.core.host import NullHost  # noqa: E402
+from ernie_image.runtime.core.request import GenerationRequest  # noqa: E402
+from ernie_image.runtime.demo.tiny import BOS_ID, EOS_ID, PAD_ID, build_tokenizer  # noqa: E402
+from ernie_image.runtime.formats.sources import ModelSources  # noqa: E402
+from ernie_image.runtime.local.options import LoadOptions  # noqa: E402
+from ernie_image.runtime.local.pipe import LocalPipe
+from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT  # noqa: E402
+from ernie_image.runtime.sampling.euler import initial_noise  # noqa: E402
 
 # 255 bytes -> 256 tokens with the byte-level test tokenizer (BOS + one token per byte).
 PROMPT = ("a detailed photograph of a red fox standing in fresh snow at sunrise, soft golden light, pine forest "
@@ -25,7 +26,7 @@ PROMPT = ("a detailed photograph of a red fox standing in fresh snow at sunrise,
 
 
 def _config(component: str) -> dict:
-    return json.loads((REPO_ROOT / "runtime" / "configs" / "ERNIE-Image" / component / "config.json").read_text())
+    return json.loads((REPO_ROOT / "runtime" / "formats" / "configs" / "ERNIE-Image" / component / "config.json").read_text())
 
 
 def build_components():
@@ -78,11 +79,11 @@ def fp8_rows(ours: LocalPipe, dit: ErnieDiT, compile_dit: bool, presets: dict) -
     """The same pipe with the DiT's Linears packed to FP8 (native scaled matmuls on SM >= 8.9)."""
     from speed import quantised_copy
 
-    from ernie_image.runtime.acceleration import compile_blocks
+    from ernie_image.runtime.model.compile import compile_blocks
 
-    ours._loaded.dit = quantised_copy(dit, "fp8")
+    ours.parts.dit = quantised_copy(dit, "fp8")
     if compile_dit:
-        compile_blocks(ours._loaded.dit)
+        compile_blocks(ours.parts.dit)
     label = "ours, FP8 DiT" + (" (compiled)" if compile_dit else "")
     return [ours_row(ours, label, preset, steps, cfg) for preset, (steps, cfg) in presets.items()]
 
@@ -111,8 +112,8 @@ def end_to_end_rows(compile_dit: bool) -> list[dict]:
     reference.set_progress_bar_config(disable=True)
     ours = LocalPipe(ModelSources(), LoadOptions(device="cuda", dtype="bf16", previews=False), "turbo")
     ours.memory.active = False  # everything resident, as diffusers runs it; weights injected, not read from files
-    ours._loaded.tokenizer, ours._loaded.text_tower, ours._loaded.dit, ours._loaded.vae = tokenizer, tower, dit, vae
-    from ernie_image.runtime.acceleration import compile_blocks, fuse_projections
+    ours.parts.tokenizer, ours.parts.text_tower, ours.parts.dit, ours.parts.vae = tokenizer, tower, dit, vae
+    from ernie_image.runtime.model.compile import compile_blocks, fuse_projections
 
     fuse_projections(dit)
     if compile_dit:

@@ -30,12 +30,12 @@ from common import dit_config, environment, import_package, quantise_block_linea
 
 import_package()
 
-from ernie_image.runtime import fused_kernels  # noqa: E402
-from ernie_image.runtime import dit as dit_module  # noqa: E402
-from ernie_image.runtime.acceleration import compile_available, compile_blocks, fuse_projections  # noqa: E402
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT  # noqa: E402
-from ernie_image.runtime.dit_graphs import DiTGraphs  # noqa: E402
-from ernie_image.runtime.sampling import length_grouped_denoiser  # noqa: E402
+from ernie_image.runtime.model import fused_kernels  # noqa: E402
+from ernie_image.runtime.model.arithmetic import Arithmetic  # noqa: E402
+from ernie_image.runtime.model.compile import compile_available, compile_blocks, fuse_projections  # noqa: E402
+from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT  # noqa: E402
+from ernie_image.runtime.model.dit_graphs import DiTGraphs  # noqa: E402
+from ernie_image.runtime.sampling.euler import length_grouped_denoiser  # noqa: E402
 
 TINY = {"hidden_size": 256, "num_attention_heads": 2, "num_layers": 3, "ffn_hidden_size": 512, "text_in_dim": 96,
         "rope_axes_dim": [32, 48, 48]}
@@ -108,19 +108,6 @@ class Bench:
         text_dim = TINY["text_in_dim"] if self.tiny else 3072
         text = torch.randn((batch, tokens, text_dim), generator=generator).to(self.device, self.dtype)
         return latents, timestep, text, [tokens] * batch
-
-
-@contextmanager
-def plain_expressions(model: ErnieDiT):
-    """The forward as it was before the cast folding (what compiled blocks still trace)."""
-    saved = dit_module._eager_kernels
-    dit_module._eager_kernels = lambda: False
-    model._rope_cache.clear()
-    try:
-        yield
-    finally:
-        dit_module._eager_kernels = saved
-        model._rope_cache.clear()
 
 
 def build(bench: Bench) -> ErnieDiT:
@@ -220,15 +207,12 @@ def main() -> None:
             for batch in (1, 2):
                 run_args = bench.inputs(batch)
                 folded = model(*run_args)
-                dit_module.FAST_EAGER_ON_CUDA = False
-                try:
-                    exact = model(*run_args)
-                    bench.measure("eager, bit-identical forms (fast_eager off)", batch, lambda: model(*run_args))
-                finally:
-                    dit_module.FAST_EAGER_ON_CUDA = True
-                with plain_expressions(model):
-                    plain = model(*run_args)
-                    bench.measure("eager, plain expressions (before)", batch, lambda: model(*run_args))
+                exact_model = model.with_arithmetic("exact")
+                exact = exact_model(*run_args)
+                bench.measure("eager, bit-identical forms (exact arithmetic)", batch, lambda: exact_model(*run_args))
+                plain_model = model.with_arithmetic("plain")  # before the cast folding (what compiled blocks trace)
+                plain = plain_model(*run_args)
+                bench.measure("eager, plain expressions (before)", batch, lambda: plain_model(*run_args))
                 bench.check(f"b{batch}: bit-identical eager forms == plain eager, bit for bit",
                             torch.equal(exact, plain))
                 rel = ((folded.float() - plain.float()).norm() / plain.float().norm()).item()
@@ -297,9 +281,9 @@ def main() -> None:
 
 def streamed_rows(bench: Bench, model: ErnieDiT, reference: dict) -> None:
     """The eager step with blocks streamed at a 12 GiB budget (the planner's placement; graphs never serve it)."""
+    from ernie_image.runtime.local.memory import measured_dit_size
     from ernie_image.runtime.offload.placement import DiTPlacement
     from ernie_image.runtime.offload.planner import GiB, plan_memory
-    from ernie_image.runtime.offload.session import measured_dit_size
     from ernie_image.runtime.offload.sizes import ModelSizes
     from ernie_image.runtime.offload.workspace import Job
 
@@ -329,22 +313,17 @@ def kitchen_rows(bench: Bench, model: ErnieDiT) -> None:
     every form within the fast forms' bound of the PyTorch forms."""
     settings = {"PyTorch forms (no comfy-kitchen)": (False, False), "comfy-kitchen q/k norm+RoPE only": (True, False),
                 "comfy-kitchen adaLN norm only": (False, True), "comfy-kitchen both": (True, True)}
-    try:
-        for batch in (1, 2):
-            args = bench.inputs(batch)
-            outputs = {}
-            for label, (rope, adaln) in settings.items():
-                fused_kernels.ROPE_ENABLED, fused_kernels.ADALN_ENABLED = rope, adaln
-                model._rope_cache.clear()  # the tables hold the kernel's rotations only when it serves
-                outputs[label] = model(*args)
-                bench.measure(f"bf16 eager, {label}", batch, lambda: model(*args))
-            base = outputs["PyTorch forms (no comfy-kitchen)"].float()
-            for label, out in outputs.items():
-                rel = ((out.float() - base).norm() / base.norm()).item()
-                bench.check(f"b{batch}: {label} vs PyTorch forms: relative L2 <= 2e-3", rel <= 2e-3, rel_l2=f"{rel:.2e}")
-    finally:
-        fused_kernels.ROPE_ENABLED = fused_kernels.ADALN_ENABLED = True
-        model._rope_cache.clear()
+    for batch in (1, 2):
+        args = bench.inputs(batch)
+        outputs = {}
+        for label, (rope, adaln) in settings.items():
+            kernels = model.with_arithmetic(Arithmetic(kitchen_rope=rope, kitchen_adaln=adaln))
+            outputs[label] = kernels(*args)
+            bench.measure(f"bf16 eager, {label}", batch, lambda: kernels(*args))
+        base = outputs["PyTorch forms (no comfy-kitchen)"].float()
+        for label, out in outputs.items():
+            rel = ((out.float() - base).norm() / base.norm()).item()
+            bench.check(f"b{batch}: {label} vs PyTorch forms: relative L2 <= 2e-3", rel <= 2e-3, rel_l2=f"{rel:.2e}")
 
 
 def comfy_kitchen_status() -> str:
@@ -354,7 +333,7 @@ def comfy_kitchen_status() -> str:
         return f"not importable: {type(error).__name__}"
     if fused_kernels.cuda_backend() is None:
         return "importable, its CUDA backend not available: not used"
-    return f"{getattr(comfy_kitchen, '__version__', '?')}, used by the eager DiT (runtime/fused_kernels.py)"
+    return f"{getattr(comfy_kitchen, '__version__', '?')}, used by the eager DiT (runtime/model/fused_kernels.py)"
 
 
 if __name__ == "__main__":

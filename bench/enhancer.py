@@ -1,4 +1,4 @@
-"""Prompt-enhancer speed on the GPU with full-size random weights (runtime/configs/ERNIE-Image/pe/config.json).
+"""Prompt-enhancer speed on the GPU with full-size random weights (runtime/formats/configs/ERNIE-Image/pe/config.json).
 
     python bench/enhancer.py [--new-tokens 256] [--prompt-tokens 128] [--runs 3] [--skip-reference]
 
@@ -23,14 +23,14 @@ from common import REPO_ROOT, import_package, print_environment, table
 
 import_package()
 
-from ernie_image.runtime.model_files import rebuild_rotary_tables  # noqa: E402
+from ernie_image.runtime.model.builders import rebuild_rotary_tables  # noqa: E402
 from ernie_image.runtime.text.pe_model import pe_weight_bytes  # noqa: E402
 from ernie_image.runtime.text.token_sampler import SamplingSettings, sample_tokens  # noqa: E402
 
 EOS_ID = 2
 
 
-PE_CONFIG = REPO_ROOT / "runtime" / "configs" / "ERNIE-Image" / "pe" / "config.json"
+PE_CONFIG = REPO_ROOT / "runtime" / "formats" / "configs" / "ERNIE-Image" / "pe" / "config.json"
 
 
 def full_size_pe(device: torch.device, config_path=PE_CONFIG):

@@ -30,8 +30,8 @@ import_package()
 
 from speed import build_ours, inputs  # noqa: E402
 
-from ernie_image.runtime import dit as dit_module  # noqa: E402
-from ernie_image.runtime.acceleration import compile_blocks, fuse_projections  # noqa: E402
+from ernie_image.runtime.model import dit as dit_module  # noqa: E402
+from ernie_image.runtime.model.compile import compile_blocks, fuse_projections  # noqa: E402
 
 HIDDEN, FFN, LAYERS = 4096, 12288, 36
 CONFIGS = [  # BM x BN output tile (per gate and per up), BK, grouped rows, warps, pipeline stages, persistent grid
@@ -173,8 +173,10 @@ def step_rows(config: dict, sampler: GpuSampler, rounds: int) -> list[dict]:
         return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
     plain_forward = dit_module.FeedForward.forward
-    forwards = {"compiled step": plain_forward,
-                "compiled step, fused gate_up": lambda self, x: self.linear_fc2(fused_op(x, self.gate_up.weight))}
+    def fused_forward(self, x: torch.Tensor, arithmetic) -> torch.Tensor:
+        return self.linear_fc2(fused_op(x, self.gate_up.weight))
+
+    forwards = {"compiled step": plain_forward, "compiled step, fused gate_up": fused_forward}
     dit = build_ours()
     fuse_projections(dit)
     times: dict[tuple[int, str], list[tuple[float, str]]] = {}  # (batch, variant): (ms, clocks) per round

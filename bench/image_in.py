@@ -4,7 +4,7 @@
     python bench/image_in.py --tiny                   # CPU smoke run of the same code paths, tiny models
 
 Rows:
-- VAE encode (posterior mean + patchify + BatchNorm, runtime/encode.py) of the released FLUX.2 VAE config in bf16:
+- VAE encode (posterior mean + patchify + BatchNorm, runtime/model/vae_encode.py) of the released FLUX.2 VAE config in bf16:
   whole 1024x1024, 2048x2048 as the runtime runs it unplanned (tiles of the VAE's 1024 sample size), and 2048x2048
   as the 12 GB plan places it (512-pixel tiles). Measured peak above the weights next to the planner's estimate.
 - DiT step, text-to-image 1024x1024 at a 12 GB budget (the planner's placement, blocks streamed from pinned RAM).
@@ -33,17 +33,17 @@ from common import dit_config, import_package, print_environment, randomise_dit_
 
 import_package()
 
-from ernie_image.runtime.decode import decode_images  # noqa: E402
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT  # noqa: E402
-from ernie_image.runtime.encode import encode_images  # noqa: E402
-from ernie_image.runtime.host import NullHost  # noqa: E402
-from ernie_image.runtime.image_in import StartState, denoise_sigmas  # noqa: E402
-from ernie_image.runtime.model_files import load_config  # noqa: E402
+from ernie_image.runtime.core.host import NullHost  # noqa: E402
+from ernie_image.runtime.formats.config_json import load_config  # noqa: E402
+from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT  # noqa: E402
+from ernie_image.runtime.model.vae_decode import decode_images  # noqa: E402
+from ernie_image.runtime.model.vae_encode import encode_images  # noqa: E402
 from ernie_image.runtime.offload.placement import DiTPlacement  # noqa: E402
 from ernie_image.runtime.offload.planner import GiB, plan_memory  # noqa: E402
 from ernie_image.runtime.offload.sizes import ModelSizes  # noqa: E402
 from ernie_image.runtime.offload.workspace import Job, dit_workspace, vae_encode_workspace, vae_workspace  # noqa: E402
-from ernie_image.runtime.sampling import initial_noise, sample_euler  # noqa: E402
+from ernie_image.runtime.sampling.euler import initial_noise, sample_euler  # noqa: E402
+from ernie_image.runtime.sampling.image_in import StartState, denoise_sigmas  # noqa: E402
 
 TEXT_TOKENS = 512  # the planner's text length
 
@@ -68,7 +68,7 @@ def full_setup() -> Setup:
 
 
 def tiny_setup() -> Setup:
-    from ernie_image.runtime.tiny import TinySizes
+    from ernie_image.runtime.demo.tiny import TinySizes
 
     tiny = TinySizes()
     dit = {"hidden_size": tiny.dit_hidden, "num_attention_heads": tiny.dit_heads, "num_layers": tiny.dit_layers,

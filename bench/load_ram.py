@@ -84,7 +84,7 @@ def measure(path: Path, device: str, dtype_name: str) -> dict:
     import_package()
 
     from ernie_image.runtime.formats import open_component
-    from ernie_image.runtime.model_files import build_dit
+    from ernie_image.runtime.model.builders import build_dit
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS

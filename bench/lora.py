@@ -38,15 +38,15 @@ import_package()
 
 from safetensors.torch import save_file  # noqa: E402
 
-from ernie_image.runtime.acceleration import compile_blocks, fuse_projections  # noqa: E402
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT  # noqa: E402
+from ernie_image.runtime.local.memory import measured_dit_size  # noqa: E402
 from ernie_image.runtime.lora.apply import apply_loras  # noqa: E402
 from ernie_image.runtime.lora.attach import apply_stack  # noqa: E402
 from ernie_image.runtime.lora.keys import dit_linear_shapes  # noqa: E402
 from ernie_image.runtime.lora.parsed import load_lora  # noqa: E402
+from ernie_image.runtime.model.compile import compile_blocks, fuse_projections  # noqa: E402
+from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT  # noqa: E402
 from ernie_image.runtime.offload.placement import DiTPlacement  # noqa: E402
 from ernie_image.runtime.offload.planner import GiB, plan_dit, plan_memory  # noqa: E402
-from ernie_image.runtime.offload.session import measured_dit_size  # noqa: E402
 from ernie_image.runtime.offload.sizes import ModelSizes  # noqa: E402
 from ernie_image.runtime.offload.workspace import Job  # noqa: E402
 

@@ -11,7 +11,7 @@ comfy_kitchen under `.native/site` is put first on sys.path when present.
 1024x1024 (64x64 latent grid, 4096 image tokens), 256 text tokens, batch 1 and 2, bf16. Rows: native eager, native
 with each block torch.compile'd (inductor, as ComfyUI's compile node), ours eager as shipped (projections fused, the
 fewer-pass elementwise forms), ours eager replayed as CUDA graphs (what the sampler runs uncompiled), ours compiled
-(acceleration.compile_blocks). Ours is built with bench/common.randomise_dit_; native gets the same tensors (its
+(model.compile.compile_blocks). Ours is built with bench/common.randomise_dit_; native gets the same tensors (its
 parameter names are diffusers', as ours are: the state dict is assigned before ours fuses its projections, so the
 two share weight memory). Both take the timestep as sigma * 1000 (the --tiny run checks that native given sigma
 instead differs clearly). Native's blocks compile under the recompile limit compile_blocks sets for ours. Relative
@@ -36,9 +36,9 @@ import torch
 from common import REPO_ROOT, environment, table
 from eager_graphs import Bench, build_unfused  # also makes the package importable as ernie_image
 
-from ernie_image.runtime.acceleration import compile_available, compile_blocks, fuse_projections  # noqa: E402
-from ernie_image.runtime.dit import ErnieDiT  # noqa: E402
-from ernie_image.runtime.dit_graphs import DiTGraphs  # noqa: E402
+from ernie_image.runtime.model.compile import compile_available, compile_blocks, fuse_projections  # noqa: E402
+from ernie_image.runtime.model.dit import ErnieDiT  # noqa: E402
+from ernie_image.runtime.model.dit_graphs import DiTGraphs  # noqa: E402
 
 NATIVE_SITE = REPO_ROOT / ".native" / "site"
 DEFAULT_NATIVE_MODEL = REPO_ROOT / ".native" / "model.py"

@@ -3,7 +3,7 @@
     python bench/offload.py            # budget table (+ Turbo image at 12 GB vs resident)
     python bench/offload.py --soak     # 20 Turbo images in a row at 12 GB: host RSS and VRAM must stay flat
 
-Full-size random weights from runtime/configs (built on the GPU, streamed blocks moved into one pinned slab),
+Full-size random weights from runtime/formats/configs (built on the GPU, streamed blocks moved into one pinned slab),
 1024x1024, 256 text tokens. Each budget is enforced twice: the runtime's planner places the weights within it
 and torch.cuda.set_per_process_memory_fraction makes the allocator fail above it. A failing row prints its
 error and the run goes on.
@@ -27,12 +27,12 @@ from common import (cuda_time_ms, dit_config, import_package, print_environment,
 
 import_package()
 
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT  # noqa: E402
-from ernie_image.runtime.host import NullHost  # noqa: E402
+from ernie_image.runtime.core.host import NullHost  # noqa: E402
+from ernie_image.runtime.local.memory import measured_dit_size  # noqa: E402
+from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT  # noqa: E402
 from ernie_image.runtime.offload.placement import DiTPlacement, TextPlacement  # noqa: E402
 from ernie_image.runtime.offload.planner import (  # noqa: E402
-    GiB, DiTPlan, MemoryPlan, allocator_slack, plan_dit, plan_memory)
-from ernie_image.runtime.offload.session import measured_dit_size  # noqa: E402
+                                                 GiB, DiTPlan, MemoryPlan, allocator_slack, plan_dit, plan_memory)
 from ernie_image.runtime.offload.sizes import ModelSizes  # noqa: E402
 from ernie_image.runtime.offload.streamer import typed_view  # noqa: E402
 from ernie_image.runtime.offload.workspace import Job, dit_workspace  # noqa: E402
@@ -209,7 +209,7 @@ def diffusers_row(batch: int) -> dict:
 def build_text_tower():
     from transformers import MistralConfig, MistralModel
 
-    from ernie_image.runtime.model_files import load_config
+    from ernie_image.runtime.formats.config_json import load_config
 
     raw = dict(load_config("turbo", "text_encoder")["text_config"])
     raw = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "dtype", "transformers_version")}
@@ -232,7 +232,7 @@ def build_text_tower():
 def build_vae():
     from diffusers import AutoencoderKLFlux2
 
-    from ernie_image.runtime.model_files import load_config
+    from ernie_image.runtime.formats.config_json import load_config
 
     config = {k: v for k, v in load_config("turbo", "vae").items() if not k.startswith("_") and k != "force_upcast"}
     with torch.device(DEVICE):
@@ -243,8 +243,8 @@ def build_vae():
 
 
 def turbo_pipeline(budget_gb: Optional[float]) -> tuple[Callable[[], torch.Tensor], Callable[[], None], MemoryPlan]:
-    from ernie_image.runtime.decode import decode_images
-    from ernie_image.runtime.sampling import initial_noise, sample_euler
+    from ernie_image.runtime.model.vae_decode import decode_images
+    from ernie_image.runtime.sampling.euler import initial_noise, sample_euler
     from ernie_image.runtime.text.encoder import pad_text
 
     job = Job(1024, 1024, 1, 1.0, 512)

@@ -32,12 +32,12 @@ from common import environment, import_package, table
 
 import_package()
 
-from ernie_image.runtime.acceleration import compile_available  # noqa: E402
+from ernie_image.runtime.model.compile import compile_available  # noqa: E402
 from ernie_image.runtime.text.device_sampling import DeviceTokenDraws  # noqa: E402
 from ernie_image.runtime.text.pe_quant import quantize_pe_layers_  # noqa: E402
 from ernie_image.runtime.text.static_decoder import StaticCacheDecoder  # noqa: E402
 from ernie_image.runtime.text.token_sampler import (ExponentialDraws, SamplingSettings, _warpers,  # noqa: E402
-                                                   sample_tokens)
+                                                    sample_tokens)
 
 EOS_ID = 2
 
@@ -84,7 +84,7 @@ class Run:
 
 def build(tiny: bool, device: torch.device):
     if tiny:
-        from ernie_image.runtime.text.tiny_pe import lively_prompt_enhancer
+        from ernie_image.runtime.demo.tiny_pe import lively_prompt_enhancer
 
         model = lively_prompt_enhancer(seed=4).eval().requires_grad_(False).to(device)
         return model, model.config.vocab_size

@@ -7,7 +7,7 @@ Rows: Turbo (8 steps, CFG 1) with an FP8 and with a bf16 DiT, Base (50 steps, CF
 PE on and off, then diffusers' pipeline (bf16 DiT, eager: it has no FP8 path) for Turbo and Base, PE on and off.
 Each image is timed whole and split into PE rewrite / text encode / DiT sampling / VAE decode / the rest.
 
-- Weights: full-size random ones built on the GPU from the released configs (runtime/configs; no file is written or
+- Weights: full-size random ones built on the GPU from the released configs (runtime/formats/configs; no file is written or
   read). Both pipelines hold the same tensors (DiT, text encoder, PE, VAE), so both fit on one GPU at once; the
   pack's DiT additionally holds its fused projections and, for the FP8 rows, an FP8 copy of the block Linears.
 - The PE rewrite is forced to exactly `--pe-tokens` (256) new tokens, since random weights stop anywhere: both
@@ -44,13 +44,13 @@ from common import REPO_ROOT, environment, import_package, table
 
 import_package()
 
-from ernie_image.runtime.host import NullHost  # noqa: E402
-from ernie_image.runtime.request import GenerationRequest  # noqa: E402
-from ernie_image.runtime.sampling import initial_noise  # noqa: E402
+from ernie_image.runtime.core.host import NullHost  # noqa: E402
+from ernie_image.runtime.core.request import GenerationRequest  # noqa: E402
+from ernie_image.runtime.demo.tiny_vocab import BOS_ID, SPECIAL_TOKENS  # noqa: E402
+from ernie_image.runtime.sampling.euler import initial_noise  # noqa: E402
 from ernie_image.runtime.text.enhancer import LocalEnhancer  # noqa: E402
 from ernie_image.runtime.text.pe_model import PeWeights  # noqa: E402
 from ernie_image.runtime.text.pe_prompt import ERNIE_PE_CHAT_TEMPLATE  # noqa: E402
-from ernie_image.runtime.tiny_vocab import BOS_ID, SPECIAL_TOKENS  # noqa: E402
 
 PROMPT = "a red fox standing in fresh snow at sunrise, soft golden light, pine forest in the background"
 SEED = 3
@@ -196,7 +196,7 @@ def build_full_size(pe_tokens: int) -> Components:
     force_rewrite_length(pe, pe_tokens)
     described = {"DiT": f"{dit.config.num_layers} blocks, hidden {dit.config.hidden_size}",
                  "PE": f"{raw['num_hidden_layers']} layers, hidden {raw['hidden_size']}, vocab {raw['vocab_size']}",
-                 "weights": "full-size random (runtime/configs), bf16, built on the GPU"}
+                 "weights": "full-size random (runtime/formats/configs), bf16, built on the GPU"}
     return Components(device, torch.bfloat16, dit, reference_dit, text_encoder, tower, vae, pe, text_tokenizer,
                       pe_tokenizer, described)
 
@@ -204,8 +204,8 @@ def build_full_size(pe_tokens: int) -> Components:
 def build_tiny(pe_tokens: int) -> Components:
     from e2e import shared_text_tower
 
-    from ernie_image.runtime.dit import DiTConfig, ErnieDiT
-    from ernie_image.runtime.tiny import TinySizes, build_dit, build_text_encoder, build_vae, lively_prompt_enhancer
+    from ernie_image.runtime.demo.tiny import TinySizes, build_dit, build_text_encoder, build_vae, lively_prompt_enhancer
+    from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
 
     device, sizes = torch.device("cpu"), TinySizes()
     reference_dit = build_dit(sizes, 0).requires_grad_(False)
@@ -216,7 +216,7 @@ def build_tiny(pe_tokens: int) -> Components:
     text_tokenizer, pe_tokenizer = word_tokenizers(pe.config.vocab_size, pe_tokens)
     force_rewrite_length(pe, pe_tokens)
     described = {"DiT": f"tiny, {sizes.dit_layers} blocks", "PE": f"tiny, vocab {pe.config.vocab_size}",
-                 "weights": "tiny random (runtime/tiny.py), fp32, CPU"}
+                 "weights": "tiny random (runtime/demo/tiny.py), fp32, CPU"}
     return Components(device, torch.float32, dit.eval().requires_grad_(False), reference_dit, text_encoder,
                       shared_text_tower(text_encoder, device), build_vae(sizes, 2).requires_grad_(False), pe,
                       text_tokenizer, pe_tokenizer, described)
@@ -234,7 +234,7 @@ class DiTs:
     compiled where Triton is), each built on first use."""
 
     def __init__(self, components: Components) -> None:
-        from ernie_image.runtime.acceleration import fuse_projections
+        from ernie_image.runtime.model.compile import fuse_projections
 
         self.components = components
         if components.device.type == "cuda":
@@ -242,7 +242,7 @@ class DiTs:
         self.models: dict[str, Any] = {}
 
     def get(self, fmt: str):
-        from ernie_image.runtime.acceleration import compile_blocks
+        from ernie_image.runtime.model.compile import compile_blocks
         from speed import quantised_copy
 
         if fmt not in self.models:
@@ -255,15 +255,16 @@ class DiTs:
 def our_pipe(components: Components):
     """LocalPipe with the components given in memory (its VRAM manager off, since no file is read), the PE
     resident as the pack's plan keeps it when everything fits."""
-    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-    from ernie_image.runtime.model_files import ModelSources
+    from ernie_image.runtime.formats.sources import ModelSources
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
 
     weights_path = Path("(random weights in memory)")
     dtype = "bf16" if components.dtype == torch.bfloat16 else "fp32"
     pipe = LocalPipe(ModelSources(pe=weights_path), LoadOptions(device=str(components.device), dtype=dtype,
                                                                 previews=False), "turbo")
     pipe.memory.active = False
-    loaded = pipe._loaded
+    loaded = pipe.parts
     loaded.tokenizer, loaded.text_tower, loaded.vae = components.text_tokenizer, components.tower, components.vae
     enhancer = ForcedLengthEnhancer(components.pe, components.pe_tokenizer, PeWeights(weights_path, None, {}),
                                     components.device, components.dtype)
@@ -273,7 +274,7 @@ def our_pipe(components: Components):
 
 
 def our_image(pipe, model, steps: int, cfg: float, pe: bool, size: int, pe_tokens: int) -> Image:
-    pipe._loaded.dit = model
+    pipe.parts.dit = model
     request = GenerationRequest(prompt=PROMPT, steps=steps, cfg=cfg, width=size, height=size, seed=SEED, use_pe=pe,
                                 pe_max_new_tokens=pe_tokens)
     sync = device_sync(pipe.device)
@@ -293,7 +294,7 @@ def our_image(pipe, model, steps: int, cfg: float, pe: bool, size: int, pe_token
 def diffusers_pipe(components: Components):
     from diffusers import ErnieImagePipeline, FlowMatchEulerDiscreteScheduler
 
-    config = json.loads((REPO_ROOT / "runtime" / "configs" / "ERNIE-Image" / "scheduler" / "config.json").read_text())
+    config = json.loads((REPO_ROOT / "runtime" / "formats" / "configs" / "ERNIE-Image" / "scheduler" / "config.json").read_text())
     reference = ErnieImagePipeline(transformer=components.reference_dit, vae=components.vae,
                                    text_encoder=components.text_encoder, tokenizer=components.text_tokenizer,
                                    scheduler=FlowMatchEulerDiscreteScheduler.from_config(config), pe=components.pe,

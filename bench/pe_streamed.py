@@ -1,5 +1,5 @@
 """The prompt enhancer placed whole for its phase and streamed layer-wise under a VRAM plan
-(offload.placement.PePlacement), full-size random weights (runtime/configs/ERNIE-Image/pe/config.json), against the
+(offload.placement.PePlacement), full-size random weights (runtime/formats/configs/ERNIE-Image/pe/config.json), against the
 same PE resident on the GPU.
 
     python bench/pe_streamed.py [--new-tokens 64] [--prompt-tokens 128]

@@ -24,11 +24,11 @@ sys.path.insert(0, str(REPO_ROOT / "tests"))
 import_package()
 
 from fake_sglang import FakeSglang  # noqa: E402
-from ernie_image.runtime.host import NullHost  # noqa: E402
+from ernie_image.runtime.core.host import NullHost  # noqa: E402
+from ernie_image.runtime.core.request import GenerationRequest  # noqa: E402
+from ernie_image.runtime.net.loop_thread import run_sync  # noqa: E402
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings  # noqa: E402
-from ernie_image.runtime.remote.http import run_sync  # noqa: E402
 from ernie_image.runtime.remote.sglang import ImageParams, SglangClient, build_payload, decode_image  # noqa: E402
-from ernie_image.runtime.request import GenerationRequest  # noqa: E402
 
 SIDE = 512
 

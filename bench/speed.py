@@ -25,7 +25,7 @@ from common import (GpuSampler, block_matmuls, cuda_time_ms, wall_time, dit_conf
 
 import_package()
 
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT  # noqa: E402
+from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT  # noqa: E402
 
 WIDTH = HEIGHT = 1024
 TEXT_TOKENS = 256
@@ -88,7 +88,7 @@ def quantised_copy(model: ErnieDiT, fmt: str) -> ErnieDiT:
 
 def fp8_rows(ours: ErnieDiT, measure) -> None:
     """FP8 weights (e4m3, per-row scales, torch._scaled_mm on SM >= 8.9) with fused projections, compiled."""
-    from ernie_image.runtime.acceleration import compile_blocks
+    from ernie_image.runtime.model.compile import compile_blocks
 
     label = "ours FP8 compiled, fused projections"
     try:
@@ -117,7 +117,7 @@ COMPILE_VARIANTS = {
 def compiled_rows(ours: ErnieDiT, reference, measure, outputs: dict, variants: bool) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from ernie_image.runtime.acceleration import compile_blocks, fuse_projections
+    from ernie_image.runtime.model.compile import compile_blocks, fuse_projections
 
     def first_then_warm(name: str, batch: int, padded: bool = False, run=None, keep: str | None = None):
         lat, ts, txt, lens = inputs(batch, padded=padded)

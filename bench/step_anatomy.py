@@ -25,8 +25,8 @@ import_package()
 
 from speed import SEQ, build_ours, inputs  # noqa: E402
 
-from ernie_image.runtime.acceleration import compile_blocks, fuse_projections  # noqa: E402
-from ernie_image.runtime.dit import ErnieDiT  # noqa: E402
+from ernie_image.runtime.model.compile import compile_blocks, fuse_projections  # noqa: E402
+from ernie_image.runtime.model.dit import ErnieDiT  # noqa: E402
 
 
 def timed(name: str, run: Callable[[], object], flops: float, sampler: GpuSampler, rows: list, iters: int = 10):

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from ..runtime.errors import ModelFileError
+from ..runtime.core.errors import ModelFileError
 
 NONE_CHOICE = "(none)"
 GGUF_FOLDER_KEY = "ernie_gguf"
@@ -136,10 +136,10 @@ def _is_within(path: Path, root: Path) -> bool:
 
 
 def user_credentials() -> Any:
-    """The user's API-key bindings (runtime/remote/credentials.py), read now from the keys file, which inside
+    """The user's API-key bindings (runtime/net/credentials.py), read now from the keys file, which inside
     ComfyUI lives in its user directory: <user>/ernie_image/keys.json, beside the per-user folders (never served
     over ComfyUI's /userdata routes)."""
-    from ..runtime.remote.credentials import load_credentials
+    from ..runtime.net.credentials import load_credentials
 
     fp = folder_paths_module()
     user_dir = fp.get_user_directory() if fp is not None and hasattr(fp, "get_user_directory") else None

@@ -1,7 +1,7 @@
 """ComfyUI's names for the settings runtime messages name by their Python names, and the one place nodes swap them.
 
 The runtime's checks speak the Python API's language (`point model_dir at a diffusers folder`) and record which of
-their words are such names (ErnieImageError.naming); the CLI shows its flags for them (runtime/cli_names.py), the
+their words are such names (ErnieImageError.naming); the CLI shows its flags for them (runtime/cli/names.py), the
 nodes show what a ComfyUI user sees on the canvas (`point the Loader's diffusers_folder at ...`). A name the nodes
 call the same (`mask_grow`, `steps`) needs no entry.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
-from ..runtime.errors import ErnieImageError, worded
+from ..runtime.core.errors import ErnieImageError, worded
 
 NAMES: dict[str, str] = {
     "model_dir": "the Loader's diffusers_folder",

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..runtime.errors import InvalidInputError
-from ..runtime.request import SEED_MASK
+from ..runtime.core.errors import InvalidInputError
+from ..runtime.core.request import SEED_MASK
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .host import NoteHost, cancel_as_comfy_interrupt
 from .live_pipes import generation_lock

@@ -1,4 +1,4 @@
-"""runtime.host.Host implemented with ComfyUI's progress bar, interrupt flag and model management."""
+"""runtime.core.host.Host implemented with ComfyUI's progress bar, interrupt flag and model management."""
 from __future__ import annotations
 
 import logging
@@ -6,8 +6,8 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
-from ..runtime.errors import Cancelled
-from ..runtime.variant import VARIANT_SETTING
+from ..runtime.core.errors import Cancelled
+from ..runtime.core.variant import VARIANT_SETTING
 from .comfy_names import comfy_words
 
 PREVIEW_FORMAT = "JPEG"
@@ -97,7 +97,7 @@ class ComfyHost:
 
 class NoteHost(ComfyHost):
     """ComfyHost that also keeps the notices, so they reach the node's own text and outputs, not only the log. A
-    notice naming the variant setting (runtime/variant.py) names it as ComfyUI shows it, on the node and the console."""
+    notice naming the variant setting (runtime/core/variant.py) names it as ComfyUI shows it, on the node and the console."""
 
     def __init__(self, node_id: Optional[str] = None) -> None:
         super().__init__(node_id)

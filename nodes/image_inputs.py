@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..runtime.errors import InvalidInputError
-from ..runtime.request import MAX_MASK_PIXELS
+from ..runtime.core.errors import InvalidInputError
+from ..runtime.core.request import MAX_MASK_PIXELS
 
 LOAD_IMAGE_EMPTY_MASK = (64, 64)  # what core Load Image gives as MASK for an image without alpha
 

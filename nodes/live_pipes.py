@@ -10,7 +10,7 @@ import threading
 import weakref
 from typing import Any
 
-from ..runtime.pipe import ErniePipe
+from ..runtime.core.pipe import ErniePipe
 
 log = logging.getLogger("ernie_image")
 

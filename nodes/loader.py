@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..runtime.errors import InvalidInputError
+from ..runtime.core.errors import InvalidInputError
 from . import comfy_env
 from .comfy_env import GGUF_FOLDER_KEY, NONE_CHOICE
 from .comfy_names import comfy_words, in_comfy_words
@@ -17,7 +17,7 @@ MAX_BUDGET_GB = 1024.0
 
 def build_sources(diffusers_folder: str, diffusion_model: str, text_encoder: str, vae: str,
                   prompt_enhancer: str, variant: str) -> Any:
-    from ..runtime.model_files import ModelSources
+    from ..runtime.formats.sources import ModelSources
 
     sources = ModelSources(
         model_dir=comfy_env.resolve_diffusers_folder(diffusers_folder),
@@ -38,7 +38,7 @@ def build_sources(diffusers_folder: str, diffusion_model: str, text_encoder: str
 
 
 def build_options(vram_budget_gb: float, keep_loaded: bool, quant_config: Optional[QuantChoice]) -> Any:
-    from ..runtime.local_pipe import LoadOptions
+    from ..runtime.local.options import LoadOptions
 
     return LoadOptions(
         vram_budget_gb=None if vram_budget_gb <= 0 else float(vram_budget_gb),
@@ -113,7 +113,7 @@ class ErnieImageLoader:
     def load(self, diffusers_folder: str, diffusion_model: str, text_encoder: str, vae: str, prompt_enhancer: str,
              variant: str, vram_budget_gb: float, keep_loaded: bool,
              quant_config: Optional[QuantChoice] = None) -> dict[str, Any]:
-        from ..runtime.local_pipe import LocalPipe
+        from ..runtime.local.pipe import LocalPipe
 
         with in_comfy_words():
             sources = build_sources(diffusers_folder, diffusion_model, text_encoder, vae, prompt_enhancer, variant)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..runtime.errors import InvalidInputError
-from ..runtime.lora.stack import LORA_MODES, MAX_STRENGTH, check_strength
-from ..runtime.lora.view import describe_stack
+from ..runtime.core.errors import InvalidInputError
+from ..runtime.lora.stack import LORA_MODES, MAX_STRENGTH, check_strength, describe_stack
 from . import comfy_env
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..runtime.errors import InvalidInputError
+from ..runtime.core.errors import InvalidInputError
 from .common import CATEGORY, shown_on_node
 
 QUANT_TYPE = "ERNIE_QUANT"

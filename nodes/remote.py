@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..runtime.errors import InvalidInputError
+from ..runtime.core.errors import InvalidInputError
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .live_pipes import track
 
@@ -52,7 +52,7 @@ def refuse_legacy_key_inputs(values: dict[str, Any], credentials: Any, server_ur
 def refuse_url_credentials(**urls: Optional[str]) -> "bool | str":
     """VALIDATE_INPUTS: a user name or password in a URL is refused before the prompt is queued, so it never
     reaches the queue or /history. Links (None) are checked when the node runs."""
-    from ..runtime.remote.urls import shown_url
+    from ..runtime.net.urls import shown_url
 
     for name, text in urls.items():
         for url in parse_urls(text, required=False) if isinstance(text, str) else ():
@@ -67,7 +67,7 @@ def chat_endpoint(pe_url: str, pe_model: str, pe_credential: str, connect_timeou
                   legacy: Optional[dict[str, Any]] = None) -> Optional[Any]:
     """The PE chat endpoint the widgets describe, with the credential bound to its origin; None when pe_url is
     empty. Checked now, before anything is sent."""
-    from ..runtime.remote.urls import normalize_base_url
+    from ..runtime.net.urls import normalize_base_url
     from ..runtime.text.remote_enhancer import ChatEndpoint
     from .comfy_env import user_credentials
 
@@ -84,9 +84,9 @@ def chat_endpoint(pe_url: str, pe_model: str, pe_credential: str, connect_timeou
 def make_remote_pipe(urls: list[str], connect_timeout_s: float, read_timeout_s: float, credential: str = "",
                      pe_endpoint: Optional[Any] = None, wait_for_servers_s: float = 600.0,
                      resend_unanswered: bool = False, legacy: Optional[dict[str, Any]] = None) -> Any:
+    from ..runtime.net.settings import checked_seconds
+    from ..runtime.net.urls import normalize_base_url
     from ..runtime.remote.backend import RemotePipe, RemoteSettings
-    from ..runtime.remote.http import checked_seconds
-    from ..runtime.remote.urls import normalize_base_url
     from .comfy_env import user_credentials
 
     credentials = user_credentials()

@@ -2,9 +2,9 @@
 
 POST /ernie_image/test_connection: readiness and served model of the Remote Backend's servers. Not a proxy:
 only each server's fixed health/model/version endpoints are asked, with a short total timeout, no redirects
-and a size cap (runtime/remote/http.py), and only a summary goes back, never a server's raw body. It takes the
+and a size cap (runtime/net/client.py), and only a summary goes back, never a server's raw body. It takes the
 server URLs, a credential LABEL and a timeout, nothing else: it reads no variable or file a request names, and a
-server gets only the key the user bound to its origin (runtime/remote/credentials.py).
+server gets only the key the user bound to its origin (runtime/net/credentials.py).
 GET /ernie_image/memory: the pack's live pipes and whether their weights are loaded.
 POST /ernie_image/free: release the weights of every live pipe (ComfyUI's own "unload models" cannot reach them).
 
@@ -20,14 +20,14 @@ import sys
 from typing import TYPE_CHECKING, Any, Optional
 from urllib.parse import urlsplit
 
-from ..runtime.errors import ErnieImageError, InvalidInputError
+from ..runtime.core.errors import ErnieImageError, InvalidInputError
 from . import live_pipes
 from .remote import parse_urls
 
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from ..runtime.remote.credentials import ServerKeys
+    from ..runtime.net.credentials import ServerKeys
 
 log = logging.getLogger("ernie_image")
 
@@ -56,8 +56,8 @@ def foreign_request(headers: Any) -> Optional[str]:
 
 
 async def _check_rows(urls: list[str], keys: "ServerKeys", connect_timeout_s: float) -> list[dict[str, Any]]:
-    from ..runtime.remote.check import check_one
-    from ..runtime.remote.urls import shown_url
+    from ..runtime.net.urls import shown_url
+    from ..runtime.remote.server_check import check_one
 
     async def one(url: str) -> dict[str, Any]:
         try:
@@ -79,10 +79,10 @@ async def _check_rows(urls: list[str], keys: "ServerKeys", connect_timeout_s: fl
 
 def check_servers(body: dict[str, Any]) -> dict[str, Any]:
     """Blocking: run on a worker thread. Raises ErnieImageError for bad input."""
-    from ..runtime.remote.http import run_sync
+    from ..runtime.net.loop_thread import run_sync
 
-    from ..runtime.remote.check import server_keys
-    from ..runtime.remote.http import checked_seconds
+    from ..runtime.net.settings import checked_seconds
+    from ..runtime.remote.server_check import server_keys
     from .comfy_env import user_credentials
 
     unknown = sorted(str(name)[:40] for name in body if name not in CHECK_FIELDS)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-from ..runtime.errors import InvalidInputError
-from ..runtime.request import (
+from ..runtime.core.errors import InvalidInputError
+from ..runtime.core.request import (
     MAX_SIDE,
     MIN_SIDE,
     RESOLUTION_PRESETS,

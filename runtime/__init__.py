@@ -1,0 +1,23 @@
+"""The ERNIE-Image runtime: everything but ComfyUI's side (nodes/, web/), which it never imports.
+
+Its packages, in import order: each imports only itself and the packages above it in this list
+(scripts/import_graph.py checks every import, tests/test_import_graph.py keeps it so).
+
+    core/      what every part shares: errors, the Host interface, GenerationRequest/Result, the ErniePipe
+               protocol, the variant (Base or Turbo), non-finite checks
+    files/     the user's files: images and masks read, PNGs and outputs written whole, inputs never overwritten
+    net/       HTTP to servers: URLs, API keys bound to origins, settings, client, error answers, cancellation,
+               the event-loop thread
+    quant/     packed weights (GGUF blocks, FP8, NVFP4): reading, quantising and writing them, QuantLinear
+    formats/   weight files in every layout users have, ModelSources, config.json files and the released configs
+    model/     the DiT (its arithmetic, chosen per model, and fused kernels), the VAE's halves, compile, CUDA
+               graphs, building the parts from their files
+    text/      the text encoder's embeddings; the prompt enhancer, local or on a chat endpoint
+    sampling/  the flow-match schedule, the Euler sampler, image inputs (img2img, inpainting), previews
+    offload/   the VRAM plan per job and placing each phase's weights (resident or streamed)
+    lora/      LoRA files, their keys and deltas, merged into the DiT or attached as branches
+    local/     LocalPipe, the in-process backend: options, checks, parts, memory, LoRA views, phases
+    remote/    RemotePipe on SGLang servers: the protocol, the fleet, the server check
+    demo/      tiny random models built in code, for the no-weights demo and the tests
+    cli/       the `ernie-image` command line; nothing imports it
+"""

@@ -1,9 +1,13 @@
-"""The import graph of runtime/ (every import statement, at module level or inside a function) and its cycles.
+"""The import graph of runtime/ (every import statement, at module level or inside a function), its cycles, and
+imports against the packages' order.
 
-    python3 scripts/import_graph.py        # prints each cycle; exit 1 if there is one
+    python3 scripts/import_graph.py        # prints each cycle and each import against the order; exit 1 if any
 
-A cycle means two modules each need the other: neither can be understood, tested or reused alone, and a
-deferred import inside a function only hides it. tests/test_import_graph.py fails on any cycle.
+runtime/'s packages are ranked (RANKS, lowest first): a module imports its own package and packages ranked below
+it, never one above. The order is what the packages are for: core/ is what everything shares, cli/ is the
+command line on top of everything. A cycle means two modules each need the other: neither can be understood,
+tested or reused alone, and a deferred import inside a function only hides it. tests/test_import_graph.py fails
+on any cycle and on any import against the order.
 """
 from __future__ import annotations
 
@@ -13,6 +17,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "runtime"
+# runtime/'s packages, lowest first (runtime/__init__.py's docstring says what each holds).
+RANKS = ("core", "files", "net", "quant", "formats", "model", "text", "sampling", "offload", "lora", "local",
+         "remote", "demo", "cli")
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -107,9 +114,36 @@ def path_in(component: list[str], graph: dict[str, set[str]]) -> list[str]:
         seen.add(fresh[0])
 
 
+def package_of(module: str) -> str:
+    """The runtime package a module is in ("runtime.local.pipe" -> "local"); "" for runtime/__init__.py itself."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def order_violations(graph: dict[str, set[str]], ranks: tuple[str, ...] = RANKS) -> list[str]:
+    """`module -> target` for each import of a package ranked above the importer's, and for each module in no
+    ranked package (a module loose in runtime/, or a package missing from `ranks`)."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        package = package_of(module)
+        if module == PACKAGE:
+            continue
+        if package not in ranks:
+            found.append(f"{module}: not in a ranked package (add its package to RANKS, or move it into one)")
+            continue
+        for target in sorted(targets):
+            other = package_of(target)
+            if other != package and (other not in ranks or ranks.index(other) > ranks.index(package)):
+                found.append(f"{module} -> {target}")
+    return found
+
+
 if __name__ == "__main__":
     graph = import_graph()
     found = cycles(graph)
     for component in found:
         print(" -> ".join(path_in(component, graph)), f"  ({len(component)} modules)")
-    sys.exit(1 if found else 0)
+    against_order = order_violations(graph)
+    for line in against_order:
+        print("against the order:", line)
+    sys.exit(1 if found or against_order else 0)

@@ -103,9 +103,9 @@ def _log_tail(log_path: Path) -> str:
 
 def place_tiny_models(models: Path, scratch: Path) -> dict[str, Path]:
     """Tiny models under the file names the example workflows expect; returns name -> path."""
-    from ernie_image.runtime.quant.cli_quantize import read_bf16_dit
+    from ernie_image.runtime.cli.quantize import read_bf16_dit
+    from ernie_image.runtime.demo.tiny import build_tiny_model
     from ernie_image.runtime.quant.writer import write_quantized_file
-    from ernie_image.runtime.tiny import build_tiny_model
     from lora_files import write_example_loras
 
     turbo = build_tiny_model(scratch / "turbo", layout="comfy", variant="turbo")

@@ -25,8 +25,8 @@ _register_package()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from ernie_image.runtime.errors import Cancelled  # noqa: E402
-from ernie_image.runtime.host import NullHost  # noqa: E402
+from ernie_image.runtime.core.errors import Cancelled  # noqa: E402
+from ernie_image.runtime.core.host import NullHost  # noqa: E402
 
 
 class LoggingHost(NullHost):
@@ -109,7 +109,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_turbo_folder(tmp_path_factory) -> Path:
     """A tiny Turbo model as a diffusers folder, shared read-only by the tests that only run it."""
-    from ernie_image.runtime.tiny import build_tiny_model
+    from ernie_image.runtime.demo.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-turbo"), layout="diffusers", variant="turbo").model_dir
 
@@ -117,8 +117,8 @@ def tiny_turbo_folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_turbo_with_pe(tmp_path_factory) -> Path:
     """A tiny Turbo diffusers folder with a prompt enhancer in Baidu's layout (pe/, pe_tokenizer/)."""
-    from ernie_image.runtime.text.tiny_pe import build_tiny_pe_folder
-    from ernie_image.runtime.tiny import build_tiny_model
+    from ernie_image.runtime.demo.tiny import build_tiny_model
+    from ernie_image.runtime.demo.tiny_pe import build_tiny_pe_folder
 
     folder = tmp_path_factory.mktemp("tiny-with-pe")
     build_tiny_model(folder, layout="diffusers", variant="turbo")

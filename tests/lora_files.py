@@ -200,7 +200,7 @@ def write_example_loras(folder: Path, dit_file: Path) -> dict[str, Path]:
     """The LoRA files the example workflows name, for the DiT in `dit_file` (any layout the runtime reads)."""
     from ernie_image.runtime.formats import open_component
     from ernie_image.runtime.lora.keys import dit_linear_shapes
-    from ernie_image.runtime.model_files import dit_config_for
+    from ernie_image.runtime.model.builders import dit_config_for
 
     shapes = dit_linear_shapes(dit_config_for(open_component(Path(dit_file), "dit")))
     folder.mkdir(parents=True, exist_ok=True)

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
-from ernie_image.runtime.tiny import build_tiny_model
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
+from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
 
 DIT_CONFIG = DiTConfig(hidden_size=256, num_attention_heads=2, num_layers=3, ffn_hidden_size=512, text_in_dim=96,
                        rope_axes_dim=(32, 48, 48))

@@ -153,7 +153,7 @@ class SglangServer:
 
 def wait_until_ready(servers: list[SglangServer], timeout_s: float = 300.0) -> dict[str, list[str]]:
     """Poll /health through the client until every server is ready; returns the readiness states seen."""
-    from ernie_image.runtime.remote.http import run_sync
+    from ernie_image.runtime.net.loop_thread import run_sync
     from ernie_image.runtime.remote.sglang import SglangClient
 
     seen: dict[str, list[str]] = {s.url: [] for s in servers}

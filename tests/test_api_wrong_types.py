@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ernie_image.runtime.errors import InvalidInputError, ModelFileError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
-from ernie_image.runtime.png_output import save_pngs
+from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.files.png_output import save_pngs
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.remote.backend import RemotePipe
-from ernie_image.runtime.request import GenerationRequest
 
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, seed=1)
 
@@ -106,7 +107,7 @@ def test_save_pngs_refuses_settings_that_are_not_json_before_writing(tmp_path):
 
 
 def test_save_pngs_still_writes_what_it_always_wrote(tmp_path):
-    from ernie_image.runtime.png_output import read_png_settings
+    from ernie_image.runtime.files.png_output import read_png_settings
 
     paths = save_pngs(torch.rand(2, 16, 16, 3, dtype=torch.float64), tmp_path / "x.png", {"seed": 3})
     assert [read_png_settings(p) for p in paths] == [{"seed": 3, "batch_index": 0}, {"seed": 3, "batch_index": 1}]

@@ -7,13 +7,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ernie_image.runtime.errors import InvalidInputError, ModelFileError
+from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
+from ernie_image.runtime.core.request import GenerationRequest, validate_size
+from ernie_image.runtime.demo.comfy_files import tiny_tekken_bytes
+from ernie_image.runtime.demo.tiny import BOS_ID, build_tiny_model
 from ernie_image.runtime.formats import open_component
-from ernie_image.runtime.formats.comfy_files import tiny_tekken_bytes
 from ernie_image.runtime.formats.tekken import tokenizer_from_tekken_json
-from ernie_image.runtime.request import GenerationRequest, validate_size
 from ernie_image.runtime.text.encoder import token_ids
-from ernie_image.runtime.tiny import BOS_ID, build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def tiny_folder(tiny_turbo_folder) -> Path:
 
 def _cli(capsys, *argv: str) -> str:
     """Run `ernie-image` in-process; return its one-line error after checking the exit code and the form."""
-    from ernie_image.runtime.cli import main
+    from ernie_image.runtime.cli.commands import main
 
     assert main(list(argv)) == 2
     lines = capsys.readouterr().err.strip().splitlines()
@@ -224,8 +224,8 @@ def test_cli_prompt_that_is_not_utf8_is_one_line(capsys, tiny_folder, tmp_path):
 
 
 def test_a_failed_png_write_leaves_no_part_of_the_batch(tmp_path):
-    from ernie_image.runtime.png_output import save_pngs
-    from ernie_image.runtime.errors import ErnieImageError
+    from ernie_image.runtime.core.errors import ErnieImageError
+    from ernie_image.runtime.files.png_output import save_pngs
 
     (tmp_path / "img_1.png").mkdir()  # the second image cannot be written
     with pytest.raises(ErnieImageError,
@@ -263,8 +263,8 @@ def test_gguf_whose_metadata_is_garbage(tmp_path):
 
 
 def test_an_explicit_tokenizer_without_one_is_refused_not_ignored(tiny_folder, tmp_path):
+    from ernie_image.runtime.formats.sources import ModelSources
     from ernie_image.runtime.formats.tokenizer import load_tokenizer
-    from ernie_image.runtime.model_files import ModelSources
 
     with pytest.raises(ModelFileError, match="tokenizer .*nowhere has no tokenizer.json"):
         load_tokenizer(ModelSources(model_dir=tiny_folder, tokenizer=tmp_path / "nowhere"))
@@ -334,7 +334,8 @@ def test_quantize_out_an_existing_folder_is_called_a_folder_with_a_file_inside_i
 
 
 def test_a_damaged_vae_fails_when_the_pipe_loads_not_after_sampling(tmp_path):
-    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
 
     sources = build_tiny_model(tmp_path, layout="diffusers", variant="turbo")
     vae_file = sources.model_dir / "vae" / "diffusion_pytorch_model.safetensors"
@@ -346,7 +347,7 @@ def test_a_damaged_vae_fails_when_the_pipe_loads_not_after_sampling(tmp_path):
 
 @pytest.mark.parametrize("budget", [-1, 0, float("nan"), float("inf"), "12", True])
 def test_a_load_options_budget_that_is_not_a_positive_number_is_refused_at_load(budget):
-    from ernie_image.runtime.local_pipe import LoadOptions
+    from ernie_image.runtime.local.options import LoadOptions
 
     with pytest.raises(InvalidInputError, match=r"^VRAM budget .* GB is not a positive number: give the GB the pipe "
                                                 r"may use, or None for free VRAM minus a reserve$"):
@@ -356,8 +357,9 @@ def test_a_load_options_budget_that_is_not_a_positive_number_is_refused_at_load(
 @pytest.mark.parametrize("dtype", ["fp64", "float32", ""])
 def test_a_dtype_the_pipe_does_not_run_in_is_a_bad_input_not_a_model_file_error(tiny_folder, dtype):
     """A dtype is the user's choice: InvalidInputError when the options are checked (was ModelFileError)."""
-    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe, resolve_dtype
-    from ernie_image.runtime.model_files import ModelSources
+    from ernie_image.runtime.formats.sources import ModelSources
+    from ernie_image.runtime.local.options import LoadOptions, resolve_dtype
+    from ernie_image.runtime.local.pipe import LocalPipe
 
     expected = f"dtype {dtype!r} is not supported: use auto, bf16, fp16, fp32"
     with pytest.raises(InvalidInputError) as caught:
@@ -377,7 +379,7 @@ def test_the_cli_refuses_a_bad_dtype_in_one_line(capsys, tiny_folder, tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
 @pytest.mark.parametrize("device", ["cuda", "cuda:3"])
 def test_a_cuda_device_asked_for_without_one_is_the_users_input_not_a_model_file(device):
-    from ernie_image.runtime.local_pipe import resolve_device
+    from ernie_image.runtime.local.options import resolve_device
 
     with pytest.raises(InvalidInputError, match=rf"device {device} was asked for but PyTorch sees no CUDA GPU: "
                                                 r"choose cpu"):

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ernie_image.runtime.cli import main
-from ernie_image.runtime.request import SEED_MASK
+from ernie_image.runtime.cli.commands import main
+from ernie_image.runtime.core.request import SEED_MASK
 
 from waiting import wait_until
 
@@ -139,9 +139,10 @@ def test_a_budget_below_what_the_job_needs_is_refused_before_the_demo_model_is_b
 
 def test_the_demo_models_shapes_before_it_is_built_size_it_as_its_files_do(tmp_path):
     """The budget check before the demo model is built plans on its configs: the sizes its files give once built."""
-    from ernie_image.runtime.demo import demo_model_sources
-    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-    from ernie_image.runtime.tiny import model_shapes
+    from ernie_image.runtime.demo.cached_model import demo_model_sources
+    from ernie_image.runtime.demo.tiny import model_shapes
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
 
     sources = demo_model_sources("turbo", tmp_path)
     for options in (LoadOptions(device="cpu", vram_budget_gb=4), LoadOptions(device="cpu", dtype="bf16", quant="fp8")):
@@ -159,7 +160,7 @@ def test_a_batch_image_name_that_is_a_folder_is_refused_before_any_work(capsys, 
 
 def test_check_remote_advice_names_an_option_it_has(capsys):
     """A server that answers too slowly is told to raise the read timeout: check-remote has --read-timeout."""
-    from ernie_image.runtime.remote.check import main_check_remote
+    from ernie_image.runtime.cli.check_remote import main_check_remote
 
     with pytest.raises(SystemExit):
         main_check_remote(["--help"])
@@ -167,8 +168,8 @@ def test_check_remote_advice_names_an_option_it_has(capsys):
 
 
 def test_a_feature_adds_its_check_to_generate_in_one_place(capsys, tmp_path, monkeypatch, empty_cache):
-    from ernie_image.runtime import cli
-    from ernie_image.runtime.errors import InvalidInputError
+    from ernie_image.runtime.cli import generate
+    from ernie_image.runtime.core.errors import InvalidInputError
 
     seen = []
 
@@ -176,7 +177,7 @@ def test_a_feature_adds_its_check_to_generate_in_one_place(capsys, tmp_path, mon
         seen.append(args.out)
         raise InvalidInputError("--lora x.safetensors does not exist: check the path")
 
-    monkeypatch.setattr(cli, "FEATURE_CHECKS", (check_lora,))
+    monkeypatch.setattr(generate, "FEATURE_CHECKS", (check_lora,))
     assert "--lora x.safetensors" in _cli(capsys, "generate", "--out", str(tmp_path / "x.png"))
     assert seen and not empty_cache.exists()  # run after the core checks, before the demo model
     assert "width 8 is not allowed" in _cli(capsys, "generate", "--width", "8", "--out", str(tmp_path / "x.png"))
@@ -293,7 +294,7 @@ def test_a_dit_that_gives_nan_is_one_line_naming_the_file_not_a_black_image(caps
 
 # ------------------------------------------------------------------------------------ what a run reports
 def test_the_summary_and_the_metadata_hold_the_settings_the_run_used(capsys, tmp_path, tiny_turbo_folder):
-    from ernie_image.runtime.png_output import read_png_settings
+    from ernie_image.runtime.files.png_output import read_png_settings
 
     out = tmp_path / "x.png"
     assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "272",
@@ -325,7 +326,7 @@ def test_a_prompt_longer_than_the_text_encoder_takes_is_cut_with_a_notice(capsys
 def test_a_long_prompt_gets_the_packs_cut_notice_without_transformers_indexing_warning(capfd, tmp_path, layout):
     """transformers printed "Token indices sequence length is longer ... indexing errors" (on the process's stderr,
     whatever sys.stderr is) before the notice: the prompt is cut, so it says nothing true. Both tokenizer forms."""
-    from ernie_image.runtime.tiny import build_tiny_model
+    from ernie_image.runtime.demo.tiny import build_tiny_model
 
     sources = build_tiny_model(tmp_path / "model", layout=layout, variant="turbo")
     files = (["--model-dir", str(sources.model_dir)] if layout == "diffusers" else
@@ -351,10 +352,11 @@ def test_a_negative_prompt_at_cfg_1_runs_with_a_notice_that_it_has_no_effect(cap
 
 
 def test_the_python_api_tells_its_host_of_a_negative_prompt_at_cfg_1(tiny_turbo_folder):
-    from ernie_image.runtime.host import NullHost
-    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-    from ernie_image.runtime.model_files import ModelSources
-    from ernie_image.runtime.request import GenerationRequest
+    from ernie_image.runtime.core.host import NullHost
+    from ernie_image.runtime.core.request import GenerationRequest
+    from ernie_image.runtime.formats.sources import ModelSources
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
 
     pipe = LocalPipe.load(ModelSources(model_dir=tiny_turbo_folder), LoadOptions(device="cpu"))
     host = NullHost()
@@ -390,7 +392,7 @@ def test_top_level_help_is_on_stdout_with_exit_0(capsys):
 
 
 def test_help_lists_exactly_the_formats_the_commands_accept(capsys):
-    from ernie_image.runtime.local_pipe import QUANT_CHOICES
+    from ernie_image.runtime.local.options import QUANT_CHOICES
     from ernie_image.runtime.quant.writer import WRITE_FORMATS
 
     assert main(["generate", "--help"]) == 0
@@ -425,7 +427,7 @@ def test_an_in_process_call_gives_back_the_signal_handlers_it_found(capsys, tmp_
 
 
 def test_the_commit_hook_runs_once_before_the_first_rename(tmp_path):
-    from ernie_image.runtime.output_files import atomic_outputs, set_commit_hook
+    from ernie_image.runtime.files.output_files import atomic_outputs, set_commit_hook
 
     seen: list[list[str]] = []
     targets = [tmp_path / "a.txt", tmp_path / "b.txt"]
@@ -496,7 +498,7 @@ def _assert_cancelled(code: int, lines: list[str], out_dir: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moment", [b"ernie_image.runtime.errors\n", b"torch.nn\n", b"ernie_image.runtime.local_pipe\n"],
+@pytest.mark.parametrize("moment", [b"ernie_image.runtime.core.errors\n", b"torch.nn\n", b"ernie_image.runtime.local.pipe\n"],
                          ids=["importing the CLI", "importing torch", "loading the model"])
 def test_ctrl_c_while_starting_is_cancelled_with_nothing_written(tmp_path, built_cache, moment):
     """SIGINT sent as the interpreter reports an import done (-X importtime), at three moments of the start."""
@@ -556,9 +558,9 @@ def _as_the_png_is_written_and_again_as_it_is_removed(monkeypatch):
 
 
 def _as_the_new_png_replaces_the_old(monkeypatch):  # complete: from here the run no longer takes a cancel
-    from ernie_image.runtime import cli
+    from ernie_image.runtime.cli.interrupts import Interrupts
 
-    monkeypatch.setattr(cli._Interrupts, "outputs_written", _ctrl_c_after(cli._Interrupts.outputs_written))
+    monkeypatch.setattr(Interrupts, "outputs_written", _ctrl_c_after(Interrupts.outputs_written))
 
 
 @pytest.mark.slow
@@ -613,7 +615,7 @@ def test_sigterm_is_a_cancel_too(tmp_path, built_cache):
 
 @pytest.mark.slow
 def test_two_first_runs_at_once_share_the_demo_cache_and_the_out_and_leave_one_whole_image(tmp_path):
-    from ernie_image.runtime.png_output import read_png_settings
+    from ernie_image.runtime.files.png_output import read_png_settings
 
     cache = tmp_path / "cache"  # empty: both runs build the demo model at the same time
     out = tmp_path / "shared ñ 狐.png"  # unicode and a space in the name, too
@@ -643,9 +645,9 @@ def test_errors_name_the_cli_flags(capsys, empty_cache, tmp_path, argv, cli_line
 
 def test_the_python_api_keeps_its_field_names_and_the_cli_shows_flags_from_the_same_error(tmp_path):
     """One check, two vocabularies: the request names mask_grow (the API's and the node's word), the CLI --mask-grow."""
-    from ernie_image.runtime.cli_names import cli_message
-    from ernie_image.runtime.errors import InvalidInputError
-    from ernie_image.runtime.request import GenerationRequest
+    from ernie_image.runtime.cli.names import cli_message
+    from ernie_image.runtime.core.errors import InvalidInputError
+    from ernie_image.runtime.core.request import GenerationRequest
 
     image, mask = torch.zeros(1, 256, 256, 3), torch.zeros(1, 256, 256)
     with pytest.raises(InvalidInputError) as caught:

@@ -1,5 +1,5 @@
 """An error names a setting the way the program the user runs calls it: the Python name in the library, the flag in
-the CLI (runtime/cli_names.py), the Loader's widget in ComfyUI (nodes/comfy_names.py): a ComfyUI user is never told
+the CLI (runtime/cli/names.py), the Loader's widget in ComfyUI (nodes/comfy_names.py): a ComfyUI user is never told
 to "point --model-dir at" a folder."""
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import pytest
 
 from comfy_folders import fake_folder_paths
 from ernie_image.nodes.loader import ErnieImageLoader
-from ernie_image.runtime.cli import main
-from ernie_image.runtime.errors import ModelFileError, worded
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.cli.commands import main
+from ernie_image.runtime.core.errors import ModelFileError, worded
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 
 pytestmark = pytest.mark.usefixtures("no_comfy_modules_left_behind")
 

@@ -211,10 +211,11 @@ async def test_view_returns_the_runtimes_own_image_for_the_same_seed(comfy: Comf
     import numpy as np
     import torch
 
-    from ernie_image.runtime.host import NullHost
-    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-    from ernie_image.runtime.model_files import ModelSources
-    from ernie_image.runtime.request import GenerationRequest
+    from ernie_image.runtime.core.host import NullHost
+    from ernie_image.runtime.core.request import GenerationRequest
+    from ernie_image.runtime.formats.sources import ModelSources
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
 
     graph = shrunk(api_workflow("ernie_image_turbo_local"))
     sampler = node_of(graph, "ErnieImageTurboSampler")[1]["inputs"]

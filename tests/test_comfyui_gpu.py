@@ -207,10 +207,10 @@ def runtime_alone(models: Path, budget_gb: Optional[float], seed: int, quant: st
 import json, sys
 sys.path.insert(0, {str(REPO_ROOT / 'tests')!r})
 import conftest
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
-from ernie_image.runtime.request import GenerationRequest
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.model.builders import ModelSources
+from ernie_image.runtime.core.request import GenerationRequest
 paths = {json.dumps({k: str(v) for k, v in files(models).items()})}
 sources = ModelSources(dit=paths["dit"], text_encoder=paths["text_encoder"], vae=paths["vae"])
 pipe = LocalPipe.load(sources, LoadOptions(device={'"cpu"' if DRY_RUN else '"auto"'}, vram_budget_gb={budget_gb!r}, keep_loaded=True,

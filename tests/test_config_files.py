@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ernie_image.runtime.cli import main
+from ernie_image.runtime.cli.commands import main
 
 
 def _cli(capsys, *argv: str) -> str:
@@ -77,7 +77,7 @@ def test_a_missing_vae_config_the_shapes_cannot_replace_is_named(capsys, tmp_pat
                          ids=[*IDS[::3], "text_encoder missing"])
 def test_a_damaged_demo_cache_says_delete_it_and_it_is_rebuilt(capsys, tmp_path, monkeypatch, tiny_turbo_folder,
                                                                component, damage, says):
-    from ernie_image.runtime.demo import demo_model_folder
+    from ernie_image.runtime.demo.cached_model import demo_model_folder
 
     monkeypatch.setenv("ERNIE_IMAGE_CACHE", str(tmp_path / "cache"))
     cached = Path(shutil.copytree(tiny_turbo_folder, demo_model_folder("turbo")))  # what the demo builds

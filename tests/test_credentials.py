@@ -1,4 +1,4 @@
-"""Which API key goes to which server (runtime/remote/credentials.py), as a specification.
+"""Which API key goes to which server (runtime/net/credentials.py), as a specification.
 
 The user binds one key to one server ORIGIN (scheme, host, port), in the keys file or with the CLI's key flags; a
 workflow may at most pick a binding by its label. A label bound to another origin, a binding that cannot give a
@@ -15,8 +15,9 @@ from typing import Any, Callable
 
 import pytest
 
-from ernie_image.runtime.errors import ErnieImageError, InvalidInputError
-from ernie_image.runtime.remote.credentials import (
+from ernie_image.runtime.core.errors import ErnieImageError, InvalidInputError
+from ernie_image.runtime.net.client import HttpClient, JsonResponse
+from ernie_image.runtime.net.credentials import (
     KEYS_FILE_ENV,
     MAX_KEYS_FILE_BYTES,
     Credential,
@@ -26,9 +27,10 @@ from ernie_image.runtime.remote.credentials import (
     keys_file_candidates,
     load_credentials,
 )
-from ernie_image.runtime.remote.errors import AuthenticationError
-from ernie_image.runtime.remote.http import HttpClient, HttpSettings, JsonResponse, run_sync
-from ernie_image.runtime.remote.key_source import ApiKeySource
+from ernie_image.runtime.net.errors import AuthenticationError
+from ernie_image.runtime.net.key_source import ApiKeySource
+from ernie_image.runtime.net.loop_thread import run_sync
+from ernie_image.runtime.net.settings import HttpSettings
 
 from fake_sglang import FakeSglang
 

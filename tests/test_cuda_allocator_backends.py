@@ -68,9 +68,9 @@ def test_root_cause_freeing_a_graph_output_before_any_launch_aborts_under_cudama
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_graph_decoder_survives_every_order_of_capture_replay_cancel_and_close(backend):
     result = run_under(backend, """
-        from ernie_image.runtime.errors import Cancelled
+        from ernie_image.runtime.core.errors import Cancelled
         from ernie_image.runtime.text.static_decoder import StaticCacheDecoder
-        from ernie_image.runtime.text.tiny_pe import lively_prompt_enhancer
+        from ernie_image.runtime.demo.tiny_pe import lively_prompt_enhancer
         from ernie_image.runtime.text.token_sampler import SamplingSettings, open_decoder, sample_tokens
 
         model = lively_prompt_enhancer(seed=4).to(torch.bfloat16).eval().requires_grad_(False).cuda()
@@ -111,7 +111,7 @@ def test_the_compiled_decode_step_is_captured_and_repeats_its_rewrite_under_each
     `_compiled_decode_layer`): its Python launchers would refuse the capture's not-yet-backed tensors."""
     result = run_under(backend, """
         from ernie_image.runtime.text.static_decoder import StaticCacheDecoder
-        from ernie_image.runtime.text.tiny_pe import lively_prompt_enhancer
+        from ernie_image.runtime.demo.tiny_pe import lively_prompt_enhancer
         from ernie_image.runtime.text.token_sampler import SamplingSettings, open_decoder, sample_tokens
 
         model = lively_prompt_enhancer(seed=4).to(torch.bfloat16).eval().requires_grad_(False).cuda()

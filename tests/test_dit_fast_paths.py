@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ernie_image.runtime.acceleration import compile_blocks, fuse_projections
-from ernie_image.runtime.sampling import length_grouped_denoiser
+from ernie_image.runtime.model.compile import compile_blocks, fuse_projections
+from ernie_image.runtime.sampling.euler import length_grouped_denoiser
 from reference_models import DIT_CONFIG as CONFIG, diffusers_dit, random_dit
 
 

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ernie_image.runtime import dit as dit_module
-from ernie_image.runtime.acceleration import fuse_projections
-from ernie_image.runtime.dit import ErnieDiT
-from ernie_image.runtime.dit_graphs import DiTGraphs, _Captured, graphed_dit, structure_key
-from ernie_image.runtime.sampling import length_grouped_denoiser
+from ernie_image.runtime.model.arithmetic import Arithmetic
+from ernie_image.runtime.model.compile import fuse_projections
+from ernie_image.runtime.model.dit import ErnieDiT
+from ernie_image.runtime.model.dit_graphs import DiTGraphs, _Captured, graphed_dit, structure_key
+from ernie_image.runtime.sampling.euler import length_grouped_denoiser
 from reference_models import random_dit
 
 
@@ -43,14 +43,7 @@ def step_inputs(device: str, dtype: torch.dtype, batch: int = 2, text_len: int =
 
 def plain_forward(model: ErnieDiT, *args) -> torch.Tensor:
     """The forward with the plain `.float()` ... `.to(dtype)` expressions (those compiled blocks use)."""
-    saved = dit_module._eager_kernels
-    dit_module._eager_kernels = lambda: False
-    try:
-        model._rope_cache.clear()
-        return model(*args)
-    finally:
-        dit_module._eager_kernels = saved
-        model._rope_cache.clear()
+    return model.with_arithmetic("plain")(*args)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -64,31 +57,23 @@ def test_cast_folded_eager_kernels_are_bit_identical_to_the_plain_expressions(dt
                        plain_forward(model, latents, timestep, text, padded_lens))
     rows = [text[0, :4], text[1]]  # CFG: two length groups
     grouped = length_grouped_denoiser(model, rows, "cpu", dtype)(latents, timestep)
-    saved = dit_module._eager_kernels
-    dit_module._eager_kernels = lambda: False
-    try:
-        model._rope_cache.clear()
-        plain = length_grouped_denoiser(model, rows, "cpu", dtype)(latents, timestep)
-    finally:
-        dit_module._eager_kernels = saved
+    plain = length_grouped_denoiser(model.with_arithmetic("plain"), rows, "cpu", dtype)(latents, timestep)
     assert torch.equal(grouped, plain)
 
 
 @pytest.mark.parametrize("dtype, bound", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-qkv", "separate-qkv"])
 @torch.inference_mode()
-def test_fewer_pass_forms_compute_the_plain_forward(monkeypatch, dtype, bound, fused):
+def test_fewer_pass_forms_compute_the_plain_forward(dtype, bound, fused):
     """The forms the uncompiled CUDA forward takes (norm weights folded into the modulation and RoPE tables, one
     addcmul per modulation and residual), run here on the CPU: the same function, rounded once where the plain
     expressions round twice."""
     model = tiny_dit("cpu", dtype, fused=fused)
+    fast_here = model.with_arithmetic(Arithmetic(fast_devices=("cuda", "cpu")))
     latents, timestep, text, _ = step_inputs("cpu", dtype)
     for lens in ([9, 9], [5, 9]):
         want = plain_forward(model, latents, timestep, text, lens)
-        with monkeypatch.context() as patch:
-            patch.setattr(dit_module, "_fast_eager", lambda x: True)
-            model._rope_cache.clear()
-            got = model(latents, timestep, text, lens)
+        got = fast_here(latents, timestep, text, lens)
         assert relative_error(got, want) <= bound
 
 
@@ -109,11 +94,7 @@ def test_on_the_gpu_the_shipped_eager_forward_matches_diffusers_and_the_exact_on
     got = length_grouped_denoiser(ours, rows, "cuda", torch.bfloat16)(latents, timestep)
     assert torch.isfinite(got).all() and relative_error(got, want) <= 1e-2  # the bound compiled blocks meet
     args = step_inputs("cuda", torch.bfloat16)
-    dit_module.FAST_EAGER_ON_CUDA = False
-    try:
-        exact = ours(*args)
-    finally:
-        dit_module.FAST_EAGER_ON_CUDA = True
+    exact = ours.with_arithmetic("exact")(*args)
     assert torch.equal(exact, plain_forward(ours, *args))
     assert relative_error(ours(*args), exact) <= 2e-3  # the fewer-pass forms: bf16 roundings skipped
 
@@ -226,8 +207,8 @@ def test_replay_is_bit_identical_to_the_eager_forward(batch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_cfg_length_groups_share_one_pool_and_match_eager_over_a_whole_sampling_run():
-    from ernie_image.runtime.host import NullHost
-    from ernie_image.runtime.sampling import sample_euler
+    from ernie_image.runtime.core.host import NullHost
+    from ernie_image.runtime.sampling.euler import sample_euler
 
     model = tiny_dit("cuda", torch.bfloat16)
     graphs = DiTGraphs(model)
@@ -323,7 +304,7 @@ def assert_runs_eagerly_with_one_warning(model: ErnieDiT, runner, reason: str, c
     model.block_runner = runner
     graphs = DiTGraphs(model)
     args = step_inputs("cuda", torch.bfloat16, 1)
-    with caplog.at_level(logging.WARNING, logger="ernie_image.runtime.dit_graphs"):
+    with caplog.at_level(logging.WARNING, logger="ernie_image.runtime.model.dit_graphs"):
         outputs = [graphs(*args) for _ in range(4)]
     assert graphs.disabled_reason and reason in graphs.disabled_reason
     assert len([r for r in caplog.records if reason in r.getMessage()]) == 1
@@ -402,8 +383,8 @@ sys.path.insert(0, {str(REPO_ROOT / "tests")!r})
 import torch
 assert torch.cuda.get_allocator_backend() == sys.argv[1], torch.cuda.get_allocator_backend()
 from test_dit_graphs import tiny_dit, step_inputs
-from ernie_image.runtime.dit_graphs import DiTGraphs
-from ernie_image.runtime.errors import Cancelled
+from ernie_image.runtime.model.dit_graphs import DiTGraphs
+from ernie_image.runtime.core.errors import Cancelled
 with torch.inference_mode():
     model = tiny_dit("cuda", torch.bfloat16)
     graphs = DiTGraphs(model, max_graphs=1)

@@ -58,7 +58,7 @@ def test_a_seed_repeats_its_draws_and_greedy_is_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu_a_seed_gives_one_sequence_and_eos_and_the_cap_end_it():
-    from ernie_image.runtime.text.tiny_pe import lively_prompt_enhancer
+    from ernie_image.runtime.demo.tiny_pe import lively_prompt_enhancer
 
     model = lively_prompt_enhancer(seed=4).to(torch.bfloat16).eval().requires_grad_(False).cuda()
     prompt = [1] + [(7 * i) % 200 + 20 for i in range(39)]

@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from ernie_image.runtime.errors import InvalidInputError, ModelFileError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.model_files import ModelSources
-from ernie_image.runtime.text.cli_enhance import main_enhance
+from ernie_image.runtime.cli.enhance import main_enhance
+from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.demo.tiny import TinySizes
+from ernie_image.runtime.demo.tiny_pe import build_tiny_pe_folder, lively_prompt_enhancer
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.text.enhancer import LocalEnhancer, revise_prompts
 from ernie_image.runtime.text.pe_prompt import ERNIE_PE_SYSTEM_TEXT, render_chat, user_message
-from ernie_image.runtime.text.tiny_pe import build_tiny_pe_folder, lively_prompt_enhancer
 from ernie_image.runtime.text.token_sampler import ExponentialDraws, SamplingSettings, sample_tokens
-from ernie_image.runtime.tiny import TinySizes
 
 CPU = torch.device("cpu")
 PROMPTS = ["a cat", 'a sign that reads "OPEN" 开门']
@@ -162,8 +162,8 @@ def test_missing_pe_is_a_clear_error(tmp_path):
 
 def test_comfy_single_file_gives_the_same_revision_as_the_folder(tmp_path):
     """ComfyUI's ernie-image-prompt-enhancer.safetensors: `model.`-keys, no lm_head, Tekken tokenizer inside."""
-    from ernie_image.runtime.formats.comfy_files import save_comfy_layout
-    from ernie_image.runtime.tiny import build_dit, build_text_encoder, build_vae
+    from ernie_image.runtime.demo.comfy_files import save_comfy_layout
+    from ernie_image.runtime.demo.tiny import build_dit, build_text_encoder, build_vae
 
     sizes = TinySizes()
     pe = lively_prompt_enhancer(sizes, seed=4)

@@ -6,13 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
-from ernie_image.runtime.request import GenerationRequest
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.text.enhancer import LocalEnhancer
 from ernie_image.runtime.text.remote_enhancer import ChatEndpoint
-from ernie_image.runtime.tiny import build_tiny_model
 
 from test_enhancer_remote import ChatServer
 
@@ -48,7 +49,7 @@ def test_generation_uses_and_reports_the_revised_prompt(model_dir):
     assert result.prompts_used == [expected]
     assert result.info["pe"] == "local" and result.info["pe_tokens"] > 0
     assert result.info["pe_s"] > 0 and result.info["pe_tokens_per_s"] > 0
-    assert pipe._loaded.enhancer is None, "keep_loaded=False: the PE phase leaves nothing behind"
+    assert pipe.parts.enhancer is None, "keep_loaded=False: the PE phase leaves nothing behind"
 
     # The DiT saw exactly the revised prompt: same image as asking for it with the PE off.
     plain = cpu_pipe(ModelSources(model_dir=model_dir), keep_loaded=False).generate(
@@ -60,13 +61,13 @@ def test_generation_uses_and_reports_the_revised_prompt(model_dir):
 def test_kept_pe_is_reused_and_gives_the_same_revision(model_dir):
     pipe = cpu_pipe(ModelSources(model_dir=model_dir), keep_loaded=True)
     first = pipe.generate(request(batch=2), NullHost())
-    kept = pipe._loaded.enhancer
+    kept = pipe.parts.enhancer
     assert kept is not None
     second = pipe.generate(request(batch=2), NullHost())
-    assert pipe._loaded.enhancer is kept
+    assert pipe.parts.enhancer is kept
     assert first.prompts_used == second.prompts_used and first.prompts_used[0] == first.prompts_used[1]
     pipe.release()
-    assert pipe._loaded.enhancer is None
+    assert pipe.parts.enhancer is None
 
 
 def test_pe_switch_off_leaves_the_prompt_alone(model_dir):
@@ -92,7 +93,7 @@ def test_remote_pe_revises_then_the_local_dit_runs_with_the_pe_off(model_dir):
         host = NullHost()
         fallback = pipe.generate(request(seed=4), host)
     assert result.prompts_used == [f"revised: {PROMPT} @4"] and result.info["pe"] == "remote"
-    assert pipe._loaded.enhancer is None, "a remote PE loads nothing locally"
+    assert pipe.parts.enhancer is None, "a remote PE loads nothing locally"
     assert fallback.prompts_used == [PROMPT] and fallback.info["pe"] == "original"
     assert any("original prompt is used" in message for message in host.messages)
     assert result.request.use_pe and not fallback.request.use_pe, "the settings recorded say what ran"

@@ -16,11 +16,11 @@ from typing import Any, Optional
 import pytest
 from aiohttp import web
 
-from ernie_image.runtime.errors import Cancelled, InvalidInputError, RemoteError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.remote.credentials import Credentials, load_credentials
-from ernie_image.runtime.remote.http import AuthenticationError, ServerRejected
-from ernie_image.runtime.text.cli_enhance import main_enhance
+from ernie_image.runtime.cli.enhance import main_enhance
+from ernie_image.runtime.core.errors import Cancelled, InvalidInputError, RemoteError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.net.credentials import Credentials, load_credentials
+from ernie_image.runtime.net.errors import AuthenticationError, ServerRejected
 from ernie_image.runtime.text.remote_enhancer import ChatEndpoint, revise_prompts_remote
 
 from waiting import PROMPTLY_S
@@ -286,7 +286,7 @@ def test_cli_with_a_pe_server_prints_only_the_revision(capsys):
 
 
 def test_cli_enhance_with_a_pe_server_that_is_down_fails_in_one_line(capsys):
-    from ernie_image.runtime.cli import main
+    from ernie_image.runtime.cli.commands import main
 
     from fake_sglang import free_port
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ernie_image.runtime.errors import Cancelled
+from ernie_image.runtime.core.errors import Cancelled
+from ernie_image.runtime.demo.tiny_pe import lively_prompt_enhancer
 from ernie_image.runtime.text.static_decoder import (CACHE_ROUNDING, StaticCacheDecoder, computes_like_transformers,
                                                      static_decoding_device)
-from ernie_image.runtime.text.tiny_pe import lively_prompt_enhancer
 from ernie_image.runtime.text.token_sampler import (SamplingSettings, TransformersDecoder, open_decoder,
-                                                   sample_tokens)
+                                                    sample_tokens)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -164,7 +164,7 @@ ASYNC_ALLOCATOR = torch.cuda.is_available() and torch.cuda.get_allocator_backend
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_on_the_gpu_the_compiled_decode_step_matches_transformers_and_replays_exactly():
-    from ernie_image.runtime.acceleration import compile_available
+    from ernie_image.runtime.model.compile import compile_available
 
     if not compile_available(torch.device("cuda")):
         pytest.skip("needs Triton for torch.compile")
@@ -192,7 +192,7 @@ def test_on_the_gpu_the_compiled_decode_step_matches_transformers_and_replays_ex
 def test_under_cuda_malloc_async_the_compiled_step_is_the_one_in_the_graph():
     """Inductor's C++ wrapper there (static_decoder._compiled_decode_layer): its Python launchers refuse tensors
     allocated inside the capture."""
-    from ernie_image.runtime.acceleration import compile_available
+    from ernie_image.runtime.model.compile import compile_available
 
     if not compile_available(torch.device("cuda")):
         pytest.skip("needs Triton for torch.compile")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.sampling import initial_noise
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.sampling.euler import initial_noise
 from reference_models import pipe, reference, tiny_folder  # noqa: F401  (fixtures used by name)
 
 TOLERANCE = 1e-4
@@ -69,16 +69,16 @@ def test_noise_is_comfyui_draw():
 
 
 def test_latent_output_is_normalised_dit_space(pipe):
-    from ernie_image.runtime.decode import decode_images
+    from ernie_image.runtime.model.vae_decode import decode_images
 
     result = pipe.generate(GenerationRequest(prompt="x", steps=2, cfg=1.0, width=256, height=320), NullHost())
     assert result.latents.shape == (1, 128, 20, 16)  # the DiT's 128 channels at 1/16 of the image, not the VAE's 32
     # Still BatchNorm-normalised: the decoder's de-normalisation turns them into exactly the returned image.
-    assert torch.equal(decode_images(result.latents, pipe._vae()), result.images)
+    assert torch.equal(decode_images(result.latents, pipe.parts.load_vae()), result.images)
 
 
 def test_progress_and_cancel_between_steps(pipe):
-    from ernie_image.runtime.errors import Cancelled
+    from ernie_image.runtime.core.errors import Cancelled
 
     class CancelAfterTwo(NullHost):
         def progress(self, value, total, preview=None):
@@ -93,10 +93,10 @@ def test_progress_and_cancel_between_steps(pipe):
 
 
 def test_tiled_decode_stays_close_to_whole_and_is_switched_off_again(pipe):
-    from ernie_image.runtime.decode import decode_images
+    from ernie_image.runtime.model.vae_decode import decode_images
 
     latents = pipe.generate(GenerationRequest(prompt="x", steps=2, cfg=1.0, width=512, height=512), NullHost()).latents
-    vae = pipe._vae()
+    vae = pipe.parts.load_vae()
     whole = decode_images(latents, vae)
     tiled = decode_images(latents, vae, tile=256)
     assert vae.use_tiling and vae.tile_latent_min_size == 32

@@ -7,15 +7,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.comfy_files import save_comfy_layout
+from ernie_image.runtime.demo.tiny import TinySizes, build_dit, build_text_encoder, build_tiny_model, build_vae
 from ernie_image.runtime.formats import open_component
-from ernie_image.runtime.formats.comfy_files import save_comfy_layout
+from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.formats.vae_keys import bfl_to_diffusers, diffusers_to_bfl, to_bfl_state_dict
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.sampling import initial_noise
-from ernie_image.runtime.tiny import TinySizes, build_dit, build_text_encoder, build_tiny_model, build_vae
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
+from ernie_image.runtime.sampling.euler import initial_noise
 
 TOLERANCE = 1e-4
 SIZES = TinySizes()

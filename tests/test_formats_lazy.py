@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
 from ernie_image.runtime.formats import open_component
 from ernie_image.runtime.formats.safetensors_reader import SafetensorsFile
-from ernie_image.runtime.model_files import build_dit, build_text_tower, build_vae
-from ernie_image.runtime.tiny import TinySizes, build_tiny_model
+from ernie_image.runtime.model.builders import build_dit, build_text_tower, build_vae
 
 LAYERS = TinySizes().text_layers
 

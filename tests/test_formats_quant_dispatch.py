@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ernie_image.runtime.errors import ModelFileError
+from ernie_image.runtime.core.errors import ModelFileError
+from ernie_image.runtime.demo.tiny import TinySizes, build_dit, build_tiny_model
 from ernie_image.runtime.formats import open_component
-from ernie_image.runtime.tiny import TinySizes, build_dit, build_tiny_model
 
 quant = pytest.importorskip("ernie_image.runtime.quant")
 

@@ -9,13 +9,13 @@ import regex
 import torch
 from safetensors.torch import save_file
 
-from ernie_image.runtime.formats.comfy_files import tiny_tekken_bytes
+from ernie_image.runtime.demo.comfy_files import tiny_tekken_bytes
+from ernie_image.runtime.demo.tiny import BOS_ID, SPECIAL_TOKENS, save_tokenizer
 from ernie_image.runtime.formats.tekken import (
     DEFAULT_PATTERN, byte_symbols, merges_from_ranks, parse_tekken, tekken_json_from_vocabulary,
     tokenizer_from_tekken_json, tokenizer_from_text_encoder_file,
 )
 from ernie_image.runtime.text.encoder import MAX_TOKENS, token_ids
-from ernie_image.runtime.tiny import BOS_ID, SPECIAL_TOKENS, save_tokenizer
 
 PROMPTS = [
     "a red fox in snow",
@@ -142,7 +142,7 @@ def test_a_file_without_an_embedded_tokenizer_gives_none(tmp_path):
 
 
 def test_unreadable_tekken_json_is_a_clear_error():
-    from ernie_image.runtime.errors import ModelFileError
+    from ernie_image.runtime.core.errors import ModelFileError
 
     with pytest.raises(ModelFileError, match="Tekken tokenizer is unreadable"):
         tokenizer_from_tekken_json(json.dumps({"vocab": []}).encode())

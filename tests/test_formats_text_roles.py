@@ -12,10 +12,11 @@ import dataclasses
 
 import pytest
 
-from ernie_image.runtime.errors import ModelFileError
+from ernie_image.runtime.core.errors import ModelFileError
+from ernie_image.runtime.demo.tiny import build_tiny_model
 from ernie_image.runtime.formats import open_component
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.tiny import build_tiny_model
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 
 
 @pytest.fixture(scope="module", params=["comfy", "diffusers"])

@@ -42,7 +42,7 @@ def test_a_full_disk_while_quantize_writes_is_one_line_and_leaves_nothing(tmp_pa
 def test_write_errors_without_an_oserror_errno_are_read_for_what_they_say():
     from safetensors import SafetensorError
 
-    from ernie_image.runtime.output_files import full_disk
+    from ernie_image.runtime.files.output_files import full_disk
 
     error = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     assert full_disk(error) == "the disk is full (No space left on device)"

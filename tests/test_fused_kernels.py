@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ernie_image.runtime import fused_kernels
-from ernie_image.runtime.dit import RopeTables, _axis_angles, _positions
+from ernie_image.runtime.model import fused_kernels
+from ernie_image.runtime.model.dit import RopeTables, _axis_angles, _positions
 from reference_models import DIT_CONFIG
 
 

@@ -1,4 +1,4 @@
-"""comfy-kitchen's fused kernels compute what the PyTorch forms they replace compute (runtime/fused_kernels.py):
+"""comfy-kitchen's fused kernels compute what the PyTorch forms they replace compute (runtime/model/fused_kernels.py):
 q/k per-head RMSNorm + ERNIE's split-half RoPE, on the strided q/k views of the fused q/k/v projection as on
 contiguous ones; adaLN RMSNorm with the norm weight folded into the scale; and the eager DiT with them stays within
 the fast forms' bound of the exact forward. Needs a CUDA GPU and comfy-kitchen with its CUDA backend."""
@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ernie_image.runtime import dit as dit_module
-from ernie_image.runtime import fused_kernels
-from ernie_image.runtime.dit import RopeTables, _positions
-from ernie_image.runtime.acceleration import fuse_projections
+from ernie_image.runtime.model import dit as dit_module, fused_kernels
+from ernie_image.runtime.model.compile import fuse_projections
+from ernie_image.runtime.model.dit import RopeTables, _positions
 from reference_models import DIT_CONFIG, random_dit
 
 pytestmark = [
@@ -73,7 +72,7 @@ def test_the_adaln_kernel_with_the_weight_folded_into_the_scale_is_norm_then_mod
 
 @torch.inference_mode()
 def test_the_eager_dit_with_the_kernels_stays_within_the_fast_forms_bound_and_replays_in_a_graph():
-    from ernie_image.runtime.dit_graphs import DiTGraphs
+    from ernie_image.runtime.model.dit_graphs import DiTGraphs
     from test_dit_graphs import step_inputs
 
     assert DIT_CONFIG.head_dim % 32 == 0  # the kernel's rows
@@ -82,11 +81,7 @@ def test_the_eager_dit_with_the_kernels_stays_within_the_fast_forms_bound_and_re
     args = step_inputs("cuda", torch.bfloat16)
     with_kernels = model(*args)
     assert all(tables.rotation is not None for tables in model._rope_cache.values())
-    dit_module.FAST_EAGER_ON_CUDA = False
-    try:
-        exact = model(*args)
-    finally:
-        dit_module.FAST_EAGER_ON_CUDA = True
+    exact = model.with_arithmetic("exact")(*args)
     assert relative_error(with_kernels, exact) <= 2e-3
     graphs = DiTGraphs(model)
     outputs = [graphs(*args) for _ in range(3)]

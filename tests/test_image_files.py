@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ernie_image.runtime.errors import InvalidInputError
-from ernie_image.runtime.image_files import read_image, read_mask
+from ernie_image.runtime.core.errors import InvalidInputError
+from ernie_image.runtime.files.image_files import read_image, read_mask
 
 ROTATE_90_CLOCKWISE_TO_VIEW = 6  # EXIF Orientation: how a phone held upright stores a portrait photo
 
@@ -92,7 +92,7 @@ def test_the_library_reads_images_with_the_same_reader():
 
 
 def test_the_cli_generates_a_portrait_from_a_portrait_phone_photo(tmp_path, tiny_turbo_folder):
-    from ernie_image.runtime.cli import main
+    from ernie_image.runtime.cli.commands import main
 
     photo = _with_orientation(tmp_path / "IMG_0001.jpg", _sideways_portrait())
     out = tmp_path / "out.png"

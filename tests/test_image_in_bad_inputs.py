@@ -13,12 +13,13 @@ import pytest
 import torch
 from PIL import Image
 
-from ernie_image.runtime.errors import InvalidInputError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.tiny import build_tiny_model
+from ernie_image.runtime.core.errors import InvalidInputError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 
 
 def _refused(**fields) -> str:
@@ -92,7 +93,7 @@ def test_the_api_refuses_before_anything_loads(tiny_turbo_folder):
 
 # ------------------------------------------------------------------------------------------------------------ CLI
 def _cli(capsys, *argv: str) -> str:
-    from ernie_image.runtime.cli import main
+    from ernie_image.runtime.cli.commands import main
 
     assert main(list(argv)) == 2
     lines = capsys.readouterr().err.strip().splitlines()
@@ -150,7 +151,7 @@ def test_cli_refuses_bad_image_inputs_before_opening_the_model(capsys, tmp_path,
 
 
 def test_an_opaque_alpha_channel_is_dropped(files):
-    from ernie_image.runtime.image_files import read_image
+    from ernie_image.runtime.files.image_files import read_image
 
     assert torch.equal(read_image(files["opaque"]), read_image(files["rgb"]))
     assert read_image(files["rgb"]).shape == (1, 256, 256, 3)
@@ -159,7 +160,7 @@ def test_an_opaque_alpha_channel_is_dropped(files):
 def test_cli_inpaints_a_file_and_records_what_it_did(capsys, tmp_path, files, tiny_turbo_folder):
     import json
 
-    from ernie_image.runtime.cli import main
+    from ernie_image.runtime.cli.commands import main
 
     mask = np.zeros((256, 256), np.uint8)
     mask[64:192, 64:192] = 255
@@ -201,7 +202,7 @@ def test_a_remote_pipe_refuses_image_inputs_in_one_line_and_sends_nothing():
 def test_a_decoder_only_vae_file_is_named_before_anything_loads(tmp_path):
     from safetensors.torch import save_file
 
-    from ernie_image.runtime.errors import ModelFileError
+    from ernie_image.runtime.core.errors import ModelFileError
 
     from safetensors import safe_open
 
@@ -221,7 +222,7 @@ def test_a_decoder_only_vae_file_is_named_before_anything_loads(tmp_path):
 def test_an_image_claiming_far_more_pixels_than_ernie_takes_is_refused_before_decoding(tmp_path):
     from PIL import Image
 
-    from ernie_image.runtime.image_files import read_image
+    from ernie_image.runtime.files.image_files import read_image
 
     path = tmp_path / "bomb.png"
     Image.new("1", (40000, 40000)).save(path)  # 1-bit zeros: a small file, 1.6 Gpx if decoded
@@ -235,7 +236,7 @@ def test_an_image_claiming_far_more_pixels_than_ernie_takes_is_refused_before_de
 def test_an_image_path_that_is_a_pipe_or_a_link_loop_is_named_for_what_it_is(tmp_path, kind, cause):
     import os
 
-    from ernie_image.runtime.image_files import read_image
+    from ernie_image.runtime.files.image_files import read_image
 
     path = tmp_path / "in.png"
     if kind == "fifo":

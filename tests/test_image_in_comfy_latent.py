@@ -30,9 +30,9 @@ def full_size_vae(folder: Path):
     shapes and assumes the released sizes), saved in BFL's names as vae/flux2-vae.safetensors is."""
     from diffusers import AutoencoderKLFlux2
 
-    from ernie_image.runtime.formats.comfy_files import save_comfy_layout  # noqa: F401  (the writer's module)
+    from ernie_image.runtime.demo.comfy_files import save_comfy_layout  # noqa: F401  (the writer's module)
+    from ernie_image.runtime.formats.config_json import load_config
     from ernie_image.runtime.formats.vae_keys import to_bfl_state_dict
-    from ernie_image.runtime.model_files import load_config
 
     config = {k: v for k, v in load_config("turbo", "vae").items() if not k.startswith("_") and k != "force_upcast"}
     torch.manual_seed(0)
@@ -48,10 +48,10 @@ def full_size_vae(folder: Path):
 
 
 def test_core_vae_encode_and_decode_speak_the_packs_latent(tmp_path):
-    from ernie_image.runtime.decode import decode_images
-    from ernie_image.runtime.encode import encode_images
     from ernie_image.runtime.formats import open_component
-    from ernie_image.runtime.model_files import build_vae
+    from ernie_image.runtime.model.builders import build_vae
+    from ernie_image.runtime.model.vae_decode import decode_images
+    from ernie_image.runtime.model.vae_encode import encode_images
 
     path = full_size_vae(tmp_path)
     component = open_component(path, "vae")

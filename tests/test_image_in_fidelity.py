@@ -11,13 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ernie_image.runtime.encode import encode_images, normalise, patchify
-from ernie_image.runtime.decode import denormalise, unpatchify
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.image_in import denoise_sigmas
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.sampling import initial_noise, shifted_sigmas
-from ernie_image.runtime.tiny import build_tiny_model
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.model.vae_decode import denormalise, unpatchify
+from ernie_image.runtime.model.vae_encode import encode_images, normalise, patchify
+from ernie_image.runtime.sampling.euler import initial_noise, shifted_sigmas
+from ernie_image.runtime.sampling.image_in import denoise_sigmas
 from reference_models import pipe, reference, tiny_folder  # noqa: F401  (fixtures used by name)
 
 TOLERANCE = 1 / 255
@@ -100,19 +100,19 @@ def test_the_truncated_schedule_is_ksamplers():
 
 def test_encoded_latents_match_diffusers_and_the_inverses_hold(pipe, reference):
     images = photo(2, 256, 320)
-    ours = encode_images(images, pipe._vae_encoder())
+    ours = encode_images(images, pipe.parts.load_vae_encoder())
     theirs = reference_latents(reference.vae, images)
     assert ours.shape == (2, 128, 16, 20)
     assert (ours - theirs).abs().max().item() < 1e-5
     # patchify and normalise undo the decoder's unpatchify and de-normalisation
     latents = torch.randn(1, 128, 12, 10)
     assert torch.equal(patchify(unpatchify(latents)), latents)
-    assert torch.allclose(normalise(denormalise(latents, pipe._vae()), pipe._vae()), latents, atol=1e-5)
+    assert torch.allclose(normalise(denormalise(latents, pipe.parts.load_vae()), pipe.parts.load_vae()), latents, atol=1e-5)
 
 
 def test_the_encoder_is_the_same_from_bfl_named_single_files(tmp_path, pipe):
     from ernie_image.runtime.formats import open_component
-    from ernie_image.runtime.model_files import build_vae
+    from ernie_image.runtime.model.builders import build_vae
 
     comfy = build_tiny_model(tmp_path / "comfy", layout="comfy", variant="base")
     component = open_component(comfy.vae, "vae")
@@ -120,11 +120,11 @@ def test_the_encoder_is_the_same_from_bfl_named_single_files(tmp_path, pipe):
     encoder = build_vae(component, torch.device("cpu"), torch.float32, part="encoder")
     assert encoder.decoder is None and encoder.post_quant_conv is None
     images = photo(1, 256, 256)
-    assert torch.equal(encode_images(images, encoder), encode_images(images, pipe._vae_encoder()))
+    assert torch.equal(encode_images(images, encoder), encode_images(images, pipe.parts.load_vae_encoder()))
 
 
 def test_large_images_encode_in_diffusers_tiles_and_tiling_is_switched_off_again(pipe, reference):
-    encoder = pipe._vae_encoder()
+    encoder = pipe.parts.load_vae_encoder()
     images = photo(1, 512, 512)
     tiled = encode_images(images, encoder, tile=256)
     assert encoder.use_tiling and encoder.tile_latent_min_size == 32 and tiled.shape == (1, 128, 32, 32)
@@ -165,7 +165,7 @@ def test_a_latent_input_is_the_same_job_as_its_image(pipe):
     image = photo(1, 256, 256, seed=4)
     from_image = GenerationRequest(prompt="a lane", init_image=image, denoise=0.5, steps=4, cfg=1.0,
                                    width=256, height=256, seed=5)
-    latents = encode_images(image, pipe._vae_encoder())
+    latents = encode_images(image, pipe.parts.load_vae_encoder())
     from_latent = GenerationRequest(prompt="a lane", init_latents=latents, denoise=0.5, steps=4, cfg=1.0,
                                     width=256, height=256, seed=5)
     assert torch.equal(pipe.generate(from_image, NullHost()).images, pipe.generate(from_latent, NullHost()).images)
@@ -215,7 +215,7 @@ def test_a_grown_feathered_mask_blends_softly_and_keeps_far_pixels(pipe):
     request = GenerationRequest(prompt="a window", steps=3, cfg=1.0, width=256, height=256, seed=10,
                                 init_image=image, mask=mask, denoise=0.7, mask_grow=8, mask_feather=8)
     images = pipe.generate(request, NullHost()).images[0]
-    from ernie_image.runtime.image_in import pixel_mask
+    from ernie_image.runtime.sampling.image_in import pixel_mask
 
     soft = pixel_mask(request)[0, 0]
     assert soft[120, 150] > 0.999 and 0 < soft[56, 150] < 1 and soft[40, 150] == 0  # grown 8 px, feathered 8 px

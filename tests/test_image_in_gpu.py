@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
-from ernie_image.runtime.request import GenerationRequest
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -25,9 +26,9 @@ def test_img2img_and_inpainting_on_cuda_match_the_cpu_and_free_the_encoder(tiny_
     try:
         result = gpu_pipe.generate(request, NullHost())
         assert gpu_pipe.memory.plan.encode is not None
-        assert gpu_pipe._loaded.vae_encoder is None or gpu_pipe.memory.encoder_is_persistent()
+        assert gpu_pipe.parts.vae_encoder is None or gpu_pipe.memory.encoder_is_persistent()
         assert (result.images - cpu).abs().mean().item() < 0.02
-        from ernie_image.runtime.image_in import pixel_mask
+        from ernie_image.runtime.sampling.image_in import pixel_mask
 
         kept = pixel_mask(request)[0, 0] == 0  # outside the feathered edge
         assert torch.equal(result.images[0][kept], image[0][kept])  # composited, exactly, on any device

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.formats.config_json import load_config
+from ernie_image.runtime.local.memory import PipeMemory
 from ernie_image.runtime.offload.planner import GiB, allocator_slack, plan_memory
 from ernie_image.runtime.offload.reserve import phase_needs
-from ernie_image.runtime.offload.session import PipeMemory
 from ernie_image.runtime.offload.sizes import ModelSizes, vae_encoder_bytes
 from ernie_image.runtime.offload.workspace import Job, dit_workspace, vae_encode_workspace
-from ernie_image.runtime.model_files import load_config
-from ernie_image.runtime.request import GenerationRequest
 
 SIZES = ModelSizes.released("turbo")
 HIRES = Job(2048, 2048, 1, 1.0, 512, encode=True)
@@ -85,9 +85,10 @@ def test_jobs_encode_only_when_they_need_the_images_latents():
 
 
 def test_a_budgeted_pipe_plans_encodes_and_drops_the_encoder(tiny_turbo_folder):
-    from ernie_image.runtime.host import NullHost
-    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-    from ernie_image.runtime.model_files import ModelSources
+    from ernie_image.runtime.core.host import NullHost
+    from ernie_image.runtime.formats.sources import ModelSources
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
 
     sources = ModelSources(model_dir=tiny_turbo_folder)
     request = GenerationRequest(prompt="x", width=256, height=256, steps=2, cfg=1.0, init_image=torch.rand(1, 256, 256, 3),

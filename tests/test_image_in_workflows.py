@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import test_workflows as tw
-from ernie_image.runtime.image_in import denoise_sigmas
+from ernie_image.runtime.sampling.image_in import denoise_sigmas
 
 SCENARIOS = {"ernie_image_turbo_img2img", "ernie_image_turbo_inpaint", "ernie_image_turbo_hires_fix"}
 

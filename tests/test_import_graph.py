@@ -1,5 +1,6 @@
-"""runtime/ has no import cycle (scripts/import_graph.py: every import statement, deferred ones included), never
-imports ComfyUI or the pack's nodes, and its engine never reaches up into the command line or the demo models."""
+"""runtime/'s imports (scripts/import_graph.py: every import statement, deferred ones included) follow the order
+of its packages, with no cycle and no exemption; nothing in it imports the command line, only the command line
+imports the demo models, and none of it imports ComfyUI or the pack's nodes."""
 from __future__ import annotations
 
 import ast
@@ -20,15 +21,28 @@ def test_runtime_has_no_import_cycle():
 # ComfyUI's own top-level modules (v0.8.0), and the pack's ComfyUI side (nodes/, web/).
 COMFYUI_SIDE = {"comfy", "comfy_extras", "comfy_execution", "comfy_api", "comfy_api_nodes", "comfy_config",
                 "folder_paths", "server", "execution", "nodes", "node_helpers", "latent_preview", "main", "web"}
-# The command line: its modules, the demo it builds, and `check-remote` (which the node's "Test connection" shares).
-COMMAND_LINE = {"runtime.cli", "runtime.cli_checks", "runtime.cli_parser", "runtime.demo", "runtime.remote.check"}
-# Above the engine: what the command line and the nodes drive. Tiny random models are for the demo and tests.
-UPPER = {"runtime.cli", "runtime.cli_checks", "runtime.cli_parser", "runtime.demo", "runtime.local_pipe"}
-TINY_USERS = {"runtime.demo", "runtime.text.tiny_pe"}  # tiny_pe: the prompt-enhancer half of the tiny models
 
 
-def _is_command_line(module: str) -> bool:
-    return module in COMMAND_LINE or module.rpartition(".")[2].startswith("cli")
+def test_every_import_follows_the_order_of_the_packages():
+    """A module imports its own package and packages ranked below it (import_graph.RANKS), never one above; no
+    module lies loose in runtime/ and no package is left unranked."""
+    found = import_graph.order_violations(import_graph.import_graph())
+    assert not found, "imports against runtime/'s package order: " + "; ".join(found)
+
+
+def test_every_runtime_package_is_ranked():
+    packages = {init.parent.name for init in (import_graph.ROOT / "runtime").glob("*/__init__.py")}
+    assert packages == set(import_graph.RANKS)
+
+
+def test_nothing_in_the_runtime_imports_the_command_line_and_only_it_imports_the_demo():
+    """The CLI drives the runtime and nothing drives the CLI; the demo's tiny models reach the runtime only
+    through the CLI (and, outside runtime/, the library's lazy map, nodes/ and the tests)."""
+    graph = import_graph.import_graph()
+    users = {name: {module for module, targets in graph.items() if any(t.startswith(f"runtime.{name}") for t in targets)
+                    and import_graph.package_of(module) != name} for name in ("cli", "demo")}
+    assert users["cli"] == set()
+    assert {import_graph.package_of(module) for module in users["demo"]} <= {"cli"}
 
 
 def comfyui_imports(root: Path = import_graph.ROOT) -> list[str]:
@@ -63,15 +77,6 @@ def test_the_comfyui_check_sees_deferred_and_relative_imports(tmp_path):
                                          "runtime/sub/b.py: folder_paths"]
 
 
-def test_the_engine_never_reaches_up_into_the_command_line_or_the_tiny_models():
-    graph = import_graph.import_graph()
-    upward = [f"{name} -> {sorted(deps & UPPER)}" for name, deps in sorted(graph.items())
-              if deps & UPPER and not _is_command_line(name)]
-    assert not upward, "engine modules importing the command line or LocalPipe: " + "; ".join(upward)
-    tiny = [name for name, deps in sorted(graph.items()) if "runtime.tiny" in deps and name not in TINY_USERS]
-    assert not tiny, f"modules importing runtime.tiny (the demo's and tests' random models): {tiny}"
-
-
 def test_the_graph_sees_deferred_imports_and_cycles(tmp_path):
     """The checker itself: a cycle hidden in a function-level import is found."""
     (tmp_path / "runtime" / "sub").mkdir(parents=True)
@@ -83,3 +88,18 @@ def test_the_graph_sees_deferred_imports_and_cycles(tmp_path):
     graph = import_graph.import_graph(tmp_path)
     assert graph["runtime.c"] == {"runtime.a"}
     assert import_graph.cycles(graph) == [["runtime.a", "runtime.sub.b"]]
+
+
+def test_the_order_check_finds_imports_upward_and_modules_outside_the_ranks(tmp_path):
+    """The checker itself: a deferred relative import of a higher package, and a loose module, are found."""
+    for package in ("core", "cli"):
+        (tmp_path / "runtime" / package).mkdir(parents=True)
+        (tmp_path / "runtime" / package / "__init__.py").write_text("")
+    (tmp_path / "runtime" / "__init__.py").write_text("")
+    (tmp_path / "runtime" / "core" / "a.py").write_text("def f():\n    from ..cli import b\n")
+    (tmp_path / "runtime" / "cli" / "b.py").write_text("from ..core import a\n")
+    (tmp_path / "runtime" / "loose.py").write_text("")
+    graph = import_graph.import_graph(tmp_path)
+    assert import_graph.order_violations(graph, ("core", "cli")) == [
+        "runtime.core.a -> runtime.cli.b",
+        "runtime.loose: not in a ranked package (add its package to RANKS, or move it into one)"]

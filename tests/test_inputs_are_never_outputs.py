@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from ernie_image.runtime.cli import main
+from ernie_image.runtime.cli.commands import main
 
 
 def _cli(capsys, *argv: str) -> str:

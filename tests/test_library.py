@@ -12,8 +12,8 @@ import pytest
 from PIL import Image
 
 import ernie_image
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.request import GenerationRequest
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,7 +102,7 @@ def test_the_remote_pipe_sends_the_served_variants_defaults(model_id, expected):
 def test_read_png_settings_refuses_what_is_not_its_png_in_one_line_naming_the_file(tmp_path, make, expected):
     """Was Pillow's UnidentifiedImageError (or a JSON traceback) for a file that is not an ernie-image PNG."""
     from ernie_image import read_png_settings
-    from ernie_image.runtime.errors import InvalidInputError
+    from ernie_image.runtime.core.errors import InvalidInputError
 
     path = tmp_path / "picture.png"
     make(path)
@@ -134,7 +134,7 @@ def test_checking_a_demo_job_first_leaves_diffusers_usable_in_the_same_process(t
     """The demo's shape check builds diffusers models on the meta device; were diffusers first imported there, its
     module-level tables (the NVFP4 lookup) would stay meta tensors and fail later diffusers calls in the process."""
     (tmp_path / "ernie_image").symlink_to(REPO_ROOT, target_is_directory=True)
-    code = ("import sys, torch; from ernie_image.runtime.tiny import model_shapes; model_shapes(); "
+    code = ("import sys, torch; from ernie_image.runtime.demo.tiny import model_shapes; model_shapes(); "
             "from diffusers.quantizers.bfl.utils import dequantize_nvfp4; "
             "print(dequantize_nvfp4(torch.zeros(2, 8, dtype=torch.uint8), torch.ones(2, 1, dtype=torch.float8_e4m3fn), "
             "torch.tensor(1.0)).abs().sum().item())")

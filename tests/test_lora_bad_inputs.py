@@ -12,12 +12,13 @@ from safetensors.torch import save_file
 
 import lora_files as lf
 from conftest import LoggingHost
-from ernie_image.runtime.errors import ErnieImageError, InvalidInputError, ModelFileError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.core.errors import ErnieImageError, InvalidInputError, ModelFileError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.lora import LoraEntry, parse_lora_argument
-from ernie_image.runtime.model_files import ModelSources
-from ernie_image.runtime.request import GenerationRequest
 
 REQUEST = GenerationRequest(prompt="a fox", width=256, height=256, steps=1, cfg=1.0, seed=2)
 
@@ -45,12 +46,12 @@ def good_lora(shapes, tmp_path_factory) -> Path:
 
 
 def refused(pipe, base_image, path: Path, match: str, error=ModelFileError, strength: float = 1.0) -> str:
-    dit = pipe._loaded.dit
+    dit = pipe.parts.dit
     with pytest.raises(error, match=match) as caught:
         pipe.with_loras([(path, strength)]).generate(REQUEST, NullHost())
     message = str(caught.value)
     assert "\n" not in message and len(message) < 400
-    assert pipe._loaded.dit is dit  # nothing released, nothing reloaded
+    assert pipe.parts.dit is dit  # nothing released, nothing reloaded
     assert torch.equal(pipe.generate(REQUEST, NullHost()).images, base_image)
     return message
 

@@ -16,13 +16,14 @@ from safetensors.torch import save_file
 
 import lora_files as lf
 from ernie_image.nodes.lora import ErnieImageLoRA
-from ernie_image.runtime import demo as demo_module
-from ernie_image.runtime import local_pipe as local_pipe_module
-from ernie_image.runtime.cli import main as cli_main
-from ernie_image.runtime.errors import InvalidInputError, ModelFileError
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.cli.commands import main as cli_main
+from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
+from ernie_image.runtime.demo import cached_model as demo_module
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local import parts as local_parts, pipe as local_pipe_module
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.lora import LoraStack
-from ernie_image.runtime.model_files import ModelSources
 
 pytestmark = pytest.mark.usefixtures("one_thread", "no_comfy_modules_left_behind")
 
@@ -63,7 +64,7 @@ def test_the_same_file_twice_in_a_stack_is_refused_in_one_line(files, tiny_turbo
 
 
 def test_the_cli_refuses_a_file_given_twice(tiny_turbo_folder, files, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(local_pipe_module, "build_dit", lambda *a, **k: pytest.fail("weights were read"))
+    monkeypatch.setattr(local_parts, "build_dit", lambda *a, **k: pytest.fail("weights were read"))
     code = cli_main(["generate", "--model-dir", str(tiny_turbo_folder), "--device", "cpu", "--lora", str(files["good"]),
                      "--lora", f"{files['good']}:0.5", "--out", str(tmp_path / "x.png")])
     err = capsys.readouterr().err.strip().splitlines()

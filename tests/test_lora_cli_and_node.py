@@ -15,14 +15,15 @@ from PIL import Image
 import lora_files as lf
 from ernie_image.nodes.lora import ErnieImageLoRA
 from ernie_image.nodes.sampler import ErnieImageTurboSampler
-from ernie_image.runtime import local_pipe as local_pipe_module
-from ernie_image.runtime.cli import main as cli_main
-from ernie_image.runtime.errors import InvalidInputError, ModelFileError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.cli.commands import main as cli_main
+from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local import parts as local_parts
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.remote.backend import RemotePipe
-from ernie_image.runtime.request import GenerationRequest
 
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=4)
 
@@ -69,7 +70,7 @@ def test_cli_lora_options_give_the_api_image_and_are_recorded_in_the_png(tiny_tu
 ])
 def test_cli_refuses_a_bad_lora_before_reading_any_weights(tiny_turbo_folder, lora_folder, tmp_path, capsys,
                                                            monkeypatch, argument, message):
-    monkeypatch.setattr(local_pipe_module, "build_dit", lambda *a, **k: pytest.fail("weights were read"))
+    monkeypatch.setattr(local_parts, "build_dit", lambda *a, **k: pytest.fail("weights were read"))
     code = cli_main(["generate", "--model-dir", str(tiny_turbo_folder), "--device", "cpu", "--lora",
                      argument.format(folder=lora_folder), "--out", str(tmp_path / "x.png")])
     err = capsys.readouterr().err.strip().splitlines()

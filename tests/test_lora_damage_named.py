@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 import lora_files as lf
-from ernie_image.runtime.cli import main as cli_main
-from ernie_image.runtime.errors import ModelFileError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
-from ernie_image.runtime.request import GenerationRequest
+from ernie_image.runtime.cli.commands import main as cli_main
+from ernie_image.runtime.core.errors import ModelFileError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 
 REQUEST = GenerationRequest(prompt="a fox", width=256, height=256, steps=1, cfg=1.0, seed=2)
 

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.sampling import initial_noise
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
+from ernie_image.runtime.sampling.euler import initial_noise
 
 import lora_files as lf
 

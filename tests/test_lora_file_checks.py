@@ -16,14 +16,15 @@ import torch
 from safetensors.torch import save_file
 
 import lora_files as lf
-from ernie_image.runtime import demo as demo_module
-from ernie_image.runtime.cli import main as cli_main
-from ernie_image.runtime.errors import ModelFileError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.cli.commands import main as cli_main
+from ernie_image.runtime.core.errors import ModelFileError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo import cached_model as demo_module
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.lora.parsed import check_lora_file
-from ernie_image.runtime.model_files import ModelSources
-from ernie_image.runtime.request import GenerationRequest
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

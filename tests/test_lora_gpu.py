@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import lora_files as lf
-from ernie_image.runtime.acceleration import compile_blocks, fuse_projections
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT
 from ernie_image.runtime.lora.attach import apply_stack
 from ernie_image.runtime.lora.keys import dit_linear_shapes
 from ernie_image.runtime.lora.parsed import load_lora
+from ernie_image.runtime.model.compile import compile_blocks, fuse_projections
+from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -13,24 +13,24 @@ import torch
 
 import lora_files as lf
 from conftest import LoggingHost
-from ernie_image.runtime import local_pipe as local_pipe_module
-from ernie_image.runtime.acceleration import fuse_projections
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT
-from ernie_image.runtime.errors import InvalidInputError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.lora import pipe_loras as pipe_loras_module
+from ernie_image.runtime.core.errors import InvalidInputError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local import loras as pipe_loras_module, parts as local_parts_module
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.lora.apply import apply_loras
 from ernie_image.runtime.lora.attach import LoraLinear, wrapped_layers
 from ernie_image.runtime.lora.keys import dit_linear_shapes
 from ernie_image.runtime.lora.merge import merge_state
 from ernie_image.runtime.lora.parsed import load_lora
-from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.model.compile import fuse_projections
+from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
 from ernie_image.runtime.quant.fp8 import dequantize_fp8, quantize_fp8
 from ernie_image.runtime.quant.linear import QuantLinear
 from ernie_image.runtime.quant.qweight import QuantizedWeight
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.tiny import build_tiny_model
 
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=7)
 # fp32: merged and branch images differ only by fp32 summation order: bound 3e-5 of the 0..1 image (measured 6e-6;
@@ -80,7 +80,7 @@ def dit_tensors(dit) -> dict[str, torch.Tensor]:
 def test_merge_is_the_default_mode_and_leaves_no_branch(merged_pipe, loras):
     result = merged_pipe.with_loras([(loras["kohya"], 1.0)]).generate(REQUEST, NullHost())
     assert result.info["loras"][0]["mode"] == "merge"
-    dit = merged_pipe._loaded.dit
+    dit = merged_pipe.parts.dit
     assert not wrapped_layers(dit) and not any("lora" in name for name, _ in dit.named_buffers())
     assert merge_state(dit).merged  # the weights carry it
 
@@ -103,7 +103,7 @@ def test_merged_weights_equal_the_hand_merge_of_the_stack(merged_pipe, loras, ti
     lokr = lf.random_lokr(shapes, 2, seed=4)
     merged_pipe.with_loras([(loras["kohya"], 0.5), (loras["toolkit"], -1.0), (loras["lokr"], 2.0)]).generate(
         REQUEST, NullHost())
-    dit = merged_pipe._loaded.dit
+    dit = merged_pipe.parts.dit
     for module in ("layers.0.self_attention.to_k", "layers.1.mlp.gate_proj", "final_linear", "adaLN_modulation.1"):
         expected = (weights[f"{module}.weight"].double() + 0.5 * lf.lora_delta(*kohya[module], alpha=2.0)
                     - lf.lora_delta(*toolkit[module], alpha=None) + 2.0 * lf.lokr_delta(lokr[module], alpha=1.0))
@@ -114,7 +114,7 @@ def test_merged_weights_equal_the_hand_merge_of_the_stack(merged_pipe, loras, ti
 def test_removing_every_lora_after_a_to_b_gives_the_base_bit_for_bit_in_place(model, loras):
     pipe = load(model)
     base = pipe.generate(REQUEST, NullHost()).images
-    dit = pipe._loaded.dit
+    dit = pipe.parts.dit
     host_before = pipe.host_bytes()["host"]  # on the CPU the weights themselves are host memory
     originals = dit_tensors(dit)
     addresses = {name: (id(t), t.data_ptr()) for name, t in dit.state_dict(keep_vars=True).items()}
@@ -123,7 +123,7 @@ def test_removing_every_lora_after_a_to_b_gives_the_base_bit_for_bit_in_place(mo
     with_b = images(pipe, [(loras["toolkit"], 0.7)])
     assert not torch.equal(with_a, base) and not torch.equal(with_b, with_a)
     assert torch.equal(pipe.generate(REQUEST, NullHost()).images, base)
-    assert pipe._loaded.dit is dit and dit.structure_version == version  # nothing wrapped, nothing to recapture
+    assert pipe.parts.dit is dit and dit.structure_version == version  # nothing wrapped, nothing to recapture
     after = dit.state_dict(keep_vars=True)
     assert {name: (id(t), t.data_ptr()) for name, t in after.items()} == addresses  # edited in place
     assert all(torch.equal(after[name], tensor) for name, tensor in originals.items())
@@ -133,15 +133,15 @@ def test_removing_every_lora_after_a_to_b_gives_the_base_bit_for_bit_in_place(mo
 def test_a_switch_remerges_only_changed_layers_and_never_reads_the_base_weights(model, loras, monkeypatch):
     pipe = load(model)
     pipe.with_loras([(loras["kohya"], 1.0)]).generate(REQUEST, NullHost())
-    dit = pipe._loaded.dit
+    dit = pipe.parts.dit
     state = merge_state(dit)
     backups = dict(state.backups)
     fc2 = dit.layers[0].mlp.linear_fc2.weight.detach().clone()
     builds = []
-    real_build = local_pipe_module.build_dit
-    monkeypatch.setattr(local_pipe_module, "build_dit", lambda *a, **k: builds.append(1) or real_build(*a, **k))
+    real_build = local_parts_module.build_dit
+    monkeypatch.setattr(local_parts_module, "build_dit", lambda *a, **k: builds.append(1) or real_build(*a, **k))
     pipe.with_loras([(loras["kohya"], 1.0), (loras["attention"], 0.6)]).generate(REQUEST, NullHost())
-    assert builds == [] and pipe._loaded.dit is dit
+    assert builds == [] and pipe.parts.dit is dit
     assert all(state.backups[p] is backup for p, backup in backups.items())  # made once, kept
     assert torch.equal(dit.layers[0].mlp.linear_fc2.weight, fc2)  # untouched by the attention-only LoRA
     reads = load_lora.__globals__["reads"]
@@ -153,7 +153,7 @@ def test_the_diffusers_layout_merged_matches_diffusers_within_1_255(merged_pipe,
     """The branch's fidelity test (test_lora_fidelity.py) in merge mode for the layout diffusers writes itself."""
     from diffusers import ErnieImagePipeline
 
-    from ernie_image.runtime.sampling import initial_noise
+    from ernie_image.runtime.sampling.euler import initial_noise
 
     shapes = lf.linear_shapes(lf.dit_weights(tiny_turbo_folder))
     path = lf.write_diffusers(tmp_path, lf.random_lora(shapes, 4, seed=8), 4, alpha=8)
@@ -284,12 +284,12 @@ def test_an_fp8_dit_merges_and_stays_fp8_with_its_error_stated(model, loras, mer
     reference = images(merged_pipe, [(loras["toolkit"], 1.0)])
     fp8 = load(model, quant="fp8")
     base = fp8.generate(REQUEST, NullHost()).images
-    gate = fp8._loaded.dit.layers[0].mlp.gate_proj
+    gate = fp8.parts.dit.layers[0].mlp.gate_proj
     pointer = gate.weight.data_ptr()
     merged = images(fp8, [(loras["toolkit"], 1.0)])
-    assert isinstance(gate, QuantLinear) and fp8._loaded.dit.layers[0].mlp.gate_proj is gate
+    assert isinstance(gate, QuantLinear) and fp8.parts.dit.layers[0].mlp.gate_proj is gate
     assert gate.weight.dtype == torch.float8_e4m3fn and gate.weight.data_ptr() == pointer
-    assert not wrapped_layers(fp8._loaded.dit)
+    assert not wrapped_layers(fp8.parts.dit)
     branched = images(load(model, quant="fp8", lora_mode="branch"), [(loras["toolkit"], 1.0)])
     assert (merged - reference).abs().max().item() <= 0.02
     assert (branched - reference).abs().max().item() <= 0.02
@@ -303,7 +303,7 @@ def test_gguf_and_nvfp4_layers_keep_the_branch_with_one_notice(model, loras, fmt
     host = LoggingHost()
     result = pipe.with_loras([(loras["toolkit"], 1.0)]).generate(REQUEST, host)
     assert result.info["loras"][0]["mode"] in ("branch", "merge and branch")  # what ran, not what was asked
-    dit = pipe._loaded.dit
+    dit = pipe.parts.dit
     wrapper = dit.layers[0].mlp.gate_proj
     assert isinstance(wrapper, LoraLinear) and isinstance(wrapper.base, QuantLinear)
     notices = [m for m in host.messages if m.startswith("LoRA merge:")]
@@ -329,7 +329,7 @@ def test_streamed_blocks_keep_the_branch_and_resident_ones_merge(tmp_path_factor
     slab = placement.streamer.host_bytes
     host = LoggingHost()
     streamed = pipe.with_loras([(path, 0.8)]).generate(REQUEST, host)
-    dit = pipe._loaded.dit
+    dit = pipe.parts.dit
     assert pipe.memory.dit is placement and placement.streamer.host_bytes == slab
     for index, block in enumerate(dit.layers):
         wrapped = isinstance(block.mlp.linear_fc2, LoraLinear)
@@ -347,7 +347,7 @@ def test_the_host_copy_is_counted_described_and_given_back(model, loras):
     before = pipe.host_bytes()["host"]
     host = LoggingHost()
     pipe.with_loras([(loras["attention"], 1.0)]).generate(REQUEST, host)
-    dit = pipe._loaded.dit
+    dit = pipe.parts.dit
     touched = sum(block.self_attention.get_submodule(n).weight.nbytes for block in dit.layers
                   for n in ("to_q", "to_k", "to_v"))
     assert merge_state(dit).host_bytes == touched
@@ -367,7 +367,7 @@ def test_short_host_memory_runs_the_merge_as_a_branch_with_one_notice(model, lor
     pipe.with_loras([(loras["kohya"], 1.0)]).generate(REQUEST, host)
     notices = [m for m in host.messages if "host RAM" in m]
     assert len(notices) == 1 and "runs as a branch instead" in notices[0]
-    assert result.info["loras"][0]["mode"] == "branch" and wrapped_layers(pipe._loaded.dit)
+    assert result.info["loras"][0]["mode"] == "branch" and wrapped_layers(pipe.parts.dit)
 
 
 def test_a_mode_that_is_not_known_is_refused_in_one_line(merged_pipe, loras):
@@ -383,7 +383,7 @@ def test_modes_mix_in_one_stack(merged_pipe, branch_pipe, loras):
     mixed = merged_pipe.with_loras([(loras["kohya"], 1.0, "merge"), (loras["toolkit"], 0.5, "branch")])
     result = mixed.generate(REQUEST, NullHost())
     assert [item["mode"] for item in result.info["loras"]] == ["merge", "branch"]
-    assert wrapped_layers(merged_pipe._loaded.dit) and merge_state(merged_pipe._loaded.dit).merged
+    assert wrapped_layers(merged_pipe.parts.dit) and merge_state(merged_pipe.parts.dit).merged
     reference = images(branch_pipe, [(loras["kohya"], 1.0), (loras["toolkit"], 0.5)])
     assert (result.images - reference).abs().max().item() <= FP32_IMAGE_BOUND
 

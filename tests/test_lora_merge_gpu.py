@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import lora_files as lf
-from ernie_image.runtime.acceleration import compile_blocks, fuse_projections
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT
-from ernie_image.runtime.dit_graphs import DiTGraphs
 from ernie_image.runtime.lora.apply import apply_loras
 from ernie_image.runtime.lora.keys import dit_linear_shapes
 from ernie_image.runtime.lora.merge import merge_state
 from ernie_image.runtime.lora.parsed import load_lora
+from ernie_image.runtime.model.compile import compile_blocks, fuse_projections
+from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
+from ernie_image.runtime.model.dit_graphs import DiTGraphs
 from ernie_image.runtime.quant.linear import QuantLinear, quantize_linears
 from ernie_image.runtime.quant.writer import quantize_weight
 

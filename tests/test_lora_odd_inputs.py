@@ -15,12 +15,13 @@ import torch
 from safetensors.torch import save_file
 
 import lora_files as lf
-from ernie_image.runtime.cli import main as cli_main
-from ernie_image.runtime.errors import InvalidInputError, ModelFileError
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.cli.commands import main as cli_main
+from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.lora import LoraStack
 from ernie_image.runtime.lora.parsed import check_lora_file, load_lora
-from ernie_image.runtime.model_files import ModelSources
 
 LAYER = "layers.0.self_attention.to_q"
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -216,8 +217,7 @@ def test_a_mode_that_is_not_known_is_refused_even_without_loras(pipe):
 
 
 def test_two_loras_of_one_file_name_are_told_apart_by_their_folders(tmp_path):
-    from ernie_image.runtime.lora.stack import LoraEntry, LoraStack
-    from ernie_image.runtime.lora.view import describe_stack
+    from ernie_image.runtime.lora.stack import LoraEntry, LoraStack, describe_stack
 
     for folder in ("anime", "photo"):
         (tmp_path / folder).mkdir()

@@ -9,17 +9,18 @@ import pytest
 import torch
 
 import lora_files as lf
-from ernie_image.runtime import local_pipe as local_pipe_module
-from ernie_image.runtime.acceleration import fuse_projections
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local import parts as local_parts_module
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.lora import parsed as parsed_module
 from ernie_image.runtime.lora.attach import LoraLinear, apply_stack, wrapped_layers
 from ernie_image.runtime.lora.parsed import load_lora
-from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.model.compile import fuse_projections
 from ernie_image.runtime.quant.linear import QuantLinear
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.tiny import TinySizes, build_tiny_model
 
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=7)
 
@@ -49,7 +50,7 @@ def base_image(pipe):
 def test_removing_every_lora_gives_the_base_image_bit_for_bit(pipe, loras, base_image):
     with_lora = pipe.with_loras([(loras["kohya"], 1.0), (loras["lokr"], 0.5)]).generate(REQUEST, NullHost()).images
     assert not torch.equal(with_lora, base_image)
-    dit = pipe._loaded.dit
+    dit = pipe.parts.dit
     assert wrapped_layers(dit)
     again = pipe.generate(REQUEST, NullHost()).images
     assert torch.equal(again, base_image)
@@ -59,17 +60,17 @@ def test_removing_every_lora_gives_the_base_image_bit_for_bit(pipe, loras, base_
 
 def test_switching_loras_and_strengths_never_reads_the_base_weights_again(pipe, loras, base_image, monkeypatch):
     pipe.generate(REQUEST, NullHost())
-    dit = pipe._loaded.dit
+    dit = pipe.parts.dit
     builds = []
-    real_build = local_pipe_module.build_dit
-    monkeypatch.setattr(local_pipe_module, "build_dit", lambda *a, **k: builds.append(1) or real_build(*a, **k))
+    real_build = local_parts_module.build_dit
+    monkeypatch.setattr(local_parts_module, "build_dit", lambda *a, **k: builds.append(1) or real_build(*a, **k))
     first = pipe.with_loras([(loras["kohya"], 1.0)])
     images = {}
     for label, view in [("kohya 1.0", first), ("kohya 0.3", pipe.with_loras([(loras["kohya"], 0.3)])),
                         ("toolkit", pipe.with_loras([(loras["toolkit"], 1.0)])), ("kohya 1.0 again", first),
                         ("base", pipe)]:
         images[label] = view.generate(REQUEST, NullHost()).images
-    assert builds == [] and pipe._loaded.dit is dit
+    assert builds == [] and pipe.parts.dit is dit
     assert torch.equal(images["kohya 1.0"], images["kohya 1.0 again"])
     assert not torch.equal(images["kohya 1.0"], images["kohya 0.3"])
     assert torch.equal(images["base"], base_image)
@@ -80,10 +81,10 @@ def test_switching_loras_and_strengths_never_reads_the_base_weights_again(pipe, 
 
 def test_a_same_shape_switch_refills_the_branch_buffers_in_place(pipe, loras):
     pipe.with_loras([(loras["kohya"], 1.0)]).generate(REQUEST, NullHost())
-    wrapper = pipe._loaded.dit.layers[0].mlp.linear_fc2
+    wrapper = pipe.parts.dit.layers[0].mlp.linear_fc2
     down, up = wrapper.lora_down, wrapper.lora_up
     pipe.with_loras([(loras["toolkit"], -0.5)]).generate(REQUEST, NullHost())
-    assert pipe._loaded.dit.layers[0].mlp.linear_fc2 is wrapper
+    assert pipe.parts.dit.layers[0].mlp.linear_fc2 is wrapper
     assert wrapper.lora_down is down and wrapper.lora_up is up  # a compiled block keeps its graph inputs
 
 
@@ -92,7 +93,7 @@ def test_a_lora_on_some_blocks_only_gets_zero_branches_on_the_others(pipe, loras
     only_block_0 = {k: v for k, v in lf.linear_shapes(weights, ("mlp.linear_fc2",)).items() if k.startswith("layers.0.")}
     path = lf.write_ai_toolkit(tmp_path / "block0.safetensors", lf.random_lora(only_block_0, 3, seed=11))
     pipe.with_loras([(path, 1.0)]).generate(REQUEST, NullHost())
-    blocks = pipe._loaded.dit.layers
+    blocks = pipe.parts.dit.layers
     shapes = {tuple(block.mlp.linear_fc2.lora_up.shape) for block in blocks}
     assert len(shapes) == 1  # one branch shape in every block: a compiled block has one graph for all of them
     assert not blocks[1].mlp.linear_fc2.lora_up.any()
@@ -100,8 +101,8 @@ def test_a_lora_on_some_blocks_only_gets_zero_branches_on_the_others(pipe, loras
 
 def test_fused_qkv_and_gate_up_receive_their_own_slices(model, loras):
     config_pipe = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32", lora_mode="branch"))
-    plain = config_pipe._dit()
-    fused = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32", lora_mode="branch"))._dit()
+    plain = config_pipe.parts.load_dit()
+    fused = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32", lora_mode="branch")).parts.load_dit()
     assert fuse_projections(fused) == 2 * len(fused.layers)
     config = plain.config
     stack = [(load_lora(loras["attention"], config), 0.7), (load_lora(loras["kohya"], config), 1.1)]
@@ -150,10 +151,10 @@ def test_the_planner_counts_the_lora_branches_in_the_dit_stem(model, loras):
     budgeted.generate(REQUEST, NullHost())
     stem = budgeted.memory.plan.dit.stem_bytes
     budgeted.with_loras([(loras["kohya"], 1.0)]).generate(REQUEST, NullHost())
-    lora_bytes = load_lora(loras["kohya"], budgeted._loaded.dit.config).branch_params() * 4
+    lora_bytes = load_lora(loras["kohya"], budgeted.parts.dit.config).branch_params() * 4
     assert budgeted.memory.lora_bytes == lora_bytes
     assert budgeted.memory.plan.dit.stem_bytes == stem + lora_bytes
-    branches = sum(b.numel() * b.element_size() for n, b in budgeted._loaded.dit.named_buffers() if "lora_" in n)
+    branches = sum(b.numel() * b.element_size() for n, b in budgeted.parts.dit.named_buffers() if "lora_" in n)
     assert branches == lora_bytes
 
 
@@ -167,7 +168,7 @@ def test_a_packed_dit_keeps_its_weights_packed_and_takes_the_lora_as_a_branch(mo
     quantised = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32", quant=fmt, lora_mode="branch"))
     base = quantised.generate(REQUEST, NullHost()).images
     images = quantised.with_loras([(loras["toolkit"], 1.0)]).generate(REQUEST, NullHost()).images
-    wrapper = quantised._loaded.dit.layers[0].mlp.gate_proj
+    wrapper = quantised.parts.dit.layers[0].mlp.gate_proj
     packed_dtype, tolerance = PACKED[fmt]
     assert isinstance(wrapper, LoraLinear) and isinstance(wrapper.base, QuantLinear)
     assert wrapper.base.weight.dtype == packed_dtype  # still packed
@@ -191,8 +192,8 @@ def test_a_bf16_branch_is_as_close_to_the_exact_merge_as_a_bf16_merge(tmp_path):
     branch 0.54%, bf16 merge 0.51% relative, for a LoRA that moves the output by 12.5%)."""
     import copy
 
-    from ernie_image.runtime.dit import DiTConfig, ErnieDiT
     from ernie_image.runtime.lora.keys import dit_linear_shapes
+    from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
 
     config = DiTConfig(hidden_size=256, num_attention_heads=2, num_layers=4, ffn_hidden_size=768, text_in_dim=192,
                        rope_axes_dim=(32, 48, 48))
@@ -228,7 +229,7 @@ def test_a_bf16_branch_is_as_close_to_the_exact_merge_as_a_bf16_merge(tmp_path):
 def test_with_loras_refuses_a_lora_for_a_dit_of_another_size_when_it_is_added(model, tmp_path):
     from safetensors.torch import save_file
 
-    from ernie_image.runtime.errors import ModelFileError
+    from ernie_image.runtime.core.errors import ModelFileError
 
     path = tmp_path / "wider.safetensors"
     save_file({"diffusion_model.layers.0.mlp.linear_fc2.lora_A.weight": torch.zeros(2, 100),

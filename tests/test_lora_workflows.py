@@ -15,10 +15,10 @@ import lora_files as lf
 import test_workflows as tw
 from comfy_folders import fake_folder_paths
 from ernie_image.nodes import NODE_CLASS_MAPPINGS
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LocalPipe
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.tiny import build_tiny_model
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.local.pipe import LocalPipe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NAME = "ernie_image_turbo_two_loras"

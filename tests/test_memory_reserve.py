@@ -13,13 +13,18 @@ import torch
 from torch import nn
 
 from ernie_image.nodes.sampler import ErnieImageTurboSampler
-from ernie_image.runtime.cli import main as cli_main
 from ernie_image.runtime import formats
-from ernie_image.runtime.errors import MemoryBudgetError
+from ernie_image.runtime.cli.commands import main as cli_main
+from ernie_image.runtime.core.errors import MemoryBudgetError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import build_tiny_model
 from ernie_image.runtime.formats import open_component
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.memory import measured_dit_size
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.out_of_memory import out_of_memory_message, without_tracebacks
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.offload.planner import GiB
 from ernie_image.runtime.offload.reserve import (
     PhaseNeed,
@@ -28,14 +33,10 @@ from ernie_image.runtime.offload.reserve import (
     file_dit_size,
     phase_needs,
 )
-from ernie_image.runtime.offload.session import measured_dit_size
 from ernie_image.runtime.offload.sizes import ModelSizes
 from ernie_image.runtime.offload.workspace import Job
-from ernie_image.runtime.out_of_memory import out_of_memory_message, without_tracebacks
 from ernie_image.runtime.quant import gpu_support
 from ernie_image.runtime.quant.gpu_support import DeviceInfo
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.tiny import build_tiny_model
 
 H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0), 141 * 10**9)
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=5)
@@ -146,7 +147,7 @@ def test_held_bytes_are_the_weights_on_that_device_each_storage_once(model) -> N
     assert pipe.device_bytes_held() == {"pe": 0, "text": 0, "dit": 0, "vae": 0}
     pipe.generate(REQUEST, NullHost())
     held = pipe.device_bytes_held()
-    dit = pipe._loaded.dit
+    dit = pipe.parts.dit
     assert held["dit"] == sum(p.numel() * p.element_size() for p in (*dit.parameters(), *dit.buffers()))
     assert held["text"] > 0 and held["vae"] > 0 and held["pe"] == 0
     assert device_bytes_held(dit, "cuda") == 0
@@ -174,7 +175,7 @@ def test_a_quantised_dit_file_is_sized_as_packed(model, tmp_path) -> None:
     before = quantised.memory.planning_sizes(quantised.sources, quantised.variant)  # what the ask and the plan use
     assert before.dit == size and before.dit_format == "q8_0"
     quantised._plan(REQUEST, NullHost())
-    built = measured_dit_size(quantised._dit(), estimate.largest_linear_params)
+    built = measured_dit_size(quantised.parts.load_dit(), estimate.largest_linear_params)
     assert built.layer_bytes == size.layer_bytes  # what building the file takes, before it is built
     assert quantised.memory.planning_sizes(quantised.sources, quantised.variant).dit == built  # once placed
 
@@ -199,7 +200,7 @@ def test_quant_auto_sizes_the_dit_in_the_format_it_will_be_built_in(model, monke
     # On an H200 'auto' picks FP8: the DiT is sized (and the host asked) as FP8 before it is built, not as bf16.
     monkeypatch.setattr(gpu_support, "detect_device", lambda device=None: H200)
     auto = LocalPipe.load(model, LoadOptions(device="cpu", quant="auto"))
-    assert auto._auto_quant[0] == "fp8"
+    assert auto.parts.auto_quant[0] == "fp8"
     fp8 = auto.memory.sizes_for(model, "turbo")
     assert fp8.dit_format == "fp8" and fp8.dit.layer_bytes < plain.dit.layer_bytes
     assert fp8.text == plain.text
@@ -215,9 +216,9 @@ def raise_oom(*args, **kwargs):
 
 
 PHASE_MODULES = {
-    "DiT": lambda pipe: pipe._loaded.dit.layers[0],
-    "text encoder": lambda pipe: pipe._loaded.text_tower.layers[0],
-    "VAE decode": lambda pipe: pipe._loaded.vae.decoder,
+    "DiT": lambda pipe: pipe.parts.dit.layers[0],
+    "text encoder": lambda pipe: pipe.parts.text_tower.layers[0],
+    "VAE decode": lambda pipe: pipe.parts.vae.decoder,
 }
 
 
@@ -244,7 +245,7 @@ def test_the_message_names_the_budget_and_the_job(model) -> None:
     request = GenerationRequest(prompt="a red fox", negative_prompt="blurry", width=256, height=256, steps=1,
                                 cfg=3.0, seed=5, batch=2)
     pipe.generate(request, NullHost())
-    pipe._loaded.dit.layers[0].forward = raise_oom
+    pipe.parts.dit.layers[0].forward = raise_oom
     with pytest.raises(MemoryBudgetError, match=r"in the DiT phase \(256x256 batch 2 CFG 3, tried to allocate "
                                                 r"2\.50 GiB\): lower the VRAM budget \(6 GB now\) on the Loader or "
                                                 r"with --budget in the CLI, a smaller size or batch, or a quantised"):
@@ -291,7 +292,7 @@ def test_other_errors_pass_through_unchanged(model) -> None:
     def fails(*args, **kwargs):
         raise RuntimeError("some other failure")
 
-    pipe._loaded.dit.layers[0].forward = fails
+    pipe.parts.dit.layers[0].forward = fails
     with pytest.raises(RuntimeError, match="some other failure"):
         pipe.generate(REQUEST, NullHost())
     assert not pipe.is_loaded()
@@ -300,7 +301,7 @@ def test_other_errors_pass_through_unchanged(model) -> None:
 def test_the_prompt_enhancer_running_out_of_memory_is_named(tiny_turbo_with_pe) -> None:
     pipe = LocalPipe.load(ModelSources(model_dir=tiny_turbo_with_pe), LoadOptions(device="cpu", keep_loaded=True))
     first = pipe.enhance("a red fox", 256, 256, seed=1, max_new_tokens=8)
-    pipe._loaded.enhancer.model.model.layers[0].forward = raise_oom
+    pipe.parts.enhancer.model.model.layers[0].forward = raise_oom
     with pytest.raises(MemoryBudgetError, match=r"^out of GPU memory on cpu in the prompt enhancer phase .*"
                                                 r"or revise prompts on a PE chat endpoint \(pe_url\)$"):
         pipe.enhance("a red fox", 256, 256, seed=1, max_new_tokens=8)
@@ -313,7 +314,7 @@ def test_the_sampler_node_passes_the_runtime_message_on(model) -> None:
     inputs = dict(prompt="a red fox", resolution="custom", width=256, height=256, steps=1, cfg=1.0, seed=3,
                   batch_size=1, shift=4.0, use_pe=False, unique_id="7")
     ErnieImageTurboSampler().generate(pipe=pipe, **inputs)
-    pipe._loaded.vae.decoder.forward = raise_oom
+    pipe.parts.vae.decoder.forward = raise_oom
     with pytest.raises(MemoryBudgetError, match=r"^out of GPU memory on cpu in the VAE decode phase"):
         ErnieImageTurboSampler().generate(pipe=pipe, **inputs)
     assert not pipe.is_loaded()
@@ -323,7 +324,7 @@ def test_the_cli_prints_one_line_and_fails(model, tmp_path, monkeypatch, capsys)
     def decode_runs_out(*args, **kwargs):
         raise torch.OutOfMemoryError(TORCH_OOM)
 
-    monkeypatch.setattr("ernie_image.runtime.local_pipe.decode_images", decode_runs_out)
+    monkeypatch.setattr("ernie_image.runtime.local.pipe.decode_images", decode_runs_out)
     code = cli_main(["generate", "--model-dir", str(model.model_dir), "--device", "cpu", "--width", "256",
                      "--height", "256", "--steps", "1", "--out", str(tmp_path / "out.png")])
     assert code == 2 and not (tmp_path / "out.png").exists()

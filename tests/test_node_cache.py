@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 import torch
 
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.offload import pinned
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.tiny import build_tiny_model
 from test_offload_pipe import SIZES, streaming_budget_gb
 
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=5)
@@ -73,7 +74,7 @@ def test_the_cache_sees_the_slabs_and_host_weights_of_a_loaded_pipe(model) -> No
     slabs = pipe.memory.host_slabs()
     assert slabs and all(s.device.type == "cpu" for s in slabs)  # the DiT's and the text tower's streamed layers
     slab_bytes = sum(s.untyped_storage().nbytes() for s in slabs)
-    weights = [t for m in (pipe._loaded.dit, pipe._loaded.text_tower, pipe._loaded.vae)
+    weights = [t for m in (pipe.parts.dit, pipe.parts.text_tower, pipe.parts.vae)
                for t in (*m.parameters(), *m.buffers()) if t.device.type == "cpu"]
     weight_storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in weights}
     slab_storages = {(s.untyped_storage().data_ptr(), s.untyped_storage().nbytes()) for s in slabs}

@@ -9,8 +9,8 @@ import pytest
 
 from ernie_image.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 from ernie_image.nodes.sampler import RESOLUTION_CHOICES, ErnieImageSampler, ErnieImageTurboSampler, resolve_size
-from ernie_image.runtime.errors import InvalidInputError
-from ernie_image.runtime.request import RESOLUTION_PRESETS
+from ernie_image.runtime.core.errors import InvalidInputError
+from ernie_image.runtime.core.request import RESOLUTION_PRESETS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CORE_NODE_IDS = {"KSampler", "CheckpointLoaderSimple", "UNETLoader", "CLIPLoader", "VAELoader", "SaveImage",

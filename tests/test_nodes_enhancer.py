@@ -12,13 +12,14 @@ import pytest
 from ernie_image.nodes import NODE_CLASS_MAPPINGS
 from ernie_image.nodes.enhancer import ErnieImagePromptEnhancer
 from ernie_image.nodes.remote import ErnieImageRemoteBackend
-from ernie_image.runtime.errors import InvalidInputError, ModelFileError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.remote.backend import RemotePipe
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.tiny import build_tiny_model
 
 from test_enhancer_remote import SECRET, ChatServer
 
@@ -81,7 +82,7 @@ def test_local_pe_gives_the_revision_the_pipes_use_pe_gives_the_dit(model_dir) -
     revised, info = enhance(pipe=pipe)
     assert revised == generated.prompts_used[0] != PROMPT
     assert info.startswith("prompt enhancer (local): ") and "tokens/s" in info
-    assert pipe._loaded.enhancer is None, "keep_loaded off: the PE is freed after the node ran"
+    assert pipe.parts.enhancer is None, "keep_loaded off: the PE is freed after the node ran"
     assert enhance(pipe=pipe)[0] == revised, "same seed, same revision"
     assert enhance(pipe=pipe, seed=22)[0] != revised
 
@@ -91,7 +92,7 @@ def test_preset_resolution_is_what_the_pe_is_told(model_dir) -> None:
     revised, _ = enhance(pipe=pipe, resolution="848x1264 (2:3)", width=256, height=256)
     expected = pipe.enhance(PROMPT, 848, 1264, 21, max_new_tokens=12).prompts[0]
     assert revised == expected
-    assert pipe._loaded.enhancer is not None, "keep_loaded on: the PE is kept (in host RAM) for the next run"
+    assert pipe.parts.enhancer is not None, "keep_loaded on: the PE is kept (in host RAM) for the next run"
     pipe.release()
 
 

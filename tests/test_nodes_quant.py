@@ -5,7 +5,7 @@ import pytest
 
 from ernie_image.nodes.loader import build_options
 from ernie_image.nodes.quant_config import FORMATS, LOAD_QUANT, ErnieImageQuantConfig, QuantChoice
-from ernie_image.runtime.errors import InvalidInputError
+from ernie_image.runtime.core.errors import InvalidInputError
 
 
 @pytest.mark.parametrize("choice", FORMATS)
@@ -26,7 +26,7 @@ def test_on_a_machine_without_cuda_auto_explains_bf16() -> None:
 
 
 def test_the_choices_are_the_runtimes_formats() -> None:
-    from ernie_image.runtime.model_files import QUANT_ON_LOAD_FORMATS
+    from ernie_image.runtime.model.fill import QUANT_ON_LOAD_FORMATS
     from ernie_image.runtime.quant.gpu_support import SELECTOR_CHOICES
 
     assert set(FORMATS) == set(SELECTOR_CHOICES) | {"gguf-file"}
@@ -51,9 +51,9 @@ def comfy_models(tmp_path, tiny_turbo_folder, monkeypatch):
     import sys
 
     from comfy_folders import fake_folder_paths
-    from ernie_image.runtime.quant.cli_quantize import read_bf16_dit
+    from ernie_image.runtime.cli.quantize import read_bf16_dit
+    from ernie_image.runtime.demo.tiny import build_tiny_model
     from ernie_image.runtime.quant.writer import write_quantized_file
-    from ernie_image.runtime.tiny import build_tiny_model
 
     tiny = build_tiny_model(tmp_path / "tiny", layout="comfy", variant="turbo")
     models = tmp_path / "models"
@@ -89,7 +89,7 @@ def test_auto_on_a_bf16_dit_says_once_what_auto_picks(comfy_models) -> None:
 
 
 def test_gguf_file_with_a_safetensors_dit_is_refused_before_anything_loads(comfy_models, monkeypatch) -> None:
-    from ernie_image.runtime import local_pipe
+    from ernie_image.runtime.local import pipe as local_pipe
 
     monkeypatch.setattr(local_pipe.LocalPipe, "load", lambda *a, **k: pytest.fail("the model was loaded"))
     with pytest.raises(InvalidInputError) as refused:

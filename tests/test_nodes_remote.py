@@ -9,7 +9,7 @@ import torch
 from ernie_image.nodes.remote import ErnieImageRemoteBackend, parse_urls
 from ernie_image.nodes.routes import check_servers
 from ernie_image.nodes.sampler import ErnieImageTurboSampler
-from ernie_image.runtime.errors import InvalidInputError
+from ernie_image.runtime.core.errors import InvalidInputError
 from fake_sglang import FakeSglang, free_port
 
 

@@ -8,11 +8,12 @@ import torch
 
 from ernie_image.nodes.live_pipes import summary, track
 from ernie_image.nodes.sampler import ErnieImageSampler, ErnieImageTurboSampler, run_generation
-from ernie_image.runtime.errors import InvalidInputError, ModelFileError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.tiny import build_tiny_model
+from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 
 
 @pytest.fixture(scope="module")

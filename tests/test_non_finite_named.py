@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ernie_image.runtime.cli import main
+from ernie_image.runtime.cli.commands import main
 
 
 def _cli(capsys, *argv: str) -> str:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ernie_image.runtime.errors import Cancelled, MemoryBudgetError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.core.errors import Cancelled, MemoryBudgetError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.offload.planner import GiB, plan_memory
-from ernie_image.runtime.request import GenerationRequest
 from ernie_image.runtime.text.remote_enhancer import ChatEndpoint
-from ernie_image.runtime.tiny import TinySizes, build_tiny_model
 
 # A text width and depth at which the PE's phase (KV cache for 4096 tokens) outgrows the tiny VAE's decode, so a
 # budget exists that fits the PE streamed but not whole.
@@ -82,7 +83,7 @@ def test_streamed_pe_gives_the_unbudgeted_revision(model, unbudgeted):
     assert torch.equal(result.latents, unbudgeted.latents)
     # The second run re-enters the parked PE instead of building it again; every forward of it (the prefill, then
     # one per generated token) streams all the layers.
-    tower = pipe._loaded.enhancer.model.model
+    tower = pipe.parts.enhancer.model.model
     forwards = []
     counter = tower.register_forward_pre_hook(lambda module, args: forwards.append(1))
     copies_before = pipe.memory.pe.streamer.sync.copies
@@ -97,11 +98,11 @@ def test_streamed_pe_gives_the_unbudgeted_revision(model, unbudgeted):
     assert f"streamed layer-wise ({SIZES.text_layers} layers, 2 buffers)" in enhancer_row(pipe.describe())
     assert "pe" in plan.phase_peaks and plan.phase_peaks["pe"] <= plan.budget
     placed = pipe.memory.pe
-    assert placed is not None and placed.model is pipe._loaded.enhancer.model
+    assert placed is not None and placed.model is pipe.parts.enhancer.model
     # Between phases the PE's ring is parked: its layers point at the host slab, nothing stays on the device.
     assert placed.streamer.parked
     pipe.release()
-    assert pipe.memory.pe is None and pipe._loaded.enhancer is None
+    assert pipe.memory.pe is None and pipe.parts.enhancer is None
     assert all(p.is_meta for p in placed.model.parameters()), "release leaves no PE weight behind"
 
 
@@ -124,7 +125,7 @@ def test_pe_free_after_each_run_releases_the_pe_before_the_text_phase(model, unb
     pipe = budgeted_pipe(model, keep_loaded=False)
     result = pipe.generate(request(), NullHost())
     assert result.prompts_used == unbudgeted.prompts_used
-    assert pipe.memory.pe is None and pipe._loaded.enhancer is None and not pipe.is_loaded()
+    assert pipe.memory.pe is None and pipe.parts.enhancer is None and not pipe.is_loaded()
 
 
 def test_standalone_enhance_plans_the_pe_too(model, unbudgeted):
@@ -170,7 +171,7 @@ def test_cancel_while_the_pe_generates_leaves_nothing_placed(model, unbudgeted):
         pipe.generate(request(), host)
     assert host.pe_was_streaming, "the cancel came in the middle of the PE's generation"
     assert pipe.memory.pe is None and pipe.memory.plan is None and pipe.memory.text is None
-    assert pipe._loaded.enhancer is None and not pipe.is_loaded()
+    assert pipe.parts.enhancer is None and not pipe.is_loaded()
     # The next run starts clean and revises the prompt exactly as before.
     assert pipe.generate(request(), NullHost()).prompts_used == unbudgeted.prompts_used
 
@@ -193,16 +194,16 @@ def test_on_the_gpu_the_streamed_pe_matches_the_resident_one_and_hands_its_memor
         assert pipe.enhance(PROMPT, 256, 256, seed=21, max_new_tokens=12).prompts == expected
         assert pipe.memory.plan.pe.mode == "streamed" and pipe.memory.pe.streamer.parked
         assert torch.cuda.memory_allocated() == before, "the parked PE holds no device memory between phases"
-        assert pipe._loaded.enhancer.model.lm_head.weight.device.type == "cpu"
+        assert pipe.parts.enhancer.model.lm_head.weight.device.type == "cpu"
     pipe.release()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_the_gpu_a_streamed_untied_pe_keeps_its_whole_stem_on_the_device():
+    from ernie_image.runtime.demo.tiny import build_prompt_enhancer
     from ernie_image.runtime.offload.placement import PePlacement
     from ernie_image.runtime.offload.planner import LayeredPlan
-    from ernie_image.runtime.tiny import build_prompt_enhancer
 
     model = build_prompt_enhancer(SIZES, seed=5).requires_grad_(False)
     model.config.tie_word_embeddings = False

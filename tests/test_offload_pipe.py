@@ -7,14 +7,15 @@ import time
 import pytest
 import torch
 
-from ernie_image.runtime.errors import Cancelled, MemoryBudgetError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
+from ernie_image.runtime.core.errors import Cancelled, MemoryBudgetError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
+from ernie_image.runtime.local.memory import TEXT_TOKENS_FOR_PLAN, measured_dit_size
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.offload.planner import GiB, plan_memory
-from ernie_image.runtime.offload.session import TEXT_TOKENS_FOR_PLAN, measured_dit_size
 from ernie_image.runtime.offload.workspace import Job
-from ernie_image.runtime.request import GenerationRequest
-from ernie_image.runtime.tiny import TinySizes, build_tiny_model
 
 from waiting import PROMPTLY_S
 
@@ -75,7 +76,7 @@ def test_streamed_pipe_gives_the_resident_image(model, resident_result):
     assert plan.dit.streamed and plan.dit.resident and plan.text.mode == "streamed"
     assert pipe.memory.dit.streamer is not None and pipe.memory.text.streamer.parked
     pipe.release()
-    assert pipe.memory.dit is None and pipe._loaded.dit is None
+    assert pipe.memory.dit is None and pipe.parts.dit is None
 
 
 def test_streamed_runs_inside_inference_mode_as_comfyui_runs_nodes_then_outside_it(model, resident_result):
@@ -95,7 +96,7 @@ def test_config_sizes_are_the_built_fp32_dits_so_placing_it_plans_once(model):
     assert pipe.dtype == torch.float32
     pipe._plan(REQUEST, NullHost())
     planned = pipe.memory.plan
-    built = pipe._dit()
+    built = pipe.parts.load_dit()
     assert measured_dit_size(built, estimate.largest_linear_params) == estimate
     assert pipe.memory.plan is planned and pipe.memory.dit.plan is planned.dit  # placed by it, not planned again
 
@@ -104,7 +105,7 @@ def test_budget_too_small_fails_before_loading_anything(model):
     pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=1e-6))
     with pytest.raises(MemoryBudgetError, match=r"needs at least .* GB of VRAM"):
         pipe.generate(REQUEST, NullHost())
-    assert pipe._loaded.dit is None and pipe._loaded.text_tower is None and pipe.memory.plan is None
+    assert pipe.parts.dit is None and pipe.parts.text_tower is None and pipe.memory.plan is None
 
 
 class CancelAfterBlocks(NullHost):
@@ -132,7 +133,7 @@ def test_cancel_in_mid_step_releases_everything(model, resident_result):
         pipe.generate(REQUEST, host)
     assert host.progress_calls == [(1, 2)]  # it stopped inside the second step
     assert pipe.memory.dit is None and pipe.memory.text is None
-    assert pipe._loaded.dit is None and pipe._loaded.text_tower is None
+    assert pipe.parts.dit is None and pipe.parts.text_tower is None
     assert torch.equal(pipe.generate(REQUEST, NullHost()).latents, resident_result.latents)
 
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from ernie_image.runtime.errors import InvalidInputError, MemoryBudgetError
-from ernie_image.runtime.offload.cli_plan import main_plan
+from ernie_image.runtime.cli.plan import main_plan
+from ernie_image.runtime.core.errors import InvalidInputError, MemoryBudgetError
+from ernie_image.runtime.formats.config_json import load_config
 from ernie_image.runtime.offload.planner import allocator_slack, GiB, auto_budget, plan_memory, spread
-from ernie_image.runtime.model_files import load_config
 from ernie_image.runtime.offload.sizes import ModelSizes, dit_size, format_bytes
 from ernie_image.runtime.offload.workspace import Job, dit_workspace
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ernie_image.runtime.dit import DiTConfig, ErnieDiT
+from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
 from ernie_image.runtime.offload.pinned import HostSlab
 from ernie_image.runtime.offload.placement import DiTPlacement, TextPlacement
 from ernie_image.runtime.offload.planner import DiTPlan, LayeredPlan
@@ -204,7 +204,7 @@ def test_quantised_blocks_stream_packed(reference):
 
 
 def test_text_tower_streams_layer_by_layer_through_hooks():
-    from ernie_image.runtime.tiny import TinySizes, build_text_encoder
+    from ernie_image.runtime.demo.tiny import TinySizes, build_text_encoder
 
     tower = build_text_encoder(TinySizes(), seed=3).language_model
     ids = torch.tensor([[1, 40, 41, 42, 43, 44]])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ernie_image.runtime.cli import main
-from ernie_image.runtime.errors import MemoryBudgetError
+from ernie_image.runtime.cli.commands import main
+from ernie_image.runtime.core.errors import MemoryBudgetError
 
 
 def _more_than_any_host_has(*args, **kwargs):
@@ -20,7 +20,7 @@ def _python_out_of_memory(*args, **kwargs):
 
 def test_ram_running_out_in_the_dit_on_the_cpu_is_one_line_with_the_size_and_the_fix(capsys, tmp_path, monkeypatch,
                                                                                     tiny_turbo_folder):
-    from ernie_image.runtime.dit import ErnieDiT
+    from ernie_image.runtime.model.dit import ErnieDiT
 
     monkeypatch.setattr(ErnieDiT, "forward", _more_than_any_host_has)
     out = tmp_path / "x.png"
@@ -34,7 +34,7 @@ def test_ram_running_out_in_the_dit_on_the_cpu_is_one_line_with_the_size_and_the
 
 def test_a_memory_error_in_the_vae_names_the_vae_phase_from_python_too(monkeypatch, tiny_turbo_folder):
     from ernie_image import GenerationRequest, LoadOptions, LocalPipe, NullHost
-    from ernie_image.runtime import local_pipe
+    from ernie_image.runtime.local import pipe as local_pipe
 
     monkeypatch.setattr(local_pipe, "decode_images", _python_out_of_memory)
     pipe = LocalPipe.load(tiny_turbo_folder, LoadOptions(device="cpu"))

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ernie_image.runtime.errors import InvalidInputError
+from ernie_image.runtime.core.errors import InvalidInputError
+from ernie_image.runtime.demo.tiny_pe import lively_prompt_enhancer
 from ernie_image.runtime.quant.linear import QuantLinear
 from ernie_image.runtime.text.pe_quant import quantize_pe_layers_
 from ernie_image.runtime.text.static_decoder import StaticCacheDecoder
-from ernie_image.runtime.text.tiny_pe import lively_prompt_enhancer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -62,9 +62,10 @@ def test_unknown_pe_quantisation_is_refused_with_the_choices():
 
 
 def test_a_pipe_with_an_fp8_pe_revises_through_packed_layers(tiny_turbo_with_pe):
-    from ernie_image.runtime.host import NullHost
-    from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-    from ernie_image.runtime.model_files import ModelSources
+    from ernie_image.runtime.core.host import NullHost
+    from ernie_image.runtime.formats.sources import ModelSources
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
 
     with pytest.raises(InvalidInputError, match="pe_quant 'int4' is not supported"):
         LoadOptions(pe_quant="int4").validate()
@@ -72,7 +73,7 @@ def test_a_pipe_with_an_fp8_pe_revises_through_packed_layers(tiny_turbo_with_pe)
                           LoadOptions(device="cpu", dtype="fp32", previews=False, pe_quant="fp8"))
     revised = pipe.enhance("a lighthouse at dusk", 256, 256, seed=21, max_new_tokens=12, host=NullHost())
     assert revised.revisions[0].source in ("local", "original") and revised.revisions[0].tokens > 0
-    model = pipe._loaded.enhancer.model
+    model = pipe.parts.enhancer.model
     assert any(isinstance(m, QuantLinear) for m in model.modules())
     assert not any(type(m) is torch.nn.Linear for m in model.model.layers.modules())
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ernie_image.runtime.demo.tiny import lively_prompt_enhancer
 from ernie_image.runtime.offload.phase_weights import PhaseWeights
 from ernie_image.runtime.offload.placement import PePlacement
 from ernie_image.runtime.offload.planner import LayeredPlan
 from ernie_image.runtime.text.static_decoder import _stacked_weight, stack_weights_
-from ernie_image.runtime.tiny import lively_prompt_enhancer
 
 PROMPT = torch.tensor([[1] + list(range(20, 40))])
 

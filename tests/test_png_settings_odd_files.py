@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
-from ernie_image.runtime.errors import InvalidInputError
-from ernie_image.runtime.png_output import read_png_settings
+from ernie_image.runtime.core.errors import InvalidInputError
+from ernie_image.runtime.files.png_output import read_png_settings
 
 
 def _png(text: str = "", compressed: bool = False) -> bytes:

@@ -52,7 +52,7 @@ def test_the_cli_on_a_full_disk_says_the_disk_is_full_naming_its_flag(tmp_path, 
     (errno.EACCES, "(Permission denied): give a path in a writable folder"),
 ])
 def test_each_write_failure_names_its_own_fix(code, expected):
-    from ernie_image.runtime.png_output import write_error
+    from ernie_image.runtime.files.png_output import write_error
 
     message = str(write_error(Path("/data/x.png"), OSError(code, os.strerror(code))))
     assert message.startswith("out /data/x.png cannot be written") and message.endswith(expected), message

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy
 import torch
 
-from ernie_image.runtime.preview import latent_preview
+from ernie_image.runtime.sampling.preview import latent_preview
 
 
 def test_preview_is_the_unpatchified_size_and_capped():

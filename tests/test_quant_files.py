@@ -12,8 +12,9 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from ernie_image.runtime.errors import ModelFileError  # noqa: E402
-from ernie_image.runtime.quant import QuantizedWeight, load_quantized_state_dict, load_text_encoder_gguf  # noqa: E402
+from ernie_image.runtime.core.errors import ModelFileError  # noqa: E402
+from ernie_image.runtime.formats.quantized_file import load_quantized_state_dict  # noqa: E402
+from ernie_image.runtime.quant import QuantizedWeight, load_text_encoder_gguf  # noqa: E402
 from ernie_image.runtime.quant.gguf_files import llama_permute, llama_unpermute  # noqa: E402
 from ernie_image.runtime.quant.nvfp4 import block_scales_plain, quantize_nvfp4, to_modelopt  # noqa: E402
 

@@ -8,7 +8,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from ernie_image.runtime.errors import ModelFileError  # noqa: E402
+from ernie_image.runtime.core.errors import ModelFileError  # noqa: E402
 from ernie_image.runtime.quant.gguf_blocks import BLOCK_GEOMETRY, FP16_SCALE_OFFSETS, KERNELS  # noqa: E402
 from ernie_image.runtime.quant.gguf_quantize import quantize_q4_k, quantize_q8_0  # noqa: E402
 from ernie_image.runtime.quant.qweight import dequantize_gguf  # noqa: E402

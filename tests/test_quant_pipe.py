@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ernie_image.runtime.cli import main as cli_main
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
+from ernie_image.runtime.cli.commands import main as cli_main
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.quant.linear import QuantLinear
-from ernie_image.runtime.request import GenerationRequest
 
 TOLERANCE = {"q8_0": 0.01, "fp8": 0.02, "q4_k": 0.05, "nvfp4": 0.05}
 REQUEST = GenerationRequest(prompt="a fox in the snow", steps=4, cfg=1.0, width=256, height=256, seed=5)
@@ -36,7 +37,7 @@ def reference(model) -> torch.Tensor:
 def test_quantise_on_load_stays_within_the_format_tolerance(fmt, model, reference):
     pipe = LocalPipe.load(ModelSources(model_dir=model), LoadOptions(device="cpu", quant=fmt))
     images = pipe.generate(REQUEST, NullHost()).images
-    dit = pipe._dit()
+    dit = pipe.parts.load_dit()
     assert isinstance(dit.layers[0].mlp.gate_proj, QuantLinear)
     assert 0 < (images - reference).abs().max().item() <= TOLERANCE[fmt]
     own = {"fp8": "FP8", "q8_0": "GGUF Q8_0", "nvfp4": "NVFP4"}[fmt]
@@ -63,7 +64,7 @@ def test_quantize_command_writes_a_file_the_generate_command_reloads(fmt, suffix
 
 
 def test_unknown_quant_choice_is_refused_when_the_pipe_is_made(model):
-    from ernie_image.runtime.errors import InvalidInputError
+    from ernie_image.runtime.core.errors import InvalidInputError
 
     with pytest.raises(InvalidInputError, match="quant 'int3' is not supported: use one of none, auto, bf16, fp8"):
         LocalPipe.load(ModelSources(model_dir=model), LoadOptions(device="cpu", quant="int3"))
@@ -72,14 +73,14 @@ def test_unknown_quant_choice_is_refused_when_the_pipe_is_made(model):
 @pytest.fixture(scope="module")
 def q4_k_model(tmp_path_factory) -> Path:
     """A tiny Turbo model wide enough for Q4_K's 256-wide blocks (the default tiny DiT is 64 wide: nothing packs)."""
-    from ernie_image.runtime.tiny import TinySizes, build_tiny_model
+    from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
 
     sizes = TinySizes(dit_hidden=256, dit_heads=8, dit_ffn=512)
     return build_tiny_model(tmp_path_factory.mktemp("tiny-q4k"), variant="turbo", sizes=sizes).model_dir
 
 
 def test_quantize_q4_k_packs_the_layers_it_reports_and_generate_reloads_them(q4_k_model, tmp_path, capsys):
-    from ernie_image.runtime.quant import load_quantized_state_dict
+    from ernie_image.runtime.formats.quantized_file import load_quantized_state_dict
 
     quantised = tmp_path / "ernie-image-turbo-q4_k.gguf"
     assert cli_main(["quantize", "--dit", str(q4_k_model / "transformer"), "--format", "q4_k",
@@ -99,10 +100,10 @@ def test_quantise_on_load_to_a_format_nothing_packs_in_is_refused_as_quantize_re
                                                                                         monkeypatch):
     """q4_k on the 64-wide tiny DiT: `generate` ran it in bf16 without a word while `quantize` refused it. Now the
     pipe refuses it at load, from the file's shapes, in quantize's own words (naming the option that picks it)."""
-    from ernie_image.runtime import model_files
-    from ernie_image.runtime.errors import InvalidInputError
+    from ernie_image.runtime.core.errors import InvalidInputError
+    from ernie_image.runtime.model import builders
 
-    monkeypatch.setattr(model_files, "build_dit", lambda *a, **k: pytest.fail("a DiT was built"))
+    monkeypatch.setattr(builders, "build_dit", lambda *a, **k: pytest.fail("a DiT was built"))
     with pytest.raises(InvalidInputError) as caught:
         LocalPipe.load(ModelSources(model_dir=model), LoadOptions(device="cpu", quant="q4_k"))
     refusal = ("none of this DiT's 20 weight matrices can be packed as q4_k (it needs in_features divisible by 256): "
@@ -129,7 +130,7 @@ def test_quantise_on_load_to_a_format_the_demo_model_cannot_take_is_refused_befo
 def test_quantise_on_load_to_a_format_that_packs_still_runs(q4_k_model):
     pipe = LocalPipe.load(ModelSources(model_dir=q4_k_model), LoadOptions(device="cpu", quant="q4_k"))
     pipe.generate(REQUEST, NullHost())
-    assert isinstance(pipe._dit().layers[0].mlp.gate_proj, QuantLinear)
+    assert isinstance(pipe.parts.load_dit().layers[0].mlp.gate_proj, QuantLinear)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +148,7 @@ def quantised_files(model, tmp_path_factory) -> dict[str, Path]:
 def test_a_format_asked_for_beside_an_already_quantised_dit_file_is_refused_naming_the_files_own(
         model, quantised_files, file_format, asked, own, capsys, tmp_path):
     """--quant beside a GGUF/FP8/NVFP4 DiT file was ignored without a word: the file runs in its own format."""
-    from ernie_image.runtime.errors import InvalidInputError
+    from ernie_image.runtime.core.errors import InvalidInputError
 
     dit = quantised_files[file_format]
     with pytest.raises(InvalidInputError) as caught:

@@ -15,8 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ernie_image.runtime.quant import QuantLinear, quantize_weight
-from ernie_image.runtime.quant import linear as linear_module
+from ernie_image.runtime.quant import QuantLinear, linear as linear_module, quantize_weight
 from ernie_image.runtime.quant.gguf_blocks import BLOCK_GEOMETRY, FP16_SCALE_OFFSETS
 from ernie_image.runtime.quant.nvfp4 import quantize_nvfp4
 from ernie_image.runtime.quant.qweight import dequantize_packed

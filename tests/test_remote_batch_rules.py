@@ -8,13 +8,13 @@ import json
 import warnings
 
 import pytest
-from ernie_image.runtime.png_output import read_png_settings
+from ernie_image.runtime.files.png_output import read_png_settings
 
-from ernie_image.runtime.cli import main
-from ernie_image.runtime.errors import RemoteError
-from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.cli.commands import main
+from ernie_image.runtime.core.errors import RemoteError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
-from ernie_image.runtime.request import GenerationRequest
 from ernie_image.runtime.text import remote_enhancer
 from ernie_image.runtime.text.remote_enhancer import ChatEndpoint, revise_prompts_remote
 
@@ -136,7 +136,7 @@ FORGED = "baidu/ERNIE-Image-Turbo\x1b[31m\r\nFAKE LOG LINE: all good\x07"
 
 
 def test_text_a_server_sends_is_shown_as_one_printable_line_never_as_terminal_codes_or_log_lines() -> None:
-    from ernie_image.runtime.remote.check import check_remote, format_check_table
+    from ernie_image.runtime.remote.server_check import check_remote, format_check_table
 
     with FakeSglang(model_id=FORGED, pipeline_name="ErnieImagePipeline\x1b]0;title\x07") as forging:
         rows = check_remote([forging.url], generate=False)

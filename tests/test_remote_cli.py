@@ -16,9 +16,9 @@ from typing import Iterator
 import pytest
 from PIL import Image
 
-from ernie_image.runtime.cli import main
-from ernie_image.runtime.cli_parser import OneLineParser
-from ernie_image.runtime.remote.cli_args import add_remote_arguments, remote_pipe_from_args
+from ernie_image.runtime.cli.commands import main
+from ernie_image.runtime.cli.parser import OneLineParser
+from ernie_image.runtime.cli.remote_args import add_remote_arguments, remote_pipe_from_args
 
 from fake_sglang import FakeSglang, dead_url
 from test_cli import _Run, _env
@@ -482,7 +482,8 @@ def test_check_remote_connect_timeout_bounds_a_connection_never_accepted(capsys)
 
 def test_an_html_error_page_is_described_not_quoted(tmp_path):
     """Any 4xx whose body is a web page (a proxy's, a plain web server's) says so instead of quoting its markup."""
-    from ernie_image.runtime.remote.http import ServerRejected, run_sync
+    from ernie_image.runtime.net.errors import ServerRejected
+    from ernie_image.runtime.net.loop_thread import run_sync
     from ernie_image.runtime.remote.sglang import SglangClient
 
     async def models(url: str) -> None:

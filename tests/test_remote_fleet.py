@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from ernie_image.runtime.errors import Cancelled, InvalidInputError, RemoteError
-from ernie_image.runtime.cli_names import cli_message
-from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.cli.names import cli_message
+from ernie_image.runtime.core.errors import Cancelled, InvalidInputError, RemoteError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
 from ernie_image.runtime.remote.fleet import ServersNotReady, UnansweredImage
-from ernie_image.runtime.request import GenerationRequest
 
 from fake_sglang import FakeSglang, dead_url, free_port, render
 from waiting import PROMPTLY_S, WAIT_S, do_when, press_cancel, wait_until

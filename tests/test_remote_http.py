@@ -6,24 +6,15 @@ from typing import Optional
 
 import pytest
 
-from ernie_image.runtime.errors import Cancelled, InvalidInputError
-from ernie_image.runtime.remote import errors
-from ernie_image.runtime.remote.credentials import Credential, Credentials, Origin
-from ernie_image.runtime.remote.http import (
-    AuthenticationError,
-    BadResponse,
-    ConnectionLost,
-    HttpClient,
-    HttpSettings,
-    RetryPolicy,
-    ServerFailed,
-    ServerRejected,
-    ServerUnavailable,
-    Timeouts,
-    TlsHandshakeFailed,
-    run_sync,
-)
-from ernie_image.runtime.remote.key_source import ApiKeySource
+from ernie_image.runtime.core.errors import Cancelled, InvalidInputError
+from ernie_image.runtime.net import errors
+from ernie_image.runtime.net.client import HttpClient
+from ernie_image.runtime.net.credentials import Credential, Credentials, Origin
+from ernie_image.runtime.net.errors import (AuthenticationError, BadResponse, ConnectionLost, ServerFailed,
+                                            ServerRejected, ServerUnavailable, TlsHandshakeFailed)
+from ernie_image.runtime.net.key_source import ApiKeySource
+from ernie_image.runtime.net.loop_thread import run_sync
+from ernie_image.runtime.net.settings import HttpSettings, RetryPolicy, Timeouts
 
 from fake_sglang import FakeSglang, UnacceptingListener, free_port
 from waiting import PROMPTLY_S, WAIT_S, do_when, press_cancel
@@ -175,7 +166,7 @@ def test_cancel_returns_at_once_while_the_server_hangs(server):
 
 
 def test_host_check_cancel_works_as_the_cancel_callable(server):
-    from ernie_image.runtime.host import NullHost
+    from ernie_image.runtime.core.host import NullHost
 
     host = NullHost()
     server.faults.append("hang")
@@ -237,12 +228,13 @@ def test_a_key_goes_to_its_own_origin_only_and_never_after_a_redirect(monkeypatc
     assert [dict(r.headers)["Authorization"] for r in server.wire] == ["Bearer sk-http-redirect"]
 
 
-def test_the_errors_moved_to_errors_py_are_the_ones_http_raises():
-    from ernie_image.runtime.remote import http
+def test_the_client_raises_the_errors_of_errors_py():
+    from ernie_image.runtime.net import client, error_answers
 
-    for name in ("AuthenticationError", "BadResponse", "ConnectionLost", "ServerFailed", "ServerRejected",
-                 "ServerUnavailable", "TlsHandshakeFailed"):
-        assert getattr(http, name) is getattr(errors, name)
+    for module in (client, error_answers):
+        for name in ("AuthenticationError", "BadResponse", "ConnectionLost", "ServerFailed", "ServerRejected",
+                     "ServerUnavailable", "TlsHandshakeFailed"):
+            assert getattr(module, name, getattr(errors, name)) is getattr(errors, name)
     assert Origin.of("http://127.0.0.1:1") == Origin("http", "127.0.0.1", 1)
 
 

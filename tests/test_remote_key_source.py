@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ernie_image.runtime.cli import main
-from ernie_image.runtime.errors import InvalidInputError
-from ernie_image.runtime.remote.key_source import MAX_KEY_FILE_BYTES, ApiKeySource
+from ernie_image.runtime.cli.commands import main
+from ernie_image.runtime.core.errors import InvalidInputError
+from ernie_image.runtime.net.key_source import MAX_KEY_FILE_BYTES, ApiKeySource
 from test_enhancer_remote import ChatServer
 
 PASTED_KEY = "sk-live-0123456789abcdef"
@@ -177,8 +177,9 @@ def test_cli_never_echoes_a_key_pasted_as_an_option(capsys) -> None:
 
 
 def test_check_remote_runs_the_same_check_when_called_directly() -> None:
-    from ernie_image.runtime.remote.check import check_remote, main_check_remote
-    from ernie_image.runtime.remote.credentials import Credentials
+    from ernie_image.runtime.cli.check_remote import main_check_remote
+    from ernie_image.runtime.net.credentials import Credentials
+    from ernie_image.runtime.remote.server_check import check_remote
 
     with pytest.raises(InvalidInputError, match=r"^--api-key-env names a variable"):
         main_check_remote(["http://127.0.0.1:1", "--api-key-env", UNSET])
@@ -189,8 +190,8 @@ def test_check_remote_runs_the_same_check_when_called_directly() -> None:
 
 
 def test_a_remote_pipe_refuses_a_bound_key_source_that_cannot_work(keys_file) -> None:
+    from ernie_image.runtime.net.credentials import Credential, Origin
     from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
-    from ernie_image.runtime.remote.credentials import Credential, Origin
     from ernie_image.runtime.text.remote_enhancer import ChatEndpoint
 
     path = keys_file({"label": "gpu", "origin": "http://127.0.0.1:1", "env": UNSET})

@@ -12,16 +12,17 @@ import pytest
 from PIL import Image
 import torch
 
-from ernie_image.runtime.errors import Cancelled, InvalidInputError, RemoteError
-from ernie_image.runtime.host import NullHost
-from ernie_image.runtime.pipe import ErniePipe
+from ernie_image.runtime.core.errors import Cancelled, InvalidInputError, RemoteError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.pipe import ErniePipe
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.net.credentials import Credentials
+from ernie_image.runtime.net.errors import BadResponse, ServerRejected
+from ernie_image.runtime.net.loop_thread import run_sync
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
-from ernie_image.runtime.remote.check import check_remote, format_check_table
-from ernie_image.runtime.remote.credentials import Credentials
 from ernie_image.runtime.remote.fleet import Fleet
-from ernie_image.runtime.remote.http import BadResponse, ServerRejected, run_sync
+from ernie_image.runtime.remote.server_check import check_remote, format_check_table
 from ernie_image.runtime.remote.sglang import ImageParams, decode_image, mask_seed
-from ernie_image.runtime.request import GenerationRequest
 
 from fake_sglang import FakeSglang, free_port, render
 from waiting import PROMPTLY_S, WAIT_S, do_when, press_cancel, wait_until

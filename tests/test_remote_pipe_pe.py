@@ -11,11 +11,11 @@ import pytest
 
 from ernie_image.nodes.remote import ErnieImageRemoteBackend
 from ernie_image.nodes.sampler import ErnieImageTurboSampler
-from ernie_image.runtime.errors import Cancelled
-from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.core.errors import Cancelled
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.net.errors import ServerRejected
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
-from ernie_image.runtime.remote.http import ServerRejected
-from ernie_image.runtime.request import GenerationRequest
 from ernie_image.runtime.text.remote_enhancer import ChatEndpoint
 
 from fake_sglang import FakeSglang

@@ -11,11 +11,11 @@ import re
 import pytest
 import torch
 
-from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
-from ernie_image.runtime.remote.check import check_remote
 from ernie_image.runtime.remote.fleet import UnansweredImage
-from ernie_image.runtime.request import GenerationRequest
+from ernie_image.runtime.remote.server_check import check_remote
 
 from sglang_real import (SGLANG_PYTHON_ENV, SglangServer, build_tiny_checkpoint, free_port, sglang_python,
                          wait_until_ready)

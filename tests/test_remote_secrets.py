@@ -14,12 +14,12 @@ from PIL import Image
 
 from ernie_image.nodes.remote import ErnieImageRemoteBackend
 from ernie_image.nodes.routes import check_servers
-from ernie_image.runtime.cli import main
-from ernie_image.runtime.errors import ErnieImageError
-from ernie_image.runtime.host import NullHost
+from ernie_image.runtime.cli.commands import main
+from ernie_image.runtime.core.errors import ErnieImageError
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.net.credentials import Credentials, load_credentials
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
-from ernie_image.runtime.remote.credentials import Credentials, load_credentials
-from ernie_image.runtime.request import GenerationRequest
 from ernie_image.runtime.text.remote_enhancer import ChatEndpoint, revise_prompts_remote
 
 from fake_sglang import FakeSglang, dead_url

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from ernie_image.runtime.errors import InvalidInputError
-from ernie_image.runtime.remote.check import check_remote
+from ernie_image.runtime.core.errors import InvalidInputError
+from ernie_image.runtime.net.urls import normalize_base_url, shown_url
+from ernie_image.runtime.remote.server_check import check_remote
 from ernie_image.runtime.remote.sglang import SglangClient
-from ernie_image.runtime.remote.urls import normalize_base_url, shown_url
 
 from fake_sglang import FakeSglang
 

@@ -31,7 +31,7 @@ from ernie_image.nodes.enhancer import ErnieImagePromptEnhancer
 from ernie_image.nodes.remote import ErnieImageRemoteBackend
 from ernie_image.nodes.routes import add_routes, check_servers
 from ernie_image.nodes.sampler import ErnieImageTurboSampler
-from ernie_image.runtime.errors import ErnieImageError
+from ernie_image.runtime.core.errors import ErnieImageError
 
 from fake_sglang import FakeSglang
 
@@ -391,7 +391,7 @@ class TestTheUsersLabelGoesOnlyToTheOriginItIsBoundTo:
     def test_a_url_carrying_a_key_is_refused_naming_the_keys_file(self, machine: Machine, surface: str,
                                                                   carried: str) -> None:
         """BUG: a URL that reaches connect()/enhance() through a link (VALIDATE_INPUTS sees None for a link) is refused
-        by runtime/remote/urls.py normalize_base_url with advice from before the keys file: "use an API key
+        by runtime/net/urls.py normalize_base_url with advice from before the keys file: "use an API key
         environment variable or key file" / "a token belongs in an API key environment variable or key file", which
         no workflow can name any more. Fix: say "bind the server's API key in your keys file (the CLI: --api-key-env
         or --api-key-file)" in both messages."""

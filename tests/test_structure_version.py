@@ -1,6 +1,6 @@
 """Every code path that gives the DiT new tensors or modules bumps `ErnieDiT.structure_version`; in-place edits do not.
 
-CUDA-graph replay (runtime/dit_graphs.py) trusts this counter instead of re-reading every parameter's address per
+CUDA-graph replay (runtime/model/dit_graphs.py) trusts this counter instead of re-reading every parameter's address per
 call: a path that swaps tensors without bumping it would leave a graph replaying freed memory.
 """
 from __future__ import annotations
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import lora_files as lf
-from ernie_image.runtime.acceleration import fuse_projections
-from ernie_image.runtime.dit import ErnieDiT
 from ernie_image.runtime.lora.attach import apply_stack
 from ernie_image.runtime.lora.keys import dit_linear_shapes
 from ernie_image.runtime.lora.parsed import load_lora
+from ernie_image.runtime.model.compile import fuse_projections
+from ernie_image.runtime.model.dit import ErnieDiT
 from ernie_image.runtime.offload.placement import DiTPlacement
 from ernie_image.runtime.offload.planner import DiTPlan
 from ernie_image.runtime.quant.linear import QuantLinear, load_quantized_into

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ernie_image.runtime.demo import demo_model_sources
-from ernie_image.runtime.text.tiny_pe import build_tiny_pe_folder
-from ernie_image.runtime.tiny import build_tiny_model
+from ernie_image.runtime.demo.cached_model import demo_model_sources
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.demo.tiny_pe import build_tiny_pe_folder
 
 
 @pytest.fixture(params=[0o022, 0o002], ids=["umask 022", "umask 002"])

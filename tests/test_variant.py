@@ -18,11 +18,12 @@ from safetensors.torch import load_file, save_file
 
 from comfy_folders import fake_folder_paths
 from ernie_image.nodes.loader import ErnieImageLoader
-from ernie_image.runtime.cli import main
-from ernie_image.runtime.errors import InvalidInputError, ModelFileError
-from ernie_image.runtime.local_pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model_files import ModelSources
-from ernie_image.runtime.tiny import build_tiny_model
+from ernie_image.runtime.cli.commands import main
+from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
 
 CPU = LoadOptions(device="cpu")
 

@@ -21,7 +21,7 @@ from typing import Callable, Literal, Optional
 
 import torch
 
-from ..errors import ErnieImageError, ModelFileError, one_line
+from ..core.errors import ErnieImageError, ModelFileError, one_line
 from .config_json import read_config
 from .detect import Identity, identify, sample_keys, text_model_role
 from .safetensors_reader import SafetensorsFile, is_gguf, open_safetensors
@@ -217,7 +217,7 @@ def _decoder_shapes(loaders: dict[str, Loader]) -> dict:
 
 
 def _released_vae_config() -> dict:
-    from ..model_files import load_config
+    from .config_json import load_config
 
     return load_config("base", "vae")
 
@@ -226,6 +226,7 @@ def _open_quantized(path: Path, kind: str, layout: str, metadata: Optional[dict[
     """A GGUF or quantised safetensors file; `metadata`: the safetensors header's (a GGUF's is read here)."""
     try:
         from .. import quant
+        from .quantized_file import load_quantized_state_dict
     except ImportError as err:
         what = "GGUF" if layout == "gguf" else "quantised safetensors"
         raise ModelFileError(f"{what} support is not available ({err}): reinstall the pack with its runtime/quant "
@@ -235,9 +236,9 @@ def _open_quantized(path: Path, kind: str, layout: str, metadata: Optional[dict[
                              f"{WHAT_TO_PICK['vae']}")
     try:
         if kind == "dit":
-            state = quant.load_quantized_state_dict(path, "dit")
+            state = load_quantized_state_dict(path, "dit")
         else:
-            state = quant.load_text_encoder_gguf(path) if layout == "gguf" else quant.load_quantized_state_dict(path, "any")
+            state = quant.load_text_encoder_gguf(path) if layout == "gguf" else load_quantized_state_dict(path, "any")
         if layout == "gguf":
             from ..quant.gguf_files import pack_fields
 

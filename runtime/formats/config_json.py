@@ -1,5 +1,6 @@
 """A model's config.json files, read and checked in one line each: damaged JSON, or JSON that is not a config,
-names the file and the fix (re-download it) instead of a JSONDecodeError or AttributeError traceback."""
+names the file and the fix (re-download it) instead of a JSONDecodeError or AttributeError traceback. The released
+models' configs ship in configs/: a part whose file carries no config is built from them."""
 from __future__ import annotations
 
 import contextlib
@@ -7,8 +8,10 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import ErnieImageError, ModelFileError, one_line
+from ..core.errors import ErnieImageError, ModelFileError, one_line
+from ..core.variant import Variant
 
+CONFIG_ROOT = Path(__file__).parent / "configs"
 CONFIG_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError)
 
 
@@ -61,3 +64,13 @@ def config_named(component, part: str) -> Iterator[None]:
         origin, fix = config_origin(component)
         raise ModelFileError(f"{origin} does not describe an ERNIE-Image {part} ({one_line(error, 160)}): "
                              f"{fix}") from None
+
+
+def released_config_folder(variant: Variant) -> Path:
+    """The released model's folder of configs (transformer/, text_encoder/, vae/, scheduler/, ...)."""
+    return CONFIG_ROOT / ("ERNIE-Image-Turbo" if variant == "turbo" else "ERNIE-Image")
+
+
+def load_config(variant: Variant, component: str) -> dict:
+    """The released model's config of one component ("transformer", "text_encoder", "vae", "pe")."""
+    return json.loads((released_config_folder(variant) / component / "config.json").read_text())

@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..errors import ModelFileError
+from ..core.errors import ModelFileError
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

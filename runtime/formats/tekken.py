@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Union
 
-from ..errors import ModelFileError
+from ..core.errors import ModelFileError
 
 TEKKEN_KEY = "tekken_model"
 MAX_LENGTH = 2048

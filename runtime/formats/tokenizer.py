@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import ModelFileError, one_line
+from ..core.errors import ModelFileError, one_line
 
 
 def load_tokenizer(sources):

@@ -25,7 +25,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..errors import ModelFileError
+from ..core.errors import ModelFileError
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..dit import ErnieDiT
+from ..model.dit import ErnieDiT
 from .adapters import Kron, LowRank
 from .parsed import ParsedLora
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelFileError
+from ..core.errors import ModelFileError
 from ..formats.safetensors_reader import PICKLE_MAGICS, open_safetensors
 from .adapters import peft_alphas
 

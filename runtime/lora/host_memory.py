@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from ..dit import DiTConfig
+from ..model.dit import DiTConfig
 from .attach import _FUSED, _BLOCK
 from .keys import dit_linear_shapes
 from .parsed import ParsedLora

@@ -14,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from ..dit import DiTConfig
-from ..errors import ModelFileError
+from ..core.errors import ModelFileError
+from ..model.dit import DiTConfig
 
 # Longest first: `lora_A.default.weight` (a raw PEFT state dict) before `lora_A.weight`.
 ADAPTER_PARTS = (

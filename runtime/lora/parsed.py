@@ -5,7 +5,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..dit import DiTConfig
+from ..model.dit import DiTConfig
 from .adapters import Adapter, Kron, LowRank, build_adapter, check_parts, peft_alphas
 from .files import FileStamp, LoraTensors, file_stamp, read_lora_tensors
 from .keys import describe_unmatched, dit_linear_shapes, linear_names, map_keys

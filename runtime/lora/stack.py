@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Optional, Union
 
-from ..errors import InvalidInputError
+from ..core.errors import InvalidInputError
 
 MAX_STRENGTH = 10.0
 # How a LoRA reaches the DiT: "merge" adds its delta into the resident weights in place (merge.py; no cost per
@@ -177,3 +177,10 @@ def parse_lora_argument(text: str) -> LoraEntry:
         raise InvalidInputError(f"LoRA {Path(path).name} strength {tail!r} is not a number: give --lora "
                                 f"{path}:0.8 (or leave ':STRENGTH' out for 1.0)")
     return LoraEntry(Path(text))
+
+
+def describe_stack(loras: LoraStack) -> str:
+    if not loras:
+        return "LoRA: none"
+    return "LoRA: " + ", ".join(f"{name} ({entry.strength:g})" for entry, name in zip(loras.entries,
+                                                                                     loras.display_names()))

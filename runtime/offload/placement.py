@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..dit import Block, ErnieDiT, StepContext, run_block_in_place
+from ..model.dit import Block, ErnieDiT, StepContext, run_block_in_place
 from .phase_weights import PhaseWeights
 from .planner import DiTPlan, LayeredPlan
 from .streamer import FakeMode, LayerStreamer, StreamHooks

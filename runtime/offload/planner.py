@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from ..errors import MemoryBudgetError
+from ..core.errors import MemoryBudgetError
 from .sizes import ModelSizes
 from .workspace import Job, dit_workspace, pe_workspace, text_workspace, vae_encode_workspace, vae_workspace
 

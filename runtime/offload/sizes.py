@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..errors import InvalidInputError
+from ..core.errors import InvalidInputError
 
 # Bytes per parameter of a Linear weight stored in each format (block scales included).
 FORMAT_BYTES: dict[str, float] = {
@@ -220,7 +220,7 @@ class ModelSizes:
 
     @classmethod
     def released(cls, variant: str = "turbo", dit_format: str = "bf16", with_pe: bool = False) -> "ModelSizes":
-        from ..model_files import load_config
+        from ..formats.config_json import load_config
 
         return cls.from_configs(load_config(variant, "transformer"), load_config(variant, "text_encoder"),
                                 load_config(variant, "vae"), load_config(variant, "pe") if with_pe else None,

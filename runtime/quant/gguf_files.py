@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ModelFileError
+from ..core.errors import ModelFileError
 from .gguf_blocks import BLOCK_GEOMETRY, FLOAT_TYPES
 from .qweight import QuantizedWeight
 

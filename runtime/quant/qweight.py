@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ModelFileError
+from ..core.errors import ModelFileError
 from .gguf_blocks import BLOCK_GEOMETRY, FLOAT_TYPES, KERNELS
 
 FORMATS = ("gguf", "fp8", "nvfp4")

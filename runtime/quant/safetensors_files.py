@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelFileError, one_line
+from ..core.errors import ModelFileError, one_line
 from .nvfp4 import from_modelopt
 from .qweight import QuantizedWeight
 

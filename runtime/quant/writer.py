@@ -11,8 +11,8 @@ Files written:
               is the name ComfyUI-GGUF accepts for these files; this pack recognises ERNIE by its keys).
 Unpacked matrices keep their dtype in every format: an fp32 DiT's are never rounded to bf16 without a word.
 Both record the DiT's variant (`ernie_image.variant`: base or turbo) when it is known, since the two releases
-share every key and shape and a file name can be changed (runtime/variant.py reads it first).
-Files are written under a hidden partial name and renamed over `out` when complete (runtime/output_files.py), so a
+share every key and shape and a file name can be changed (runtime/core/variant.py reads it first).
+Files are written under a hidden partial name and renamed over `out` when complete (runtime/files/output_files.py), so a
 failure or Ctrl-C leaves nothing behind, and an existing file is replaced only by a complete one (as `generate`
 replaces its PNG). The source must be the bf16 (or fp16/fp32) DiT: an FP8/NVFP4 or GGUF file is refused, since
 re-quantising already-rounded weights only adds error.
@@ -26,9 +26,9 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..errors import ErnieImageError, InvalidInputError
-from ..output_files import atomic_output, error_number, write_error
-from ..variant import METADATA_KEY, Variant, checked_variant_option
+from ..core.errors import ErnieImageError, InvalidInputError
+from ..core.variant import METADATA_KEY, Variant, checked_variant_option
+from ..files.output_files import atomic_output, error_number, write_error
 from .fp8 import quantize_fp8
 from .gguf_quantize import QUANTIZERS
 from .nvfp4 import quantize_nvfp4

@@ -18,16 +18,17 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from ..errors import Cancelled, InvalidInputError, RemoteError
-from ..host import Host, show_status
-from ..pipe import check_generate_call
-from ..request import GenerationRequest, GenerationResult, refuse_image_inputs
-from ..variant import VariantChoice, settings_notice
+from ..core.errors import Cancelled, InvalidInputError, RemoteError
+from ..core.host import Host, show_status
+from ..core.pipe import check_generate_call
+from ..core.request import GenerationRequest, GenerationResult, refuse_image_inputs
+from ..core.variant import VariantChoice, settings_notice
+from ..net.credentials import Credentials, ServerKeys, load_credentials
+from ..net.loop_thread import run_soon, run_sync
+from ..net.settings import HttpSettings, checked_seconds
+from ..net.urls import normalize_base_url, server_label
 from .fleet import Fleet, FleetSettings
-from .credentials import Credentials, ServerKeys, load_credentials
-from .http import HttpSettings, checked_seconds, run_soon, run_sync, server_label
 from .sglang import ENDPOINT_SUFFIXES, GeneratedImage, ImageParams, ReadTimeoutPolicy, ServerModel
-from .urls import normalize_base_url
 
 if TYPE_CHECKING:
     from ..text.enhancer import RevisedPrompts
@@ -35,12 +36,15 @@ if TYPE_CHECKING:
 
 # Scheduler shift of both released checkpoints; the server uses its own scheduler config, shift is not sent.
 SERVER_SHIFT = 4.0
+REMOTE_LORA_REFUSAL = (
+    "LoRAs run only on a local pipe: SGLang's /v1/set_lora loads LoRA files from the server's own disk, which this "
+    "pack does not drive yet; wire the LoRA node to an ERNIE-Image Loader, or load the LoRA on the server yourself")
 
 
 @dataclass(frozen=True)
 class RemoteSettings:
     """Everything the Remote Backend node exposes. No secret here, nor where one is read from: the user's
-    bindings (credentials.py) decide which key each server gets; `credential` may only pick one by its label.
+    bindings (net/credentials.py) decide which key each server gets; `credential` may only pick one by its label.
     `credentials` None: the user's keys file (load_credentials)."""
 
     credentials: Optional[Credentials] = None
@@ -166,9 +170,7 @@ class RemotePipe:
         return "\n".join(lines)
 
     def with_loras(self, loras) -> "RemotePipe":
-        """LoRAs are not sent to SGLang servers: refused in one line (see lora.view.REMOTE_LORA_REFUSAL)."""
-        from ..lora.view import REMOTE_LORA_REFUSAL
-
+        """LoRAs are not sent to SGLang servers: refused in one line (REMOTE_LORA_REFUSAL)."""
         raise InvalidInputError(REMOTE_LORA_REFUSAL)
 
     def is_loaded(self) -> bool:

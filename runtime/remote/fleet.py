@@ -5,7 +5,7 @@ server and hands the next image to whichever server is free. A server takes imag
 ready; until then it is asked again every `probe_every_s`, so a server still loading joins the batch when it is
 ready and a dead one costs nothing but its probes.
 
-What a failure does depends on whether the server can have started the image (see http.py):
+What a failure does depends on whether the server can have started the image (see net/client.py):
 - not started (refused, 503, 429, 408): the image goes back to the queue for any server; the server waits
   (Retry-After, or a growing pause) and is probed again; after `max_failures_per_server` such failures in a row
   it is given up on for this batch;
@@ -36,13 +36,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..errors import RemoteError
-from .credentials import ServerKeys
-from .http import (BadResponse, ConnectionLost, HttpSettings, RetryPolicy, ServerFailed, ServerRejected,
-                   ServerUnavailable)
+from ..core.errors import RemoteError
+from ..net.credentials import ServerKeys
+from ..net.errors import BadResponse, ConnectionLost, ServerFailed, ServerRejected, ServerUnavailable
+from ..net.settings import HttpSettings, RetryPolicy
+from ..net.urls import normalize_base_url
 from .sglang import (PROBE_READ_S, READY, REFUSED, UNREACHABLE, GeneratedImage, ImageParams, ReadTimeoutPolicy,
                      Readiness, ServerModel, SglangClient)
-from .urls import normalize_base_url
 
 Notify = Callable[[str], None]
 OnWait = Callable[[str, float, float], None]  # (what the batch waits for, seconds waited, seconds it may wait)

@@ -17,10 +17,13 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from ..request import SEED_MASK, SIDE_MULTIPLE
-from .http import (AuthenticationError, BadResponse, ConnectionLost, HttpClient, HttpSettings, RetryPolicy, ServerFailed,
-                   ServerRejected, ServerUnavailable, server_text)
-from .urls import normalize_base_url, shown_url
+from ..core.request import SEED_MASK, SIDE_MULTIPLE
+from ..net.client import HttpClient
+from ..net.error_answers import server_text
+from ..net.errors import (AuthenticationError, BadResponse, ConnectionLost, ServerFailed, ServerRejected,
+                          ServerUnavailable)
+from ..net.settings import HttpSettings, RetryPolicy
+from ..net.urls import normalize_base_url, shown_url
 
 ERNIE_PIPELINE = "ErnieImagePipeline"
 GENERATE_PATH = "/v1/images/generations"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..request import SEED_MASK
+from ..core.request import SEED_MASK
 
 
 class DeviceTokenDraws:

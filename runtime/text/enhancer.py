@@ -12,9 +12,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..errors import InvalidInputError
-from ..host import Host, NullHost
-from ..model_files import ModelSources, Variant
+from ..core.errors import InvalidInputError
+from ..core.host import Host, NullHost
+from ..core.variant import Variant
+from ..formats.sources import ModelSources
 from .pe_model import PeWeights, build_pe_model, default_top_k, load_pe_tokenizer, locate_pe, open_pe_component
 from .pe_prompt import prompt_token_ids, render_chat
 from .token_sampler import SamplingSettings, sample_tokens
@@ -73,7 +74,7 @@ class LocalEnhancer:
         self.located = located
         self.device = device
         self.dtype = dtype
-        # True when an offloader (offload.session.PipeMemory.place_pe) moves the weights: to_device and offload
+        # True when an offloader (local.memory.PipeMemory.place_pe) moves the weights: to_device and offload
         # then leave them where the plan put them (a streamed PE's layers live in a host slab, not in the model).
         self.placed = False
         # The decode step through torch.compile (Triton): set by the pipe from its compile option.

@@ -17,10 +17,13 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import ModelFileError
+from ..core.errors import ModelFileError
+from ..core.variant import Variant
 from ..formats import open_component
-from ..formats.config_json import config_named, read_config
-from ..model_files import ModelSources, Variant, fill_from_file, load_config, rebuild_rotary_tables
+from ..formats.config_json import config_named, load_config, read_config
+from ..formats.sources import ModelSources
+from ..model.builders import rebuild_rotary_tables
+from ..model.fill import fill_from_file
 from .token_sampler import TRANSFORMERS_DEFAULT_TOP_K
 
 _DROPPED_CONFIG_KEYS = ("architectures", "dtype", "torch_dtype", "transformers_version", "model_type")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from ..errors import InvalidInputError
+from ..core.errors import InvalidInputError
 
 ERNIE_PE_SYSTEM_TEXT = (
     "你是一个专业的文生图 Prompt 增强助手。你将收到用户的简短图片描述及目标生成分辨率，请据此扩写为一段内容丰富、"

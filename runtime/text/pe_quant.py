@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import InvalidInputError
+from ..core.errors import InvalidInputError
 
 PE_QUANT_FORMATS = ("fp8",)
 

@@ -4,7 +4,7 @@ Baidu's "Method 2": the PE runs on its own server, the DiT then gets the revised
 server applies the PE's own chat template (system text fixed inside it); we send only the user message, as JSON
 `{"prompt", "width", "height"}`, with the seed, so a server that honours `seed` gives the same revision again.
 
-Transport (timeouts, safe retries, size cap, API key, cancel) is `remote/http.py`'s. Failure policy:
+Transport (timeouts, safe retries, size cap, API key, cancel) is `net/client.py`'s. Failure policy:
 - the server is down, times out, fails (5xx), or answers something unusable or empty: the original prompt is
   used and the user is told in one line (an image without the PE beats no image);
 - 401/403 and other 4xx (wrong key, wrong model name, wrong URL path) raise: those are settings to fix.
@@ -16,21 +16,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from ..errors import RemoteError
-from ..host import Host, NullHost, show_status
-from ..remote.urls import shown_url
-from ..request import SEED_MASK
-from ..remote.credentials import Credential, Credentials
-from ..remote.http import (
-    BadResponse,
-    ConnectionLost,
-    HttpClient,
-    HttpSettings,
-    ServerFailed,
-    ServerRejected,
-    ServerUnavailable,
-    run_sync,
-)
+from ..core.errors import RemoteError
+from ..core.host import Host, NullHost, show_status
+from ..core.request import SEED_MASK
+from ..net.client import HttpClient
+from ..net.credentials import Credential, Credentials
+from ..net.errors import BadResponse, ConnectionLost, ServerFailed, ServerRejected, ServerUnavailable
+from ..net.loop_thread import run_sync
+from ..net.settings import HttpSettings
+from ..net.urls import shown_url
 from .enhancer import RevisedPrompts, Revision, validate_sampling
 from .pe_prompt import chat_messages
 
@@ -61,7 +55,7 @@ class ChatEndpoint:
               setting: str = "pe_credential", **fields: Any) -> "ChatEndpoint":
         """The endpoint at `url` with the credential the user bound to its origin (or the one `label` picks, which
         must be bound there); the URL and the credential are checked now, before anything is sent."""
-        from ..remote.urls import normalize_base_url
+        from ..net.urls import normalize_base_url
 
         endpoint = cls(url=url.strip(), keys=credentials, **fields)
         base = normalize_base_url(endpoint.base_url(), what=what)

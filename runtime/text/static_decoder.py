@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cuda_capture import capture_stream, heal_generator_after_failed_capture, host_syncs_raise
+from ..model.cuda_capture import capture_stream, heal_generator_after_failed_capture, host_syncs_raise
 
 CACHE_ROUNDING = 256  # slot counts are rounded up to this: a regular key length for the attention kernels
 

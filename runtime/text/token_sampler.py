@@ -20,8 +20,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..non_finite import refuse_non_finite
-from ..request import SEED_MASK
+from ..core.non_finite import refuse_non_finite
+from ..core.request import SEED_MASK
 
 log = logging.getLogger(__name__)
 

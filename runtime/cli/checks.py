@@ -1,0 +1,268 @@
+"""Argument checks every `ernie-image` command runs before any weights are read or any model is built.
+
+Small validators, each raising InvalidInputError with one line naming the option, the cause and the fix, and
+`check_generate_args(args, *feature_checks)`, the one place `generate` checks its arguments. A feature that adds
+flags to `generate` exposes its own `check(args)` and generate.py lists it in FEATURE_CHECKS; it runs after the checks
+here (numbers first, then input files, then the output path and that it is none of the inputs), still before
+anything heavy.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import math
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterable, Literal, Optional
+
+from ..core.errors import InvalidInputError
+from ..core.request import SEED_MASK, validate_size
+from ..files.inputs_outputs import refuse_outputs_over_inputs
+from ..files.uninterrupted import uninterrupted
+
+ArgCheck = Callable[[argparse.Namespace], None]
+PathKind = Literal["file", "folder", "file or folder"]
+
+
+# ---- numbers ----------------------------------------------------------------------------------------------
+
+def check_seed(seed: int, option: str = "--seed") -> None:
+    """Seeds are 0..2^63-1 everywhere (the noise generator, the prompt enhancer, SGLang and chat servers)."""
+    if not 0 <= seed <= SEED_MASK:
+        raise InvalidInputError(f"{option} {seed} is not allowed: use 0..{SEED_MASK}")
+
+
+def check_int_range(value: int, option: str, low: int, high: int, hint: str = "") -> None:
+    if not low <= value <= high:
+        raise InvalidInputError(f"{option} {value} is not allowed: use {low}..{high}{hint}")
+
+
+def check_number_range(value: float, option: str, low: float, high: float, hint: str = "") -> None:
+    if not math.isfinite(value) or not low <= value <= high:  # NaN passes no comparison: named here
+        raise InvalidInputError(f"{option} {value} is not allowed: use {low:g}..{high:g}{hint}")
+
+
+def parse_budget(text: str) -> Optional[float]:
+    """`--budget`: GB (GiB) as a positive finite number, or 'auto' (None)."""
+    if text == "auto":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise InvalidInputError(f"--budget {text!r} is not a number of GB: give e.g. --budget 12 or auto") from None
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidInputError(f"--budget {text} is not allowed: give a number of GB above 0, e.g. --budget 12, "
+                                "or auto")
+    return value
+
+
+# ---- paths --------------------------------------------------------------------------------------------------
+
+def _stat(path: Path, option: str) -> Optional[os.stat_result]:
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        blocker = next((parent for parent in path.parents if parent.exists() and not parent.is_dir()), path.parent)
+        raise InvalidInputError(f"{option} {path}: {blocker} is a file, not a folder: check the path") from None
+    except OSError as error:  # a name too long, a loop of links, no permission to look
+        raise InvalidInputError(f"{option} {path} cannot be used: {error.strerror}: check the path") from None
+
+
+def check_input_path(path: Optional[Path], option: str, kind: PathKind) -> None:
+    """An input the option reads: it exists and is a regular file or a folder, as the option expects.
+
+    /dev/null, a FIFO, a socket or a device is refused here: reading one would block or give no weights."""
+    if path is None:
+        return
+    info = _stat(path, option)
+    if info is None:
+        raise InvalidInputError(f"{option} {path} does not exist: check the path")
+    is_dir, is_file = stat.S_ISDIR(info.st_mode), stat.S_ISREG(info.st_mode)
+    if kind == "folder" and not is_dir:
+        raise InvalidInputError(f"{option} {path} is not a folder: give the folder itself")
+    if kind == "file" and not is_file:
+        what = "a folder" if is_dir else "not a regular file"
+        raise InvalidInputError(f"{option} {path} is {what}: give a regular file")
+    if kind == "file or folder" and not (is_dir or is_file):
+        raise InvalidInputError(f"{option} {path} is not a regular file or a folder (a device, pipe or socket): "
+                                "give the weight file or its folder")
+    if not os.access(path, os.R_OK | (os.X_OK if is_dir else 0)):
+        raise InvalidInputError(f"{option} {path} cannot be read (permission denied): check its permissions")
+
+
+def check_output_file(path: Path, option: str, suffixes: Iterable[str], example: str) -> Path:
+    """An output file: the right name, its folder exists and is writable, and it is not itself a folder.
+
+    An existing file is replaced only when the new one is complete (writers go through `atomic_output`)."""
+    suffixes = tuple(suffixes)
+    info = _stat(path, option)
+    if info is not None and stat.S_ISDIR(info.st_mode):  # before the name: `--out /tmp` is a folder, not a name
+        raise InvalidInputError(f"{option} {path} is a folder: give a file name inside it, e.g. "
+                                f"{option} {path / (example + suffixes[0])}")
+    if path.suffix.lower() not in suffixes:
+        raise InvalidInputError(f"{option} {path} is not a {' or '.join(suffixes)} file name: give e.g. "
+                                f"{option} {path.stem or example}{suffixes[0]}")
+    if info is not None and not stat.S_ISREG(info.st_mode):
+        raise InvalidInputError(f"{option} {path} is not a regular file (a device, pipe or socket): pick another "
+                                "output path")
+    folder = path.parent
+    folder_info = _stat(folder, option)
+    if folder_info is None:
+        raise InvalidInputError(f"{option} {path}: the folder {folder} does not exist: create it first")
+    if not stat.S_ISDIR(folder_info.st_mode):
+        raise InvalidInputError(f"{option} {path}: {folder} is a file, not a folder: pick another output path")
+    _check_writable_folder(folder, path, option)
+    return path
+
+
+def _check_writable_folder(folder: Path, path: Path, option: str) -> None:
+    """Create and remove a scratch file: the only test that holds for read-only mounts, ACLs and root alike. Made
+    and removed uninterrupted, so a Ctrl-C at any moment leaves no scratch file behind."""
+    try:
+        with uninterrupted(), tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name[:40]}.", suffix=".check"):
+            pass
+    except OSError as error:
+        if error.errno == errno.ENAMETOOLONG:
+            raise InvalidInputError(f"{option} {path} cannot be used: {error.strerror}: pick a shorter output "
+                                    "path") from None
+        raise InvalidInputError(f"{option} {path} cannot be written: {_why_unwritable(folder, error)}: pick a "
+                                "writable folder") from None
+    if len(os.fsencode(path.name)) + len(".partial.") + 24 > _name_max(folder):
+        raise InvalidInputError(f"{option} {path} cannot be used: File name too long: pick a shorter output path")
+
+
+# File systems of the kernel's own (its state as files): they take no new files, whatever the permissions say.
+KERNEL_FILE_SYSTEMS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs",
+                                 "configfs", "pstore", "bpf", "efivarfs", "fusectl", "binfmt_misc", "mqueue"})
+
+
+def _why_unwritable(folder: Path, error: OSError) -> str:
+    """Why a new file cannot be made in `folder`, in plain words (ENOENT in /proc, EACCES in /sys say nothing)."""
+    mount_point, file_system = _mount_of(folder)
+    if file_system in KERNEL_FILE_SYSTEMS:
+        return f"{mount_point} is the kernel's {file_system} file system, which takes no files"
+    reasons = {errno.EROFS: f"{folder} is on a read-only file system",
+               errno.EACCES: f"the folder {folder} is not writable (permission denied)",
+               errno.EPERM: f"the folder {folder} is not writable (operation not permitted)",
+               errno.ENOSPC: f"no space is left on the device of {folder}",
+               errno.EDQUOT: f"the disk quota of {folder} is used up"}
+    return reasons.get(error.errno or 0, f"{folder}: {error.strerror or error}")
+
+
+def _mount_of(folder: Path) -> tuple[str, str]:
+    """The mount point holding `folder` and its file-system type, from /proc/self/mounts ("", "" where unknown)."""
+    try:
+        resolved = os.path.realpath(folder)
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as mounts:
+            entries = [line.split()[1:3] for line in mounts if len(line.split()) >= 3]
+    except OSError:
+        return "", ""
+    best = ("", "")
+    for mount_point, file_system in entries:
+        mount_point = mount_point.replace("\\040", " ")
+        inside = resolved == mount_point or resolved.startswith(mount_point.rstrip("/") + "/")
+        if inside and len(mount_point) >= len(best[0]):
+            best = (mount_point, file_system)
+    return best
+
+
+def _name_max(folder: Path) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+# ---- generate -------------------------------------------------------------------------------------------------
+
+DEMO_SIDE = 256  # the demo model's default size (the real models': 1024)
+REAL_SIDE = 1024
+
+
+def uses_demo_model(args: argparse.Namespace) -> bool:
+    return not any([args.model_dir, args.dit, args.text_encoder, args.vae])
+
+
+def default_side(args: argparse.Namespace) -> int:
+    """--width/--height when not given: 256 for the demo model, 1024 (Baidu's ~1 MP) for real weights."""
+    return DEMO_SIDE if uses_demo_model(args) else REAL_SIDE
+
+
+def _check_flags_that_need_another(args: argparse.Namespace) -> None:
+    if getattr(args, "lora_mode", None) is not None and not getattr(args, "lora", None):
+        raise InvalidInputError(f"--lora-mode {args.lora_mode} says how LoRAs run: give --lora PATH too, or leave "
+                                "it out")
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    side = default_side(args)
+    validate_size(side if args.width is None else args.width, side if args.height is None else args.height)
+    if args.steps is not None:
+        check_int_range(args.steps, "--steps", 1, 1000, " (50 for ERNIE-Image, 8 for Turbo)")
+    if args.cfg is not None:
+        check_number_range(args.cfg, "--cfg", 0, 100, " (4.0 for ERNIE-Image, 1.0 for Turbo)")
+    if not math.isfinite(args.shift) or args.shift <= 0:
+        raise InvalidInputError(f"--shift {args.shift} is not allowed: use a positive value (4.0 is Baidu's)")
+    check_seed(args.seed)
+    check_int_range(args.batch, "--batch", 1, 64)
+
+
+def _check_prompts(args: argparse.Namespace) -> None:
+    """The prompts as the request checks them (text that encodes as UTF-8), before the demo model is built."""
+    from ..core.request import GenerationRequest
+
+    GenerationRequest(prompt=args.prompt, negative_prompt=args.negative).validate()
+
+
+def _check_load_options(args: argparse.Namespace) -> None:
+    from ..local.options import LoadOptions, resolve_device  # the pipe's own checks, not a copy of them
+
+    LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=parse_budget(args.budget),
+                quant=args.quant).validate()
+    resolve_device(args.device)  # cuda asked for where PyTorch sees none
+
+
+def _check_model_paths(args: argparse.Namespace) -> None:
+    check_input_path(args.model_dir, "--model-dir", "folder")
+    for option, kind in (("dit", "file or folder"), ("text_encoder", "file or folder"), ("vae", "file or folder"),
+                         ("tokenizer", "file or folder"), ("pe", "file or folder")):
+        check_input_path(getattr(args, option), "--" + option.replace("_", "-"), kind)  # type: ignore[arg-type]
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    from ..files.png_output import png_paths
+
+    check_output_file(args.out, "--out", (".png",), "ernie")
+    for path in png_paths(args.out, args.batch) if args.batch > 1 else ():  # name_0.png, name_1.png, ...
+        if path.is_dir():
+            raise InvalidInputError(f"--out {args.out}: batch image {path} is a folder: pick another output name")
+
+
+GENERATE_INPUTS = ("model_dir", "dit", "text_encoder", "vae", "tokenizer", "pe", "init_image", "mask", "api_key_file",
+                   "pe_api_key_file")
+
+
+def _check_inputs_are_not_outputs(args: argparse.Namespace) -> None:
+    """No PNG the run writes (`--out`, or a batch's name_N.png) is a file it reads."""
+    from ..files.png_output import png_paths
+    from ..lora.stack import parse_lora_argument
+
+    inputs = [("--" + name.replace("_", "-"), getattr(args, name, None)) for name in GENERATE_INPUTS]
+    inputs += [("--lora", parse_lora_argument(value).path) for value in getattr(args, "lora", None) or ()]
+    refuse_outputs_over_inputs([(option, Path(path) if path is not None else None) for option, path in inputs],
+                               [("--out", args.out, path) for path in png_paths(args.out, args.batch)])
+
+
+# The order users meet the errors in: a size error before a file error, a file error before the output's.
+GENERATE_CHECKS: tuple[ArgCheck, ...] = (_check_flags_that_need_another, _check_numbers, _check_prompts, _check_load_options, _check_model_paths,
+                                         _check_out, _check_inputs_are_not_outputs)
+
+
+def check_generate_args(args: argparse.Namespace, *feature_checks: ArgCheck) -> None:
+    """Every `generate` argument, then each feature's own check: all before any weights are read."""
+    for check in (*GENERATE_CHECKS, *feature_checks):
+        check(args)

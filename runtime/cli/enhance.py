@@ -1,0 +1,105 @@
+"""`ernie-image enhance`: the prompt enhancer's revised prompt, alone on stdout (local PE or a chat endpoint)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from ..core.errors import InvalidInputError
+from ..core.host import NullHost
+from ..core.request import SEED_MASK, validate_size
+from ..formats.sources import ModelSources
+from ..local.options import LoadOptions, resolve_device, resolve_dtype
+from ..net.settings import checked_seconds
+from ..net.urls import normalize_base_url
+from ..text.enhancer import LocalEnhancer, revise_prompts, validate_sampling
+from ..text.remote_enhancer import ChatEndpoint, revise_prompts_remote
+from .checks import check_input_path, check_seed
+from .parser import OneLineParser
+from .remote_args import cli_credentials
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="ernie-image enhance",
+        description="Print the prompt enhancer's revised prompt (only that, on stdout).",
+    )
+    parser.add_argument("--model-dir", type=Path, help="diffusers ERNIE-Image folder with pe/ and pe_tokenizer/")
+    parser.add_argument("--pe", type=Path, help="prompt-enhancer file (ernie-image-prompt-enhancer.safetensors) or folder")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer folder, when the PE file embeds none")
+    parser.add_argument("--text-encoder", type=Path, help="text-encoder file whose embedded tokenizer the PE may share")
+    parser.add_argument("--pe-url", help="OpenAI-compatible server serving the PE (vLLM, SGLang), e.g. http://host:8000")
+    parser.add_argument("--pe-model", help="model name on that server (default: the first one it lists)")
+    parser.add_argument("--api-key-env", help="environment variable holding the server's API key")
+    parser.add_argument("--api-key-file", help="file holding the server's API key")
+    parser.add_argument("--pe-timeout", default=None, metavar="S",
+                        help="seconds to wait for the server's revised prompt (default 120)")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--height", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0, help=f"0..{SEED_MASK}, as generate's --seed")
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
+    parser.add_argument("--quiet", action="store_true", help="no timing line on stderr")
+    return parser
+
+
+def check_enhance_args(args: argparse.Namespace) -> None:
+    """Every argument, before the PE is read or a server asked (the same ranges generate and the runtime use)."""
+    validate_size(args.width, args.height)
+    check_seed(args.seed)
+    validate_sampling(args.temperature, args.top_p, args.max_new_tokens)
+    if args.pe_timeout is not None:
+        if not args.pe_url:
+            raise InvalidInputError("--pe-timeout is for a PE server: give its URL with --pe-url")
+        checked_seconds(args.pe_timeout, "--pe-timeout")
+    if not args.pe_url:
+        LoadOptions(device=args.device, dtype=args.dtype).validate()
+        check_input_path(args.model_dir, "--model-dir", "folder")
+        for option in ("pe", "tokenizer", "text_encoder"):
+            check_input_path(getattr(args, option), "--" + option.replace("_", "-"), "file or folder")
+
+
+class _StderrHost(NullHost):
+    def log(self, message: str) -> None:
+        print(message, file=sys.stderr)
+
+
+def main_enhance(argv: Sequence[str]) -> int:
+    args = _parser().parse_args(list(argv))
+    check_enhance_args(args)
+    host = _StderrHost()
+    started = time.perf_counter()
+    if args.pe_url:
+        base = normalize_base_url(ChatEndpoint(url=args.pe_url).base_url(), what="--pe-url")
+        endpoint = ChatEndpoint.bound(args.pe_url, cli_credentials([base], args.api_key_env, args.api_key_file),
+                                      what="--pe-url", model=args.pe_model, timeout_setting="--pe-timeout",
+                                      read_timeout_s=120.0 if args.pe_timeout is None else
+                                      checked_seconds(args.pe_timeout, "--pe-timeout"))
+        # Rewriting is this command's only job: a fault is its error, not the original prompt passed off as one.
+        result = revise_prompts_remote(endpoint, [args.prompt], args.width, args.height, args.seed,
+                                       args.temperature, args.top_p, args.max_new_tokens, host, keep_original=False)
+    else:
+        if args.model_dir is None and args.pe is None:
+            raise InvalidInputError("no prompt enhancer given: pass --model-dir, --pe FILE or --pe-url URL")
+        sources = ModelSources(model_dir=args.model_dir, pe=args.pe, tokenizer=args.tokenizer,
+                               text_encoder=args.text_encoder)
+        device = resolve_device(args.device)
+        enhancer = LocalEnhancer.load(sources, device, resolve_dtype(args.dtype, device), host=host)
+        try:
+            settings = enhancer.settings(args.temperature, args.top_p, args.max_new_tokens)
+            result = revise_prompts(enhancer, [args.prompt], args.width, args.height, args.seed, settings, host)
+        finally:
+            enhancer.release()
+    print(result.prompts[0])
+    if not args.quiet:
+        info = result.info()
+        host.log(f"prompt enhancer ({info.get('pe', '?')}): {info.get('pe_tokens', 0)} tokens in "
+                 f"{info.get('pe_s', 0.0):.2f} s ({info.get('pe_tokens_per_s', 0.0)} tokens/s); total "
+                 f"{time.perf_counter() - started:.2f} s")
+    return 0

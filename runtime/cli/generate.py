@@ -1,0 +1,143 @@
+"""`ernie-image generate`: one image or a batch from the local model (the tiny demo model when no weights are
+given) or from SGLang servers, every argument checked before any weights are read."""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from ..core.errors import InvalidInputError
+from .console import ConsoleHost
+from .interrupts import Interrupts
+from .names import cli_words
+from .parser import OneLineParser, OutputPath
+
+ArgCheck = Callable[[argparse.Namespace], None]
+
+# The argument checks of features that add their own `generate` flags, run after checks.py's own checks and
+# before any weights are read: add `your_module.check` here (each takes the parsed arguments, raises
+# InvalidInputError).
+FEATURE_CHECKS: tuple[ArgCheck, ...] = ()
+
+
+def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..core.request import SEED_MASK
+    from ..local.options import DTYPE_CHOICES, QUANT_CHOICES
+
+    parser.add_argument("--model-dir", type=Path, help="diffusers ERNIE-Image folder (model_index.json, transformer/, ...)")
+    parser.add_argument("--dit", type=Path, help="DiT file (safetensors, GGUF, FP8/NVFP4); overrides the folder's")
+    parser.add_argument("--text-encoder", type=Path, help="text-encoder file; overrides the folder's")
+    parser.add_argument("--vae", type=Path, help="VAE file (flux2-vae.safetensors or diffusers layout)")
+    parser.add_argument("--tokenizer", type=Path, help="tokenizer folder or tokenizer.json (single files embed one)")
+    parser.add_argument("--pe", type=Path, help="prompt-enhancer folder or file")
+    parser.add_argument("--variant", choices=["auto", "base", "turbo"], default="auto",
+                        help="auto (default): what the DiT file records, its diffusers config, else its name; the run "
+                             "line says which decided")
+    parser.add_argument("--prompt", default="a red fox in fresh snow, morning light",
+                        help="up to 2048 tokens reach the model (a longer prompt is cut, with a notice); an empty "
+                             "prompt is allowed, with a notice")
+    parser.add_argument("--negative", default="")
+    parser.add_argument("--width", type=int, default=None, help="multiple of 16 in 256..4096 (default 1024; demo 256)")
+    parser.add_argument("--height", type=int, default=None, help="as --width")
+    parser.add_argument("--steps", type=int, default=None, help="1..1000 (default: 50 base, 8 turbo)")
+    parser.add_argument("--cfg", type=float, default=None, help="0..100 (default: 4.0 base, 1.0 turbo)")
+    parser.add_argument("--shift", type=float, default=4.0)
+    parser.add_argument("--seed", type=int, default=0, help=f"0..{SEED_MASK}")
+    parser.add_argument("--batch", type=int, default=1, help="1..64")
+    parser.add_argument("--use-pe", action="store_true", help="rewrite the prompt with the prompt enhancer first")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 on a GPU, fp32 on the CPU")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument("--budget", default="auto", help="VRAM budget in GB (GiB), or auto")
+    parser.add_argument("--quant", default="none", metavar="{" + ",".join(QUANT_CHOICES) + "}",
+                        help="quantise a bf16 DiT on load (a DiT file that is already quantised runs in its own format: "
+                             "leave --quant out for it)")
+    parser.add_argument("--out", action=OutputPath, metavar="PNG", default=Path("ernie.png"),
+                        help="output PNG in an existing folder (batch: name_0.png, ...); an existing file is "
+                             "replaced once the new one is complete")
+
+
+def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None) -> int:
+    from .image_args import add_image_arguments, check_image_fields, image_fields
+    from .lora_args import add_lora_argument, lora_stack
+
+    from .remote_args import add_remote_arguments, pe_endpoint_from_args, remote_pipe_from_args
+
+    parser = OneLineParser(prog="ernie-image generate", description="Generate an image with ERNIE-Image.")
+    _add_generate_arguments(parser)
+    add_lora_argument(parser)
+    add_image_arguments(parser)
+    add_remote_arguments(parser)  # --server URL (a fleet when repeated), its timeouts and key, --pe-url
+    args = parser.parse_args(argv)
+    args.variant = None if args.variant == "auto" else args.variant
+    from .checks import check_generate_args, default_side, parse_budget, uses_demo_model
+
+    image_in = image_fields(args)  # image files read and checked before any model file is opened
+    check_image_fields(image_in, args)
+    check_generate_args(args, *FEATURE_CHECKS)  # before the demo model is built or any model file read
+    if args.servers:
+        _refuse_local_only_inputs(args, image_in)  # before the LoRA files are read
+    loras = lora_stack(args.lora)
+    remote = remote_pipe_from_args(args)  # None without --server; its options are checked before any work
+    if remote is not None:
+        from .remote_generate import generate_on_servers
+
+        interrupts = interrupts or Interrupts()
+        return generate_on_servers(args, remote, ConsoleHost(interrupts))
+    from ..core.request import GenerationRequest
+    from ..demo.cached_model import DEMO_NOTICE, load_demo_pipe
+    from ..files.png_output import save_pngs
+    from ..formats.sources import ModelSources
+    from ..local.options import LoadOptions
+    from ..local.pipe import LocalPipe
+
+    interrupts = interrupts or Interrupts()
+    host = ConsoleHost(interrupts)
+    # The console shows no pictures: skip the per-step latent preview (it costs a device-to-host copy per step).
+    options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=parse_budget(args.budget),
+                          quant=args.quant, keep_loaded=False, previews=False,
+                          pe_endpoint=pe_endpoint_from_args(args), lora_mode=args.lora_mode or "merge")
+    request = GenerationRequest(
+        prompt=args.prompt, negative_prompt=args.negative,
+        width=default_side(args) if args.width is None else args.width,
+        height=default_side(args) if args.height is None else args.height,
+        steps=args.steps, cfg=args.cfg,  # None: the variant's defaults, resolved by the pipe
+        shift=args.shift, seed=args.seed, batch=args.batch, use_pe=args.use_pe, **image_in,
+    )
+    demo = uses_demo_model(args)
+    if demo:
+        pipe = load_demo_pipe(options, args.variant or "turbo", job=request)  # a budget too small: before it is built
+        host.log(DEMO_NOTICE.format(path=pipe.sources.model_dir))
+        if loras:
+            pipe = pipe.with_loras(loras)
+    else:
+        sources = ModelSources(model_dir=args.model_dir, dit=args.dit, text_encoder=args.text_encoder, vae=args.vae,
+                               tokenizer=args.tokenizer, pe=args.pe, variant=args.variant)
+        pipe = LocalPipe.load(sources, options, loras=loras)  # reads the LoRA files, not the weights
+    started = time.perf_counter()
+    result = pipe.generate(request, host)
+    elapsed = time.perf_counter() - started
+    used = result.request or request
+    settings = {**used.metadata(), "variant": pipe.variant, "prompts_used": result.prompts_used, "demo_model": demo,
+                **({"loras": loras.metadata()} if loras else {})}
+    host.check_cancel()  # a Ctrl-C that landed while the last step ran: nothing is written
+    paths = save_pngs(result.images, args.out, settings)
+    for path in paths:
+        print(path)
+    described = cli_words(pipe.describe(used), pipe.variant_choice.settings)  # the plan of this job, not a default one
+    host.log(f"{len(paths)} image(s) {used.width}x{used.height}, {used.steps} steps, CFG {used.cfg:g}, seed "
+             f"{used.seed} in {elapsed:.2f} s; {described}")
+    return 0
+
+
+def _refuse_local_only_inputs(args: argparse.Namespace, image_in: dict) -> None:
+    """--lora and --init-image with --server: the SGLang backend takes neither, so the run could not honour them."""
+    local_only = [flag for flag, given in (("--lora", bool(args.lora)), ("--init-image", "init_image" in image_in))
+                  if given]
+    if len(local_only) == 1:
+        taken = "no LoRA" if local_only[0] == "--lora" else "no init image"
+        raise InvalidInputError(f"{local_only[0]} runs on the local model only: the SGLang backend takes {taken}; "
+                                f"leave out --server or {local_only[0]}")
+    if local_only:
+        raise InvalidInputError(f"{' and '.join(local_only)} run on the local model only: the SGLang backend takes "
+                                f"neither; leave out --server, or leave out both")

@@ -1,0 +1,53 @@
+"""The CLI's names for the settings runtime messages name by their Python names, and the one place they are swapped.
+
+The runtime's checks speak the Python API's and the nodes' language (`mask_grow 5000 is not allowed`); an error
+records which of its words are such names (ErnieImageError.naming), and the CLI shows its own flags instead
+(`--mask-grow 5000 is not allowed`). A name without a flag here is shown as it is. Lines that are not errors but
+name a setting (a pipe's description naming `variant`) are worded the same way (`cli_words`). ComfyUI's names for
+the same settings: nodes/comfy_names.py.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+from ..core.errors import ErnieImageError, worded
+
+FLAGS: dict[str, str] = {
+    "prompt": "--prompt",
+    "negative_prompt": "--negative",
+    "width": "--width",
+    "height": "--height",
+    "steps": "--steps",
+    "cfg": "--cfg",
+    "shift": "--shift",
+    "seed": "--seed",
+    "batch": "--batch",
+    "denoise": "--denoise",
+    "init image": "--init-image",
+    "mask": "--mask",
+    "mask_grow": "--mask-grow",
+    "mask_feather": "--mask-feather",
+    "device": "--device",
+    "dtype": "--dtype",
+    "quant": "--quant",
+    "wait_for_servers_s": "--wait-for-servers",
+    "resend_unanswered": "--resend-unanswered",
+    "out": "--out",
+    "variant": "--variant",
+    "model_dir": "--model-dir",
+    "dit": "--dit",
+    "text_encoder": "--text-encoder",
+    "vae": "--vae",
+    "pe": "--pe",
+}
+
+
+def cli_message(error: BaseException) -> str:
+    """`str(error)` with each setting it names (ErnieImageError.naming) written as the CLI's flag where the message
+    first names it (later words may be prose: "save the prompt as UTF-8")."""
+    return cli_words(str(error), error.settings if isinstance(error, ErnieImageError) else ())
+
+
+def cli_words(text: str, settings: Iterable[str]) -> str:
+    """`text` naming `settings` by their Python names, with the CLI's flags for them (errors.worded)."""
+    return worded(text, settings, FLAGS)

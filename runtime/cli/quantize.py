@@ -1,0 +1,155 @@
+"""`ernie-image quantize`: a quantised copy of the bf16 DiT, written once (quant/writer.py writes it).
+
+The output path is checked first, then the input (a bf16 DiT; FP8/NVFP4 and GGUF files are refused from their
+headers) and its variant (base or Turbo: `--variant`, else what the input's metadata, config or name says; an input
+that says nothing is refused), then what can be packed is counted (nothing packable is an error), then the file is
+written whole or not at all, recording the variant. The report says how many weight matrices went into which
+format, and which variant was recorded and how it was decided.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from ..core.errors import ErnieImageError, InvalidInputError, ModelFileError
+from ..core.non_finite import refuse_non_finite_weights
+from ..core.variant import VARIANT_SETTING, VariantChoice, checked_variant_option, decide_variant
+from ..files.inputs_outputs import refuse_outputs_over_inputs
+from ..formats.component_file import QUANT_MARKERS, open_component
+from ..formats.safetensors_reader import is_gguf, open_safetensors
+from ..quant.gguf_files import DIT_MARKER_KEYS, strip_dit_prefix
+from ..quant.safetensors_files import read_safetensors_file
+from ..quant.writer import (WRITE_FORMATS, file_suffix, quantized_layer_counts, refuse_unpackable, should_quantize,
+                            write_quantized_file)
+from .checks import check_input_path, check_output_file
+from .names import cli_message, cli_words
+from .parser import OneLineParser
+
+
+def _source_files(source: Path) -> list[Path]:
+    if source.is_dir():
+        files = sorted(source.glob("*.safetensors"))
+        if not files:
+            raise ModelFileError(f"{source} holds no .safetensors files: point --dit at the transformer folder "
+                                 f"or a single diffusion-model file")
+        return files
+    if not source.is_file():
+        raise ModelFileError(f"--dit {source} does not exist: check the path")
+    if is_gguf(source):
+        raise InvalidInputError(f"--dit {source.name} is a GGUF file, already quantised: quantise from the bf16 DiT "
+                                "(the transformer folder or diffusion_models/ernie-image*.safetensors)")
+    if source.suffix != ".safetensors":
+        raise ModelFileError(f"--dit {source.name} is not a .safetensors file: quantise from the bf16 weights")
+    return [source]
+
+
+def refuse_quantized_source(files: list[Path], source: Path) -> None:
+    """FP8/NVFP4 (comfy_quant, scaled_fp8) sources are refused from their headers, before any tensor is read."""
+    for file in files:
+        header = open_safetensors(file)
+        markers = [key for key in header.keys() if key.endswith(QUANT_MARKERS) or key == "scaled_fp8"]
+        packed = [key for key in header.keys() if key.endswith(".weight") and
+                  (header.infos[key].dtype.startswith("F8_") or header.infos[key].dtype == "U8")]
+        if markers or packed or "_quantization_metadata" in header.metadata:
+            example = (markers or packed or ["_quantization_metadata"])[0]
+            raise InvalidInputError(f"--dit {source} is already quantised (FP8/NVFP4: {example}): quantise from the "
+                                    "bf16 DiT (the transformer folder or diffusion_models/ernie-image*.safetensors)")
+
+
+def bf16_dit_files(source: str | Path) -> list[Path]:
+    """The safetensors files of a bf16 DiT (a transformer folder's or the file itself), from their headers alone."""
+    source = Path(source)
+    files = _source_files(source)
+    refuse_quantized_source(files, source)
+    return files
+
+
+def source_variant(source: Path, asked: str | None) -> VariantChoice:
+    """The variant the written file records: `--variant`, else what the bf16 source says (its metadata, config or
+    name; runtime/core/variant.py); a source that says nothing is refused rather than recorded as the base model."""
+    choice = decide_variant(open_component(source, "dit"), checked_variant_option(asked))
+    if choice.source == "default":
+        raise InvalidInputError(
+            f"--dit {source.name} does not say whether it is ERNIE-Image or ERNIE-Image-Turbo (its metadata records "
+            f"neither, it has no transformer config, and its name has no 'ernie' or 'turbo'): set {VARIANT_SETTING} "
+            "to base or turbo, which the written file records").naming(VARIANT_SETTING)
+    return choice
+
+
+def read_bf16_dit(source: str | Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
+    """A diffusers transformer folder or single bf16 DiT file -> {diffusers key: tensor}. `files`: its
+    bf16_dit_files, when the caller has them already."""
+    source = Path(source)
+    files = bf16_dit_files(source) if files is None else files
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors, _ = read_safetensors_file(file)
+        state.update((strip_dit_prefix(key), tensor) for key, tensor in tensors.items())
+    missing = [k for k in DIT_MARKER_KEYS if k not in state]
+    if missing:
+        raise ModelFileError(f"{source} is not an ERNIE-Image DiT (missing {missing}): pass the transformer "
+                             f"folder or diffusion_models/ernie-image*.safetensors")
+    return state
+
+
+def _parser() -> OneLineParser:
+    parser = OneLineParser(prog="ernie-image quantize",
+                           description="Write a quantised copy of the ERNIE-Image DiT, from its bf16 weights.")
+    parser.add_argument("--dit", required=True, type=Path,
+                        help="bf16 DiT: transformer folder or single .safetensors file (not an FP8/NVFP4/GGUF file)")
+    parser.add_argument("--format", required=True, choices=WRITE_FORMATS,
+                        help="fp8 and nvfp4: ComfyUI comfy_quant .safetensors; q8_0 and q4_k: GGUF .gguf")
+    parser.add_argument("--out", required=True, type=Path,
+                        help="output file in an existing folder (.safetensors for fp8/nvfp4, .gguf for q8_0/q4_k); "
+                             "an existing file is replaced once the new one is complete, as generate does")
+    parser.add_argument("--variant", choices=("auto", "base", "turbo"), default="auto",
+                        help="the DiT's release, recorded in the file (auto: what the input's metadata, config or "
+                             "name says)")
+    parser.add_argument("--overwrite", action="store_true", help=argparse.SUPPRESS)  # the rule now; kept for scripts
+    return parser
+
+
+def refuse_output_over_input(out: Path, dit: Path) -> None:
+    """--out naming a file --dit reads would replace the bf16 weights (refuse_outputs_over_inputs); one inside the
+    --dit folder would make the folder two models."""
+    if dit.is_dir() and out.resolve().is_relative_to(dit.resolve()):
+        raise InvalidInputError(f"--out {out.name} is inside the --dit folder {dit.name}: a quantised file there would "
+                                f"stop the folder loading as the bf16 model; write it elsewhere")
+    refuse_outputs_over_inputs([("--dit", dit)], [("--out", out, out)])
+
+
+def kept_dtypes(state: dict[str, torch.Tensor], fmt: str) -> str:
+    """The dtypes of the weight matrices left unpacked ("float32", "bfloat16/float32"): the file keeps them so."""
+    return "/".join(sorted({str(tensor.dtype).removeprefix("torch.") for name, tensor in state.items()
+                            if name.endswith(".weight") and tensor.dim() == 2 and not should_quantize(name, tensor, fmt)}))
+
+
+def main_quantize(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        suffix = file_suffix(args.format)
+        # a folder is named as one (check_output_file) before its name is judged as a file's
+        if not args.out.is_dir() and args.out.suffix.lower() != suffix:  # ComfyUI(-GGUF) pick a loader by the name
+            raise InvalidInputError(f"--out {args.out.name} does not end in {suffix}, the file type {args.format} "
+                                    f"is written as: give e.g. --out {args.out.stem}{suffix}")
+        check_output_file(args.out, "--out", (file_suffix(args.format),), f"ernie-image-{args.format}")  # first
+        check_input_path(args.dit, "--dit", "file or folder")
+        refuse_output_over_input(args.out, args.dit)
+        files = bf16_dit_files(args.dit)
+        variant = source_variant(args.dit, args.variant)  # before any weight is read
+        state = read_bf16_dit(args.dit, files)
+        refuse_non_finite_weights(state, f"--dit {args.dit}", "re-download them, then quantise again")
+        counts = quantized_layer_counts(state, args.format)
+        refuse_unpackable(counts, args.format)
+        out = write_quantized_file(state, args.format, args.out, variant=variant.variant)
+    except ErnieImageError as err:
+        print(f"error: {cli_message(err)}", file=sys.stderr)
+        return 2
+    kept = f", {counts['kept']} kept in high precision ({kept_dtypes(state, args.format)}, as --dit holds them)" \
+        if counts["kept"] else ""
+    print(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB): {counts[args.format]} weight matrices as "
+          f"{args.format}{kept}; recorded as {cli_words(variant.text(), variant.settings)}")
+    return 0

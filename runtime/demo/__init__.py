@@ -1,0 +1,1 @@
+"""Tiny random models built in code, for the no-weights demo and the tests."""

@@ -1,0 +1,126 @@
+"""Image and mask files read into ComfyUI's IMAGE and MASK tensors: the one reader of the CLI and the library.
+
+Read the way ComfyUI's Load Image reads them (nodes.py LoadImage, v0.8.0), so a file gives the same pixels here as
+in a workflow: turned upright by its EXIF orientation (a portrait phone photo stays portrait), a 32-bit integer
+('I') image scaled by 1/255 as 16-bit data, every frame of an animated file of the first frame's size as a batch
+(an MPO camera file: its first picture only), RGB at 8 bits, divided by 255.
+
+Where Load Image would give wrong pixels without a word, the file is refused in one line instead: 16-bit ('I;16')
+and float ('F') files (Load Image clips them to white: save them as 8-bit RGB), transparent pixels (flatten them, or
+paint the area to repaint as a mask; a fully opaque alpha channel carries nothing and is dropped), damaged or
+truncated files. Sizes are never resized or cropped: a side that is not a multiple of 16 is refused by the request
+with the nearest valid size. A mask is read from its grey level (white = repaint), upright by the same rule.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from ..core.errors import InvalidInputError, one_line
+from ..core.request import MAX_SIDE
+from .file_kind import not_a_regular_file
+
+HIGH_DEPTH_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "F")
+MAX_FRAMES = 64  # a batch's largest size: more frames can never be a valid init image
+PILLOW_ERRORS = (OSError, ValueError, SyntaxError, KeyError, IndexError, TypeError)  # what a damaged file raises
+
+
+def _unreadable(path: Path, option: str, error: BaseException) -> InvalidInputError:
+    return InvalidInputError(f"{option} {path} is not a readable image ({one_line(error, 120)}): give a PNG or JPEG "
+                             "file (re-save it if it is damaged)")
+
+
+def _open(path: Path, option: str):
+    from PIL import Image, UnidentifiedImageError
+
+    what = not_a_regular_file(path)
+    if what is not None:
+        raise InvalidInputError(f"{option} {path} {what}: give the path of a PNG or JPEG file")
+    try:
+        image = Image.open(path)
+        # the size from the header first: an image far beyond any size ERNIE-Image takes is refused undecoded
+        if image.width * image.height > 4 * MAX_SIDE * MAX_SIDE:
+            raise InvalidInputError(f"{option} {path} is {image.width}x{image.height}: ERNIE-Image takes sides up to "
+                                    f"{MAX_SIDE}: resize it first")
+        image.load()
+    except Image.DecompressionBombError:
+        raise InvalidInputError(f"{option} {path} claims more pixels than any image ERNIE-Image takes (sides up to "
+                                f"{MAX_SIDE}): resize it first, or re-save it if it is damaged") from None
+    except (UnidentifiedImageError, *PILLOW_ERRORS) as error:
+        raise _unreadable(path, option, error) from None
+    if image.mode in HIGH_DEPTH_MODES:
+        raise InvalidInputError(f"{option} {path} is a {image.mode} ({'16-bit' if '16' in image.mode else '32-bit'}) "
+                                "image: ERNIE-Image reads 8-bit images: save it as 8-bit RGB")
+    return image
+
+
+def _upright(frame, path: Path, option: str):
+    """One frame as Load Image takes it: turned by its EXIF orientation; 'I' (32-bit integer) scaled by 1/255."""
+    from PIL import ImageOps
+
+    try:
+        frame = ImageOps.exif_transpose(frame)
+    except PILLOW_ERRORS as error:  # an orientation tag Pillow cannot apply: the picture would come out turned
+        raise InvalidInputError(f"{option} {path} has EXIF data that cannot be read ({one_line(error, 120)}): "
+                                "re-save it (without EXIF, turned upright)") from None
+    if frame.mode == "I":
+        frame = frame.point(lambda value: value * (1 / 255))
+    return frame
+
+
+def _frames(image, path: Path, option: str) -> Iterator[Any]:
+    """Every frame of the first frame's size, upright (Load Image's rule); an MPO file's first picture only."""
+    from PIL import ImageSequence
+
+    count = getattr(image, "n_frames", 1)
+    if image.format != "MPO" and count > MAX_FRAMES:
+        raise InvalidInputError(f"{option} {path} has {count} frames: a batch takes up to {MAX_FRAMES} images: save "
+                                "the frame to start from as a PNG")
+    size = None
+    try:
+        for frame in ImageSequence.Iterator(image):
+            upright = _upright(frame, path, option)
+            size = size or upright.size
+            if upright.size == size:
+                yield upright
+            if image.format == "MPO":
+                return
+    except PILLOW_ERRORS as error:  # a later frame cut short or damaged
+        raise _unreadable(path, option, error) from None
+
+
+def _has_alpha(image) -> bool:
+    return image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info)
+
+
+def _opaque(image, refusal: str):
+    """`image` without its alpha channel when every pixel is opaque; `refusal` (the one-line error) otherwise."""
+    if not _has_alpha(image):
+        return image
+    rgba = image.convert("RGBA")
+    if rgba.getextrema()[3][0] < 255:
+        raise InvalidInputError(refusal)
+    return rgba
+
+
+def read_image(path: Path, option: str = "--init-image") -> torch.Tensor:
+    """An image file -> float32 [frames, H, W, 3] in 0..1 (ComfyUI's IMAGE; one frame for a still image)."""
+    path = Path(path)
+    refusal = (f"{option} {path} has transparent pixels (alpha): flatten it onto a background and save it as RGB, "
+               "or paint the area to repaint into a --mask")
+    frames = [np.asarray(_opaque(frame, refusal).convert("RGB"), dtype=np.float32) / 255.0
+              for frame in _frames(_open(path, option), path, option)]
+    return torch.from_numpy(np.stack(frames))
+
+
+def read_mask(path: Path, option: str = "--mask") -> torch.Tensor:
+    """A mask file -> float32 [1, H, W] in 0..1: its grey level, white = repaint, black = keep (first frame, upright)."""
+    path = Path(path)
+    image = _opaque(_upright(_open(path, option), path, option),
+                    f"{option} {path} has transparent pixels: a mask is read from its grey level (white = repaint): "
+                    "save it as grayscale without alpha")
+    grey = np.asarray(image.convert("L"), dtype=np.float32) / 255.0
+    return torch.from_numpy(grey.copy()).unsqueeze(0)

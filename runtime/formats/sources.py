@@ -1,0 +1,60 @@
+"""Where a model's parts are: a diffusers folder, single files, or both (a single file overrides the folder's part)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..core.errors import ModelFileError
+from ..core.variant import Variant, checked_variant_option
+
+# What a component is called where a message asks for its file, and the setting that takes that file.
+_FILE_WORDS = {"transformer": ("DiT", "dit"), "text_encoder": ("text encoder", "text_encoder"), "vae": ("VAE", "vae"),
+               "pe": ("prompt enhancer", "pe")}
+
+
+@dataclass
+class ModelSources:
+    """Any mix of a diffusers folder and single files; a single file overrides the folder's component."""
+
+    model_dir: Optional[Path] = None
+    dit: Optional[Path] = None
+    text_encoder: Optional[Path] = None
+    vae: Optional[Path] = None
+    pe: Optional[Path] = None
+    tokenizer: Optional[Path] = None  # a tokenizer folder or tokenizer.json; else found next to the weights
+    variant: Optional[Variant] = None  # None or "auto": decided from the files (runtime/core/variant.py)
+
+    def __post_init__(self) -> None:
+        for name in ("model_dir", "dit", "text_encoder", "vae", "pe", "tokenizer"):
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, Path(value))
+        self.variant = checked_variant_option(self.variant)
+
+    def component(self, name: str) -> Path:
+        """The file or folder holding one component ("transformer", "text_encoder", "vae", "pe")."""
+        explicit = {"transformer": self.dit, "text_encoder": self.text_encoder, "vae": self.vae, "pe": self.pe}[name]
+        if explicit is not None:
+            if not explicit.exists():
+                raise ModelFileError(f"{name} file {explicit} does not exist: check the path")
+            return explicit
+        part, setting = _FILE_WORDS[name]
+        if self.model_dir is None:
+            raise ModelFileError(f"no {part} given: pass a diffusers folder (model_dir) or the {part} file ({setting})"
+                                 ).naming("model_dir", setting)
+        if not self.model_dir.is_dir():
+            what = "is a file, not a folder" if self.model_dir.exists() else "does not exist"
+            hint = ("give the diffusers ERNIE-Image folder, or the file as the component it holds" if
+                    self.model_dir.exists() else "check the path")
+            raise ModelFileError(f"model folder {self.model_dir} {what}: {hint}")
+        folder = self.model_dir / name
+        if not folder.is_dir():
+            raise ModelFileError(
+                f"{self.model_dir} has no {name}/ folder: point model_dir at a diffusers ERNIE-Image folder "
+                f"(model_index.json, transformer/, text_encoder/, tokenizer/, vae/) or give the {part} file ({setting})"
+            ).naming("model_dir", setting)
+        return folder
+
+    def has_pe(self) -> bool:
+        return self.pe is not None or (self.model_dir is not None and (self.model_dir / "pe").is_dir())

@@ -1,0 +1,94 @@
+"""How a LocalPipe loads and runs: LoadOptions, checked before any file is read, and the device and dtype they name."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..core.errors import InvalidInputError
+from ..model.fill import QUANT_ON_LOAD_FORMATS
+
+# LoadOptions.quant: a bf16 DiT is quantised on load to the format named; a quantised DiT file runs in its own
+# format (with 'none', 'auto' or that format; another is refused).
+QUANT_CHOICES = ("none", "auto", "bf16", *QUANT_ON_LOAD_FORMATS)
+DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on a GPU, fp32 on the CPU
+DIT_ARITHMETIC_CHOICES = ("fast", "exact")
+
+
+@dataclass
+class LoadOptions:
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1"...
+    dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU), "bf16", "fp16", "fp32"
+    vram_budget_gb: Optional[float] = None  # None: free VRAM minus a reserve
+    keep_loaded: bool = True  # keep weights (in host RAM when they do not fit) between runs
+    quant: str = "none"  # "none", "auto", "fp8", "q8_0", "nvfp4", or a quantised file given as the DiT
+    previews: bool = True
+    compile: bool = True  # regional torch.compile of the DiT and the PE's decode step, on CUDA when Triton is installed
+    # Uncompiled DiT resident on a CUDA device (compile off or no Triton): replay its forward as CUDA graphs
+    # (dit_graphs.py; bit-identical output). Streamed blocks always run eagerly.
+    cuda_graphs: bool = True
+    # How the uncompiled DiT computes on CUDA: "fast" (fewer passes, last-bit differences from the reference) or
+    # "exact" (the reference's numbers bit for bit); see model/arithmetic.py. Compiled blocks are not affected.
+    arithmetic: str = "fast"
+    pe_quant: str = "none"  # "none" or "fp8": the local prompt enhancer's layer weights packed on load (text/pe_quant.py)
+    # Prompt enhancer on an OpenAI-compatible chat server (text.remote_enhancer.ChatEndpoint; holds no secret).
+    # When set, requests with use_pe are revised there instead of by a local PE.
+    pe_endpoint: Optional[Any] = None
+    # How LoRAs that name no mode of their own are applied: "merge" (added into the resident weights in place, no
+    # cost per step, originals kept in host memory) or "branch" (beside the weights). See lora/merge.py.
+    lora_mode: str = "merge"
+
+    def validate(self) -> None:
+        """Refuse a device name or quantisation the pipe cannot use, before any file is read or model built."""
+        kind, _, index = self.device.partition(":")
+        if self.device not in ("auto", "cpu") and not (kind == "cuda" and (not index or index.isdigit())):
+            raise InvalidInputError(f"device {self.device!r} is not supported: use auto, cpu, cuda or cuda:N"
+                                    ).naming("device")
+        from ..text.pe_quant import PE_QUANT_FORMATS
+
+        if self.pe_quant not in ("none", *PE_QUANT_FORMATS):
+            raise InvalidInputError(f"pe_quant {self.pe_quant!r} is not supported: use none or "
+                                    f"{', '.join(PE_QUANT_FORMATS)}")
+        from ..lora.stack import check_mode
+
+        check_mode(self.lora_mode)
+        if self.dtype not in DTYPE_CHOICES:
+            raise InvalidInputError(f"dtype {self.dtype!r} is not supported: use {', '.join(DTYPE_CHOICES)}"
+                                    ).naming("dtype")
+        if self.arithmetic not in DIT_ARITHMETIC_CHOICES:
+            raise InvalidInputError(f"arithmetic {self.arithmetic!r} is not supported: use "
+                                    f"{' or '.join(DIT_ARITHMETIC_CHOICES)}").naming("arithmetic")
+        if self.quant not in QUANT_CHOICES:
+            raise InvalidInputError(f"quant {self.quant!r} is not supported: use one of {', '.join(QUANT_CHOICES)}, "
+                                    "or give a quantised DiT file").naming("quant")
+        budget = self.vram_budget_gb
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                                   or not math.isfinite(budget) or budget <= 0):
+            raise InvalidInputError(f"VRAM budget {budget!r} GB is not a positive number: give the GB the pipe may "
+                                    f"use, or None for free VRAM minus a reserve")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(f"device {name} was asked for but PyTorch sees no CUDA GPU: choose cpu"
+                                ).naming("device")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise InvalidInputError(f"device {name} was asked for but PyTorch sees {count} CUDA GPU(s): choose "
+                                f"{' or '.join(f'cuda:{index}' for index in range(min(count, 4)))}"
+                                f"{' or another' if count > 4 else ''}").naming("device")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    table = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in table:
+        raise InvalidInputError(f"dtype {name!r} is not supported: use {', '.join(DTYPE_CHOICES)}").naming("dtype")
+    return table[name]

@@ -1,0 +1,226 @@
+"""The parts a LocalPipe holds: tokenizer, text tower, DiT (and the forward the sampler calls), the VAE's halves and
+the prompt enhancer. Each is built from its file on first use, placed by the memory plan, and dropped on release;
+what they hold on the device and in host memory is counted here."""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..core.errors import ModelFileError
+from ..core.host import Host
+from ..core.variant import Variant
+from ..formats import open_component
+from ..formats.sources import ModelSources
+from ..model.builders import build_dit, build_text_tower, build_vae
+from ..model.compile import compile_available, compile_blocks, fuse_projections
+from ..model.fill import QUANT_ON_LOAD_FORMATS
+from ..offload.reserve import device_bytes_held
+from .checks import dit_weight_format, file_weight_format
+from .loras import PipeLoras
+from .memory import PipeMemory
+from .options import LoadOptions
+
+
+def built_outside_inference_mode(build: Callable[..., Any]) -> Callable[..., Any]:
+    """Models and their placements (streaming rings, host copies) are made as normal tensors, even when the
+    caller runs in inference mode (ComfyUI runs every node so); the phases then use them inside inference mode.
+    Tensors made in one mode and used in the other fail later ("Inference tensors do not track version counter")."""
+    @functools.wraps(build)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with torch.inference_mode(False):
+            return build(*args, **kwargs)
+
+    return wrapper
+
+
+def choose_auto_quant(options: LoadOptions, device: torch.device) -> Optional[tuple[str, str]]:
+    """quant 'auto' on this device under this budget, decided once: (format, reason); None for any other quant."""
+    if options.quant != "auto":
+        return None
+    from ..quant.gpu_support import choose_auto, detect_device
+
+    budget = None if options.vram_budget_gb is None else int(options.vram_budget_gb * 1024**3)
+    return choose_auto(detect_device(device), budget)
+
+
+class PipeParts:
+    def __init__(self, sources: ModelSources, options: LoadOptions, variant: Variant, device: torch.device,
+                 dtype: torch.dtype, memory: PipeMemory, lora: PipeLoras,
+                 auto_quant: Optional[tuple[str, str]]) -> None:
+        self.sources = sources
+        self.options = options
+        self.variant = variant
+        self.device = device
+        self.dtype = dtype
+        self.memory = memory
+        self.lora = lora
+        self.auto_quant = auto_quant  # choose_auto_quant's (format, reason) for quant 'auto'
+        self.quant_reason = ""  # what quant 'auto' runs, and why
+        self.dit_weights = ""  # the DiT's weight format ("bf16", "FP8", "GGUF Q8_0", ...), once known
+        self.tokenizer: Any = None
+        self.text_tower: Any = None
+        self.dit: Any = None
+        self.dit_forward: Any = None  # what the sampler calls: the DiT, or dit_graphs.DiTGraphs around it
+        self.vae: Any = None
+        self.vae_encoder: Any = None  # built only for jobs with an image in
+        self.enhancer: Any = None
+
+    @property
+    def compiles_dit(self) -> bool:
+        """Whether the DiT's blocks are (or, once loaded, will be) compiled: asked for and possible here."""
+        return self.options.compile and compile_available(self.device)
+
+    def note_dit_file(self, dit) -> None:
+        """What the opened DiT file says before it is built: a quantised file's formats, and what 'auto' runs."""
+        if dit.quantized:
+            self.dit_weights = file_weight_format(dit)
+        if self.auto_quant is not None:
+            self.quant_reason = (f"auto -> {self.dit_weights}, the DiT file's own format ({dit.path.name} is already "
+                                 "quantised; auto picks a format for a bf16 DiT only)" if dit.quantized
+                                 else self.auto_quant[1])
+
+    # -- built on first use --------------------------------------------------------------------------
+
+    def load_tokenizer(self):
+        if self.tokenizer is None:
+            from ..formats.tokenizer import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.sources)
+        return self.tokenizer
+
+    @built_outside_inference_mode
+    def load_text_tower(self):
+        if self.text_tower is None:
+            component = open_component(self.sources.component("text_encoder"), "text_encoder")
+            tower = build_text_tower(component, self.memory.build_device(), self.dtype, self.variant)
+            self.text_tower = self.memory.place_text(tower)
+        return self.text_tower
+
+    @built_outside_inference_mode
+    def load_dit(self):
+        """The DiT, placed by the plan and carrying the job's LoRAs."""
+        if self.dit is None:
+            component = open_component(self.sources.component("transformer"), "dit")
+            dit = build_dit(component, self.memory.build_device(), self.dtype, quant=self._quant_on_load(component),
+                            quant_device=self.device, arithmetic=self.options.arithmetic)
+            if self.device.type == "cuda":
+                fuse_projections(dit)
+            dit = self.memory.place_dit(dit)
+            if self.compiles_dit:
+                compile_blocks(dit)
+            self.dit = dit
+            self.dit_weights = dit_weight_format(dit)
+        # After placement: branches stay resident, never streamed; merge-mode LoRAs merge into the resident blocks.
+        streamed = self.memory.dit.plan.streamed if self.memory.dit is not None else ()
+        self.lora.sync(self.dit, streamed, self.memory.host)
+        return self.dit
+
+    def load_dit_forward(self, dit):
+        """The DiT's forward as the sampler calls it: replayed as CUDA graphs where dit_graphs can (kept, with their
+        graphs, for as long as this DiT is the loaded one), else the module itself."""
+        from ..model.dit_graphs import graphed_dit
+
+        forward = self.dit_forward
+        if forward is None or getattr(forward, "dit", forward) is not dit:
+            forward = graphed_dit(dit, self.options.cuda_graphs and not self.compiles_dit, self.device)
+            self.dit_forward = forward
+        return forward
+
+    def _quant_on_load(self, component) -> str:
+        """The format to quantise a bf16 DiT into while loading ("none" keeps the file's weights as they are)."""
+        choice = self.options.quant
+        if component.quantized or choice in ("none", "bf16"):
+            return "none"
+        if choice == "auto":
+            choice, self.quant_reason = self.auto_quant
+        return choice if choice in QUANT_ON_LOAD_FORMATS else "none"
+
+    def _vae_dtype(self) -> torch.dtype:
+        return torch.float32 if self.device.type == "cpu" else self.dtype
+
+    @built_outside_inference_mode
+    def load_vae(self):
+        if self.vae is None:
+            component = open_component(self.sources.component("vae"), "vae")
+            self.vae = build_vae(component, self.device, self._vae_dtype())
+        return self.vae
+
+    @built_outside_inference_mode
+    def load_vae_encoder(self):
+        if self.vae_encoder is None:
+            component = open_component(self.sources.component("vae"), "vae")
+            self.vae_encoder = build_vae(component, self.device, self._vae_dtype(), part="encoder")
+        return self.vae_encoder
+
+    def load_enhancer(self, host: Host, placed: bool):
+        """The local prompt enhancer; `placed`: built on the host for the memory plan to place (PipeMemory.place_pe)."""
+        if self.enhancer is None:
+            from ..text.enhancer import LocalEnhancer
+
+            self.enhancer = built_outside_inference_mode(LocalEnhancer.load)(
+                self.sources, self.device, self.dtype, self.variant, host,
+                build_device=self.memory.build_device() if placed else None, quant=self.options.pe_quant)
+        self.enhancer.compiled_decode = self.compiles_dit  # compile asked for and Triton present: the PE's step too
+        return self.enhancer
+
+    def weights_of(self, component: str) -> object:
+        """Where a part's weights are, for a message: its file or folder, or the part's name where none was given
+        (weights handed over already built)."""
+        try:
+            return self.sources.component(component)
+        except ModelFileError:
+            return f"the {component} given"
+
+    # -- what they hold ------------------------------------------------------------------------------
+
+    def _modules(self) -> dict[str, Optional[torch.nn.Module]]:
+        enhancer = self.enhancer.model if self.enhancer is not None else None
+        return {"pe": enhancer, "text": self.text_tower, "dit": self.dit, "vae": self.vae}
+
+    def any_loaded(self) -> bool:
+        """Whether any weights (text encoder, DiT, VAE, prompt enhancer) are held."""
+        return any(part is not None for part in (self.text_tower, self.dit, self.vae, self.vae_encoder, self.enhancer))
+
+    def device_bytes_held(self) -> dict[str, int]:
+        """Bytes of weights (and streaming buffers) held on the device now, by phase."""
+        parts = self._modules()
+        if self.vae_encoder is not None:  # built only for jobs with an image in
+            parts["encode"] = self.vae_encoder
+        return {phase: device_bytes_held(module, self.device) for phase, module in parts.items()}
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """Every host tensor held now: streaming slabs (page-locked on CUDA) and weights kept in host memory (a
+        parked prompt enhancer, a CPU device's models). Read-only; loads nothing."""
+        modules = self._modules()
+        tensors: list[torch.Tensor] = list(self.memory.host_slabs())
+        for module in (modules["text"], modules["dit"], modules["vae"], modules["pe"]):
+            if module is None:
+                continue
+            tensors += [t for t in (*module.parameters(), *module.buffers()) if t.device.type == "cpu"]
+        tensors += self.lora.host_tensors(self.dit)  # a merged LoRA's copy of the original weights
+        return tensors
+
+    def host_bytes(self) -> dict[str, int]:
+        """Host memory held now: all of it (`host_tensors`, each storage once) and the page-locked part."""
+        storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in self.host_tensors()}
+        return {"host": sum(n for _, n in storages),
+                "pinned": self.memory.pinned_bytes() + self.lora.pinned_bytes(self.dit)}
+
+    def drop_unplanned(self) -> None:
+        """Let go of the parts the memory plan just released (they are rebuilt on use)."""
+        if not self.memory.active:
+            return
+        if self.memory.dit is None:
+            self.dit = self.dit_forward = None
+        if self.memory.text is None:
+            self.text_tower = None
+        if self.memory.pe is None:
+            self.enhancer = None
+        if not self.memory.encoder_is_persistent():
+            self.vae_encoder = None  # kept from an earlier job whose plan had room for it
+
+    def drop(self) -> None:
+        """Let go of every part but the tokenizer (no device memory, quick to keep)."""
+        self.text_tower = self.dit = self.dit_forward = self.vae = self.vae_encoder = self.enhancer = None

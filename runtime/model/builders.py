@@ -1,0 +1,149 @@
+"""The DiT, text tower and VAE a part's file describes: built on the meta device from its config (the file's own,
+the released one, or one read from the weights' shapes), then filled from the file (fill.py).
+
+Reading weight files (layouts, key names, detection, errors) is `formats/`'s job; this module composes the parts.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Literal, Optional
+
+import torch
+
+from ..core.errors import ModelFileError
+from ..core.variant import Variant
+from ..formats.config_json import config_named, load_config
+from .arithmetic import ArithmeticName
+from .fill import fill_from_file
+
+if TYPE_CHECKING:
+    from .dit import DiTConfig
+
+
+def dit_config_for(component) -> "DiTConfig":
+    from .dit import DiTConfig
+
+    if component.config is not None:
+        with config_named(component, "DiT"):
+            return DiTConfig.from_dict(component.config)
+    shape = {key: tuple(component.tensor(key).shape) for key in
+             ("x_embedder.proj.weight", "layers.0.self_attention.norm_q.weight", "layers.0.mlp.gate_proj.weight")}
+    hidden, in_channels = shape["x_embedder.proj.weight"][:2]
+    head_dim = shape["layers.0.self_attention.norm_q.weight"][0]
+    num_layers = 1 + max(int(key.split(".")[1]) for key in component.keys if key.startswith("layers."))
+    text_in = tuple(component.tensor("text_proj.weight").shape)[1] if "text_proj.weight" in component.keys else hidden
+    released = DiTConfig()  # the rope axes scale with the head dim
+    axes = tuple(a * head_dim // released.head_dim for a in released.rope_axes_dim)
+    return DiTConfig.from_dict({
+        "hidden_size": hidden, "num_attention_heads": hidden // head_dim, "num_layers": num_layers,
+        "ffn_hidden_size": shape["layers.0.mlp.gate_proj.weight"][0], "in_channels": in_channels,
+        "out_channels": tuple(component.tensor("final_linear.weight").shape)[0], "text_in_dim": text_in,
+        "rope_axes_dim": axes,
+    })
+
+
+def build_dit(component, device: torch.device, dtype: torch.dtype, quant: str = "none",
+              quant_device: Optional[torch.device] = None, arithmetic: ArithmeticName = "fast"):
+    """The DiT on `device`; `quant` quantises bf16 Linear weights on load (on `quant_device`, default `device`);
+    `arithmetic`: how its uncompiled forward computes (arithmetic.py)."""
+    return fill_from_file(dit_on_meta(component, arithmetic), component, device, dtype, quant, quant_device)
+
+
+def dit_on_meta(component, arithmetic: ArithmeticName = "fast") -> torch.nn.Module:
+    """The DiT its config describes, on the meta device (no memory): a config that does not build it is named."""
+    from .dit import ErnieDiT
+
+    with config_named(component, "DiT"), torch.device("meta"):
+        return ErnieDiT(dit_config_for(component), arithmetic)
+
+
+def text_config_for(component, variant: Variant = "base") -> dict:
+    """The text tower's config: the folder's, one embedded in the file, or the released Ministral-3B one."""
+    config = component.config
+    if config is not None:
+        return dict(config.get("text_config", config))
+    released = load_config(variant, "text_encoder")["text_config"]
+    width = tuple(component.tensor("embed_tokens.weight").shape)[1]
+    if width != released["hidden_size"]:
+        raise ModelFileError(
+            f"{component.path}: text encoder width {width} is not Ministral-3B's {released['hidden_size']}: "
+            f"ERNIE-Image needs the ministral-3-3b text encoder"
+        )
+    return dict(released)
+
+
+def rebuild_rotary_tables(model: torch.nn.Module, config, device: torch.device) -> None:
+    """A meta-built Mistral-family model's rotary tables are non-persistent buffers, in no file: compute them."""
+    with torch.device("cpu"):
+        model.rotary_emb = type(model.rotary_emb)(config).to(device)
+
+
+def build_text_tower(component, device: torch.device, dtype: torch.dtype, variant: Variant = "base"):
+    """Mistral text tower cut at the layer whose output is hidden_states[-2]: later layers and norm never load."""
+    tower = text_tower_on_meta(component, variant)
+    rebuild_rotary_tables(tower, tower.config, device)
+    return fill_from_file(tower, component, device, dtype)
+
+
+def text_tower_on_meta(component, variant: Variant = "base") -> torch.nn.Module:
+    """The text tower its config describes, on the meta device: a config that does not build it is named."""
+    from transformers import MistralConfig, MistralModel
+
+    with config_named(component, "text encoder"):
+        raw = text_config_for(component, variant)
+        total_layers = int(raw["num_hidden_layers"])
+        raw = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "dtype", "transformers_version")}
+        # Only Ministral3 (the PE) reads llama_4_scaling_beta; the reference text tower is a plain MistralModel.
+        raw["rope_parameters"] = {k: v for k, v in raw.get("rope_parameters", {}).items()
+                                  if k != "llama_4_scaling_beta"}
+        raw["num_hidden_layers"] = total_layers - 1
+        config = MistralConfig(**raw)
+        config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            tower = MistralModel(config)
+    tower.norm = torch.nn.Identity()
+    return tower
+
+
+VaePart = Literal["decoder", "encoder"]
+
+
+def require_vae_encoder(component) -> None:
+    """Image inputs need the VAE's encoder: a decoder-only file is named before any work starts."""
+    if not any(key.startswith("encoder.") for key in component.keys):
+        raise ModelFileError(f"{component.path.name} holds only the VAE decoder: image inputs need the encoder too: "
+                             "pick the full vae/flux2-vae.safetensors (or a diffusers ERNIE-Image folder's vae/)")
+
+
+def build_vae(component, device: torch.device, dtype: torch.dtype, part: VaePart = "decoder"):
+    """One half of the FLUX.2 VAE with the latent BatchNorm statistics: the decoder (text-to-image never encodes)
+    or the encoder (image inputs). The other half is dropped before anything is materialised."""
+    if part == "encoder":
+        require_vae_encoder(component)
+    vae = vae_on_meta(component)
+    if part == "encoder":
+        vae.decoder = None
+        vae.post_quant_conv = None
+    else:
+        vae.encoder = None
+        vae.quant_conv = None
+    return fill_from_file(vae, component, device, dtype, keep_fp32=("bn.running_mean", "bn.running_var"))
+
+
+def vae_on_meta(component) -> torch.nn.Module:
+    """The whole VAE its config describes, on the meta device: a config that does not build it is named."""
+    from diffusers import AutoencoderKLFlux2
+
+    with config_named(component, "VAE"):
+        config = component.config or load_config("base", "vae")
+        # Keys the class does not take (force_upcast: a pipeline's setting) would print a warning at every build.
+        accepted = inspect.signature(AutoencoderKLFlux2.__init__).parameters
+        config = {k: v for k, v in config.items() if k in accepted}
+        with torch.device("meta"):
+            return AutoencoderKLFlux2.from_config(config)
+
+
+def check_config_builds(component, kind: str, variant: Variant = "base") -> None:
+    """Build the part `component`'s config describes on the meta device and drop it: a config that does not build
+    its part (wrong types, values out of range) fails at load in one line, before any work."""
+    {"dit": dit_on_meta, "text_encoder": lambda c: text_tower_on_meta(c, variant), "vae": vae_on_meta}[kind](component)

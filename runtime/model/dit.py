@@ -1,0 +1,483 @@
+"""The ERNIE-Image diffusion transformer, owned by the runtime.
+
+Parameter names are diffusers' (`ErnieImageTransformer2DModel`), so every weight file in diffusers key space
+loads with `load_state_dict`. The maths is the reference's; what differs is how it is scheduled:
+
+- the shared AdaLN modulation is broadcast as [B, 1, D] instead of being materialised six times as [S, B, D],
+  and its `1 + scale` terms are formed once per step, not in every block;
+- the attention mask is dropped when no text key is padded, which lets SDPA pick its flash kernel;
+- RoPE tables are cached per (image grid, text lengths);
+- the block loop goes through `block_runner`, the hook the offloader uses to stream weights in;
+- uncompiled, the casts around the fp32 modulation are folded into the arithmetic kernels (`out=` a bf16 tensor:
+  the kernel computes in fp32 and rounds once on store, exactly as `.float()` ... `.to(bf16)` does), which halves
+  the memory traffic of everything between the GEMMs with bit-identical results; compiled blocks keep the plain
+  expressions, which inductor fuses itself;
+- uncompiled on CUDA with the "fast" arithmetic (the default, arithmetic.py), a block's elementwise work takes
+  fewer and faster passes: every operand of the large kernels stays in the activations' dtype (PyTorch's
+  mixed-dtype kernels take a casting path about three times slower), using the bf16 modulation values whose fp32
+  forms the reference uses (exact), the norms' weights go into their norm kernel or the RoPE tables, gated
+  residuals are one `addcmul`, and q and k are normalised and rotated together. The roundings differ from the
+  reference's in places, so the results differ in last bits (the tests' GPU bound), not bit for bit; the CPU and
+  the "exact" arithmetic keep the bit-identical forms. Where comfy-kitchen is installed, its CUDA kernels do q/k
+  RMSNorm + RoPE and each adaLN RMSNorm + modulation in one pass each (fused_kernels.py).
+
+The arithmetic is chosen once per model (ErnieDiT(config, arithmetic=...)) and reaches every block through the
+step's context.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import fused_kernels
+from .arithmetic import Arithmetic, ArithmeticName
+
+FAST = Arithmetic()
+
+
+@dataclass(frozen=True)
+class DiTConfig:
+    hidden_size: int = 4096
+    num_attention_heads: int = 32
+    num_layers: int = 36
+    ffn_hidden_size: int = 12288
+    in_channels: int = 128
+    out_channels: int = 128
+    patch_size: int = 1
+    text_in_dim: int = 3072
+    rope_theta: int = 256
+    rope_axes_dim: tuple[int, int, int] = (32, 48, 48)
+    eps: float = 1e-6
+    qk_layernorm: bool = True
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "DiTConfig":
+        """The config a dict (config.json) describes; ValueError or TypeError for one ERNIE-Image cannot run (the
+        caller names the file: formats.config_json.config_named)."""
+        known = {name: raw[name] for name in cls.__dataclass_fields__ if name in raw}
+        if "rope_axes_dim" in known:
+            known["rope_axes_dim"] = tuple(known["rope_axes_dim"])
+        config = cls(**known)
+        if config.patch_size != 1:
+            raise ValueError(f"patch_size {config.patch_size} is not supported: ERNIE-Image uses 1")
+        if sum(config.rope_axes_dim) != config.hidden_size // config.num_attention_heads:
+            raise ValueError("rope_axes_dim must sum to hidden_size / num_attention_heads")
+        return config
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class RMSNorm(nn.Module):
+    """diffusers' RMSNorm, same rounding: normalise in fp32, cast to the weight's dtype, then scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, arithmetic: Arithmetic = FAST) -> torch.Tensor:
+        low_precision = self.weight.dtype in (torch.float16, torch.bfloat16)
+        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        if low_precision and arithmetic.folds_casts():
+            normed = torch.mul(x, torch.rsqrt(variance + self.eps), out=torch.empty_like(x, dtype=self.weight.dtype))
+            return normed.mul_(self.weight)
+        x = x * torch.rsqrt(variance + self.eps)
+        if low_precision:
+            x = x.to(self.weight.dtype)
+        return x * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        dim, self.heads = config.hidden_size, config.num_attention_heads
+        self.to_q = nn.Linear(dim, dim, bias=False)
+        self.to_k = nn.Linear(dim, dim, bias=False)
+        self.to_v = nn.Linear(dim, dim, bias=False)
+        self.norm_q = nn.RMSNorm(config.head_dim, eps=config.eps)
+        self.norm_k = nn.RMSNorm(config.head_dim, eps=config.eps)
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=False)])
+        self.to_qkv: Optional[nn.Linear] = None  # set by fuse_projections(): one GEMM instead of three
+
+    def fuse_projections(self) -> bool:
+        fused = _fuse_linears([self.to_q, self.to_k, self.to_v])
+        if fused is None:
+            return False
+        self.to_qkv = fused
+        del self.to_q, self.to_k, self.to_v
+        return True
+
+    def forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor],
+                arithmetic: Arithmetic = FAST) -> torch.Tensor:
+        if arithmetic.fast_for(x):
+            return self._fast_forward(x, rope, key_mask, arithmetic)
+        if self.to_qkv is not None:
+            q, k, v = self.to_qkv(x).chunk(3, dim=-1)
+        else:
+            q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        q = self.norm_q(q.unflatten(-1, (self.heads, -1)))
+        k = self.norm_k(k.unflatten(-1, (self.heads, -1)))
+        v = v.unflatten(-1, (self.heads, -1))
+        q, k = rope.apply(q), rope.apply(k)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask
+        )
+        return self.to_out[0](out.transpose(1, 2).flatten(2, 3))
+
+    def _fast_forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor],
+                      arithmetic: Arithmetic) -> torch.Tensor:
+        """q and k normalised and rotated together (one pass each for both), their norm weights folded into the
+        RoPE tables."""
+        batch, length, _ = x.shape
+        if rope.rotation is not None and arithmetic.kitchen_rope and fused_kernels.rope_serves(x):
+            return self._kitchen_forward(x, rope, key_mask)
+        if self.to_qkv is not None:
+            qkv = self.to_qkv(x).unflatten(-1, (3, self.heads, -1))  # [B, S, 3, H, hd]
+            q_k, v = qkv[:, :, :2], qkv[:, :, 2]
+        else:
+            q_k = torch.stack((self.to_q(x), self.to_k(x)), dim=2).unflatten(-1, (self.heads, -1))
+            v = self.to_v(x).unflatten(-1, (self.heads, -1))
+        normed = _rms_normalize_short_rows(q_k, self.norm_q.eps)
+        rotated = rope.apply_weighted(normed, torch.stack((self.norm_q.weight, self.norm_k.weight)))
+        out = F.scaled_dot_product_attention(
+            rotated[:, :, 0].transpose(1, 2), rotated[:, :, 1].transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask
+        )
+        return self.to_out[0](out.transpose(1, 2).reshape(batch, length, -1))
+
+    def _kitchen_forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """q and k normalised and rotated by comfy-kitchen's fused kernel, one pass each (fused_kernels.py)."""
+        batch, length, _ = x.shape
+        if self.to_qkv is not None:
+            qkv = self.to_qkv(x).unflatten(-1, (3, self.heads, -1))  # [B, S, 3, H, hd]
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        else:
+            q, k, v = (projection(x).unflatten(-1, (self.heads, -1)) for projection in (self.to_q, self.to_k, self.to_v))
+        q, k = fused_kernels.rms_rope(q, k, rope.rotation, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=key_mask)
+        return self.to_out[0](out.transpose(1, 2).reshape(batch, length, -1))
+
+
+def _rms_normalize_short_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) over the last dim, for rows as short as a head (128): torch's fused rms_norm
+    kernel runs one row per thread block and reaches a quarter of the memory bandwidth there (and copies a
+    strided input first). The mean of squares is an fp32 reduction; its rsqrt is rounded to x's dtype before the
+    product (the reference rounds only the product)."""
+    squares = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).square_()
+    return x * torch.rsqrt(squares.div_(x.shape[-1]).add_(eps)).to(x.dtype)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
+        self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
+        self.gate_up: Optional[nn.Linear] = None  # set by fuse_projections()
+
+    def fuse_projections(self) -> bool:
+        fused = _fuse_linears([self.gate_proj, self.up_proj])
+        if fused is None:
+            return False
+        self.gate_up = fused
+        del self.gate_proj, self.up_proj
+        return True
+
+    def forward(self, x: torch.Tensor, arithmetic: Arithmetic = FAST) -> torch.Tensor:
+        if self.gate_up is not None and type(self.gate_up) is nn.Linear and arithmetic.fast_for(x):
+            # The stacked weight's halves as two GEMMs (as fast as one here): contiguous outputs let gelu and the
+            # product run vectorised, twice as fast as on the strided halves of one output.
+            width = self.gate_up.weight.shape[0] // 2
+            gate, up = F.linear(x, self.gate_up.weight[:width]), F.linear(x, self.gate_up.weight[width:])
+            return self.linear_fc2(F.gelu(gate).mul_(up))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.linear_fc2(up * F.gelu(gate))
+
+
+def _fuse_linears(linears: list[nn.Module]) -> Optional[nn.Linear]:
+    """Stack bias-free Linears sharing an input into one; None when any of them is not a plain Linear."""
+    if any(type(linear) is not nn.Linear or linear.bias is not None for linear in linears):
+        return None
+    weight = torch.cat([linear.weight.detach() for linear in linears], dim=0)
+    with torch.device("meta"):
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    for linear in linears:
+        linear.weight = None
+    return fused
+
+
+def _norm_modulate(norm: RMSNorm, x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor,
+                   scale_raw: torch.Tensor, shift_raw: torch.Tensor, arithmetic: Arithmetic = FAST) -> torch.Tensor:
+    """_modulate(norm(x), ...). The fast path keeps every operand in x's dtype (mixed-dtype kernels take PyTorch's
+    slow casting path): norm and weight in one kernel, then (normed * scale + shift) + normed, with the raw `scale`
+    and `shift` whose fp32 forms are exact; or comfy-kitchen's one-pass kernel with the weight in the scale."""
+    if arithmetic.fast_for(x) and norm.weight.dtype == x.dtype:
+        # comfy-kitchen, one pass: rms(x) * (w (1 + scale)) + shift = rms(x) * (1 + scale') + shift
+        if arithmetic.kitchen_adaln and fused_kernels.adaln_serves(x):
+            folded_scale = torch.mul(norm.weight, one_plus_scale).sub_(1).to(x.dtype)  # fp32 until then: small
+            return fused_kernels.rms_adaln(x, folded_scale, shift_raw, norm.eps)
+        normed = F.rms_norm(x, (x.shape[-1],), weight=norm.weight, eps=norm.eps)
+        return torch.addcmul(shift_raw, normed, scale_raw).add_(normed)
+    return _modulate(norm(x, arithmetic), one_plus_scale, shift, arithmetic)
+
+
+def _modulate(x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor,
+              arithmetic: Arithmetic = FAST) -> torch.Tensor:
+    """(x.float() * one_plus_scale + shift).to(x.dtype); the fp32 factors are [B, 1, D]."""
+    if arithmetic.folds_casts():
+        return torch.add(torch.mul(x, one_plus_scale), shift, out=torch.empty_like(x))
+    return (x.float() * one_plus_scale + shift).to(x.dtype)
+
+
+def _gated_residual(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+                    gate_raw: Optional[torch.Tensor] = None, arithmetic: Arithmetic = FAST) -> torch.Tensor:
+    """x + (gate * update.float()).to(x.dtype), the gate fp32 [B, 1, D] (`gate_raw`: the same in x's dtype)."""
+    if gate_raw is not None and arithmetic.fast_for(x):
+        return torch.addcmul(x, update, gate_raw)
+    if arithmetic.folds_casts():
+        return torch.mul(gate, update, out=torch.empty_like(update, dtype=x.dtype)).add_(x)
+    return x + (gate * update.float()).to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        self.adaLN_sa_ln = RMSNorm(config.hidden_size, config.eps)
+        self.self_attention = Attention(config)
+        self.adaLN_mlp_ln = RMSNorm(config.hidden_size, config.eps)
+        self.mlp = FeedForward(config)
+
+    def forward(self, x: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
+        shift_msa, one_plus_scale_msa, gate_msa, shift_mlp, one_plus_scale_mlp, gate_mlp = ctx.modulation
+        raw_shift_msa, raw_scale_msa, raw_gate_msa, raw_shift_mlp, raw_scale_mlp, raw_gate_mlp = ctx.raw_modulation
+        arithmetic = ctx.arithmetic
+        attn_in = _norm_modulate(self.adaLN_sa_ln, x, one_plus_scale_msa, shift_msa, raw_scale_msa, raw_shift_msa,
+                                 arithmetic)
+        attn = self.self_attention(attn_in, ctx.rope, ctx.key_mask, arithmetic)
+        x = _gated_residual(x, gate_msa, attn, raw_gate_msa, arithmetic)
+        mlp_in = _norm_modulate(self.adaLN_mlp_ln, x, one_plus_scale_mlp, shift_mlp, raw_scale_mlp, raw_shift_mlp,
+                                arithmetic)
+        return _gated_residual(x, gate_mlp, self.mlp(mlp_in, arithmetic), raw_gate_mlp, arithmetic)
+
+
+class RopeTables:
+    """cos/sin of ERNIE's 3-axis rotary embedding for one sequence layout, in the activations' dtype."""
+
+    def __init__(self, positions: torch.Tensor, config: DiTConfig, dtype: torch.dtype,
+                 arithmetic: Arithmetic = FAST) -> None:
+        self.arithmetic = arithmetic
+        angles = torch.cat(
+            [_axis_angles(positions[..., axis], dim, config.rope_theta) for axis, dim in enumerate(config.rope_axes_dim)],
+            dim=-1,
+        )
+        angles = torch.stack([angles, angles], dim=-1).flatten(-2).unsqueeze(2)  # [B, S, 1, head_dim]
+        self.cos = torch.cos(angles).to(dtype)
+        self.sin = torch.sin(angles).to(dtype)
+        # comfy-kitchen's fused q/k norm + RoPE reads the rotations as fp32 2x2 matrices (fused_kernels.py)
+        head_dim = self.cos.shape[-1]
+        uses_kernel = arithmetic.fast and arithmetic.kitchen_rope and fused_kernels.rope_serves(self.cos, head_dim)
+        self.rotation: Optional[torch.Tensor] = fused_kernels.rope_matrices(angles) if uses_kernel else None
+        half = self.sin.shape[-1] // 2
+        # -x2 * sin == x2 * -sin exactly (negation commutes with rounding): the eager path skips the negation pass.
+        self.signed_sin = torch.cat((-self.sin[..., :half], self.sin[..., half:]), dim=-1)
+        self.key_mask: Optional[torch.Tensor] = None  # set by ErnieDiT.rope_tables, cached with the tables
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        if self.arithmetic.folds_casts():
+            return torch.cat((x2, x1), dim=-1).mul_(self.signed_sin).add_(x * self.cos)
+        return x * self.cos + torch.cat((-x2, x1), dim=-1) * self.sin
+
+    def apply_weighted(self, normed: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """apply(normed * weight) for normed [B, S, G, H, hd] and one weight [hd] per group G (q, k), the weight
+        folded into the tables: out = n * (w cos) and, half by half, += n_other_half * (w_other_half signed_sin);
+        every operand in normed's dtype (see _norm_modulate)."""
+        half = normed.shape[-1] // 2
+        weights = weights.to(normed.dtype)[:, None, :]  # [G, 1, hd]
+        cos = self.cos.unsqueeze(2) * weights  # [B, S, G, 1, hd]
+        sin = self.signed_sin.unsqueeze(2) * torch.cat((weights[..., half:], weights[..., :half]), dim=-1)
+        out = normed * cos
+        out[..., :half].addcmul_(normed[..., half:], sin[..., :half])
+        out[..., half:].addcmul_(normed[..., :half], sin[..., half:])
+        return out
+
+
+def _axis_angles(pos: torch.Tensor, dim: int, theta: int) -> torch.Tensor:
+    omega = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=pos.device) / dim))
+    return pos.float().unsqueeze(-1) * omega
+
+
+@dataclass
+class StepContext:
+    # Six fp32 [B, 1, D] tensors shared by every block: shift, 1 + scale, gate for attention, then for the MLP.
+    modulation: tuple[torch.Tensor, ...]
+    # The same six before the fp32 conversion and `1 +` (shift, scale, gate, ...), [B, 1, D] in the model's dtype.
+    raw_modulation: tuple[torch.Tensor, ...]
+    rope: RopeTables
+    key_mask: Optional[torch.Tensor]  # bool [B, 1, 1, S] or None when no key is padded
+    arithmetic: Arithmetic = FAST  # the model's (ErnieDiT.arithmetic)
+
+
+BlockRunner = Callable[[int, Block, torch.Tensor, StepContext], torch.Tensor]
+
+
+def run_block_in_place(index: int, block: Block, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    return block(x, ctx)
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        self.proj = nn.Conv2d(config.in_channels, config.hidden_size, kernel_size=1, stride=1, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).flatten(2).transpose(1, 2)  # [B, H*W, D]
+
+
+class FinalNorm(nn.Module):
+    def __init__(self, config: DiTConfig) -> None:
+        super().__init__()
+        self.eps = config.eps
+        self.linear = nn.Linear(config.hidden_size, 2 * config.hidden_size)
+
+    def forward(self, x: torch.Tensor, conditioning: torch.Tensor) -> torch.Tensor:
+        scale, shift = self.linear(conditioning).chunk(2, dim=-1)
+        x = F.layer_norm(x, (x.shape[-1],), eps=self.eps)
+        return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+def sinusoidal_timestep(timestep: torch.Tensor, dim: int) -> torch.Tensor:
+    half = dim // 2
+    exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half
+    angles = timestep[:, None].float() * torch.exp(exponent)[None, :]
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
+
+
+class ErnieDiT(nn.Module):
+    def __init__(self, config: DiTConfig, arithmetic: ArithmeticName | Arithmetic = "fast") -> None:
+        """`arithmetic`: how the uncompiled forward computes ("fast", "exact", "plain"; arithmetic.py)."""
+        super().__init__()
+        self.config = config
+        self.arithmetic = Arithmetic.of(arithmetic)
+        dim = config.hidden_size
+        self.x_embedder = PatchEmbed(config)
+        self.text_proj = nn.Linear(config.text_in_dim, dim, bias=False) if config.text_in_dim != dim else None
+        self.time_embedding = TimestepEmbedding(dim)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.layers = nn.ModuleList([Block(config) for _ in range(config.num_layers)])
+        self.final_norm = FinalNorm(config)
+        self.final_linear = nn.Linear(dim, config.out_channels)
+        self.block_runner: BlockRunner = run_block_in_place
+        self._rope_cache: dict[tuple, RopeTables] = {}
+        # Bumped by any code that changes which tensors or modules the forward uses (fusing, LoRA, re-placement):
+        # a captured replay of the forward (dit_graphs.DiTGraphs) is only valid for the version it was captured at.
+        # Moves of the whole model (.to(), .to_empty()) and load_state_dict(assign=True) bump it below.
+        self.structure_version = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.final_linear.weight.dtype
+
+    def with_arithmetic(self, arithmetic: ArithmeticName | Arithmetic) -> "ErnieDiT":
+        """This model's blocks and weights (shared, not copied) computing with `arithmetic`: a second model to
+        compare the forms on the same weights."""
+        twin = copy.copy(self)
+        twin.arithmetic = Arithmetic.of(arithmetic)
+        twin._rope_cache = {}
+        return twin
+
+    def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), .to_empty(): every tensor is a new one
+        result = super()._apply(fn, recurse)
+        self.structure_version += 1
+        return result
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if assign:  # the file's tensors replace the module's (a copy into them is an in-place edit)
+            self.structure_version += 1
+        return result
+
+    def rope_tables(self, grid: tuple[int, int], text_lens: list[int], text_max: int, device, dtype) -> RopeTables:
+        key = (grid, tuple(text_lens), text_max, str(device), dtype)
+        tables = self._rope_cache.get(key)
+        if tables is None:
+            if len(self._rope_cache) > 8:
+                self._rope_cache.clear()
+            tables = RopeTables(_positions(grid, text_lens, text_max, device), self.config, dtype, self.arithmetic)
+            tables.key_mask = _key_mask(len(text_lens), grid[0] * grid[1], text_lens, text_max, device)
+            self._rope_cache[key] = tables
+        return tables
+
+    def forward(
+        self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, text_lens: list[int]
+    ) -> torch.Tensor:
+        """latents [B,128,h,w], timestep [B] (sigma*1000), text [B,T,3072] zero-padded, text_lens per row."""
+        batch, _, height, width = latents.shape
+        dtype = latents.dtype
+        image_tokens = self.x_embedder(latents)
+        if self.text_proj is not None and text.shape[1] > 0:
+            text = self.text_proj(text)
+        x = torch.cat([image_tokens, text.to(dtype)], dim=1)
+        text_max = text.shape[1]
+        rope = self.rope_tables((height, width), text_lens, text_max, latents.device, dtype)
+        key_mask = rope.key_mask  # cached: no host-to-device copy per call (a captured forward may not make one)
+
+        conditioning = self.time_embedding(sinusoidal_timestep(timestep, self.config.hidden_size).to(dtype))
+        raw_modulation = tuple(m.unsqueeze(1) for m in self.adaLN_modulation(conditioning).chunk(6, dim=-1))
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (m.float() for m in raw_modulation)
+        modulation = (shift_msa, 1 + scale_msa, gate_msa, shift_mlp, 1 + scale_mlp, gate_mlp)
+        ctx = StepContext(modulation=modulation, raw_modulation=raw_modulation, rope=rope, key_mask=key_mask,
+                          arithmetic=self.arithmetic)
+        for index, block in enumerate(self.layers):
+            x = self.block_runner(index, block, x, ctx)
+        x = self.final_norm(x, conditioning).type_as(x)
+        patches = self.final_linear(x[:, : height * width])
+        return patches.transpose(1, 2).reshape(batch, self.config.out_channels, height, width)
+
+
+def _positions(grid: tuple[int, int], text_lens: list[int], text_max: int, device) -> torch.Tensor:
+    """[B, S, 3] positions: image token (y, x) -> (text_len, y, x); text token j -> (j, 0, 0)."""
+    height, width = grid
+    ys, xs = torch.meshgrid(
+        torch.arange(height, dtype=torch.float32, device=device),
+        torch.arange(width, dtype=torch.float32, device=device),
+        indexing="ij",
+    )
+    grid_yx = torch.stack([ys, xs], dim=-1).reshape(-1, 2)
+    rows = []
+    for length in text_lens:
+        image = torch.cat([torch.full((grid_yx.shape[0], 1), float(length), device=device), grid_yx], dim=-1)
+        text = torch.zeros((text_max, 3), device=device)
+        text[:, 0] = torch.arange(text_max, dtype=torch.float32, device=device)
+        rows.append(torch.cat([image, text], dim=0))
+    return torch.stack(rows)
+
+
+def _key_mask(batch: int, image_len: int, text_lens: list[int], text_max: int, device) -> Optional[torch.Tensor]:
+    if all(length == text_max for length in text_lens):
+        return None
+    valid_text = torch.arange(text_max, device=device)[None, :] < torch.tensor(text_lens, device=device)[:, None]
+    mask = torch.cat([torch.ones((batch, image_len), dtype=torch.bool, device=device), valid_text], dim=1)
+    return mask[:, None, None, :]

@@ -1,0 +1,69 @@
+"""How a client talks to its server: the credential bound to it, connect and read timeouts, retries with backoff,
+the response size cap; and the check of a number of seconds a user gives for any of them."""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+from ..core.errors import InvalidInputError
+from .credentials import Credential, Credentials
+
+DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
+
+
+def checked_seconds(value: object, label: str, *, allow_zero: bool = False) -> float:
+    """A number of seconds a user gave (a timeout, a wait): finite and positive (or zero where `allow_zero`).
+    InvalidInputError, one line, naming `label` (a widget or a CLI flag), otherwise."""
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise InvalidInputError(f"{label} {str(value)[:20]!r} is not a number of seconds: give e.g. 30") from None
+    if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        least = "0 or more" if allow_zero else "more than 0"
+        raise InvalidInputError(f"{label} {str(value)[:20]} is not allowed: give a finite number of seconds, {least}")
+    return seconds
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect_s: float = 5.0
+    read_s: float = 300.0  # default wait for a response; callers pass a scaled value per request
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 4  # total tries for a safe-to-retry failure
+    base_delay_s: float = 0.5
+    max_delay_s: float = 8.0
+
+    def delay(self, attempt: int, retry_after: Optional[float] = None) -> float:
+        backoff = min(self.max_delay_s, self.base_delay_s * (2 ** attempt))
+        backoff *= 0.8 + 0.4 * random.random()  # jitter, so a fleet of clients does not retry in lockstep
+        if retry_after is not None:
+            backoff = max(backoff, min(retry_after, self.max_delay_s))
+        return backoff
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """How a client talks to its server: the credential bound to it, timeouts, retries, the response cap."""
+
+    credential: Optional[Credential] = None  # sent only to its own origin (HttpClient refuses any other)
+    timeouts: Timeouts = Timeouts()
+    retry: RetryPolicy = RetryPolicy()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    keys: Credentials = Credentials()  # where the user binds keys, named when a server asks for one
+
+    @classmethod
+    def of(cls, *, credential: Optional[Credential], connect_timeout_s: float, read_timeout_s: float,
+           retry_attempts: int, max_response_mb: int, keys: Credentials = Credentials()) -> "HttpSettings":
+        """From the flat values a node or CLI exposes."""
+        return cls(
+            credential=credential,
+            timeouts=Timeouts(connect_s=connect_timeout_s, read_s=read_timeout_s),
+            retry=RetryPolicy(attempts=max(1, retry_attempts)),
+            max_body_bytes=max_response_mb * 1024 * 1024,
+            keys=keys,
+        )

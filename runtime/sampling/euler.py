@@ -1,0 +1,90 @@
+"""Flow-match Euler with ERNIE's static shift, CFG as one batch, seeds that mean the same image everywhere."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from ..core.host import Host
+from ..text.encoder import pad_text
+from .schedule import shifted_sigmas  # noqa: F401 - also imported from here
+
+if TYPE_CHECKING:
+    from .image_in import StartState
+
+LATENT_CHANNELS = 128
+LATENT_DOWNSCALE = 16
+
+
+def initial_noise(seed: int, batch: int, width: int, height: int) -> torch.Tensor:
+    """Exactly ComfyUI's draw: one float32 CPU generator for the whole batch, so a seed is machine-independent."""
+    generator = torch.Generator(device="cpu").manual_seed(seed)  # same numbers as torch.manual_seed(seed), no global side effect
+    shape = (batch, LATENT_CHANNELS, height // LATENT_DOWNSCALE, width // LATENT_DOWNSCALE)
+    return torch.randn(shape, dtype=torch.float32, generator=generator, device="cpu")
+
+
+
+Denoiser = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (latents in model dtype, timestep [B]) -> velocity
+
+
+def sample_euler(
+    denoise: Denoiser,
+    noise: torch.Tensor,
+    steps: int,
+    shift: float,
+    cfg: float,
+    model_dtype: torch.dtype,
+    host: Host,
+    preview: Optional[Callable[[torch.Tensor], object]] = None,
+    start: Optional["StartState"] = None,
+) -> torch.Tensor:
+    """Run the sampler; `denoise` gets the 2B batch [uncond..., cond...] when cfg > 1. Returns fp32 latents.
+
+    `start` (image_in.StartState): an image's start instead of pure noise, its sigmas, and the inpainting mask."""
+    sigmas = start.sigmas if start is not None else shifted_sigmas(steps, shift)
+    timesteps = (sigmas * 1000.0).tolist()  # float32 products, as the reference scheduler computes them
+    step_sizes = (sigmas[1:] - sigmas[:-1]).tolist()
+    noise = noise.to(torch.float32)
+    latents = start.start_latents(noise) if start is not None else noise
+    use_cfg = cfg > 1.0
+    batch = latents.shape[0]
+    for index in range(steps):
+        host.check_cancel()
+        if start is not None:
+            latents = start.before_step(latents, noise, float(sigmas[index]))
+        model_input = torch.cat([latents, latents]) if use_cfg else latents
+        timestep = torch.full((model_input.shape[0],), timesteps[index], device=latents.device, dtype=model_dtype)
+        velocity = denoise(model_input.to(model_dtype), timestep).float()
+        if use_cfg:
+            uncond, cond = velocity[:batch], velocity[batch:]
+            velocity = uncond + cfg * (cond - uncond)
+        if start is not None:
+            velocity = start.velocity(latents, velocity, float(sigmas[index]))
+        latents = latents + step_sizes[index] * velocity
+        host.progress(index + 1, steps, preview(latents) if preview is not None else None)
+    return latents
+
+
+def length_grouped_denoiser(dit: Callable[..., torch.Tensor], rows: list[torch.Tensor], device, dtype) -> Denoiser:
+    """The DiT call for a batch of text rows. Rows of equal length run together without a mask; rows of other
+    lengths (CFG's short negative, a batch of different prompts) run as separate groups instead of being padded:
+    the result is the same as the reference's padded, masked batch, and every group gets SDPA's flash kernel
+    (measured on the H200: 2 x 129 ms unmasked against 273 ms for a masked batch of 2)."""
+    groups: dict[int, list[int]] = {}
+    for index, row in enumerate(rows):
+        groups.setdefault(int(row.shape[0]), []).append(index)
+    prepared = []
+    for indices in groups.values():
+        text_batch, text_lens = pad_text([rows[i] for i in indices], device, dtype)
+        prepared.append((torch.tensor(indices, device=device), text_batch, text_lens))
+    if len(prepared) == 1:
+        _, text_batch, text_lens = prepared[0]
+        return lambda latents, timestep: dit(latents, timestep, text_batch, text_lens)
+
+    def denoise(latents: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        velocity = torch.empty_like(latents)
+        for indices, text_batch, text_lens in prepared:
+            velocity[indices] = dit(latents[indices], timestep[indices], text_batch, text_lens)
+        return velocity
+
+    return denoise

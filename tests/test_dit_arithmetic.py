@@ -1,0 +1,62 @@
+"""The DiT's arithmetic is chosen once per model and recorded on it (model/arithmetic.py): the constructor and
+LoadOptions take it, a bad choice is refused in one line, and a second model on the same weights computes another
+arithmetic without touching the first. No process-wide switch exists to flip."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ernie_image.runtime.core.errors import InvalidInputError
+from ernie_image.runtime.model import dit as dit_module, fused_kernels
+from ernie_image.runtime.model.arithmetic import Arithmetic
+from ernie_image.runtime.model.dit import ErnieDiT
+from reference_models import DIT_CONFIG, random_dit
+from test_dit_graphs import step_inputs
+
+
+def test_the_arithmetic_names_and_their_forms():
+    assert Arithmetic.of("fast") == Arithmetic()
+    assert Arithmetic.of("exact") == Arithmetic(fast=False)
+    assert Arithmetic.of("plain") == Arithmetic(fast=False, folded_casts=False)
+    assert [Arithmetic.of(name).name for name in ("fast", "exact", "plain")] == ["fast", "exact", "plain"]
+    assert Arithmetic(kitchen_rope=False).name == "custom"
+    with pytest.raises(ValueError, match="arithmetic 'quick' is not one of fast, exact, plain"):
+        Arithmetic.of("quick")
+
+
+def test_no_module_global_chooses_the_arithmetic():
+    for name in ("FAST_EAGER_ON_CUDA", "_eager_kernels", "_fast_eager"):
+        assert not hasattr(dit_module, name)
+    for name in ("ENABLED", "ROPE_ENABLED", "ADALN_ENABLED"):
+        assert not hasattr(fused_kernels, name)
+
+
+def test_the_model_records_its_arithmetic_and_a_twin_shares_its_weights():
+    assert ErnieDiT(DIT_CONFIG).arithmetic == Arithmetic()
+    model = random_dit("cpu", torch.float32)
+    exact = model.with_arithmetic("exact")
+    assert exact.arithmetic.name == "exact" and model.arithmetic.name == "fast"
+    assert exact.layers is model.layers
+    assert all(a is b for a, b in zip(exact.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@torch.inference_mode()
+def test_off_cuda_fast_exact_and_plain_give_the_same_bits(dtype):
+    """The fewer-pass forms run on CUDA only; the CPU computes the exact forms whatever the choice."""
+    model = random_dit("cpu", dtype)
+    args = step_inputs("cpu", dtype)
+    fast = model(*args)
+    assert torch.equal(fast, model.with_arithmetic("exact")(*args))
+    assert torch.equal(fast, model.with_arithmetic("plain")(*args))
+
+
+def test_load_options_take_the_arithmetic_and_the_pipe_builds_its_dit_with_it(tiny_turbo_folder):
+    from ernie_image import LoadOptions, LocalPipe
+
+    with pytest.raises(InvalidInputError, match="arithmetic 'plain' is not supported: use fast or exact"):
+        LoadOptions(arithmetic="plain").validate()
+    pipe = LocalPipe.load(tiny_turbo_folder, LoadOptions(device="cpu", arithmetic="exact"))
+    assert pipe.parts.load_dit().arithmetic.name == "exact"
+    assert "eager, exact arithmetic" in pipe.describe()
+    assert LocalPipe.load(tiny_turbo_folder, LoadOptions(device="cpu")).parts.load_dit().arithmetic.name == "fast"
