@@ -26,6 +26,7 @@ _LIBRARY = {
     "ErniePipe": "runtime.pipe",
     "GenerationRequest": "runtime.request",
     "GenerationResult": "runtime.request",
+    "StepCacheConfig": "runtime.step_cache.config",
     "VARIANT_DEFAULTS": "runtime.request",
     "RESOLUTION_PRESETS": "runtime.request",
     "ModelSources": "runtime.model_files",
