@@ -25,7 +25,7 @@ from comfyui_server import (COMFY_PYTHON, PACK_NAME, REPO_ROOT, Server, api_work
 
 API_WORKFLOWS = sorted((REPO_ROOT / "workflows" / "api").glob("*.json"))
 NODE_IDS = ("ErnieImageLoader", "ErnieImageSampler", "ErnieImageTurboSampler", "ErnieImageQuantConfig",
-            "ErnieImageRemoteBackend", "ErnieImagePromptEnhancer", "ErnieImageLoRA")
+            "ErnieImageRemoteBackend", "ErnieImagePromptEnhancer", "ErnieImageLoRA", "ErnieImageStepCache")
 TEST_SIDE = 256
 MAX_TEST_STEPS = 4
 START_TIMEOUT_S = 180
