@@ -406,6 +406,18 @@ def test_the_node_makes_the_view_and_says_which_steps_may_be_skipped(base_pipe):
         node.apply(base_pipe, "dbcache", float("nan"), 0.15, 0.95, 3)
 
 
+def test_the_sampler_node_says_how_many_steps_were_computed(base_pipe):
+    from ernie_image.nodes.sampler import ErnieImageSampler
+    from ernie_image.nodes.step_cache import ErnieImageStepCache
+
+    view = ErnieImageStepCache().apply(base_pipe, "fbcache", 0.08, 0.15, 0.95, 3)["result"][0]
+    view = with_step_cache(view, "fbcache:forced=CSSC")  # the node's settings, decisions fixed for the test
+    out = ErnieImageSampler().generate(pipe=view, prompt="a red fox", negative_prompt="blurry", resolution="custom",
+                                       width=256, height=256, steps=4, cfg=3.0, seed=1, batch_size=1, shift=4.0,
+                                       use_pe=False)
+    assert "step cache (fbcache F1B0, forced schedule): 2 of 4 steps computed, 2 skipped" in out["ui"]["text"][0]
+
+
 # -------------------------------------------------------------------------------------------- the command line
 def test_the_cli_records_the_cache_and_writes_the_comparison(tmp_path, capsys, tiny_turbo_folder):
     from ernie_image.runtime.cli import main
