@@ -7,9 +7,9 @@ DiT block, per token of the (CFG-doubled) batch, E = activation bytes:
   (3E D + 3E F = 12E D at F = 3D). fp32 norm/modulation temporaries (3 x 4 D) are freed before the MLP.
 The rest of a step (RoPE tables, modulation, fp32 latents, velocity, final layer) is small next to one block;
 it is counted as three more [B, S, D] activations. A step cache (step_cache/) holds six more: two residuals
-per call group for the run, and a step's first-pass outputs and residuals of every group between its passes. A
-fragmentation margin and, on CUDA, a fixed overhead
-(cuBLAS workspace, SDPA scratch) are added on top; bench/offload.py prints estimate against measured peak.
+per call group for the run, and a step's first-pass outputs and residuals of every group between its passes.
+A fragmentation margin and, on CUDA, a fixed overhead (cuBLAS workspace, SDPA scratch) are added on top;
+bench/offload.py prints estimate against measured peak.
 """
 from __future__ import annotations
 
