@@ -26,6 +26,7 @@ _LIBRARY = {
     "ErniePipe": "runtime.core.pipe",
     "GenerationRequest": "runtime.core.request",
     "GenerationResult": "runtime.core.request",
+    "StepCacheConfig": "runtime.core.step_cache_config",
     "VARIANT_DEFAULTS": "runtime.core.request",
     "RESOLUTION_PRESETS": "runtime.core.request",
     "ModelSources": "runtime.formats.sources",

@@ -8,6 +8,7 @@ from .quant_config import ErnieImageQuantConfig
 from .remote import ErnieImageRemoteBackend
 from .routes import register_routes
 from .sampler import ErnieImageSampler, ErnieImageTurboSampler
+from .step_cache import ErnieImageStepCache
 
 NODE_CLASS_MAPPINGS: dict[str, type] = {
     "ErnieImageLoader": ErnieImageLoader,
@@ -17,6 +18,7 @@ NODE_CLASS_MAPPINGS: dict[str, type] = {
     "ErnieImageRemoteBackend": ErnieImageRemoteBackend,
     "ErnieImagePromptEnhancer": ErnieImagePromptEnhancer,
     "ErnieImageLoRA": ErnieImageLoRA,
+    "ErnieImageStepCache": ErnieImageStepCache,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {
@@ -27,6 +29,7 @@ NODE_DISPLAY_NAME_MAPPINGS: dict[str, str] = {
     "ErnieImageRemoteBackend": "ERNIE-Image Remote Backend (SGLang)",
     "ErnieImagePromptEnhancer": "ERNIE-Image Prompt Enhancer",
     "ErnieImageLoRA": "ERNIE-Image LoRA",
+    "ErnieImageStepCache": "ERNIE-Image Step Cache",
 }
 
 register_routes()

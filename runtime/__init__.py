@@ -3,8 +3,9 @@
 Its packages, in import order: each imports only itself and the packages above it in this list
 (scripts/import_graph.py checks every import, tests/test_import_graph.py keeps it so).
 
-    core/      what every part shares: errors, the Host interface, GenerationRequest/Result, the ErniePipe
-               protocol, the variant (Base or Turbo), non-finite checks
+    core/      what every part shares: errors, the Host interface, GenerationRequest/Result (and the
+               StepCacheConfig a request holds), the ErniePipe protocol, the variant (Base or Turbo), non-finite
+               checks
     files/     the user's files: images and masks read, PNGs and outputs written whole, inputs never overwritten
     net/       HTTP to servers: URLs, API keys bound to origins, settings, client, error answers, cancellation,
                the event-loop thread
@@ -16,6 +17,8 @@ Its packages, in import order: each imports only itself and the packages above i
     sampling/  the flow-match schedule, the Euler sampler, image inputs (img2img, inpainting), previews
     offload/   the VRAM plan per job and placing each phase's weights (resident or streamed)
     lora/      LoRA files, their keys and deltas, merged into the DiT or attached as branches
+    step_cache/ the DiT's block-residual step cache (DBCache, First-Block-Cache): its denoiser, skip rule, CUDA
+               graphs of block runs, the pipe view that runs with it (what is asked, StepCacheConfig, is core/'s)
     local/     LocalPipe, the in-process backend: options, checks, parts, memory, LoRA views, phases
     remote/    RemotePipe on SGLang servers: the protocol, the fleet, the server check
     demo/      tiny random models built in code, for the no-weights demo and the tests

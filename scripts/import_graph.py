@@ -18,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "runtime"
 # runtime/'s packages, lowest first (runtime/__init__.py's docstring says what each holds).
-RANKS = ("core", "files", "net", "quant", "formats", "model", "text", "sampling", "offload", "lora", "local",
-         "remote", "demo", "cli")
+RANKS = ("core", "files", "net", "quant", "formats", "model", "text", "sampling", "offload", "lora", "step_cache",
+         "local", "remote", "demo", "cli")
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:

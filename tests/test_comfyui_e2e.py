@@ -24,7 +24,7 @@ from waiting import wait_until_async
 
 API_WORKFLOWS = sorted((REPO_ROOT / "workflows" / "api").glob("*.json"))
 NODE_IDS = ("ErnieImageLoader", "ErnieImageSampler", "ErnieImageTurboSampler", "ErnieImageQuantConfig",
-            "ErnieImageRemoteBackend", "ErnieImagePromptEnhancer", "ErnieImageLoRA")
+            "ErnieImageRemoteBackend", "ErnieImagePromptEnhancer", "ErnieImageLoRA", "ErnieImageStepCache")
 TEST_SIDE = 256
 MAX_TEST_STEPS = 4
 START_TIMEOUT_S = 180

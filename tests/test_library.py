@@ -53,7 +53,7 @@ def test_importing_the_package_imports_no_torch_and_comfyui_still_finds_the_node
             "sorted(ernie_image.NODE_DISPLAY_NAME_MAPPINGS) == sorted(ernie_image.NODE_CLASS_MAPPINGS))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
-    assert done.stdout.split() == ["True", "True", "7", "True"], done.stderr
+    assert done.stdout.split() == ["True", "True", "8", "True"], done.stderr
 
 
 def test_steps_and_cfg_default_to_the_pipes_variant(tiny_turbo_folder):

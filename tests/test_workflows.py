@@ -27,6 +27,7 @@ SCENARIOS = {
     "ernie_image_turbo_local", "ernie_image_base_prompt_enhancer", "ernie_image_turbo_12gb_budget",
     "ernie_image_turbo_gguf", "ernie_image_remote_sglang", "ernie_image_turbo_two_loras",
     "ernie_image_turbo_img2img", "ernie_image_turbo_inpaint", "ernie_image_turbo_hires_fix",
+    "ernie_image_base_step_cache",
 }
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN"}
 CONTROL_AFTER_GENERATE = {"fixed", "increment", "decrement", "randomize"}
@@ -279,6 +280,7 @@ MIN_BODY: dict[str, tuple[int, int]] = {
     "ErnieImageQuantConfig": (219, 134), "ErnieImageRemoteBackend": (309, 422), "ErnieImagePromptEnhancer": (246, 466),
     "ErnieImageLoRA": (210, 82), "SaveImage": (210, 58), "PreviewAny": (210, 122), "Note": (210, 88),
     "LoadImage": (223, 102), "ImageScale": (210, 130),
+    "ErnieImageStepCache": (210, 178),  # estimated (a socket row and 7 widgets, as the LoRA node's 82 for 3), not measured
 }
 # What a run adds below a node's widgets: the Samplers show the latent preview (124 px at 400 px wide, measured).
 AFTER_RUN_EXTRA: dict[str, int] = {"ErnieImageSampler": 130, "ErnieImageTurboSampler": 130}

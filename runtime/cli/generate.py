@@ -12,13 +12,14 @@ from .console import ConsoleHost
 from .interrupts import Interrupts
 from .names import cli_words
 from .parser import OneLineParser, OutputPath
+from .step_cache_args import check as step_cache_check
 
 ArgCheck = Callable[[argparse.Namespace], None]
 
 # The argument checks of features that add their own `generate` flags, run after checks.py's own checks and
 # before any weights are read: add `your_module.check` here (each takes the parsed arguments, raises
 # InvalidInputError).
-FEATURE_CHECKS: tuple[ArgCheck, ...] = ()
+FEATURE_CHECKS: tuple[ArgCheck, ...] = (step_cache_check,)
 
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +67,9 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
     parser = OneLineParser(prog="ernie-image generate", description="Generate an image with ERNIE-Image.")
     _add_generate_arguments(parser)
     add_lora_argument(parser)
+    from .step_cache_args import add_step_cache_arguments, step_cache_of, write_comparison
+
+    add_step_cache_arguments(parser)  # --step-cache, --step-cache-compare
     add_image_arguments(parser)
     add_remote_arguments(parser)  # --server URL (a fleet when repeated), its timeouts and key, --pe-url
     args = parser.parse_args(argv)
@@ -95,7 +99,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
     host = ConsoleHost(interrupts)
     # The console shows no pictures: skip the per-step latent preview (it costs a device-to-host copy per step).
     options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=parse_budget(args.budget),
-                          quant=args.quant, keep_loaded=False, previews=False,
+                          quant=args.quant, keep_loaded=args.step_cache_compare is not None, previews=False,
                           pe_endpoint=pe_endpoint_from_args(args), lora_mode=args.lora_mode or "merge")
     request = GenerationRequest(
         prompt=args.prompt, negative_prompt=args.negative,
@@ -103,6 +107,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
         height=default_side(args) if args.height is None else args.height,
         steps=args.steps, cfg=args.cfg,  # None: the variant's defaults, resolved by the pipe
         shift=args.shift, seed=args.seed, batch=args.batch, use_pe=args.use_pe, **image_in,
+        step_cache=step_cache_of(args),
     )
     demo = uses_demo_model(args)
     if demo:
@@ -119,10 +124,14 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
     elapsed = time.perf_counter() - started
     used = result.request or request
     settings = {**used.metadata(), "variant": pipe.variant, "prompts_used": result.prompts_used, "demo_model": demo,
-                **({"loras": loras.metadata()} if loras else {})}
+                **({"loras": loras.metadata()} if loras else {}),
+                **({"step_cache": result.info["step_cache"]} if "step_cache" in result.info else {})}
     host.check_cancel()  # a Ctrl-C that landed while the last step ran: nothing is written
+    compared = []  # --step-cache-compare: the uncached twin, side by side (made before any file is written)
+    if args.step_cache_compare is not None:
+        compared = write_comparison(pipe, request, result, host, args.step_cache_compare)
     paths = save_pngs(result.images, args.out, settings)
-    for path in paths:
+    for path in paths + compared:
         print(path)
     described = cli_words(pipe.describe(used), pipe.variant_choice.settings)  # the plan of this job, not a default one
     host.log(f"{len(paths)} image(s) {used.width}x{used.height}, {used.steps} steps, CFG {used.cfg:g}, seed "

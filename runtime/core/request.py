@@ -9,6 +9,7 @@ from typing import Any, Optional
 import torch
 
 from .errors import InvalidInputError
+from .step_cache_config import StepCacheConfig
 
 MIN_SIDE = 256
 MAX_SIDE = 4096
@@ -224,6 +225,8 @@ class GenerationRequest:
     # Whose settings steps and cfg are: "base" or "turbo" (the Sampler nodes say theirs), None when nobody says. A pipe
     # of the other variant runs them with a notice (variant.settings_notice), never silently.
     settings_for: Optional[str] = None
+    # A block-residual step cache for the DiT (step_cache/; local pipes only), None for none.
+    step_cache: Optional[StepCacheConfig] = None
 
     def validate(self) -> None:
         _check_types(self)
@@ -248,6 +251,11 @@ class GenerationRequest:
                                     ).naming("shift")
         if self.prompts is not None and len(self.prompts) != self.batch:
             raise InvalidInputError(f"{len(self.prompts)} prompts given for batch {self.batch}: give one per image")
+        if self.step_cache is not None:
+            if not isinstance(self.step_cache, StepCacheConfig):
+                raise InvalidInputError(f"step_cache {self.step_cache!r} is not a StepCacheConfig: give "
+                                        "ernie_image.StepCacheConfig(...) or None").naming("step_cache")
+            self.step_cache.validate(self.steps)
 
     def as_enhanced(self, revised: bool) -> "GenerationRequest":
         """This request as it ran: `use_pe` off when the prompt enhancer revised nothing (the model has none, or its
@@ -301,6 +309,7 @@ class GenerationRequest:
             "batch": self.batch,
             "use_pe": self.use_pe,
             **self._image_metadata(),
+            **({"step_cache": self.step_cache.metadata()} if self.step_cache is not None else {}),
         }
 
     def _image_metadata(self) -> dict[str, Any]:

@@ -35,6 +35,12 @@ class LoraPipe:
         self.base._lora.resolve(added, self.base.sources)
         return LoraPipe(self.base, stack)
 
+    def with_step_cache(self, step_cache: Any) -> Any:
+        """This view (its LoRA stack included) running every job with a step cache (step_cache/view.py)."""
+        from ..step_cache.view import with_step_cache
+
+        return with_step_cache(self, step_cache)
+
     def check(self) -> None:
         """Read and check every LoRA file of the stack now (cached for the run): one-line ModelFileError."""
         self.base._lora.resolve(self.loras, self.base.sources)

@@ -71,6 +71,7 @@ class LocalPipe:
         self.memory.held_bytes = lambda: sum(pipe.device_bytes_held().values()) if (pipe := this()) else 0
         self._phase = "setup"  # the phase running now ("pe", "text", "dit", "vae"): named when memory runs out
         self.last_run: dict[str, Any] = {}  # the info of the last finished job (timings, device-memory peak)
+        self.last_step_cache = None  # step_cache.session.StepCacheReport of the last sampling run, if it had one
         self._running = threading.RLock()
 
     @classmethod
@@ -101,6 +102,13 @@ class LocalPipe:
         from .lora_view import LoraPipe
 
         return LoraPipe(self, self.loras).with_loras(loras, mode)
+
+    def with_step_cache(self, step_cache):
+        """A view of this pipe (same loaded model) that runs every job with `step_cache`: a StepCacheConfig, a spec
+        such as 'dbcache:threshold=0.08', or None (this pipe itself). See docs/step-cache.md."""
+        from ..step_cache.view import with_step_cache
+
+        return with_step_cache(self, step_cache)
 
     @property
     def defaults(self) -> dict[str, float]:
@@ -168,7 +176,14 @@ class LocalPipe:
         self.memory.set_host(host)
         dit = self.parts.load_dit()
         rows = (negative + text) if negative is not None else text
-        denoise = length_grouped_denoiser(self.parts.load_dit_forward(dit), rows, self.device, self.dtype)
+        forward = self.parts.load_dit_forward(dit)
+        self.last_step_cache = None
+        cache = None
+        if request.step_cache is not None:  # the denoiser of step_cache/ instead (same groups, same seams)
+            from ..step_cache.session import open_run
+
+            cache = open_run(request.step_cache, dit, forward, rows, self.device, self.dtype, request.steps, host)
+        denoise = cache if cache is not None else length_grouped_denoiser(forward, rows, self.device, self.dtype)
         noise = initial_noise(request.seed, request.batch, request.width, request.height).to(self.device)
         start = start_state(request, original, self.device)
 
@@ -179,6 +194,8 @@ class LocalPipe:
                 return sample_euler(denoise, noise, request.steps, request.shift, cfg, self.dtype, host, preview,
                                     start)
         finally:
+            if cache is not None:
+                self.last_step_cache = cache.close(release_graphs=self.memory.plan is not None)
             release_graphs = getattr(self.parts.dit_forward, "release_graphs", None)
             if release_graphs is not None and self.memory.plan is not None:
                 release_graphs()  # the plan gives the DiT's activation memory to the VAE phase next
@@ -249,6 +266,8 @@ class LocalPipe:
         encoded = self._clock()
         host.check_cancel()
         latents = self.sample(request, text, negative, host, original)
+        if self.last_step_cache is not None:
+            host.log(self.last_step_cache.line())
         check_finite_latents(latents, self.sources, self._lora.wanted_stack)
         sampled = self._clock()
         host.check_cancel()
@@ -267,6 +286,7 @@ class LocalPipe:
             **({"image_encode_s": round(encoded_image - started_encode, 3)} if request.has_image_input else {}),
             **revised.info(),
             **self._lora.info(),
+            **(self.last_step_cache.info() if self.last_step_cache is not None else {}),
             **meter.finish(),
         }
         self.last_run = info

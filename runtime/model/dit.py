@@ -434,7 +434,19 @@ class ErnieDiT(nn.Module):
         self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, text_lens: list[int]
     ) -> torch.Tensor:
         """latents [B,128,h,w], timestep [B] (sigma*1000), text [B,T,3072] zero-padded, text_lens per row."""
-        batch, _, height, width = latents.shape
+        x, ctx, conditioning = self.prepare(latents, timestep, text, text_lens)
+        for index, block in enumerate(self.layers):
+            x = self.block_runner(index, block, x, ctx)
+        return self.finish(x, conditioning, latents.shape[-2:])
+
+    # The forward in three parts, for code that runs the blocks itself (step_cache/: a block-residual cache runs
+    # some of them, skips others): prepare, then every block through `block_runner` in order, then finish is the
+    # forward exactly.
+    def prepare(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, text_lens: list[int]
+                ) -> tuple[torch.Tensor, StepContext, torch.Tensor]:
+        """The tokens block 0 takes [B, h*w + T, D], the context every block takes, and the conditioning `finish`
+        takes."""
+        _, _, height, width = latents.shape
         dtype = latents.dtype
         image_tokens = self.x_embedder(latents)
         if self.text_proj is not None and text.shape[1] > 0:
@@ -450,11 +462,14 @@ class ErnieDiT(nn.Module):
         modulation = (shift_msa, 1 + scale_msa, gate_msa, shift_mlp, 1 + scale_mlp, gate_mlp)
         ctx = StepContext(modulation=modulation, raw_modulation=raw_modulation, rope=rope, key_mask=key_mask,
                           arithmetic=self.arithmetic)
-        for index, block in enumerate(self.layers):
-            x = self.block_runner(index, block, x, ctx)
+        return x, ctx, conditioning
+
+    def finish(self, x: torch.Tensor, conditioning: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """The velocity [B, 128, h, w] from the last block's tokens; `grid`: the latents' (h, w)."""
+        height, width = grid
         x = self.final_norm(x, conditioning).type_as(x)
         patches = self.final_linear(x[:, : height * width])
-        return patches.transpose(1, 2).reshape(batch, self.config.out_channels, height, width)
+        return patches.transpose(1, 2).reshape(x.shape[0], self.config.out_channels, height, width)
 
 
 def _positions(grid: tuple[int, int], text_lens: list[int], text_max: int, device) -> torch.Tensor:

@@ -25,6 +25,12 @@ A (re)start (first use, after unpark, after a run stopped inside a layer) makes 
 compute queued so far before its first copies: a fresh ring may be memory whose previous tensors' kernels are
 still queued (the allocator orders reuse on the compute stream only), and a stopped layer recorded no "free".
 
+A route (`follow_route`, for a caller that runs only some layers, or some twice, in an order it knows ahead:
+step_cache/): copies then follow the layer indices given to `extend_route`, in that order, and stop where the known
+route ends until more is given, so a layer the caller will not run is never copied. A layer that comes again
+while its previous visit still holds a slot waits (copies stay in route order) until that visit is done: it is
+never re-pointed while it runs. `end_route` returns to every layer in turn.
+
 On the CPU the same bookkeeping runs with `FakeSync`: the "device" ring is a second CPU tensor and copies are
 either run at once ("eager", catches a copy that overwrites a slot still in use) or deferred until the compute
 side waits for them ("lazy", catches a missing wait). Tests use both to check the ordering, not just the maths.
@@ -221,6 +227,8 @@ class LayerStreamer:
         self._issued: deque[tuple[int, int]] = deque()  # (position, slot) of copies not yet released, in order
         self._next = 0  # the stream position the next copy is of
         self._cursor = 0  # the slot the next copy goes to
+        self._route: Optional[deque[int]] = None  # stream positions still to copy when following a route
+        self._started = False  # copies were issued since the ring was (re)bound: the next ones need no join
         self._bind_ring()
         self.closed = False
 
@@ -239,7 +247,14 @@ class LayerStreamer:
     def _pump(self) -> None:
         # The cursor's slot is free: the copies not yet released hold the len(_issued) < slots slots before it.
         while len(self._issued) < self.slots:
-            k, slot = self._next, self._cursor
+            route = self._route
+            if route is not None:
+                if not route or any(k == route[0] for k, _ in self._issued):
+                    return  # the route is not known further, or its next layer still holds a slot
+                k = route.popleft()
+            else:
+                k = self._next
+            slot = self._cursor
             if self._at[k] != slot:
                 _point_views(self._entries[k], self._views[k][slot])
                 self._at[k] = slot
@@ -253,7 +268,32 @@ class LayerStreamer:
         self.sync.join()  # see the module docstring
         self._issued.clear()
         self._next = k
+        if self._route is not None and (not self._route or self._route[0] != k):
+            self._route.appendleft(k)  # a route that did not foresee this layer: it comes first, the rest follows
+        self._started = True
         self._pump()
+
+    # -- a route: the layers the caller will run, in order, when not every layer in turn (module docstring) --
+    def follow_route(self) -> None:
+        """From now on copy only the layers given to `extend_route`, in that order."""
+        self._route = deque()
+
+    def extend_route(self, indices: Sequence[int]) -> None:
+        """Layers (model indices; resident ones are ignored) the caller will run next, after those given before.
+        Their copies are issued at once as far as free slots allow."""
+        if self._route is None:
+            raise RuntimeError("extend_route needs follow_route first")
+        self._route.extend(self.position[index] for index in indices if index in self.position)
+        if self._started and not self.parked:
+            self._pump()
+
+    def end_route(self) -> None:
+        """Back to every streamed layer in turn (the next layer run restarts the stream if it was not foreseen)."""
+        self._route = None
+
+    @property
+    def following_route(self) -> bool:
+        return self._route is not None
 
     def before(self, index: int) -> None:
         k = self.position.get(index)
@@ -306,6 +346,7 @@ class LayerStreamer:
             self._at.append(k % self.slots)
         self._issued.clear()
         self._cursor = 0
+        self._started = False
 
     @property
     def parked(self) -> bool:

@@ -6,8 +6,10 @@ DiT block, per token of the (CFG-doubled) batch, E = activation bytes:
   holds an S x S matrix; its peak (x, h, q, k, v, RoPE temporaries ~ 10E D) stays below the MLP's
   (3E D + 3E F = 12E D at F = 3D). fp32 norm/modulation temporaries (3 x 4 D) are freed before the MLP.
 The rest of a step (RoPE tables, modulation, fp32 latents, velocity, final layer) is small next to one block;
-it is counted as three more [B, S, D] activations. A fragmentation margin and, on CUDA, a fixed overhead
-(cuBLAS workspace, SDPA scratch) are added on top; bench/offload.py prints estimate against measured peak.
+it is counted as three more [B, S, D] activations. A step cache (step_cache/) holds six more: two residuals
+per call group for the run, and a step's first-pass outputs and residuals of every group between its passes.
+A fragmentation margin and, on CUDA, a fixed overhead (cuBLAS workspace, SDPA scratch) are added on top;
+bench/offload.py prints estimate against measured peak.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ LATENT_DOWNSCALE = 16
 VAE_UPSCALE = 8
 PE_MAX_TOKENS = 4096  # prompt + rewritten prompt held in the enhancer's KV cache
 TEXT_MAX_TOKENS = 2048
+STEP_CACHE_ACTIVATIONS = 6  # [B, S, D] tensors a step cache holds at most (module docstring)
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Job:
     text_tokens: int = 256  # padded text length the DiT sees (the tokenizer truncates at 2048)
     use_pe: bool = False
     encode: bool = False  # an init image goes through the VAE encoder first (img2img, inpainting)
+    step_cache: bool = False  # a block-residual step cache holds residuals of the CFG-doubled batch (step_cache/)
 
     @property
     def dit_batch(self) -> int:
@@ -56,7 +60,7 @@ def dit_workspace(sizes: ModelSizes, job: Job, device_type: str = "cuda") -> int
     e, d, f = sizes.activation_bytes, sizes.dit_hidden, sizes.dit_ffn
     rows = job.dit_batch * job.sequence
     block_peak = rows * e * (3 * d + 3 * f)
-    step_rest = rows * e * 3 * d
+    step_rest = rows * e * (3 + (STEP_CACHE_ACTIVATIONS if job.step_cache else 0)) * d
     dequant = 0
     if sizes.dit_format in DEQUANT_FORMATS:
         # one dequantised weight plus the fp32 temporaries of its unpacking

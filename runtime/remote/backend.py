@@ -230,6 +230,9 @@ class RemotePipe:
         check_generate_call(request, host)
         refuse_image_inputs(request, "the remote SGLang backend (SGLang serves ERNIE-Image as text-to-image only: "
                                      "its /v1/images/edits refuses input images)")
+        from ..step_cache.view import refuse_remote
+
+        refuse_remote(request)
         # The local pipe's rules and messages, before anything is sent: a size it refuses is refused here too (the
         # steps and CFG left to the served model's defaults cannot be wrong, whichever they turn out to be).
         request.with_defaults("base").validate()

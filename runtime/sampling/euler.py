@@ -70,13 +70,7 @@ def length_grouped_denoiser(dit: Callable[..., torch.Tensor], rows: list[torch.T
     lengths (CFG's short negative, a batch of different prompts) run as separate groups instead of being padded:
     the result is the same as the reference's padded, masked batch, and every group gets SDPA's flash kernel
     (measured on the H200: 2 x 129 ms unmasked against 273 ms for a masked batch of 2)."""
-    groups: dict[int, list[int]] = {}
-    for index, row in enumerate(rows):
-        groups.setdefault(int(row.shape[0]), []).append(index)
-    prepared = []
-    for indices in groups.values():
-        text_batch, text_lens = pad_text([rows[i] for i in indices], device, dtype)
-        prepared.append((torch.tensor(indices, device=device), text_batch, text_lens))
+    prepared = text_groups(rows, device, dtype)
     if len(prepared) == 1:
         _, text_batch, text_lens = prepared[0]
         return lambda latents, timestep: dit(latents, timestep, text_batch, text_lens)
@@ -88,3 +82,16 @@ def length_grouped_denoiser(dit: Callable[..., torch.Tensor], rows: list[torch.T
         return velocity
 
     return denoise
+
+
+def text_groups(rows: list[torch.Tensor], device, dtype) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+    """The DiT calls of a step (see length_grouped_denoiser): per text length, in the order the lengths first occur,
+    (the batch rows it runs [n] on `device`, their text [n, T, C], their text lengths)."""
+    groups: dict[int, list[int]] = {}
+    for index, row in enumerate(rows):
+        groups.setdefault(int(row.shape[0]), []).append(index)
+    prepared = []
+    for indices in groups.values():
+        text_batch, text_lens = pad_text([rows[i] for i in indices], device, dtype)
+        prepared.append((torch.tensor(indices, device=device), text_batch, text_lens))
+    return prepared

@@ -1,0 +1,47 @@
+"""`--step-cache METHOD[:key=value,...]` and `--step-cache-compare PNG` for `ernie-image generate`."""
+from __future__ import annotations
+
+import argparse
+from typing import Any, Optional
+
+from ..core.errors import InvalidInputError
+from ..core.step_cache_config import METHODS, OFF, StepCacheConfig, parse_step_cache
+from .parser import OutputPath
+
+
+def add_step_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--step-cache", default=None, metavar="METHOD[:key=value,...]",
+                        help=f"skip the DiT's middle blocks on steps where its first blocks barely change: "
+                             f"{' or '.join(METHODS)} (cache-dit's Dual Block Cache, First-Block-Cache), optionally "
+                             "with threshold (0.08), start (0.15), end (0.95), max_skips (3), first_blocks (8), "
+                             f"last_blocks (0), e.g. dbcache:threshold=0.12,max_skips=2; {OFF} for none. Random "
+                             "weights cannot judge quality: try --step-cache-compare on your model")
+    parser.add_argument("--step-cache-compare", action=OutputPath, metavar="PNG", default=None,
+                        help="also make the image without the step cache (same seed) and write uncached | cached | "
+                             "difference side by side to this PNG, with the difference figures (PSNR, pixel levels)")
+
+
+def step_cache_of(args: argparse.Namespace) -> Optional[StepCacheConfig]:
+    return parse_step_cache(args.step_cache) if args.step_cache is not None else None
+
+
+def check(args: argparse.Namespace) -> None:
+    """Before any weights are read: the spec parses, the comparison has a cache to compare, no server is asked."""
+    config = step_cache_of(args)
+    if getattr(args, "step_cache_compare", None) is not None and config is None:
+        raise InvalidInputError("--step-cache-compare needs --step-cache METHOD: it compares the image with that "
+                                "cache against the image without it")
+    if config is not None and getattr(args, "servers", None):
+        raise InvalidInputError("--step-cache runs on the local model only: an SGLang server decides how its DiT "
+                                "runs; leave out --server or --step-cache")
+
+
+def write_comparison(pipe: Any, request: Any, cached: Any, host: Any, out: Any) -> list:
+    """--step-cache-compare: `request` (which holds the cache) made again without it, side by side with `cached`
+    (its result), the figures logged. Returns the PNG paths written."""
+    from ..files.png_output import save_pngs
+    from ..step_cache.compare import compare_with
+
+    comparison = compare_with(pipe, request, cached, host)
+    host.log(comparison.summary())
+    return save_pngs(comparison.side_by_side(), out, comparison.settings())

@@ -1,0 +1,183 @@
+"""What a step cache is asked to do: `StepCacheConfig`, its checks, its text forms (CLI spec, PNG metadata).
+
+Two methods, both cache-dit's block-residual cache (vipshop/cache-dit, caching/cache_blocks/pattern_3_4_5.py and
+cache_contexts/cache_manager.py), which ERNIE-Image's block layout (36 identical blocks, no separate text stream)
+takes as cache-dit's adapter does (ForwardPattern.Pattern_3, block_adapters/adapters.py `ernie_image_adapter`):
+
+- "dbcache": Dual Block Cache, Fn first blocks always computed and compared, Bn last blocks always computed, the
+  middle ones skipped when the first blocks' residual barely changed. cache-dit's defaults: F8B0, threshold 0.08
+  (cache_contexts/cache_config.py).
+- "fbcache": First-Block-Cache, the same with one first block and no last block (F1B0).
+
+The rule (which steps are computed) is step_cache/rule.py's; the run is step_cache/session.py's. No TeaCache or
+MagCache: no calibrated ERNIE-Image coefficients or ratios could be verified in a published source (docs/step-cache.md).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+from .errors import InvalidInputError
+
+METHODS = ("dbcache", "fbcache")
+OFF = "off"
+DEFAULT_FIRST_BLOCKS = {"dbcache": 8, "fbcache": 1}  # cache-dit: Fn_compute_blocks 8; FBCache is F1B0
+DEFAULT_THRESHOLD = 0.08  # cache-dit: residual_diff_threshold 0.08
+DEFAULT_START = 0.15  # ComfyUI EasyCache's start_percent; ceil(0.15 * 50) = 8 = cache-dit's max_warmup_steps
+DEFAULT_END = 0.95  # ComfyUI EasyCache's end_percent
+DEFAULT_MAX_SKIPS = 3  # cache-dit's examples' MC3 (max_continuous_cached_steps)
+MAX_THRESHOLD = 10.0
+MAX_SKIPS_LIMIT = 100
+COMPUTE, SKIP = "C", "S"
+
+
+@dataclass(frozen=True)
+class StepCacheConfig:
+    """A block-residual step cache for the DiT (see the module docstring and docs/step-cache.md).
+
+    threshold: a step's middle blocks are skipped when the first blocks' residual changed by less than this (mean
+    |r - r_last| / mean |r_last|, r_last from the last computed step); 0 never skips (the cache's bookkeeping
+    still runs: the same image as without it, bit for bit). start, end: fractions of the steps between which
+    steps may be skipped; the first and the last step are always computed. max_skips: at most this many skipped
+    steps in a row. first_blocks / last_blocks (Fn / Bn): blocks always computed before / after the skippable
+    middle (None: the method's; fbcache is 1 / 0). forced: one letter per step, C computed, S skipped, instead of
+    the threshold (for measuring: bench/step_cache.py); the first and last must be C.
+    """
+    method: str = "dbcache"
+    threshold: float = DEFAULT_THRESHOLD
+    start: float = DEFAULT_START
+    end: float = DEFAULT_END
+    max_skips: int = DEFAULT_MAX_SKIPS
+    first_blocks: Optional[int] = None
+    last_blocks: Optional[int] = None
+    forced: Optional[str] = None
+
+    @property
+    def probe_blocks(self) -> int:
+        return DEFAULT_FIRST_BLOCKS[self.method] if self.first_blocks is None else self.first_blocks
+
+    @property
+    def tail_blocks(self) -> int:
+        return 0 if self.last_blocks is None else self.last_blocks
+
+    def validate(self, steps: Optional[int] = None) -> None:
+        """Refuse a setting the cache cannot run, in one line; `steps`: also check `forced` against them."""
+        if self.method not in METHODS:
+            raise InvalidInputError(f"step cache method {self.method!r} is not known: use {', '.join(METHODS)} "
+                                    f"(or {OFF})").naming("method")
+        _number("threshold", self.threshold, 0.0, MAX_THRESHOLD, "0.08 is cache-dit's default; 0 never skips")
+        _number("start", self.start, 0.0, 1.0, "a fraction of the steps, e.g. 0.15")
+        _number("end", self.end, 0.0, 1.0, "a fraction of the steps, e.g. 0.95")
+        if self.start > self.end:
+            raise InvalidInputError(f"step cache start {self.start:g} is after end {self.end:g}: start must not be "
+                                    "later than end").naming("start", "end")
+        _whole("max_skips", self.max_skips, 1, MAX_SKIPS_LIMIT)
+        if self.method == "fbcache" and (self.first_blocks not in (None, 1) or self.last_blocks not in (None, 0)):
+            raise InvalidInputError("fbcache computes one first block and no last block: use dbcache to set "
+                                    "first_blocks / last_blocks").naming("first_blocks", "last_blocks")
+        if self.first_blocks is not None:
+            _whole("first_blocks", self.first_blocks, 1, 1000)
+        if self.last_blocks is not None:
+            _whole("last_blocks", self.last_blocks, 0, 1000)
+        if self.forced is not None:
+            _check_forced(self.forced, steps)
+
+    def metadata(self) -> dict[str, Any]:
+        """The settings as a PNG records them (every field that decides which steps are computed)."""
+        record: dict[str, Any] = {"method": self.method, "threshold": self.threshold, "start": self.start,
+                                  "end": self.end, "max_skips": self.max_skips, "first_blocks": self.probe_blocks,
+                                  "last_blocks": self.tail_blocks}
+        if self.forced is not None:
+            record["forced"] = self.forced
+        return record
+
+    def label(self, blocks: Optional[str] = None) -> str:
+        """One short phrase: `dbcache F8B0, threshold 0.08, steps 15%-95%, at most 3 skips in a row`; `blocks`:
+        the FnBn that ran, where the DiT had fewer blocks than asked for."""
+        head = f"{self.method} {blocks or f'F{self.probe_blocks}B{self.tail_blocks}'}"
+        if self.forced is not None:
+            return f"{head}, forced schedule"
+        return (f"{head}, threshold {self.threshold:g}, steps {self.start * 100:g}%-{self.end * 100:g}%, at most "
+                f"{self.max_skips} skip{'s' if self.max_skips != 1 else ''} in a row")
+
+    def spec(self) -> str:
+        """The CLI form that gives this config again (`parse_step_cache`)."""
+        default = StepCacheConfig(self.method)
+        changed = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                   if f.name != "method" and getattr(self, f.name) != getattr(default, f.name)]
+        return self.method + (":" + ",".join(changed) if changed else "")
+
+
+def _number(name: str, value: Any, low: float, high: float, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise InvalidInputError(f"step cache {name} {value!r} is not allowed: use {low:g}..{high:g} ({hint})"
+                                ).naming(name)
+
+
+def _whole(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidInputError(f"step cache {name} {value!r} is not allowed: use a whole number {low}..{high}"
+                                ).naming(name)
+
+
+def _check_forced(forced: Any, steps: Optional[int]) -> None:
+    if not isinstance(forced, str) or not forced or set(forced) - {COMPUTE, SKIP}:
+        raise InvalidInputError(f"step cache forced {forced!r} is not a schedule: give one letter per step, "
+                                f"{COMPUTE} computed or {SKIP} skipped").naming("forced")
+    if forced[0] != COMPUTE or forced[-1] != COMPUTE:
+        raise InvalidInputError(f"step cache forced {forced!r} skips the first or the last step: both are always "
+                                "computed").naming("forced")
+    if steps is not None and len(forced) != steps:
+        raise InvalidInputError(f"step cache forced schedule has {len(forced)} letters for {steps} steps: give one "
+                                "per step").naming("forced")
+
+
+_FIELD_TYPES = {"threshold": float, "start": float, "end": float, "max_skips": int, "first_blocks": int,
+                "last_blocks": int, "forced": str}
+
+
+def parse_step_cache(text: str) -> Optional[StepCacheConfig]:
+    """`METHOD[:key=value,...]` (the CLI's --step-cache), e.g. `dbcache`, `fbcache:threshold=0.12`,
+    `dbcache:first_blocks=4,max_skips=2`; `off` gives None. Checked in full (one-line InvalidInputError)."""
+    if not isinstance(text, str):
+        raise InvalidInputError(f"step cache {text!r} is not text: give METHOD[:key=value,...]")
+    method, _, rest = text.strip().partition(":")
+    method = method.strip().lower()
+    if method == OFF and not rest.strip():
+        return None
+    if method not in METHODS:
+        raise InvalidInputError(f"step cache method {method!r} is not known: use {', '.join(METHODS)} or {OFF}, "
+                                "optionally followed by :key=value,... (e.g. dbcache:threshold=0.12)")
+    values: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, equals, value = (piece.strip() for piece in item.partition("="))
+        key = key.replace("-", "_")
+        if not equals or key not in _FIELD_TYPES:
+            raise InvalidInputError(f"step cache setting {item!r} is not known: use key=value with a key of "
+                                    f"{', '.join(_FIELD_TYPES)}")
+        if key in values:
+            raise InvalidInputError(f"step cache setting {key} is given twice: give it once")
+        kind = _FIELD_TYPES[key]
+        try:
+            values[key] = value.upper() if kind is str else kind(value)
+        except ValueError:
+            what = "a whole number" if kind is int else "a number"
+            raise InvalidInputError(f"step cache {key} {value!r} is not {what}") from None
+    config = StepCacheConfig(method, **values)
+    config.validate()
+    return config
+
+
+def as_config(value: Any) -> Optional[StepCacheConfig]:
+    """A StepCacheConfig, a CLI spec string or None (off), as the config (None: off); anything else refused."""
+    if value is None or isinstance(value, StepCacheConfig):
+        if value is not None:
+            value.validate()
+        return value
+    if isinstance(value, str):
+        return parse_step_cache(value)
+    raise InvalidInputError(f"step cache {value!r} is not a StepCacheConfig: give "
+                            "ernie_image.StepCacheConfig(...), a spec such as 'dbcache:threshold=0.08', or None")
+
