@@ -130,6 +130,15 @@ class Browser:
             raise JavaScriptError((details.get("exception") or {}).get("description") or details.get("text"))
         return result["result"].get("value")
 
+    async def screenshot(self, path: Path) -> Path:
+        """The page as it shows now, as a PNG file."""
+        import base64
+
+        shot = await self.send("Page.captureScreenshot", format="png")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(base64.b64decode(shot["data"]))
+        return path
+
     async def wait_for(self, expression: str, timeout_s: float, what: str) -> Any:
         """Evaluate `expression` until it is truthy; its value."""
         deadline = time.monotonic() + timeout_s

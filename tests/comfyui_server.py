@@ -3,6 +3,8 @@ tiny models under the released file names, and the part of ComfyUI's HTTP and We
 
 ERNIE_COMFYUI_DIR: a ComfyUI checkout (its folder, with main.py; v0.8.0 tested). ERNIE_COMFYUI_PYTHON: a Python
 with ComfyUI's requirements and this pack's dependencies (default: the one running the tests).
+ERNIE_COMFYUI_FRONTEND_ROOT: another editor for the browser tests (ComfyUI's --front-end-root), e.g. the `static`
+folder of an unpacked comfyui-frontend-package wheel; by default ComfyUI serves the frontend package it has.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ aiohttp = pytest.importorskip("aiohttp")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMFY_DIR = os.environ.get("ERNIE_COMFYUI_DIR", "")
 COMFY_PYTHON = os.environ.get("ERNIE_COMFYUI_PYTHON", sys.executable)
+FRONTEND_ROOT = os.environ.get("ERNIE_COMFYUI_FRONTEND_ROOT", "")
 PACK_NAME = "ernie_image"
 RUN_TIMEOUT_S = 300
 LOG_TAIL = 4000  # characters of ComfyUI's log a start-up failure shows
@@ -69,6 +72,8 @@ def running(command: list[str], log_path: Path, port: int, start_timeout_s: floa
             env: Optional[dict[str, str]] = None) -> Iterator[subprocess.Popen]:
     """ComfyUI started by `command` in ERNIE_COMFYUI_DIR (its output in `log_path`), listening on `port` once this
     yields; terminated on leaving (killed if it is still there after `stop_timeout_s`)."""
+    if FRONTEND_ROOT and "main.py" in command and "--front-end-root" not in command:
+        command = [*command, "--front-end-root", FRONTEND_ROOT]
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(command, cwd=COMFY_DIR, stdout=log_file, stderr=subprocess.STDOUT,
                                    env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
