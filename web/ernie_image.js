@@ -348,6 +348,20 @@ export const TEMPLATE_INDEX = [
         ]
       },
       {
+        "name": "ernie_image_base_step_cache",
+        "title": "ERNIE-Image with Step Cache",
+        "mediaType": "image",
+        "mediaSubtype": "jpg",
+        "description": "The base model with the Step Cache node beside the same seed without it: fewer DiT steps computed, and the two pictures side by side to judge the cache on your own weights.",
+        "tags": [
+          "Text to Image",
+          "Image"
+        ],
+        "models": [
+          "ERNIE-Image"
+        ]
+      },
+      {
         "name": "ernie_image_remote_sglang",
         "title": "ERNIE-Image Turbo via SGLang",
         "mediaType": "image",
