@@ -170,7 +170,7 @@ def test_a_quantised_dit_file_runs_as_it_is_with_no_quant_auto_or_its_own_format
                                                                                  quant):
     """Runs: an image within the file format's tolerance. As it is: every packed weight of the file is what the DiT
     holds, bit for bit (not quantised again, not unpacked), and the description names the file's own format."""
-    from ernie_image.runtime.quant import load_quantized_state_dict
+    from ernie_image.runtime.formats.quantized_file import load_quantized_state_dict
 
     for file_format, dit in quantised_files.items():
         pipe = LocalPipe.load(ModelSources(model_dir=model, dit=dit),
@@ -182,7 +182,7 @@ def test_a_quantised_dit_file_runs_as_it_is_with_no_quant_auto_or_its_own_format
                   if getattr(entry, "qtype", None)}
         assert packed, f"{dit.name} holds no packed weight"
         for name, entry in packed.items():
-            layer = pipe._dit().get_submodule(name)
+            layer = pipe.parts.load_dit().get_submodule(name)
             assert isinstance(layer, QuantLinear) and (layer.format, layer.qtype) == (entry.format, entry.qtype), name
             for buffer, stored in entry.tensors().items():
                 assert torch.equal(getattr(layer, buffer), stored), f"{dit.name}: {name}.{buffer} is not the file's"
