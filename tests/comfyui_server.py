@@ -40,6 +40,18 @@ def comfyui_found() -> bool:
     return bool(COMFY_DIR) and (Path(COMFY_DIR) / "main.py").is_file()
 
 
+# The marks of every test module that starts a real ComfyUI: `pytestmark = COMFYUI_SUITE`.
+COMFYUI_SUITE = [
+    pytest.mark.comfyui,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not comfyui_found(),
+        reason="needs a real ComfyUI: set ERNIE_COMFYUI_DIR to a ComfyUI checkout (v0.8.0 tested) and "
+               "ERNIE_COMFYUI_PYTHON to a Python with its requirements and this pack's dependencies",
+    ),
+]
+
+
 # ------------------------------------------------------------------------------------------ the server
 def free_port() -> int:
     with socket.socket() as sock:

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from comfyui_server import (COMFY_PYTHON, PACK_NAME, REPO_ROOT, Server, api_workflow, base_directory, comfyui_found,
+from comfyui_server import (COMFYUI_SUITE, COMFY_PYTHON, PACK_NAME, REPO_ROOT, Server, api_workflow, base_directory,
                             free_port, get_json, node_of, place_tiny_models, post, run_prompt, running, saved_images)
 from waiting import wait_until_async
 
@@ -33,15 +33,7 @@ KEY_VARIABLE = "ERNIE_E2E_SGLANG_KEY"
 KEY_LABEL = "e2e-sglang"  # the user's keys file binds KEY_VARIABLE's key to the fake server under this label
 SECRET_KEY = "e2e-s3cret-" + uuid.uuid4().hex
 
-pytestmark = [
-    pytest.mark.comfyui,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not comfyui_found(),
-        reason="needs a real ComfyUI: set ERNIE_COMFYUI_DIR to a ComfyUI checkout (v0.8.0 tested) and "
-               "ERNIE_COMFYUI_PYTHON to a Python with its requirements and this pack's dependencies",
-    ),
-]
+pytestmark = COMFYUI_SUITE
 
 aiohttp = pytest.importorskip("aiohttp")
 

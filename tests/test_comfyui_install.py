@@ -22,22 +22,14 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from comfyui_server import COMFY_PYTHON, REPO_ROOT, Server, comfyui_found, free_port, get_json, running
+from comfyui_server import (COMFYUI_SUITE, COMFY_PYTHON, REPO_ROOT, Server, free_port, get_json, running)
 
 NODE_IDS = ("ErnieImageLoader", "ErnieImageSampler", "ErnieImageTurboSampler", "ErnieImageQuantConfig",
             "ErnieImageRemoteBackend", "ErnieImagePromptEnhancer", "ErnieImageLoRA")
 START_TIMEOUT_S = 180
 PIP_TIMEOUT_S = 600
 
-pytestmark = [
-    pytest.mark.comfyui,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not comfyui_found(),
-        reason="needs a real ComfyUI: set ERNIE_COMFYUI_DIR to a ComfyUI checkout (v0.8.0 tested) and "
-               "ERNIE_COMFYUI_PYTHON to a Python with its requirements and this pack's dependencies",
-    ),
-]
+pytestmark = COMFYUI_SUITE
 
 
 def clone_name() -> str:

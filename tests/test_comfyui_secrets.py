@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from comfyui_server import (COMFY_PYTHON, Server, api_workflow, base_directory, comfyui_found, free_port, node_of,
+from comfyui_server import (COMFYUI_SUITE, COMFY_PYTHON, Server, api_workflow, base_directory, free_port, node_of,
                             post, run_prompt, running)
 from fake_sglang import FakeSglang, dead_url
 
@@ -35,15 +35,7 @@ LABEL = "my-gpu"
 START_TIMEOUT_S = 180
 TEXT_EVENT = 3  # ComfyUI's BinaryEventTypes.TEXT: a node's progress text
 
-pytestmark = [
-    pytest.mark.comfyui,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not comfyui_found(),
-        reason="needs a real ComfyUI: set ERNIE_COMFYUI_DIR to a ComfyUI checkout (v0.8.0 tested) and "
-               "ERNIE_COMFYUI_PYTHON to a Python with its requirements and this pack's dependencies",
-    ),
-]
+pytestmark = COMFYUI_SUITE
 
 aiohttp = pytest.importorskip("aiohttp")
 
