@@ -70,3 +70,11 @@ NAMES = {"model_dir": "--model-dir", "text_encoder": "--text-encoder", "vae": "-
 ])
 def test_a_setting_is_reworded_where_it_is_a_word_never_inside_a_path_or_file_name(text, expected):
     assert worded(text, ("model_dir", "text_encoder", "vae", "width", "height"), NAMES) == expected
+
+
+def test_a_dotted_key_such_as_the_metadata_key_is_never_reworded_as_a_setting() -> None:
+    from ernie_image.runtime.core.errors import worded
+
+    text = "x.safetensors records ernie_image.variant 'Turbo' in its metadata: set variant to base or turbo"
+    assert worded(text, ["variant"], {"variant": "--variant"}) == (
+        "x.safetensors records ernie_image.variant 'Turbo' in its metadata: set --variant to base or turbo")

@@ -99,3 +99,21 @@ def test_the_cli_generates_a_portrait_from_a_portrait_phone_photo(tmp_path, tiny
     assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--init-image", str(photo), "--denoise", "0.5",
                  "--steps", "1", "--device", "cpu", "--out", str(out)]) == 0
     assert Image.open(out).size == (256, 320)
+
+
+def test_a_coloured_mask_is_refused_in_one_line_rather_than_read_as_a_weak_grey(tmp_path) -> None:
+    """A pure red stroke's grey level is 0.30: read silently, it would repaint at 30%."""
+    from PIL import Image
+
+    from ernie_image.runtime.core.errors import InvalidInputError
+    from ernie_image.runtime.files.image_files import read_mask
+
+    red = Image.new("RGB", (32, 32))
+    red.paste((255, 0, 0), (8, 8, 24, 24))
+    red.save(tmp_path / "red.png")
+    with pytest.raises(InvalidInputError, match="has coloured pixels: a mask is read from its grey level"):
+        read_mask(tmp_path / "red.png")
+    grey = Image.new("RGB", (32, 32))
+    grey.paste((255, 255, 255), (8, 8, 24, 24))
+    grey.save(tmp_path / "white.jpg", quality=70)
+    assert float(read_mask(tmp_path / "white.jpg").max()) > 0.9  # a JPEG's near-grey pixels are still a mask

@@ -113,6 +113,7 @@ def files(tmp_path) -> dict[str, Path]:
         "rgb": _png(tmp_path / "rgb.png", rgb),
         "odd": _png(tmp_path / "odd.png", np.zeros((250, 300, 3), np.uint8)),
         "mask_small": _png(tmp_path / "mask_small.png", np.full((240, 256), 255, np.uint8)),
+        "mask": _png(tmp_path / "mask.png", np.full((256, 256), 255, np.uint8)),
         "sixteen": tmp_path / "sixteen.png",
         "alpha": _png(tmp_path / "alpha.png", np.dstack([rgb, np.full((256, 256), 128, np.uint8)])),
         "opaque": _png(tmp_path / "opaque.png", np.dstack([rgb, np.full((256, 256), 255, np.uint8)])),
@@ -139,8 +140,9 @@ def files(tmp_path) -> dict[str, Path]:
     (["--init-image", "{missing}"], "missing.png does not exist: give the path of a PNG or JPEG file"),
     (["--mask", "{rgb}"], "--mask needs --init-image"),
     (["--init-image", "{rgb}", "--width", "512"], "error: --width/--height 512x256 differ from the init input's 256x256"),
-    (["--init-image", "{rgb}", "--mask", "{rgb}", "--mask-grow", "-3"], "error: --mask-grow -3 is not allowed"),
-    (["--init-image", "{rgb}", "--mask", "{rgb}", "--mask-feather", "5000"], "error: --mask-feather 5000 is not allowed"),
+    (["--init-image", "{rgb}", "--mask", "{mask}", "--mask-grow", "-3"], "error: --mask-grow -3 is not allowed"),
+    (["--init-image", "{rgb}", "--mask", "{mask}", "--mask-feather", "5000"], "error: --mask-feather 5000 is not allowed"),
+    (["--init-image", "{rgb}", "--mask", "{rgb}"], "has coloured pixels: a mask is read from its grey level"),
 ])
 def test_cli_refuses_bad_image_inputs_before_opening_the_model(capsys, tmp_path, files, argv, expected):
     names = {**{k: str(v) for k, v in files.items()}, "missing": str(tmp_path / "missing.png")}

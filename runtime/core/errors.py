@@ -60,7 +60,8 @@ def worded(text: str, settings: Iterable[str], names: Mapping[str, str]) -> str:
         label = names.get(name)
         if label is None:
             continue
-        for found in re.finditer(rf"(?<![\w-]){re.escape(name)}(?![\w-])(?!\.\w)", text):
+        # not after "." either: a dotted key such as the metadata key ernie_image.variant is no setting
+        for found in re.finditer(rf"(?<![\w.-]){re.escape(name)}(?![\w-])(?!\.\w)", text):
             if not _in_path(text, found.start(), found.end(), words):
                 text = text[:found.start()] + label + text[found.end():]
                 break

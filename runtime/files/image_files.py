@@ -116,11 +116,19 @@ def read_image(path: Path, option: str = "--init-image") -> torch.Tensor:
     return torch.from_numpy(np.stack(frames))
 
 
+COLOUR_TOLERANCE = 8  # JPEG rounding puts grey pixels a few levels off grey; a stroke of colour is far more
+
+
 def read_mask(path: Path, option: str = "--mask") -> torch.Tensor:
     """A mask file -> float32 [1, H, W] in 0..1: its grey level, white = repaint, black = keep (first frame, upright)."""
     path = Path(path)
     image = _opaque(_upright(_open(path, option), path, option),
                     f"{option} {path} has transparent pixels: a mask is read from its grey level (white = repaint): "
                     "save it as grayscale without alpha")
+    if image.mode not in ("1", "L", "I", "I;16", "F"):
+        channels = np.asarray(image.convert("RGB"), dtype=np.int16)
+        if (channels.max(axis=-1) - channels.min(axis=-1)).max() > COLOUR_TOLERANCE:
+            raise InvalidInputError(f"{option} {path} has coloured pixels: a mask is read from its grey level (white = "
+                                    f"repaint), so a red stroke would repaint at 30%; save it as black and white")
     grey = np.asarray(image.convert("L"), dtype=np.float32) / 255.0
     return torch.from_numpy(grey.copy()).unsqueeze(0)
