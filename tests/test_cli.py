@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -22,10 +23,13 @@ from waiting import wait_until
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+PROGRESS_LINE = re.compile(r"(sampling|prompt enhancer)[^:]*: (step|token) \d+/\d+ ")
+
+
 def _cli(capsys, *argv: str) -> str:
     """Run `ernie-image` in-process; return its one-line error after checking the exit code and the form."""
     assert main(list(argv)) == 2
-    lines = [line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("step ")]
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if not PROGRESS_LINE.match(line)]
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     return lines[0]
 
@@ -517,7 +521,7 @@ def test_ctrl_c_while_sampling_is_cancelled_with_nothing_written(tmp_path, built
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     run = _Run(["generate", "--steps", "1000", "--out", str(out_dir / "x.png")], _env(built_cache), tmp_path)
-    run.wait_for(b"step 3/1000")
+    run.wait_for(b"sampling: step 1/1000")
     run.process.send_signal(signal.SIGINT)
     _assert_cancelled(*run.finish(), out_dir)
 
@@ -607,7 +611,7 @@ def test_sigterm_is_a_cancel_too(tmp_path, built_cache):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     run = _Run(["generate", "--steps", "1000", "--out", str(out_dir / "x.png")], _env(built_cache), tmp_path)
-    run.wait_for(b"step 2/1000")
+    run.wait_for(b"sampling: step 1/1000")
     run.process.send_signal(signal.SIGTERM)
     code, lines = run.finish()
     assert code == 143 and lines[-1] == "cancelled" and list(out_dir.iterdir()) == []

@@ -68,11 +68,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         interrupts.raise_if_interrupted()
         return code
     except (KeyboardInterrupt, Cancelled):
+        STDERR.end_progress()
         STDERR.line("cancelled")
         return interrupts.exit_code
     except ErnieImageError as error:
         # The CLI's flags for the settings the message names; a line break inside (a file name holding one) is
         # shown escaped, so the error stays one line and a name cannot print lines of its own.
+        STDERR.end_progress()
         STDERR.line("error: " + cli_message(error).replace("\r", "\\r").replace("\n", "\\n"))
         return 2
     except SystemExit as leaving:  # argparse's --help (exit 0); its errors are InvalidInputError
@@ -81,9 +83,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if interrupts.signal_number is None:
             raise
         # The interrupt landed inside an extension module's import or a C call that turned it into another error.
+        STDERR.end_progress()
         STDERR.line("cancelled")
         return interrupts.exit_code
     finally:
+        STDERR.end_progress()
         set_commit_hook(None)
         if in_process:
             interrupts.restore()

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 from typing import Sequence
 
 from ..core.errors import InvalidInputError
-from ..core.host import NullHost
 from ..core.request import SEED_MASK, validate_size
 from ..formats.sources import ModelSources
 from ..local.options import LoadOptions, resolve_device, resolve_dtype
@@ -17,6 +15,7 @@ from ..net.urls import normalize_base_url
 from ..text.enhancer import LocalEnhancer, revise_prompts, validate_sampling
 from ..text.remote_enhancer import ChatEndpoint, revise_prompts_remote
 from .checks import check_input_path, check_seed
+from .console import ConsoleHost
 from .parser import OneLineParser
 from .remote_args import cli_credentials
 
@@ -65,15 +64,10 @@ def check_enhance_args(args: argparse.Namespace) -> None:
             check_input_path(getattr(args, option), "--" + option.replace("_", "-"), "file or folder")
 
 
-class _StderrHost(NullHost):
-    def log(self, message: str) -> None:
-        print(message, file=sys.stderr)
-
-
 def main_enhance(argv: Sequence[str]) -> int:
     args = _parser().parse_args(list(argv))
     check_enhance_args(args)
-    host = _StderrHost()
+    host = ConsoleHost()  # the local PE's progress in tokens, notices on stderr
     started = time.perf_counter()
     if args.pe_url:
         base = normalize_base_url(ChatEndpoint(url=args.pe_url).base_url(), what="--pe-url")

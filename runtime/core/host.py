@@ -33,6 +33,15 @@ def show_status(host: Host, text: str) -> None:
         status(text)
 
 
+def show_progress_phase(host: Host, name: str, unit: str) -> None:
+    """Tell a host what the progress reported next counts: `unit`s ("step", "token") of `name` ("sampling",
+    "prompt enhancer"). `progress_phase(name, unit)` is optional for a host, as `status` is: one without it shows
+    the bare counts (ComfyUI's progress bar)."""
+    progress_phase = getattr(host, "progress_phase", None)
+    if callable(progress_phase):
+        progress_phase(name, unit)
+
+
 class NullHost:
     """Host for the CLI and tests: no progress display, cancellation through a flag."""
 
@@ -41,10 +50,14 @@ class NullHost:
         self.verbose = verbose
         self.messages: list[str] = []
         self.progress_calls: list[tuple[int, int]] = []
+        self.progress_phases: list[tuple[str, str]] = []
         self.statuses: list[str] = []
 
     def progress(self, value: int, total: int, preview: Optional[Any] = None) -> None:
         self.progress_calls.append((value, total))
+
+    def progress_phase(self, name: str, unit: str) -> None:
+        self.progress_phases.append((name, unit))
 
     def check_cancel(self) -> None:
         if self.cancel_requested:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from ..core.errors import Cancelled, InvalidInputError, RemoteError
-from ..core.host import Host, show_status
+from ..core.host import Host, show_progress_phase, show_status
 from ..core.pipe import check_generate_call
 from ..core.request import GenerationRequest, GenerationResult, refuse_image_inputs
 from ..core.variant import VariantChoice, settings_notice
@@ -273,12 +273,17 @@ class RemotePipe:
         # reports none while it works); it stops one short of the end until the last image is in.
         total_steps = max(1, int(request.steps)) * len(jobs)
 
+        counting = False
+
         def poll() -> None:  # on this thread every 0.1 s while the fleet works
-            nonlocal done_images
+            nonlocal done_images, counting
             sending = bool(sent_at)
             done_images += _drain(events, host)
             host.check_cancel()
             if sending:  # no progress while no server has an image: the wait has its own lines
+                if not counting:
+                    show_progress_phase(host, "sampling on the servers (estimated)", "step")
+                    counting = True
                 elapsed = time.monotonic() - sent_at[0]
                 fraction = max(done_images / len(jobs), elapsed / estimate_s)
                 host.progress(min(total_steps - 1, int(fraction * total_steps)), total_steps)
@@ -294,6 +299,8 @@ class RemotePipe:
             raise
         finally:
             _drain(events, host)
+        if not counting:
+            show_progress_phase(host, "sampling on the servers (estimated)", "step")
         host.progress(total_steps, total_steps)
         wall_s = time.monotonic() - started
         info = {

@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
-from ..core.host import Host
+from ..core.host import Host, show_progress_phase
 from ..text.encoder import pad_text
 from .schedule import shifted_sigmas  # noqa: F401 - also imported from here
 
@@ -48,6 +48,7 @@ def sample_euler(
     latents = start.start_latents(noise) if start is not None else noise
     use_cfg = cfg > 1.0
     batch = latents.shape[0]
+    show_progress_phase(host, "sampling", "step")
     for index in range(steps):
         host.check_cancel()
         if start is not None:

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..core.errors import InvalidInputError
-from ..core.host import Host, NullHost
+from ..core.host import Host, NullHost, show_progress_phase
 from ..core.variant import Variant
 from ..formats.sources import ModelSources
 from .pe_model import PeWeights, build_pe_model, default_top_k, load_pe_tokenizer, locate_pe, open_pe_component
@@ -127,6 +127,7 @@ class LocalEnhancer:
             if count % 16 == 0:
                 host.progress(count, total)
 
+        show_progress_phase(host, "prompt enhancer", "token")
         sampled = sample_tokens(self.model, ids, settings, seed, self.eos_ids, host.check_cancel, on_token,
                                 compiled=self.compiled_decode, weights=self.located.weights)
         revised = self.tokenizer.decode(sampled.token_ids, skip_special_tokens=True).strip()
