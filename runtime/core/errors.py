@@ -12,7 +12,7 @@ class ErnieImageError(Exception):
 
     A message names a setting by its Python name (a request field, a node widget: `mask_grow`); `naming` records
     which words of the message are such names, so a front end that calls them otherwise (the CLI: `--mask-grow`,
-    cli_names.py; ComfyUI: the Loader's widgets, nodes/comfy_names.py) can say its own names without the checks
+    cli/names.py; ComfyUI: the Loader's widgets, nodes/comfy_names.py) can say its own names without the checks
     knowing about it (`worded`).
     """
 

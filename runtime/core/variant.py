@@ -20,7 +20,7 @@ Variant = Literal["base", "turbo"]
 VARIANTS: tuple[Variant, ...] = ("base", "turbo")
 AUTO = "auto"
 METADATA_KEY = "ernie_image.variant"
-VARIANT_SETTING = "variant"  # the name runtime lines use for the override; front ends show their own (cli_names.py)
+VARIANT_SETTING = "variant"  # the name runtime lines use for the override; front ends show their own (cli/names.py)
 TURBO_CONFIG_KEYS = ("use_lora", "lora_rank")
 
 Source = Literal["set", "metadata", "config", "name", "default"]

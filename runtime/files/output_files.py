@@ -119,7 +119,7 @@ def full_disk(error: BaseException) -> Optional[str]:
 
 def write_error(out: Path, error: BaseException) -> ErnieImageError:
     """The one line for an output file that could not be written. It names the parameter `out` (the CLI shows its
-    flag, --out: cli_names.py); a full disk or quota is said so, as no other path in the same folder would help."""
+    flag, --out: cli/names.py); a full disk or quota is said so, as no other path in the same folder would help."""
     full = full_disk(error)
     if full is not None:
         return ErnieImageError(f"out {out} cannot be written: {full}: {FREE_SPACE_FIX}").naming("out")
