@@ -62,6 +62,8 @@ class ApiKeySource:
     def read(self) -> Optional[str]:
         """The key, or None when neither source is configured. A configured source that is empty is an error."""
         if self.env_var:
+            # env_var comes only from the user: a CLI flag in their own shell or an "env" entry of their keys file
+            # (credentials.py). No workflow, node input or route builds an ApiKeySource (tests/test_secrets_attacks).
             value = os.environ.get(self.env_var, "").strip()
             if value:
                 return header_safe(value, f"the environment variable {self.env_var}")
