@@ -242,13 +242,13 @@ def build_tiny_model(
     if with_pe:
         pe = lively_prompt_enhancer(sizes, seed + 3)
     if layout == "diffusers":
-        return _save_diffusers_layout(dest, config_root, dit, text_encoder, vae, pe)
+        return save_diffusers_layout(dest, config_root, dit, text_encoder, vae, pe)
     from .comfy_files import save_comfy_layout
 
     return save_comfy_layout(dest, variant, dit, text_encoder, vae, pe)
 
 
-def _save_diffusers_layout(dest: Path, config_root: Path, dit, text_encoder, vae, pe) -> ModelSources:
+def save_diffusers_layout(dest: Path, config_root: Path, dit, text_encoder, vae, pe) -> ModelSources:
     dest.mkdir(parents=True, exist_ok=True)
     index = json.loads((config_root / "model_index" / "config.json").read_text())
     if pe is None:

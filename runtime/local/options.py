@@ -25,7 +25,11 @@ class LoadOptions:
     keep_loaded: bool = True  # keep weights (in host RAM when they do not fit) between runs
     quant: str = "none"  # "none", "auto", "fp8", "q8_0", "nvfp4", or a quantised file given as the DiT
     previews: bool = True
-    compile: bool = True  # regional torch.compile of the DiT and the PE's decode step, on CUDA when Triton is installed
+    compile: bool = True  # regional torch.compile of the DiT's blocks, on CUDA when Triton is installed
+    # The local prompt enhancer's decode step through torch.compile as well. Off by default: it saves about 0.2 s a
+    # rewrite and costs 8-60 s on its first use in each process (docs/performance.md#the-first-image), so it pays
+    # back only after hundreds of rewrites. Its uncompiled step still replays as a CUDA graph.
+    pe_compile: bool = False
     # Uncompiled DiT resident on a CUDA device (compile off or no Triton): replay its forward as CUDA graphs
     # (dit_graphs.py; bit-identical output). Streamed blocks always run eagerly.
     cuda_graphs: bool = True

@@ -162,7 +162,7 @@ class PipeParts:
             self.enhancer = built_outside_inference_mode(LocalEnhancer.load)(
                 self.sources, self.device, self.dtype, self.variant, host,
                 build_device=self.memory.build_device() if placed else None, quant=self.options.pe_quant)
-        self.enhancer.compiled_decode = self.compiles_dit  # compile asked for and Triton present: the PE's step too
+        self.enhancer.compiled_decode = self.options.pe_compile and compile_available(self.device)
         return self.enhancer
 
     def weights_of(self, component: str) -> object:
