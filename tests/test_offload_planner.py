@@ -85,6 +85,22 @@ def test_streamed_blocks_are_spread_between_resident_ones():
     assert spread(4, 36) == (4, 13, 22, 31)
 
 
+@pytest.mark.parametrize("budget_gb", [10, 12, 16])
+@pytest.mark.parametrize("first_blocks", [1, 8, 20])
+def test_a_step_caches_decision_is_followed_by_resident_blocks(budget_gb, first_blocks):
+    """The host waits at the decision before it queues the next block, whose copy cannot start before it (a block
+    that may be skipped is not copied): the two blocks after the first Fn stay resident, the rest spread."""
+    job = Job(cfg=4.0, step_cache=True, decision_after_blocks=first_blocks)
+    plan = plan_memory(budget_gb * GiB, job, SIZES)
+    plain = plan_memory(budget_gb * GiB, Job(cfg=4.0, step_cache=True), SIZES)
+    assert len(plan.dit.streamed) == len(plain.dit.streamed) > 2
+    assert {first_blocks, first_blocks + 1}.isdisjoint(plan.dit.streamed)
+    def widest_gap(streamed):
+        return max(b - a for a, b in zip(streamed, streamed[1:]))
+
+    assert widest_gap(plan.dit.streamed) <= widest_gap(plain.dit.streamed) + 2  # still spread out
+
+
 def test_cfg_and_batch_leave_less_room_for_resident_blocks():
     plain = plan_memory(12 * GiB, Job(), SIZES)
     cfg = plan_memory(12 * GiB, Job(cfg=4.0), SIZES)

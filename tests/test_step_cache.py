@@ -285,7 +285,7 @@ def streaming_budget_gb(model: Path, request: GenerationRequest) -> float:
         low, high = (low, middle) if plan(middle) is not None else (middle, high)
     for budget in range(high, high + 64 * 1024**2, 4096):
         found = plan(budget)
-        if found is not None and 0 < len(found.dit.streamed) < SIZES.dit_layers - 1 and set(found.dit.streamed) & {2, 3}:
+        if found is not None and 0 < len(found.dit.streamed) < SIZES.dit_layers - 1 and set(found.dit.streamed) & {2, 3, 4}:
             return budget / GiB
     raise AssertionError("no budget streams part of the tiny DiT's middle")
 

@@ -112,9 +112,10 @@ class PipeMemory:
 
     @staticmethod
     def job_for(request, use_pe: bool) -> Job:
+        cache = getattr(request, "step_cache", None)
         return Job(width=request.width, height=request.height, batch=request.batch, cfg=request.cfg,
                    text_tokens=TEXT_TOKENS_FOR_PLAN, use_pe=use_pe, encode=needs_encoding(request),
-                   step_cache=getattr(request, "step_cache", None) is not None)
+                   step_cache=cache is not None, decision_after_blocks=cache.probe_blocks if cache is not None else 0)
 
     def _plan_inputs(self, request, sources, variant, local_pe: bool) -> tuple[Optional[int], Job, ModelSizes]:
         """Budget (None: 'auto' off CUDA, unbounded), job and sizes (`planning_sizes`) for `request`."""

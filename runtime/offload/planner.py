@@ -158,18 +158,32 @@ def budget_bytes(spec: "float | str | None", device=None, held_by_pipe: int = 0)
     return auto_budget(memory.free, memory.total, held_by_pipe)
 
 
-def spread(count: int, total: int) -> tuple[int, ...]:
-    """`count` indices spread evenly over range(total), so copies overlap resident blocks' compute."""
+# Resident blocks kept right after a host wait inside a step (a step cache's decision): their compute covers the
+# first streamed block's copy, which cannot start before the decision (a block that may be skipped is not copied).
+RESIDENT_AFTER_DECISION = 2
+
+
+def spread(count: int, total: int, keep: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """`count` indices spread evenly over range(total) less `keep` (as far as the others suffice), so copies
+    overlap resident blocks' compute."""
     if count <= 0:
         return ()
-    return tuple(sorted({min(total - 1, int((j + 0.5) * total / count)) for j in range(count)}))
+    candidates = [i for i in range(total) if i not in keep]
+    if count > len(candidates):
+        candidates = list(range(total))
+    n = len(candidates)
+    return tuple(sorted({candidates[min(n - 1, int((j + 0.5) * n / count))] for j in range(count)}))
 
 
-def plan_dit(sizes: ModelSizes, resident_count: int, slots: int, workspace: int) -> DiTPlan:
-    """The DiT with `resident_count` blocks on the device and the rest, spread out, streamed through `slots`."""
+def plan_dit(sizes: ModelSizes, resident_count: int, slots: int, workspace: int,
+             decision_after_blocks: int = 0) -> DiTPlan:
+    """The DiT with `resident_count` blocks on the device and the rest, spread out, streamed through `slots`;
+    `decision_after_blocks` (a step cache's Fn): the blocks right after that one stay resident where they can."""
     layers = sizes.dit.layers
     resident_count = max(0, min(layers, resident_count))
-    streamed = spread(layers - resident_count, layers)
+    keep = tuple(range(decision_after_blocks, min(layers, decision_after_blocks + RESIDENT_AFTER_DECISION))
+                 ) if decision_after_blocks else ()
+    streamed = spread(layers - resident_count, layers, keep)
     resident = tuple(i for i in range(layers) if i not in streamed)
     return DiTPlan(layers, resident, streamed, slots if streamed else 0, sizes.dit.layer_bytes,
                    sizes.dit.stem_bytes, workspace)
@@ -267,7 +281,7 @@ def plan_memory(budget: Optional[int], job: Job, sizes: ModelSizes, device_type:
                    pe_plan.phase_bytes if pe_plan else 0, encode_phase)
     on_gpu = (usable - sizes.dit.stem_bytes - headroom) // sizes.dit.layer_bytes
     resident_count = sizes.dit.layers if on_gpu >= sizes.dit.layers else max(0, on_gpu - slots)
-    dit = plan_dit(sizes, resident_count, slots, dit_ws)
+    dit = plan_dit(sizes, resident_count, slots, dit_ws, job.decision_after_blocks)
 
     text = text_streamed
     if dit.gpu_weight_bytes + text_resident.gpu_bytes + max(dit_ws, text_ws, sizes.vae_bytes + vae.workspace,

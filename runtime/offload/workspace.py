@@ -37,6 +37,9 @@ class Job:
     use_pe: bool = False
     encode: bool = False  # an init image goes through the VAE encoder first (img2img, inpainting)
     step_cache: bool = False  # a block-residual step cache holds residuals of the CFG-doubled batch (step_cache/)
+    # The blocks a step cache always computes before its decision (its Fn; 0: none). The host waits there for the
+    # decision before it queues the next block, so the planner keeps the blocks right after it resident.
+    decision_after_blocks: int = 0
 
     @property
     def dit_batch(self) -> int:
