@@ -132,7 +132,8 @@ def place(setup: Setup, dit: ErnieDiT, fmt: str, budget_gb: Optional[float]) -> 
         return DiTPlacement(dit, plan, setup.device), plan
     sizes = ModelSizes.released("base", fmt)
     sizes = dataclasses.replace(sizes, dit=measured_dit_size(dit, sizes.dit.largest_linear_params))
-    job = Job(setup.size, setup.size, 1, 4.0, setup.text_tokens, step_cache=True)
+    job = Job(setup.size, setup.size, 1, 4.0, setup.text_tokens, step_cache=True,
+              decision_after_blocks=StepCacheConfig().probe_blocks)  # as LocalPipe plans a job with the cache
     plan = plan_memory(int(budget_gb * GiB), job, sizes, "cuda").dit
     return (DiTPlacement(dit, plan, setup.device) if plan.streamed else None), plan
 
