@@ -24,8 +24,10 @@ def test_each_row_is_a_fresh_process_that_reports_every_split(tmp_path, tiny_tur
     assert [(r["row"]["caches"], r["row"]["pe"]) for r in results] == [("empty", True), ("warm", True)]
     for result in results:
         assert "error" not in result, result
-        splits = ("start_and_imports_s", "open_s", "load_s", "first_image_s", "second_image_s", "to_first_image_s")
+        splits = ("start_and_imports_s", "open_s", "load_s", "first_image_s", "warm_image_s", "to_first_image_s")
         assert all(result[key] > 0 for key in splits), result
+        assert len(result["images_s"]) == 3 and result["warm_image_s"] == result["images_s"][-1]
+        assert result["to_second_image_s"] - result["to_first_image_s"] >= result["images_s"][1] - 0.02  # rounding
         assert result["to_first_image_s"] >= result["start_and_imports_s"] + result["first_image_s"]
         assert set(result["first_phases"]) == {"pe_s", "text_s", "sampling_s", "decode_s"}
     table = (out / "cold_start.md").read_text()

@@ -6,6 +6,7 @@ from typing import Any, Optional
 from ..core.errors import ErnieImageError
 from ..core.request import GenerationRequest
 from ..lora.stack import describe_stack
+from ..model.compile import compile_available
 
 
 def dit_mode(pipe: Any) -> str:
@@ -14,9 +15,12 @@ def dit_mode(pipe: Any) -> str:
     if pipe.compiles_dit:
         return "compiled"
     exact = ", exact arithmetic" if pipe.options.arithmetic == "exact" else ""
+    until = ""
+    if pipe.options.compile == "auto" and compile_available(pipe.device):
+        until = ", compiled once that pays for itself"
     if pipe.options.cuda_graphs and pipe.device.type == "cuda":
-        return f"eager{exact}, replayed as CUDA graphs when resident"
-    return f"eager{exact}"
+        return f"eager{exact}, replayed as CUDA graphs when resident{until}"
+    return f"eager{exact}{until}"
 
 
 def describe_pipe(pipe: Any, request: Optional[GenerationRequest] = None) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -25,7 +25,9 @@ class LoadOptions:
     keep_loaded: bool = True  # keep weights (in host RAM when they do not fit) between runs
     quant: str = "none"  # "none", "auto", "fp8", "q8_0", "nvfp4", or a quantised file given as the DiT
     previews: bool = True
-    compile: bool = True  # regional torch.compile of the DiT's blocks, on CUDA when Triton is installed
+    # Regional torch.compile of the DiT's blocks, on CUDA when Triton is installed: True (at load), False, or "auto"
+    # (uncompiled until compiling has paid for itself: local/compile_policy.py).
+    compile: Union[bool, str] = "auto"
     # The local prompt enhancer's decode step through torch.compile as well. Off by default: it saves about 0.2 s a
     # rewrite and costs 8-60 s on its first use in each process (docs/performance.md#the-first-image), so it pays
     # back only after hundreds of rewrites. Its uncompiled step still replays as a CUDA graph.
@@ -46,6 +48,9 @@ class LoadOptions:
 
     def validate(self) -> None:
         """Refuse a device name or quantisation the pipe cannot use, before any file is read or model built."""
+        if self.compile not in (True, False, "auto"):
+            raise InvalidInputError(f"compile {self.compile!r} is not supported: use True, False or 'auto'"
+                                    ).naming("compile")
         kind, _, index = self.device.partition(":")
         if self.device not in ("auto", "cpu") and not (kind == "cuda" and (not index or index.isdigit())):
             raise InvalidInputError(f"device {self.device!r} is not supported: use auto, cpu, cuda or cuda:N"

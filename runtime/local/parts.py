@@ -4,7 +4,9 @@ what they hold on the device and in host memory is counted here."""
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -18,6 +20,7 @@ from ..model.compile import compile_available, compile_blocks, fuse_projections
 from ..model.fill import QUANT_ON_LOAD_FORMATS
 from ..offload.reserve import device_bytes_held
 from .checks import dit_weight_format, file_weight_format
+from .compile_policy import CompilePolicy, DitWork
 from .loras import PipeLoras
 from .memory import PipeMemory
 from .options import LoadOptions
@@ -66,11 +69,46 @@ class PipeParts:
         self.vae: Any = None
         self.vae_encoder: Any = None  # built only for jobs with an image in
         self.enhancer: Any = None
+        self.compile_policy = CompilePolicy(options.compile)
+        self.compile_policy_decided = False  # "auto" decided to compile: this DiT and any rebuilt one are compiled
 
     @property
     def compiles_dit(self) -> bool:
-        """Whether the DiT's blocks are (or, once loaded, will be) compiled: asked for and possible here."""
-        return self.options.compile and compile_available(self.device)
+        """Whether the DiT's blocks are (or, once loaded, will be) compiled: asked for, or decided by the "auto"
+        policy, and possible here."""
+        return (self.options.compile is True or self.compile_policy_decided) and compile_available(self.device)
+
+    @contextmanager
+    def timed_if_uncompiled(self, work: DitWork) -> Iterator[None]:
+        """Around a job's DiT calls: uncompiled ones are timed (the device drained at both ends) for the policy."""
+        if self.compiles_dit:
+            yield
+            return
+        synchronize = torch.cuda.synchronize if self.device.type == "cuda" else (lambda device: None)
+        synchronize(self.device)
+        started = time.perf_counter()
+        yield
+        synchronize(self.device)
+        self.compile_policy.ran_uncompiled(work, time.perf_counter() - started)
+
+    def compile_if_it_pays(self, work: DitWork, host: Host) -> None:
+        """Before a job's DiT phase: compile the blocks now where the compile policy says it pays from here on (the
+        loaded DiT's captured graphs are dropped; its blocks compile on their next call)."""
+        if self.compiles_dit or not compile_available(self.device):
+            return
+        if self.dit_weights:
+            self.compile_policy.set_format("fp8" if self.dit_weights.startswith("FP8") else "bf16")
+        if not self.compile_policy.compile_before(work):
+            return
+        self.compile_policy_decided = True
+        host.log(f"compiling the DiT's blocks: uncompiled runs have cost {self.compile_policy.spent_s:.1f} s more "
+                 "than compiled ones would, about what compiling costs (LoadOptions.compile='auto')")
+        if self.dit is not None:
+            release_graphs = getattr(self.dit_forward, "release_graphs", None)
+            if release_graphs is not None:
+                release_graphs()
+            self.dit_forward = None
+            compile_blocks(self.dit)
 
     def note_dit_file(self, dit) -> None:
         """What the opened DiT file says before it is built: a quantised file's formats, and what 'auto' runs."""

@@ -39,6 +39,7 @@ from .loras import PipeLoras
 from .memory import PipeMemory, plans_pe
 from .options import LoadOptions, resolve_device, resolve_dtype
 from .out_of_memory import memory_refusal
+from .compile_policy import DitWork
 from .parts import PipeParts, choose_auto_quant
 from .prompt_phase import revised_by_local_pe, revised_without_local_pe
 
@@ -174,6 +175,8 @@ class LocalPipe:
         """`original`: the image's normalised latents (encode_image) the job starts from; None: pure noise."""
         self._phase = "dit"
         self.memory.set_host(host)
+        work = DitWork.of(request, negative is not None)
+        self.parts.compile_if_it_pays(work, host)
         dit = self.parts.load_dit()
         rows = (negative + text) if negative is not None else text
         forward = self.parts.load_dit_forward(dit)
@@ -189,7 +192,7 @@ class LocalPipe:
 
         preview = latent_preview if self.options.previews else None
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self.parts.timed_if_uncompiled(work):
                 cfg = request.cfg if negative is not None else 1.0
                 return sample_euler(denoise, noise, request.steps, request.shift, cfg, self.dtype, host, preview,
                                     start)

@@ -1,0 +1,86 @@
+"""When a LocalPipe compiles its DiT's blocks: at load (`compile=True`), never (`False`), or, by default ("auto"),
+once compiling has paid for itself.
+
+Compiled blocks make a DiT call faster (H200, 1024x1024, batch 1: bf16 131 against 151 ms uncompiled, FP8 93
+against 143 ms) but each process pays for the compile before its first compiled call: with warm inductor caches
+about 2.4 s (bf16) and 3.7 s (FP8), with empty ones 7-16 s (docs/performance.md#the-first-image-after-a-restart).
+A user who makes a handful of Turbo images per restart never earns that back. "auto" is the ski-rental rule: run
+uncompiled while what the uncompiled calls have cost beyond compiled ones, plus what the job about to run would cost,
+stays below the compile's cost; compile before the first job where it no longer does. Whatever the number of jobs,
+that spends about twice what the better choice in hindsight would have at most (as far as the estimates hold), and
+a single long job (Base: 100 DiT calls at CFG) compiles at once when it alone would pay for it.
+
+The estimate of a job's uncompiled time is per DiT call and image-token row, from the pipe's own uncompiled runs once
+it has one, else from the H200's figure (a slower GPU makes uncompiled calls dearer, so it compiles sooner).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+CompileChoice = Union[bool, str]  # True, False or "auto"
+
+# Compiled call time / uncompiled call time, by DiT weight format (H200, bench/eager_graphs.py, bench/cold_start.py).
+COMPILED_CALL_RATIO = {"bf16": 0.87, "fp8": 0.65}
+# A process's compile of the blocks with warm inductor caches, seconds (H200, 16 cores, bench/cold_start.py).
+COMPILE_SECONDS = {"bf16": 2.4, "fp8": 3.7}
+# Uncompiled seconds per DiT call and image-token row before the pipe has measured its own (H200: 151 ms bf16 for
+# one 1024x1024 row of 4096 image tokens; FP8 143 ms).
+UNCOMPILED_CALL_ROW_TOKEN_S = {"bf16": 0.151 / 4096, "fp8": 0.143 / 4096}
+LATENT_PIXELS = 16  # an image token is 16x16 pixels (the VAE's 8x, then 2x2 patches)
+OTHER_FORMAT = "bf16"  # GGUF, NVFP4, fp16, fp32: priced as bf16
+
+
+@dataclass
+class DitWork:
+    """A job's DiT work: its calls (steps x call groups), the rows each call runs and the image tokens per row."""
+    calls: int
+    rows: int
+    tokens: int
+
+    @property
+    def row_tokens(self) -> int:
+        return self.calls * self.rows * self.tokens
+
+    @classmethod
+    def of(cls, request, uses_cfg: bool) -> "DitWork":
+        """A GenerationRequest's sampling: its steps, each over the batch (doubled by CFG's negative branch)."""
+        tokens = (request.width // LATENT_PIXELS) * (request.height // LATENT_PIXELS)
+        return cls(request.steps, request.batch * (2 if uses_cfg else 1), tokens)
+
+
+class CompilePolicy:
+    def __init__(self, choice: CompileChoice, weight_format: str = "bf16") -> None:
+        if choice not in (True, False, "auto"):
+            raise ValueError(f"compile {choice!r}: use True, False or 'auto'")
+        self.choice = choice
+        self.format = weight_format if weight_format in COMPILE_SECONDS else OTHER_FORMAT
+        self.spent_s = 0.0  # what the uncompiled calls so far cost beyond compiled ones
+        self._measured_row_token_s: Optional[float] = None
+
+    def set_format(self, weight_format: str) -> None:
+        self.format = weight_format if weight_format in COMPILE_SECONDS else OTHER_FORMAT
+
+    @property
+    def row_token_s(self) -> float:
+        if self._measured_row_token_s is not None:
+            return self._measured_row_token_s
+        return UNCOMPILED_CALL_ROW_TOKEN_S[self.format]
+
+    def extra_s(self, uncompiled_s: float) -> float:
+        """What `uncompiled_s` of uncompiled DiT calls cost beyond the same calls compiled."""
+        return uncompiled_s * (1.0 - COMPILED_CALL_RATIO[self.format])
+
+    def compile_before(self, work: DitWork) -> bool:
+        """Whether to compile the blocks before a job doing `work` (decided by the pipe before its DiT phase)."""
+        if self.choice != "auto":
+            return bool(self.choice)
+        expected = self.extra_s(work.row_tokens * self.row_token_s)
+        return self.spent_s + expected >= COMPILE_SECONDS[self.format]
+
+    def ran_uncompiled(self, work: DitWork, seconds: float) -> None:
+        """A job's DiT calls ran uncompiled in `seconds`: count their extra cost, learn this device's speed."""
+        if work.row_tokens <= 0 or seconds <= 0:
+            return
+        self.spent_s += self.extra_s(seconds)
+        self._measured_row_token_s = seconds / work.row_tokens

@@ -1,0 +1,131 @@
+"""When the DiT's blocks are compiled (local/compile_policy.py): at load, never, or once compiling pays for itself.
+
+"auto" is the ski-rental rule: uncompiled while the extra cost of the uncompiled calls so far plus the coming job's
+stays below the compile's cost, compiled from the first job where it no longer does. So a long job that alone
+would pay for the compile compiles at once, short jobs run uncompiled until they have spent about one compile, and
+what is spent uncompiled never reaches the compile's cost (at most about twice the better choice in hindsight).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.local.compile_policy import (COMPILE_SECONDS, COMPILED_CALL_RATIO, UNCOMPILED_CALL_ROW_TOKEN_S,
+                                                      CompilePolicy, DitWork)
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
+
+TURBO = DitWork(calls=8, rows=1, tokens=4096)  # 1024x1024, CFG 1
+BASE = DitWork(calls=50, rows=2, tokens=4096)  # 1024x1024, CFG 4: both branches in each call
+
+
+def reference_seconds(work: DitWork, fmt: str, slower: float = 1.0) -> float:
+    return work.row_tokens * UNCOMPILED_CALL_ROW_TOKEN_S[fmt] * slower
+
+
+@pytest.mark.parametrize("choice, expected", [(True, True), (False, False)])
+def test_true_and_false_mean_always_and_never(choice, expected):
+    policy = CompilePolicy(choice, "fp8")
+    for _ in range(50):
+        assert policy.compile_before(BASE) is expected
+        policy.ran_uncompiled(BASE, reference_seconds(BASE, "fp8"))
+
+
+@pytest.mark.parametrize("fmt, work, jobs_uncompiled", [
+    ("fp8", BASE, 0),  # one Base job uncompiled would cost more than compiling: compiled at once
+    ("bf16", BASE, 1),  # it would not quite: one uncompiled, then compiled
+    ("fp8", TURBO, 9),  # a Turbo image saves ~0.4 s compiled: nine uncompiled first
+    ("bf16", TURBO, 15),
+])
+def test_auto_runs_uncompiled_until_the_next_job_would_pay_for_the_compile(fmt, work, jobs_uncompiled):
+    policy = CompilePolicy("auto", fmt)
+    uncompiled = 0
+    while not policy.compile_before(work):
+        policy.ran_uncompiled(work, reference_seconds(work, fmt))
+        uncompiled += 1
+        assert uncompiled < 100
+    assert uncompiled == jobs_uncompiled
+    assert policy.spent_s < COMPILE_SECONDS[fmt]
+
+
+def test_a_slower_device_learns_its_speed_from_its_own_runs_and_compiles_sooner():
+    fast, slow = CompilePolicy("auto", "bf16"), CompilePolicy("auto", "bf16")
+    runs = {}
+    for name, policy, slower in (("fast", fast, 1.0), ("slow", slow, 3.0)):
+        count = 0
+        while not policy.compile_before(TURBO):
+            policy.ran_uncompiled(TURBO, reference_seconds(TURBO, "bf16", slower))
+            count += 1
+        runs[name] = count
+    assert runs["slow"] < runs["fast"] / 2
+    assert slow.row_token_s == pytest.approx(3 * UNCOMPILED_CALL_ROW_TOKEN_S["bf16"])
+
+
+def test_whatever_the_jobs_a_job_runs_uncompiled_only_while_its_estimate_keeps_the_spend_below_one_compile():
+    generator = random.Random(7)
+    for _ in range(200):
+        fmt = generator.choice(["bf16", "fp8"])
+        policy = CompilePolicy("auto", fmt)
+        slower = generator.uniform(0.5, 4.0)  # this device against the H200's figure
+        while True:
+            work = DitWork(generator.choice([1, 4, 8, 20, 50]), generator.choice([1, 2, 4]),
+                           generator.choice([1024, 4096, 9216]))
+            estimate = policy.extra_s(work.row_tokens * policy.row_token_s)
+            if policy.compile_before(work):
+                assert policy.spent_s + estimate >= COMPILE_SECONDS[fmt]
+                break
+            assert policy.spent_s + estimate < COMPILE_SECONDS[fmt]
+            policy.ran_uncompiled(work, reference_seconds(work, fmt, slower))
+        # Once the device's speed is learnt (from the first job on), the estimates are exact: below one compile.
+        assert policy.spent_s < COMPILE_SECONDS[fmt] + policy.extra_s(reference_seconds(BASE, fmt, 4.0) * 9216 / 4096)
+
+
+def test_what_counts_is_the_uncompiled_time_beyond_the_compiled_one():
+    policy = CompilePolicy("auto", "fp8")
+    policy.ran_uncompiled(TURBO, 2.0)
+    assert policy.spent_s == pytest.approx(2.0 * (1 - COMPILED_CALL_RATIO["fp8"]))
+    policy.ran_uncompiled(TURBO, 0.0)  # nothing measured: nothing learnt
+    assert policy.spent_s == pytest.approx(2.0 * (1 - COMPILED_CALL_RATIO["fp8"]))
+
+
+def test_other_formats_are_priced_as_bf16_and_a_bad_choice_is_refused():
+    assert CompilePolicy("auto", "GGUF Q4_K").format == "bf16"
+    with pytest.raises(ValueError, match="True, False or 'auto'"):
+        CompilePolicy("yes")
+
+
+def test_load_options_refuse_another_compile_value_in_one_line():
+    from ernie_image.runtime.core.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="compile 'sometimes' is not supported: use True, False or 'auto'"):
+        LoadOptions(compile="sometimes").validate()
+
+
+def test_the_pipe_asks_before_each_dit_phase_and_compiles_once_when_it_pays(tiny_turbo_folder, monkeypatch):
+    """CPU: the compiler is made "available" and compile_blocks recorded, so the policy's wiring is what runs."""
+    from ernie_image.runtime.local import compile_policy, description, parts
+
+    compiled = []
+    monkeypatch.setattr(parts, "compile_available", lambda device: True)
+    monkeypatch.setattr(description, "compile_available", lambda device: True)
+    monkeypatch.setattr(parts, "compile_blocks", lambda dit: compiled.append(dit) or True)
+    monkeypatch.setitem(compile_policy.COMPILE_SECONDS, "bf16", 1e9)  # never pays: stays uncompiled
+    pipe = LocalPipe.load(tiny_turbo_folder, LoadOptions(device="cpu", previews=False))
+    request = GenerationRequest(prompt="a fox", width=256, height=256, steps=2, seed=1)
+    host = NullHost()
+    pipe.generate(request, host)
+    policy = pipe.parts.compile_policy
+    assert compiled == [] and policy.spent_s > 0 and policy.row_token_s != UNCOMPILED_CALL_ROW_TOKEN_S["bf16"]
+    assert "compiled once that pays for itself" in pipe.describe()
+
+    monkeypatch.setitem(compile_policy.COMPILE_SECONDS, "bf16", policy.spent_s)  # paid for from the next job on
+    pipe.generate(request, host)
+    assert compiled == [pipe.parts.dit]
+    assert any(message.startswith("compiling the DiT's blocks") for message in host.messages)
+    spent = policy.spent_s
+    pipe.generate(request, host)
+    assert compiled == [pipe.parts.dit] and policy.spent_s == spent  # compiled calls are not counted
+    assert "DiT float32, compiled" in pipe.describe()
