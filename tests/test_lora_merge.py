@@ -15,9 +15,7 @@ import lora_files as lf
 from conftest import LoggingHost
 from ernie_image.runtime.core.errors import InvalidInputError
 from ernie_image.runtime.core.host import NullHost
-from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.demo.tiny import build_tiny_model
-from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local import loras as pipe_loras_module, parts as local_parts_module
 from ernie_image.runtime.local.options import LoadOptions
 from ernie_image.runtime.local.pipe import LocalPipe
@@ -31,23 +29,13 @@ from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
 from ernie_image.runtime.quant.fp8 import dequantize_fp8, quantize_fp8
 from ernie_image.runtime.quant.linear import QuantLinear
 from ernie_image.runtime.quant.qweight import QuantizedWeight
+from test_lora_pipe import REQUEST, loras, model  # noqa: F401  (the same request, tiny model and LoRA files)
 
-REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=7)
 # fp32: merged and branch images differ only by fp32 summation order: bound 3e-5 of the 0..1 image (measured 6e-6;
 # 1/255 is 3.9e-3).
 FP32_IMAGE_BOUND = 3e-5
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
-
-
-@pytest.fixture(scope="module")
-def model(tiny_turbo_folder):
-    return ModelSources(model_dir=tiny_turbo_folder)
-
-
-@pytest.fixture(scope="module")
-def loras(tiny_turbo_folder, tmp_path_factory):
-    return lf.tiny_model_loras(tiny_turbo_folder, tmp_path_factory.mktemp("merge-loras"))
 
 
 def load(model, **options) -> LocalPipe:
