@@ -11,7 +11,7 @@ from ernie_image.runtime.lora.keys import dit_linear_shapes
 from ernie_image.runtime.lora.parsed import load_lora
 from ernie_image.runtime.model.compile import compile_blocks, fuse_projections
 from ernie_image.runtime.model.dit import DiTConfig
-from small_gpu_dits import compiled_graphs, random_bf16_dit, step_inputs
+from small_dits import compiled_graphs, scaled_random_dit, step_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -24,11 +24,8 @@ CONFIG = DiTConfig(hidden_size=256, num_attention_heads=2, num_layers=4, ffn_hid
 def loras(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpu-loras")
     shapes = dit_linear_shapes(CONFIG)
-    return {
-        "a": lf.write_ai_toolkit(folder / "a.safetensors", lf.random_lora(shapes, 8, seed=1)),
-        "b": lf.write_down_up(folder / "b.safetensors", lf.random_lora(shapes, 8, seed=2), 8.0, lf.kohya_name),
-        "wide": lf.write_ai_toolkit(folder / "wide.safetensors", lf.random_lora(shapes, 16, seed=3)),
-    }
+    wide = lf.write_ai_toolkit(folder / "wide.safetensors", lf.random_lora(shapes, 16, seed=3))
+    return {**lf.two_dit_loras(folder, shapes, kohya_rank=8), "wide": wide}
 
 
 @torch.inference_mode()
@@ -38,10 +35,10 @@ def run(dit, args):
 
 def test_compiled_dit_switches_loras_without_recompiling(loras):
     torch._dynamo.reset()
-    dit = random_bf16_dit(CONFIG)
+    dit = scaled_random_dit(CONFIG, "cuda", torch.bfloat16)
     fuse_projections(dit)
     assert compile_blocks(dit)
-    args = step_inputs(CONFIG)
+    args = step_inputs(CONFIG, "cuda", torch.bfloat16)
     base = run(dit, args)
     stack = lambda name, strength=1.0: [(load_lora(loras[name], CONFIG), strength)]  # noqa: E731
 
@@ -71,13 +68,13 @@ def test_compiled_dit_switches_loras_without_recompiling(loras):
 @torch.inference_mode()
 def test_compiled_fused_lora_matches_the_eager_unfused_one(loras):
     torch._dynamo.reset()
-    eager, compiled = random_bf16_dit(CONFIG), random_bf16_dit(CONFIG)
+    eager, compiled = scaled_random_dit(CONFIG, "cuda", torch.bfloat16), scaled_random_dit(CONFIG, "cuda", torch.bfloat16)
     fuse_projections(compiled)
     assert compile_blocks(compiled)
     stack = [(load_lora(loras["a"], CONFIG), 0.8), (load_lora(loras["b"], CONFIG), -0.5)]
     apply_stack(eager, stack)
     apply_stack(compiled, stack)
-    args = step_inputs(CONFIG)
+    args = step_inputs(CONFIG, "cuda", torch.bfloat16)
     want, got = eager(*args).float(), compiled(*args).float()
     assert torch.isfinite(got).all()
     assert ((got - want).norm() / want.norm()).item() <= 2e-2

@@ -17,7 +17,7 @@ from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
 from ernie_image.runtime.model.dit_graphs import DiTGraphs
 from ernie_image.runtime.quant.linear import QuantLinear, quantize_linears
 from ernie_image.runtime.quant.writer import quantize_weight
-from small_gpu_dits import compiled_graphs, random_bf16_dit, step_inputs
+from small_dits import compiled_graphs, scaled_random_dit, step_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -29,11 +29,7 @@ CONFIG = DiTConfig(hidden_size=512, num_attention_heads=4, num_layers=3, ffn_hid
 @pytest.fixture(scope="module")
 def loras(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpu-merge-loras")
-    shapes = dit_linear_shapes(CONFIG)
-    return {
-        "a": lf.write_ai_toolkit(folder / "a.safetensors", lf.random_lora(shapes, 8, seed=1)),
-        "b": lf.write_down_up(folder / "b.safetensors", lf.random_lora(shapes, 16, seed=2), 8.0, lf.kohya_name),
-    }
+    return lf.two_dit_loras(folder, dit_linear_shapes(CONFIG), kohya_rank=16)
 
 
 def stack(loras, name: str, strength: float = 1.0):
@@ -55,13 +51,13 @@ def fp8_blocks(dit: ErnieDiT) -> ErnieDiT:
 @torch.inference_mode()
 def test_compiled_dit_merges_switches_and_unmerges_without_recompiling(loras, fmt):
     torch._dynamo.reset()
-    dit = random_bf16_dit(CONFIG)
+    dit = scaled_random_dit(CONFIG, "cuda", torch.bfloat16)
     fuse_projections(dit)
     if fmt == "fp8":
         fp8_blocks(dit)
         assert isinstance(dit.layers[0].mlp.gate_up, QuantLinear)
     assert compile_blocks(dit)
-    args = step_inputs(CONFIG)
+    args = step_inputs(CONFIG, "cuda", torch.bfloat16)
     base = dit(*args).clone()
     pointers = addresses(dit)
     before = compiled_graphs()
@@ -81,10 +77,10 @@ def test_compiled_dit_merges_switches_and_unmerges_without_recompiling(loras, fm
 
 @torch.inference_mode()
 def test_captured_cuda_graphs_replay_the_merged_weights_without_a_recapture(loras):
-    dit = random_bf16_dit(CONFIG)
+    dit = scaled_random_dit(CONFIG, "cuda", torch.bfloat16)
     fuse_projections(dit)
     graphed = DiTGraphs(dit)
-    args = step_inputs(CONFIG)
+    args = step_inputs(CONFIG, "cuda", torch.bfloat16)
     base = graphed(*args).clone()
     graphed(*args)  # warm-up, then capture
     captures = graphed.captures
@@ -98,7 +94,7 @@ def test_captured_cuda_graphs_replay_the_merged_weights_without_a_recapture(lora
 
 
 def test_the_host_copy_is_page_locked_and_counted(loras):
-    dit = random_bf16_dit(CONFIG)
+    dit = scaled_random_dit(CONFIG, "cuda", torch.bfloat16)
     fuse_projections(dit)
     applied = apply_loras(dit, stack(loras, "a"))
     state = merge_state(dit)
