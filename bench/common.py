@@ -47,6 +47,15 @@ def print_environment() -> dict:
     return record
 
 
+def rss_bytes() -> int:
+    """This process's resident host memory (VmRSS), in bytes; 0 where /proc does not say it."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def wall_time(run: Callable[[], object]) -> tuple[object, float]:
     """One call's result and its wall seconds, the GPU drained before and after (first calls: compile included)."""
     torch.cuda.synchronize()
@@ -70,6 +79,35 @@ def cuda_time_ms(run: Callable[[], object], warmup: int = 3, iters: int = 10) ->
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+class BenchRun:
+    """One benchmark run on `device`: its rows, its checks and its phases' wall seconds, each printed as it comes."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.rows: list[dict] = []
+        self.checks: list[dict] = []
+        self.phases: dict[str, float] = {}
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def check(self, what: str, ok: bool, **detail) -> None:
+        self.checks.append({"check": what, "ok": bool(ok), **detail})
+        print(f"# check {'OK  ' if ok else 'FAIL'} {what} {detail if detail else ''}", flush=True)
+
+    @contextmanager
+    def phase(self, name: str):
+        """Times the block's wall seconds into `phases[name]`, the device drained at its end."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.sync()
+            self.phases[name] = round(time.perf_counter() - started, 2)
+            print(f"# phase {name}: {self.phases[name]:.1f} s", flush=True)
 
 
 class GpuSampler:
@@ -180,6 +218,22 @@ def quantise_block_linears_(model: torch.nn.Module, fmt: str) -> None:
     state = {key: quantize_weight(value, fmt) for key, value in model.state_dict().items()
              if key.startswith("layers.") and key.endswith(".weight") and value.dim() == 2}
     quantize_linears(model, state)
+
+
+def quantised_copy(model: torch.nn.Module, fmt: str) -> torch.nn.Module:
+    """A second DiT sharing `model`'s non-Linear tensors (its projections fused where `model`'s are), every block
+    Linear packed to `fmt` on the weights' device."""
+    from ernie_image.runtime.model.dit import ErnieDiT
+
+    with torch.device("meta"):
+        copy = ErnieDiT(model.config)
+    if model.layers[0].self_attention.to_qkv is not None:
+        for block in copy.layers:
+            block.self_attention.fuse_projections()
+            block.mlp.fuse_projections()
+    copy.load_state_dict(model.state_dict(), assign=True)
+    quantise_block_linears_(copy, fmt)
+    return copy.eval().requires_grad_(False)
 
 
 def dit_flops(width: int = 1024, height: int = 1024, text_tokens: int = 256, layers: int = 36,

@@ -77,7 +77,7 @@ def shared_text_tower(text_encoder, device: torch.device):
 
 def fp8_rows(ours: LocalPipe, dit: ErnieDiT, compile_dit: bool, presets: dict) -> list[dict]:
     """The same pipe with the DiT's Linears packed to FP8 (native scaled matmuls on SM >= 8.9)."""
-    from speed import quantised_copy
+    from common import quantised_copy
 
     from ernie_image.runtime.model.compile import compile_blocks
 

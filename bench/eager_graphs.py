@@ -20,13 +20,13 @@ import gc
 import json
 import statistics
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from common import dit_config, environment, import_package, quantise_block_linears_, randomise_dit_, table
+from common import (BenchRun, cuda_time_ms, dit_config, environment, import_package, quantised_copy, randomise_dit_,
+                    table)
 
 import_package()
 
@@ -41,38 +41,25 @@ TINY = {"hidden_size": 256, "num_attention_heads": 2, "num_layers": 3, "ffn_hidd
         "rope_axes_dim": [32, 48, 48]}
 
 
-class Bench:
+class Bench(BenchRun):
     def __init__(self, device: torch.device, tiny: bool, iters: int) -> None:
-        self.device, self.tiny, self.iters = device, tiny, iters
+        super().__init__(device)
+        self.tiny, self.iters = tiny, iters
         self.size = 128 if tiny else 1024
         self.text_tokens = 16 if tiny else 256
-        self.rows: list[dict] = []
-        self.checks: list[dict] = []
-        self.phases: dict[str, float] = {}
         self.dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
         self.label = "fp32" if device.type == "cpu" else "bf16"
 
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
     def time_ms(self, run: Callable[[], object], warmup: int = 2) -> float:
+        if self.device.type == "cuda":
+            return cuda_time_ms(run, warmup, self.iters)
         for _ in range(warmup):
             run()
-        self.sync()
         times = []
         for _ in range(self.iters):
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                run()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                started = time.perf_counter()
-                run()
-                times.append((time.perf_counter() - started) * 1e3)
+            started = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - started) * 1e3)
         return statistics.median(times)
 
     def measure(self, variant: str, batch: int, run: Callable[[], object], **extra) -> None:
@@ -84,20 +71,6 @@ class Bench:
             self.rows.append({"variant": variant, "batch": batch, "ms": None,
                               "error": f"{type(error).__name__}: {error}"[:200]})
             print(f"# {variant} b{batch}: FAILED {type(error).__name__}: {error}"[:300], flush=True)
-
-    def check(self, what: str, ok: bool, **detail) -> None:
-        self.checks.append({"check": what, "ok": bool(ok), **detail})
-        print(f"# check {'OK  ' if ok else 'FAIL'} {what} {detail if detail else ''}", flush=True)
-
-    @contextmanager
-    def phase(self, name: str):
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.sync()
-            self.phases[name] = round(time.perf_counter() - started, 2)
-            print(f"# phase {name}: {self.phases[name]:.1f} s", flush=True)
 
     def inputs(self, batch: int, text_tokens: int | None = None):
         generator = torch.Generator().manual_seed(batch)
@@ -127,18 +100,6 @@ def build_unfused(bench: Bench) -> ErnieDiT:
         torch.set_default_dtype(torch.float32)
     randomise_dit_(model)
     return model.eval().requires_grad_(False)
-
-
-def quantised_copy(model: ErnieDiT, fmt: str) -> ErnieDiT:
-    """A second DiT sharing `model`'s non-Linear tensors, every block Linear packed to `fmt` (as bench/speed.py)."""
-    with torch.device("meta"):
-        copy = ErnieDiT(model.config)
-    for block in copy.layers:
-        block.self_attention.fuse_projections()
-        block.mlp.fuse_projections()
-    copy.load_state_dict(model.state_dict(), assign=True)
-    quantise_block_linears_(copy, fmt)
-    return copy.eval().requires_grad_(False)
 
 
 def graphs_rows(bench: Bench, model: ErnieDiT, label: str, reference: dict) -> None:

@@ -31,8 +31,8 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 
 import torch
 
-from common import (cuda_time_ms, dit_config, import_package, print_environment, quantise_block_linears_, randomise_dit_,
-                    table)
+from common import (cuda_time_ms, dit_config, import_package, print_environment, quantise_block_linears_,
+                    quantised_copy, randomise_dit_, rss_bytes, table)
 
 import_package()
 
@@ -171,14 +171,7 @@ class Bench:
 
     def fp8(self, bf16: ErnieDiT, loras: dict[str, Path], args) -> None:
         apply_stack(bf16, [])
-        with torch.device("meta"):
-            dit = ErnieDiT(self.config)
-        for block in dit.layers:
-            block.self_attention.fuse_projections()
-            block.mlp.fuse_projections()
-        dit.load_state_dict(bf16.state_dict(), assign=True)
-        quantise_block_linears_(dit, "fp8")
-        dit.eval().requires_grad_(False)
+        dit = quantised_copy(bf16, "fp8")
         compile_blocks(dit)
         graphs = self.graphs()
         first = self.first_call_s(dit, args)
@@ -191,15 +184,17 @@ class Bench:
         self.row("FP8 compiled: rank32", step_ms=ms, x_base=ms / base_ms, apply_s=apply_s, first_call_s=first,
                  new_graphs=self.graphs() - graphs)
 
-    def streamed(self, loras: dict[str, Path]) -> None:
+    def streamed_dit(self, loras: dict[str, Path]) -> tuple[ErnieDiT, DiTPlacement, str]:
+        """A new DiT placed as the planner streams it with a rank-32 LoRA's branch counted in its stem: half its
+        blocks streamed on the tiny model, within 12 GiB at full size. The DiT, its placement, the budget's words."""
         dit = self.build_dit()
         if self.device.type == "cuda":
             fuse_projections(dit)
         sizes = ModelSizes.released("turbo")
         lora_bytes = load_lora(loras["rank32 A"], self.config).branch_params() * self.dtype.itemsize
-        sizes = dataclasses.replace(sizes, dit=dataclasses.replace(
-            measured_dit_size(dit, sizes.dit.largest_linear_params), stem_bytes=measured_dit_size(
-                dit, sizes.dit.largest_linear_params).stem_bytes + lora_bytes))
+        measured = measured_dit_size(dit, sizes.dit.largest_linear_params)
+        stem_bytes = measured.stem_bytes + lora_bytes
+        sizes = dataclasses.replace(sizes, dit=dataclasses.replace(measured, stem_bytes=stem_bytes))
         if self.tiny:
             plan = plan_dit(sizes, self.config.num_layers // 2, 2, 0)
             budget = "tiny: half the blocks streamed"
@@ -208,6 +203,11 @@ class Bench:
             budget = "12 GiB"
         placement = DiTPlacement(dit, plan, self.device)
         self.clean()
+        return dit, placement, budget
+
+    def streamed(self, loras: dict[str, Path]) -> None:
+        dit, placement, budget = self.streamed_dit(loras)
+        plan = placement.plan
         args = self.inputs()
         host_before, rss_before = placement.streamer.host_bytes, rss_bytes()
         base_ms = self.step_ms(dit, args)
@@ -300,21 +300,8 @@ class Bench:
 
     def merged_streamed(self, loras: dict[str, Path]) -> None:
         """At 12 GB the streamed blocks keep the branch; the resident blocks and the stem merge."""
-        dit = self.build_dit()
-        if self.device.type == "cuda":
-            fuse_projections(dit)
-        sizes = ModelSizes.released("turbo")
-        lora_bytes = load_lora(loras["rank32 A"], self.config).branch_params() * self.dtype.itemsize
-        measured = measured_dit_size(dit, sizes.dit.largest_linear_params)
-        sizes = dataclasses.replace(sizes, dit=dataclasses.replace(measured, stem_bytes=measured.stem_bytes + lora_bytes))
-        if self.tiny:
-            plan = plan_dit(sizes, self.config.num_layers // 2, 2, 0)
-            budget = "tiny: half the blocks streamed"
-        else:
-            plan = plan_memory(12 * GiB, Job(self.side, self.side, 1, 1.0, self.text_tokens), sizes).dit
-            budget = "12 GiB"
-        placement = DiTPlacement(dit, plan, self.device)
-        self.clean()
+        dit, placement, budget = self.streamed_dit(loras)
+        plan = placement.plan
         label = f"merged, streamed ({budget}, {len(plan.streamed)} of {plan.layers} blocks streamed)"
         self.merged_rows(dit, label, loras, ("rank32 A", "rank32 B"), self.inputs(), streamed=plan.streamed)
         placement.release()
@@ -334,14 +321,6 @@ class Bench:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def main() -> None:

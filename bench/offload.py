@@ -23,7 +23,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 
 import torch
 
 from common import (cuda_time_ms, dit_config, import_package, print_environment, quantise_block_linears_,
-                    randomise_dit_, table)
+                    randomise_dit_, rss_bytes, table)
 
 import_package()
 
@@ -41,14 +41,6 @@ DEVICE = torch.device("cuda")
 TEXT_TOKENS = 256
 SIZES = ModelSizes.released("turbo")
 TOTAL = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def clean() -> None:

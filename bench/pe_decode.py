@@ -23,12 +23,11 @@ import copy
 import gc
 import json
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from common import environment, import_package, table
+from common import BenchRun, environment, import_package, table
 
 import_package()
 
@@ -42,35 +41,14 @@ from ernie_image.runtime.text.token_sampler import (ExponentialDraws, SamplingSe
 EOS_ID = 2
 
 
-class Run:
+class Run(BenchRun):
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.rows: list[dict] = []
-        self.checks: list[dict] = []
-        self.phases: dict[str, float] = {}
+        super().__init__(device)
         self.label = "bf16" if device.type == "cuda" else "fp32"  # the tiny CPU model runs in fp32
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    @contextmanager
-    def phase(self, name: str):
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.sync()
-            self.phases[name] = round(time.perf_counter() - started, 2)
-            print(f"# phase {name}: {self.phases[name]:.1f} s", flush=True)
 
     def row(self, **fields) -> None:
         self.rows.append(fields)
         print("# " + json.dumps(fields), flush=True)
-
-    def check(self, what: str, ok: bool, **detail) -> None:
-        self.checks.append({"check": what, "ok": bool(ok), **detail})
-        print(f"# check {'OK  ' if ok else 'FAIL'} {what} {detail if detail else ''}", flush=True)
 
     def per_call_ms(self, run, count: int) -> float:
         """Mean ms of `count` back-to-back calls, device drained before and after."""

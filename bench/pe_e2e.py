@@ -243,7 +243,7 @@ class DiTs:
 
     def get(self, fmt: str):
         from ernie_image.runtime.model.compile import compile_blocks
-        from speed import quantised_copy
+        from common import quantised_copy
 
         if fmt not in self.models:
             model = self.components.dit if fmt == "bf16" else quantised_copy(self.components.dit, fmt)

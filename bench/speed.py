@@ -21,7 +21,7 @@ import sys
 import torch
 
 from common import (GpuSampler, block_matmuls, cuda_time_ms, wall_time, dit_config, dit_flops, import_package, print_environment,
-                    quantise_block_linears_, randomise_dit_, table)
+                    quantised_copy, randomise_dit_, table)
 
 import_package()
 
@@ -71,19 +71,6 @@ def inputs(batch: int, padded: bool = False):
         lens[0] = TEXT_TOKENS - 37
         text[0, lens[0]:] = 0
     return latents, timestep, text, lens
-
-
-def quantised_copy(model: ErnieDiT, fmt: str) -> ErnieDiT:
-    """A second DiT sharing `model`'s non-Linear tensors, every block Linear packed to `fmt` on the GPU."""
-    with torch.device("meta"):
-        copy = ErnieDiT(model.config)
-    if model.layers[0].self_attention.to_qkv is not None:
-        for block in copy.layers:
-            block.self_attention.fuse_projections()
-            block.mlp.fuse_projections()
-    copy.load_state_dict(model.state_dict(), assign=True)
-    quantise_block_linears_(copy, fmt)
-    return copy.eval().requires_grad_(False)
 
 
 def fp8_rows(ours: ErnieDiT, measure) -> None:

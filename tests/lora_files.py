@@ -210,6 +210,13 @@ def write_example_loras(folder: Path, dit_file: Path) -> dict[str, Path]:
     return paths
 
 
+def two_dit_loras(folder: Path, shapes: dict[str, tuple[int, int]], kohya_rank: int) -> dict[str, Path]:
+    """Two LoRAs on every Linear of `shapes`: "a" in ai-toolkit's layout at rank 8, "b" in kohya's at `kohya_rank`
+    (alpha 8)."""
+    return {"a": write_ai_toolkit(folder / "a.safetensors", random_lora(shapes, 8, seed=1)),
+            "b": write_down_up(folder / "b.safetensors", random_lora(shapes, kohya_rank, seed=2), 8.0, kohya_name)}
+
+
 def tiny_model_loras(tiny_folder: Path, folder: Path) -> dict[str, Path]:
     """The LoRA files the pipe tests use on the tiny Turbo model: rank-4 kohya and ai-toolkit LoRAs on every DiT
     Linear, a rank-2 one on the attention only, and LoKr and LoHa of rank 2."""

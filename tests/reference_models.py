@@ -56,6 +56,11 @@ def random_dit(device: str, dtype: torch.dtype) -> ErnieDiT:
     return model.to(device, dtype).eval().requires_grad_(False)
 
 
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    """The relative L2 distance of `ours` from `reference`, in float32."""
+    return ((ours.float() - reference.float()).norm() / reference.float().norm()).item()
+
+
 def diffusers_dit(ours: ErnieDiT):
     """diffusers' ErnieImageTransformer2DModel of DIT_CONFIG holding `ours`'s weights, on its device and dtype."""
     from diffusers import ErnieImageTransformer2DModel

@@ -19,37 +19,34 @@ class Terminal(io.StringIO):
         return True
 
 
-def test_a_log_gets_whole_lines_naming_what_is_counted():
+def logged_sampling(steps: range, total: int) -> str:
+    """What a Console writes into a log for the sampling phase's counts `steps` of `total`."""
     log = io.StringIO()
     console = Console(log)
     console.phase("sampling", "step")
-    for step in range(1, 9):
-        console.progress(step, 8)
-    lines = log.getvalue().splitlines()
-    assert "\r" not in log.getvalue() and len(lines) == 8
+    for step in steps:
+        console.progress(step, total)
+    return log.getvalue()
+
+
+def test_a_log_gets_whole_lines_naming_what_is_counted():
+    logged = logged_sampling(range(1, 9), 8)
+    lines = logged.splitlines()
+    assert "\r" not in logged and len(lines) == 8
     assert all(re.fullmatch(rf"sampling: step {n}/8 \(\d+%\)(, .+ left)?", line) for n, line in enumerate(lines, 1))
     assert lines[-1].startswith("sampling: step 8/8 (100%)")
 
 
 def test_a_long_run_logs_a_line_each_tenth_of_the_way():
-    log = io.StringIO()
-    console = Console(log)
-    console.phase("sampling", "step")
-    for step in range(1, 1001):
-        console.progress(step, 1000)
-    counts = [int(re.match(r"sampling: step (\d+)/1000", line).group(1)) for line in log.getvalue().splitlines()]
+    counts = [int(re.match(r"sampling: step (\d+)/1000", line).group(1))
+              for line in logged_sampling(range(1, 1001), 1000).splitlines()]
     assert counts == [1, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000]
 
 
 def test_a_slow_run_logs_a_line_every_few_seconds(monkeypatch):
     clock = iter(range(0, 10_000, 6))  # six seconds between calls
     monkeypatch.setattr(console_module, "clock", lambda: float(next(clock)))
-    log = io.StringIO()
-    console = Console(log)
-    console.phase("sampling", "step")
-    for step in range(1, 6):
-        console.progress(step, 1000)
-    lines = log.getvalue().splitlines()
+    lines = logged_sampling(range(1, 6), 1000).splitlines()
     assert [line.split(" (")[0] for line in lines] == [f"sampling: step {n}/1000" for n in range(1, 6)]
     assert lines[1] == "sampling: step 2/1000 (0%), 6.00 s/step, 1:39:48 left"
 

@@ -117,23 +117,7 @@ async def test_a_preset_writes_its_size_and_a_hand_edit_switches_to_custom(page:
 
 async def test_a_workflow_queued_from_the_editor_runs_and_the_loader_shows_its_memory_plan(page: Browser,
                                                                                       comfy) -> None:  # noqa: F811
-    await load_workflow(page, REPO_ROOT / "example_workflows" / "ernie_image_turbo_local.json")
-    await page.evaluate(f"""(() => {{
-        for (const node of {APP}.graph._nodes.filter((n) => n.type === "ErnieImageTurboSampler")) {{
-            const set = (name, value) => {{ node.widgets.find((w) => w.name === name).value = value; }};
-            set("resolution", "custom"); set("width", {TEST_SIDE}); set("height", {TEST_SIDE});
-            set("steps", {MAX_TEST_STEPS});
-        }}
-        return true;
-    }})()""")
-    before = set(await get_json(comfy, "/history"))
-    await page.evaluate(f"{APP}.queuePrompt(0, 1).then(() => true)")
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not (entries := {key: value for key, value in (await get_json(comfy, "/history")).items()
-                           if key not in before and value.get("status", {}).get("completed")}):
-        assert time.monotonic() < deadline, "the queued workflow did not finish"
-        await asyncio.sleep(1)
-    (entry,) = entries.values()
+    entry = await run_in_editor(page, comfy, REPO_ROOT / "example_workflows" / "ernie_image_turbo_local.json")
     images = [image for output in entry["outputs"].values() for image in output.get("images", [])]
     assert len(images) == 1 and images[0]["type"] == "output"
     plan = await page.wait_for(f"{APP}.graph._nodes.find((n) => n.type === 'ErnieImageLoader')"
@@ -263,6 +247,9 @@ async def test_the_template_browser_shows_each_templates_title_and_description(p
     assert not any(name in text for name in listed[PACK_NAME])  # no file name shown as a title
 
 
+# JavaScript: a node's box in graph units, its title bar included ([left, top, right, bottom])
+NODE_BOX = ("((node) => [node.pos[0], node.pos[1] - LiteGraph.NODE_TITLE_HEIGHT, node.pos[0] + node.size[0], "
+            "node.pos[1] + node.size[1]])")
 MEASURE_VIEW = """(() => {
     const app = APP, canvas = app.canvas.canvas, box = canvas.getBoundingClientRect();
     const [ox, oy] = app.canvas.ds.offset, scale = app.canvas.ds.scale;
@@ -272,8 +259,8 @@ MEASURE_VIEW = """(() => {
     let left = 0; while (left < box.width / 2 && !shows(left, box.height / 2)) left++;
     let top = 0; while (top < box.height / 2 && !shows(box.width / 2, top)) top++;
     const nodes = app.graph._nodes.map((node) => {
-        const [x0, y0] = screen(node.pos[0], node.pos[1] - LiteGraph.NODE_TITLE_HEIGHT);
-        const [x1, y1] = screen(node.pos[0] + node.size[0], node.pos[1] + node.size[1]);
+        const [gx0, gy0, gx1, gy1] = NODE_BOX(node);
+        const [x0, y0] = screen(gx0, gy0), [x1, y1] = screen(gx1, gy1);
         // points along the node's edge that a floating panel (minimap, toolbar) would cover
         const covered = [];
         for (let t = 0.05; t < 1; t += 0.1) {
@@ -304,7 +291,7 @@ async def test_each_template_opens_with_its_whole_graph_in_view_and_its_notes_re
     it shown without scrolling."""
     await load_workflow(page, path)
     await asyncio.sleep(1)  # the DOM widgets are placed on the next frames
-    view = await page.evaluate(MEASURE_VIEW.replace("APP", APP))
+    view = await page.evaluate(MEASURE_VIEW.replace("APP", APP).replace("NODE_BOX", NODE_BOX))
     await look(page, f"opened_{path.stem}")
     left, top, right, bottom = view["area"]
     outside = [(n["id"], n["type"], [round(v) for v in n["box"]]) for n in view["nodes"]
@@ -353,8 +340,7 @@ async def run_in_editor(page: Browser, comfy, path: Path, server_urls: str = "")
 
 
 MEASURE_NODES = """(() => {
-    const app = APP, nodes = app.graph._nodes, title = LiteGraph.NODE_TITLE_HEIGHT;
-    const box = (node) => [node.pos[0], node.pos[1] - title, node.pos[0] + node.size[0], node.pos[1] + node.size[1]];
+    const app = APP, nodes = app.graph._nodes, box = NODE_BOX;
     const canvas = app.canvas.canvas.getBoundingClientRect(), [ox, oy] = app.canvas.ds.offset, scale = app.canvas.ds.scale;
     const graph = (rect) => [(rect.left - canvas.left) / scale - ox, (rect.top - canvas.top) / scale - oy,
                              (rect.right - canvas.left) / scale - ox, (rect.bottom - canvas.top) / scale - oy];
@@ -387,7 +373,7 @@ async def test_after_a_run_no_node_covers_another_and_the_prompt_keeps_its_heigh
 
     with FakeSglang(model_id="baidu/ERNIE-Image-Turbo") as fake:
         await run_in_editor(page, comfy, REPO_ROOT / "example_workflows" / f"{name}.json", server_urls=fake.url)
-    nodes = await page.evaluate(MEASURE_NODES.replace("APP", APP))
+    nodes = await page.evaluate(MEASURE_NODES.replace("APP", APP).replace("NODE_BOX", NODE_BOX))
     await look(page, f"after_a_run_{name}")
     covering = [(a["id"], a["type"], b["id"], b["type"]) for i, a in enumerate(nodes) for b in nodes[i + 1:]
                 if overlaps(a["box"], b["box"])]

@@ -23,7 +23,7 @@ from ernie_image.runtime.model.compile import fuse_projections
 from ernie_image.runtime.model.dit import ErnieDiT
 from ernie_image.runtime.model.dit_graphs import DiTGraphs, _Captured, graphed_dit, structure_key
 from ernie_image.runtime.sampling.euler import length_grouped_denoiser
-from reference_models import random_dit
+from reference_models import random_dit, relative_error
 
 
 def tiny_dit(device: str, dtype: torch.dtype, fused: bool = True) -> ErnieDiT:
@@ -77,22 +77,14 @@ def test_fewer_pass_forms_compute_the_plain_forward(dtype, bound, fused):
         assert relative_error(got, want) <= bound
 
 
-def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((ours.float() - reference.float()).norm() / reference.float().norm()).item()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_on_the_gpu_the_shipped_eager_forward_matches_diffusers_and_the_exact_one_is_bit_identical():
-    from test_dit_fast_paths import cfg_batch, models
+    from test_dit_fast_paths import bf16_error_against_diffusers_on_the_gpu
 
-    ours, reference = models("cuda", torch.bfloat16)
-    latents, timestep, rows, padded, lens = cfg_batch("cuda", torch.bfloat16)
-    want = reference(latents, timestep, padded, lens, return_dict=False)[0]
-    fuse_projections(ours)
-    got = length_grouped_denoiser(ours, rows, "cuda", torch.bfloat16)(latents, timestep)
-    assert torch.isfinite(got).all() and relative_error(got, want) <= 1e-2  # the bound compiled blocks meet
+    ours, error = bf16_error_against_diffusers_on_the_gpu(compiled=False)
+    assert error <= 1e-2  # the bound compiled blocks meet
     args = step_inputs("cuda", torch.bfloat16)
     exact = ours.with_arithmetic("exact")(*args)
     assert torch.equal(exact, plain_forward(ours, *args))

@@ -73,6 +73,13 @@ def test_every_relative_link_in_the_readme_and_docs_points_to_something_that_exi
     assert not broken, "\n".join(broken)
 
 
+def test_the_design_pages_layer_map_names_only_what_the_repository_holds():
+    layers = FENCE.findall((REPO_ROOT / "docs" / "design.md").read_text())[0]
+    named = [line.split()[0] for line in layers.splitlines()[1:-1] if line and not line[0].isspace()]
+    assert {"web/", "nodes/", "runtime/", "tests/"} <= set(named)
+    assert [name for name in named if not (REPO_ROOT / name).exists()] == []
+
+
 def test_the_docs_point_nowhere_outside_the_repository():
     outside = [f"{page.relative_to(REPO_ROOT)}: {target}" for page in pages() for target in relative_links(page)
                if REPO_ROOT not in (page.parent / target.partition("#")[0]).resolve().parents

@@ -10,7 +10,7 @@ import torch
 from ernie_image.runtime.model import dit as dit_module, fused_kernels
 from ernie_image.runtime.model.compile import fuse_projections
 from ernie_image.runtime.model.dit import RopeTables, _positions
-from reference_models import DIT_CONFIG, random_dit
+from reference_models import DIT_CONFIG, random_dit, relative_error
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,10 +21,6 @@ pytestmark = [
 HEAD_DIM = 128
 CONFIG = dit_module.DiTConfig(hidden_size=4 * HEAD_DIM, num_attention_heads=4, num_layers=1, ffn_hidden_size=512,
                               text_in_dim=96, rope_axes_dim=(32, 48, 48))
-
-
-def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((ours.float() - reference.float()).norm() / reference.float().norm()).item()
 
 
 def exact_norm_rope(x: torch.Tensor, weight: torch.Tensor, tables: RopeTables, eps: float) -> torch.Tensor:

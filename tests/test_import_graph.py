@@ -4,6 +4,7 @@ imports the demo models, and none of it imports ComfyUI or the pack's nodes."""
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -33,6 +34,21 @@ def test_every_import_follows_the_order_of_the_packages():
 def test_every_runtime_package_is_ranked():
     packages = {init.parent.name for init in (import_graph.ROOT / "runtime").glob("*/__init__.py")}
     assert packages == set(import_graph.RANKS)
+
+
+def mapped_packages(text: str) -> list[str]:
+    """The packages a module map names, in its order: each line that starts (indented) with `name/`."""
+    return re.findall(r"^ *(\w+)/ ", text, re.M)
+
+
+def test_the_runtimes_maps_name_every_package_in_import_order_and_nothing_else():
+    """runtime/__init__.py's docstring and docs/design.md's package map: what a reader takes as the module map."""
+    runtime_doc = ast.get_docstring(ast.parse((import_graph.ROOT / "runtime" / "__init__.py").read_text()))
+    assert mapped_packages(runtime_doc) == list(import_graph.RANKS)
+    design = (import_graph.ROOT / "docs" / "design.md").read_text()
+    package_map = next(block for block in re.findall(r"^```\n(.*?)^```", design, re.S | re.M)
+                       if block.startswith("core/"))
+    assert mapped_packages(package_map) == list(import_graph.RANKS)
 
 
 def test_nothing_in_the_runtime_imports_the_command_line_and_only_it_imports_the_demo():

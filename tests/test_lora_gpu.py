@@ -10,7 +10,8 @@ from ernie_image.runtime.lora.attach import apply_stack
 from ernie_image.runtime.lora.keys import dit_linear_shapes
 from ernie_image.runtime.lora.parsed import load_lora
 from ernie_image.runtime.model.compile import compile_blocks, fuse_projections
-from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
+from ernie_image.runtime.model.dit import DiTConfig
+from small_dits import compiled_graphs, scaled_random_dit, step_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -19,37 +20,12 @@ CONFIG = DiTConfig(hidden_size=256, num_attention_heads=2, num_layers=4, ffn_hid
                    rope_axes_dim=(32, 48, 48))
 
 
-def graphs() -> int:
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
 @pytest.fixture(scope="module")
 def loras(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpu-loras")
     shapes = dit_linear_shapes(CONFIG)
-    return {
-        "a": lf.write_ai_toolkit(folder / "a.safetensors", lf.random_lora(shapes, 8, seed=1)),
-        "b": lf.write_down_up(folder / "b.safetensors", lf.random_lora(shapes, 8, seed=2), 8.0, lf.kohya_name),
-        "wide": lf.write_ai_toolkit(folder / "wide.safetensors", lf.random_lora(shapes, 16, seed=3)),
-    }
-
-
-def build(device: str = "cuda") -> ErnieDiT:
-    torch.manual_seed(0)
-    with torch.device(device):
-        dit = ErnieDiT(CONFIG).to(torch.bfloat16)
-    with torch.no_grad():
-        for name, param in dit.named_parameters():
-            if param.ndim >= 2:
-                param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5)
-    return dit.eval().requires_grad_(False)
-
-
-def inputs():
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    latents = torch.randn((1, 128, 16, 16), device="cuda", generator=generator).bfloat16()
-    text = torch.randn((1, 24, CONFIG.text_in_dim), device="cuda", generator=generator).bfloat16()
-    return latents, torch.full((1,), 600.0, device="cuda", dtype=torch.bfloat16), text, [24]
+    wide = lf.write_ai_toolkit(folder / "wide.safetensors", lf.random_lora(shapes, 16, seed=3))
+    return {**lf.two_dit_loras(folder, shapes, kohya_rank=8), "wide": wide}
 
 
 @torch.inference_mode()
@@ -59,31 +35,31 @@ def run(dit, args):
 
 def test_compiled_dit_switches_loras_without_recompiling(loras):
     torch._dynamo.reset()
-    dit = build()
+    dit = scaled_random_dit(CONFIG, "cuda", torch.bfloat16)
     fuse_projections(dit)
     assert compile_blocks(dit)
-    args = inputs()
+    args = step_inputs(CONFIG, "cuda", torch.bfloat16)
     base = run(dit, args)
     stack = lambda name, strength=1.0: [(load_lora(loras[name], CONFIG), strength)]  # noqa: E731
 
     apply_stack(dit, stack("a"))
-    before = graphs()
+    before = compiled_graphs()
     with_a = run(dit, args)
-    first_lora_graphs = graphs() - before
+    first_lora_graphs = compiled_graphs() - before
     assert first_lora_graphs >= 1  # the new block structure compiles once, for all four blocks
 
-    before = graphs()
+    before = compiled_graphs()
     apply_stack(dit, stack("b"))
     with_b = run(dit, args)
     apply_stack(dit, stack("a", 0.4))
     with_a_weak = run(dit, args)
-    assert graphs() == before, "a same-shape switch or a strength change recompiled"
+    assert compiled_graphs() == before, "a same-shape switch or a strength change recompiled"
     assert not torch.equal(with_a, with_b) and not torch.equal(with_a, with_a_weak)
 
     apply_stack(dit, stack("wide"))
-    before = graphs()
+    before = compiled_graphs()
     run(dit, args)
-    assert graphs() - before <= first_lora_graphs  # a new rank: one more compile at most
+    assert compiled_graphs() - before <= first_lora_graphs  # a new rank: one more compile at most
 
     apply_stack(dit, [])
     assert torch.equal(run(dit, args), base)
@@ -92,13 +68,13 @@ def test_compiled_dit_switches_loras_without_recompiling(loras):
 @torch.inference_mode()
 def test_compiled_fused_lora_matches_the_eager_unfused_one(loras):
     torch._dynamo.reset()
-    eager, compiled = build(), build()
+    eager, compiled = scaled_random_dit(CONFIG, "cuda", torch.bfloat16), scaled_random_dit(CONFIG, "cuda", torch.bfloat16)
     fuse_projections(compiled)
     assert compile_blocks(compiled)
     stack = [(load_lora(loras["a"], CONFIG), 0.8), (load_lora(loras["b"], CONFIG), -0.5)]
     apply_stack(eager, stack)
     apply_stack(compiled, stack)
-    args = inputs()
+    args = step_inputs(CONFIG, "cuda", torch.bfloat16)
     want, got = eager(*args).float(), compiled(*args).float()
     assert torch.isfinite(got).all()
     assert ((got - want).norm() / want.norm()).item() <= 2e-2

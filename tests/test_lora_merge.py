@@ -15,9 +15,7 @@ import lora_files as lf
 from conftest import LoggingHost
 from ernie_image.runtime.core.errors import InvalidInputError
 from ernie_image.runtime.core.host import NullHost
-from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.demo.tiny import build_tiny_model
-from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local import loras as pipe_loras_module, parts as local_parts_module
 from ernie_image.runtime.local.options import LoadOptions
 from ernie_image.runtime.local.pipe import LocalPipe
@@ -31,23 +29,14 @@ from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
 from ernie_image.runtime.quant.fp8 import dequantize_fp8, quantize_fp8
 from ernie_image.runtime.quant.linear import QuantLinear
 from ernie_image.runtime.quant.qweight import QuantizedWeight
+from small_dits import scaled_random_dit, step_inputs
+from test_lora_pipe import REQUEST, loras, model  # noqa: F401  (the same request, tiny model and LoRA files)
 
-REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=7)
 # fp32: merged and branch images differ only by fp32 summation order: bound 3e-5 of the 0..1 image (measured 6e-6;
 # 1/255 is 3.9e-3).
 FP32_IMAGE_BOUND = 3e-5
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
-
-
-@pytest.fixture(scope="module")
-def model(tiny_turbo_folder):
-    return ModelSources(model_dir=tiny_turbo_folder)
-
-
-@pytest.fixture(scope="module")
-def loras(tiny_turbo_folder, tmp_path_factory):
-    return lf.tiny_model_loras(tiny_turbo_folder, tmp_path_factory.mktemp("merge-loras"))
 
 
 def load(model, **options) -> LocalPipe:
@@ -168,22 +157,10 @@ def test_the_diffusers_layout_merged_matches_diffusers_within_1_255(merged_pipe,
     assert (result.images - theirs).abs().max().item() <= 1 / 255
 
 
-def small_dit(dtype: torch.dtype = torch.float32) -> tuple[ErnieDiT, DiTConfig]:
+def small_dit() -> tuple[ErnieDiT, DiTConfig]:
     config = DiTConfig(hidden_size=256, num_attention_heads=2, num_layers=3, ffn_hidden_size=768, text_in_dim=192,
                        rope_axes_dim=(32, 48, 48))
-    torch.manual_seed(0)
-    dit = ErnieDiT(config).eval().requires_grad_(False)
-    with torch.no_grad():
-        for param in dit.parameters():
-            if param.ndim >= 2:
-                param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5)
-    return dit.to(dtype), config
-
-
-def dit_inputs(dtype: torch.dtype = torch.float32):
-    generator = torch.Generator().manual_seed(1)
-    return (torch.randn(1, 128, 16, 16, generator=generator).to(dtype), torch.tensor([600.0]).to(dtype),
-            torch.randn(1, 24, 192, generator=generator).to(dtype), [24])
+    return scaled_random_dit(config), config
 
 
 def test_fused_qkv_and_gate_up_merge_slice_by_slice(tmp_path):
@@ -205,7 +182,7 @@ def test_fused_qkv_and_gate_up_merge_slice_by_slice(tmp_path):
     expected = torch.cat([plain.layers[2].mlp.gate_proj.weight, plain.layers[2].mlp.up_proj.weight])
     assert (fused.layers[2].mlp.gate_up.weight - expected).abs().max().item() <= 1e-6
     with torch.inference_mode():
-        assert (fused(*dit_inputs()) - plain(*dit_inputs())).abs().max().item() <= 1e-5
+        assert (fused(*step_inputs(config)) - plain(*step_inputs(config))).abs().max().item() <= 1e-5
 
 
 def test_a_bf16_merge_is_as_close_to_the_exact_merge_as_the_bf16_branch(tmp_path):
@@ -226,11 +203,11 @@ def test_a_bf16_merge_is_as_close_to_the_exact_merge_as_the_bf16_branch(tmp_path
     weight = merged.layers[0].mlp.gate_proj.weight.float()
     assert ((weight - want).abs() <= want.abs() * (2 ** -8 + 1e-6)).all()
     with torch.inference_mode():
-        reference = exact(*dit_inputs())
+        reference = exact(*step_inputs(config))
         relative = lambda out: ((out.float() - reference).norm() / reference.norm()).item()  # noqa: E731
-        merge_error, branch_error = relative(merged(*dit_inputs(torch.bfloat16))), relative(
-            branched(*dit_inputs(torch.bfloat16)))
-        effect = relative(dit(*dit_inputs()))
+        merge_error, branch_error = relative(merged(*step_inputs(config, dtype=torch.bfloat16))), relative(
+            branched(*step_inputs(config, dtype=torch.bfloat16)))
+        effect = relative(dit(*step_inputs(config)))
     assert effect > 0.05 and merge_error < 0.02 and merge_error <= 1.5 * branch_error
 
 

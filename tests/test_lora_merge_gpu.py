@@ -17,6 +17,7 @@ from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
 from ernie_image.runtime.model.dit_graphs import DiTGraphs
 from ernie_image.runtime.quant.linear import QuantLinear, quantize_linears
 from ernie_image.runtime.quant.writer import quantize_weight
+from small_dits import compiled_graphs, scaled_random_dit, step_inputs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -25,36 +26,10 @@ CONFIG = DiTConfig(hidden_size=512, num_attention_heads=4, num_layers=3, ffn_hid
                    rope_axes_dim=(32, 48, 48))
 
 
-def graphs() -> int:
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-
-
 @pytest.fixture(scope="module")
 def loras(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpu-merge-loras")
-    shapes = dit_linear_shapes(CONFIG)
-    return {
-        "a": lf.write_ai_toolkit(folder / "a.safetensors", lf.random_lora(shapes, 8, seed=1)),
-        "b": lf.write_down_up(folder / "b.safetensors", lf.random_lora(shapes, 16, seed=2), 8.0, lf.kohya_name),
-    }
-
-
-def build() -> ErnieDiT:
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        dit = ErnieDiT(CONFIG).to(torch.bfloat16)
-    with torch.no_grad():
-        for param in dit.parameters():
-            if param.ndim >= 2:
-                param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5)
-    return dit.eval().requires_grad_(False)
-
-
-def inputs():
-    generator = torch.Generator(device="cuda").manual_seed(1)
-    latents = torch.randn((1, 128, 16, 16), device="cuda", generator=generator).bfloat16()
-    text = torch.randn((1, 24, CONFIG.text_in_dim), device="cuda", generator=generator).bfloat16()
-    return latents, torch.full((1,), 600.0, device="cuda", dtype=torch.bfloat16), text, [24]
+    return lf.two_dit_loras(folder, dit_linear_shapes(CONFIG), kohya_rank=16)
 
 
 def stack(loras, name: str, strength: float = 1.0):
@@ -76,36 +51,36 @@ def fp8_blocks(dit: ErnieDiT) -> ErnieDiT:
 @torch.inference_mode()
 def test_compiled_dit_merges_switches_and_unmerges_without_recompiling(loras, fmt):
     torch._dynamo.reset()
-    dit = build()
+    dit = scaled_random_dit(CONFIG, "cuda", torch.bfloat16)
     fuse_projections(dit)
     if fmt == "fp8":
         fp8_blocks(dit)
         assert isinstance(dit.layers[0].mlp.gate_up, QuantLinear)
     assert compile_blocks(dit)
-    args = inputs()
+    args = step_inputs(CONFIG, "cuda", torch.bfloat16)
     base = dit(*args).clone()
     pointers = addresses(dit)
-    before = graphs()
+    before = compiled_graphs()
     outputs = []
     for name, strength in (("a", 1.0), ("b", 1.0), ("a", 0.4)):
         applied = apply_loras(dit, stack(loras, name, strength))
         assert applied.merged_layers and not applied.branch_layers and not applied.fallback
         outputs.append(dit(*args).clone())
-    assert graphs() == before, "a merge, a switch or a strength change recompiled"
+    assert compiled_graphs() == before, "a merge, a switch or a strength change recompiled"
     assert addresses(dit) == pointers  # edited in place
     assert not torch.equal(outputs[0], outputs[1]) and not torch.equal(outputs[0], outputs[2])
     assert not torch.equal(outputs[0], base)
     apply_loras(dit, [])
     assert torch.equal(dit(*args), base)
-    assert graphs() == before
+    assert compiled_graphs() == before
 
 
 @torch.inference_mode()
 def test_captured_cuda_graphs_replay_the_merged_weights_without_a_recapture(loras):
-    dit = build()
+    dit = scaled_random_dit(CONFIG, "cuda", torch.bfloat16)
     fuse_projections(dit)
     graphed = DiTGraphs(dit)
-    args = inputs()
+    args = step_inputs(CONFIG, "cuda", torch.bfloat16)
     base = graphed(*args).clone()
     graphed(*args)  # warm-up, then capture
     captures = graphed.captures
@@ -119,7 +94,7 @@ def test_captured_cuda_graphs_replay_the_merged_weights_without_a_recapture(lora
 
 
 def test_the_host_copy_is_page_locked_and_counted(loras):
-    dit = build()
+    dit = scaled_random_dit(CONFIG, "cuda", torch.bfloat16)
     fuse_projections(dit)
     applied = apply_loras(dit, stack(loras, "a"))
     state = merge_state(dit)

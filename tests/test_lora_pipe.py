@@ -193,16 +193,12 @@ def test_a_bf16_branch_is_as_close_to_the_exact_merge_as_a_bf16_merge(tmp_path):
     import copy
 
     from ernie_image.runtime.lora.keys import dit_linear_shapes
-    from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT
+    from ernie_image.runtime.model.dit import DiTConfig
+    from small_dits import scaled_random_dit, step_inputs
 
     config = DiTConfig(hidden_size=256, num_attention_heads=2, num_layers=4, ffn_hidden_size=768, text_in_dim=192,
                        rope_axes_dim=(32, 48, 48))
-    torch.manual_seed(0)
-    dit = ErnieDiT(config).eval().requires_grad_(False)
-    with torch.no_grad():
-        for param in dit.parameters():
-            if param.ndim >= 2:
-                param.normal_(0.0, 0.5 / param.shape[-1] ** 0.5)
+    dit = scaled_random_dit(config)
     lora = lf.random_lora(dit_linear_shapes(config), 16, seed=1)
     path = lf.write_ai_toolkit(tmp_path / "r16.safetensors", lora)
     merged = copy.deepcopy(dit)
@@ -210,9 +206,7 @@ def test_a_bf16_branch_is_as_close_to_the_exact_merge_as_a_bf16_merge(tmp_path):
     for module, (down, up) in lora.items():
         state[f"{module}.weight"] += up @ down
     merged.load_state_dict(state)
-    generator = torch.Generator().manual_seed(1)
-    args = (torch.randn(1, 128, 16, 16, generator=generator), torch.tensor([600.0]),
-            torch.randn(1, 24, 192, generator=generator), [24])
+    args = step_inputs(config)
     bf16_args = (args[0].bfloat16(), args[1].bfloat16(), args[2].bfloat16(), args[3])
     branched = copy.deepcopy(dit).to(torch.bfloat16)
     apply_stack(branched, [(load_lora(path, config), 1.0)])

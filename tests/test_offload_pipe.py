@@ -11,12 +11,12 @@ from ernie_image.runtime.core.errors import Cancelled, MemoryBudgetError
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
-from ernie_image.runtime.local.memory import TEXT_TOKENS_FOR_PLAN, measured_dit_size
+from ernie_image.runtime.local.memory import measured_dit_size
 from ernie_image.runtime.local.options import LoadOptions
 from ernie_image.runtime.local.pipe import LocalPipe
-from ernie_image.runtime.offload.planner import GiB, plan_memory
-from ernie_image.runtime.offload.workspace import Job
+from ernie_image.runtime.offload.planner import MemoryPlan
 
+from streaming_budgets import first_budget_gb
 from waiting import PROMPTLY_S
 
 SIZES = TinySizes(dit_layers=6)
@@ -35,34 +35,13 @@ def resident_result(model):
     return pipe.generate(REQUEST, NullHost())
 
 
-def job() -> Job:
-    return Job(REQUEST.width, REQUEST.height, REQUEST.batch, REQUEST.cfg, TEXT_TOKENS_FOR_PLAN)
-
-
 def streaming_budget_gb(model, device: str = "cpu") -> float:
-    """A budget (GiB) at which the tiny DiT streams some of its blocks (and, on the CPU, the text tower streams).
+    """A budget (GiB) at which the tiny DiT streams some of its blocks (and, on the CPU, the text tower streams)."""
+    def streams(plan: MemoryPlan) -> bool:
+        text_streams = plan.text.mode == "streamed" or device != "cpu"
+        return 0 < len(plan.dit.streamed) < SIZES.dit_layers - 1 and text_streams
 
-    The tiny DiT's blocks are ~80 KB, so that window is a few hundred KB wide, above whatever the device's plan
-    reserves (~457 MiB on CUDA): find the smallest budget that plans, then walk up from it."""
-    pipe = LocalPipe.load(model, LoadOptions(device=device, vram_budget_gb=1.0))
-    sizes = pipe.memory.sizes_for(model, pipe.variant)
-
-    def plan_or_none(budget: int):
-        try:
-            return plan_memory(budget, job(), sizes, device)
-        except MemoryBudgetError:
-            return None
-
-    low, high = 0, 64 * GiB
-    while high - low > 4096:
-        middle = (low + high) // 2
-        low, high = (low, middle) if plan_or_none(middle) is not None else (middle, high)
-    for budget in range(high, high + 64 * 1024**2, 4096):
-        plan = plan_or_none(budget)
-        text_streams = plan is not None and (plan.text.mode == "streamed" or device != "cpu")
-        if plan is not None and 0 < len(plan.dit.streamed) < SIZES.dit_layers - 1 and text_streams:
-            return budget / GiB
-    raise AssertionError("no budget streams part of the tiny DiT")
+    return first_budget_gb(model, REQUEST, device, streams, "streams part of the tiny DiT")
 
 
 def test_streamed_pipe_gives_the_resident_image(model, resident_result):

@@ -26,6 +26,7 @@ from ernie_image.runtime.step_cache.rule import SkipRule, relative_change, skipp
 from ernie_image.runtime.step_cache.session import BlockSplit, StepCacheRun
 from ernie_image.runtime.step_cache.view import StepCachePipe, with_step_cache
 from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
+from streaming_budgets import middle_streaming_budget_gb
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
 
@@ -262,39 +263,11 @@ def test_image_inputs_and_cfg_1_run_bit_for_bit_at_threshold_zero(base_pipe, wha
 
 
 # ------------------------------------------------------------------------------------------ streamed blocks
-def streaming_budget_gb(model: Path, request: GenerationRequest) -> float:
-    """The smallest budget (GiB) at which `request` plans with the tiny DiT partly streamed (its plan counts the
-    step cache's residuals), found as tests/test_offload_pipe.py finds its own."""
-    from ernie_image.runtime.core.errors import MemoryBudgetError
-    from ernie_image.runtime.offload.planner import GiB, plan_memory
-
-    pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=1.0))
-    sizes = pipe.memory.sizes_for(pipe.sources, pipe.variant)
-    job = pipe.memory.job_for(request.with_defaults("base"), False)
-    assert job.step_cache == (request.step_cache is not None)
-
-    def plan(budget: int):
-        try:
-            return plan_memory(budget, job, sizes, "cpu")
-        except MemoryBudgetError:
-            return None
-
-    low, high = 0, 64 * GiB
-    while high - low > 4096:
-        middle = (low + high) // 2
-        low, high = (low, middle) if plan(middle) is not None else (middle, high)
-    for budget in range(high, high + 64 * 1024**2, 4096):
-        found = plan(budget)
-        if found is not None and 0 < len(found.dit.streamed) < SIZES.dit_layers - 1 and set(found.dit.streamed) & {2, 3, 4}:
-            return budget / GiB
-    raise AssertionError("no budget streams part of the tiny DiT's middle")
-
-
 def test_streamed_blocks_give_the_resident_image_and_only_the_blocks_that_run_are_copied(base_model, base_pipe):
     request = cached(dataclasses.replace(BASE, batch=1), f"dbcache:forced={FORCED},first_blocks=2,last_blocks=1")
     resident = base_pipe.generate(request, NullHost())
-    pipe = LocalPipe.load(base_model, LoadOptions(device="cpu", vram_budget_gb=streaming_budget_gb(base_model, request),
-                                                  keep_loaded=True))
+    budget = middle_streaming_budget_gb(base_model, request, "cpu")
+    pipe = LocalPipe.load(base_model, LoadOptions(device="cpu", vram_budget_gb=budget, keep_loaded=True))
     first = pipe.generate(request, NullHost())
     assert torch.equal(first.latents, resident.latents)
     streamer = pipe.memory.dit.streamer
@@ -320,7 +293,7 @@ def test_streamed_blocks_give_the_resident_image_and_only_the_blocks_that_run_ar
 def test_cancel_mid_step_releases_and_the_next_run_is_whole(base_model, base_pipe, cancel_after):
     request = cached(dataclasses.replace(BASE, batch=1, steps=4), "dbcache:forced=CSSC,first_blocks=2")
     want = base_pipe.generate(request, NullHost()).latents
-    for budget in (None, streaming_budget_gb(base_model, request)):
+    for budget in (None, middle_streaming_budget_gb(base_model, request, "cpu")):
         pipe = LocalPipe.load(base_model, LoadOptions(device="cpu", vram_budget_gb=budget, keep_loaded=True))
         counting = cancel_after(10**6)
         pipe.generate(request, counting)

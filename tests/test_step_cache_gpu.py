@@ -18,6 +18,7 @@ from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.step_cache import parse_step_cache
 from ernie_image.runtime.step_cache.graphs import graphs_of
 from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
+from streaming_budgets import middle_streaming_budget_gb
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -69,36 +70,10 @@ def test_compiled_blocks_threshold_zero_is_the_compiled_uncached_image(model):
     pipe.release()
 
 
-def streaming_budget_gb(model, request: GenerationRequest) -> float:
-    """A budget at which the tiny DiT streams some of its blocks on CUDA (test_step_cache's search, on 'cuda')."""
-    from ernie_image.runtime.core.errors import MemoryBudgetError
-    from ernie_image.runtime.offload.planner import GiB, plan_memory
-
-    pipe = LocalPipe.load(model, LoadOptions(device="cuda", vram_budget_gb=1.0))
-    sizes = pipe.memory.sizes_for(pipe.sources, pipe.variant)
-    job = pipe.memory.job_for(request, False)
-
-    def plan(budget: int):
-        try:
-            return plan_memory(budget, job, sizes, "cuda")
-        except MemoryBudgetError:
-            return None
-
-    low, high = 0, 64 * GiB
-    while high - low > 4096:
-        middle = (low + high) // 2
-        low, high = (low, middle) if plan(middle) is not None else (middle, high)
-    for budget in range(high, high + 64 * 1024**2, 4096):
-        found = plan(budget)
-        if found is not None and 0 < len(found.dit.streamed) < 5 and set(found.dit.streamed) & {2, 3}:
-            return budget / GiB
-    raise AssertionError("no budget streams part of the tiny DiT's middle on CUDA")
-
-
 def test_streamed_cached_run_is_the_resident_one_bit_for_bit_and_copies_no_skipped_block(model, eager):
     request = cached(REQUEST, FORCED)
-    pipe = LocalPipe.load(model, LoadOptions(device="cuda", compile=False, vram_budget_gb=streaming_budget_gb(
-        model, request), keep_loaded=True))
+    pipe = LocalPipe.load(model, LoadOptions(device="cuda", compile=False, vram_budget_gb=middle_streaming_budget_gb(
+        model, request, "cuda"), keep_loaded=True))
     for _ in range(2):
         assert torch.equal(pipe.generate(request, NullHost()).latents, eager[FORCED])
     assert pipe.memory.dit.streamer is not None

@@ -52,6 +52,13 @@ def _out_of_memory(error: BaseException) -> Optional[BaseException]:
     return None
 
 
+def _what_failed(request: GenerationRequest, allocation: Optional[str]) -> str:
+    """The job ('1024x1024 batch 1 CFG 4') and, when the error said it, the allocation that failed."""
+    cfg = f" CFG {request.cfg:g}" if request.uses_cfg else ""
+    tried = f", tried to allocate {allocation}" if allocation else ""
+    return f"{request.width}x{request.height} batch {request.batch}{cfg}{tried}"
+
+
 def out_of_memory_message(error: BaseException, phase: str, request: GenerationRequest, device: torch.device,
                           budget_gb: Optional[float]) -> Optional[str]:
     """One line for a device that ran out of memory (None when `error` is something else): phase, job, the
@@ -60,16 +67,13 @@ def out_of_memory_message(error: BaseException, phase: str, request: GenerationR
     if oom is None:
         return None
     allocation = _ALLOCATION.search(str(oom))
-    tried = f", tried to allocate {allocation.group(1)}" if allocation else ""
-    cfg = f" CFG {request.cfg:g}" if request.uses_cfg else ""
-    job = f"{request.width}x{request.height} batch {request.batch}{cfg}"
+    failed = _what_failed(request, allocation.group(1) if allocation else None)
     if budget_gb is not None and budget_gb != "auto":
         budget = f"lower the VRAM budget ({float(budget_gb):g} GB now) on the Loader or with --budget in the CLI"
     else:
         budget = "set a VRAM budget on the Loader (vram_budget_gb) or with --budget GB in the CLI"
     fix = PHASE_FIXES.get(phase, DIT_FIX)
-    return (f"out of GPU memory on {device} in the {PHASE_NAMES.get(phase, phase)} phase ({job}{tried}): "
-            f"{budget}, {fix}")
+    return f"out of GPU memory on {device} in the {PHASE_NAMES.get(phase, phase)} phase ({failed}): {budget}, {fix}"
 
 
 _HOST_ALLOCATION = re.compile(r"DefaultCPUAllocator: .*?you tried to allocate (\d+) bytes")
@@ -99,12 +103,10 @@ def out_of_host_memory_message(error: BaseException, phase: str, request: Genera
     if oom is None:
         return None
     allocation = _HOST_ALLOCATION.search(str(oom))
-    tried = f", tried to allocate {_size(int(allocation.group(1)))}" if allocation else ""
-    cfg = f" CFG {request.cfg:g}" if request.uses_cfg else ""
-    job = f"{request.width}x{request.height} batch {request.batch}{cfg}"
+    failed = _what_failed(request, _size(int(allocation.group(1))) if allocation else None)
     fix = ("use a smaller size or batch, or run on a GPU (device cuda)" if device.type == "cpu" else
            "use a smaller size or batch, or free host RAM (close other programs, keep fewer models loaded)")
-    return f"out of host memory (RAM) in the {PHASE_NAMES.get(phase, phase)} phase ({job}{tried}): {fix}"
+    return f"out of host memory (RAM) in the {PHASE_NAMES.get(phase, phase)} phase ({failed}): {fix}"
 
 
 def without_tracebacks(error: BaseException) -> BaseException:
