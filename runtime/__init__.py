@@ -25,7 +25,7 @@ Its packages, in import order: each imports only itself and the packages above i
                graphs of block runs, the pipe view that runs with it, the with/without comparison (what is asked,
                StepCacheConfig, is core/'s)
     local/     LocalPipe, the in-process backend: options, checks, parts, memory and its out-of-memory messages,
-               LoRA views, phases, the pipe's description
+               LoRA views, phases, when the DiT is compiled, the pipe's description
     remote/    RemotePipe on SGLang servers: the protocol, the fleet, the server check
     demo/      tiny random models built in code, for the no-weights demo and the tests
     cli/       the `ernie-image` command line; nothing imports it
