@@ -7,10 +7,14 @@ call the same (`mask_grow`, `steps`) needs no entry.
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from ..runtime.core.errors import ErnieImageError, worded
+from ..runtime.core.variant import own_settings
+
+_Run = TypeVar("_Run", bound=Callable[..., Any])
 
 NAMES: dict[str, str] = {
     "model_dir": "the Loader's diffusers_folder",
@@ -20,6 +24,9 @@ NAMES: dict[str, str] = {
     "pe": "the Loader's prompt_enhancer",
     "variant": "the Loader's variant widget",
     "quant": "Quant Config format",
+    own_settings("base"): "the Sampler",
+    own_settings("turbo"): "the Turbo Sampler",
+    "urls": "the Remote Backend's server_urls",
 }
 
 
@@ -39,3 +46,14 @@ def in_comfy_words() -> Iterator[None]:
             error.args = (comfy_words(str(error), error.settings),)
             error.settings = ()
         raise
+
+
+def speaks_comfy(run: _Run) -> _Run:
+    """A node's FUNCTION, run in_comfy_words: whatever runtime call raises, the node shows ComfyUI's names."""
+    @functools.wraps(run)
+    def in_words(*args: Any, **kwargs: Any) -> Any:
+        with in_comfy_words():
+            return run(*args, **kwargs)
+
+    in_words.speaks_comfy = True  # type: ignore[attr-defined]
+    return in_words  # type: ignore[return-value]

@@ -3,6 +3,7 @@ the CLI (runtime/cli/names.py), the Loader's widget in ComfyUI (nodes/comfy_name
 to "point --model-dir at" a folder."""
 from __future__ import annotations
 
+import io
 import shutil
 import sys
 from pathlib import Path
@@ -78,3 +79,39 @@ def test_a_dotted_key_such_as_the_metadata_key_is_never_reworded_as_a_setting() 
     text = "x.safetensors records ernie_image.variant 'Turbo' in its metadata: set variant to base or turbo"
     assert worded(text, ["variant"], {"variant": "--variant"}) == (
         "x.safetensors records ernie_image.variant 'Turbo' in its metadata: set --variant to base or turbo")
+
+
+# ------------------------------------------------------------------------------------------- every node, every line
+def test_every_node_shows_the_errors_of_its_runtime_calls_in_comfyui_s_words():
+    from ernie_image.nodes import NODE_CLASS_MAPPINGS
+
+    unworded = [name for name, node in NODE_CLASS_MAPPINGS.items()
+                if not getattr(getattr(node, node.FUNCTION), "speaks_comfy", False)]
+    assert unworded == []
+
+
+@pytest.mark.parametrize("line", ["the variant of this prompt is odd", "pe and vae are words, not settings, here"])
+def test_a_notice_that_records_no_setting_is_shown_as_written_on_every_surface(line):
+    from ernie_image.nodes.host import NoteHost
+    from ernie_image.runtime.cli.console import Console, ConsoleHost
+
+    node = NoteHost()
+    node.log(line)
+    assert node.notes == [line]
+    stream = io.StringIO()
+    ConsoleHost(console=Console(stream)).log(line)
+    assert stream.getvalue() == line + "\n"
+
+
+def test_a_notice_names_the_settings_it_records_in_each_surface_s_words():
+    from ernie_image.nodes.host import NoteHost
+    from ernie_image.runtime.cli.console import Console, ConsoleHost
+    from ernie_image.runtime.core.errors import naming_line
+
+    line = naming_line("set variant, or give pe", "variant", "pe")
+    node = NoteHost()
+    node.log(line)
+    assert node.notes == ["set the Loader's variant widget, or give the Loader's prompt_enhancer"]
+    stream = io.StringIO()
+    ConsoleHost(console=Console(stream)).log(line)
+    assert stream.getvalue() == "set --variant, or give --pe\n"

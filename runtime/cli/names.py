@@ -3,14 +3,15 @@
 The runtime's checks speak the Python API's and the nodes' language (`mask_grow 5000 is not allowed`); an error
 records which of its words are such names (ErnieImageError.naming), and the CLI shows its own flags instead
 (`--mask-grow 5000 is not allowed`). A name without a flag here is shown as it is. Lines that are not errors but
-name a setting (a pipe's description naming `variant`) are worded the same way (`cli_words`). ComfyUI's names for
-the same settings: nodes/comfy_names.py.
+name a setting (a notice recorded with errors.naming_line, a pipe's description naming `variant`) are worded the
+same way (`cli_words`). ComfyUI's names for the same settings: nodes/comfy_names.py.
 """
 from __future__ import annotations
 
 from typing import Iterable
 
-from ..core.errors import ErnieImageError, worded
+from ..core.errors import named_settings, worded
+from ..core.variant import VARIANT_DEFAULTS, own_settings
 
 FLAGS: dict[str, str] = {
     "prompt": "--prompt",
@@ -39,13 +40,16 @@ FLAGS: dict[str, str] = {
     "text_encoder": "--text-encoder",
     "vae": "--vae",
     "pe": "--pe",
+    "urls": "--server",
+    **{own_settings(variant): f"--steps {int(own['steps'])} --cfg {own['cfg']:g}"
+       for variant, own in VARIANT_DEFAULTS.items()},
 }
 
 
 def cli_message(error: BaseException) -> str:
     """`str(error)` with each setting it names (ErnieImageError.naming) written as the CLI's flag where the message
     first names it (later words may be prose: "save the prompt as UTF-8")."""
-    return cli_words(str(error), error.settings if isinstance(error, ErnieImageError) else ())
+    return cli_words(str(error), named_settings(error))
 
 
 def cli_words(text: str, settings: Iterable[str]) -> str:

@@ -74,8 +74,9 @@ def source_variant(source: Path, asked: str | None) -> VariantChoice:
     if choice.source == "default":
         raise InvalidInputError(
             f"--dit {source.name} does not say whether it is ERNIE-Image or ERNIE-Image-Turbo (its metadata records "
-            f"neither, it has no transformer config, and its name has no 'ernie' or 'turbo'): set {VARIANT_SETTING} "
-            "to base or turbo, which the written file records").naming(VARIANT_SETTING)
+            f"neither, it has no transformer config, and its name has no word 'ernie', 'base' or 'turbo', or has "
+            f"both variants'): set {VARIANT_SETTING} to base or turbo, which the written file records"
+        ).naming(VARIANT_SETTING)
     return choice
 
 

@@ -1,4 +1,7 @@
-"""Errors the runtime raises. Every message is one line naming the cause and the fix."""
+"""Errors the runtime raises, and the words they and its notices use. Every message is one line naming the cause and
+the fix, in the library's words: a setting by its Python name, recorded (`naming`, `NamedLine`) so that a front end
+shows its own name for it (`worded`: the CLI's flags in runtime/cli/names.py, ComfyUI's inputs in
+nodes/comfy_names.py)."""
 from __future__ import annotations
 
 import re
@@ -42,6 +45,26 @@ class RemoteError(ErnieImageError):
 
 class Cancelled(ErnieImageError):
     """The host asked to stop (ComfyUI's Cancel, Ctrl-C in the CLI)."""
+
+
+class NamedLine(str):
+    """A notice (Host.log's line) that names settings by their Python names, recorded as ErnieImageError.naming
+    records them for an error, so that a front end words it as it words an error. Any other line names none: a
+    front end never guesses which of its words are settings."""
+
+    settings: tuple[str, ...] = ()
+
+
+def naming_line(text: str, *settings: str) -> NamedLine:
+    """`text` as a line recording that it names `settings`."""
+    line = NamedLine(text)
+    line.settings = tuple(settings)
+    return line
+
+
+def named_settings(text: object) -> tuple[str, ...]:
+    """The settings an error or a line names by their Python names (none for a plain string)."""
+    return tuple(getattr(text, "settings", ())) if isinstance(text, (ErnieImageError, NamedLine)) else ()
 
 
 def one_line(error: BaseException, limit: int = 200) -> str:

@@ -10,17 +10,12 @@ import torch
 
 from .errors import InvalidInputError
 from .step_cache_config import StepCacheConfig
+from .variant import VARIANT_DEFAULTS
 
 MIN_SIDE = 256
 MAX_SIDE = 4096
 SIDE_MULTIPLE = 16
 SEED_MASK = (1 << 63) - 1
-
-# Baidu's recommended settings per model.
-VARIANT_DEFAULTS: dict[str, dict[str, float]] = {
-    "base": {"steps": 50, "cfg": 4.0},
-    "turbo": {"steps": 8, "cfg": 1.0},
-}
 
 # Baidu's ~1 MP presets (width, height).
 RESOLUTION_PRESETS: tuple[tuple[int, int], ...] = (
