@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..runtime.core.errors import InvalidInputError
+from ..runtime.core.variant import override_notice
 from . import comfy_env
 from .comfy_env import GGUF_FOLDER_KEY, NONE_CHOICE
 from .comfy_names import comfy_words, speaks_comfy
@@ -123,6 +124,9 @@ class ErnieImageLoader:
         pipe = LocalPipe.load(sources, options)  # reads only the files' headers: nothing to cancel
         track(pipe)
         plan = comfy_words(pipe.describe(), pipe.variant_choice.settings)
+        overriding = override_notice(pipe.variant_choice)  # the widget set against what the file says
+        if overriding:
+            plan = f"{plan}\n{comfy_words(overriding, overriding.settings)}"
         if quant_config is not None and not pipe.quant_reason:  # the pipe says itself what 'auto' runs
             plan = f"{plan}\nquant: {quant_config.reason}"
         return shown_on_node(plan, pipe, plan)

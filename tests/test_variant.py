@@ -23,7 +23,9 @@ from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
 from ernie_image.runtime.demo.tiny import build_tiny_model
 from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.local.pipe import LocalPipe
+from conftest import LoggingHost
 
 CPU = LoadOptions(device="cpu")
 
@@ -204,6 +206,38 @@ def test_the_cli_run_line_says_the_variant_and_how_it_was_decided(capsys, tmp_pa
                                                                               "--variant", "auto")
     assert "; ERNIE-Image Base, set by --variant; on cpu" in _generate(capsys, renamed, tmp_path / "c.png",
                                                                       "--variant", "base")
+
+
+# ------------------------------------------------------------------------------------------- an override is told
+OVERRIDE = ("{setting} set to base overrides what the files say (Turbo, from the file's metadata): the model is taken "
+            "as Base")
+
+
+def test_quantize_with_a_variant_against_the_file_s_metadata_says_the_flag_overrides_it(capsys, tmp_path, turbo):
+    code, _, err = _quantize(capsys, "--dit", str(turbo.dit), "--format", "q8_0", "--out", str(tmp_path / "q.gguf"),
+                             "--variant", "base")
+    assert code == 0 and err.splitlines().count(OVERRIDE.format(setting="--variant")) == 1, err
+    code, _, err = _quantize(capsys, "--dit", str(turbo.dit), "--format", "q8_0", "--out", str(tmp_path / "t.gguf"),
+                             "--variant", "turbo")
+    assert code == 0 and "overrides" not in err  # the flag agrees with the file
+
+
+def test_generate_with_a_variant_against_the_file_s_metadata_says_the_flag_overrides_it(capsys, tmp_path, turbo):
+    code = main(["generate", "--dit", str(turbo.dit), "--text-encoder", str(turbo.text_encoder), "--vae",
+                 str(turbo.vae), "--prompt", "a fox", "--width", "256", "--height", "256", "--steps", "1", "--device",
+                 "cpu", "--out", str(tmp_path / "b.png"), "--variant", "base"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 0 and err.count(OVERRIDE.format(setting="--variant")) == 1, err
+
+
+def test_the_library_and_the_loader_say_a_variant_set_against_the_file_overrides_it(turbo, comfy_models):
+    host = LoggingHost()
+    LocalPipe.load(dataclasses.replace(turbo, variant="base"), CPU).generate(
+        GenerationRequest(prompt="a fox", width=256, height=256, steps=1), host)
+    assert OVERRIDE.format(setting="variant") in host.messages
+    plan = load_with_loader("base")["result"][1]
+    assert OVERRIDE.format(setting="the Loader's variant widget") in plan.splitlines()
+    assert "overrides" not in load_with_loader("turbo")["result"][1]
 
 
 # ------------------------------------------------------------------------------------------- the Loader says it

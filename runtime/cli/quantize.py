@@ -16,7 +16,7 @@ import torch
 
 from ..core.errors import ErnieImageError, InvalidInputError, ModelFileError
 from ..core.non_finite import refuse_non_finite_weights
-from ..core.variant import VARIANT_SETTING, VariantChoice, checked_variant_option, decide_variant
+from ..core.variant import VARIANT_SETTING, VariantChoice, checked_variant_option, decide_variant, override_notice
 from ..files.inputs_outputs import refuse_outputs_over_inputs
 from ..formats.component_file import QUANT_MARKERS, open_component
 from ..formats.safetensors_reader import is_gguf, open_safetensors
@@ -141,6 +141,9 @@ def main_quantize(argv: list[str] | None = None) -> int:
         refuse_output_over_input(args.out, args.dit)
         files = bf16_dit_files(args.dit)
         variant = source_variant(args.dit, args.variant)  # before any weight is read
+        overriding = override_notice(variant)
+        if overriding:
+            print(cli_words(overriding, overriding.settings), file=sys.stderr)
         state = read_bf16_dit(args.dit, files)
         refuse_non_finite_weights(state, f"--dit {args.dit}", "re-download them, then quantise again")
         counts = quantized_layer_counts(state, args.format)

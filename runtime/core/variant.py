@@ -39,6 +39,7 @@ class VariantChoice:
     variant: Variant
     source: Source
     how: str  # "from the file's metadata", ...: the words after the variant's name
+    overrides: Optional["VariantChoice"] = None  # set by the user against what the files say: what they say
 
     @property
     def label(self) -> str:
@@ -54,8 +55,21 @@ class VariantChoice:
         return f"{self.label}, {self.how}"
 
 
-def set_by_user(variant: Variant) -> VariantChoice:
-    return VariantChoice(variant, "set", f"set by {VARIANT_SETTING}")
+def set_by_user(variant: Variant, files_say: Optional[VariantChoice] = None) -> VariantChoice:
+    """The variant the user set; `files_say`: what the files say, kept when they say the other variant."""
+    says_other = files_say is not None and files_say.source != "default" and files_say.variant != variant
+    overrides = files_say if says_other else None
+    return VariantChoice(variant, "set", f"set by {VARIANT_SETTING}", overrides)
+
+
+def override_notice(choice: VariantChoice) -> Optional[NamedLine]:
+    """The line for a variant set against what the files say ("variant set to base overrides what the files say
+    (Turbo, from the file's metadata): the model is taken as Base"); None when the user set none or they agree."""
+    said = choice.overrides
+    if said is None:
+        return None
+    return naming_line(f"{VARIANT_SETTING} set to {choice.variant} overrides what the files say ({said.text()}): the "
+                       f"model is taken as {choice.label}", VARIANT_SETTING)
 
 
 def checked_variant_option(value: object) -> Optional[Variant]:
@@ -69,9 +83,17 @@ def checked_variant_option(value: object) -> Optional[Variant]:
 
 
 def decide_variant(dit, set_to: Optional[Variant] = None) -> VariantChoice:
-    """Base or Turbo for an opened DiT (formats.component_file.ComponentFile), and how that was decided."""
-    if set_to is not None:
+    """Base or Turbo for an opened DiT (formats.component_file.ComponentFile), and how that was decided; `set_to`
+    (the user's) wins, remembering what the files say when that is the other variant (override_notice)."""
+    if set_to is None:
+        return _files_say(dit)
+    try:
+        return set_by_user(set_to, _files_say(dit))
+    except ModelFileError:  # a recorded variant that is neither: set_to is the fix that error names
         return set_by_user(set_to)
+
+
+def _files_say(dit) -> VariantChoice:
     recorded = dit.metadata.get(METADATA_KEY)
     if recorded is not None:
         return VariantChoice(_recorded_variant(recorded, dit.path), "metadata", "from the file's metadata")

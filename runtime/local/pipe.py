@@ -18,7 +18,7 @@ from ..core.host import Host, NullHost
 from ..core.non_finite import refuse_non_finite
 from ..core.pipe import check_generate_call
 from ..core.request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
-from ..core.variant import Variant, VariantChoice, decide_variant, set_by_user, settings_notice
+from ..core.variant import Variant, VariantChoice, decide_variant, override_notice, set_by_user, settings_notice
 from ..formats import open_component
 from ..formats.sources import ModelSources
 from ..lora.stack import LoraStack
@@ -238,9 +238,10 @@ class LocalPipe:
 
     def _generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         self._phase = "setup"
-        mismatch = settings_notice(self.variant_choice, request.settings_for, request.steps, request.cfg)
-        if mismatch:
-            host.log(mismatch)
+        for notice in (override_notice(self.variant_choice),
+                       settings_notice(self.variant_choice, request.settings_for, request.steps, request.cfg)):
+            if notice:
+                host.log(notice)
         if needs_encoding(request):
             require_vae_encoder(open_component(self.sources.component("vae"), "vae"))
         room = self.device_bytes_needed(request)
