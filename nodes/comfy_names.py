@@ -12,7 +12,9 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from ..runtime.core.errors import ErnieImageError, worded
+from ..runtime.core.request import LOCAL_PIPE, MASK_OF_ITS_SIZE, RESIZE_IT
 from ..runtime.core.variant import own_settings
+from ..runtime.formats.tokenizer import TOKENIZER_FOLDER
 
 _Run = TypeVar("_Run", bound=Callable[..., Any])
 
@@ -27,6 +29,16 @@ NAMES: dict[str, str] = {
     own_settings("base"): "the Sampler",
     own_settings("turbo"): "the Turbo Sampler",
     "urls": "the Remote Backend's server_urls",
+    "vram_budget_gb": "the Loader's vram_budget_gb",
+    "pe_endpoint": "pe_url",
+    "init_image": "the image input",
+    "init image": "the image input",
+    "init_latents": "the latent input",
+    "mask": "the mask input",
+    RESIZE_IT: f"{RESIZE_IT} (Upscale Image or ImageCrop)",
+    MASK_OF_ITS_SIZE: f"{MASK_OF_ITS_SIZE} (the MASK of the same Load Image, or Upscale Image on both)",
+    LOCAL_PIPE: "a local ERNIE-Image Loader",
+    TOKENIZER_FOLDER: "",  # the Loader takes no tokenizer of its own
 }
 
 

@@ -12,6 +12,7 @@ from typing import Iterable
 
 from ..core.errors import named_settings, worded
 from ..core.variant import VARIANT_DEFAULTS, own_settings
+from ..net.urls import KEYS_FILE
 
 FLAGS: dict[str, str] = {
     "prompt": "--prompt",
@@ -25,6 +26,7 @@ FLAGS: dict[str, str] = {
     "batch": "--batch",
     "denoise": "--denoise",
     "init image": "--init-image",
+    "init_image": "--init-image",
     "mask": "--mask",
     "mask_grow": "--mask-grow",
     "mask_feather": "--mask-feather",
@@ -40,7 +42,12 @@ FLAGS: dict[str, str] = {
     "text_encoder": "--text-encoder",
     "vae": "--vae",
     "pe": "--pe",
+    "tokenizer": "--tokenizer",
     "urls": "--server",
+    "vram_budget_gb": "--budget",
+    "pe_endpoint": "--pe-url",
+    "format": "--format",
+    KEYS_FILE: f"{KEYS_FILE} (or --api-key-env / --api-key-file; --pe-api-key-env / --pe-api-key-file for a PE URL)",
     **{own_settings(variant): f"--steps {int(own['steps'])} --cfg {own['cfg']:g}"
        for variant, own in VARIANT_DEFAULTS.items()},
 }

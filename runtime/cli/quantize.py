@@ -147,7 +147,7 @@ def main_quantize(argv: list[str] | None = None) -> int:
         state = read_bf16_dit(args.dit, files)
         refuse_non_finite_weights(state, f"--dit {args.dit}", "re-download them, then quantise again")
         counts = quantized_layer_counts(state, args.format)
-        refuse_unpackable(counts, args.format)
+        refuse_unpackable(counts, args.format, "format")
         out = write_quantized_file(state, args.format, args.out, variant=variant.variant)
     except ErnieImageError as err:
         print(f"error: {cli_message(err)}", file=sys.stderr)

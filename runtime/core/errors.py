@@ -76,7 +76,9 @@ def worded(text: str, settings: Iterable[str], names: Mapping[str, str]) -> str:
     """`text` with each of `settings` (Python names it uses) written as a front end calls it (`names`), where the
     text first names it as a word: later words may be prose ("save the prompt as UTF-8"), and a name inside a path or
     a file name (`/models/vae/flux2-vae.safetensors`, `pe.safetensors`, a folder listed as `text_encoder/`) is not the
-    setting. A name without an entry in `names` is shown as it is."""
+    setting. A name may be a phrase (words with spaces: never a path), such as an option a front end words its own
+    way; an empty label leaves it out (an option the front end has not). A name without an entry in `names` is shown
+    as it is."""
     settings = tuple(settings)
     words = set(settings) | {names[name] for name in settings if name in names}
     for name in sorted(settings, key=len, reverse=True):  # "mask_grow" before "mask"
@@ -85,7 +87,7 @@ def worded(text: str, settings: Iterable[str], names: Mapping[str, str]) -> str:
             continue
         # not after "." either: a dotted key such as the metadata key ernie_image.variant is no setting
         for found in re.finditer(rf"(?<![\w.-]){re.escape(name)}(?![\w-])(?!\.\w)", text):
-            if not _in_path(text, found.start(), found.end(), words):
+            if " " in name or not _in_path(text, found.start(), found.end(), words):
                 text = text[:found.start()] + label + text[found.end():]
                 break
     return text

@@ -350,8 +350,8 @@ class LocalPipe:
         from ..text.enhancer import validate_sampling
 
         if not self.has_enhancer():
-            raise ModelFileError("this model has no prompt enhancer: pick one on the Loader (prompt_enhancer, or "
-                                 "a diffusers folder with pe/), or give a PE chat endpoint URL")
+            raise ModelFileError("this model has no prompt enhancer: give one (pe, or pe/ in model_dir), or a PE chat "
+                                 "endpoint (pe_endpoint)").naming("pe", "model_dir", "pe_endpoint")
         validate_size(width, height)
         validate_sampling(temperature, top_p, max_new_tokens)
         host = host or NullHost()

@@ -21,7 +21,7 @@ import torch
 from ..core.errors import Cancelled, InvalidInputError, RemoteError, naming_line
 from ..core.host import Host, show_progress_phase, show_status
 from ..core.pipe import check_generate_call
-from ..core.request import GenerationRequest, GenerationResult, refuse_image_inputs
+from ..core.request import LOCAL_PIPE, GenerationRequest, GenerationResult, refuse_image_inputs
 from ..core.variant import other_settings, own_settings, variant_words
 from ..net.credentials import Credentials, ServerKeys, load_credentials
 from ..net.loop_thread import run_soon, run_sync
@@ -39,7 +39,7 @@ URLS_SETTING = "urls"  # RemotePipe's servers, named in lines for a front end to
 SERVER_SHIFT = 4.0
 REMOTE_LORA_REFUSAL = (
     "LoRAs run only on a local pipe: SGLang's /v1/set_lora loads LoRA files from the server's own disk, which this "
-    "pack does not drive yet; wire the LoRA node to an ERNIE-Image Loader, or load the LoRA on the server yourself")
+    f"pack does not drive yet; run LoRAs on {LOCAL_PIPE}, or load the LoRA on the server yourself")
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ class RemotePipe:
 
     def with_loras(self, loras) -> "RemotePipe":
         """LoRAs are not sent to SGLang servers: refused in one line (REMOTE_LORA_REFUSAL)."""
-        raise InvalidInputError(REMOTE_LORA_REFUSAL)
+        raise InvalidInputError(REMOTE_LORA_REFUSAL).naming(LOCAL_PIPE)
 
     def is_loaded(self) -> bool:
         """Whether connections to the servers are open (what `release` closes)."""
@@ -188,8 +188,8 @@ class RemotePipe:
         from ..text.remote_enhancer import revise_prompts_remote
 
         if self.settings.pe_endpoint is None:
-            raise InvalidInputError("this Remote Backend has no PE endpoint (an SGLang server never returns the "
-                                    "prompt its PE wrote): set pe_url on the Remote Backend or on this node")
+            raise InvalidInputError("this remote pipe has no PE endpoint (an SGLang server never returns the prompt "
+                                    "its PE wrote): give one (pe_endpoint)").naming("pe_endpoint")
         return revise_prompts_remote(self.settings.pe_endpoint, [prompt], width, height, seed, temperature, top_p,
                                      max_new_tokens, host)
 

@@ -36,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..core.errors import RemoteError
+from ..core.errors import RemoteError, naming_line
 from ..net.credentials import ServerKeys
 from ..net.errors import BadResponse, ConnectionLost, ServerFailed, ServerRejected, ServerUnavailable
 from ..net.settings import HttpSettings, RetryPolicy
@@ -497,8 +497,8 @@ class _Batch:
         slot.failures += 1
         slot.state, slot.detail, slot.cause = FAILED, str(error), error.cause
         slot.next_try_at = time.monotonic() + self.settings.retry_down_after_s
-        self.notify(f"{error}; image {index + 1} (seed {seed}) is sent again, as {RESEND_SETTING} asks: "
-                    f"{slot.label} may still be working on the first copy")
+        self.notify(naming_line(f"{error}; image {index + 1} (seed {seed}) is sent again, as {RESEND_SETTING} asks: "
+                                f"{slot.label} may still be working on the first copy", RESEND_SETTING))
         if slot.failures >= self.settings.max_failures_per_server:
             self._give_up(slot, error, f"{error} ({slot.failures} images in a row unanswered)")
 
