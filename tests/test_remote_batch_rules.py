@@ -49,6 +49,16 @@ def test_a_batch_is_made_by_one_model_and_a_server_of_another_is_set_aside_in_on
 HF_CACHE = "/root/.cache/huggingface/hub/models--baidu--ERNIE-Image-Turbo/snapshots/0123abcd"
 
 
+def batch_on_two(first: dict, second: dict) -> tuple[FakeSglang, FakeSglang, NullHost]:
+    """A batch of 4 on two servers answering as `first` and `second` say (both ready, both able to take images)."""
+    host = NullHost()
+    with FakeSglang(service_time_s=0.2, **first) as one, FakeSglang(service_time_s=0.2, **second) as other:
+        pipe = RemotePipe([one.url, other.url], settings())
+        pipe.generate(request(batch=4), host)
+        pipe.release()
+    return one, other, host
+
+
 @pytest.mark.parametrize("first, second", [
     (dict(model_id=TURBO), dict(model_id="/models/ERNIE-Image-Turbo")),  # a repo id, a download of it
     (dict(model_id=TURBO), dict(model_id="turbo", model_path="/models/ERNIE-Image-Turbo/")),  # --served-model-name
@@ -56,11 +66,7 @@ HF_CACHE = "/root/.cache/huggingface/hub/models--baidu--ERNIE-Image-Turbo/snapsh
     (dict(model_id="a", model_path="/ckpt/ernie-turbo-ft"), dict(model_id="b", model_path="/ckpt/ernie-turbo-ft")),
 ], ids=["path-of-the-release", "served-model-name", "hf-cache", "same-path-other-names"])
 def test_servers_of_one_model_under_other_names_make_one_batch_together(first, second) -> None:
-    host = NullHost()
-    with FakeSglang(service_time_s=0.2, **first) as one, FakeSglang(service_time_s=0.2, **second) as other:
-        pipe = RemotePipe([one.url, other.url], settings())
-        pipe.generate(request(batch=4), host)
-        pipe.release()
+    one, other, host = batch_on_two(first, second)
     assert one.generations and other.generations, host.messages
     assert not any("giving up" in m for m in host.messages), host.messages
 
@@ -72,11 +78,7 @@ def test_servers_of_one_model_under_other_names_make_one_batch_together(first, s
     (dict(model_id=TURBO), dict(model_id="someone/ERNIE-Image-Turbo")),  # another repo of the same name
 ], ids=["two-fine-tunes", "one-served-name-two-paths", "another-repo"])
 def test_servers_of_different_weights_never_share_a_batch_whatever_they_are_called(first, second) -> None:
-    host = NullHost()
-    with FakeSglang(service_time_s=0.2, **first) as one, FakeSglang(service_time_s=0.2, **second) as other:
-        pipe = RemotePipe([one.url, other.url], settings())
-        pipe.generate(request(batch=4), host)
-        pipe.release()
+    one, other, host = batch_on_two(first, second)
     made, idle = (one, other) if one.generations else (other, one)
     assert len(made.generations) == 4 and idle.generations == []
     set_aside = [m for m in host.messages if m.startswith(f"giving up on {idle.url} for this batch: it serves ")]
