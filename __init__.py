@@ -27,7 +27,7 @@ _LIBRARY = {
     "GenerationRequest": "runtime.core.request",
     "GenerationResult": "runtime.core.request",
     "StepCacheConfig": "runtime.core.step_cache_config",
-    "VARIANT_DEFAULTS": "runtime.core.request",
+    "VARIANT_DEFAULTS": "runtime.core.variant",
     "RESOLUTION_PRESETS": "runtime.core.request",
     "ModelSources": "runtime.formats.sources",
     "Host": "runtime.core.host",

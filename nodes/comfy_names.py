@@ -7,10 +7,16 @@ call the same (`mask_grow`, `steps`) needs no entry.
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from ..runtime.core.errors import ErnieImageError, worded
+from ..runtime.core.request import LOCAL_PIPE, MASK_OF_ITS_SIZE, RESIZE_IT
+from ..runtime.core.variant import own_settings
+from ..runtime.formats.tokenizer import TOKENIZER_FOLDER
+
+_Run = TypeVar("_Run", bound=Callable[..., Any])
 
 NAMES: dict[str, str] = {
     "model_dir": "the Loader's diffusers_folder",
@@ -20,6 +26,19 @@ NAMES: dict[str, str] = {
     "pe": "the Loader's prompt_enhancer",
     "variant": "the Loader's variant widget",
     "quant": "Quant Config format",
+    own_settings("base"): "the Sampler",
+    own_settings("turbo"): "the Turbo Sampler",
+    "urls": "the Remote Backend's server_urls",
+    "vram_budget_gb": "the Loader's vram_budget_gb",
+    "pe_endpoint": "pe_url",
+    "init_image": "the image input",
+    "init image": "the image input",
+    "init_latents": "the latent input",
+    "mask": "the mask input",
+    RESIZE_IT: f"{RESIZE_IT} (Upscale Image or ImageCrop)",
+    MASK_OF_ITS_SIZE: f"{MASK_OF_ITS_SIZE} (the MASK of the same Load Image, or Upscale Image on both)",
+    LOCAL_PIPE: "a local ERNIE-Image Loader",
+    TOKENIZER_FOLDER: "",  # the Loader takes no tokenizer of its own
 }
 
 
@@ -39,3 +58,14 @@ def in_comfy_words() -> Iterator[None]:
             error.args = (comfy_words(str(error), error.settings),)
             error.settings = ()
         raise
+
+
+def speaks_comfy(run: _Run) -> _Run:
+    """A node's FUNCTION, run in_comfy_words: whatever runtime call raises, the node shows ComfyUI's names."""
+    @functools.wraps(run)
+    def in_words(*args: Any, **kwargs: Any) -> Any:
+        with in_comfy_words():
+            return run(*args, **kwargs)
+
+    in_words.speaks_comfy = True  # type: ignore[attr-defined]
+    return in_words  # type: ignore[return-value]

@@ -5,6 +5,7 @@ from typing import Any, Optional
 
 from ..runtime.core.errors import InvalidInputError
 from ..runtime.core.request import SEED_MASK
+from .comfy_names import speaks_comfy
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .host import NoteHost, cancel_as_comfy_interrupt
 from .live_pipes import generation_lock
@@ -72,6 +73,7 @@ class ErnieImagePromptEnhancer:
     def VALIDATE_INPUTS(cls, pe_url: Optional[str] = None) -> "bool | str":
         return refuse_url_credentials(pe_url=pe_url)
 
+    @speaks_comfy
     def enhance(self, prompt: str, resolution: str, width: int, height: int, seed: int, temperature: float,
                 top_p: float, max_new_tokens: int, pipe: Any = None, pe_url: str = "", pe_model: str = "",
                 pe_credential: str = "", unique_id: Optional[str] = None, pe_api_key_env: str = "",

@@ -6,8 +6,7 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
-from ..runtime.core.errors import Cancelled
-from ..runtime.core.variant import VARIANT_SETTING
+from ..runtime.core.errors import Cancelled, named_settings
 from .comfy_names import comfy_words
 
 PREVIEW_FORMAT = "JPEG"
@@ -97,14 +96,14 @@ class ComfyHost:
 
 class NoteHost(ComfyHost):
     """ComfyHost that also keeps the notices, so they reach the node's own text and outputs, not only the log. A
-    notice naming the variant setting (runtime/core/variant.py) names it as ComfyUI shows it, on the node and the console."""
+    notice naming settings (errors.naming_line) names them as ComfyUI shows them, on the node and the console."""
 
     def __init__(self, node_id: Optional[str] = None) -> None:
         super().__init__(node_id)
         self.notes: list[str] = []
 
     def log(self, message: str) -> None:
-        message = comfy_words(message, (VARIANT_SETTING,))
+        message = comfy_words(message, named_settings(message))
         self.notes.append(message)
         super().log(message)
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..runtime.core.errors import InvalidInputError
+from ..runtime.core.variant import override_notice
 from . import comfy_env
 from .comfy_env import GGUF_FOLDER_KEY, NONE_CHOICE
-from .comfy_names import comfy_words, in_comfy_words
+from .comfy_names import comfy_words, speaks_comfy
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .live_pipes import track
 from .quant_config import QUANT_TYPE, QuantChoice, refuse_gguf_file_without_gguf
@@ -110,19 +111,22 @@ class ErnieImageLoader:
             },
         }
 
+    @speaks_comfy
     def load(self, diffusers_folder: str, diffusion_model: str, text_encoder: str, vae: str, prompt_enhancer: str,
              variant: str, vram_budget_gb: float, keep_loaded: bool,
              quant_config: Optional[QuantChoice] = None) -> dict[str, Any]:
         from ..runtime.local.pipe import LocalPipe
 
-        with in_comfy_words():
-            sources = build_sources(diffusers_folder, diffusion_model, text_encoder, vae, prompt_enhancer, variant)
-            options = build_options(vram_budget_gb, keep_loaded, quant_config)
-            if quant_config is not None:
-                refuse_gguf_file_without_gguf(quant_config, sources.component("transformer"))
-            pipe = LocalPipe.load(sources, options)  # reads only the files' headers: nothing to cancel
+        sources = build_sources(diffusers_folder, diffusion_model, text_encoder, vae, prompt_enhancer, variant)
+        options = build_options(vram_budget_gb, keep_loaded, quant_config)
+        if quant_config is not None:
+            refuse_gguf_file_without_gguf(quant_config, sources.component("transformer"))
+        pipe = LocalPipe.load(sources, options)  # reads only the files' headers: nothing to cancel
         track(pipe)
         plan = comfy_words(pipe.describe(), pipe.variant_choice.settings)
+        overriding = override_notice(pipe.variant_choice)  # the widget set against what the file says
+        if overriding:
+            plan = f"{plan}\n{comfy_words(overriding, overriding.settings)}"
         if quant_config is not None and not pipe.quant_reason:  # the pipe says itself what 'auto' runs
             plan = f"{plan}\nquant: {quant_config.reason}"
         return shown_on_node(plan, pipe, plan)

@@ -13,6 +13,7 @@ from typing import Any
 from ..runtime.core.errors import InvalidInputError
 from ..runtime.lora.stack import LORA_MODES, MAX_STRENGTH, check_strength, describe_stack
 from . import comfy_env
+from .comfy_names import speaks_comfy
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 
 LORA_FOLDER_KEY = "loras"
@@ -63,6 +64,7 @@ class ErnieImageLoRA:
             return str(error)
         return True
 
+    @speaks_comfy
     def apply(self, pipe: Any, lora_name: str, strength: float, mode: str = "merge") -> dict[str, Any]:
         if pipe is None or not hasattr(pipe, "generate"):
             raise InvalidInputError("the pipe input is not connected: wire an ERNIE-Image Loader to it")

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from ..runtime.core.errors import InvalidInputError
+from .comfy_names import speaks_comfy
 from .common import CATEGORY, shown_on_node
 
 QUANT_TYPE = "ERNIE_QUANT"
@@ -77,6 +78,7 @@ class ErnieImageQuantConfig:
             }
         }
 
+    @speaks_comfy
     def choose(self, format: str) -> dict[str, Any]:  # noqa: A002 - the widget is called format
         choice = resolve_choice(format)
         return shown_on_node(choice.reason, choice, choice.reason)

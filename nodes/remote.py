@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..runtime.core.errors import InvalidInputError
+from .comfy_names import speaks_comfy
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .live_pipes import track
 
@@ -181,6 +182,7 @@ class ErnieImageRemoteBackend:
     def VALIDATE_INPUTS(cls, server_urls: Optional[str] = None, pe_url: Optional[str] = None) -> "bool | str":
         return refuse_url_credentials(server_urls=server_urls, pe_url=pe_url)
 
+    @speaks_comfy
     def connect(self, server_urls: str, connect_timeout_s: float, read_timeout_s: float, credential: str = "",
                 pe_url: str = "", pe_model: str = "", pe_credential: str = "", wait_for_servers_s: float = 600.0,
                 resend_unanswered: bool = False, **legacy: Any) -> dict[str, Any]:

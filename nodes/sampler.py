@@ -16,7 +16,7 @@ from ..runtime.core.request import (
     GenerationResult,
     validate_size,
 )
-from .comfy_names import in_comfy_words
+from .comfy_names import in_comfy_words, speaks_comfy
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .host import NoteHost, cancel_as_comfy_interrupt, log
 from .image_inputs import image_input_fields, image_input_types
@@ -160,6 +160,7 @@ class ErnieImageSampler:
         )
         return {"required": required, "optional": image_input_types(), "hidden": {"unique_id": "UNIQUE_ID"}}
 
+    @speaks_comfy
     def generate(self, pipe: Any, prompt: str, resolution: str, width: int, height: int, steps: int, cfg: float,
                  seed: int, batch_size: int, shift: float, use_pe: bool, negative_prompt: str = "",
                  unique_id: Optional[str] = None, image: Any = None, latent: Any = None, mask: Any = None,

@@ -14,6 +14,7 @@ from ..runtime.core.step_cache_config import (DEFAULT_END, DEFAULT_FIRST_BLOCKS,
                                          StepCacheConfig)
 from ..runtime.step_cache.rule import skippable_window
 from ..runtime.step_cache.view import with_step_cache
+from .comfy_names import speaks_comfy
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 
 
@@ -65,6 +66,7 @@ class ErnieImageStepCache:
             },
         }
 
+    @speaks_comfy
     def apply(self, pipe: Any, method: str, threshold: float, start: float, end: float,
               max_consecutive_skips: int, first_blocks: int = DEFAULT_FIRST_BLOCKS["dbcache"],
               last_blocks: int = 0) -> dict[str, Any]:

@@ -81,7 +81,8 @@ class WireRequest:
 
 @dataclass
 class FakeSglang:
-    model_id: str = "baidu/ERNIE-Image-Turbo"
+    model_id: str = "baidu/ERNIE-Image-Turbo"  # the served model name: /v1/models' id
+    model_path: Optional[str] = None  # what it loaded (/server_info's model_path); None: the model id, as SGLang
     pipeline_name: str = "ErnieImagePipeline"
     num_gpus: int = 1
     dit_precision: str = "bf16"
@@ -260,8 +261,9 @@ class FakeSglang:
         denied = self._auth_error(request)
         if denied:
             return denied
-        return web.json_response({"model_path": self.model_id, "served_model_name": self.model_id,
-                                  "tp_size": 1, "dp_size": 1, "version": self.version})
+        return web.json_response({"model_path": self.model_path or self.model_id,
+                                  "served_model_name": self.model_id, "tp_size": 1, "dp_size": 1,
+                                  "version": self.version})
 
     def _peek_fault(self, where: str) -> Optional[str]:
         """Faults named 'health:...' / 'models:...' apply to those endpoints, the rest to generation."""

@@ -3,19 +3,32 @@ the CLI (runtime/cli/names.py), the Loader's widget in ComfyUI (nodes/comfy_name
 to "point --model-dir at" a folder."""
 from __future__ import annotations
 
+import io
+import re
 import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
+import torch
+
 from comfy_folders import fake_folder_paths
+from ernie_image.nodes.comfy_names import comfy_words
 from ernie_image.nodes.loader import ErnieImageLoader
 from ernie_image.runtime.cli.commands import main
-from ernie_image.runtime.core.errors import ModelFileError, worded
+from ernie_image.runtime.cli.names import cli_message
+from ernie_image.runtime.core.errors import ErnieImageError, InvalidInputError, ModelFileError, worded
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.files.image_files import read_image, read_mask
 from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.formats.tokenizer import load_tokenizer
 from ernie_image.runtime.local.options import LoadOptions
 from ernie_image.runtime.local.pipe import LocalPipe
+from ernie_image.runtime.net.urls import normalize_base_url
+from ernie_image.runtime.remote.backend import RemotePipe
+from ernie_image.runtime.step_cache.view import with_step_cache
 
 pytestmark = pytest.mark.usefixtures("no_comfy_modules_left_behind")
 
@@ -78,3 +91,141 @@ def test_a_dotted_key_such_as_the_metadata_key_is_never_reworded_as_a_setting() 
     text = "x.safetensors records ernie_image.variant 'Turbo' in its metadata: set variant to base or turbo"
     assert worded(text, ["variant"], {"variant": "--variant"}) == (
         "x.safetensors records ernie_image.variant 'Turbo' in its metadata: set --variant to base or turbo")
+
+
+# ------------------------------------------------------------------------------------------- every node, every line
+def test_every_node_shows_the_errors_of_its_runtime_calls_in_comfyui_s_words():
+    from ernie_image.nodes import NODE_CLASS_MAPPINGS
+
+    unworded = [name for name, node in NODE_CLASS_MAPPINGS.items()
+                if not getattr(getattr(node, node.FUNCTION), "speaks_comfy", False)]
+    assert unworded == []
+
+
+@pytest.mark.parametrize("line", ["the variant of this prompt is odd", "pe and vae are words, not settings, here"])
+def test_a_notice_that_records_no_setting_is_shown_as_written_on_every_surface(line):
+    from ernie_image.nodes.host import NoteHost
+    from ernie_image.runtime.cli.console import Console, ConsoleHost
+
+    node = NoteHost()
+    node.log(line)
+    assert node.notes == [line]
+    stream = io.StringIO()
+    ConsoleHost(console=Console(stream)).log(line)
+    assert stream.getvalue() == line + "\n"
+
+
+def test_a_notice_names_the_settings_it_records_in_each_surface_s_words():
+    from ernie_image.nodes.host import NoteHost
+    from ernie_image.runtime.cli.console import Console, ConsoleHost
+    from ernie_image.runtime.core.errors import naming_line
+
+    line = naming_line("set variant, or give pe", "variant", "pe")
+    node = NoteHost()
+    node.log(line)
+    assert node.notes == ["set the Loader's variant widget, or give the Loader's prompt_enhancer"]
+    stream = io.StringIO()
+    ConsoleHost(console=Console(stream)).log(line)
+    assert stream.getvalue() == "set --variant, or give --pe\n"
+
+
+# ------------------------------------------------------------------------------------------- errors on every surface
+CLI_FLAG = re.compile(r"(?<![\w-])--[a-z]")
+NODE_WORDS = re.compile(r"\bconnect|\bwire\b|\bLoader\b|\bSampler\b|\bwidget|\bnode\b|ComfyUI:|Load Image|"
+                        r"Upscale Image")
+IMAGE = torch.rand(1, 256, 256, 3)
+
+
+def _png(path: Path, mode: str, colour) -> Path:
+    from PIL import Image
+
+    Image.new(mode, (256, 256), colour).save(path)
+    return path
+
+
+def _request(**fields) -> GenerationRequest:
+    return GenerationRequest(**{"prompt": "x", "width": 256, "height": 256, "steps": 1, "cfg": 1.0, **fields})
+
+
+def _remote_pipe() -> RemotePipe:
+    return RemotePipe(["http://127.0.0.1:9"])  # nothing is sent: every case is refused first
+
+
+LIBRARY_CALLS = {
+    "an unreadable image": lambda tmp: read_image(tmp / "none.png"),
+    "an image with transparent pixels": lambda tmp: read_image(_png(tmp / "a.png", "RGBA", (1, 2, 3, 0))),
+    "a coloured mask": lambda tmp: read_mask(_png(tmp / "m.png", "RGB", (255, 0, 0))),
+    "an image and a latent": lambda tmp: _request(init_image=IMAGE, init_latents=torch.rand(1, 128, 16, 16)).validate(),
+    "denoise without an image": lambda tmp: _request(denoise=0.5).validate(),
+    "a mask without an image": lambda tmp: _request(mask=torch.ones(1, 256, 256)).validate(),
+    "a latent that is no tensor": lambda tmp: _request(init_latents=[1, 2]).validate(),
+    "an image of an odd size": lambda tmp: _request(init_image=torch.rand(1, 250, 256, 3), height=250).validate(),
+    "a mask of another size": lambda tmp: _request(init_image=IMAGE, mask=torch.ones(1, 512, 512)).validate(),
+    "no tokenizer": lambda tmp: load_tokenizer(ModelSources(dit=tmp, vae=tmp)),
+    "a password in a server URL": lambda tmp: normalize_base_url("http://user:secret@127.0.0.1:30000"),
+    "a token in a server URL": lambda tmp: normalize_base_url("http://127.0.0.1:30000/?api_key=secret"),
+    "image inputs on a remote pipe": lambda tmp: _remote_pipe().generate(_request(init_image=IMAGE, denoise=0.5),
+                                                                         NullHost()),
+    "LoRAs on a remote pipe": lambda tmp: _remote_pipe().with_loras(()),
+    "a step cache on a remote pipe": lambda tmp: with_step_cache(_remote_pipe(), "dbcache"),
+    "the enhancer of a remote pipe without a PE endpoint": lambda tmp: _remote_pipe().enhance("a fox", 1024, 1024, 0),
+}
+
+
+@pytest.mark.parametrize("case", LIBRARY_CALLS)
+def test_each_surface_names_a_bad_input_in_its_own_words(case, tmp_path):
+    """The library's message names no CLI flag and no node; ComfyUI's names no flag; the CLI's names no node."""
+    with pytest.raises(ErnieImageError) as refused:
+        LIBRARY_CALLS[case](tmp_path)
+    library = str(refused.value)
+    in_comfyui = comfy_words(library, refused.value.settings)
+    in_cli = cli_message(refused.value)
+    assert not CLI_FLAG.search(library) and not NODE_WORDS.search(library), library
+    assert not CLI_FLAG.search(in_comfyui), in_comfyui
+    assert not NODE_WORDS.search(in_cli), in_cli
+
+
+def test_the_out_of_memory_advice_names_the_budget_as_each_surface_calls_it():
+    from ernie_image.runtime.local.out_of_memory import memory_refusal
+
+    refusal = memory_refusal(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB"), "dit",
+                             _request(), torch.device("cuda"), None)
+    assert "set a VRAM budget (vram_budget_gb)" in str(refusal) and not CLI_FLAG.search(str(refusal))
+    assert "(the Loader's vram_budget_gb)" in comfy_words(str(refusal), refusal.settings)
+    assert "(--budget)" in cli_message(refusal) and "Loader" not in cli_message(refusal)
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ("path", "path {file} has transparent pixels (alpha): flatten it onto a background and save it as RGB, or paint "
+             "the area to repaint into a mask"),
+    ("init_image", "--init-image {file} has transparent pixels (alpha): flatten it onto a background and save it as "
+                   "RGB, or paint the area to repaint into a --mask"),
+])
+def test_the_image_reader_names_the_file_by_the_library_s_argument_or_the_cli_s_flag(setting, expected, tmp_path):
+    image = _png(tmp_path / "a.png", "RGBA", (1, 2, 3, 0))
+    with pytest.raises(InvalidInputError) as refused:
+        read_image(image, setting)
+    shown = str(refused.value) if setting == "path" else cli_message(refused.value)
+    assert shown == expected.format(file=image)
+
+
+def test_comfyui_names_the_sampler_s_inputs_and_its_own_nodes_for_a_bad_image_input():
+    from ernie_image.nodes.sampler import ErnieImageSampler
+
+    with pytest.raises(InvalidInputError) as refused:
+        ErnieImageSampler().generate(pipe=_remote_pipe(), prompt="x", resolution="custom", width=256, height=256,
+                                     steps=1, cfg=1.0, seed=0, batch_size=1, shift=4.0, use_pe=False,
+                                     image=torch.rand(1, 250, 256, 3))
+    assert str(refused.value).startswith("the image input is 256x250: ERNIE-Image needs sides that are multiples of "
+                                         "16 between 256 and 4096: resize or crop it (Upscale Image or ImageCrop) to "
+                                         "256x256 first")
+
+
+def test_comfyui_s_tokenizer_advice_offers_only_what_the_loader_has():
+    with pytest.raises(ModelFileError) as refused:
+        load_tokenizer(ModelSources(dit=Path("/x"), vae=Path("/x")))
+    assert comfy_words(str(refused.value), refused.value.settings) == (
+        "no vocabulary for the text encoder found (a tokenizer.json, or one its file embeds): give a text encoder "
+        "file that embeds one (the Loader's text_encoder: ministral-3-3b.safetensors), a diffusers folder with "
+        "tokenizer/ (the Loader's diffusers_folder)")
+    assert cli_message(refused.value).endswith("(--model-dir), or a tokenizer/ folder alone (--tokenizer)")

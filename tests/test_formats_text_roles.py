@@ -42,7 +42,7 @@ def test_the_prompt_enhancer_given_as_the_text_encoder_is_refused_at_load(model)
                                   dit=model.component("transformer"), vae=model.component("vae"), pe=None)
     message = one_line_refusal(swapped)
     assert "is the ERNIE-Image prompt enhancer, not the text encoder" in message
-    assert "give it as the prompt enhancer (prompt_enhancer / --pe)" in message
+    assert "give it as the prompt enhancer (pe)" in message
     assert "pick text_encoders/ministral-3-3b.safetensors" in message
 
 
@@ -52,5 +52,5 @@ def test_the_text_encoder_given_as_the_prompt_enhancer_is_refused_at_load(model)
                                   text_encoder=model.component("text_encoder"))
     message = one_line_refusal(swapped)
     assert "is the ERNIE-Image text encoder (Ministral-3B" in message and "not the prompt enhancer" in message
-    assert "give it as the text encoder (text_encoder / --text-encoder)" in message
+    assert "give it as the text encoder (text_encoder)" in message
     assert "pick text_encoders/ernie-image-prompt-enhancer.safetensors" in message

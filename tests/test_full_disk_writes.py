@@ -20,7 +20,7 @@ def test_a_full_disk_while_the_demo_model_is_built_is_one_line_and_leaves_nothin
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: cannot build the demo model in {cache / 'tiny-turbo-v1'}: {FREE_SPACE} that disk, or set "
-        "ERNIE_IMAGE_CACHE to a folder on another disk, or pass --model-dir"), done.stderr
+        "ERNIE_IMAGE_CACHE to a folder on another disk, or give a real model (--model-dir)"), done.stderr
     assert "Traceback" not in done.stderr
     assert left == ["cache"]  # the cache folder itself, empty: no partial build
     assert not (tmp_path / "x.png").exists()

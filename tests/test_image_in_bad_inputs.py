@@ -55,9 +55,9 @@ IMAGE = torch.rand(1, 256, 256, 3)
     (dict(init_image=torch.rand(1, 256, 256, 4)), "init image has an alpha channel (RGBA)"),
     (dict(init_image=IMAGE * 2), "init image holds values outside 0..1"),
     (dict(init_image=IMAGE, width=512, height=512), "width/height 512x512 differ from the init input's 256x256"),
-    (dict(init_image=IMAGE, init_latents=torch.rand(1, 128, 16, 16)), "both an init image and an init latent"),
-    (dict(denoise=0.5), "denoise 0.5 needs an image or latent to start from"),
-    (dict(mask=torch.ones(256, 256)), "a mask was given without an image or latent"),
+    (dict(init_image=IMAGE, init_latents=torch.rand(1, 128, 16, 16)), "both init_image and init_latents were given"),
+    (dict(denoise=0.5), "denoise 0.5 needs init_image or init_latents to start from"),
+    (dict(mask=torch.ones(256, 256)), "mask given without init_image or init_latents"),
     (dict(init_image=IMAGE, mask=torch.ones(256, 256) * 2), "mask holds values outside 0..1"),
     (dict(init_image=IMAGE, mask=torch.ones(256, 256), mask_grow=-1), "mask_grow -1 is not allowed"),
     (dict(init_image=IMAGE, mask=torch.ones(256, 256), mask_feather=5000), "mask_feather 5000 is not allowed"),
@@ -228,7 +228,7 @@ def test_an_image_claiming_far_more_pixels_than_ernie_takes_is_refused_before_de
 
     path = tmp_path / "bomb.png"
     Image.new("1", (40000, 40000)).save(path)  # 1-bit zeros: a small file, 1.6 Gpx if decoded
-    with pytest.raises(InvalidInputError, match=r"^--init-image .*bomb.png (is 40000x40000: ERNIE-Image takes sides "
+    with pytest.raises(InvalidInputError, match=r"^path .*bomb.png (is 40000x40000: ERNIE-Image takes sides "
                                                 r"up to 4096|claims more pixels than any image ERNIE-Image takes)"):
         read_image(path)
 
@@ -246,6 +246,6 @@ def test_an_image_path_that_is_a_pipe_or_a_link_loop_is_named_for_what_it_is(tmp
     else:
         (tmp_path / "other.png").symlink_to(path)
         path.symlink_to(tmp_path / "other.png")
-    pattern = rf"^--init-image .*in.png {re.escape(cause)}: give the path of a PNG or JPEG"
+    pattern = rf"^path .*in.png {re.escape(cause)}: give the path of a PNG or JPEG"
     with pytest.raises(InvalidInputError, match=pattern):
         read_image(path)

@@ -18,7 +18,8 @@ from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local.options import LoadOptions
 from ernie_image.runtime.local.pipe import LocalPipe
-from ernie_image.runtime.lora import LoraEntry, parse_lora_argument
+from ernie_image.runtime.cli.lora_args import parse_lora_argument
+from ernie_image.runtime.lora import LoraEntry
 
 REQUEST = GenerationRequest(prompt="a fox", width=256, height=256, steps=1, cfg=1.0, seed=2)
 
@@ -67,7 +68,7 @@ def lora_like(prefix: str, modules: list[str], shape=(64, 64)) -> dict[str, torc
 def test_a_model_file_is_not_a_lora(pipe, base_image, tiny_turbo_folder):
     path = Path(tiny_turbo_folder) / "transformer" / "diffusion_pytorch_model.safetensors"
     message = refused(pipe, base_image, path, "is not a LoRA file")
-    assert "model checkpoint" in message and "Loader" in message
+    assert "model checkpoint: load it as the DiT (dit)" in message  # the library names its argument
 
 
 @pytest.mark.parametrize("model, keys", [
@@ -194,9 +195,9 @@ def test_lora_argument_parsing(text, path, strength):
     (False, "c:0.5", "c", 0.5),
 ])
 def test_a_single_letter_before_the_colon_is_a_drive_only_on_windows(windows, text, path, strength, monkeypatch):
-    from ernie_image.runtime.lora import stack
+    from ernie_image.runtime.cli import lora_args
 
-    monkeypatch.setattr(stack, "DRIVE_LETTERS", windows)
+    monkeypatch.setattr(lora_args, "DRIVE_LETTERS", windows)
     assert parse_lora_argument(text) == LoraEntry(Path(path), strength)
 
 

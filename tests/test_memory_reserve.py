@@ -232,7 +232,7 @@ def test_running_out_of_memory_in_a_phase_is_one_line_and_the_pipe_recovers(phas
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith(f"out of GPU memory on cpu in the {phase} phase (256x256 batch 1, tried to allocate "
-                              f"2.50 GiB): set a VRAM budget on the Loader (vram_budget_gb) or with --budget GB")
+                              f"2.50 GiB): set a VRAM budget (vram_budget_gb)")
     assert isinstance(caught.value.__cause__, torch.OutOfMemoryError)
     assert caught.value.__cause__.__traceback__ is None  # its frames held the failed phase's tensors
     assert not pipe.is_loaded()
@@ -247,8 +247,8 @@ def test_the_message_names_the_budget_and_the_job(model) -> None:
     pipe.generate(request, NullHost())
     pipe.parts.dit.layers[0].forward = raise_oom
     with pytest.raises(MemoryBudgetError, match=r"in the DiT phase \(256x256 batch 2 CFG 3, tried to allocate "
-                                                r"2\.50 GiB\): lower the VRAM budget \(6 GB now\) on the Loader or "
-                                                r"with --budget in the CLI, a smaller size or batch, or a quantised"):
+                                                r"2\.50 GiB\): lower the VRAM budget \(vram_budget_gb, 6 GB now\), "
+                                                r"a smaller size or batch, or a quantised"):
         pipe.generate(request, NullHost())
     assert not pipe.is_loaded() and pipe.memory.plan is None
 
@@ -303,7 +303,7 @@ def test_the_prompt_enhancer_running_out_of_memory_is_named(tiny_turbo_with_pe) 
     first = pipe.enhance("a red fox", 256, 256, seed=1, max_new_tokens=8)
     pipe.parts.enhancer.model.model.layers[0].forward = raise_oom
     with pytest.raises(MemoryBudgetError, match=r"^out of GPU memory on cpu in the prompt enhancer phase .*"
-                                                r"or revise prompts on a PE chat endpoint \(pe_url\)$"):
+                                                r"or revise prompts on a PE chat endpoint \(pe_endpoint\)$"):
         pipe.enhance("a red fox", 256, 256, seed=1, max_new_tokens=8)
     assert not pipe.is_loaded()
     assert pipe.enhance("a red fox", 256, 256, seed=1, max_new_tokens=8).prompts == first.prompts

@@ -68,9 +68,9 @@ def test_a_mask_with_the_image_composites_onto_the_original(pipe):
     (dict(latent={"samples": torch.zeros(1, 4, 32, 40)}), "init latent is an SD1.5/SDXL LATENT (4 channels)"),
     (dict(latent={"samples": torch.zeros(1, 16, 32, 40)}), "init latent is a FLUX.1 / SD3 LATENT (16 channels)"),
     (dict(latent=torch.zeros(1, 128, 16, 20)), "the latent input is not a LATENT"),
-    (dict(image=torch.rand(1, 250, 320, 3)), "init image is 320x250"),
+    (dict(image=torch.rand(1, 250, 320, 3)), "the image input is 320x250"),
     (dict(image=torch.rand(2, 256, 320, 3), batch_size=3), "init image holds 2 images but batch is 3"),
-    (dict(denoise=0.5), "denoise 0.5 needs an image or latent to start from"),
+    (dict(denoise=0.5), "denoise 0.5 needs the image input or the latent input to start from"),
 ])
 def test_bad_image_inputs_are_one_line_before_anything_loads(pipe, changes, expected):
     pipe.release()

@@ -46,6 +46,45 @@ def test_a_batch_is_made_by_one_model_and_a_server_of_another_is_set_aside_in_on
     assert len(set_aside) == 1 and f"not {TURBO}" in set_aside[0], host.messages
 
 
+HF_CACHE = "/root/.cache/huggingface/hub/models--baidu--ERNIE-Image-Turbo/snapshots/0123abcd"
+
+
+def batch_on_two(first: dict, second: dict) -> tuple[FakeSglang, FakeSglang, NullHost]:
+    """A batch of 4 on two servers answering as `first` and `second` say (both ready, both able to take images)."""
+    host = NullHost()
+    with FakeSglang(service_time_s=0.2, **first) as one, FakeSglang(service_time_s=0.2, **second) as other:
+        pipe = RemotePipe([one.url, other.url], settings())
+        pipe.generate(request(batch=4), host)
+        pipe.release()
+    return one, other, host
+
+
+@pytest.mark.parametrize("first, second", [
+    (dict(model_id=TURBO), dict(model_id="/models/ERNIE-Image-Turbo")),  # a repo id, a download of it
+    (dict(model_id=TURBO), dict(model_id="turbo", model_path="/models/ERNIE-Image-Turbo/")),  # --served-model-name
+    (dict(model_id=TURBO), dict(model_id=HF_CACHE)),  # the repo, through the Hugging Face cache
+    (dict(model_id="a", model_path="/ckpt/ernie-turbo-ft"), dict(model_id="b", model_path="/ckpt/ernie-turbo-ft")),
+], ids=["path-of-the-release", "served-model-name", "hf-cache", "same-path-other-names"])
+def test_servers_of_one_model_under_other_names_make_one_batch_together(first, second) -> None:
+    one, other, host = batch_on_two(first, second)
+    assert one.generations and other.generations, host.messages
+    assert not any("giving up" in m for m in host.messages), host.messages
+
+
+@pytest.mark.parametrize("first, second", [
+    (dict(model_id="/ckpt/ernie-turbo-ft-a"), dict(model_id="/ckpt/ernie-turbo-ft-b")),  # two fine-tunes
+    (dict(model_id="ernie", model_path="/ckpt/a/ERNIE-Turbo-ft"), dict(model_id="ernie",
+                                                                 model_path="/ckpt/b/ERNIE-Turbo-ft")),
+    (dict(model_id=TURBO), dict(model_id="someone/ERNIE-Image-Turbo")),  # another repo of the same name
+], ids=["two-fine-tunes", "one-served-name-two-paths", "another-repo"])
+def test_servers_of_different_weights_never_share_a_batch_whatever_they_are_called(first, second) -> None:
+    one, other, host = batch_on_two(first, second)
+    made, idle = (one, other) if one.generations else (other, one)
+    assert len(made.generations) == 4 and idle.generations == []
+    set_aside = [m for m in host.messages if m.startswith(f"giving up on {idle.url} for this batch: it serves ")]
+    assert len(set_aside) == 1 and f"which makes this batch; the batch goes on with {made.url}" in set_aside[0]
+
+
 def test_the_cli_records_the_model_that_made_the_images_and_names_only_the_servers_that_did(tmp_path, capsys) -> None:
     with FakeSglang(model_id=BASE) as base, FakeSglang(model_id=TURBO, warmup_s=0.3) as turbo:
         code = main(["generate", "--server", base.url, "--server", turbo.url, "--prompt", "a fox", "--width", "256",

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from ernie_image.runtime.cli.names import cli_message
-from ernie_image.runtime.core.errors import Cancelled, InvalidInputError, RemoteError
+from ernie_image.runtime.cli.names import cli_message, cli_words
+from ernie_image.runtime.core.errors import Cancelled, InvalidInputError, RemoteError, named_settings
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
@@ -276,6 +276,7 @@ def test_resend_unanswered_sends_it_again_and_says_the_server_may_still_run_it()
     assert [i["seed"] for i in result.info["images"]] == [100, 101, 102]
     resent = [m for m in host.messages if "is sent again" in m]
     assert resent and "may still be working on the first copy" in resent[0] and slow.url in resent[0]
+    assert "as --resend-unanswered asks" in cli_words(resent[0], named_settings(resent[0]))  # the CLI's flag
     assert len(slow.generations) == 1 and len(fast.generations) == 3, "the copy went to the server that answers"
 
 

@@ -23,7 +23,9 @@ from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
 from ernie_image.runtime.demo.tiny import build_tiny_model
 from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.local.pipe import LocalPipe
+from conftest import LoggingHost
 
 CPU = LoadOptions(device="cpu")
 
@@ -90,6 +92,38 @@ def test_a_file_that_records_nothing_is_told_by_its_name_and_says_so(turbo, tmp_
     assert first_line(release_like).startswith(expected)
 
 
+@pytest.mark.parametrize("name, expected", [
+    ("ernie-image-turbo.safetensors", "turbo"),
+    ("ERNIE-Image-Turbo", "turbo"),
+    ("ErnieImageTurbo-q8_0.gguf", "turbo"),  # camelCase words
+    ("turbo.safetensors", "turbo"),
+    ("ernie-image.safetensors", "base"),
+    ("ernie_base.gguf", "base"),
+    ("base_not_turbo.safetensors", "base"),  # a negated word is the other variant's
+    ("ernie-non-turbo.safetensors", "base"),
+    ("not-base.safetensors", "turbo"),
+    ("turbo_without_base.gguf", "turbo"),
+    ("ernie-base-turbo-merge.safetensors", None),  # both: the name does not decide
+    ("model.safetensors", None),  # neither
+    ("turbocharged-ernie.safetensors", "base"),  # "turbo" inside a word is no word: ernie alone is the base model
+    ("database.safetensors", None),
+])
+def test_a_name_is_read_word_by_word(name, expected):
+    from ernie_image.runtime.core.variant import name_variant
+
+    assert name_variant(name) == expected
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("base_not_turbo.safetensors", "ERNIE-Image Base, from the file name;"),
+    ("ernie-base-turbo-merge.safetensors", "ERNIE-Image Base, by default: nothing in the files says which (set "
+                                           "variant if it is Turbo);"),
+])
+def test_a_name_that_negates_turbo_or_says_both_is_never_taken_as_turbo(turbo, tmp_path, name, expected):
+    named = dataclasses.replace(turbo, dit=without_metadata(turbo.dit, tmp_path / name))
+    assert first_line(named).startswith(expected)
+
+
 def test_a_file_whose_name_says_nothing_runs_as_base_saying_nothing_told(turbo, tmp_path):
     anonymous = dataclasses.replace(turbo, dit=without_metadata(turbo.dit, tmp_path / "model.safetensors"))
     pipe = LocalPipe.load(anonymous, CPU)
@@ -145,8 +179,8 @@ def test_quantize_refuses_a_source_that_does_not_say_its_variant_until_variant_i
     code, _, err = _quantize(capsys, "--dit", str(source), "--format", "q8_0", "--out", str(out))
     assert code == 2 and err.strip() == (
         "error: --dit weights.safetensors does not say whether it is ERNIE-Image or ERNIE-Image-Turbo (its metadata "
-        "records neither, it has no transformer config, and its name has no 'ernie' or 'turbo'): set --variant to "
-        "base or turbo, which the written file records")
+        "records neither, it has no transformer config, and its name has no word 'ernie', 'base' or 'turbo', or has "
+        "both variants'): set --variant to base or turbo, which the written file records")
     assert not out.exists()
     code, printed, _ = _quantize(capsys, "--dit", str(source), "--format", "q8_0", "--out", str(out),
                                  "--variant", "turbo")
@@ -172,6 +206,38 @@ def test_the_cli_run_line_says_the_variant_and_how_it_was_decided(capsys, tmp_pa
                                                                               "--variant", "auto")
     assert "; ERNIE-Image Base, set by --variant; on cpu" in _generate(capsys, renamed, tmp_path / "c.png",
                                                                       "--variant", "base")
+
+
+# ------------------------------------------------------------------------------------------- an override is told
+OVERRIDE = ("{setting} set to base overrides what the files say (Turbo, from the file's metadata): the model is taken "
+            "as Base")
+
+
+def test_quantize_with_a_variant_against_the_file_s_metadata_says_the_flag_overrides_it(capsys, tmp_path, turbo):
+    code, _, err = _quantize(capsys, "--dit", str(turbo.dit), "--format", "q8_0", "--out", str(tmp_path / "q.gguf"),
+                             "--variant", "base")
+    assert code == 0 and err.splitlines().count(OVERRIDE.format(setting="--variant")) == 1, err
+    code, _, err = _quantize(capsys, "--dit", str(turbo.dit), "--format", "q8_0", "--out", str(tmp_path / "t.gguf"),
+                             "--variant", "turbo")
+    assert code == 0 and "overrides" not in err  # the flag agrees with the file
+
+
+def test_generate_with_a_variant_against_the_file_s_metadata_says_the_flag_overrides_it(capsys, tmp_path, turbo):
+    code = main(["generate", "--dit", str(turbo.dit), "--text-encoder", str(turbo.text_encoder), "--vae",
+                 str(turbo.vae), "--prompt", "a fox", "--width", "256", "--height", "256", "--steps", "1", "--device",
+                 "cpu", "--out", str(tmp_path / "b.png"), "--variant", "base"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 0 and err.count(OVERRIDE.format(setting="--variant")) == 1, err
+
+
+def test_the_library_and_the_loader_say_a_variant_set_against_the_file_overrides_it(turbo, comfy_models):
+    host = LoggingHost()
+    LocalPipe.load(dataclasses.replace(turbo, variant="base"), CPU).generate(
+        GenerationRequest(prompt="a fox", width=256, height=256, steps=1), host)
+    assert OVERRIDE.format(setting="variant") in host.messages
+    plan = load_with_loader("base")["result"][1]
+    assert OVERRIDE.format(setting="the Loader's variant widget") in plan.splitlines()
+    assert "overrides" not in load_with_loader("turbo")["result"][1]
 
 
 # ------------------------------------------------------------------------------------------- the Loader says it

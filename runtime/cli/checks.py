@@ -249,7 +249,7 @@ GENERATE_INPUTS = ("model_dir", "dit", "text_encoder", "vae", "tokenizer", "pe",
 def _check_inputs_are_not_outputs(args: argparse.Namespace) -> None:
     """No PNG the run writes (`--out`, or a batch's name_N.png) is a file it reads."""
     from ..files.png_output import png_paths
-    from ..lora.stack import parse_lora_argument
+    from .lora_args import parse_lora_argument
 
     inputs = [("--" + name.replace("_", "-"), getattr(args, name, None)) for name in GENERATE_INPUTS]
     inputs += [("--lora", parse_lora_argument(value).path) for value in getattr(args, "lora", None) or ()]

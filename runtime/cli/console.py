@@ -15,8 +15,8 @@ from typing import Optional, TextIO
 
 from tqdm import tqdm
 
+from ..core.errors import named_settings
 from ..core.host import NullHost
-from ..core.variant import VARIANT_SETTING
 from .interrupts import Interrupts
 from .names import cli_words
 
@@ -140,7 +140,7 @@ class ConsoleHost(NullHost):
         self.console.progress(value, total)
 
     def log(self, message: str) -> None:
-        self.console.line(cli_words(message, (VARIANT_SETTING,)))  # a notice naming the variant setting names --variant
+        self.console.line(cli_words(message, named_settings(message)))  # the settings a notice names, as flags
 
     def check_cancel(self) -> None:
         if self.interrupts is not None:

@@ -14,6 +14,11 @@ from .names import cli_words
 from .parser import OneLineParser, OutputPath
 from .step_cache_args import check as step_cache_check
 
+DEMO_NOTICE = (
+    "no model given: using a tiny random ERNIE-Image model built in code at {path}. "
+    "Its pixels are noise from a demo model, not a real image; pass --model-dir or --dit/--text-encoder/--vae."
+)
+
 ArgCheck = Callable[[argparse.Namespace], None]
 
 # The argument checks of features that add their own `generate` flags, run after checks.py's own checks and
@@ -89,7 +94,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
         interrupts = interrupts or Interrupts()
         return generate_on_servers(args, remote, ConsoleHost(interrupts))
     from ..core.request import GenerationRequest
-    from ..demo.cached_model import DEMO_NOTICE, load_demo_pipe
+    from ..demo.cached_model import load_demo_pipe
     from ..files.png_output import save_pngs
     from ..formats.sources import ModelSources
     from ..local.options import LoadOptions

@@ -41,12 +41,12 @@ def image_fields(args: argparse.Namespace) -> dict[str, Any]:
     fields: dict[str, Any] = {"denoise": args.denoise, "mask_grow": args.mask_grow,
                               "mask_feather": args.mask_feather, "composite": not args.no_composite}
     if args.init_image is not None:
-        image = read_image(args.init_image)
+        image = read_image(args.init_image, "init_image")
         fields["init_image"] = image
         args.width = int(image.shape[2]) if args.width is None else args.width
         args.height = int(image.shape[1]) if args.height is None else args.height
     if args.mask is not None:
-        fields["mask"] = read_mask(args.mask)
+        fields["mask"] = read_mask(args.mask, "mask")
     return fields
 
 

@@ -3,14 +3,16 @@
 The runtime's checks speak the Python API's and the nodes' language (`mask_grow 5000 is not allowed`); an error
 records which of its words are such names (ErnieImageError.naming), and the CLI shows its own flags instead
 (`--mask-grow 5000 is not allowed`). A name without a flag here is shown as it is. Lines that are not errors but
-name a setting (a pipe's description naming `variant`) are worded the same way (`cli_words`). ComfyUI's names for
-the same settings: nodes/comfy_names.py.
+name a setting (a notice recorded with errors.naming_line, a pipe's description naming `variant`) are worded the
+same way (`cli_words`). ComfyUI's names for the same settings: nodes/comfy_names.py.
 """
 from __future__ import annotations
 
 from typing import Iterable
 
-from ..core.errors import ErnieImageError, worded
+from ..core.errors import named_settings, worded
+from ..core.variant import VARIANT_DEFAULTS, own_settings
+from ..net.urls import KEYS_FILE
 
 FLAGS: dict[str, str] = {
     "prompt": "--prompt",
@@ -24,6 +26,7 @@ FLAGS: dict[str, str] = {
     "batch": "--batch",
     "denoise": "--denoise",
     "init image": "--init-image",
+    "init_image": "--init-image",
     "mask": "--mask",
     "mask_grow": "--mask-grow",
     "mask_feather": "--mask-feather",
@@ -39,13 +42,21 @@ FLAGS: dict[str, str] = {
     "text_encoder": "--text-encoder",
     "vae": "--vae",
     "pe": "--pe",
+    "tokenizer": "--tokenizer",
+    "urls": "--server",
+    "vram_budget_gb": "--budget",
+    "pe_endpoint": "--pe-url",
+    "format": "--format",
+    KEYS_FILE: f"{KEYS_FILE} (or --api-key-env / --api-key-file; --pe-api-key-env / --pe-api-key-file for a PE URL)",
+    **{own_settings(variant): f"--steps {int(own['steps'])} --cfg {own['cfg']:g}"
+       for variant, own in VARIANT_DEFAULTS.items()},
 }
 
 
 def cli_message(error: BaseException) -> str:
     """`str(error)` with each setting it names (ErnieImageError.naming) written as the CLI's flag where the message
     first names it (later words may be prose: "save the prompt as UTF-8")."""
-    return cli_words(str(error), error.settings if isinstance(error, ErnieImageError) else ())
+    return cli_words(str(error), named_settings(error))
 
 
 def cli_words(text: str, settings: Iterable[str]) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from ..core.errors import ErnieImageError, InvalidInputError, ModelFileError
 from ..core.non_finite import refuse_non_finite_weights
-from ..core.variant import VARIANT_SETTING, VariantChoice, checked_variant_option, decide_variant
+from ..core.variant import VARIANT_SETTING, VariantChoice, checked_variant_option, decide_variant, override_notice
 from ..files.inputs_outputs import refuse_outputs_over_inputs
 from ..formats.component_file import QUANT_MARKERS, open_component
 from ..formats.safetensors_reader import is_gguf, open_safetensors
@@ -74,8 +74,9 @@ def source_variant(source: Path, asked: str | None) -> VariantChoice:
     if choice.source == "default":
         raise InvalidInputError(
             f"--dit {source.name} does not say whether it is ERNIE-Image or ERNIE-Image-Turbo (its metadata records "
-            f"neither, it has no transformer config, and its name has no 'ernie' or 'turbo'): set {VARIANT_SETTING} "
-            "to base or turbo, which the written file records").naming(VARIANT_SETTING)
+            f"neither, it has no transformer config, and its name has no word 'ernie', 'base' or 'turbo', or has "
+            f"both variants'): set {VARIANT_SETTING} to base or turbo, which the written file records"
+        ).naming(VARIANT_SETTING)
     return choice
 
 
@@ -140,10 +141,13 @@ def main_quantize(argv: list[str] | None = None) -> int:
         refuse_output_over_input(args.out, args.dit)
         files = bf16_dit_files(args.dit)
         variant = source_variant(args.dit, args.variant)  # before any weight is read
+        overriding = override_notice(variant)
+        if overriding:
+            print(cli_words(overriding, overriding.settings), file=sys.stderr)
         state = read_bf16_dit(args.dit, files)
         refuse_non_finite_weights(state, f"--dit {args.dit}", "re-download them, then quantise again")
         counts = quantized_layer_counts(state, args.format)
-        refuse_unpackable(counts, args.format)
+        refuse_unpackable(counts, args.format, "format")
         out = write_quantized_file(state, args.format, args.out, variant=variant.variant)
     except ErnieImageError as err:
         print(f"error: {cli_message(err)}", file=sys.stderr)

@@ -1,4 +1,7 @@
-"""Errors the runtime raises. Every message is one line naming the cause and the fix."""
+"""Errors the runtime raises, and the words they and its notices use. Every message is one line naming the cause and
+the fix, in the library's words: a setting by its Python name, recorded (`naming`, `NamedLine`) so that a front end
+shows its own name for it (`worded`: the CLI's flags in runtime/cli/names.py, ComfyUI's inputs in
+nodes/comfy_names.py)."""
 from __future__ import annotations
 
 import re
@@ -44,6 +47,26 @@ class Cancelled(ErnieImageError):
     """The host asked to stop (ComfyUI's Cancel, Ctrl-C in the CLI)."""
 
 
+class NamedLine(str):
+    """A notice (Host.log's line) that names settings by their Python names, recorded as ErnieImageError.naming
+    records them for an error, so that a front end words it as it words an error. Any other line names none: a
+    front end never guesses which of its words are settings."""
+
+    settings: tuple[str, ...] = ()
+
+
+def naming_line(text: str, *settings: str) -> NamedLine:
+    """`text` as a line recording that it names `settings`."""
+    line = NamedLine(text)
+    line.settings = tuple(settings)
+    return line
+
+
+def named_settings(text: object) -> tuple[str, ...]:
+    """The settings an error or a line names by their Python names (none for a plain string)."""
+    return tuple(getattr(text, "settings", ())) if isinstance(text, (ErnieImageError, NamedLine)) else ()
+
+
 def one_line(error: BaseException, limit: int = 200) -> str:
     """`Type: message` of an unexpected error, whitespace collapsed and cut: the detail a one-line message quotes."""
     return " ".join(f"{type(error).__name__}: {error}".split())[:limit]
@@ -53,7 +76,9 @@ def worded(text: str, settings: Iterable[str], names: Mapping[str, str]) -> str:
     """`text` with each of `settings` (Python names it uses) written as a front end calls it (`names`), where the
     text first names it as a word: later words may be prose ("save the prompt as UTF-8"), and a name inside a path or
     a file name (`/models/vae/flux2-vae.safetensors`, `pe.safetensors`, a folder listed as `text_encoder/`) is not the
-    setting. A name without an entry in `names` is shown as it is."""
+    setting. A name may be a phrase (words with spaces: never a path), such as an option a front end words its own
+    way; an empty label leaves it out (an option the front end has not). A name without an entry in `names` is shown
+    as it is."""
     settings = tuple(settings)
     words = set(settings) | {names[name] for name in settings if name in names}
     for name in sorted(settings, key=len, reverse=True):  # "mask_grow" before "mask"
@@ -62,7 +87,7 @@ def worded(text: str, settings: Iterable[str], names: Mapping[str, str]) -> str:
             continue
         # not after "." either: a dotted key such as the metadata key ernie_image.variant is no setting
         for found in re.finditer(rf"(?<![\w.-]){re.escape(name)}(?![\w-])(?!\.\w)", text):
-            if not _in_path(text, found.start(), found.end(), words):
+            if " " in name or not _in_path(text, found.start(), found.end(), words):
                 text = text[:found.start()] + label + text[found.end():]
                 break
     return text

@@ -10,17 +10,12 @@ import torch
 
 from .errors import InvalidInputError
 from .step_cache_config import StepCacheConfig
+from .variant import VARIANT_DEFAULTS
 
 MIN_SIDE = 256
 MAX_SIDE = 4096
 SIDE_MULTIPLE = 16
 SEED_MASK = (1 << 63) - 1
-
-# Baidu's recommended settings per model.
-VARIANT_DEFAULTS: dict[str, dict[str, float]] = {
-    "base": {"steps": 50, "cfg": 4.0},
-    "turbo": {"steps": 8, "cfg": 1.0},
-}
 
 # Baidu's ~1 MP presets (width, height).
 RESOLUTION_PRESETS: tuple[tuple[int, int], ...] = (
@@ -82,6 +77,10 @@ def _check_texts(request: "GenerationRequest") -> None:
 
 
 MAX_MASK_PIXELS = 1024  # mask_grow / mask_feather limit
+# Words of the image checks a front end may say its own way (named by errors.naming: ComfyUI adds its nodes).
+RESIZE_IT = "resize or crop it"
+MASK_OF_ITS_SIZE = "a mask of the image's size"
+LOCAL_PIPE = "a local pipe (LocalPipe)"
 # LATENT channel counts of other model families, for the message that names what was connected.
 OTHER_LATENTS = {4: "an SD1.5/SDXL LATENT (4 channels)", 16: "a FLUX.1 / SD3 LATENT (16 channels)",
                  32: "an unpatchified FLUX.2 VAE latent (32 channels)"}
@@ -93,8 +92,8 @@ def _image_size_problem(width: int, height: int, what: str) -> Optional[str]:
     if ok:
         return None
     return (f"{what} is {width}x{height}: ERNIE-Image needs sides that are multiples of {SIDE_MULTIPLE} between "
-            f"{MIN_SIDE} and {MAX_SIDE}: resize or crop it to {nearest_valid_side(width)}x{nearest_valid_side(height)} "
-            "first (ComfyUI: Upscale Image or ImageCrop)")
+            f"{MIN_SIDE} and {MAX_SIDE}: {RESIZE_IT} to {nearest_valid_side(width)}x{nearest_valid_side(height)} "
+            "first")
 
 
 def _check_batch(count: int, batch: int, what: str) -> None:
@@ -115,11 +114,11 @@ def _check_init_image(request: "GenerationRequest") -> tuple[int, int]:
     if channels != 3:
         raise InvalidInputError(f"init image has {channels} channels: ERNIE-Image takes RGB [batch, height, width, 3]")
     if not bool(torch.isfinite(image).all()) or float(image.min()) < 0 or float(image.max()) > 1:
-        raise InvalidInputError("init image holds values outside 0..1 (or NaN): give a ComfyUI IMAGE in 0..1")
+        raise InvalidInputError("init image holds values outside 0..1 (or NaN): give float RGB in 0..1")
     height, width = int(image.shape[1]), int(image.shape[2])
     problem = _image_size_problem(width, height, "init image")
     if problem:
-        raise InvalidInputError(problem).naming("init image")
+        raise InvalidInputError(problem).naming("init image", RESIZE_IT)
     _check_batch(int(image.shape[0]), request.batch, "init image")
     return width, height
 
@@ -127,7 +126,8 @@ def _check_init_image(request: "GenerationRequest") -> tuple[int, int]:
 def _check_init_latents(request: "GenerationRequest") -> tuple[int, int]:
     latents = request.init_latents
     if not isinstance(latents, torch.Tensor) or not latents.is_floating_point():
-        raise InvalidInputError(f"init latent {type(latents).__name__} is not a LATENT tensor: connect a LATENT")
+        raise InvalidInputError(f"init latent {type(latents).__name__} is not a LATENT tensor: give a float tensor "
+                                "[batch, 128, height/16, width/16]")
     if latents.ndim == 5:
         raise InvalidInputError(f"init latent {tuple(latents.shape)} is a video LATENT: ERNIE-Image takes an image "
                                 "LATENT [batch, 128, height/16, width/16]")
@@ -141,7 +141,7 @@ def _check_init_latents(request: "GenerationRequest") -> tuple[int, int]:
     height, width = int(latents.shape[2]) * 16, int(latents.shape[3]) * 16
     problem = _image_size_problem(width, height, "init latent (as pixels)")
     if problem:
-        raise InvalidInputError(problem)
+        raise InvalidInputError(problem).naming(RESIZE_IT)
     _check_batch(int(latents.shape[0]), request.batch, "init latent")
     return width, height
 
@@ -152,13 +152,13 @@ def _check_mask(request: "GenerationRequest", width: int, height: int) -> None:
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
         raise InvalidInputError(f"mask {shape} is not a MASK: give [batch, height, width] or [height, width] in 0..1")
     if not request.has_image_input:
-        raise InvalidInputError("a mask was given without an image or latent to repaint: connect the image too")
+        raise InvalidInputError("mask given without init_image or init_latents to repaint: give the image too"
+                                ).naming("mask", "init_image", "init_latents")
     mask_h, mask_w = int(mask.shape[-2]), int(mask.shape[-1])
     latent_grid = request.init_image is None and (mask_w, mask_h) == (width // 16, height // 16)
     if (mask_w, mask_h) != (width, height) and not latent_grid:
-        raise InvalidInputError(f"mask is {mask_w}x{mask_h} but the image is {width}x{height}: give a mask of the "
-                                "image's size (ComfyUI: the MASK of the same Load Image, or Upscale Image on both)"
-                                ).naming("mask")
+        raise InvalidInputError(f"mask is {mask_w}x{mask_h} but the image is {width}x{height}: give "
+                                f"{MASK_OF_ITS_SIZE}").naming("mask", MASK_OF_ITS_SIZE)
     if not bool(torch.isfinite(mask).all()) or float(mask.min()) < 0 or float(mask.max()) > 1:
         raise InvalidInputError("mask holds values outside 0..1 (or NaN): give a MASK in 0..1 (1 = repaint)")
     _check_batch(int(mask.shape[0]) if mask.ndim > 2 else 1, request.batch, "mask")
@@ -176,11 +176,12 @@ def _check_image_inputs(request: "GenerationRequest") -> None:
         raise InvalidInputError(f"denoise {denoise!r} is not allowed: use a value in (0, 1] (1.0 redraws everything)"
                                 ).naming("denoise")
     if request.init_image is not None and request.init_latents is not None:
-        raise InvalidInputError("both an init image and an init latent were given: connect one of them")
+        raise InvalidInputError("both init_image and init_latents were given: give one of them"
+                                ).naming("init_image", "init_latents")
     if not request.has_image_input:
         if denoise < 1:
-            raise InvalidInputError(f"denoise {denoise:g} needs an image or latent to start from: connect one, or "
-                                    "set denoise to 1.0").naming("denoise")
+            raise InvalidInputError(f"denoise {denoise:g} needs init_image or init_latents to start from: give one, "
+                                    "or set denoise to 1.0").naming("denoise", "init_image", "init_latents")
         if request.mask is not None:
             _check_mask(request, request.width, request.height)
         return
@@ -326,8 +327,9 @@ class GenerationRequest:
 def refuse_image_inputs(request: GenerationRequest, backend: str) -> None:
     """A backend without image inputs says so in one line instead of ignoring the image."""
     if request.has_image_input or request.mask is not None:
-        raise InvalidInputError(f"image inputs (img2img, inpainting) are not supported by {backend}: use a local "
-                                "ERNIE-Image Loader for them, or disconnect the image, latent and mask")
+        raise InvalidInputError(f"image inputs (img2img, inpainting) are not supported by {backend}: run them on "
+                                f"{LOCAL_PIPE}, or leave out init_image, init_latents and mask"
+                                ).naming(LOCAL_PIPE, "init_image", "init_latents", "mask")
 
 
 @dataclass

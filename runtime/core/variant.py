@@ -5,16 +5,19 @@ The two releases share every key and shape, so the weights cannot tell them apar
   2. `ernie_image.variant` in the DiT file's metadata, which every DiT file this pack writes records;
   3. the transformer config: the Turbo release's carries LoRA fields (`use_lora`, `lora_rank`) the base release's
      lacks (the two releases' model_index.json and scheduler configs are identical);
-  4. the file or folder name: "turbo" in it is Turbo, "ernie" without "turbo" the base model;
+  4. the file or folder name, read word by word (name_variant): the word "turbo" is Turbo, "base" or "ernie" without
+     "turbo" the base model; a word after "not", "no", "non" or "without" counts as the other variant
+     (`base_not_turbo` is Base); a name with words of both variants tells nothing;
   5. else the base model, saying that nothing told which.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
-from .errors import InvalidInputError, ModelFileError
+from .errors import InvalidInputError, ModelFileError, NamedLine, naming_line
 
 Variant = Literal["base", "turbo"]
 VARIANTS: tuple[Variant, ...] = ("base", "turbo")
@@ -22,6 +25,11 @@ AUTO = "auto"
 METADATA_KEY = "ernie_image.variant"
 VARIANT_SETTING = "variant"  # the name runtime lines use for the override; front ends show their own (cli/names.py)
 TURBO_CONFIG_KEYS = ("use_lora", "lora_rank")
+# Baidu's recommended settings per model.
+VARIANT_DEFAULTS: dict[str, dict[str, float]] = {
+    "base": {"steps": 50, "cfg": 4.0},
+    "turbo": {"steps": 8, "cfg": 1.0},
+}
 
 Source = Literal["set", "metadata", "config", "name", "default"]
 
@@ -31,6 +39,7 @@ class VariantChoice:
     variant: Variant
     source: Source
     how: str  # "from the file's metadata", ...: the words after the variant's name
+    overrides: Optional["VariantChoice"] = None  # set by the user against what the files say: what they say
 
     @property
     def label(self) -> str:
@@ -46,8 +55,21 @@ class VariantChoice:
         return f"{self.label}, {self.how}"
 
 
-def set_by_user(variant: Variant) -> VariantChoice:
-    return VariantChoice(variant, "set", f"set by {VARIANT_SETTING}")
+def set_by_user(variant: Variant, files_say: Optional[VariantChoice] = None) -> VariantChoice:
+    """The variant the user set; `files_say`: what the files say, kept when they say the other variant."""
+    says_other = files_say is not None and files_say.source != "default" and files_say.variant != variant
+    overrides = files_say if says_other else None
+    return VariantChoice(variant, "set", f"set by {VARIANT_SETTING}", overrides)
+
+
+def override_notice(choice: VariantChoice) -> Optional[NamedLine]:
+    """The line for a variant set against what the files say ("variant set to base overrides what the files say
+    (Turbo, from the file's metadata): the model is taken as Base"); None when the user set none or they agree."""
+    said = choice.overrides
+    if said is None:
+        return None
+    return naming_line(f"{VARIANT_SETTING} set to {choice.variant} overrides what the files say ({said.text()}): the "
+                       f"model is taken as {choice.label}", VARIANT_SETTING)
 
 
 def checked_variant_option(value: object) -> Optional[Variant]:
@@ -61,9 +83,17 @@ def checked_variant_option(value: object) -> Optional[Variant]:
 
 
 def decide_variant(dit, set_to: Optional[Variant] = None) -> VariantChoice:
-    """Base or Turbo for an opened DiT (formats.component_file.ComponentFile), and how that was decided."""
-    if set_to is not None:
+    """Base or Turbo for an opened DiT (formats.component_file.ComponentFile), and how that was decided; `set_to`
+    (the user's) wins, remembering what the files say when that is the other variant (override_notice)."""
+    if set_to is None:
+        return _files_say(dit)
+    try:
+        return set_by_user(set_to, _files_say(dit))
+    except ModelFileError:  # a recorded variant that is neither: set_to is the fix that error names
         return set_by_user(set_to)
+
+
+def _files_say(dit) -> VariantChoice:
     recorded = dit.metadata.get(METADATA_KEY)
     if recorded is not None:
         return VariantChoice(_recorded_variant(recorded, dit.path), "metadata", "from the file's metadata")
@@ -71,12 +101,37 @@ def decide_variant(dit, set_to: Optional[Variant] = None) -> VariantChoice:
         turbo = any(key in dit.config for key in TURBO_CONFIG_KEYS)
         return VariantChoice("turbo" if turbo else "base", "config", "from the transformer config")
     for name, what in _names(Path(dit.path)):
-        if "turbo" in name.lower():
-            return VariantChoice("turbo", "name", f"from the {what} name")
-        if "ernie" in name.lower():
-            return VariantChoice("base", "name", f"from the {what} name")
+        said = name_variant(name)
+        if said is not None:
+            return VariantChoice(said, "name", f"from the {what} name")
     return VariantChoice("base", "default", f"by default: nothing in the files says which (set {VARIANT_SETTING} "
                                             "if it is Turbo)")
+
+
+_NEGATIONS = frozenset({"not", "no", "non", "without"})
+_OTHER: dict[str, Variant] = {"base": "turbo", "turbo": "base"}
+
+
+def _words(name: str) -> list[str]:
+    """A name's words, lower case: split at anything but letters and digits, and where camelCase starts a word
+    ("ERNIE-Image-Turbo", "ernie_image_turbo_q8_0.gguf", "ErnieTurbo")."""
+    return [word.lower() for word in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", name)]
+
+
+def name_variant(name: str) -> Optional[Variant]:
+    """What a file, folder or model name says, word by word (never inside a word: "turbocharged" says nothing):
+    "turbo" Turbo; "base", or "ernie" without "turbo", the base model; a variant's word right after a negation
+    ("not", "no", "non", "without") counts as the other's ("base_not_turbo", "non-turbo": the base model). None when
+    it says neither, or says both ("ernie-base-turbo-merge")."""
+    words = _words(name)
+    said: set[Variant] = set()
+    for index, word in enumerate(words):
+        if word in _OTHER:
+            negated = index > 0 and words[index - 1] in _NEGATIONS
+            said.add(_OTHER[word] if negated else word)  # type: ignore[arg-type]
+    if not said and "ernie" in words:
+        said.add("base")
+    return said.pop() if len(said) == 1 else None
 
 
 def _recorded_variant(value: str, path: Path) -> Variant:
@@ -94,19 +149,39 @@ def _names(path: Path) -> list[tuple[str, str]]:
     return [(path.name, "file")]
 
 
-def settings_notice(model: VariantChoice, settings_for: Optional[str], steps: int, cfg: float) -> Optional[str]:
-    """The notice for settings chosen for the other variant (a Turbo model under the base Sampler, or the base
-    model under the Turbo Sampler); None when they are the model's own or nobody said whose they are. It names
-    the variant setting once (VariantChoice.settings), for a front end to show its own name for it."""
-    from .request import VARIANT_DEFAULTS
+def variant_words(variant: str) -> str:
+    """How a line names a variant's model: "Turbo", "the base model"."""
+    return "Turbo" if variant == "turbo" else "the base model"
 
-    if settings_for is None or settings_for == model.variant:
+
+def own_settings(variant: str) -> str:
+    """A variant's own steps and CFG, in the library's words ("steps=8, cfg=1"): a name a notice records
+    (errors.naming_line), which a front end shows as its way to get them (ComfyUI: the Turbo Sampler)."""
+    own = VARIANT_DEFAULTS[variant]
+    return f"steps={int(own['steps'])}, cfg={own['cfg']:g}"
+
+
+def other_settings(variant: Variant, settings_for: Optional[str], steps: int, cfg: float) -> Optional[str]:
+    """The clause for steps and CFG given for the other variant than `variant`'s model ("these settings (1 step, CFG
+    4) were given for the base model: Turbo is made for 8 steps at CFG 1: use steps=8, cfg=1"); None when nobody said
+    whose they are, they are for this variant, or they are this variant's own whoever gave them."""
+    own = VARIANT_DEFAULTS[variant]
+    if settings_for is None or settings_for == variant or (steps, cfg) == (int(own["steps"]), own["cfg"]):
         return None
-    own = VARIANT_DEFAULTS[model.variant]
-    sampler = "Turbo Sampler" if model.variant == "turbo" else "Sampler"
-    other = "Turbo" if settings_for == "turbo" else "the base model"
-    override = "" if model.settings else f", or set {VARIANT_SETTING} if the model is not {model.label}"
-    return (f"the model is {model.text()}, but these settings ({steps} step{'' if steps == 1 else 's'}, CFG {cfg:g}) "
-            f"are meant for {other}: "
-            f"{model.label} is made for {int(own['steps'])} steps at CFG {own['cfg']:g}: use its settings (in "
-            f"ComfyUI: the {sampler}){override}")
+    label = "Turbo" if variant == "turbo" else "Base"
+    return (f"these settings ({steps} step{'' if steps == 1 else 's'}, CFG {cfg:g}) were given for "
+            f"{variant_words(settings_for)}: {label} is made for {int(own['steps'])} steps at CFG {own['cfg']:g}: "
+            f"use {own_settings(variant)}")
+
+
+def settings_notice(model: VariantChoice, settings_for: Optional[str], steps: int, cfg: float) -> Optional[NamedLine]:
+    """The notice for a local model run with settings given for the other variant (a Turbo model under the base
+    Sampler, or the base model under the Turbo Sampler); None when there is none (other_settings). It names the
+    settings it offers (own_settings, and the variant setting once), for a front end to show its own names."""
+    clause = other_settings(model.variant, settings_for, steps, cfg)
+    if clause is None:
+        return None
+    override = () if model.settings else (VARIANT_SETTING,)
+    tail = f", or set {VARIANT_SETTING} if the model is not {model.label}" if override else ""
+    return naming_line(f"the model is {model.text()}, but {clause}{tail}", own_settings(model.variant),
+                       *model.settings, *override)

@@ -17,10 +17,6 @@ from ..files.output_files import error_number, full_disk
 from ..files.uninterrupted import uninterrupted
 from ..formats.sources import ModelSources
 
-DEMO_NOTICE = (
-    "no model given: using a tiny random ERNIE-Image model built in code at {path}. "
-    "Its pixels are noise from a demo model, not a real image; pass --model-dir or --dit/--text-encoder/--vae."
-)
 DEMO_VERSION = "v1"
 
 
@@ -73,10 +69,11 @@ def _build_error(folder: Path, error: Exception) -> ErnieImageError:
     full = full_disk(error)
     if full is not None:
         return ErnieImageError(f"cannot build the demo model in {folder}: {full}: free space on that disk, or set "
-                               "ERNIE_IMAGE_CACHE to a folder on another disk, or pass --model-dir")
+                               "ERNIE_IMAGE_CACHE to a folder on another disk, or give a real model (model_dir)"
+                               ).naming("model_dir")
     reason = getattr(error, "strerror", None) or error
     return ErnieImageError(f"cannot build the demo model in {folder}: {reason}: set ERNIE_IMAGE_CACHE to a writable "
-                           "folder, or pass --model-dir")
+                           "folder, or give a real model (model_dir)").naming("model_dir")
 
 
 @contextlib.contextmanager

@@ -28,107 +28,111 @@ MAX_FRAMES = 64  # a batch's largest size: more frames can never be a valid init
 PILLOW_ERRORS = (OSError, ValueError, SyntaxError, KeyError, IndexError, TypeError)  # what a damaged file raises
 
 
-def _unreadable(path: Path, option: str, error: BaseException) -> InvalidInputError:
-    return InvalidInputError(f"{option} {path} is not a readable image ({one_line(error, 120)}): give a PNG or JPEG "
-                             "file (re-save it if it is damaged)")
+def _unreadable(path: Path, setting: str, error: BaseException) -> InvalidInputError:
+    return InvalidInputError(f"{setting} {path} is not a readable image ({one_line(error, 120)}): give a PNG or JPEG "
+                             "file (re-save it if it is damaged)").naming(setting)
 
 
-def _open(path: Path, option: str):
+def _open(path: Path, setting: str):
     from PIL import Image, UnidentifiedImageError
 
     what = not_a_regular_file(path)
     if what is not None:
-        raise InvalidInputError(f"{option} {path} {what}: give the path of a PNG or JPEG file")
+        raise InvalidInputError(f"{setting} {path} {what}: give the path of a PNG or JPEG file").naming(setting)
     try:
         image = Image.open(path)
         # the size from the header first: an image far beyond any size ERNIE-Image takes is refused undecoded
         if image.width * image.height > 4 * MAX_SIDE * MAX_SIDE:
-            raise InvalidInputError(f"{option} {path} is {image.width}x{image.height}: ERNIE-Image takes sides up to "
-                                    f"{MAX_SIDE}: resize it first")
+            raise InvalidInputError(f"{setting} {path} is {image.width}x{image.height}: ERNIE-Image takes sides up to "
+                                    f"{MAX_SIDE}: resize it first").naming(setting)
         image.load()
     except Image.DecompressionBombError:
-        raise InvalidInputError(f"{option} {path} claims more pixels than any image ERNIE-Image takes (sides up to "
-                                f"{MAX_SIDE}): resize it first, or re-save it if it is damaged") from None
+        raise InvalidInputError(f"{setting} {path} claims more pixels than any image ERNIE-Image takes (sides up to "
+                                f"{MAX_SIDE}): resize it first, or re-save it if it is damaged"
+                                ).naming(setting) from None
     except (UnidentifiedImageError, *PILLOW_ERRORS) as error:
-        raise _unreadable(path, option, error) from None
+        raise _unreadable(path, setting, error) from None
     if image.mode in HIGH_DEPTH_MODES:
-        raise InvalidInputError(f"{option} {path} is a {image.mode} ({'16-bit' if '16' in image.mode else '32-bit'}) "
-                                "image: ERNIE-Image reads 8-bit images: save it as 8-bit RGB")
+        raise InvalidInputError(f"{setting} {path} is a {image.mode} ({'16-bit' if '16' in image.mode else '32-bit'}) "
+                                "image: ERNIE-Image reads 8-bit images: save it as 8-bit RGB").naming(setting)
     return image
 
 
-def _upright(frame, path: Path, option: str):
+def _upright(frame, path: Path, setting: str):
     """One frame as Load Image takes it: turned by its EXIF orientation; 'I' (32-bit integer) scaled by 1/255."""
     from PIL import ImageOps
 
     try:
         frame = ImageOps.exif_transpose(frame)
     except PILLOW_ERRORS as error:  # an orientation tag Pillow cannot apply: the picture would come out turned
-        raise InvalidInputError(f"{option} {path} has EXIF data that cannot be read ({one_line(error, 120)}): "
-                                "re-save it (without EXIF, turned upright)") from None
+        raise InvalidInputError(f"{setting} {path} has EXIF data that cannot be read ({one_line(error, 120)}): "
+                                "re-save it (without EXIF, turned upright)").naming(setting) from None
     if frame.mode == "I":
         frame = frame.point(lambda value: value * (1 / 255))
     return frame
 
 
-def _frames(image, path: Path, option: str) -> Iterator[Any]:
+def _frames(image, path: Path, setting: str) -> Iterator[Any]:
     """Every frame of the first frame's size, upright (Load Image's rule); an MPO file's first picture only."""
     from PIL import ImageSequence
 
     count = getattr(image, "n_frames", 1)
     if image.format != "MPO" and count > MAX_FRAMES:
-        raise InvalidInputError(f"{option} {path} has {count} frames: a batch takes up to {MAX_FRAMES} images: save "
-                                "the frame to start from as a PNG")
+        raise InvalidInputError(f"{setting} {path} has {count} frames: a batch takes up to {MAX_FRAMES} images: save "
+                                "the frame to start from as a PNG").naming(setting)
     size = None
     try:
         for frame in ImageSequence.Iterator(image):
-            upright = _upright(frame, path, option)
+            upright = _upright(frame, path, setting)
             size = size or upright.size
             if upright.size == size:
                 yield upright
             if image.format == "MPO":
                 return
     except PILLOW_ERRORS as error:  # a later frame cut short or damaged
-        raise _unreadable(path, option, error) from None
+        raise _unreadable(path, setting, error) from None
 
 
 def _has_alpha(image) -> bool:
     return image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info)
 
 
-def _opaque(image, refusal: str):
+def _opaque(image, refusal: InvalidInputError):
     """`image` without its alpha channel when every pixel is opaque; `refusal` (the one-line error) otherwise."""
     if not _has_alpha(image):
         return image
     rgba = image.convert("RGBA")
     if rgba.getextrema()[3][0] < 255:
-        raise InvalidInputError(refusal)
+        raise refusal
     return rgba
 
 
-def read_image(path: Path, option: str = "--init-image") -> torch.Tensor:
-    """An image file -> float32 [frames, H, W, 3] in 0..1 (ComfyUI's IMAGE; one frame for a still image)."""
+def read_image(path: Path, setting: str = "path") -> torch.Tensor:
+    """An image file -> float32 [frames, H, W, 3] in 0..1 (ComfyUI's IMAGE; one frame for a still image).
+    `setting`: the setting errors name the file by (the CLI passes "init_image", which it shows as --init-image)."""
     path = Path(path)
-    refusal = (f"{option} {path} has transparent pixels (alpha): flatten it onto a background and save it as RGB, "
-               "or paint the area to repaint into a --mask")
+    refusal = InvalidInputError(f"{setting} {path} has transparent pixels (alpha): flatten it onto a background and "
+                                "save it as RGB, or paint the area to repaint into a mask").naming(setting, "mask")
     frames = [np.asarray(_opaque(frame, refusal).convert("RGB"), dtype=np.float32) / 255.0
-              for frame in _frames(_open(path, option), path, option)]
+              for frame in _frames(_open(path, setting), path, setting)]
     return torch.from_numpy(np.stack(frames))
 
 
 COLOUR_TOLERANCE = 8  # JPEG rounding puts grey pixels a few levels off grey; a stroke of colour is far more
 
 
-def read_mask(path: Path, option: str = "--mask") -> torch.Tensor:
-    """A mask file -> float32 [1, H, W] in 0..1: its grey level, white = repaint, black = keep (first frame, upright)."""
+def read_mask(path: Path, setting: str = "path") -> torch.Tensor:
+    """A mask file -> float32 [1, H, W] in 0..1: its grey level, white = repaint, black = keep (first frame, upright).
+    `setting`: as read_image's (the CLI passes "mask")."""
     path = Path(path)
-    image = _opaque(_upright(_open(path, option), path, option),
-                    f"{option} {path} has transparent pixels: a mask is read from its grey level (white = repaint): "
-                    "save it as grayscale without alpha")
+    image = _opaque(_upright(_open(path, setting), path, setting),
+                    InvalidInputError(f"{setting} {path} has transparent pixels: a mask is read from its grey level "
+                                      "(white = repaint): save it as grayscale without alpha").naming(setting))
     if image.mode not in ("1", "L", "I", "I;16", "F"):
         channels = np.asarray(image.convert("RGB"), dtype=np.int16)
         if (channels.max(axis=-1) - channels.min(axis=-1)).max() > COLOUR_TOLERANCE:
-            raise InvalidInputError(f"{option} {path} has coloured pixels: a mask is read from its grey level (white = "
-                                    f"repaint), so a red stroke would repaint at 30%; save it as black and white")
+            raise InvalidInputError(f"{setting} {path} has coloured pixels: a mask is read from its grey level "
+                                    "(white = repaint), so a red stroke would repaint at 30%; save it as black and "
+                                    "white").naming(setting)
     grey = np.asarray(image.convert("L"), dtype=np.float32) / 255.0
     return torch.from_numpy(grey.copy()).unsqueeze(0)

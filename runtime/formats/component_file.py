@@ -122,12 +122,12 @@ def _check_text_role(identity: Identity, kind: str, path: Path, shapes: dict) ->
     if role == "pe":
         raise ModelFileError(
             f"{path.name} is the ERNIE-Image prompt enhancer, not the text encoder (a causal LM with a tied head and "
-            f"no vision tower): give it as the prompt enhancer (prompt_enhancer / --pe), and {WHAT_TO_PICK[kind]}"
-        )
+            f"no vision tower): give it as the prompt enhancer (pe), and {WHAT_TO_PICK[kind]}"
+        ).naming("pe")
     raise ModelFileError(
         f"{path.name} is the ERNIE-Image text encoder (Ministral-3B with a vision tower or its own lm_head), not the "
-        f"prompt enhancer: give it as the text encoder (text_encoder / --text-encoder), and {WHAT_TO_PICK[kind]}"
-    )
+        f"prompt enhancer: give it as the text encoder (text_encoder), and {WHAT_TO_PICK[kind]}"
+    ).naming("text_encoder")
 
 
 def _safetensors_files(path: Path, kind: str) -> list[Path]:

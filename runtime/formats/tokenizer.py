@@ -6,6 +6,9 @@ from pathlib import Path
 
 from ..core.errors import ModelFileError, one_line
 
+# The option of a tokenizer folder of its own, which a front end without one (ComfyUI's Loader) leaves out.
+TOKENIZER_FOLDER = ", or a tokenizer/ folder alone (tokenizer)"
+
 
 def load_tokenizer(sources):
     from transformers import AutoTokenizer
@@ -25,7 +28,8 @@ def load_tokenizer(sources):
                                      "download the model's tokenizer/ folder again") from None
         if candidate == sources.tokenizer:  # asked for explicitly: never fall back silently to another tokenizer
             raise ModelFileError(f"tokenizer {candidate} has no tokenizer.json or tokenizer_config.json: give the "
-                                 "model's tokenizer/ folder (or its tokenizer.json), or leave the tokenizer out")
+                                 "model's tokenizer/ folder (or its tokenizer.json), or leave the tokenizer out"
+                                 ).naming("tokenizer")
     if sources.text_encoder is not None:
         from .tekken import tokenizer_from_text_encoder_file
 
@@ -33,6 +37,7 @@ def load_tokenizer(sources):
         if tokenizer is not None:
             return tokenizer
     raise ModelFileError(
-        "no tokenizer found: use a text-encoder file with an embedded tokenizer (ComfyUI's ministral-3-3b), "
-        "a diffusers folder with tokenizer/, or a tokenizer folder (CLI: --tokenizer)"
-    )
+        "no vocabulary for the text encoder found (a tokenizer.json, or one its file embeds): give a text encoder "
+        f"file that embeds one (text_encoder: ministral-3-3b.safetensors), a diffusers folder with tokenizer/ "
+        f"(model_dir){TOKENIZER_FOLDER}"
+    ).naming(TOKENIZER_FOLDER, "text_encoder", "model_dir", "tokenizer")

@@ -18,7 +18,7 @@ from ..core.request import GenerationRequest
 PHASE_NAMES = {"setup": "setup", "pe": "prompt enhancer", "text": "text encoder", "dit": "DiT", "vae": "VAE decode",
                "encode": "VAE encode"}
 PHASE_FIXES = {
-    "pe": "or revise prompts on a PE chat endpoint (pe_url)",
+    "pe": "or revise prompts on a PE chat endpoint (pe_endpoint)",
     "text": "or use a quantised (GGUF) text encoder",
     "vae": "or a smaller size or batch (under a budget the VAE decodes in tiles)",
     "encode": "or a smaller image or batch (under a budget the VAE encodes in tiles)",
@@ -69,9 +69,9 @@ def out_of_memory_message(error: BaseException, phase: str, request: GenerationR
     allocation = _ALLOCATION.search(str(oom))
     failed = _what_failed(request, allocation.group(1) if allocation else None)
     if budget_gb is not None and budget_gb != "auto":
-        budget = f"lower the VRAM budget ({float(budget_gb):g} GB now) on the Loader or with --budget in the CLI"
+        budget = f"lower the VRAM budget (vram_budget_gb, {float(budget_gb):g} GB now)"
     else:
-        budget = "set a VRAM budget on the Loader (vram_budget_gb) or with --budget GB in the CLI"
+        budget = "set a VRAM budget (vram_budget_gb)"
     fix = PHASE_FIXES.get(phase, DIT_FIX)
     return f"out of GPU memory on {device} in the {PHASE_NAMES.get(phase, phase)} phase ({failed}): {budget}, {fix}"
 
@@ -122,7 +122,7 @@ def memory_refusal(error: BaseException, phase: str, request: GenerationRequest,
     """The MemoryBudgetError to raise for `error` when it is device memory or host RAM running out (None for any
     other error), caused by `error` stripped of its tracebacks."""
     message = out_of_memory_message(error, phase, request, device, budget_gb)
-    names: tuple[str, ...] = ()
+    names: tuple[str, ...] = ("vram_budget_gb", "pe_endpoint", "quant")  # the settings its fixes name
     if message is None:  # host RAM rather than the device's: its fix names the device setting
         message, names = out_of_host_memory_message(error, phase, request, device), ("device",)
     if message is None:

@@ -18,7 +18,7 @@ from ..core.host import Host, NullHost
 from ..core.non_finite import refuse_non_finite
 from ..core.pipe import check_generate_call
 from ..core.request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
-from ..core.variant import Variant, VariantChoice, decide_variant, set_by_user, settings_notice
+from ..core.variant import Variant, VariantChoice, decide_variant, override_notice, set_by_user, settings_notice
 from ..formats import open_component
 from ..formats.sources import ModelSources
 from ..lora.stack import LoraStack
@@ -241,9 +241,10 @@ class LocalPipe:
 
     def _generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         self._phase = "setup"
-        mismatch = settings_notice(self.variant_choice, request.settings_for, request.steps, request.cfg)
-        if mismatch:
-            host.log(mismatch)
+        for notice in (override_notice(self.variant_choice),
+                       settings_notice(self.variant_choice, request.settings_for, request.steps, request.cfg)):
+            if notice:
+                host.log(notice)
         if needs_encoding(request):
             require_vae_encoder(open_component(self.sources.component("vae"), "vae"))
         room = self.device_bytes_needed(request)
@@ -352,8 +353,8 @@ class LocalPipe:
         from ..text.enhancer import validate_sampling
 
         if not self.has_enhancer():
-            raise ModelFileError("this model has no prompt enhancer: pick one on the Loader (prompt_enhancer, or "
-                                 "a diffusers folder with pe/), or give a PE chat endpoint URL")
+            raise ModelFileError("this model has no prompt enhancer: give one (pe, or pe/ in model_dir), or a PE chat "
+                                 "endpoint (pe_endpoint)").naming("pe", "model_dir", "pe_endpoint")
         validate_size(width, height)
         validate_sampling(temperature, top_p, max_new_tokens)
         host = host or NullHost()

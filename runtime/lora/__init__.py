@@ -6,6 +6,6 @@ puts a stack on the DiT: merge.py adds the deltas into the resident weights in p
 originals in host memory, requant.py re-packs FP8), attach.py wraps the other Linears with branches. Removing every
 LoRA gives the base weights back bit for bit.
 """
-from .stack import LoraEntry, LoraStack, parse_lora_argument
+from .stack import LoraEntry, LoraStack
 
-__all__ = ["LoraEntry", "LoraStack", "parse_lora_argument"]
+__all__ = ["LoraEntry", "LoraStack"]

@@ -37,7 +37,7 @@ def file_stamp(path: Path) -> FileStamp:
         raise ModelFileError(f"LoRA {path.name} is a PyTorch pickle ({path.suffix}), which is never loaded (pickles "
                              f"can run code): use the LoRA's .safetensors file, or convert it to safetensors")
     if not path.exists():
-        raise ModelFileError(f"LoRA file {path} does not exist: check the path (ComfyUI: models/loras)")
+        raise ModelFileError(f"LoRA file {path} does not exist: check the path")
     if path.is_dir():
         raise ModelFileError(f"LoRA {path} is a folder: give the .safetensors file inside it")
     found = path.stat()

@@ -164,10 +164,11 @@ def map_keys(name: str, tensors: dict[str, torch.Tensor], targets: dict[str, tup
             raise ModelFileError(f"LoRA {name} adapts only a text encoder ({text_encoder} keys), which this pack does "
                                  f"not apply: pick a LoRA of the ERNIE-Image DiT")
         if not adapter_keys:
-            model_hint = " (it looks like a model checkpoint: load it in the Loader)" if any(
+            model_hint = " (it looks like a model checkpoint: load it as the DiT (dit))" if any(
                 k.endswith(".weight") for k in keys) else ""
             raise ModelFileError(f"{name} is not a LoRA file{model_hint}: it has no lora_A/lora_B, lora_down/lora_up, "
-                                 f"LoKr or LoHa weights (keys like {_few(keys)}); pick a LoRA .safetensors")
+                                 f"LoKr or LoHa weights (keys like {_few(keys)}); pick a LoRA .safetensors"
+                                 ).naming("dit")
         raise ModelFileError(f"LoRA {name} ({style} keys) names no ERNIE-Image DiT layer (keys like "
                              f"{_few(unmatched)}): it is for another model, or its trainer's layout is not known")
     return MappedKeys(layers, style, text_encoder, unmatched)

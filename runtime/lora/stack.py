@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,8 +15,6 @@ MAX_STRENGTH = 10.0
 # step), "branch" runs it beside each Linear (attach.py; its own buffers, a few % per step). None: the pipe's
 # LoadOptions.lora_mode.
 LORA_MODES = ("merge", "branch")
-DRIVE_LETTERS = os.name == "nt"  # where "C:" before a colon is a drive, not a file named C
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(nan|inf|infinity)", re.IGNORECASE)
 
 
 def check_strength(strength: float, name: str = "") -> float:
@@ -156,27 +153,6 @@ def refuse_repeated_files(entries: Iterable[LoraEntry]) -> None:
                                     f"{entry.strength:g}), which would apply it at {first.strength + entry.strength:g}:"
                                     f" give it once, with the strength you want")
         seen[key] = entry
-
-
-def parse_lora_argument(text: str) -> LoraEntry:
-    """`PATH[:STRENGTH]` (the CLI's --lora): strength 1.0 when left out. The last colon starts the strength; on
-    Windows a single letter before it, in either case, is a drive, part of the path (C:0.5 and c:0.5 are the file
-    0.5 on that drive; C:\\x.safetensors:0.5 is x.safetensors at 0.5), elsewhere it is a file name (c:0.5 is the
-    file c at 0.5). Nothing before the colon is an error."""
-    path, sep, tail = text.rpartition(":")
-    drive = DRIVE_LETTERS and len(path) == 1 and path.isalpha()
-    if sep and path and _NUMBER.fullmatch(tail.strip()) and not drive:
-        return LoraEntry(Path(path), check_strength(tail, Path(path).name))
-    if not text:
-        raise InvalidInputError("--lora needs a file: give --lora PATH or --lora PATH:STRENGTH")
-    if sep and not path:
-        fix = f"--lora PATH{text}" if _NUMBER.fullmatch(tail.strip()) else "--lora PATH or --lora PATH:STRENGTH"
-        raise InvalidInputError(f"--lora {text!r} names no file before the colon: give {fix} (PATH: the LoRA "
-                                ".safetensors)")
-    if sep and Path(path).suffix.lower() == ".safetensors":
-        raise InvalidInputError(f"LoRA {Path(path).name} strength {tail!r} is not a number: give --lora "
-                                f"{path}:0.8 (or leave ':STRENGTH' out for 1.0)")
-    return LoraEntry(Path(text))
 
 
 def describe_stack(loras: LoraStack) -> str:

@@ -20,6 +20,7 @@ from ..core.errors import InvalidInputError
 SCHEMES = ("http", "https")
 EXAMPLE = "http://127.0.0.1:30000"
 MAX_SHOWN_CHARS = 200
+KEYS_FILE = "your keys file"  # where a key is bound to a server; the CLI adds its own flags (errors.naming)
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 
 
@@ -74,12 +75,11 @@ def normalize_base_url(url: str, *, what: str = "server URL", endpoint_suffixes:
         raise InvalidInputError(f"{what} {shown!r} has the scheme {parts.scheme!r}: use http:// or https://")
     if "@" in parts.netloc:
         raise InvalidInputError(f"{what} {shown!r} holds a user name or password: credentials never go into a "
-                                f"server URL (it is shown and logged); bind the server's API key in your keys file "
-                                f"(the CLI: --api-key-env or --api-key-file)")
+                                f"server URL (it is shown and logged); bind the server's API key in {KEYS_FILE}"
+                                ).naming(KEYS_FILE)
     if parts.query or parts.fragment or "?" in text or "#" in text:
         raise InvalidInputError(f"{what} {shown!r} has a query or fragment (?... or #...): give the server's base "
-                                f"URL only; a token belongs in your keys file, bound to the server (the CLI: "
-                                f"--api-key-env or --api-key-file)")
+                                f"URL only; a token belongs in {KEYS_FILE}, bound to the server").naming(KEYS_FILE)
     if not parts.hostname:
         raise InvalidInputError(f"{what} {shown!r} has no host name: give one like {EXAMPLE}")
     _check_port(parts.netloc, what, shown)

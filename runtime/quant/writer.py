@@ -139,7 +139,7 @@ def checked_out_path(path: str | Path, overwrite: bool = True) -> Path:
     if path.is_dir():
         raise InvalidInputError(f"{path} is a folder: give a file name inside it")
     if path.exists() and not overwrite:
-        raise InvalidInputError(f"{path} already exists: choose another --out or delete it first")
+        raise InvalidInputError(f"{path} already exists: choose another path or delete it first")
     if not path.parent.is_dir():
         raise InvalidInputError(f"{path}: the folder {path.parent} does not exist: create it first")
     return path
@@ -159,7 +159,7 @@ def quantized_layer_counts(state: dict[str, torch.Tensor | QuantizedWeight], fmt
     return counts
 
 
-def refuse_unpackable(counts: Counter[str], fmt: str, setting: str = "--format") -> None:
+def refuse_unpackable(counts: Counter[str], fmt: str, setting: str) -> None:
     """Writing a 'quantised' file with nothing quantised is an error, not a silent bf16 copy; so is quantising on
     load (`setting` "quant") to a format nothing packs in. `setting`: the option the fix names."""
     if counts[fmt] == 0:

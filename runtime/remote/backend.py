@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 
-from ..core.errors import Cancelled, InvalidInputError, RemoteError
+from ..core.errors import Cancelled, InvalidInputError, RemoteError, naming_line
 from ..core.host import Host, show_progress_phase, show_status
 from ..core.pipe import check_generate_call
-from ..core.request import GenerationRequest, GenerationResult, refuse_image_inputs
-from ..core.variant import VariantChoice, settings_notice
+from ..core.request import LOCAL_PIPE, GenerationRequest, GenerationResult, refuse_image_inputs
+from ..core.variant import other_settings, own_settings, variant_words
 from ..net.credentials import Credentials, ServerKeys, load_credentials
 from ..net.loop_thread import run_soon, run_sync
 from ..net.settings import HttpSettings, checked_seconds
@@ -34,11 +34,12 @@ if TYPE_CHECKING:
     from ..text.enhancer import RevisedPrompts
     from ..text.remote_enhancer import ChatEndpoint
 
+URLS_SETTING = "urls"  # RemotePipe's servers, named in lines for a front end to show its own name (--server)
 # Scheduler shift of both released checkpoints; the server uses its own scheduler config, shift is not sent.
 SERVER_SHIFT = 4.0
 REMOTE_LORA_REFUSAL = (
     "LoRAs run only on a local pipe: SGLang's /v1/set_lora loads LoRA files from the server's own disk, which this "
-    "pack does not drive yet; wire the LoRA node to an ERNIE-Image Loader, or load the LoRA on the server yourself")
+    f"pack does not drive yet; run LoRAs on {LOCAL_PIPE}, or load the LoRA on the server yourself")
 
 
 @dataclass(frozen=True)
@@ -162,7 +163,7 @@ class RemotePipe:
         lines = [f"remote: {len(fleet.slots)} SGLang server(s)"]
         for slot in fleet.slots:
             model = slot.model
-            about = f" serving {model.id} ({model.num_gpus} GPU, {model.dit_precision})" if model else ""
+            about = f" serving {model.named()} ({model.num_gpus} GPU, {model.dit_precision})" if model else ""
             lines.append(f"  {slot.label}{about}")
         if self.settings.pe_endpoint is not None:
             lines.append(f"prompt enhancer: chat endpoint {server_label(self.settings.pe_endpoint.base_url())} "
@@ -171,7 +172,7 @@ class RemotePipe:
 
     def with_loras(self, loras) -> "RemotePipe":
         """LoRAs are not sent to SGLang servers: refused in one line (REMOTE_LORA_REFUSAL)."""
-        raise InvalidInputError(REMOTE_LORA_REFUSAL)
+        raise InvalidInputError(REMOTE_LORA_REFUSAL).naming(LOCAL_PIPE)
 
     def is_loaded(self) -> bool:
         """Whether connections to the servers are open (what `release` closes)."""
@@ -187,8 +188,8 @@ class RemotePipe:
         from ..text.remote_enhancer import revise_prompts_remote
 
         if self.settings.pe_endpoint is None:
-            raise InvalidInputError("this Remote Backend has no PE endpoint (an SGLang server never returns the "
-                                    "prompt its PE wrote): set pe_url on the Remote Backend or on this node")
+            raise InvalidInputError("this remote pipe has no PE endpoint (an SGLang server never returns the prompt "
+                                    "its PE wrote): give one (pe_endpoint)").naming("pe_endpoint")
         return revise_prompts_remote(self.settings.pe_endpoint, [prompt], width, height, seed, temperature, top_p,
                                      max_new_tokens, host)
 
@@ -264,7 +265,7 @@ class RemotePipe:
         async def run() -> list[GeneratedImage]:
             return await fleet.generate(jobs, notify=lambda message: events.put(("log", message)),
                                         on_image=lambda index, image: events.put(("image", index)),
-                                        on_first_send=first_sent, on_wait=_waiting(events), model_id=model.id,
+                                        on_first_send=first_sent, on_wait=_waiting(events), model=model,
                                         after_first_look=True)
 
         started = time.monotonic()
@@ -346,14 +347,14 @@ def _close_soon(built: list[Fleet]) -> None:
 
 
 def _notice_other_variant(request: GenerationRequest, model: ServerModel, host: Host) -> None:
-    """Settings meant for the other variant than the batch's model: a notice before anything is sent (the model id
-    is the only hint a server gives)."""
-    if request.settings_for is None:
+    """Settings given for the other variant than the batch's model: a notice before anything is sent, naming the
+    server and its model, and the two ways out: the model's own settings, or servers of the other model."""
+    clause = other_settings(model.variant, request.settings_for, int(request.steps), float(request.cfg))
+    if clause is None:
         return
-    served = VariantChoice(model.variant, "name", f"from the served model's id {model.id}")
-    mismatch = settings_notice(served, request.settings_for, int(request.steps), float(request.cfg))
-    if mismatch:
-        host.log(mismatch)
+    host.log(naming_line(f"{model.server} serves {model.id}, {model.variant_choice.text()}, but {clause}, or point "
+                         f"{URLS_SETTING} at a server of {variant_words(request.settings_for)}",
+                         own_settings(model.variant), URLS_SETTING))
 
 
 def _estimate_text(seconds: float, measured: bool) -> str:

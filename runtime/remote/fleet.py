@@ -36,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..core.errors import RemoteError
+from ..core.errors import RemoteError, naming_line
 from ..net.credentials import ServerKeys
 from ..net.errors import BadResponse, ConnectionLost, ServerFailed, ServerRejected, ServerUnavailable
 from ..net.settings import HttpSettings, RetryPolicy
@@ -167,16 +167,17 @@ class Fleet:
     async def generate(self, jobs: Sequence[ImageParams], notify: Notify,
                        on_image: Optional[Callable[[int, GeneratedImage], None]] = None,
                        on_first_send: Optional[Callable[[], None]] = None,
-                       on_wait: Optional[OnWait] = None, model_id: Optional[str] = None,
+                       on_wait: Optional[OnWait] = None, model: Optional[ServerModel] = None,
                        after_first_look: bool = False) -> list[GeneratedImage]:
         """All `jobs`, in order; images are spread over the servers that work. Cancel by cancelling the task
         (run_sync's poll does): open requests are closed. `on_first_send` is called as the first image goes out
         (the caller's start notice: a batch that no server takes ends in its one error line alone); `on_wait` every
-        `status_every_s` while no server can take work, with what the batch waits for. With `model_id`, a batch is
-        made by that model alone: a server serving another is set aside for the batch, with one line.
+        `status_every_s` while no server can take work, with what the batch waits for. With `model`, a batch is made
+        by that model alone (ServerModel.identity: the weights, whatever each server names them): a server serving
+        another is set aside for the batch, with one line.
         `after_first_look`: first_model has just looked for these images; a server it gave up on is not asked again."""
         return await _Batch(self, jobs, notify, on_image, on_first_send=on_first_send, on_wait=on_wait,
-                            model_id=model_id, after_first_look=after_first_look).run()
+                            model=model, after_first_look=after_first_look).run()
 
 
 @dataclass
@@ -195,7 +196,7 @@ class _Batch:
     on_first_send: Optional[Callable[[], None]] = None  # called as the first image goes out
     unanswered: list = field(default_factory=list)  # (index, error) of images sent that got no answer: not re-sent
     on_wait: Optional[OnWait] = None  # told, while no server can take work, what the batch waits for
-    model_id: Optional[str] = None  # the one model this batch is made by (None: whatever each server serves)
+    model: Optional[ServerModel] = None  # the one model this batch is made by (None: whatever each server serves)
     images_for: int = 0  # until_ready: the images of the batch a ready server is sought for (named in its error)
     after_first_look: bool = False  # follows first_model for the same images: what it gave up on stays given up
 
@@ -406,10 +407,12 @@ class _Batch:
         slot.next_try_at = time.monotonic() + self.settings.probe_every_s
 
     def _serves_another_model(self, slot: ServerSlot) -> bool:
-        """A ready server of another model than the batch's is set aside for the batch (one picture, one model)."""
-        if self.model_id is None or slot.model is None or slot.model.id == self.model_id:
+        """A ready server of another model than the batch's is set aside for the batch (one picture, one model).
+        Another name for the same weights (a served-model-name, a path or repo id of the same release) is the
+        same model (ServerModel.identity)."""
+        if self.model is None or slot.model is None or slot.model.identity == self.model.identity:
             return False
-        why = f"it serves {slot.model.id}, not {self.model_id}, which makes this batch"
+        why = f"it serves {slot.model.named()}, not {self.model.named()}, which makes this batch"
         self._give_up(slot, RemoteError(f"{slot.label}: {why}"), why)
         return True
 
@@ -494,8 +497,8 @@ class _Batch:
         slot.failures += 1
         slot.state, slot.detail, slot.cause = FAILED, str(error), error.cause
         slot.next_try_at = time.monotonic() + self.settings.retry_down_after_s
-        self.notify(f"{error}; image {index + 1} (seed {seed}) is sent again, as {RESEND_SETTING} asks: "
-                    f"{slot.label} may still be working on the first copy")
+        self.notify(naming_line(f"{error}; image {index + 1} (seed {seed}) is sent again, as {RESEND_SETTING} asks: "
+                                f"{slot.label} may still be working on the first copy", RESEND_SETTING))
         if slot.failures >= self.settings.max_failures_per_server:
             self._give_up(slot, error, f"{error} ({slot.failures} images in a row unanswered)")
 

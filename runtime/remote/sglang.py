@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import dataclasses
 import io
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -18,6 +20,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from ..core.request import SEED_MASK, SIDE_MULTIPLE
+from ..core.variant import VariantChoice, name_variant
 from ..net.client import HttpClient
 from ..net.error_answers import server_text
 from ..net.errors import (AuthenticationError, BadResponse, ConnectionLost, ServerFailed, ServerRejected,
@@ -47,13 +50,45 @@ class ReadTimeoutPolicy:
         return self.scale * (self.base_s + self.per_step_megapixel_s * steps * max(megapixels, 0.0625))
 
 
+# Baidu's releases by the folder name a download of them gets (`hf download baidu/ERNIE-Image-Turbo --local-dir
+# ERNIE-Image-Turbo`): a server that loaded such a folder serves that release (ServerModel.identity).
+RELEASE_FOLDERS = {"ernie-image": "baidu/ernie-image", "ernie-image-turbo": "baidu/ernie-image-turbo"}
+_HF_CACHE = re.compile(r"models--([^/\\]+?)--([^/\\]+?)(?:[/\\]snapshots[/\\][^/\\]+)?$")
+
+
+def _last_name(path: str) -> str:
+    return re.split(r"[/\\]", path)[-1]
+
+
+def _is_repo_id(text: str) -> bool:
+    """`owner/name` as the Hugging Face Hub names a model (not a path: no leading /, ./ or ~, no backslash)."""
+    return text.count("/") == 1 and "\\" not in text and not text.startswith(("/", ".", "~"))
+
+
+def model_identity(loaded: str) -> str:
+    """Which weights a server runs, from the model path it loaded (or its model id when it did not say): the same
+    for two servers only when it is the same model. A Hugging Face repo id and that repo's cache folder
+    (`.../models--baidu--ERNIE-Image-Turbo/snapshots/...`) are the repo (case aside); a folder named as one of Baidu's
+    releases (RELEASE_FOLDERS) is that release; any other path is itself, exactly: two fine-tunes in different
+    folders never count as one."""
+    text = loaded.rstrip("/\\")
+    cached = _HF_CACHE.search(text)
+    if cached:
+        return f"{cached.group(1)}/{cached.group(2)}".casefold()
+    if _is_repo_id(text):
+        return text.casefold()
+    return RELEASE_FOLDERS.get(_last_name(text).casefold(), text)
+
+
 @dataclass(frozen=True)
 class ServerModel:
-    id: str
+    id: str  # the served model name (/v1/models: --served-model-name, else the model path)
     pipeline_name: Optional[str]  # None: /v1/models did not say
     num_gpus: Optional[int]
     dit_precision: Optional[str]
     task_type: Optional[str]
+    server: str = ""  # the server that listed it
+    model_path: Optional[str] = None  # what the server loaded (/server_info); None: it did not say
 
     @property
     def is_ernie(self) -> bool:
@@ -64,9 +99,31 @@ class ServerModel:
         return self.pipeline_name == ERNIE_PIPELINE
 
     @property
+    def identity(self) -> str:
+        """Which weights it is (model_identity of the model path, else of the id): a batch is made by one."""
+        return model_identity(self.model_path or self.id)
+
+    @property
+    def variant_choice(self) -> VariantChoice:
+        """Turbo or the base model by what the server calls it, word by word (core/variant.py name_variant): the
+        model path first (or the repo's name in a Hugging Face cache path), then the served name; the API gives
+        no other hint."""
+        for text, what in ((self.model_path, "model path"), (self.id, "model name")):
+            if text:
+                cached = _HF_CACHE.search(text.rstrip("/\\"))
+                said = name_variant(cached.group(2) if cached else _last_name(text.rstrip("/\\")))
+                if said is not None:
+                    return VariantChoice(said, "name", f"by its {what}")
+        return VariantChoice("base", "default", "by default: its names do not say which")
+
+    @property
     def variant(self) -> str:
-        """"turbo" when the id names a Turbo model, else "base": the API gives no other hint."""
-        return "turbo" if "turbo" in self.id.lower() else "base"
+        """"turbo" or "base" (variant_choice)."""
+        return self.variant_choice.variant
+
+    def named(self) -> str:
+        """The served name, with the model path when it is another ("ernie (/models/ERNIE-Image-Turbo)")."""
+        return self.id if self.model_path in (None, self.id) else f"{self.id} ({self.model_path})"
 
 
 READY = "ready"
@@ -271,12 +328,15 @@ class SglangClient:
                 num_gpus=int(num_gpus) if isinstance(num_gpus, int) else None,
                 dit_precision=_text_field(entry, "dit_precision"),
                 task_type=_text_field(entry, "task_type"),
+                server=self.label,
             ))
         return models
 
     async def ernie_model(self) -> ServerModel:
-        """The served ERNIE-Image model; raises when the server serves something else."""
-        return self.choose_ernie(await self.models())
+        """The served ERNIE-Image model, with the path it loaded (/server_info); raises when the server serves
+        something else."""
+        model = self.choose_ernie(await self.models())
+        return dataclasses.replace(model, model_path=await self._loaded_path())
 
     def choose_ernie(self, models: list[ServerModel]) -> ServerModel:
         """The ERNIE-Image model among the listed ones, used from now on; raises when there is none."""
@@ -295,10 +355,24 @@ class SglangClient:
         served = ", ".join(f"{m.id} ({m.pipeline_name or 'pipeline not named'})" for m in models) or "nothing"
         raise BadResponse(f"{self.label} serves {served}, not an ERNIE-Image pipeline: start it with {start}")
 
-    async def version(self) -> Optional[str]:
+    async def _server_info(self) -> dict:
         response = await self.http.request_json("GET", "/server_info", read_timeout_s=self.probe_read_s)
-        version = response.data.get("version") if isinstance(response.data, dict) else None
+        return response.data if isinstance(response.data, dict) else {}
+
+    async def version(self) -> Optional[str]:
+        version = (await self._server_info()).get("version")
         return server_text(version, 60) if version is not None else None
+
+    async def _loaded_path(self) -> Optional[str]:
+        """The model path the server loaded (/server_info `model_path`); None when it does not say (a proxy or a
+        server without /server_info, a 5xx): the model id then stands for it."""
+        try:
+            path = (await self._server_info()).get("model_path")
+        except AuthenticationError:
+            raise
+        except (ServerRejected, ServerFailed, BadResponse):
+            return None
+        return server_text(path, 200) if isinstance(path, str) and path else None
 
     # --------------------------------------------------------------------------------- generation
     async def generate(self, params: ImageParams, retry: Optional[RetryPolicy] = None) -> GeneratedImage:

@@ -13,18 +13,18 @@ from typing import Any, Iterable, Optional
 from ..core.errors import InvalidInputError
 from ..core.host import Host
 from ..core.pipe import check_generate_call
-from ..core.request import GenerationRequest, GenerationResult
+from ..core.request import LOCAL_PIPE, GenerationRequest, GenerationResult
 from ..core.step_cache_config import StepCacheConfig, as_config
 
 REMOTE_REFUSAL = ("step caching runs only on a local pipe: an SGLang server decides how its DiT runs (its own "
-                  "cache-dit options); wire the Step Cache node to an ERNIE-Image Loader, or leave it out")
+                  f"cache-dit options); give the step cache {LOCAL_PIPE}, or leave it out")
 
 
 def with_step_cache(pipe: Any, config: Any) -> Any:
     """`pipe` running every job with `config` (StepCacheConfig, a spec such as 'dbcache:threshold=0.1', or None
     for none); a StepCachePipe given is re-wrapped, not stacked."""
     if getattr(pipe, "kind", None) != "local" or not hasattr(pipe, "generate"):
-        raise InvalidInputError(REMOTE_REFUSAL)
+        raise InvalidInputError(REMOTE_REFUSAL).naming(LOCAL_PIPE)
     config = as_config(config)
     inner = pipe.inner if isinstance(pipe, StepCachePipe) else pipe
     return inner if config is None else StepCachePipe(inner, config)
@@ -33,7 +33,7 @@ def with_step_cache(pipe: Any, config: Any) -> Any:
 def refuse_remote(request: GenerationRequest) -> None:
     """A request with a step cache sent to a remote backend is refused, not run without it."""
     if request.step_cache is not None:
-        raise InvalidInputError(REMOTE_REFUSAL)
+        raise InvalidInputError(REMOTE_REFUSAL).naming(LOCAL_PIPE)
 
 
 class StepCachePipe:
