@@ -29,12 +29,26 @@ def _prompt_server() -> Optional[Any]:
     return getattr(getattr(server_module, "PromptServer", None), "instance", None)
 
 
-def _preview_size() -> int:
+def _comfy_args() -> Optional[Any]:
+    """ComfyUI's parsed command line (comfy.cli_args.args), when this process is ComfyUI."""
     try:
         from comfy.cli_args import args  # type: ignore[import-not-found]
     except ImportError:
-        return DEFAULT_PREVIEW_SIZE
+        return None
+    return args
+
+
+def _preview_size() -> int:
+    args = _comfy_args()
     return int(getattr(args, "preview_size", DEFAULT_PREVIEW_SIZE) or DEFAULT_PREVIEW_SIZE)
+
+
+def _preview_method() -> str:
+    """ComfyUI's preview method for the running prompt ("none", "auto", "latent2rgb", "taesd"): --preview-method,
+    or the run's own choice (the editor's setting, which ComfyUI puts into args.preview_method as each prompt starts).
+    "none" outside ComfyUI."""
+    method = getattr(_comfy_args(), "preview_method", None)
+    return str(getattr(method, "value", method) or "none")
 
 
 class ComfyHost:
@@ -45,6 +59,12 @@ class ComfyHost:
         self._model_management = _model_management()
         self._progress_bar: Optional[Any] = None
         self._preview_size = _preview_size()
+
+    @property
+    def wants_previews(self) -> bool:
+        """Whether this run shows latent previews (core.host.wants_previews): ComfyUI's preview method for it is not
+        "none". Every method other than "none" gets the pack's latent-to-RGB picture (ComfyUI's latent2rgb)."""
+        return _preview_method() != "none"
 
     def progress(self, value: int, total: int, preview: Optional[Any] = None) -> None:
         bar = self._bar(total)

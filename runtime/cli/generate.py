@@ -102,9 +102,8 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
 
     interrupts = interrupts or Interrupts()
     host = ConsoleHost(interrupts)
-    # The console shows no pictures: skip the per-step latent preview (it costs a device-to-host copy per step).
     options = LoadOptions(device=args.device, dtype=args.dtype, vram_budget_gb=parse_budget(args.budget),
-                          quant=args.quant, keep_loaded=args.step_cache_compare is not None, previews=False,
+                          quant=args.quant, keep_loaded=args.step_cache_compare is not None,
                           pe_endpoint=pe_endpoint_from_args(args), lora_mode=args.lora_mode or "merge")
     request = GenerationRequest(
         prompt=args.prompt, negative_prompt=args.negative,

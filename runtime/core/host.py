@@ -13,7 +13,8 @@ from .errors import Cancelled
 @runtime_checkable
 class Host(Protocol):
     def progress(self, value: int, total: int, preview: Optional[Any] = None) -> None:
-        """Report progress; `preview` is an optional PIL.Image of the current latent."""
+        """Report progress; `preview`: a PIL.Image of a recent step's denoised estimate, or None. Only a host that
+        wants previews (`wants_previews`) is given any."""
 
     def check_cancel(self) -> None:
         """Raise `Cancelled` if the user asked to stop. Called between steps and between chunks."""
@@ -42,8 +43,17 @@ def show_progress_phase(host: Host, name: str, unit: str) -> None:
         progress_phase(name, unit)
 
 
+def wants_previews(host: Host) -> bool:
+    """Whether `host` shows latent previews with its progress. `wants_previews` (a bool attribute or property) is
+    optional for a host, as `status` is: one without it, or with it false, gets none, and the sampler then does no
+    preview work at all (no picture computed, no copy from the device, no wait for one)."""
+    return bool(getattr(host, "wants_previews", False))
+
+
 class NullHost:
-    """Host for the CLI and tests: no progress display, cancellation through a flag."""
+    """Host for the CLI and tests: no progress display, no previews, cancellation through a flag."""
+
+    wants_previews = False
 
     def __init__(self, verbose: bool = False) -> None:
         self.cancel_requested = False

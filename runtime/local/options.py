@@ -24,7 +24,7 @@ class LoadOptions:
     vram_budget_gb: Optional[float] = None  # None: free VRAM minus a reserve
     keep_loaded: bool = True  # keep weights (in host RAM when they do not fit) between runs
     quant: str = "none"  # "none", "auto", "fp8", "q8_0", "nvfp4", or a quantised file given as the DiT
-    previews: bool = True
+    previews: bool = True  # latent previews for a host that wants them (core.host.wants_previews); False: never
     # Regional torch.compile of the DiT's blocks, on CUDA when Triton is installed: True (at load), False, or "auto"
     # (uncompiled until compiling has paid for itself: local/compile_policy.py).
     compile: Union[bool, str] = "auto"

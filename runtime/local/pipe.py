@@ -14,7 +14,7 @@ from typing import Any, Optional
 import torch
 
 from ..core.errors import ModelFileError
-from ..core.host import Host, NullHost
+from ..core.host import Host, NullHost, wants_previews
 from ..core.non_finite import refuse_non_finite
 from ..core.pipe import check_generate_call
 from ..core.request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
@@ -30,7 +30,7 @@ from ..offload.planner import budget_bytes
 from ..offload.reserve import device_bytes_needed, phase_needs
 from ..sampling.euler import initial_noise, length_grouped_denoiser, sample_euler
 from ..sampling.image_in import composite, init_latents, needs_encoding, start_state
-from ..sampling.preview import latent_preview
+from ..sampling.preview_stream import PreviewStream
 from ..text.encoder import encode_prompts
 from .checks import (check_configs_build, check_finite_latents, check_pe_file, checked_load_arguments,
                      notice_empty_prompts, open_checked_parts)
@@ -190,11 +190,12 @@ class LocalPipe:
         noise = initial_noise(request.seed, request.batch, request.width, request.height).to(self.device)
         start = start_state(request, original, self.device)
 
-        preview = latent_preview if self.options.previews else None
+        # Previews only for a host that shows them: otherwise a step does no preview work at all.
+        previews = PreviewStream(self.device) if self.options.previews and wants_previews(host) else None
         try:
             with torch.inference_mode(), self.parts.timed_if_uncompiled(work):
                 cfg = request.cfg if negative is not None else 1.0
-                return sample_euler(denoise, noise, request.steps, request.shift, cfg, self.dtype, host, preview,
+                return sample_euler(denoise, noise, request.steps, request.shift, cfg, self.dtype, host, previews,
                                     start)
         finally:
             if cache is not None:

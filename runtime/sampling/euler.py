@@ -11,6 +11,7 @@ from .schedule import shifted_sigmas  # noqa: F401 - also imported from here
 
 if TYPE_CHECKING:
     from .image_in import StartState
+    from .preview_stream import PreviewStream
 
 LATENT_CHANNELS = 128
 LATENT_DOWNSCALE = 16
@@ -35,12 +36,14 @@ def sample_euler(
     cfg: float,
     model_dtype: torch.dtype,
     host: Host,
-    preview: Optional[Callable[[torch.Tensor], object]] = None,
+    previews: Optional["PreviewStream"] = None,
     start: Optional["StartState"] = None,
 ) -> torch.Tensor:
     """Run the sampler; `denoise` gets the 2B batch [uncond..., cond...] when cfg > 1. Returns fp32 latents.
 
-    `start` (image_in.StartState): an image's start instead of pure noise, its sigmas, and the inpainting mask."""
+    `previews` (preview_stream.PreviewStream): pictures of each step's denoised estimate for the host's progress;
+    None: no preview work at all. `start` (image_in.StartState): an image's start instead of pure noise, its
+    sigmas, and the inpainting mask."""
     sigmas = start.sigmas if start is not None else shifted_sigmas(steps, shift)
     timesteps = (sigmas * 1000.0).tolist()  # float32 products, as the reference scheduler computes them
     step_sizes = (sigmas[1:] - sigmas[:-1]).tolist()
@@ -51,8 +54,9 @@ def sample_euler(
     show_progress_phase(host, "sampling", "step")
     for index in range(steps):
         host.check_cancel()
+        sigma = float(sigmas[index])
         if start is not None:
-            latents = start.before_step(latents, noise, float(sigmas[index]))
+            latents = start.before_step(latents, noise, sigma)
         model_input = torch.cat([latents, latents]) if use_cfg else latents
         timestep = torch.full((model_input.shape[0],), timesteps[index], device=latents.device, dtype=model_dtype)
         velocity = denoise(model_input.to(model_dtype), timestep).float()
@@ -60,9 +64,11 @@ def sample_euler(
             uncond, cond = velocity[:batch], velocity[batch:]
             velocity = uncond + cfg * (cond - uncond)
         if start is not None:
-            velocity = start.velocity(latents, velocity, float(sigmas[index]))
+            velocity = start.velocity(latents, velocity, sigma)
+        last = index + 1 == steps
+        picture = previews.after_step(latents, velocity, sigma, last) if previews is not None else None
         latents = latents + step_sizes[index] * velocity
-        host.progress(index + 1, steps, preview(latents) if preview is not None else None)
+        host.progress(index + 1, steps, picture)
     return latents
 
 

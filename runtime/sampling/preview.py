@@ -34,18 +34,20 @@ def _projection(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return cached
 
 
-def latent_preview(latents: torch.Tensor, max_side: int = 512):
-    """First image of normalised DiT latents [B,128,h,w] -> a PIL image of (2h, 2w) pixels, capped at max_side.
-
-    Called every step: the projection runs where the latents are and only the small RGB image is copied back.
-    """
-    from PIL import Image
-
+def preview_pixels(latents: torch.Tensor) -> torch.Tensor:
+    """The first image of normalised DiT latents [B,128,h,w] as RGB bytes [2h, 2w, 3] (uint8), computed where the
+    latents are: only these few bytes ever need to reach the host."""
     factors, bias = _projection(latents.device)
     spatial = unpatchify(latents[:1].float())[0]  # [32, 2h, 2w]
     rgb = torch.einsum("chw,cr->hwr", spatial, factors) + bias
-    pixels = ((rgb + 1) / 2).clamp(0, 1).mul(255).round().to(torch.uint8).cpu().numpy()
-    image = Image.fromarray(pixels, mode="RGB")
+    return ((rgb + 1) / 2).clamp(0, 1).mul(255).round().to(torch.uint8)
+
+
+def preview_image(pixels: torch.Tensor, max_side: int = 512):
+    """RGB bytes [H, W, 3] on the host -> a PIL image of their own (the tensor may be reused), capped at max_side."""
+    from PIL import Image
+
+    image = Image.fromarray(pixels.numpy())  # an RGB image copies the bytes
     if max(image.size) > max_side:
         image.thumbnail((max_side, max_side))
     return image
