@@ -1,12 +1,16 @@
 """Where a compiled DiT step's time goes on the GPU, and the floors it is measured against.
 
     python bench/step_anatomy.py [--batch 1 2] [--tunableop] [--autotune] [--graph]
+    python bench/step_anatomy.py --previews [--batch 1] [--steps 8]
 
 1. Floors measured in this run on the model's own weights: the step's 144 block GEMMs back to back (cuBLAS), per
    shape and all together, and its 36 flash attentions; the SM clock and power are sampled while each runs.
 2. The compiled step, profiled: kernel time summed by kind (GEMM, attention, fused Triton, other) and GPU idle time.
 3. Options (flags): cuBLAS algorithms picked by TunableOp, inductor's Triton GEMM templates (max-autotune), and the
    whole step replayed as one CUDA graph.
+4. --previews (alone): the sampler's step with latent previews on (a host that shows them) and with a host that
+   wants none, against the DiT forward alone, `--steps` calls back to back, on the compiled DiT and on the
+   uncompiled one replayed as CUDA graphs (dit_graphs.py). Target: previews on <= 1.01x the DiT alone.
 """
 from __future__ import annotations
 
@@ -25,8 +29,12 @@ import_package()
 
 from speed import SEQ, build_ours, inputs  # noqa: E402
 
+from ernie_image.runtime.core.host import NullHost  # noqa: E402
 from ernie_image.runtime.model.compile import compile_blocks, fuse_projections  # noqa: E402
 from ernie_image.runtime.model.dit import ErnieDiT  # noqa: E402
+from ernie_image.runtime.model.dit_graphs import DiTGraphs  # noqa: E402
+from ernie_image.runtime.sampling.euler import sample_euler  # noqa: E402
+from ernie_image.runtime.sampling.preview_stream import PreviewStream  # noqa: E402
 
 
 def timed(name: str, run: Callable[[], object], flops: float, sampler: GpuSampler, rows: list, iters: int = 10):
@@ -146,6 +154,57 @@ def graph_rows(dit: ErnieDiT, batch: int, sampler: GpuSampler, rows: list) -> No
     del graph
 
 
+class PreviewHost(NullHost):
+    """A host that shows previews (as ComfyUI does with a preview method other than none); counts the pictures."""
+
+    wants_previews = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pictures = 0
+
+    def progress(self, value: int, total: int, preview=None) -> None:
+        self.pictures += preview is not None
+
+
+def preview_rows(forward: Callable[..., torch.Tensor], label: str, batch: int, steps: int, sampler: GpuSampler,
+                 rows: list) -> None:
+    """`steps` sampler steps with previews on and with no previews against `steps` DiT forwards back to back: CUDA
+    event time, so GPU time lost waiting for the host counts."""
+    lat, ts, txt, lens = inputs(batch)
+    noise = torch.randn(lat.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    denoise = lambda latents, timestep: forward(latents, timestep, txt, lens)  # noqa: E731
+    flops = dit_flops() * batch * steps
+
+    def alone() -> None:
+        for _ in range(steps):
+            forward(lat, ts, txt, lens)
+
+    alone_ms = timed(f"b{batch} {label}: DiT forward x{steps}", alone, flops, sampler, rows)
+    rows[-1]["vs DiT"] = "1.000x"
+    shown = PreviewHost()
+    for name, host, previews in (("sampler, previews on", shown, PreviewStream("cuda")),
+                                 ("sampler, no previews", NullHost(), None)):
+        run = lambda: sample_euler(denoise, noise, steps, 4.0, 1.0, torch.bfloat16, host, previews)  # noqa: E731
+        ms = timed(f"b{batch} {label}: {name} x{steps}", run, flops, sampler, rows)
+        rows[-1]["vs DiT"] = f"{ms / alone_ms:.3f}x"
+    print(f"# {label}: {shown.pictures} previews handed to the host", flush=True)
+
+
+def previews_main(batches: list[int], steps: int, sampler: GpuSampler) -> None:
+    rows: list[dict] = []
+    compiled = build_ours()
+    fuse_projections(compiled)
+    compile_blocks(compiled)
+    eager = build_ours()
+    fuse_projections(eager)
+    with torch.inference_mode():
+        for batch in batches:
+            preview_rows(compiled, "compiled", batch, steps, sampler, rows)
+            preview_rows(DiTGraphs(eager), "uncompiled, CUDA graphs", batch, steps, sampler, rows)
+    print("\n" + table(rows, ["what", "ms", "vs DiT", "TFLOP/s", "clocks"]))
+
+
 def tunableop_rows(dit: ErnieDiT, batches: list[int], sampler: GpuSampler, rows: list, out_dir: str) -> None:
     import torch.cuda.tunable as tunable
 
@@ -191,10 +250,15 @@ def main() -> None:
     parser.add_argument("--tunableop", action="store_true")
     parser.add_argument("--autotune", action="store_true")
     parser.add_argument("--graph", action="store_true")
+    parser.add_argument("--previews", action="store_true")
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     print_environment()
     sampler = GpuSampler()
+    if args.previews:
+        previews_main(args.batch, args.steps, sampler)
+        return
     dit = build_ours()
     fuse_projections(dit)
     compile_blocks(dit)
