@@ -41,6 +41,32 @@ def test_fused_projections_and_length_groups_match_diffusers_in_float32():
     assert relative_error(got, want) <= 1e-5
 
 
+TEXT_ROWS = {  # text lengths of the rows of a batch: the call groups they make
+    "one prompt": [9],
+    "CFG, negative shorter": [1, 9],
+    "a batch of three, two lengths": [4, 7, 4],
+}
+
+
+@pytest.mark.parametrize("lengths", list(TEXT_ROWS.values()), ids=list(TEXT_ROWS))
+@torch.inference_mode()
+def test_text_projected_once_for_the_run_gives_every_step_the_same_velocity_bit_for_bit(lengths):
+    ours = random_dit("cpu", torch.float32)
+    generator = torch.Generator().manual_seed(2)
+    rows = [torch.randn(length, CONFIG.text_in_dim, generator=generator) for length in lengths]
+    latents = torch.randn(len(lengths), 128, 6, 4, generator=generator)
+    projected: list[int] = []
+    ours.text_proj.register_forward_hook(lambda module, args, output: projected.append(args[0].shape[0]))
+    per_step = length_grouped_denoiser(ours, rows, "cpu", torch.float32)  # the forward projects in every call
+    once = length_grouped_denoiser(ours, rows, "cpu", torch.float32, ours.project_text)
+    groups = len(set(lengths))
+    assert len(projected) == groups
+    for step in range(3):
+        timestep = torch.full((len(lengths),), 900.0 - 300 * step)
+        assert torch.equal(once(latents, timestep), per_step(latents, timestep))
+    assert len(projected) == groups + 3 * groups  # only the per-step denoiser projected again, once per call
+
+
 def bf16_error_against_diffusers_on_the_gpu(compiled: bool) -> tuple[ErnieDiT, float]:
     """Our bf16 DiT on CUDA, projections fused and its blocks compiled or not, run on a CFG batch of two length
     groups; that DiT, and the relative error of its (finite) output against diffusers' on the same weights."""

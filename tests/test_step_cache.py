@@ -142,6 +142,9 @@ class ControlledDiT(nn.Module):
             return torch.full_like(code, 0.5)
         return torch.zeros_like(code)
 
+    def project_text(self, text):
+        return text
+
     def prepare(self, latents, timestep, text, text_lens):
         return latents.flatten(2).transpose(1, 2), (timestep, text[:, 0, 0].float()), None
 
@@ -226,6 +229,20 @@ def test_threshold_zero_gives_the_uncached_image_bit_for_bit(base_pipe, uncached
     assert result.request.metadata()["step_cache"] == {"method": "dbcache", "threshold": 0.0, "start": 0.0,
                                                        "end": 1.0, "max_skips": 3, "first_blocks": 2,
                                                        "last_blocks": 0}
+
+
+@pytest.mark.parametrize("spec", [None, "dbcache:threshold=0,start=0,end=1,first_blocks=2", f"fbcache:forced={FORCED}"])
+def test_a_run_projects_its_text_once_per_call_group_whatever_the_steps(base_pipe, uncached, spec):
+    dit = base_pipe.parts.load_dit()
+    projected: list[tuple[int, ...]] = []
+    hook = dit.text_proj.register_forward_hook(lambda module, args, output: projected.append(tuple(args[0].shape)))
+    try:
+        result = base_pipe.generate(BASE if spec is None else cached(BASE, spec), NullHost())
+    finally:
+        hook.remove()
+    assert len(projected) == 2  # CFG's negative and positive: two call groups, eight steps
+    if spec is None or "threshold=0" in spec:
+        assert torch.equal(result.latents, uncached.latents)
 
 
 def test_a_forced_schedule_computes_the_steps_it_names_and_says_so(base_pipe, uncached):

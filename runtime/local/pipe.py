@@ -182,18 +182,19 @@ class LocalPipe:
         forward = self.parts.load_dit_forward(dit)
         self.last_step_cache = None
         cache = None
-        if request.step_cache is not None:  # the denoiser of step_cache/ instead (same groups, same seams)
-            from ..step_cache.session import open_run
-
-            cache = open_run(request.step_cache, dit, forward, rows, self.device, self.dtype, request.steps, host)
-        denoise = cache if cache is not None else length_grouped_denoiser(forward, rows, self.device, self.dtype)
         noise = initial_noise(request.seed, request.batch, request.width, request.height).to(self.device)
         start = start_state(request, original, self.device)
-
         # Previews only for a host that shows them: otherwise a step does no preview work at all.
         previews = PreviewStream(self.device) if self.options.previews and wants_previews(host) else None
         try:
-            with torch.inference_mode(), self.parts.timed_if_uncompiled(work):
+            with torch.inference_mode(), self.parts.timed_if_uncompiled(work):  # the run's text projected once here
+                if request.step_cache is not None:  # the denoiser of step_cache/ instead (same groups, same seams)
+                    from ..step_cache.session import open_run
+
+                    cache = open_run(request.step_cache, dit, forward, rows, self.device, self.dtype, request.steps,
+                                     host)
+                denoise = cache if cache is not None else length_grouped_denoiser(forward, rows, self.device,
+                                                                                  self.dtype, dit.project_text)
                 cfg = request.cfg if negative is not None else 1.0
                 return sample_euler(denoise, noise, request.steps, request.shift, cfg, self.dtype, host, previews,
                                     start)

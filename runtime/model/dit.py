@@ -7,6 +7,7 @@ loads with `load_state_dict`. The maths is the reference's; what differs is how 
   and its `1 + scale` terms are formed once per step, not in every block;
 - the attention mask is dropped when no text key is padded, which lets SDPA pick its flash kernel;
 - RoPE tables are cached per (image grid, text lengths);
+- the text's projection can be made once for a run (`project_text`, the sampler does) instead of every step;
 - the block loop goes through `block_runner`, the hook the offloader uses to stream weights in;
 - uncompiled, the casts around the fp32 modulation are folded into the arithmetic kernels (`out=` a bf16 tensor:
   the kernel computes in fp32 and rounds once on store, exactly as `.float()` ... `.to(bf16)` does), which halves
@@ -433,7 +434,8 @@ class ErnieDiT(nn.Module):
     def forward(
         self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor, text_lens: list[int]
     ) -> torch.Tensor:
-        """latents [B,128,h,w], timestep [B] (sigma*1000), text [B,T,3072] zero-padded, text_lens per row."""
+        """latents [B,128,h,w], timestep [B] (sigma*1000), text [B,T,3072] zero-padded (or as `project_text` gave
+        it, [B,T,D]: text that stays the same over a run is projected once), text_lens per row."""
         x, ctx, conditioning = self.prepare(latents, timestep, text, text_lens)
         for index, block in enumerate(self.layers):
             x = self.block_runner(index, block, x, ctx)
@@ -449,9 +451,7 @@ class ErnieDiT(nn.Module):
         _, _, height, width = latents.shape
         dtype = latents.dtype
         image_tokens = self.x_embedder(latents)
-        if self.text_proj is not None and text.shape[1] > 0:
-            text = self.text_proj(text)
-        x = torch.cat([image_tokens, text.to(dtype)], dim=1)
+        x = torch.cat([image_tokens, self.project_text(text).to(dtype)], dim=1)
         text_max = text.shape[1]
         rope = self.rope_tables((height, width), text_lens, text_max, latents.device, dtype)
         key_mask = rope.key_mask  # cached: no host-to-device copy per call (a captured forward may not make one)
@@ -463,6 +463,13 @@ class ErnieDiT(nn.Module):
         ctx = StepContext(modulation=modulation, raw_modulation=raw_modulation, rope=rope, key_mask=key_mask,
                           arithmetic=self.arithmetic)
         return x, ctx, conditioning
+
+    def project_text(self, text: torch.Tensor) -> torch.Tensor:
+        """The text as the blocks take it, [B, T, D]: text_proj of text [B, T, text_in_dim]; text already projected
+        passes unchanged. The sampler projects a run's text once (sampling.text_groups) instead of every step."""
+        if self.text_proj is None or text.shape[1] == 0 or text.shape[-1] != self.config.text_in_dim:
+            return text
+        return self.text_proj(text)
 
     def finish(self, x: torch.Tensor, conditioning: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         """The velocity [B, 128, h, w] from the last block's tokens; `grid`: the latents' (h, w)."""

@@ -5,8 +5,9 @@ between the first blocks and the rest. So the block runs a step is made of (the 
 last ones: session.py) are captured one by one, each keyed by its block indices and its inputs' signature, with
 DiTGraphs' lifecycle: the first call of a key runs eagerly (a warm-up with host syncs raising), the second captures
 and replays, later ones copy x and the modulation into the graph's static inputs and replay. The output is cloned
-(another graph in the shared pool may reuse its memory), as DiTGraphs does. Prepare and finish (x_embedder, text
-projection, modulation, final layer: ~20 kernels) and the cache's own arithmetic run eagerly between replays.
+(another graph in the shared pool may reuse its memory), as DiTGraphs does. Prepare and finish (x_embedder,
+modulation, final layer: ~20 kernels; the run's text is projected once, before its first step) and the cache's own
+arithmetic run eagerly between replays.
 
 The same kernels on the same data as the eager blocks: bit-identical (a GPU test). Where DiTGraphs would run the
 DiT's own forward (not CUDA, gradients on, compiled or streamed blocks, a capture that failed), `run` runs the

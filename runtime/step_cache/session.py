@@ -126,7 +126,7 @@ class StepCacheRun:
         if (len(self.split.first), len(self.split.last)) != (config.probe_blocks, config.tail_blocks):
             self.notes.append(f"step cache: F{config.probe_blocks}B{config.tail_blocks} leaves no block to skip in "
                               f"this {layers}-block DiT: runs as F{len(self.split.first)}B{len(self.split.last)}")
-        groups = text_groups(rows, device, dtype)
+        groups = text_groups(rows, device, dtype, dit.project_text)  # the text projected once for the run
         single = len(groups) == 1
         self.groups = [_Group(None if single else indices, text, lens) for indices, text, lens in groups]
         self.graphs: Optional[BlockGraphs] = graphs_of(dit) if graphs and torch.device(device).type == "cuda" else None
