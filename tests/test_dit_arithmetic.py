@@ -60,3 +60,43 @@ def test_load_options_take_the_arithmetic_and_the_pipe_builds_its_dit_with_it(ti
     assert pipe.parts.load_dit().arithmetic.name == "exact"
     assert "eager, exact arithmetic" in pipe.describe()
     assert LocalPipe.load(tiny_turbo_folder, LoadOptions(device="cpu")).parts.load_dit().arithmetic.name == "fast"
+
+
+def weighted_tables_per_block(rope, normed: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor):
+    """The fast form's q/k RoPE with the norm weights folded into the tables, each table built on its own (the
+    four passes a block made before its two tables became one product): the numbers the fast form must keep."""
+    half = normed.shape[-1] // 2
+    weights = torch.stack((q_weight, k_weight)).to(normed.dtype)[:, None, :]
+    cos = rope.cos.unsqueeze(2) * weights
+    sin = rope.signed_sin.unsqueeze(2) * torch.cat((weights[..., half:], weights[..., :half]), dim=-1)
+    out = normed * cos
+    out[..., :half].addcmul_(normed[..., half:], sin[..., :half])
+    out[..., half:].addcmul_(normed[..., :half], sin[..., half:])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("grid, text_lens", [((4, 6), [7]), ((3, 5), [2, 9]), ((8, 8), [5, 5])],
+                         ids=["one row", "two text lengths", "batch of two"])
+@torch.inference_mode()
+def test_the_weighted_rope_tables_of_a_block_are_one_product_with_the_same_bits(dtype, grid, text_lens):
+    fast_on_cpu = Arithmetic(fast_devices=("cpu",), kitchen_rope=False, kitchen_adaln=False)
+    model = ErnieDiT(DIT_CONFIG, arithmetic=fast_on_cpu).to(dtype)
+    rope = model.rope_tables(grid, text_lens, max(text_lens), "cpu", dtype)
+    generator = torch.Generator().manual_seed(len(text_lens))
+    sequence, heads, head_dim = grid[0] * grid[1] + max(text_lens), DIT_CONFIG.num_attention_heads, DIT_CONFIG.head_dim
+    normed = torch.randn(len(text_lens), sequence, 2, heads, head_dim, generator=generator).to(dtype)
+    q_weight, k_weight = (1 + 0.1 * torch.randn(2, head_dim, generator=generator)).to(dtype)
+    got = rope.apply_weighted(normed, q_weight, k_weight)
+    assert torch.equal(got, weighted_tables_per_block(rope, normed, q_weight, k_weight))
+
+
+@torch.inference_mode()
+def test_the_fast_forms_run_wherever_they_are_asked_for_within_their_bound():
+    """The fast forms on the CPU (asked for by `fast_devices`): the whole forward, within the documented 2e-3."""
+    model = random_dit("cpu", torch.bfloat16)
+    args = step_inputs("cpu", torch.bfloat16)
+    fast = model.with_arithmetic(Arithmetic(fast_devices=("cpu",), kitchen_rope=False, kitchen_adaln=False))(*args)
+    exact = model.with_arithmetic("exact")(*args)
+    assert not torch.equal(fast, exact)  # the fast forms did run
+    assert ((fast.float() - exact.float()).norm() / exact.float().norm()).item() <= 2e-3

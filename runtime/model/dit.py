@@ -147,7 +147,7 @@ class Attention(nn.Module):
             q_k = torch.stack((self.to_q(x), self.to_k(x)), dim=2).unflatten(-1, (self.heads, -1))
             v = self.to_v(x).unflatten(-1, (self.heads, -1))
         normed = _rms_normalize_short_rows(q_k, self.norm_q.eps)
-        rotated = rope.apply_weighted(normed, torch.stack((self.norm_q.weight, self.norm_k.weight)))
+        rotated = rope.apply_weighted(normed, self.norm_q.weight, self.norm_k.weight)
         out = F.scaled_dot_product_attention(
             rotated[:, :, 0].transpose(1, 2), rotated[:, :, 1].transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask
         )
@@ -293,6 +293,8 @@ class RopeTables:
         half = self.sin.shape[-1] // 2
         # -x2 * sin == x2 * -sin exactly (negation commutes with rounding): the eager path skips the negation pass.
         self.signed_sin = torch.cat((-self.sin[..., :half], self.sin[..., half:]), dim=-1)
+        # apply_weighted's operand, [B, S, 1, 2, 1, hd]: both tables of a block are one product with its weights
+        self.cos_sin = torch.stack((self.cos, self.signed_sin), dim=2).unsqueeze(2) if arithmetic.fast else None
         self.key_mask: Optional[torch.Tensor] = None  # set by ErnieDiT.rope_tables, cached with the tables
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -301,14 +303,16 @@ class RopeTables:
             return torch.cat((x2, x1), dim=-1).mul_(self.signed_sin).add_(x * self.cos)
         return x * self.cos + torch.cat((-x2, x1), dim=-1) * self.sin
 
-    def apply_weighted(self, normed: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """apply(normed * weight) for normed [B, S, G, H, hd] and one weight [hd] per group G (q, k), the weight
+    def apply_weighted(self, normed: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor) -> torch.Tensor:
+        """apply(normed * weight) for normed [B, S, 2, H, hd] (q, k) and each one's norm weight [hd], the weights
         folded into the tables: out = n * (w cos) and, half by half, += n_other_half * (w_other_half signed_sin);
-        every operand in normed's dtype (see _norm_modulate)."""
+        every operand in normed's dtype (see _norm_modulate). A block's weighted tables are built in two kernels:
+        its weights side by side, then one product with the tables of this shape."""
         half = normed.shape[-1] // 2
-        weights = weights.to(normed.dtype)[:, None, :]  # [G, 1, hd]
-        cos = self.cos.unsqueeze(2) * weights  # [B, S, G, 1, hd]
-        sin = self.signed_sin.unsqueeze(2) * torch.cat((weights[..., half:], weights[..., :half]), dim=-1)
+        # [q w, q w halves swapped, k w, k w halves swapped] -> [G=2, cos|sin, 1, hd]
+        weights = torch.cat((q_weight, q_weight[half:], q_weight[:half], k_weight, k_weight[half:], k_weight[:half]))
+        tables = self.cos_sin * weights.to(normed.dtype).view(2, 2, 1, -1)  # [B, S, 2, 2, 1, hd]
+        cos, sin = tables[:, :, :, 0], tables[:, :, :, 1]  # each [B, S, 2, 1, hd]
         out = normed * cos
         out[..., :half].addcmul_(normed[..., half:], sin[..., :half])
         out[..., half:].addcmul_(normed[..., :half], sin[..., half:])
