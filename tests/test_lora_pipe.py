@@ -18,6 +18,7 @@ from ernie_image.runtime.local.options import LoadOptions
 from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.lora import parsed as parsed_module
 from ernie_image.runtime.lora.attach import LoraLinear, apply_stack, wrapped_layers
+from ernie_image.runtime.lora.keys import dit_linear_shapes
 from ernie_image.runtime.lora.parsed import load_lora
 from ernie_image.runtime.model.compile import fuse_projections
 from ernie_image.runtime.quant.linear import QuantLinear
@@ -88,15 +89,65 @@ def test_a_same_shape_switch_refills_the_branch_buffers_in_place(pipe, loras):
     assert wrapper.lora_down is down and wrapper.lora_up is up  # a compiled block keeps its graph inputs
 
 
-def test_a_lora_on_some_blocks_only_gets_zero_branches_on_the_others(pipe, loras, tiny_turbo_folder, tmp_path):
+def test_a_lora_on_some_blocks_only_leaves_the_others_plain_in_an_uncompiled_dit(pipe, tiny_turbo_folder, tmp_path):
     weights = lf.dit_weights(tiny_turbo_folder)
     only_block_0 = {k: v for k, v in lf.linear_shapes(weights, ("mlp.linear_fc2",)).items() if k.startswith("layers.0.")}
     path = lf.write_ai_toolkit(tmp_path / "block0.safetensors", lf.random_lora(only_block_0, 3, seed=11))
     pipe.with_loras([(path, 1.0)]).generate(REQUEST, NullHost())
     blocks = pipe.parts.dit.layers
-    shapes = {tuple(block.mlp.linear_fc2.lora_up.shape) for block in blocks}
-    assert len(shapes) == 1  # one branch shape in every block: a compiled block has one graph for all of them
-    assert not blocks[1].mlp.linear_fc2.lora_up.any()
+    assert isinstance(blocks[0].mlp.linear_fc2, LoraLinear)
+    assert all(type(block.mlp.linear_fc2) is torch.nn.Linear for block in blocks[1:])  # no zero branch to run
+
+
+# Per stack: {block: rank} of a LoRA on those blocks' layers of one kind (q/k/v fused: one physical layer).
+SKIPPING_STACKS = {
+    "one block's MLP output": ("mlp.linear_fc2", {0: 3}),
+    "two blocks at one rank": ("mlp.linear_fc2", {0: 4, 2: 4}),
+    "two blocks at two ranks": ("mlp.linear_fc2", {0: 2, 2: 5}),
+    "fused q/k/v of the middle block": ("self_attention.to_q", {1: 3}),
+}
+
+
+def skipping_lora(tmp_path, module: str, ranks: dict[int, int]) -> list:
+    from reference_models import DIT_CONFIG
+
+    files = []
+    for block, rank in ranks.items():
+        shapes = {name: shape for name, shape in dit_linear_shapes(DIT_CONFIG).items()
+                  if name.startswith(f"layers.{block}.") and name.endswith(module)}
+        path = lf.write_ai_toolkit(tmp_path / f"block{block}.safetensors", lf.random_lora(shapes, rank, seed=block))
+        files.append((load_lora(path, DIT_CONFIG), 1.0))
+    return files
+
+
+@pytest.mark.parametrize("stack", list(SKIPPING_STACKS), ids=list(SKIPPING_STACKS))
+def test_uncompiled_blocks_carry_only_their_own_branches_and_compute_what_padded_ones_do(stack, tmp_path):
+    """Compiled blocks share one branch shape (zero branches where a LoRA skips a block, ranks padded to the
+    largest); uncompiled ones get neither, and compute the same: bit for bit where the ranks are the same."""
+    from reference_models import random_dit
+
+    module, ranks = SKIPPING_STACKS[stack]
+    loras = skipping_lora(tmp_path, module, ranks)
+    plain, compiled = random_dit("cpu", torch.float32), random_dit("cpu", torch.float32)
+    for dit in (plain, compiled):
+        fuse_projections(dit)
+    for block in compiled.layers:
+        block.compile(backend="eager")  # compiled blocks, run by the same eager kernels
+    apply_stack(plain, loras)
+    apply_stack(compiled, loras)
+    kind = "self_attention.to_qkv" if module.endswith("to_q") else module
+    assert sorted(wrapped_layers(plain)) == [f"layers.{block}.{kind}" for block in sorted(ranks)]
+    assert all(plain.get_submodule(f"layers.{block}.{kind}").lora_up.shape[-1] == rank for block, rank in ranks.items())
+    assert sorted(wrapped_layers(compiled)) == [f"layers.{block}.{kind}" for block in range(len(compiled.layers))]
+    assert len({tuple(compiled.get_submodule(name).lora_up.shape) for name in wrapped_layers(compiled)}) == 1
+    generator = torch.Generator().manual_seed(0)
+    latents, text = torch.randn((1, 128, 4, 4), generator=generator), torch.randn((1, 5, 96), generator=generator)
+    with torch.inference_mode():
+        own, padded = (dit(latents, torch.tensor([500.0]), text, [5]) for dit in (plain, compiled))
+    if len(set(ranks.values())) == 1:
+        assert torch.equal(own, padded)
+    else:  # the padded rank sums zeros in other places: rounding apart
+        assert (own - padded).abs().max().item() <= 1e-5 * padded.abs().max().item()
 
 
 def test_fused_qkv_and_gate_up_receive_their_own_slices(model, loras):

@@ -71,7 +71,7 @@ def apply_loras(dit: nn.Module, stack: Stack, streamed: Collection[int] = ()) ->
         applied.ran.append("branch" if len(kept) == len(parsed.adapters) else "merge" if not kept
                            else "merge and branch")
     if branches or wrapped_layers(dit):  # a pure merge touches no module: captured graphs stay valid
-        # Zero branches keep every block of one shape for a compiled block; only where branches run anyway.
+        # Compiled blocks: zero branches keep them of one shape, only where branches run anyway (attach.py).
         pad = None if any(mode == "branch" for _, _, mode in stack) else set(streamed)
         counts = apply_stack(dit, branches, pad_blocks=pad)
         applied.branch_layers, applied.branch_bytes = counts["layers"], counts["bytes"]

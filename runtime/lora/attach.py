@@ -12,9 +12,10 @@ A fused layer carries S slices (q, k, v or gate, up): `down` is [S * R, in] and 
 slice's LoRAs in its own rows, so every LoRA lands on its own output slice. The branch tensors are buffers of the
 wrapper, made on the DiT's compute device after placement: streamed blocks keep streaming only their base
 weights and the branches stay resident. Removing a LoRA puts the base module back, so the empty stack is the base
-model bit for bit. Within the blocks every layer of one kind gets the same branch shape (zero-padded where a LoRA
-skips a block), so a compiled block keeps one graph for all of them; a switch to LoRAs of the same shapes only
-copies new values into the existing buffers, which a compiled block takes without recompiling.
+model bit for bit. Compiled blocks get one branch shape per layer kind (zero-padded where a LoRA skips a block, ranks
+padded to the largest), so they keep one graph for all of them; uncompiled blocks carry only the branches their
+LoRAs have, each of its own rank (no zero work per step). A switch to LoRAs of the same shapes only copies new
+values into the existing buffers, which a compiled block takes without recompiling.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..model.compile import blocks_compiled
 from ..model.dit import ErnieDiT
 from .adapters import Kron, LowRank
 from .parsed import ParsedLora
@@ -128,14 +130,15 @@ def plan_branches(dit: ErnieDiT, stack: list[tuple[ParsedLora, float]]) -> dict[
     return branches
 
 
-def _uniform_ranks(branches: dict[str, _Branch]) -> dict[str, int]:
-    """The rank every physical Linear's branch gets: per layer kind inside the blocks the largest over blocks (so
-    all blocks share one shape), elsewhere its own."""
+def _ranks(branches: dict[str, _Branch], uniform: bool) -> dict[str, int]:
+    """The rank every physical Linear's branch gets: its own (its largest slice's), or with `uniform` per layer kind
+    inside the blocks the largest over blocks (so all blocks share one shape)."""
+    own = {physical: max(branch.slice_rank(s) for s in range(branch.slices)) for physical, branch in branches.items()}
+    if not uniform:
+        return own
     by_kind: dict[str, int] = {}
-    for physical, branch in branches.items():
-        kind = _kind(physical)
-        rank = max(branch.slice_rank(s) for s in range(branch.slices))
-        by_kind[kind] = max(by_kind.get(kind, 0), rank)
+    for physical, rank in own.items():
+        by_kind[_kind(physical)] = max(by_kind.get(_kind(physical), 0), rank)
     return {physical: by_kind[_kind(physical)] for physical in branches}
 
 
@@ -172,7 +175,8 @@ def _write_low_rank(branch: _Branch, rank: int, down: torch.Tensor, up: torch.Te
 
 def estimate_bytes(stack: list[tuple[ParsedLora, float]], dtype: torch.dtype) -> int:
     """Device bytes of the stack's branches, known before the DiT is built (what the planner counts): exact but for
-    zero padding, which only a fused layer with unequal q/k/v ranks or a LoRA skipping some blocks has."""
+    zero padding, which only a fused layer with unequal q/k/v ranks or, in compiled blocks, a LoRA skipping some
+    blocks has."""
     return sum(parsed.branch_params() for parsed, _ in stack) * dtype.itemsize
 
 
@@ -200,15 +204,17 @@ def apply_stack(dit: ErnieDiT, stack: list[tuple[ParsedLora, float]], device: Op
                 dtype: Optional[torch.dtype] = None, pad_blocks: Optional[Collection[int]] = None) -> dict[str, int]:
     """Make `dit` carry exactly `stack` (an empty one: the base model). Existing branches of the same shape get
     the new values in place; others are rebuilt; layers no LoRA adapts any more get their base module back.
-    `pad_blocks`: the blocks that get zero branches where the stack skips them (None: all; a merged LoRA's branch
-    on streamed blocks pads only those, so the merged blocks carry no branch).
+    Compiled blocks (blocks_compiled) share one branch shape per layer kind: `pad_blocks` are the blocks that get
+    zero branches where the stack skips them (None: all; a merged LoRA's branch on streamed blocks pads only those,
+    so the merged blocks carry no branch). Uncompiled blocks get no zero branch and no padded rank.
     Returns counts: {"layers": adapted Linears, "bytes": branch bytes on the device}."""
     device = torch.device(device) if device is not None else dit.x_embedder.proj.weight.device
     dtype = dtype or dit.dtype
     branches = plan_branches(dit, stack)
-    if branches:
+    one_shape = blocks_compiled(dit)
+    if branches and one_shape:
         _block_kinds_to_pad(dit, branches, pad_blocks)
-    ranks = _uniform_ranks(branches)
+    ranks = _ranks(branches, uniform=one_shape)
     branches = {p: b for p, b in branches.items() if ranks[p] or b.kron}  # e.g. a LoKr-only kind padded with nothing
     current = wrapped_layers(dit)
     for physical, wrapper in current.items():

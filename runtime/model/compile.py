@@ -7,6 +7,7 @@ kernels. Sequence length changes (prompt lengths) make the compiler switch to a 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from .dit import ErnieDiT
 
@@ -39,3 +40,10 @@ def compile_blocks(dit: ErnieDiT) -> bool:
     for block in dit.layers:
         block.compile()
     return True
+
+
+def blocks_compiled(dit: nn.Module) -> bool:
+    """Whether the DiT's blocks run compiled (compile_blocks): code that changes them (LoRA branches) keeps one
+    structure for all of them, and CUDA-graph replay (dit_graphs.py) leaves them to inductor."""
+    layers = getattr(dit, "layers", None)
+    return layers is not None and len(layers) > 0 and getattr(layers[0], "_compiled_call_impl", None) is not None

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from .compile import blocks_compiled
 from .cuda_capture import capture_stream, heal_generator_after_failed_capture, host_syncs_raise, is_host_sync_error
 
 log = logging.getLogger(__name__)
@@ -104,8 +105,7 @@ class DiTGraphs:
             return "not on a CUDA device"
         if torch.is_grad_enabled():
             return "gradients are enabled"
-        layers = getattr(self.dit, "layers", None)
-        if layers is not None and len(layers) and getattr(layers[0], "_compiled_call_impl", None) is not None:
+        if blocks_compiled(self.dit):
             return "the blocks are compiled"
         owner = getattr(getattr(self.dit, "block_runner", None), "__self__", None)
         if getattr(owner, "streamer", None) is not None:

@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from ..model.compile import blocks_compiled
 from ..model.cuda_capture import capture_stream, heal_generator_after_failed_capture, host_syncs_raise, is_host_sync_error
 from ..model.dit import StepContext
 from ..model.dit_graphs import structure_key
@@ -80,8 +81,7 @@ class BlockGraphs:
             return "not on a CUDA device"
         if torch.is_grad_enabled():
             return "gradients are enabled"
-        layers = self.dit.layers
-        if len(layers) and getattr(layers[0], "_compiled_call_impl", None) is not None:
+        if blocks_compiled(self.dit):
             return "the blocks are compiled"
         owner = getattr(self.dit.block_runner, "__self__", None)
         if getattr(owner, "streamer", None) is not None:
