@@ -209,7 +209,8 @@ def test_on_a_gpu_a_step_hands_over_the_previous_steps_picture_and_the_last_its_
     estimates = [torch.randn(1, 128, 8, 8, generator=generator) for _ in range(4)]
     stream = PreviewStream("cuda")
     zero = torch.zeros(1, 128, 8, 8, device="cuda")
-    handed = [stream.after_step(estimate.cuda(), zero, 0.5, last=index == 3) for index, estimate in enumerate(estimates)]
+    handed = [stream.after_step(estimate.cuda(), zero, 0.5, last=index == 3)
+              for index, estimate in enumerate(estimates)]
     expected = [pixels_of(preview_image(preview_pixels(estimate))) for estimate in estimates]
     assert handed[0] is None
     for picture, want in zip(handed[1:3], expected[:2]):

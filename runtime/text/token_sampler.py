@@ -4,9 +4,11 @@ Same maths as `model.generate(do_sample=True, temperature, top_k, top_p)` (the w
 applied in generate's order to float32 logits), but every draw comes from a private `torch.Generator`: the
 global RNG is neither read nor changed, and a seed gives the same tokens whatever ran before. On the CPU the draws
 are the ones multinomial would make from a CPU generator, prepared on a worker thread. On a CUDA device the
-warpers and the draw run there (device_sampling.py, a CUDA generator seeded from the seed): only the token id
-comes back, and the next token's decode step is queued before the host has read it (dropped if that token was
-EOS), so the GPU never waits for Python. A seed's rewrite is the same on the same device; CPU and GPU may differ.
+warpers and the draw run there (device_sampling.py, a CUDA generator seeded from the seed), and greedy decoding
+(temperature 0) takes its argmax there on any device: the token stays on the device as the next step's input and
+only its id comes back, read while the next token's decode step is already queued (that step is dropped if the
+token was EOS), so the GPU never waits for Python and the tokens and the EOS they stop at are the ones a
+token-by-token read gives. A seed's rewrite is the same on the same device; CPU and GPU may differ.
 Cancel is checked between tokens. A PE resident on one CUDA device decodes through static_decoder.py (one CUDA
 graph per token); a CPU or streamed PE runs transformers' forward.
 """
@@ -22,6 +24,7 @@ import torch
 
 from ..core.non_finite import refuse_non_finite
 from ..core.request import SEED_MASK
+from .device_sampling import DeviceTokenDraws
 
 log = logging.getLogger(__name__)
 
@@ -165,49 +168,47 @@ def sample_tokens(
     `compiled`: its layer step compiled (open_decoder). `weights`: where the model's weights are, named when its
     logits are not finite (damaged weights would otherwise sample a garbage prompt without a word)."""
     device = model.get_input_embeddings().weight.device
-    generator = torch.Generator(device="cpu").manual_seed(int(seed) & SEED_MASK)
-    warpers = None if settings.greedy else _warpers(settings)
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=device)
-    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     generated: list[int] = []
     stopped_by_eos = False
 
     started = time.perf_counter()
     decoder = open_decoder(model, len(prompt_ids) + settings.max_new_tokens, fast, compiled)
-    if device.type == "cuda" and not settings.greedy:
+    if settings.greedy or device.type == "cuda":
         try:
             logits = decoder.prefill(prompt_ids)
-            torch.cuda.synchronize(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             refuse_non_finite(logits, "prompt enhancer", weights, "logits")
             prefilled = time.perf_counter()
-            generated, stopped_by_eos = _sample_on_device(decoder, logits, settings, seed, eos, eos_ids, check_cancel,
+            pick = _argmax if settings.greedy else DeviceTokenDraws(settings.temperature, settings.top_k,
+                                                                     settings.top_p, seed, logits.device).sample
+            generated, stopped_by_eos = _decode_on_device(decoder, logits, pick, settings, eos, eos_ids, check_cancel,
                                                           on_token)
             finished = time.perf_counter()
         finally:
-            torch.cuda.synchronize(device)  # a cancel can leave a queued step behind: let it end before the close
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # a cancel can leave a queued step behind: let it end before the close
             decoder.close()
         return SampledTokens(generated, prefilled - started, finished - prefilled, stopped_by_eos)
+    generator = torch.Generator(device="cpu").manual_seed(int(seed) & SEED_MASK)
+    warpers = _warpers(settings)
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     draws: Optional[ExponentialDraws] = None
     try:
         logits = decoder.prefill(prompt_ids)
         refuse_non_finite(logits, "prompt enhancer", weights, "logits")
-        if not settings.greedy:
-            draws = ExponentialDraws(generator, logits.shape[-1])
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        draws = ExponentialDraws(generator, logits.shape[-1])
         prefilled = time.perf_counter()
         while len(generated) < settings.max_new_tokens:
             if check_cancel is not None:
                 check_cancel()
             if len(generated) < settings.min_new_tokens and eos.numel():
                 logits[:, eos] = -float("inf")
-            if settings.greedy:
-                token = int(torch.argmax(logits, dim=-1).item())
-            else:
-                scores = logits
-                for warp in warpers:
-                    scores = warp(ids, scores)  # these warpers ignore the ids
-                token = draws.sample(torch.softmax(scores, dim=-1).cpu())
+            scores = logits
+            for warp in warpers:
+                scores = warp(ids, scores)  # these warpers ignore the ids
+            token = draws.sample(torch.softmax(scores, dim=-1).cpu())
             if token in eos_ids and len(generated) >= settings.min_new_tokens:
                 stopped_by_eos = True
                 break
@@ -225,40 +226,63 @@ def sample_tokens(
     return SampledTokens(generated, prefilled - started, finished - prefilled, stopped_by_eos)
 
 
-def _sample_on_device(decoder, logits: torch.Tensor, settings: SamplingSettings, seed: int, eos: torch.Tensor,
-                      eos_ids: Sequence[int], check_cancel: Optional[Callable[[], None]],
-                      on_token: Optional[Callable[[int], None]]) -> tuple[list[int], bool]:
-    """The decode loop with sampling on the device: token n+1's step and draw are queued before token n is read."""
-    from .device_sampling import DeviceTokenDraws
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy decoding's token: a [1] int64 tensor on the logits' device (no host sync)."""
+    return torch.argmax(logits, dim=-1).reshape(1)
 
-    draws = DeviceTokenDraws(settings.temperature, settings.top_k, settings.top_p, seed, logits.device)
-    host_token = torch.empty(1, dtype=torch.long, pin_memory=True)
+
+class _TokenReadback:
+    """A token id copied from its device to the host. On a CUDA device the copy is queued (page-locked, with an
+    event), so what is queued after it runs while the host waits for the id; on the CPU it is read at once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.overlaps = device.type == "cuda"
+        self.host = torch.empty(1, dtype=torch.long, pin_memory=self.overlaps)
+        self.ready: Optional["torch.cuda.Event"] = None
+
+    def start(self, token: torch.Tensor) -> None:
+        self.host.copy_(token, non_blocking=self.overlaps)
+        if self.overlaps:
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def value(self) -> int:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return int(self.host[0])
+
+
+def _decode_on_device(decoder, logits: torch.Tensor, pick: Callable[[torch.Tensor], torch.Tensor],
+                      settings: SamplingSettings, eos: torch.Tensor, eos_ids: Sequence[int],
+                      check_cancel: Optional[Callable[[], None]], on_token: Optional[Callable[[int], None]]
+                      ) -> tuple[list[int], bool]:
+    """The decode loop with the token picked on the device (`pick`: logits -> [1] token): each token is the next
+    step's input as a device tensor, and on a CUDA device token n+1's step and pick are queued before token n is
+    read."""
+    readback = _TokenReadback(logits.device)
     eos_set = set(eos_ids)
 
-    def draw(logits: torch.Tensor, index: int) -> torch.Tensor:
+    def next_token(logits: torch.Tensor, index: int) -> torch.Tensor:
         if index < settings.min_new_tokens and eos.numel():
             logits = logits.index_fill(1, eos, -float("inf"))
-        return draws.sample(logits)
+        return pick(logits)
 
     generated: list[int] = []
-    token = draw(logits, 0)
+    token = next_token(logits, 0)
     while True:
         if check_cancel is not None:
             check_cancel()
-        host_token.copy_(token, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
         index = len(generated)
-        ahead = None
-        if index + 1 < settings.max_new_tokens:  # decode the next position while the host waits for this token
-            ahead = draw(decoder.next_logits_device(token), index + 1)
-        ready.synchronize()
-        value = int(host_token[0])
+        more = index + 1 < settings.max_new_tokens
+        readback.start(token)
+        # Decode the next position while the host waits for this token (a CPU would only compute it in vain).
+        ahead = next_token(decoder.next_logits_device(token), index + 1) if more and readback.overlaps else None
+        value = readback.value()
         if value in eos_set and index >= settings.min_new_tokens:
             return generated, True
         generated.append(value)
         if on_token is not None:
             on_token(len(generated))
-        if ahead is None:
+        if not more:
             return generated, False
-        token = ahead
+        token = ahead if ahead is not None else next_token(decoder.next_logits_device(token), index + 1)
