@@ -21,7 +21,8 @@ import torch
 from ernie_image.runtime.model.arithmetic import Arithmetic
 from ernie_image.runtime.model.compile import fuse_projections
 from ernie_image.runtime.model.dit import ErnieDiT
-from ernie_image.runtime.model.dit_graphs import DiTGraphs, _Captured, graphed_dit, structure_key
+from ernie_image.runtime.model.dit_graphs import DiTGraphs, graphed_dit
+from ernie_image.runtime.model.graph_cache import Captured, structure_key
 from ernie_image.runtime.sampling.euler import length_grouped_denoiser
 from reference_models import random_dit, relative_error
 
@@ -130,7 +131,7 @@ def _holding_a_graph(graphs: DiTGraphs) -> DiTGraphs:
     """`graphs` as after a warm-up and a capture (a placeholder graph: the bookkeeping is what is under test)."""
     graphs.follow_structure()
     graphs._warmed.add(("signature",))
-    graphs._graphs[("signature",)] = _Captured(graph=None, inputs=(), output=torch.zeros(1))
+    graphs._graphs[("signature",)] = Captured(graph=None, inputs=(), output=torch.zeros(1))
     return graphs
 
 
