@@ -150,6 +150,31 @@ def test_uncompiled_blocks_carry_only_their_own_branches_and_compute_what_padded
         assert (own - padded).abs().max().item() <= 1e-5 * padded.abs().max().item()
 
 
+def test_blocks_compiled_after_a_lora_was_put_on_take_it_again_in_one_structure(model, tiny_turbo_folder, tmp_path,
+                                                                                  monkeypatch):
+    """compile='auto' compiles a loaded DiT between jobs: its LoRA is put on again, padded for the compiled blocks.
+    CPU: the compiler is made "available" and compiles with dynamo's eager backend (the same kernels)."""
+    from ernie_image.runtime.local import compile_policy
+
+    monkeypatch.setattr(local_parts_module, "compile_available", lambda device: True)
+    monkeypatch.setattr(local_parts_module, "compile_blocks",
+                        lambda dit: [block.compile(backend="eager") for block in dit.layers] and True)
+    monkeypatch.setitem(compile_policy.COMPILE_SECONDS, "bf16", 1e9)  # never pays: stays uncompiled
+    pipe = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32", lora_mode="branch"))
+    weights = lf.dit_weights(tiny_turbo_folder)
+    only_block_0 = {k: v for k, v in lf.linear_shapes(weights, ("mlp.linear_fc2",)).items() if k.startswith("layers.0.")}
+    view = pipe.with_loras([(lf.write_ai_toolkit(tmp_path / "block0.safetensors", lf.random_lora(only_block_0, 3, 11)),
+                             1.0)])
+    uncompiled = view.generate(REQUEST, NullHost()).images
+    assert list(wrapped_layers(pipe.parts.dit)) == ["layers.0.mlp.linear_fc2"]
+    monkeypatch.setitem(compile_policy.COMPILE_SECONDS, "bf16", 0.0)  # pays from the next job on
+    compiled = view.generate(REQUEST, NullHost()).images
+    blocks = pipe.parts.dit.layers
+    assert all(isinstance(block.mlp.linear_fc2, LoraLinear) for block in blocks)
+    assert len({tuple(block.mlp.linear_fc2.lora_up.shape) for block in blocks}) == 1
+    assert torch.equal(compiled, uncompiled)  # zero branches of the same rank add exact zeros
+
+
 def test_fused_qkv_and_gate_up_receive_their_own_slices(model, loras):
     config_pipe = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32", lora_mode="branch"))
     plain = config_pipe.parts.load_dit()

@@ -110,6 +110,11 @@ class PipeLoras:
         if notice and host is not None:
             host.log(notice)
 
+    def after_compile(self, dit: torch.nn.Module) -> None:
+        """`dit`'s blocks were just compiled: the next sync puts its stack on again, in the one branch structure
+        compiled blocks need (uncompiled ones carry only their own branches: lora/attach.py)."""
+        dit.lora_signature = None
+
     def host_tensors(self, dit: Optional[torch.nn.Module]) -> list[torch.Tensor]:
         """The merged Linears' original tensors kept in host memory (backup.py)."""
         state = merge_state(dit) if dit is not None else None
