@@ -33,6 +33,8 @@ COMFY_PYTHON = os.environ.get("ERNIE_COMFYUI_PYTHON", sys.executable)
 FRONTEND_ROOT = os.environ.get("ERNIE_COMFYUI_FRONTEND_ROOT", "")
 PACK_NAME = "ernie_image"
 RUN_TIMEOUT_S = 300
+# ComfyUI's binary WebSocket events that carry a preview picture (protocol.BinaryEventTypes); 3 is a node's text.
+PREVIEW_EVENTS = (1, 2, 4)
 LOG_TAIL = 4000  # characters of ComfyUI's log a start-up failure shows
 
 
@@ -174,7 +176,7 @@ class Run:
     prompt_id: str
     outcome: str  # execution_success, execution_error or execution_interrupted
     messages: list[dict[str, Any]] = field(default_factory=list)
-    previews: int = 0
+    previews: int = 0  # preview pictures received
     history: dict[str, Any] = field(default_factory=dict)
 
     def of_type(self, kind: str) -> list[dict[str, Any]]:
@@ -187,12 +189,15 @@ class Run:
 
 
 async def run_prompt(comfy: Served, graph: dict[str, Any],
-                     interrupt_when: Optional[Callable[[dict[str, Any], int], bool]] = None) -> Run:
-    """Queue a prompt and follow it on the WebSocket to its end; press Cancel once `interrupt_when(event, previews)`."""
+                     interrupt_when: Optional[Callable[[dict[str, Any], int], bool]] = None,
+                     extra_data: Optional[dict[str, Any]] = None) -> Run:
+    """Queue a prompt and follow it on the WebSocket to its end; press Cancel once `interrupt_when(event, previews)`.
+    `extra_data`: what the editor sends with a prompt (its preview method, say)."""
     client_id = uuid.uuid4().hex
+    queued = {"prompt": graph, "client_id": client_id, **({"extra_data": extra_data} if extra_data else {})}
     async with aiohttp.ClientSession() as session:
         async with session.ws_connect(f"{comfy.url}/ws?clientId={client_id}") as ws:
-            async with session.post(f"{comfy.url}/prompt", json={"prompt": graph, "client_id": client_id}) as response:
+            async with session.post(f"{comfy.url}/prompt", json=queued) as response:
                 body = await response.json()
                 assert response.status == 200, f"POST /prompt -> {response.status}: {json.dumps(body)[:2000]}"
             run = Run(prompt_id=body["prompt_id"], outcome="")
@@ -201,7 +206,7 @@ async def run_prompt(comfy: Served, graph: dict[str, Any],
             while not run.outcome:
                 message = await ws.receive(timeout=max(1.0, deadline - time.monotonic()))
                 if message.type == aiohttp.WSMsgType.BINARY:
-                    run.previews += 1
+                    run.previews += int.from_bytes(message.data[:4], "big") in PREVIEW_EVENTS
                     continue
                 if message.type != aiohttp.WSMsgType.TEXT:
                     pytest.fail(f"WebSocket closed: {message}")

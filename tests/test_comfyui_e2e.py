@@ -248,6 +248,18 @@ async def test_cancel_mid_run_interrupts_and_releases_memory(comfy: Comfy) -> No
     assert local and not any(p["loaded"] for p in local), f"weights still held after Cancel: {memory}"
 
 
+@pytest.mark.parametrize("method, seed", [("none", 9101), ("latent2rgb", 9102), ("taesd", 9103)])
+async def test_a_prompts_preview_method_decides_whether_the_sampler_previews(comfy: Comfy, method: str,
+                                                                             seed: int) -> None:
+    """The server runs with --preview-method auto; a prompt brings its own (the editor's setting), which ComfyUI sets
+    as the prompt starts: "none" gets no preview picture, any other method the pack's latent-to-RGB one."""
+    graph = shrunk(api_workflow("ernie_image_turbo_local"))
+    node_of(graph, "ErnieImageTurboSampler")[1]["inputs"]["seed"] = seed  # a new seed: the sampler runs again
+    run = await run_prompt(comfy, graph, extra_data={"preview_method": method})
+    assert run.outcome == "execution_success", run.error
+    assert (run.previews > 0) is (method != "none"), f"{run.previews} preview pictures with method {method}"
+
+
 async def test_width_1000_is_refused_once_before_sampling_with_a_clear_message(comfy: Comfy) -> None:
     graph = shrunk(api_workflow("ernie_image_turbo_local"))
     sampler_id, sampler = node_of(graph, "ErnieImageTurboSampler")
