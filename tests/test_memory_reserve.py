@@ -399,7 +399,7 @@ def real_out_of_memory_is_reported_and_freed(model: ModelSources) -> None:
     try:
         for _ in range(2):
             with pytest.raises(MemoryBudgetError,
-                               match=r"^out of GPU memory on cuda.* lower the VRAM budget \(8 GB now\)"):
+                               match=r"^out of GPU memory on cuda.* lower the VRAM budget \(vram_budget_gb, 8 GB now\)"):
                 pipe.generate(request, NullHost())
             assert not pipe.is_loaded()
             held_after.append(torch.cuda.memory_allocated())
