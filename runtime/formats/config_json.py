@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 from ..core.errors import ErnieImageError, ModelFileError, one_line
 from ..core.variant import Variant
+from ..files.cut_files import empty_file
 
 CONFIG_ROOT = Path(__file__).parent / "configs"
 CONFIG_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError)
@@ -29,7 +30,10 @@ def read_config(path: Path) -> dict[str, Any]:
     """The JSON object in `path` (config.json, generation_config.json)."""
     path = Path(path)
     try:
-        config = json.loads(path.read_bytes().decode("utf-8"))
+        data = path.read_bytes()
+        if not data:
+            raise ModelFileError(empty_file(str(path), "JSON"))
+        config = json.loads(data.decode("utf-8"))
     except OSError as error:
         raise ModelFileError(f"{path} cannot be read ({error.strerror or error}): check its permissions, or "
                              "re-download it") from None
