@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from ernie_image.runtime.cli.commands import main
 
@@ -87,3 +88,24 @@ def test_a_damaged_demo_cache_says_delete_it_and_it_is_rebuilt(capsys, tmp_path,
     line = _cli(capsys, "generate", "--device", "cpu", "--out", str(tmp_path / "x.png"))
     assert line.startswith(f"error: the demo model in {cached} is damaged (") and says in line, line
     assert line.endswith("delete that folder and run again: it is rebuilt"), line
+
+
+def test_each_part_given_as_the_file_inside_its_folder_is_built_from_the_config_beside_it(tiny_turbo_folder):
+    """--dit/--text-encoder/--vae naming the weights inside a diffusers folder's transformer/, text_encoder/ and vae/:
+    each part is built from its own config.json there (the tiny VAE's norm groups and the tiny text encoder's
+    width are in no released config), and the image is the folder's."""
+    from ernie_image.runtime.core.host import NullHost
+    from ernie_image.runtime.core.request import GenerationRequest
+    from ernie_image.runtime.formats.sources import ModelSources
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
+
+    files = ModelSources(dit=tiny_turbo_folder / "transformer" / "diffusion_pytorch_model.safetensors",
+                         text_encoder=tiny_turbo_folder / "text_encoder" / "model.safetensors",
+                         vae=tiny_turbo_folder / "vae" / "diffusion_pytorch_model.safetensors",
+                         tokenizer=tiny_turbo_folder / "tokenizer")
+    request = GenerationRequest(prompt="a fox", width=256, height=256, steps=1, seed=3)
+    options = LoadOptions(device="cpu")
+    from_files = LocalPipe.load(files, options).generate(request, NullHost()).images
+    from_folder = LocalPipe.load(ModelSources(model_dir=tiny_turbo_folder), options).generate(request, NullHost()).images
+    assert torch.equal(from_files, from_folder)

@@ -3,8 +3,9 @@
 The two releases share every key and shape, so the weights cannot tell them apart. What can, first to last:
   1. the variant the user set (ModelSources.variant; the Loader's variant widget; `--variant`);
   2. `ernie_image.variant` in the DiT file's metadata, which every DiT file this pack writes records;
-  3. the transformer config: the Turbo release's carries LoRA fields (`use_lora`, `lora_rank`) the base release's
-     lacks (the two releases' model_index.json and scheduler configs are identical);
+  3. the transformer config (a diffusers folder's, or the one beside a DiT file inside such a folder): the Turbo
+     release's carries LoRA fields (`use_lora`, `lora_rank`) the base release's lacks (the two releases'
+     model_index.json and scheduler configs are identical);
   4. the file or folder name: "turbo" in it is Turbo, "ernie" without "turbo" the base model;
   5. else the base model, saying that nothing told which.
 """
