@@ -92,7 +92,7 @@ class LocalPipe:
         check_configs_build(opened, pipe.variant)  # on the meta device: a bad config.json fails now
         pipe.parts.note_dit_file(opened["dit"])  # what 'auto' runs is said before the DiT is built
         pipe._lora.resolve(pipe.loras, sources)
-        check_pe_file(sources)
+        check_pe_file(sources, pipe.variant)
         return pipe
 
     def with_loras(self, loras, mode: Optional[str] = None):
