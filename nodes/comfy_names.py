@@ -20,6 +20,8 @@ NAMES: dict[str, str] = {
     "pe": "the Loader's prompt_enhancer",
     "variant": "the Loader's variant widget",
     "quant": "Quant Config format",
+    # A model file changed under the Loader's pipe (runtime/local/loaded_files.py): the Loader's IS_CHANGED sees it.
+    "LocalPipe.load": "queue the prompt again: the Loader reloads changed files",
 }
 
 

@@ -39,6 +39,7 @@ FLAGS: dict[str, str] = {
     "text_encoder": "--text-encoder",
     "vae": "--vae",
     "pe": "--pe",
+    "LocalPipe.load": "run the command again",  # a model file changed under the run (local/loaded_files.py)
 }
 
 

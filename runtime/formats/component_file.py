@@ -22,6 +22,7 @@ from typing import Callable, Literal, Optional
 import torch
 
 from ..core.errors import ErnieImageError, ModelFileError, one_line
+from ..files.identity import FileIdentity
 from .config_json import describes_part, read_config
 from .detect import Identity, identify, sample_keys, text_model_role
 from .safetensors_reader import SafetensorsFile, is_gguf, open_safetensors
@@ -68,6 +69,7 @@ class ComponentFile:
     quantized: bool = False  # tensors may be runtime.quant.QuantizedWeight (build through runtime/quant)
     _releasers: dict[str, Callable[[], None]] = field(repr=False, default_factory=dict)
     config_file: Optional[Path] = None  # the config.json `config` was read from (None: metadata, inferred or none)
+    files: tuple[FileIdentity, ...] = ()  # every file read, as opened: weights and config.json (files/identity.py)
 
     def tensor(self, key: str) -> torch.Tensor:
         try:
@@ -109,8 +111,10 @@ def open_component(path: Path, kind: Kind) -> ComponentFile:
     if kind == "vae" and config is None:
         config = config_from_shapes(_decoder_shapes(loaders), _released_vae_config())
     layout = "diffusers-folder" if path.is_dir() else ("single-file-bfl" if bfl else "single-file")
+    files = tuple(reader.identity for reader in readers) + _identities(config_file)
     return ComponentFile(kind=kind, layout=layout, path=path, config=config, keys=sorted(loaders),
-                         _loaders=loaders, metadata=metadata, _releasers=releasers, config_file=config_file)
+                         _loaders=loaders, metadata=metadata, _releasers=releasers, config_file=config_file,
+                         files=files)
 
 
 def _check_text_role(identity: Identity, kind: str, path: Path, shapes: dict) -> None:
@@ -236,6 +240,7 @@ def _open_quantized(path: Path, kind: str, layout: str, metadata: Optional[dict[
         raise ModelFileError(f"{path.name} is a quantised file, but the VAE is only read in bf16/fp32: "
                              f"{WHAT_TO_PICK['vae']}")
     try:
+        identity = FileIdentity.of(path)  # before its reader maps it
         if kind == "dit":
             state = load_quantized_state_dict(path, "dit")
         else:
@@ -268,7 +273,12 @@ def _open_quantized(path: Path, kind: str, layout: str, metadata: Optional[dict[
         loaders[name] = (lambda value=entry: value)
     config, config_file = _read_config(path, kind, {})
     return ComponentFile(kind=kind, layout=layout, path=path, config=config, keys=sorted(loaders), _loaders=loaders,
-                         metadata=metadata or {}, quantized=True, config_file=config_file)
+                         metadata=metadata or {}, quantized=True, config_file=config_file,
+                         files=(identity, *_identities(config_file)))
+
+
+def _identities(config_file: Optional[Path]) -> tuple[FileIdentity, ...]:
+    return (FileIdentity.of(config_file),) if config_file is not None else ()
 
 
 def _read_config(path: Path, kind: str, metadata: dict[str, str]) -> tuple[Optional[dict], Optional[Path]]:

@@ -19,6 +19,7 @@ import torch
 
 from ..core.errors import ModelFileError
 from ..files.cut_files import REDOWNLOAD, cut_in_data, cut_in_header, empty_file
+from ..files.identity import FileIdentity
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -47,8 +48,9 @@ class SafetensorsFile:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.size = self.path.stat().st_size
         with open(self.path, "rb") as handle:
+            self.identity = FileIdentity.of_open(self.path, handle)  # the version of the file mapped here
+            self.size = self.identity.size
             self.infos, self.metadata = _read_header(handle, self.path, self.size)
             self._mapping: Optional[mmap.mmap] = (
                 mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) if self.size else None
