@@ -200,3 +200,70 @@ def test_a_file_cut_under_weights_the_pipe_maps_is_refused_not_a_crash(sources):
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     assert done.stdout.strip() == changed_line(sources.dit, f"size {size} -> {size // 2} bytes")
 
+
+# ------------------------------------------------------------------------------------------- the Loader in ComfyUI
+@pytest.fixture
+def comfy_models(tmp_path, built, monkeypatch) -> Path:
+    """ComfyUI's model folders holding the tiny model's single files, and a diffusers folder of it."""
+    from comfy_folders import fake_folder_paths
+
+    models = tmp_path / "models"
+    for folder, path in (("diffusion_models", built.dit), ("text_encoders", built.text_encoder), ("vae", built.vae)):
+        (models / folder).mkdir(parents=True)
+        shutil.copy(path, models / folder)
+    monkeypatch.setitem(sys.modules, "folder_paths", fake_folder_paths(models))
+    return models
+
+
+def loader_inputs(built: ModelSources, **changes) -> dict:
+    """The Loader's widget values, as ComfyUI hands them to IS_CHANGED (a linked quant_config is not among them)."""
+    return {"diffusers_folder": "(none)", "diffusion_model": built.dit.name, "text_encoder": built.text_encoder.name,
+            "vae": built.vae.name, "prompt_enhancer": "(none)", "variant": "auto", "vram_budget_gb": 0.0,
+            "keep_loaded": True, **changes}
+
+
+@pytest.mark.parametrize("folder", ["diffusion_models", "text_encoders", "vae"])
+@pytest.mark.parametrize("change", CHANGES, ids=[change.__name__ for change in CHANGES])
+def test_the_loaders_fingerprint_changes_with_any_file_it_reads_so_a_requeued_prompt_reloads(
+        comfy_models, built, folder, change):
+    from ernie_image.nodes.loader import ErnieImageLoader
+
+    inputs = loader_inputs(built)
+    before = ErnieImageLoader.IS_CHANGED(**inputs)
+    assert ErnieImageLoader.IS_CHANGED(**inputs) == before  # the same files: ComfyUI keeps the cached pipe
+    change(next((comfy_models / folder).iterdir()))
+    assert ErnieImageLoader.IS_CHANGED(**inputs) != before
+
+
+def test_the_loaders_fingerprint_follows_every_file_of_a_diffusers_folder(comfy_models, built, tiny_turbo_folder):
+    from ernie_image.nodes.loader import ErnieImageLoader
+
+    folder = Path(shutil.copytree(tiny_turbo_folder, comfy_models / "diffusers" / "ERNIE-Image-Turbo"))
+    inputs = loader_inputs(built, diffusers_folder=folder.name, diffusion_model="(none)", text_encoder="(none)",
+                           vae="(none)")
+    before = ErnieImageLoader.IS_CHANGED(**inputs)
+    rewritten(folder / "transformer" / "config.json")
+    assert ErnieImageLoader.IS_CHANGED(**inputs) != before
+
+
+def test_the_loaders_fingerprint_of_a_missing_file_leaves_the_refusal_to_the_load(comfy_models, built):
+    from ernie_image.nodes.loader import ErnieImageLoader
+
+    inputs = loader_inputs(built, vae="gone.safetensors")
+    assert ErnieImageLoader.IS_CHANGED(**inputs) == ErnieImageLoader.IS_CHANGED(**inputs)
+    with pytest.raises(ModelFileError, match="VAE file 'gone.safetensors' was not found"):
+        ErnieImageLoader().load(**inputs)
+
+
+def test_a_loader_run_again_after_a_change_says_what_the_new_file_is(comfy_models, built, tmp_path):
+    """The Loader's text is the new file's: a Turbo DiT replaced by the base one reads Base when the prompt runs
+    again (ComfyUI runs the Loader again because its fingerprint changed)."""
+    from ernie_image.nodes.loader import ErnieImageLoader
+
+    inputs = loader_inputs(built)
+    before = ErnieImageLoader.IS_CHANGED(**inputs)
+    assert ErnieImageLoader().load(**inputs)["ui"]["text"][0].startswith("ERNIE-Image Turbo, from the file's metadata")
+    base = build_tiny_model(tmp_path / "base", layout="comfy", variant="base")
+    os.replace(shutil.copy(base.dit, tmp_path / "new.safetensors"), comfy_models / "diffusion_models" / built.dit.name)
+    assert ErnieImageLoader.IS_CHANGED(**inputs) != before
+    assert ErnieImageLoader().load(**inputs)["ui"]["text"][0].startswith("ERNIE-Image Base, from the file's metadata")
