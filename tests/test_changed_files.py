@@ -100,8 +100,10 @@ CASES = [(part, change, keep) for part in ("dit", "text_encoder", "vae") for cha
          if not (change is truncated and keep)]
 
 
-@pytest.mark.parametrize("part, change, keep_loaded", CASES,
-                         ids=[f"{part}-{change.__name__}-{'kept' if keep else 'freed'}" for part, change, keep in CASES])
+CASE_IDS = [f"{part}-{change.__name__}-{'kept' if keep else 'freed'}" for part, change, keep in CASES]
+
+
+@pytest.mark.parametrize("part, change, keep_loaded", CASES, ids=CASE_IDS)
 def test_a_file_changed_under_a_loaded_pipe_is_refused_naming_it_and_the_pipe_lets_go(sources, part, change,
                                                                                        keep_loaded):
     pipe = LocalPipe.load(sources, LoadOptions(device="cpu", keep_loaded=keep_loaded))

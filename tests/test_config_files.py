@@ -107,7 +107,8 @@ def test_each_part_given_as_the_file_inside_its_folder_is_built_from_the_config_
     request = GenerationRequest(prompt="a fox", width=256, height=256, steps=1, seed=3)
     options = LoadOptions(device="cpu")
     from_files = LocalPipe.load(files, options).generate(request, NullHost()).images
-    from_folder = LocalPipe.load(ModelSources(model_dir=tiny_turbo_folder), options).generate(request, NullHost()).images
+    folder = ModelSources(model_dir=tiny_turbo_folder)
+    from_folder = LocalPipe.load(folder, options).generate(request, NullHost()).images
     assert torch.equal(from_files, from_folder)
 
 
@@ -139,7 +140,8 @@ MISFITS = [
     ("transformer", _emptied, "has no hidden_size, and the weights hold 64 (x_embedder.proj"),
     ("text_encoder", _setting("num_hidden_layers", 3), "says text_config.num_hidden_layers 3 but the weights hold 4 "
                                                        "layers"),
-    ("text_encoder", _setting("intermediate_size", 48), "says text_config.intermediate_size 48 but the weights hold 96 ("),
+    ("text_encoder", _setting("intermediate_size", 48), "says text_config.intermediate_size 48 but the weights hold "
+                                                        "96 ("),
     ("text_encoder", _setting("hidden_size", None), "has no text_config.hidden_size, and the weights hold 48 ("),
     ("text_encoder", _emptied, "has no hidden_size, and the weights hold 48 ("),
     ("vae", _setting("block_out_channels", [8, 16, 32, 32]), "says block_out_channels [8, 16, 32, 32] but the weights "

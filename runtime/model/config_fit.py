@@ -40,52 +40,47 @@ def _shape_of(component, key: str) -> Shape:
     return tuple(component.tensor(key).shape) if key in component.keys else None
 
 
-def _layers(component, prefix: str = "layers.") -> int:
-    found = {int(m[1]) for key in component.keys if (m := re.match(rf"{re.escape(prefix)}(\d+)\.", key))}
-    return max(found) + 1 if found else 0
+LAYER_FIELDS = {"dit": "num_layers", "text_encoder": "num_hidden_layers", "pe": "num_hidden_layers"}
 
 
-def _from(value: Any, key: str, shape: tuple[int, ...]) -> str:
-    return f"{_shown(value)} ({key} is {list(shape)})"
+def _dims(component, where: tuple[tuple[str, str, int], ...]) -> list[Seen]:
+    """Fields read off one dimension of one tensor each: (field, key, axis); a tensor the file lacks shows none."""
+    seen = []
+    for field, key, axis in where:
+        shape = _shape_of(component, key)
+        if shape is not None:
+            seen.append(Seen(field, shape[axis], f"{shape[axis]} ({key} is {list(shape)})"))
+    return seen
+
+
+def _layer_count(component, also_one_more: bool = False) -> list[Seen]:
+    """The layer count (`layers.N.`); `also_one_more`: a config may count one layer more than the file holds."""
+    found = {int(m[1]) for key in component.keys if (m := re.match(r"layers\.(\d+)\.", key))}
+    if not found:
+        return []
+    layers = max(found) + 1
+    return [Seen(LAYER_FIELDS[component.kind], layers, f"{layers} layers", (layers + 1,) if also_one_more else ())]
 
 
 def dit_seen(component) -> list[Seen]:
-    seen: list[Seen] = []
+    seen = _dims(component, (("hidden_size", "x_embedder.proj.weight", 0), ("in_channels", "x_embedder.proj.weight", 1),
+                             ("ffn_hidden_size", "layers.0.mlp.gate_proj.weight", 0),
+                             ("out_channels", "final_linear.weight", 0), ("text_in_dim", "text_proj.weight", 1)))
     embed = _shape_of(component, "x_embedder.proj.weight")
-    if embed is not None:
-        seen += [Seen("hidden_size", embed[0], _from(embed[0], "x_embedder.proj.weight", embed)),
-                 Seen("in_channels", embed[1], _from(embed[1], "x_embedder.proj.weight", embed))]
-        head = _shape_of(component, "layers.0.self_attention.norm_q.weight")
-        if head is not None and head[0] and embed[0] % head[0] == 0:
-            heads = embed[0] // head[0]
-            seen.append(Seen("num_attention_heads", heads, f"{heads} heads of {head[0]} "
-                                                           f"(layers.0.self_attention.norm_q.weight is {list(head)})"))
-    for field, key, axis in (("ffn_hidden_size", "layers.0.mlp.gate_proj.weight", 0),
-                             ("out_channels", "final_linear.weight", 0), ("text_in_dim", "text_proj.weight", 1)):
-        shape = _shape_of(component, key)
-        if shape is not None:
-            seen.append(Seen(field, shape[axis], _from(shape[axis], key, shape)))
-    layers = _layers(component)
-    if layers:
-        seen.append(Seen("num_layers", layers, f"{layers} layers"))
-    return seen
+    head = _shape_of(component, "layers.0.self_attention.norm_q.weight")
+    if embed is not None and head is not None and head[0] and embed[0] % head[0] == 0:
+        heads = embed[0] // head[0]
+        seen.append(Seen("num_attention_heads", heads, f"{heads} heads of {head[0]} "
+                                                       f"(layers.0.self_attention.norm_q.weight is {list(head)})"))
+    return seen + _layer_count(component)
 
 
 def text_seen(component, whole_file_layers: bool) -> list[Seen]:
     """The Mistral text model's fields; `whole_file_layers`: False for the text encoder, whose file may lack the
     last layer (the layer hidden_states[-2] never reads), so its config may count one more."""
-    seen: list[Seen] = []
-    embed = _shape_of(component, "embed_tokens.weight")
-    if embed is not None:
-        seen += [Seen("hidden_size", embed[1], _from(embed[1], "embed_tokens.weight", embed)),
-                 Seen("vocab_size", embed[0], _from(embed[0], "embed_tokens.weight", embed))]
-    mlp = _shape_of(component, "layers.0.mlp.gate_proj.weight")
-    if mlp is not None:
-        seen.append(Seen("intermediate_size", mlp[0], _from(mlp[0], "layers.0.mlp.gate_proj.weight", mlp)))
-    layers = _layers(component)
-    if layers:
-        seen.append(Seen("num_hidden_layers", layers, f"{layers} layers", () if whole_file_layers else (layers + 1,)))
-    return seen
+    seen = _dims(component, (("hidden_size", "embed_tokens.weight", 1), ("vocab_size", "embed_tokens.weight", 0),
+                             ("intermediate_size", "layers.0.mlp.gate_proj.weight", 0)))
+    return seen + _layer_count(component, also_one_more=not whole_file_layers)
 
 
 def vae_seen(component) -> list[Seen]:
@@ -93,11 +88,8 @@ def vae_seen(component) -> list[Seen]:
     inferred = config_from_shapes(decoder, {})
     seen = [Seen(field, inferred[field], f"{_shown(inferred[field])} (the decoder's tensors)")
             for field in ("block_out_channels", "layers_per_block", "latent_channels") if field in inferred]
-    for field, key, axis in (("out_channels", "decoder.conv_out.weight", 0), ("in_channels", "encoder.conv_in.weight", 1)):
-        shape = _shape_of(component, key)
-        if shape is not None:
-            seen.append(Seen(field, shape[axis], _from(shape[axis], key, shape)))
-    return seen
+    return seen + _dims(component, (("out_channels", "decoder.conv_out.weight", 0),
+                                    ("in_channels", "encoder.conv_in.weight", 1)))
 
 
 def _dit_defaults() -> dict[str, Any]:
@@ -109,7 +101,8 @@ def _dit_defaults() -> dict[str, Any]:
 def _vae_defaults() -> dict[str, Any]:
     from diffusers import AutoencoderKLFlux2
 
-    return {name: parameter.default for name, parameter in inspect.signature(AutoencoderKLFlux2.__init__).parameters.items()
+    parameters = inspect.signature(AutoencoderKLFlux2.__init__).parameters
+    return {name: parameter.default for name, parameter in parameters.items()
             if parameter.default is not inspect.Parameter.empty}
 
 
