@@ -5,6 +5,7 @@ from typing import Any, Optional
 
 from ..runtime.core.errors import InvalidInputError
 from ..runtime.core.request import SEED_MASK
+from .comfy_names import in_comfy_words
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .host import NoteHost, cancel_as_comfy_interrupt
 from .live_pipes import generation_lock
@@ -93,7 +94,7 @@ class ErnieImagePromptEnhancer:
             if pipe is None or not callable(getattr(pipe, "enhance", None)) or not pipe.has_enhancer():
                 raise InvalidInputError(NO_ENHANCER)
             # One job on the device at a time; the pipe frees its own memory after a failure or a cancel.
-            with generation_lock, cancel_as_comfy_interrupt():
+            with generation_lock, cancel_as_comfy_interrupt(), in_comfy_words():
                 revised = pipe.enhance(prompt, width, height, host=host, **sampling)
         text = revised.prompts[0]
         info = timing_text(revised.info(), host.notes)

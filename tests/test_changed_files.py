@@ -170,6 +170,24 @@ def test_each_surface_says_its_own_way_to_load_the_model_again(sources):
                                   "again (queue the prompt again: the Loader reloads changed files)")
 
 
+def test_a_prompt_enhancer_file_changed_under_the_pipe_is_refused_by_the_enhancer_node_in_its_words(
+        tmp_path, tiny_turbo_with_pe):
+    from ernie_image.nodes.enhancer import ErnieImagePromptEnhancer
+
+    model = Path(shutil.copytree(tiny_turbo_with_pe, tmp_path / "model"))
+    pipe = LocalPipe.load(ModelSources(model_dir=model), LoadOptions(device="cpu", keep_loaded=True))
+    inputs = dict(prompt="a lighthouse", resolution="custom", width=256, height=256, seed=21, temperature=0.6,
+                  top_p=0.95, max_new_tokens=4, pipe=pipe)
+    ErnieImagePromptEnhancer().enhance(**inputs)
+    weights = next((model / "pe").glob("*.safetensors"))
+    what = replaced(weights)
+    with pytest.raises(ModelFileError) as refused:
+        ErnieImagePromptEnhancer().enhance(**inputs)
+    assert str(refused.value) == (f"{weights} changed on disk since the model was loaded ({what}): load the model "
+                                  "again (queue the prompt again: the Loader reloads changed files)")
+    assert not pipe.is_loaded()
+
+
 def test_a_file_cut_under_weights_the_pipe_maps_is_refused_not_a_crash(sources):
     script = textwrap.dedent(f"""
         import importlib.util, os, sys
