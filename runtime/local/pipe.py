@@ -95,8 +95,11 @@ class LocalPipe:
         pipe.parts.note_dit_file(opened["dit"])  # what 'auto' runs is said before the DiT is built
         pipe._lora.resolve(pipe.loras, sources)
         pe = check_pe_file(sources, pipe.variant)
-        for kind, component in {**opened, **({"pe": pe} if pe is not None else {})}.items():
-            pipe.files.opened(kind, component.files)  # what the variant, the configs and the checks were read from
+        # The files the variant, the configs and the checks were read from: the ones every run must read.
+        for kind, component in opened.items():
+            pipe.files.opened(kind, component.files)
+        if pe is not None:
+            pipe.files.opened("pe", pe.files)
         return pipe
 
     def with_loras(self, loras, mode: Optional[str] = None):
@@ -375,7 +378,7 @@ class LocalPipe:
 
     def _enhance_alone(self, request: GenerationRequest, host: Host):
         self._phase = "setup"
-        self._refuse_changed_files()
+        self.files.check()  # a changed file refused before anything is read (the caller releases the pipe)
         room = self.device_bytes_needed(request, phases=("pe",))
         if room:
             host.make_room(room, self.device)
