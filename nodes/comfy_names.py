@@ -39,6 +39,8 @@ NAMES: dict[str, str] = {
     MASK_OF_ITS_SIZE: f"{MASK_OF_ITS_SIZE} (the MASK of the same Load Image, or Upscale Image on both)",
     LOCAL_PIPE: "a local ERNIE-Image Loader",
     TOKENIZER_FOLDER: "",  # the Loader takes no tokenizer of its own
+    # A model file changed under the Loader's pipe (runtime/local/loaded_files.py): the Loader's IS_CHANGED sees it.
+    "LocalPipe.load": "queue the prompt again: the Loader reloads changed files",
 }
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..runtime.core.errors import InvalidInputError
+from ..runtime.core.errors import ErnieImageError, InvalidInputError
 from ..runtime.core.variant import override_notice
 from . import comfy_env
 from .comfy_env import GGUF_FOLDER_KEY, NONE_CHOICE
@@ -110,6 +110,21 @@ class ErnieImageLoader:
                 "quant_config": (QUANT_TYPE, {"tooltip": "Optional: an ERNIE-Image Quant Config node choosing the weight format. Default: bf16 or the file's own format."}),
             },
         }
+
+    @classmethod
+    def IS_CHANGED(cls, diffusers_folder: str, diffusion_model: str, text_encoder: str, vae: str, prompt_enhancer: str,
+                   **_: Any) -> str:
+        """ComfyUI runs the Loader again, dropping its cached pipe, when this value changes between two prompts: the
+        identities of every file the Loader reads (a diffusers folder's too), so a model file replaced, rewritten or
+        cut is loaded again and the Loader's text says what the new file is. Choices that name no file: the load
+        says so."""
+        from ..runtime.files.identity import fingerprint
+
+        try:
+            sources = build_sources(diffusers_folder, diffusion_model, text_encoder, vae, prompt_enhancer, "auto")
+        except ErnieImageError as error:
+            return f"not loadable: {error}"
+        return fingerprint((sources.model_dir, sources.dit, sources.text_encoder, sources.vae, sources.pe))
 
     @speaks_comfy
     def load(self, diffusers_folder: str, diffusion_model: str, text_encoder: str, vae: str, prompt_enhancer: str,

@@ -343,6 +343,44 @@ async def test_keep_loaded_off_frees_weights_after_the_run(comfy: Comfy) -> None
     assert memory["pipes"] and not any(p["loaded"] for p in memory["pipes"] if p["kind"] == "local")
 
 
+def loader_text(run: Any, graph: dict[str, Any]) -> str:
+    """The text the Loader showed in this run (a cached Loader's too: ComfyUI sends its cached text again)."""
+    loader_id = node_of(graph, "ErnieImageLoader")[0]
+    return next(m["output"]["text"][0] for m in run.of_type("executed") if m["node"] == loader_id)
+
+
+def loader_ran(run: Any, graph: dict[str, Any]) -> bool:
+    """Whether ComfyUI ran the Loader in this run rather than taking its pipe from the cache."""
+    cached = [node for message in run.of_type("execution_cached") for node in message["nodes"]]
+    return node_of(graph, "ErnieImageLoader")[0] not in cached
+
+
+async def test_a_model_file_replaced_between_prompts_is_loaded_again_and_the_loader_says_what_it_is(
+        comfy: Comfy, tmp_path: Path) -> None:
+    """The Loader's fingerprint of its files (IS_CHANGED) makes ComfyUI run it again when a file changed, never
+    reusing the cached pipe of the old file; the same files keep it cached."""
+    import os
+    import shutil
+
+    graph = shrunk(api_workflow("ernie_image_turbo_local"))
+    dit = comfy.models["ernie-image-turbo.safetensors"]
+    original = shutil.copyfile(dit, tmp_path / "turbo.safetensors")
+    run = await run_prompt(comfy, graph)
+    assert run.outcome == "execution_success", run.error
+    again = await run_prompt(comfy, graph)
+    assert again.outcome == "execution_success" and not loader_ran(again, graph)  # the same files: cached
+    try:
+        os.replace(shutil.copyfile(comfy.models["ernie-image.safetensors"], tmp_path / "base.safetensors"), dit)
+        run = await run_prompt(comfy, graph)
+        assert run.outcome == "execution_success" and loader_ran(run, graph), run.error
+        assert loader_text(run, graph).startswith("ERNIE-Image Base, from the file's metadata;"), loader_text(run, graph)
+    finally:
+        os.replace(original, dit)
+    run = await run_prompt(comfy, graph)
+    assert run.outcome == "execution_success" and loader_ran(run, graph), run.error
+    assert loader_text(run, graph).startswith("ERNIE-Image Turbo, from the file's metadata;"), loader_text(run, graph)
+
+
 async def test_remote_test_connection_route(comfy: Comfy) -> None:
     from fake_sglang import FakeSglang
 

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from ernie_image.runtime.cli.commands import main
 
@@ -87,3 +88,152 @@ def test_a_damaged_demo_cache_says_delete_it_and_it_is_rebuilt(capsys, tmp_path,
     line = _cli(capsys, "generate", "--device", "cpu", "--out", str(tmp_path / "x.png"))
     assert line.startswith(f"error: the demo model in {cached} is damaged (") and says in line, line
     assert line.endswith("delete that folder and run again: it is rebuilt"), line
+
+
+def test_each_part_given_as_the_file_inside_its_folder_is_built_from_the_config_beside_it(tiny_turbo_folder):
+    """--dit/--text-encoder/--vae naming the weights inside a diffusers folder's transformer/, text_encoder/ and vae/:
+    each part is built from its own config.json there (the tiny VAE's norm groups and the tiny text encoder's
+    width are in no released config), and the image is the folder's."""
+    from ernie_image.runtime.core.host import NullHost
+    from ernie_image.runtime.core.request import GenerationRequest
+    from ernie_image.runtime.formats.sources import ModelSources
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
+
+    files = ModelSources(dit=tiny_turbo_folder / "transformer" / "diffusion_pytorch_model.safetensors",
+                         text_encoder=tiny_turbo_folder / "text_encoder" / "model.safetensors",
+                         vae=tiny_turbo_folder / "vae" / "diffusion_pytorch_model.safetensors",
+                         tokenizer=tiny_turbo_folder / "tokenizer")
+    request = GenerationRequest(prompt="a fox", width=256, height=256, steps=1, seed=3)
+    options = LoadOptions(device="cpu")
+    from_files = LocalPipe.load(files, options).generate(request, NullHost()).images
+    folder = ModelSources(model_dir=tiny_turbo_folder)
+    from_folder = LocalPipe.load(folder, options).generate(request, NullHost()).images
+    assert torch.equal(from_files, from_folder)
+
+
+# ------------------------------------------------------------------------------------------- config against weights
+def _setting(key: str, value):
+    def change(config: Path) -> None:
+        values = json.loads(config.read_text())
+        section = values.get("text_config", values)
+        if value is None:
+            section.pop(key)
+        else:
+            section[key] = value
+        config.write_text(json.dumps(values))
+    return change
+
+
+def _emptied(config: Path) -> None:
+    config.write_text("{}")
+
+
+# The tiny model: DiT 2 layers of width 64 (2 heads of 32), MLP 128; text encoder 4 layers of width 48, MLP 96;
+# VAE channels [8, 16, 16, 32], one resnet a block (two in the decoder's).
+MISFITS = [
+    ("transformer", _setting("num_layers", 1), "says num_layers 1 but the weights hold 2 layers"),
+    ("transformer", _setting("num_layers", 3), "says num_layers 3 but the weights hold 2 layers"),
+    ("transformer", _setting("hidden_size", 128), "says hidden_size 128 but the weights hold 64 (x_embedder.proj"),
+    ("transformer", _setting("ffn_hidden_size", 64), "says ffn_hidden_size 64 but the weights hold 128 ("),
+    ("transformer", _setting("num_layers", None), "has no num_layers, and the weights hold 2 layers"),
+    ("transformer", _emptied, "has no hidden_size, and the weights hold 64 (x_embedder.proj"),
+    ("text_encoder", _setting("num_hidden_layers", 3), "says text_config.num_hidden_layers 3 but the weights hold 4 "
+                                                       "layers"),
+    ("text_encoder", _setting("intermediate_size", 48), "says text_config.intermediate_size 48 but the weights hold "
+                                                        "96 ("),
+    ("text_encoder", _setting("hidden_size", None), "has no text_config.hidden_size, and the weights hold 48 ("),
+    ("text_encoder", _emptied, "has no hidden_size, and the weights hold 48 ("),
+    ("vae", _setting("block_out_channels", [8, 16, 32, 32]), "says block_out_channels [8, 16, 32, 32] but the weights "
+                                                             "hold [8, 16, 16, 32]"),
+    ("vae", _setting("layers_per_block", 2), "says layers_per_block 2 but the weights hold 1"),
+    ("vae", _setting("latent_channels", 16), "says latent_channels 16 but the weights hold 32"),
+    ("vae", _emptied, "has no block_out_channels, and the weights hold [8, 16, 16, 32]"),
+]
+MISFIT_IDS = [f"{component} {says.split(' but')[0].split(',')[0]}" for component, _, says in MISFITS]
+
+
+@pytest.mark.parametrize("component, change, says", MISFITS, ids=MISFIT_IDS)
+def test_a_config_that_does_not_fit_the_weights_is_named_with_the_field_and_what_the_weights_hold(
+        capsys, tmp_path, model, component, change, says):
+    config = model / component / "config.json"
+    change(config)
+    out = tmp_path / "x.png"
+    line = _cli(capsys, "generate", "--model-dir", str(model), "--steps", "1", "--device", "cpu", "--out", str(out))
+    assert line.startswith(f"error: {config} {says}") and line.endswith(": fix or delete the config"), line
+    assert not out.exists()
+
+
+def test_a_config_embedded_in_a_single_file_that_does_not_fit_is_named_with_the_fix_re_export(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ernie_image.runtime.core.errors import ModelFileError
+    from ernie_image.runtime.demo.tiny import build_tiny_model
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
+
+    sources = build_tiny_model(tmp_path / "comfy", layout="comfy", variant="turbo")
+    with safe_open(str(sources.text_encoder), "pt") as handle:
+        tensors, metadata = {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata()
+    config = json.loads(metadata["config"])
+    config["num_hidden_layers"] = 2
+    save_file(tensors, str(sources.text_encoder), metadata={**metadata, "config": json.dumps(config)})
+    with pytest.raises(ModelFileError) as refused:
+        LocalPipe.load(sources, LoadOptions(device="cpu"))
+    assert str(refused.value) == (f"the config in {sources.text_encoder.name}'s metadata says num_hidden_layers 2 but "
+                                  "the weights hold 4 layers: re-export the file")
+
+
+def test_a_prompt_enhancer_config_that_does_not_fit_is_refused_at_load(capsys, tmp_path, tiny_turbo_with_pe):
+    model = Path(shutil.copytree(tiny_turbo_with_pe, tmp_path / "model"))
+    config = model / "pe" / "config.json"
+    _setting("num_hidden_layers", 2)(config)
+    line = _cli(capsys, "generate", "--model-dir", str(model), "--steps", "1", "--device", "cpu",
+                "--out", str(tmp_path / "x.png"))
+    assert line == f"error: {config} says num_hidden_layers 2 but the weights hold 4 layers: fix or delete the config"
+
+
+def sparse_safetensors(path: Path, shapes: dict[str, tuple[int, ...]]) -> Path:
+    """A bf16 safetensors file of these shapes whose data is a hole (no disk used): only its header is ever read."""
+    header, offset = {}, 0
+    for key, shape in shapes.items():
+        size = 2 * int(torch.tensor(shape).prod()) if shape else 2
+        header[key] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as handle:
+        handle.write(len(text).to_bytes(8, "little") + text)
+        handle.truncate(8 + len(text) + offset)
+    return path
+
+
+@pytest.mark.parametrize("groups, refused", [(32, False), (16, True)])
+def test_a_field_the_weights_cannot_show_must_be_the_released_ones_when_the_weights_are_the_released_vaes(
+        tmp_path, tiny_turbo_folder, groups, refused):
+    """GroupNorm's group count is in no tensor's shape: beside the released FLUX.2 VAE's weights, a config with
+    another count is refused (any count dividing the channels would build and run, to another picture)."""
+    from diffusers import AutoencoderKLFlux2
+
+    from ernie_image.runtime.core.errors import ModelFileError
+    from ernie_image.runtime.formats.config_json import load_config
+    from ernie_image.runtime.formats.sources import ModelSources
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
+
+    released = {key: value for key, value in load_config("turbo", "vae").items() if key != "force_upcast"}
+    with torch.device("meta"):
+        shapes = {key: tuple(t.shape) for key, t in AutoencoderKLFlux2.from_config(released).state_dict().items()}
+    vae = tmp_path / "vae"
+    vae.mkdir()
+    sparse_safetensors(vae / "diffusion_pytorch_model.safetensors", shapes)
+    (vae / "config.json").write_text(json.dumps({**released, "norm_num_groups": groups}))
+    sources = ModelSources(model_dir=tiny_turbo_folder, vae=vae)
+    if not refused:
+        assert LocalPipe.load(sources, LoadOptions(device="cpu")).variant == "turbo"
+        return
+    with pytest.raises(ModelFileError) as refusal:
+        LocalPipe.load(sources, LoadOptions(device="cpu"))
+    assert str(refusal.value) == (f"{vae / 'config.json'} says norm_num_groups 16 but the weights are the released "
+                                  "ERNIE-Image VAE's, whose norm_num_groups is 32: fix or delete the config")

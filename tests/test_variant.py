@@ -274,3 +274,38 @@ def test_the_variant_widget_keeps_its_place_in_saved_workflows():
     """UI workflows save widget values by position: the variant widget stays between prompt_enhancer and the budget."""
     names = list(ErnieImageLoader.INPUT_TYPES()["required"])
     assert names.index("variant") == names.index("prompt_enhancer") + 1 == names.index("vram_budget_gb") - 1
+
+
+# ------------------------------------------------------------------------------------------- a file in its folder
+def folder_files(folder: Path) -> ModelSources:
+    """Each part of a diffusers folder given as the single file inside its component folder (--dit
+    /m/transformer/diffusion_pytorch_model.safetensors, ...), the folder itself not given."""
+    return ModelSources(dit=folder / "transformer" / "diffusion_pytorch_model.safetensors",
+                        text_encoder=folder / "text_encoder" / "model.safetensors",
+                        vae=folder / "vae" / "diffusion_pytorch_model.safetensors", tokenizer=folder / "tokenizer")
+
+
+@pytest.mark.parametrize("variant", ["turbo", "base"])
+def test_a_dit_file_inside_a_diffusers_folder_is_told_by_the_config_beside_it(tmp_path, variant):
+    folder = build_tiny_model(tmp_path / "m", layout="diffusers", variant=variant).model_dir
+    label = "Turbo" if variant == "turbo" else "Base"
+    assert first_line(folder_files(folder)).startswith(f"ERNIE-Image {label}, from the transformer config;")
+    alone = ModelSources(model_dir=folder, dit=folder / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert first_line(alone).startswith(f"ERNIE-Image {label}, from the transformer config;")
+
+
+def test_quantize_reads_the_config_beside_a_dit_file_inside_a_diffusers_folder(capsys, tmp_path, tiny_turbo_folder):
+    out = tmp_path / "q.gguf"
+    code, printed, err = _quantize(capsys, "--dit", str(tiny_turbo_folder / "transformer" /
+                                                         "diffusion_pytorch_model.safetensors"),
+                                   "--format", "q8_0", "--out", str(out))
+    assert code == 0 and printed.rstrip().endswith("; recorded as Turbo, from the transformer config"), err
+
+
+@pytest.mark.parametrize("other", ["text_encoder", "vae"])
+def test_a_config_beside_a_dit_file_that_is_another_parts_is_not_read_as_its_config(tmp_path, tiny_turbo_folder, other):
+    dit = without_metadata(tiny_turbo_folder / "transformer" / "diffusion_pytorch_model.safetensors",
+                           tmp_path / "models" / "weights.safetensors")
+    shutil.copyfile(tiny_turbo_folder / other / "config.json", dit.parent / "config.json")
+    sources = ModelSources(model_dir=tiny_turbo_folder, dit=dit)
+    assert first_line(sources).startswith("ERNIE-Image Base, by default: nothing in the files says which")

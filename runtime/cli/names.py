@@ -50,6 +50,7 @@ FLAGS: dict[str, str] = {
     KEYS_FILE: f"{KEYS_FILE} (or --api-key-env / --api-key-file; --pe-api-key-env / --pe-api-key-file for a PE URL)",
     **{own_settings(variant): f"--steps {int(own['steps'])} --cfg {own['cfg']:g}"
        for variant, own in VARIANT_DEFAULTS.items()},
+    "LocalPipe.load": "run the command again",  # a model file changed under the run (local/loaded_files.py)
 }
 
 

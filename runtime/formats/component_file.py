@@ -22,7 +22,8 @@ from typing import Callable, Literal, Optional
 import torch
 
 from ..core.errors import ErnieImageError, ModelFileError, one_line
-from .config_json import read_config
+from ..files.identity import FileIdentity
+from .config_json import describes_part, read_config
 from .detect import Identity, identify, sample_keys, text_model_role
 from .safetensors_reader import SafetensorsFile, is_gguf, open_safetensors
 from .vae_keys import bfl_to_diffusers, config_from_shapes, num_up_blocks_bfl
@@ -67,6 +68,8 @@ class ComponentFile:
     metadata: dict[str, str] = field(default_factory=dict)
     quantized: bool = False  # tensors may be runtime.quant.QuantizedWeight (build through runtime/quant)
     _releasers: dict[str, Callable[[], None]] = field(repr=False, default_factory=dict)
+    config_file: Optional[Path] = None  # the config.json `config` was read from (None: metadata, inferred or none)
+    files: tuple[FileIdentity, ...] = ()  # every file read, as opened: weights and config.json (files/identity.py)
 
     def tensor(self, key: str) -> torch.Tensor:
         try:
@@ -104,12 +107,14 @@ def open_component(path: Path, kind: Kind) -> ComponentFile:
     identity = identify(shapes)
     _check_kind(identity, kind, path, shapes)
     loaders, bfl, releasers = _canonical_loaders(kind, identity, owner)
-    config = _read_config(path, metadata)
+    config, config_file = _read_config(path, kind, metadata)
     if kind == "vae" and config is None:
         config = config_from_shapes(_decoder_shapes(loaders), _released_vae_config())
     layout = "diffusers-folder" if path.is_dir() else ("single-file-bfl" if bfl else "single-file")
+    files = tuple(reader.identity for reader in readers) + _identities(config_file)
     return ComponentFile(kind=kind, layout=layout, path=path, config=config, keys=sorted(loaders),
-                         _loaders=loaders, metadata=metadata, _releasers=releasers)
+                         _loaders=loaders, metadata=metadata, _releasers=releasers, config_file=config_file,
+                         files=files)
 
 
 def _check_text_role(identity: Identity, kind: str, path: Path, shapes: dict) -> None:
@@ -235,6 +240,7 @@ def _open_quantized(path: Path, kind: str, layout: str, metadata: Optional[dict[
         raise ModelFileError(f"{path.name} is a quantised file, but the VAE is only read in bf16/fp32: "
                              f"{WHAT_TO_PICK['vae']}")
     try:
+        identity = FileIdentity.of(path)  # before its reader maps it
         if kind == "dit":
             state = load_quantized_state_dict(path, "dit")
         else:
@@ -265,13 +271,22 @@ def _open_quantized(path: Path, kind: str, layout: str, metadata: Optional[dict[
         if name.startswith(SKIPPED[kind]) and not (kind == "pe" and name == "lm_head.weight"):
             continue
         loaders[name] = (lambda value=entry: value)
-    return ComponentFile(kind=kind, layout=layout, path=path, config=None, keys=sorted(loaders), _loaders=loaders,
-                         metadata=metadata or {}, quantized=True)
+    config, config_file = _read_config(path, kind, {})
+    return ComponentFile(kind=kind, layout=layout, path=path, config=config, keys=sorted(loaders), _loaders=loaders,
+                         metadata=metadata or {}, quantized=True, config_file=config_file,
+                         files=(identity, *_identities(config_file)))
 
 
-def _read_config(path: Path, metadata: dict[str, str]) -> Optional[dict]:
+def _identities(config_file: Optional[Path]) -> tuple[FileIdentity, ...]:
+    return (FileIdentity.of(config_file),) if config_file is not None else ()
+
+
+def _read_config(path: Path, kind: str, metadata: dict[str, str]) -> tuple[Optional[dict], Optional[Path]]:
+    """The part's config and the config.json it came from: a folder's config.json, else one embedded in the file's
+    metadata, else (a single file inside a diffusers component folder) the config.json beside the file when it is
+    this part's config; (None, None) when there is none."""
     if path.is_dir() and (path / "config.json").exists():
-        return read_config(path / "config.json")
+        return read_config(path / "config.json"), path / "config.json"
     if "config" in metadata:
         try:
             config = json.loads(metadata["config"])
@@ -279,5 +294,10 @@ def _read_config(path: Path, metadata: dict[str, str]) -> Optional[dict]:
             config = None
         if not isinstance(config, dict):
             raise ModelFileError(f"{path.name} carries an unreadable 'config' in its metadata: re-export the file")
-        return config
-    return None
+        return config, None
+    beside = path.parent / "config.json"
+    if path.is_file() and beside.is_file():
+        config = read_config(beside)
+        if describes_part(config, kind):
+            return config, beside
+    return None, None

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 from ..core.errors import ErnieImageError, ModelFileError, one_line
 from ..core.variant import Variant
+from ..files.cut_files import empty_file
 
 CONFIG_ROOT = Path(__file__).parent / "configs"
 CONFIG_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError)
@@ -29,7 +30,10 @@ def read_config(path: Path) -> dict[str, Any]:
     """The JSON object in `path` (config.json, generation_config.json)."""
     path = Path(path)
     try:
-        config = json.loads(path.read_bytes().decode("utf-8"))
+        data = path.read_bytes()
+        if not data:
+            raise ModelFileError(empty_file(str(path), "JSON"))
+        config = json.loads(data.decode("utf-8"))
     except OSError as error:
         raise ModelFileError(f"{path} cannot be read ({error.strerror or error}): check its permissions, or "
                              "re-download it") from None
@@ -42,11 +46,38 @@ def read_config(path: Path) -> dict[str, Any]:
     return config
 
 
+# What names a part's config: the classes diffusers/transformers write into it (`_class_name`, `architectures`,
+# `model_type`), or, in a config that names none, the fields only that part's config has.
+PART_CLASSES: dict[str, tuple[str, ...]] = {
+    "dit": ("ErnieImageTransformer2DModel",),
+    "vae": ("AutoencoderKLFlux2",),
+    "text_encoder": ("Mistral3Model", "Mistral3ForConditionalGeneration", "mistral3"),
+    "pe": ("Ministral3ForCausalLM", "ministral3"),
+}
+PART_FIELDS: dict[str, tuple[str, ...]] = {
+    "dit": ("num_layers", "hidden_size", "text_in_dim"),
+    "vae": ("block_out_channels", "latent_channels"),
+    "text_encoder": ("text_config",),
+    "pe": ("num_hidden_layers", "hidden_size", "vocab_size"),
+}
+
+
+def describes_part(config: dict[str, Any], kind: str) -> bool:
+    """Whether `config` is the config of part `kind` ("dit", "text_encoder", "vae", "pe"): the class it names is
+    that part's, or it names none and has that part's fields."""
+    named = [config.get("_class_name"), config.get("model_type"), *(config.get("architectures") or [])]
+    named = [name for name in named if isinstance(name, str)]
+    if named:
+        return any(name in PART_CLASSES[kind] for name in named)
+    return all(name in config for name in PART_FIELDS[kind])
+
+
 def config_origin(component) -> tuple[str, str]:
     """Where a component's config came from, and how to restore it: (its name in a message, the fix)."""
     path = Path(component.path)
-    if path.is_dir() and (path / "config.json").exists():
-        return str(path / "config.json"), "re-download it"
+    config_file = getattr(component, "config_file", None)
+    if config_file is not None:
+        return str(config_file), "re-download it"
     if "config" in getattr(component, "metadata", {}):
         return f"the config in {path.name}'s metadata", "re-download the file"
     return f"the config inferred for {path} (it has no config.json)", "put the model's config.json there"

@@ -18,6 +18,8 @@ from typing import Iterator, Optional
 import torch
 
 from ..core.errors import ModelFileError
+from ..files.cut_files import REDOWNLOAD, cut_in_data, cut_in_header, empty_file
+from ..files.identity import FileIdentity
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -31,7 +33,6 @@ for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 GGUF_MAGIC = b"GGUF"
 PICKLE_MAGICS = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
-REDOWNLOAD = "the file is damaged or was not fully downloaded: download it again"
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,9 @@ class SafetensorsFile:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.size = self.path.stat().st_size
         with open(self.path, "rb") as handle:
+            self.identity = FileIdentity.of_open(self.path, handle)  # the version of the file mapped here
+            self.size = self.identity.size
             self.infos, self.metadata = _read_header(handle, self.path, self.size)
             self._mapping: Optional[mmap.mmap] = (
                 mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) if self.size else None
@@ -100,9 +102,13 @@ class SafetensorsFile:
 
 
 def is_gguf(path: Path) -> bool:
-    """The file starts with GGUF's magic bytes (whatever its name says)."""
+    """The file starts with GGUF's magic bytes (whatever its name says); one too short to hold them is told by its
+    name, so an empty or cut .gguf file is named as the GGUF file it was meant to be."""
     with open(path, "rb") as handle:
-        return handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+        start = handle.read(len(GGUF_MAGIC))
+    if len(start) < len(GGUF_MAGIC):
+        return Path(path).suffix.lower() == ".gguf"
+    return start == GGUF_MAGIC
 
 
 def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -114,16 +120,16 @@ def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], 
             f"{path.name} is a PyTorch pickle checkpoint, which this pack never loads (pickles can run code): "
             f"use the .safetensors release of the model"
         )
+    if not start:
+        raise ModelFileError(empty_file(path.name, "safetensors"))
     if len(start) < 8:
-        raise ModelFileError(f"{path.name} is only {size} bytes, too short for a safetensors file: {REDOWNLOAD}")
+        raise ModelFileError(cut_in_header(path.name, "safetensors", size))
     header_len = int.from_bytes(start, "little")
     if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
         if header_len > MAX_HEADER_BYTES:
             raise ModelFileError(f"{path.name} is not a safetensors file (its first bytes are not a safetensors "
                                  f"header): pick the .safetensors file itself")
-        raise ModelFileError(
-            f"{path.name} is cut inside its header ({size} bytes, header needs {8 + header_len}): {REDOWNLOAD}"
-        )
+        raise ModelFileError(cut_in_header(path.name, "safetensors", size, 8 + header_len))
     try:
         header = json.loads(handle.read(header_len).decode("utf-8"))
         if not isinstance(header, dict):
@@ -156,10 +162,7 @@ def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], 
         infos[key] = TensorInfo(dtype, shape, data_start + int(begin), data_start + int(end))
         data_end = max(data_end, data_start + int(end))
     if data_end > size:
-        raise ModelFileError(
-            f"{path.name} is truncated: its header describes {data_end} bytes but the file has {size} "
-            f"({100 * size / data_end:.0f}%): {REDOWNLOAD}"
-        )
+        raise ModelFileError(cut_in_data(path.name, "safetensors", data_end, size))
     _check_coverage(infos, data_start, size, path)
     return infos, {str(k): str(v) for k, v in metadata.items()}
 

@@ -133,9 +133,13 @@ def check_configs_build(opened: dict[str, Any], variant: Variant) -> None:
         check_config_builds(component, kind, variant)
 
 
-def check_pe_file(sources: ModelSources) -> None:
-    """A text encoder given as the prompt enhancer is refused at load, not when the PE first runs."""
-    if sources.has_pe():
-        from ..text.pe_model import locate_pe, open_pe_component
+def check_pe_file(sources: ModelSources, variant: Variant) -> Any:
+    """The prompt enhancer's file opened (headers only), or None without one: a text encoder given as the prompt
+    enhancer, or a PE config that does not fit its weights, is refused at load, not when the PE first runs."""
+    if not sources.has_pe():
+        return None
+    from ..text.pe_model import check_pe_config, locate_pe, open_pe_component
 
-        open_pe_component(locate_pe(sources))
+    component = open_pe_component(locate_pe(sources))
+    check_pe_config(component, variant)
+    return component

@@ -21,6 +21,7 @@ from ..model.fill import QUANT_ON_LOAD_FORMATS
 from ..offload.reserve import device_bytes_held
 from .checks import dit_weight_format, file_weight_format
 from .compile_policy import CompilePolicy, DitWork
+from .loaded_files import LoadedFiles
 from .loras import PipeLoras
 from .memory import PipeMemory
 from .options import LoadOptions
@@ -48,11 +49,16 @@ def choose_auto_quant(options: LoadOptions, device: torch.device) -> Optional[tu
     return choose_auto(detect_device(device), budget)
 
 
+# The part each kind of ComponentFile is, in ModelSources.component's words.
+COMPONENTS = {"dit": "transformer", "text_encoder": "text_encoder", "vae": "vae"}
+
+
 class PipeParts:
     def __init__(self, sources: ModelSources, options: LoadOptions, variant: Variant, device: torch.device,
                  dtype: torch.dtype, memory: PipeMemory, lora: PipeLoras,
-                 auto_quant: Optional[tuple[str, str]]) -> None:
+                 auto_quant: Optional[tuple[str, str]], files: LoadedFiles) -> None:
         self.sources = sources
+        self.files = files  # each part's files as first opened: checked before a phase reads them again
         self.options = options
         self.variant = variant
         self.device = device
@@ -129,10 +135,17 @@ class PipeParts:
             self.tokenizer = load_tokenizer(self.sources)
         return self.tokenizer
 
+    def _open(self, kind: str):
+        """The part's file opened again, refused where it is not the file the pipe first opened (loaded_files.py)."""
+        component = open_component(self.sources.component(COMPONENTS[kind]), kind)
+        self.files.opened(kind, component.files)
+        return component
+
     @built_outside_inference_mode
     def load_text_tower(self):
+        self.files.check(("text_encoder",))
         if self.text_tower is None:
-            component = open_component(self.sources.component("text_encoder"), "text_encoder")
+            component = self._open("text_encoder")
             tower = build_text_tower(component, self.memory.build_device(), self.dtype, self.variant)
             self.text_tower = self.memory.place_text(tower)
         return self.text_tower
@@ -140,8 +153,9 @@ class PipeParts:
     @built_outside_inference_mode
     def load_dit(self):
         """The DiT, placed by the plan and carrying the job's LoRAs."""
+        self.files.check(("dit",))
         if self.dit is None:
-            component = open_component(self.sources.component("transformer"), "dit")
+            component = self._open("dit")
             dit = build_dit(component, self.memory.build_device(), self.dtype, quant=self._quant_on_load(component),
                             quant_device=self.device, arithmetic=self.options.arithmetic)
             if self.device.type == "cuda":
@@ -181,20 +195,23 @@ class PipeParts:
 
     @built_outside_inference_mode
     def load_vae(self):
+        self.files.check(("vae",))
         if self.vae is None:
-            component = open_component(self.sources.component("vae"), "vae")
+            component = self._open("vae")
             self.vae = build_vae(component, self.device, self._vae_dtype())
         return self.vae
 
     @built_outside_inference_mode
     def load_vae_encoder(self):
+        self.files.check(("vae",))
         if self.vae_encoder is None:
-            component = open_component(self.sources.component("vae"), "vae")
+            component = self._open("vae")
             self.vae_encoder = build_vae(component, self.device, self._vae_dtype(), part="encoder")
         return self.vae_encoder
 
     def load_enhancer(self, host: Host, placed: bool):
         """The local prompt enhancer; `placed`: built on the host for the memory plan to place (PipeMemory.place_pe)."""
+        self.files.check(("pe",))
         if self.enhancer is None:
             from ..text.enhancer import LocalEnhancer
 

@@ -35,6 +35,7 @@ from ..text.encoder import encode_prompts
 from .checks import (check_configs_build, check_finite_latents, check_pe_file, checked_load_arguments,
                      notice_empty_prompts, open_checked_parts)
 from .description import describe_pipe
+from .loaded_files import LoadedFiles
 from .loras import PipeLoras
 from .memory import PipeMemory, plans_pe
 from .options import LoadOptions, resolve_device, resolve_dtype
@@ -64,8 +65,9 @@ class LocalPipe:
         auto_quant = choose_auto_quant(options, self.device)
         planned_quant = auto_quant[0] if auto_quant is not None else options.quant
         self.memory = PipeMemory(self.device, self.dtype, options.vram_budget_gb, planned_quant)
+        self.files = LoadedFiles()  # the files the parts are read from, as first opened (loaded_files.py)
         self.parts = PipeParts(sources, options, self.variant, self.device, self.dtype, self.memory, self._lora,
-                               auto_quant)
+                               auto_quant, self.files)
         # Through a weak reference: a pipe dropped by its last owner (ComfyUI evicting its node cache) must be freed
         # at once by reference counting, with its pinned slabs, not at some later garbage collection.
         this = weakref.ref(self)
@@ -93,7 +95,12 @@ class LocalPipe:
         check_configs_build(opened, pipe.variant)  # on the meta device: a bad config.json fails now
         pipe.parts.note_dit_file(opened["dit"])  # what 'auto' runs is said before the DiT is built
         pipe._lora.resolve(pipe.loras, sources)
-        check_pe_file(sources)
+        pe = check_pe_file(sources, pipe.variant)
+        # The files the variant, the configs and the checks were read from: the ones every run must read.
+        for kind, component in opened.items():
+            pipe.files.opened(kind, component.files)
+        if pe is not None:
+            pipe.files.opened("pe", pe.files)
         return pipe
 
     def with_loras(self, loras, mode: Optional[str] = None):
@@ -225,8 +232,18 @@ class LocalPipe:
         request = request.with_defaults(self.variant)
         request.validate()
         with self._running:  # one job at a time on the loaded model (its views share it, with their own LoRAs)
+            self._refuse_changed_files()
             self._lora.prepare(loras, self.sources, host, self.memory)
             return self._releasing_on_error(request, lambda: self._generate(request, host))
+
+    def _refuse_changed_files(self) -> None:
+        """Before a job reads anything: a file the model was loaded from that changed on disk is refused
+        (loaded_files.py), and the pipe lets go of all it holds (its weights may be views of that file)."""
+        try:
+            self.files.check()
+        except ModelFileError:
+            self.release()
+            raise
 
     def _releasing_on_error(self, request: GenerationRequest, job):
         try:
@@ -367,6 +384,7 @@ class LocalPipe:
 
     def _enhance_alone(self, request: GenerationRequest, host: Host):
         self._phase = "setup"
+        self.files.check()  # a changed file refused before anything is read (the caller releases the pipe)
         room = self.device_bytes_needed(request, phases=("pe",))
         if room:
             host.make_room(room, self.device)

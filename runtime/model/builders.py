@@ -14,6 +14,7 @@ from ..core.errors import ModelFileError
 from ..core.variant import Variant
 from ..formats.config_json import config_named, load_config
 from .arithmetic import ArithmeticName
+from .config_fit import check_built_shapes, check_config_fits
 from .fill import fill_from_file
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ def vae_on_meta(component) -> torch.nn.Module:
     from diffusers import AutoencoderKLFlux2
 
     with config_named(component, "VAE"):
-        config = component.config or load_config("base", "vae")
+        config = component.config if component.config is not None else load_config("base", "vae")
         # Keys the class does not take (force_upcast: a pipeline's setting) would print a warning at every build.
         accepted = inspect.signature(AutoencoderKLFlux2.__init__).parameters
         config = {k: v for k, v in config.items() if k in accepted}
@@ -144,6 +145,9 @@ def vae_on_meta(component) -> torch.nn.Module:
 
 
 def check_config_builds(component, kind: str, variant: Variant = "base") -> None:
-    """Build the part `component`'s config describes on the meta device and drop it: a config that does not build
-    its part (wrong types, values out of range) fails at load in one line, before any work."""
-    {"dit": dit_on_meta, "text_encoder": lambda c: text_tower_on_meta(c, variant), "vae": vae_on_meta}[kind](component)
+    """The config held against the weights' shapes (config_fit.py), then the part it describes built on the meta
+    device and dropped: a config that does not fit the weights or does not build its part (wrong types, values out
+    of range) fails at load in one line naming the config, before any work."""
+    check_config_fits(component, kind, variant)
+    build = {"dit": dit_on_meta, "text_encoder": lambda c: text_tower_on_meta(c, variant), "vae": vae_on_meta}[kind]
+    check_built_shapes(component, build(component))

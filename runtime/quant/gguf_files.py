@@ -13,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..core.errors import ModelFileError
+from ..core.errors import ModelFileError, one_line
+from ..files.cut_files import REDOWNLOAD
 from .gguf_blocks import BLOCK_GEOMETRY, FLOAT_TYPES
+from .gguf_layout import check_whole_gguf
 from .qweight import QuantizedWeight
 
 DIT_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.")
@@ -25,9 +27,10 @@ PACK_FIELD_PREFIX = "ernie_image."
 def _open_reader(path: Path):
     import gguf
     try:
+        check_whole_gguf(path)  # an empty or cut file named as such, before gguf's reader trips over it
         return gguf.GGUFReader(str(path), "r")
-    except (ValueError, OSError, KeyError) as err:
-        raise ModelFileError(f"{path.name} is not a readable GGUF file ({err}); re-download it") from err
+    except (ValueError, OSError, KeyError, IndexError) as err:
+        raise ModelFileError(f"{path.name} is not a readable GGUF file ({one_line(err)}): {REDOWNLOAD}") from None
 
 
 def _field_str(reader, key: str) -> str | None:

@@ -23,6 +23,7 @@ from ..formats import open_component
 from ..formats.config_json import config_named, load_config, read_config
 from ..formats.sources import ModelSources
 from ..model.builders import rebuild_rotary_tables
+from ..model.config_fit import check_built_shapes, check_config_fits
 from ..model.fill import fill_from_file
 from .token_sampler import TRANSFORMERS_DEFAULT_TOP_K
 
@@ -91,15 +92,28 @@ def pe_weight_bytes(config: dict, dtype: torch.dtype) -> int:
     return count * torch.tensor([], dtype=dtype).element_size()
 
 
-def build_pe_model(component, device: torch.device, dtype: torch.dtype, variant: Variant = "base"):
-    """Ministral3ForCausalLM filled from a "pe" ComponentFile (canonical MistralModel keys)."""
+def pe_on_meta(component, variant: Variant = "base"):
+    """The Ministral3ForCausalLM its config describes, on the meta device: a config that does not build it is named."""
     from transformers import Ministral3Config, Ministral3ForCausalLM
 
     with config_named(component, "prompt enhancer"):
         config = Ministral3Config(**pe_config_for(component, variant))
         config._attn_implementation = "sdpa"
         with torch.device("meta"):
-            model = Ministral3ForCausalLM(config)
+            return Ministral3ForCausalLM(config)
+
+
+def check_pe_config(component, variant: Variant = "base") -> None:
+    """The PE's config held against its weights, then built on the meta device (as model.builders does for the
+    other parts): a config that does not fit or does not build fails at load in one line naming the config."""
+    check_config_fits(component, "pe", variant)
+    check_built_shapes(component, pe_on_meta(component, variant).model)
+
+
+def build_pe_model(component, device: torch.device, dtype: torch.dtype, variant: Variant = "base"):
+    """Ministral3ForCausalLM filled from a "pe" ComponentFile (canonical MistralModel keys)."""
+    model = pe_on_meta(component, variant)
+    config = model.config
     rebuild_rotary_tables(model.model, config, device)
     fill_from_file(model.model, component, device, dtype)
     if config.tie_word_embeddings:

@@ -1,0 +1,216 @@
+"""A part's config held against its weights before the part is built.
+
+A config.json (or a config embedded in a file's metadata) that does not fit the weights beside it would build
+another model than the file holds: fewer layers than the file has run silently with the rest never read; other
+widths fail mid-load blaming the weights. Each field the weights' shapes show (layer counts, widths, channels) must
+be what the config says; a field the config lacks must have a default that fits. Fields no shape shows (GroupNorm's
+group count, the RoPE base) must be the released model's where the weights are the released model's. Any other
+tensor the config would make in another shape is named too. Each refusal is one line naming the config, the field
+and what the weights hold.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..core.errors import ModelFileError
+from ..core.variant import Variant
+from ..formats.config_json import load_config
+from ..formats.vae_keys import config_from_shapes
+
+Shape = Optional[tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A config field the weights show: its value there, and the words saying where ("2 layers")."""
+
+    field: str
+    value: Any
+    evidence: str
+    also: tuple[Any, ...] = ()  # other values a config may give it (a text encoder file may lack its last layer)
+
+
+def _shape_of(component, key: str) -> Shape:
+    return tuple(component.tensor(key).shape) if key in component.keys else None
+
+
+LAYER_FIELDS = {"dit": "num_layers", "text_encoder": "num_hidden_layers", "pe": "num_hidden_layers"}
+
+
+def _dims(component, where: tuple[tuple[str, str, int], ...]) -> list[Seen]:
+    """Fields read off one dimension of one tensor each: (field, key, axis); a tensor the file lacks shows none."""
+    seen = []
+    for field, key, axis in where:
+        shape = _shape_of(component, key)
+        if shape is not None:
+            seen.append(Seen(field, shape[axis], f"{shape[axis]} ({key} is {list(shape)})"))
+    return seen
+
+
+def _layer_count(component, also_one_more: bool = False) -> list[Seen]:
+    """The layer count (`layers.N.`); `also_one_more`: a config may count one layer more than the file holds."""
+    found = {int(m[1]) for key in component.keys if (m := re.match(r"layers\.(\d+)\.", key))}
+    if not found:
+        return []
+    layers = max(found) + 1
+    return [Seen(LAYER_FIELDS[component.kind], layers, f"{layers} layers", (layers + 1,) if also_one_more else ())]
+
+
+def dit_seen(component) -> list[Seen]:
+    seen = _dims(component, (("hidden_size", "x_embedder.proj.weight", 0), ("in_channels", "x_embedder.proj.weight", 1),
+                             ("ffn_hidden_size", "layers.0.mlp.gate_proj.weight", 0),
+                             ("out_channels", "final_linear.weight", 0), ("text_in_dim", "text_proj.weight", 1)))
+    embed = _shape_of(component, "x_embedder.proj.weight")
+    head = _shape_of(component, "layers.0.self_attention.norm_q.weight")
+    if embed is not None and head is not None and head[0] and embed[0] % head[0] == 0:
+        heads = embed[0] // head[0]
+        seen.append(Seen("num_attention_heads", heads, f"{heads} heads of {head[0]} "
+                                                       f"(layers.0.self_attention.norm_q.weight is {list(head)})"))
+    return seen + _layer_count(component)
+
+
+def text_seen(component, whole_file_layers: bool) -> list[Seen]:
+    """The Mistral text model's fields; `whole_file_layers`: False for the text encoder, whose file may lack the
+    last layer (the layer hidden_states[-2] never reads), so its config may count one more."""
+    seen = _dims(component, (("hidden_size", "embed_tokens.weight", 1), ("vocab_size", "embed_tokens.weight", 0),
+                             ("intermediate_size", "layers.0.mlp.gate_proj.weight", 0)))
+    return seen + _layer_count(component, also_one_more=not whole_file_layers)
+
+
+def vae_seen(component) -> list[Seen]:
+    decoder = {key: tuple(component.tensor(key).shape) for key in component.keys if key.startswith("decoder.")}
+    inferred = config_from_shapes(decoder, {})
+    seen = [Seen(field, inferred[field], f"{_shown(inferred[field])} (the decoder's tensors)")
+            for field in ("block_out_channels", "layers_per_block", "latent_channels") if field in inferred]
+    return seen + _dims(component, (("out_channels", "decoder.conv_out.weight", 0),
+                                    ("in_channels", "encoder.conv_in.weight", 1)))
+
+
+def _dit_defaults() -> dict[str, Any]:
+    from .dit import DiTConfig
+
+    return {field.name: field.default for field in dataclasses.fields(DiTConfig)}
+
+
+def _vae_defaults() -> dict[str, Any]:
+    from diffusers import AutoencoderKLFlux2
+
+    parameters = inspect.signature(AutoencoderKLFlux2.__init__).parameters
+    return {name: parameter.default for name, parameter in parameters.items()
+            if parameter.default is not inspect.Parameter.empty}
+
+
+def _text_defaults() -> dict[str, Any]:
+    from transformers import MistralConfig
+
+    return MistralConfig().to_dict()
+
+
+def _pe_defaults() -> dict[str, Any]:
+    from transformers import Ministral3Config
+
+    return Ministral3Config().to_dict()
+
+
+@dataclass(frozen=True)
+class Part:
+    what: str  # the part's name in a message
+    seen: Callable[[Any], list[Seen]]
+    defaults: Callable[[], dict[str, Any]]  # what the part's class takes for a field its config lacks
+    released: Callable[[Variant], dict[str, Any]]
+    unseen: tuple[str, ...]  # fields no shape shows: the released model's, beside the released model's weights
+
+
+PARTS: dict[str, Part] = {
+    "dit": Part("transformer", dit_seen, _dit_defaults, lambda variant: load_config(variant, "transformer"),
+                ("rope_theta", "rope_axes_dim", "eps")),
+    "text_encoder": Part("text encoder", lambda c: text_seen(c, whole_file_layers=False), _text_defaults,
+                         lambda variant: load_config(variant, "text_encoder")["text_config"],
+                         ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps")),
+    "pe": Part("prompt enhancer", lambda c: text_seen(c, whole_file_layers=True), _pe_defaults,
+               lambda variant: load_config(variant, "pe"),
+               ("num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps")),
+    "vae": Part("VAE", vae_seen, _vae_defaults, lambda variant: load_config(variant, "vae"), ("norm_num_groups",)),
+}
+
+
+def _shown(value: Any) -> str:
+    return str(list(value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def _is_size(value: Any) -> bool:
+    """A number or a list of numbers: a value of another type is damage, which building the part names."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return all(isinstance(item, (int, float)) and not isinstance(item, bool) for item in values)
+
+
+def _same(value: Any, other: Any) -> bool:
+    if isinstance(value, (list, tuple)) and isinstance(other, (list, tuple)):
+        return list(value) == list(other)
+    return value == other
+
+
+def _fits(value: Any, seen: Seen) -> bool:
+    return _same(value, seen.value) or any(_same(value, also) for also in seen.also)
+
+
+def given_config(component) -> Optional[tuple[str, str]]:
+    """(the config's name in a message, the fix) for a config that came with the weights (a config.json, or one
+    embedded in the file's metadata); None for one inferred from the weights or the released one."""
+    config_file = getattr(component, "config_file", None)
+    if config_file is not None:
+        return str(config_file), "fix or delete the config"
+    if component.config is not None and "config" in getattr(component, "metadata", {}):
+        return f"the config in {component.path.name}'s metadata", "re-export the file"
+    return None
+
+
+def check_config_fits(component, kind: str, variant: Variant = "base") -> None:
+    """Refuse, in one line naming the config, the field and what the weights hold, a config that came with the
+    weights and does not fit them (module docstring). Only shapes are read: no weight."""
+    given = given_config(component)
+    if given is None:
+        return
+    origin, fix = given
+    part = PARTS[kind]
+    nested = kind == "text_encoder" and isinstance(component.config.get("text_config"), dict)
+    section = component.config["text_config"] if nested else component.config
+    prefix = "text_config." if nested else ""
+    seen = part.seen(component)
+    defaults: Optional[dict[str, Any]] = None
+    for item in seen:
+        if item.field in section:
+            if _is_size(section[item.field]) and not _fits(section[item.field], item):
+                raise ModelFileError(f"{origin} says {prefix}{item.field} {_shown(section[item.field])} but the "
+                                     f"weights hold {item.evidence}: {fix}")
+            continue
+        defaults = part.defaults() if defaults is None else defaults
+        if not _fits(defaults.get(item.field), item):
+            raise ModelFileError(f"{origin} has no {prefix}{item.field}, and the weights hold {item.evidence}: {fix}")
+    released = part.released(variant)
+    if seen and all(_fits(released.get(item.field), item) for item in seen):
+        for field in part.unseen:
+            if field in section and not _same(section[field], released.get(field)):
+                raise ModelFileError(f"{origin} says {prefix}{field} {_shown(section[field])} but the weights are the "
+                                     f"released ERNIE-Image {part.what}'s, whose {field} is "
+                                     f"{_shown(released.get(field))}: {fix}")
+
+
+def check_built_shapes(component, module: torch.nn.Module) -> None:
+    """Every tensor the config made (on the meta device) that the file holds in another shape is named against the
+    config, not the weights (packed files keep their own layouts: their fill checks them)."""
+    given = given_config(component)
+    if given is None or component.quantized:
+        return
+    origin, fix = given
+    for key, tensor in module.state_dict().items():
+        shape = _shape_of(component, key)
+        if shape is not None and shape != tuple(tensor.shape):
+            raise ModelFileError(f"{origin} does not fit the weights: it makes {key} {list(tensor.shape)} but the "
+                                 f"weights hold {list(shape)}: {fix}")

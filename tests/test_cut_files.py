@@ -1,0 +1,88 @@
+"""An empty or cut model file is one line naming it as the kind of file it is (safetensors, GGUF, JSON), its size and
+what its header promised: never another kind's words ("too short for a safetensors file" for a .gguf), and never a
+reader's reshape, dtype-view or index error."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ernie_image.runtime.cli.commands import main
+from ernie_image.runtime.core.errors import ModelFileError
+from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.formats import open_component
+
+pytest.importorskip("gguf")
+
+FIX = ": the file is damaged or was not fully downloaded: download it again"
+
+
+@pytest.fixture(scope="module")
+def whole_files(tmp_path_factory) -> dict[str, Path]:
+    """A whole file of each kind a DiT comes in: a safetensors file and the GGUF `ernie-image quantize` writes."""
+    folder = tmp_path_factory.mktemp("whole")
+    sources = build_tiny_model(folder / "model", layout="comfy", variant="turbo")
+    gguf = folder / "ernie-image-turbo-Q8_0.gguf"
+    assert main(["quantize", "--dit", str(sources.dit), "--format", "q8_0", "--out", str(gguf)]) == 0
+    return {"safetensors": sources.dit, "GGUF": gguf}
+
+
+def cut(source: Path, keep: int, target: Path) -> Path:
+    target.write_bytes(source.read_bytes()[:keep])
+    return target
+
+
+def refusal(path: Path) -> str:
+    with pytest.raises(ModelFileError) as refused:
+        open_component(path, "dit")
+    message = str(refused.value)
+    assert "\n" not in message and message.endswith(FIX), message
+    return message
+
+
+KINDS = [("safetensors", ".safetensors"), ("GGUF", ".gguf")]
+
+
+@pytest.mark.parametrize("kind, suffix", KINDS)
+def test_an_empty_file_is_named_as_an_empty_file_of_its_kind(tmp_path, kind, suffix):
+    empty = tmp_path / f"ernie-image{suffix}"
+    empty.write_bytes(b"")
+    assert refusal(empty) == f"ernie-image{suffix} is an empty {kind} file (0 bytes){FIX}"
+
+
+@pytest.mark.parametrize("kind, suffix", KINDS)
+@pytest.mark.parametrize("keep", [3, 6, 100])
+def test_a_file_cut_inside_its_header_says_so_with_its_size(tmp_path, whole_files, kind, suffix, keep):
+    short = cut(whole_files[kind], keep, tmp_path / f"cut{suffix}")
+    assert refusal(short).startswith(f"cut{suffix} is truncated inside its {kind} header ({keep} bytes")
+
+
+@pytest.mark.parametrize("kind, suffix", KINDS)
+@pytest.mark.parametrize("share", [0.5, 0.99])
+def test_a_file_cut_inside_its_data_says_how_much_of_it_is_there(tmp_path, whole_files, kind, suffix, share):
+    whole = whole_files[kind].stat().st_size
+    keep = int(whole * share)
+    short = cut(whole_files[kind], keep, tmp_path / f"cut{suffix}")
+    assert refusal(short).startswith(f"cut{suffix} is truncated: its {kind} header describes {whole} bytes but the "
+                                     f"file has {keep} ({100 * keep // whole}%)")
+
+
+def test_a_cut_gguf_dit_is_one_line_on_the_command_line_and_nothing_runs(capsys, tmp_path, whole_files,
+                                                                         tiny_turbo_folder):
+    short = cut(whole_files["GGUF"], whole_files["GGUF"].stat().st_size // 2, tmp_path / "dit.gguf")
+    out = tmp_path / "x.png"
+    assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--dit", str(short), "--steps", "1",
+                 "--device", "cpu", "--out", str(out)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: dit.gguf is truncated: its GGUF header describes "), lines
+    assert not out.exists()
+
+
+def test_an_empty_config_is_named_as_an_empty_json_file(capsys, tmp_path, tiny_turbo_folder):
+    model = Path(shutil.copytree(tiny_turbo_folder, tmp_path / "model"))
+    config = model / "transformer" / "config.json"
+    config.write_bytes(b"")
+    assert main(["generate", "--model-dir", str(model), "--steps", "1", "--device", "cpu",
+                 "--out", str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {config} is an empty JSON file (0 bytes){FIX}"
