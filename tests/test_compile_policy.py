@@ -129,3 +129,11 @@ def test_the_pipe_asks_before_each_dit_phase_and_compiles_once_when_it_pays(tiny
     pipe.generate(request, host)
     assert compiled == [pipe.parts.dit] and policy.spent_s == spent  # compiled calls are not counted
     assert "DiT float32, compiled" in pipe.describe()
+
+
+@pytest.mark.parametrize("quant, expected", [("none", "bf16"), ("fp8", "fp8"), ("q8_0", "bf16")])
+def test_before_its_dit_is_built_a_job_is_priced_in_the_format_loading_will_make(tiny_turbo_folder, quant, expected):
+    """A Base job quantised to FP8 on load pays for the compile on its own; priced as bf16 it ran uncompiled and the
+    second image paid for the compile instead (seen on the H200)."""
+    pipe = LocalPipe.load(tiny_turbo_folder, LoadOptions(device="cpu", quant=quant))
+    assert pipe.parts.dit is None and pipe.parts.planned_dit_format() == expected

@@ -84,6 +84,16 @@ class PipeParts:
         policy, and possible here."""
         return (self.options.compile is True or self.compile_policy_decided) and compile_available(self.device)
 
+    def planned_dit_format(self) -> str:
+        """The DiT's weight format as the compile policy prices it: what the loaded DiT holds, else what loading it
+        will make (a quantised file's own format, or the format a bf16 DiT is quantised into on load)."""
+        if self.dit_weights:
+            return "fp8" if self.dit_weights.startswith("FP8") else "bf16"
+        choice = self.options.quant
+        if choice == "auto" and self.auto_quant is not None:
+            choice = self.auto_quant[0]
+        return "fp8" if choice == "fp8" else "bf16"
+
     @contextmanager
     def timed_if_uncompiled(self, work: DitWork) -> Iterator[None]:
         """Around a job's DiT calls: uncompiled ones are timed (the device drained at both ends) for the policy."""
@@ -102,8 +112,7 @@ class PipeParts:
         loaded DiT's captured graphs are dropped; its blocks compile on their next call)."""
         if self.compiles_dit or not compile_available(self.device):
             return
-        if self.dit_weights:
-            self.compile_policy.set_format("fp8" if self.dit_weights.startswith("FP8") else "bf16")
+        self.compile_policy.set_format(self.planned_dit_format())
         if not self.compile_policy.compile_before(work):
             return
         self.compile_policy_decided = True
