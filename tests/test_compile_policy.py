@@ -97,11 +97,27 @@ def test_other_formats_are_priced_as_bf16_and_a_bad_choice_is_refused():
         CompilePolicy("yes")
 
 
-def test_load_options_refuse_another_compile_value_in_one_line():
+@pytest.mark.parametrize("value", ["sometimes", "yes", "AUTO", None, 1, 0, 2.5])
+def test_load_options_refuse_another_compile_value_in_one_line(value):
     from ernie_image.runtime.core.errors import InvalidInputError
 
-    with pytest.raises(InvalidInputError, match="compile 'sometimes' is not supported: use True, False or 'auto'"):
-        LoadOptions(compile="sometimes").validate()
+    with pytest.raises(InvalidInputError, match=f"compile {value!r} is not supported: use True, False or 'auto'"):
+        LoadOptions(compile=value).validate()
+
+
+@pytest.mark.parametrize("name", ["keep_loaded", "previews", "pe_compile", "cuda_graphs"])
+@pytest.mark.parametrize("value", ["false", "no", "auto", None, 1, 0])
+def test_a_switch_is_true_or_false_never_a_value_that_would_read_as_one(name, value):
+    """"false" and "no" are truthy strings: taken as given they would switch the option on."""
+    from ernie_image.runtime.core.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=f"^{name} {value!r} is not supported: use True or False$"):
+        LoadOptions(**{name: value}).validate()
+
+
+def test_compile_asked_for_where_it_cannot_run_is_said_in_the_description(tiny_turbo_folder):
+    pipe = LocalPipe.load(tiny_turbo_folder, LoadOptions(device="cpu", compile=True))
+    assert "eager (compile asked for: it needs a CUDA device and Triton, and cpu has not both)" in pipe.describe()
 
 
 def test_the_pipe_asks_before_each_dit_phase_and_compiles_once_when_it_pays(tiny_turbo_folder, monkeypatch):

@@ -18,6 +18,8 @@ def dit_mode(pipe: Any) -> str:
     until = ""
     if pipe.options.compile == "auto" and compile_available(pipe.device):
         until = ", compiled once that pays for itself"
+    elif pipe.options.compile is True:
+        until = f" (compile asked for: it needs a CUDA device and Triton, and {pipe.device} has not both)"
     if pipe.options.cuda_graphs and pipe.device.type == "cuda":
         return f"eager{exact}, replayed as CUDA graphs when resident{until}"
     return f"eager{exact}{until}"

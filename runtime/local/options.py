@@ -17,8 +17,19 @@ DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on a GPU, fp32 on
 DIT_ARITHMETIC_CHOICES = ("fast", "exact")
 
 
+SWITCHES = ("keep_loaded", "previews", "pe_compile", "cuda_graphs")  # options that are True or False, nothing else
+
+
 @dataclass
 class LoadOptions:
+    """How a LocalPipe loads and runs. device: auto, cpu, cuda, cuda:N. dtype: auto, bf16, fp16, fp32.
+    vram_budget_gb: GB the pipe may use (None: free VRAM less a reserve). keep_loaded, previews, pe_compile,
+    cuda_graphs: True or False. quant: none, auto, bf16, fp8, q8_0, q4_k, nvfp4. compile: "auto" (the default: the
+    DiT's blocks are compiled once that pays for itself), True (at load) or False; compiling needs a CUDA device and
+    Triton, and elsewhere the DiT runs uncompiled whatever is asked (the pipe's description says so).
+    arithmetic: fast or exact. pe_quant: none or fp8. pe_endpoint: a text.remote_enhancer.ChatEndpoint.
+    lora_mode: merge or branch. Checked in full by validate(), before any file is read."""
+
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1"...
     dtype: str = "auto"  # "auto" (bf16 on GPU, fp32 on CPU), "bf16", "fp16", "fp32"
     vram_budget_gb: Optional[float] = None  # None: free VRAM minus a reserve
@@ -48,7 +59,11 @@ class LoadOptions:
 
     def validate(self) -> None:
         """Refuse a device name or quantisation the pipe cannot use, before any file is read or model built."""
-        if self.compile not in (True, False, "auto"):
+        for name in SWITCHES:
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInputError(f"{name} {getattr(self, name)!r} is not supported: use True or False"
+                                        ).naming(name)
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
             raise InvalidInputError(f"compile {self.compile!r} is not supported: use True, False or 'auto'"
                                     ).naming("compile")
         kind, _, index = self.device.partition(":")
