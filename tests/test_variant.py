@@ -120,8 +120,20 @@ def test_a_name_is_read_word_by_word(name, expected):
                                            "variant if it is Turbo);"),
 ])
 def test_a_name_that_negates_turbo_or_says_both_is_never_taken_as_turbo(turbo, tmp_path, name, expected):
-    named = dataclasses.replace(turbo, dit=without_metadata(turbo.dit, tmp_path / name))
+    (tmp_path / "models").mkdir()  # a folder whose name says nothing either (this test's own folder says "turbo")
+    named = dataclasses.replace(turbo, dit=without_metadata(turbo.dit, tmp_path / "models" / name))
     assert first_line(named).startswith(expected)
+
+
+@pytest.mark.parametrize("folder, expected", [
+    ("ERNIE-Image-Turbo", "ERNIE-Image Turbo, from the folder name;"),
+    ("ernie-image", "ERNIE-Image Base, from the folder name;"),
+    ("diffusion_models", "ERNIE-Image Base, by default: nothing in the files says which"),
+])
+def test_a_file_whose_name_says_nothing_is_told_by_its_folders_name(turbo, tmp_path, folder, expected):
+    (tmp_path / folder).mkdir()
+    inside = dataclasses.replace(turbo, dit=without_metadata(turbo.dit, tmp_path / folder / "model.safetensors"))
+    assert first_line(inside).startswith(expected)
 
 
 def test_a_file_whose_name_says_nothing_runs_as_base_saying_nothing_told(turbo, tmp_path):

@@ -144,10 +144,11 @@ def _recorded_variant(value: str, path: Path) -> Variant:
 
 
 def _names(path: Path) -> list[tuple[str, str]]:
-    """The names that may tell: a file's own; for a folder (diffusers transformer/), its name and its parent's."""
+    """The names that may tell, in turn: a file's own, then its folder's (`ERNIE-Image-Turbo/model.safetensors`); for
+    a folder (diffusers transformer/), its name and its parent's."""
     if path.is_dir():
         return [(path.name, "folder"), (path.parent.name, "folder")]
-    return [(path.name, "file")]
+    return [(path.name, "file"), (path.parent.name, "folder")]
 
 
 def variant_words(variant: str) -> str:
