@@ -3,8 +3,8 @@
 Small validators, each raising InvalidInputError with one line naming the option, the cause and the fix, and
 `check_generate_args(args, *feature_checks)`, the one place `generate` checks its arguments. A feature that adds
 flags to `generate` exposes its own `check(args)` and generate.py lists it in FEATURE_CHECKS; it runs after the checks
-here (numbers first, then input files, then the output path and that it is none of the inputs), still before
-anything heavy.
+here (numbers first, then input files, then the output paths, that no two name one file and that none is an input),
+still before anything heavy.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Literal, Optional
 
 from ..core.errors import InvalidInputError
 from ..core.request import SEED_MASK, validate_size
-from ..files.inputs_outputs import refuse_outputs_over_inputs
+from ..files.inputs_outputs import refuse_colliding_outputs, refuse_outputs_over_inputs
 from ..files.uninterrupted import uninterrupted
 
 ArgCheck = Callable[[argparse.Namespace], None]
@@ -233,13 +233,32 @@ def _check_model_paths(args: argparse.Namespace) -> None:
         check_input_path(getattr(args, option), "--" + option.replace("_", "-"), kind)  # type: ignore[arg-type]
 
 
-def _check_out(args: argparse.Namespace) -> None:
+# Every PNG option of `generate`, with the name its example fix gives; each writes png_paths(path, --batch).
+GENERATE_OUTPUTS = (("out", "ernie"), ("step_cache_compare", "compare"))
+
+
+def _outputs_given(args: argparse.Namespace) -> list[tuple[str, Path, str]]:
+    """(the option, the path given, the example name) of each output option the command line gave."""
+    given = [("--" + name.replace("_", "-"), getattr(args, name, None), example) for name, example in GENERATE_OUTPUTS]
+    return [(option, Path(path), example) for option, path, example in given if path is not None]
+
+
+def _files_written(args: argparse.Namespace) -> list[tuple[str, Path, Path]]:
+    """(the option, the path given, a file written from it): every PNG a run writes, batch names included."""
     from ..files.png_output import png_paths
 
-    check_output_file(args.out, "--out", (".png",), "ernie")
-    for path in png_paths(args.out, args.batch) if args.batch > 1 else ():  # name_0.png, name_1.png, ...
+    return [(option, given, path) for option, given, _ in _outputs_given(args)
+            for path in png_paths(given, args.batch)]
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Each output a writable .png name, none of its batch names a folder, and no two outputs one file."""
+    for option, given, example in _outputs_given(args):
+        check_output_file(given, option, (".png",), example)
+    for option, given, path in _files_written(args) if args.batch > 1 else ():  # name_0.png, name_1.png, ...
         if path.is_dir():
-            raise InvalidInputError(f"--out {args.out}: batch image {path} is a folder: pick another output name")
+            raise InvalidInputError(f"{option} {given}: batch image {path} is a folder: pick another output name")
+    refuse_colliding_outputs(_files_written(args))
 
 
 GENERATE_INPUTS = ("model_dir", "dit", "text_encoder", "vae", "tokenizer", "pe", "init_image", "mask", "api_key_file",
@@ -247,19 +266,18 @@ GENERATE_INPUTS = ("model_dir", "dit", "text_encoder", "vae", "tokenizer", "pe",
 
 
 def _check_inputs_are_not_outputs(args: argparse.Namespace) -> None:
-    """No PNG the run writes (`--out`, or a batch's name_N.png) is a file it reads."""
-    from ..files.png_output import png_paths
+    """No PNG the run writes (`--out`, `--step-cache-compare`, or a batch's name_N.png) is a file it reads."""
     from .lora_args import parse_lora_argument
 
     inputs = [("--" + name.replace("_", "-"), getattr(args, name, None)) for name in GENERATE_INPUTS]
     inputs += [("--lora", parse_lora_argument(value).path) for value in getattr(args, "lora", None) or ()]
     refuse_outputs_over_inputs([(option, Path(path) if path is not None else None) for option, path in inputs],
-                               [("--out", args.out, path) for path in png_paths(args.out, args.batch)])
+                               _files_written(args))
 
 
 # The order users meet the errors in: a size error before a file error, a file error before the output's.
 GENERATE_CHECKS: tuple[ArgCheck, ...] = (_check_flags_that_need_another, _check_numbers, _check_prompts, _check_load_options, _check_model_paths,
-                                         _check_out, _check_inputs_are_not_outputs)
+                                         _check_outputs, _check_inputs_are_not_outputs)
 
 
 def check_generate_args(args: argparse.Namespace, *feature_checks: ArgCheck) -> None:
