@@ -7,8 +7,8 @@ The two releases share every key and shape, so the weights cannot tell them apar
      release's carries LoRA fields (`use_lora`, `lora_rank`) the base release's lacks (the two releases'
      model_index.json and scheduler configs are identical);
   4. the file or folder name, then a file's folder's, read word by word (name_variant): the word "turbo" is Turbo,
-     "base" or "ernie" without "turbo" the base model; a word after "not", "no", "non" or "without" counts as the other variant
-     (`base_not_turbo` is Base); a name with words of both variants tells nothing;
+     "base" or "ernie" without "turbo" the base model; a word after "not", "no", "non" or "without" counts as the
+     other variant (`base_not_turbo` is Base); a name with words of both variants tells nothing;
   5. else the base model, saying that nothing told which.
 """
 from __future__ import annotations
