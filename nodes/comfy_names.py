@@ -32,7 +32,7 @@ NAMES: dict[str, str] = {
     "vram_budget_gb": "the Loader's vram_budget_gb",
     "pe_endpoint": "pe_url",
     "init_image": "the image input",
-    "init image": "the image input",
+    "batch": "batch_size",
     "init_latents": "the latent input",
     "mask": "the mask input",
     RESIZE_IT: f"{RESIZE_IT} (Upscale Image or ImageCrop)",

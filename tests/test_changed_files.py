@@ -43,17 +43,43 @@ def replaced(path: Path) -> str:
     return "replaced by another file"
 
 
-def rewritten(path: Path) -> str:
-    """The same size, other bytes, written into the same inode."""
-    before = path.stat()
+MODIFIED = "its modification time changed (same size): it may have been rewritten"
+
+
+def flip_last_byte(path: Path) -> None:
     with open(path, "r+b") as handle:
         handle.seek(-1, os.SEEK_END)
         last = handle.read(1)
         handle.seek(-1, os.SEEK_END)
         handle.write(bytes([last[0] ^ 0xFF]))
+
+
+def rewritten(path: Path) -> str:
+    """The same size, other bytes, written into the same inode."""
+    before = path.stat()
+    flip_last_byte(path)
     # A rewrite moves the modified time; set it past the old one whatever the file system clock's resolution.
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
-    return "rewritten in place"
+    return MODIFIED
+
+
+def touched(path: Path) -> str:
+    """Only the modification time moved (`touch`): the bytes may be the same, so it is said as what is known."""
+    before = path.stat()
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000_000))
+    return MODIFIED
+
+
+def copied_over(path: Path) -> str:
+    """Other bytes of the same size copied into the same inode keeping its times (`touch -r turbo base; cp -p base
+    turbo`): only the status-change time, which no user tool sets, moves."""
+    before = path.stat()
+    flip_last_byte(path)
+    # Wait for the status-change time to move past the one recorded at load, whatever the clock's granularity.
+    while True:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        if path.stat().st_ctime_ns != before.st_ctime_ns:
+            return "its status time changed (same size and modification time): it may have been rewritten"
 
 
 def truncated(path: Path) -> str:
@@ -67,7 +93,7 @@ def deleted(path: Path) -> str:
     return "deleted or moved"
 
 
-CHANGES: list[Callable[[Path], str]] = [replaced, rewritten, truncated, deleted]
+CHANGES: list[Callable[[Path], str]] = [replaced, rewritten, touched, copied_over, truncated, deleted]
 
 
 @pytest.fixture(scope="module")

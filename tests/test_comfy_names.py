@@ -161,6 +161,13 @@ LIBRARY_CALLS = {
     "a latent that is no tensor": lambda tmp: _request(init_latents=[1, 2]).validate(),
     "an image of an odd size": lambda tmp: _request(init_image=torch.rand(1, 250, 256, 3), height=250).validate(),
     "a mask of another size": lambda tmp: _request(init_image=IMAGE, mask=torch.ones(1, 512, 512)).validate(),
+    "an image batch that does not fit": lambda tmp: _request(init_image=torch.rand(2, 256, 256, 3), batch=3).validate(),
+    "a mask batch that does not fit": lambda tmp: _request(init_image=IMAGE, mask=torch.ones(3, 256, 256),
+                                                           batch=2).validate(),
+    "an image with an alpha channel": lambda tmp: _request(init_image=torch.rand(1, 256, 256, 4)).validate(),
+    "an image outside 0..1": lambda tmp: _request(init_image=IMAGE * 2).validate(),
+    "an image that is no IMAGE": lambda tmp: _request(init_image=torch.rand(256, 256, 3)).validate(),
+    "a latent of another model": lambda tmp: _request(init_latents=torch.rand(1, 4, 32, 32)).validate(),
     "no tokenizer": lambda tmp: load_tokenizer(ModelSources(dit=tmp, vae=tmp)),
     "a password in a server URL": lambda tmp: normalize_base_url("http://user:secret@127.0.0.1:30000"),
     "a token in a server URL": lambda tmp: normalize_base_url("http://127.0.0.1:30000/?api_key=secret"),
@@ -183,6 +190,44 @@ def test_each_surface_names_a_bad_input_in_its_own_words(case, tmp_path):
     assert not CLI_FLAG.search(library) and not NODE_WORDS.search(library), library
     assert not CLI_FLAG.search(in_comfyui), in_comfyui
     assert not NODE_WORDS.search(in_cli), in_cli
+
+
+# How each surface calls the image inputs and the batch size: the library's arguments, the CLI's flags, the Sampler's
+# inputs and widget.
+IMAGE_INPUT_WORDS = {
+    "library": dict(image="init_image", latent="init_latents", mask="mask", batch="batch"),
+    "cli": dict(image="--init-image", latent="init_latents", mask="--mask", batch="--batch"),
+    "comfyui": dict(image="the image input", latent="the latent input", mask="the mask input", batch="batch_size"),
+}
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(init_image=torch.rand(2, 256, 256, 3), batch=3),
+     "{image} holds 2 images but the run makes 3: give one (used for every image) or 3, or set {batch} to 2"),
+    (dict(init_image=IMAGE, mask=torch.ones(3, 256, 256), batch=2),
+     "{mask} holds 3 images but the run makes 2: give one (used for every image) or 2, or set {batch} to 3"),
+    (dict(init_latents=torch.rand(2, 128, 16, 16), batch=3),
+     "{latent} holds 2 images but the run makes 3: give one (used for every image) or 3, or set {batch} to 2"),
+    (dict(init_image=torch.rand(1, 256, 256, 4)),
+     "{image} has an alpha channel (RGBA): ERNIE-Image takes RGB: drop or flatten the alpha first (give it as the "
+     "mask to repaint the transparent part)"),
+    (dict(init_image=torch.rand(1, 256, 256, 5)), "{image} has 5 channels: ERNIE-Image takes RGB [batch, height, "
+                                                  "width, 3]"),
+    (dict(init_image=IMAGE * 2), "{image} holds values outside 0..1 (or NaN): give float RGB in 0..1"),
+    (dict(init_image=torch.rand(1, 512, 256, 3, 1)),
+     "{image} (1, 512, 256, 3, 1) is not an IMAGE: give float RGB [batch, height, width, 3] in 0..1"),
+    (dict(init_latents=torch.rand(1, 4, 32, 32)),
+     "{latent} is an SD1.5/SDXL LATENT (4 channels), not ERNIE-Image's [batch, 128, height/16, width/16]: VAE "
+     "Encode the image with the FLUX.2 VAE (flux2-vae) or give the image itself"),
+    (dict(batch=100), "{batch} 100 is not allowed: use 1..64"),
+], ids=["image batch", "mask batch", "latent batch", "alpha", "channels", "range", "no IMAGE", "other latent",
+        "batch range"])
+def test_an_image_input_refusal_names_the_input_and_the_batch_as_each_surface_calls_them(fields, words):
+    with pytest.raises(InvalidInputError) as refused:
+        _request(**fields).validate()
+    assert str(refused.value) == words.format(**IMAGE_INPUT_WORDS["library"])
+    assert cli_message(refused.value) == words.format(**IMAGE_INPUT_WORDS["cli"])
+    assert comfy_words(str(refused.value), refused.value.settings) == words.format(**IMAGE_INPUT_WORDS["comfyui"])
 
 
 def test_the_out_of_memory_advice_names_the_budget_as_each_surface_calls_it():

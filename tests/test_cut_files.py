@@ -68,6 +68,43 @@ def test_a_file_cut_inside_its_data_says_how_much_of_it_is_there(tmp_path, whole
                                      f"file has {keep} ({100 * keep // whole}%)")
 
 
+# Bytes of other kinds a download can leave under a model's name: noise, an image, an error page, a JSON document, a
+# length prefix promising more than the file holds, and a safetensors-like length before bytes that are no JSON.
+OTHER_BYTES = {
+    "random bytes": bytes((index * 151 + 7) % 256 for index in range(4096)),
+    "a PNG image": b"\x89PNG\r\n\x1a\n" + bytes(2000),
+    "an HTML error page": b"<html><body>404 Not Found</body></html>\n" * 40,
+    "a JSON document": b'{"error": "not found"}' * 50,
+    "a length past the end": (100).to_bytes(8, "little") + b"x" * 50,
+    "a length before no JSON": (20).to_bytes(8, "little") + b"these are no JSON...." + bytes(100),
+}
+
+
+@pytest.mark.parametrize("content", OTHER_BYTES.values(), ids=OTHER_BYTES.keys())
+def test_other_bytes_named_gguf_are_named_as_not_a_gguf_file_never_in_safetensors_words(tmp_path, content):
+    named = tmp_path / "garbage.gguf"
+    named.write_bytes(content)
+    assert refusal(named) == f"garbage.gguf is not a GGUF file (it does not start with GGUF's magic bytes){FIX}"
+
+
+@pytest.mark.parametrize("content", OTHER_BYTES.values(), ids=OTHER_BYTES.keys())
+def test_other_bytes_named_safetensors_are_named_in_safetensors_words(tmp_path, content):
+    named = tmp_path / "garbage.safetensors"
+    named.write_bytes(content)
+    with pytest.raises(ModelFileError) as refused:
+        open_component(named, "dit")
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("garbage.safetensors ") and "safetensors" in message[20:], message
+    assert "GGUF" not in message
+
+
+def test_a_file_is_read_as_what_its_bytes_are_whatever_its_name_says(tmp_path, whole_files):
+    safetensors_named_gguf = Path(shutil.copy(whole_files["safetensors"], tmp_path / "dit.gguf"))
+    assert open_component(safetensors_named_gguf, "dit").layout == "single-file"
+    gguf_named_safetensors = Path(shutil.copy(whole_files["GGUF"], tmp_path / "dit.safetensors"))
+    assert open_component(gguf_named_safetensors, "dit").layout == "gguf"
+
+
 def test_a_cut_gguf_dit_is_one_line_on_the_command_line_and_nothing_runs(capsys, tmp_path, whole_files,
                                                                          tiny_turbo_folder):
     short = cut(whole_files["GGUF"], whole_files["GGUF"].stat().st_size // 2, tmp_path / "dit.gguf")

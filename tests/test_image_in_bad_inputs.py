@@ -37,23 +37,24 @@ IMAGE = torch.rand(1, 256, 256, 3)
 
 @pytest.mark.parametrize("fields, expected", [
     (dict(init_image=torch.rand(1, 250, 256, 3), width=256, height=250),
-     "init image is 256x250: ERNIE-Image needs sides that are multiples of 16 between 256 and 4096: resize or crop "
+     "init_image is 256x250: ERNIE-Image needs sides that are multiples of 16 between 256 and 4096: resize or crop "
      "it to 256x256"),
     (dict(init_image=torch.rand(1, 1000, 1000, 3), width=1000, height=1000), "resize or crop it to 1008x1008"),
     (dict(init_image=torch.rand(1, 128, 128, 3), width=128, height=128), "resize or crop it to 256x256"),
     (dict(init_image=IMAGE, mask=torch.ones(1, 256, 240)), "mask is 240x256 but the image is 256x256"),
-    (dict(init_image=torch.rand(3, 256, 256, 3), batch=2), "init image holds 3 images but batch is 2"),
-    (dict(init_image=IMAGE, mask=torch.ones(3, 256, 256), batch=2), "mask holds 3 images but batch is 2"),
+    (dict(init_image=torch.rand(3, 256, 256, 3), batch=2),
+     "init_image holds 3 images but the run makes 2: give one (used for every image) or 2, or set batch to 3"),
+    (dict(init_image=IMAGE, mask=torch.ones(3, 256, 256), batch=2), "mask holds 3 images but the run makes 2"),
     (dict(init_image=IMAGE, denoise=float("nan")), "denoise nan is not allowed: use a value in (0, 1]"),
     (dict(init_image=IMAGE, denoise=0.0), "denoise 0.0 is not allowed"),
     (dict(init_image=IMAGE, denoise=1.5), "denoise 1.5 is not allowed"),
     (dict(init_image=IMAGE, denoise=-0.2), "denoise -0.2 is not allowed"),
-    (dict(init_latents=torch.rand(1, 4, 32, 32)), "init latent is an SD1.5/SDXL LATENT (4 channels)"),
-    (dict(init_latents=torch.rand(1, 16, 32, 32)), "init latent is a FLUX.1 / SD3 LATENT (16 channels)"),
+    (dict(init_latents=torch.rand(1, 4, 32, 32)), "init_latents is an SD1.5/SDXL LATENT (4 channels)"),
+    (dict(init_latents=torch.rand(1, 16, 32, 32)), "init_latents is a FLUX.1 / SD3 LATENT (16 channels)"),
     (dict(init_latents=torch.rand(1, 32, 32, 32)), "an unpatchified FLUX.2 VAE latent (32 channels)"),
     (dict(init_latents=torch.rand(1, 16, 4, 32, 32)), "is a video LATENT"),
-    (dict(init_image=torch.rand(1, 256, 256, 4)), "init image has an alpha channel (RGBA)"),
-    (dict(init_image=IMAGE * 2), "init image holds values outside 0..1"),
+    (dict(init_image=torch.rand(1, 256, 256, 4)), "init_image has an alpha channel (RGBA)"),
+    (dict(init_image=IMAGE * 2), "init_image holds values outside 0..1"),
     (dict(init_image=IMAGE, width=512, height=512), "width/height 512x512 differ from the init input's 256x256"),
     (dict(init_image=IMAGE, init_latents=torch.rand(1, 128, 16, 16)), "both init_image and init_latents were given"),
     (dict(denoise=0.5), "denoise 0.5 needs init_image or init_latents to start from"),
@@ -85,7 +86,7 @@ def test_metadata_records_flags_never_tensors():
 
 def test_the_api_refuses_before_anything_loads(tiny_turbo_folder):
     pipe = LocalPipe.load(ModelSources(model_dir=tiny_turbo_folder), LoadOptions(device="cpu"))
-    with pytest.raises(InvalidInputError, match="init latent is an SD1.5/SDXL LATENT"):
+    with pytest.raises(InvalidInputError, match="init_latents is an SD1.5/SDXL LATENT"):
         pipe.generate(GenerationRequest(prompt="x", width=256, height=256, init_latents=torch.rand(1, 4, 32, 32)),
                       NullHost())
     assert not pipe.is_loaded()
@@ -122,6 +123,9 @@ def files(tmp_path) -> dict[str, Path]:
     Image.fromarray(np.full((256, 256), 40000, np.uint16)).save(made["sixteen"])
     assert Image.open(made["sixteen"]).mode.startswith("I")
     made["broken"].write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    frames = [Image.fromarray(rgb), Image.fromarray(rgb[::-1].copy())]
+    made["two_frames"] = tmp_path / "two_frames.png"
+    frames[0].save(made["two_frames"], save_all=True, append_images=frames[1:])
     return made
 
 
@@ -139,6 +143,8 @@ def files(tmp_path) -> dict[str, Path]:
     (["--init-image", "{broken}"], "is not a readable image"),
     (["--init-image", "{missing}"], "missing.png does not exist: give the path of a PNG or JPEG file"),
     (["--mask", "{rgb}"], "--mask needs --init-image"),
+    (["--init-image", "{two_frames}", "--batch", "3"], "error: --init-image holds 2 images but the run makes 3: give "
+                                                      "one (used for every image) or 3, or set --batch to 2"),
     (["--init-image", "{rgb}", "--width", "512"], "error: --width/--height 512x256 differ from the init input's 256x256"),
     (["--init-image", "{rgb}", "--mask", "{mask}", "--mask-grow", "-3"], "error: --mask-grow -3 is not allowed"),
     (["--init-image", "{rgb}", "--mask", "{mask}", "--mask-feather", "5000"], "error: --mask-feather 5000 is not allowed"),

@@ -65,11 +65,13 @@ def test_a_mask_with_the_image_composites_onto_the_original(pipe):
 
 @pytest.mark.parametrize("changes, expected", [
     (dict(image=IMAGE, mask=torch.zeros(1, 64, 64)), "the mask is Load Image's empty 64x64 mask"),
-    (dict(latent={"samples": torch.zeros(1, 4, 32, 40)}), "init latent is an SD1.5/SDXL LATENT (4 channels)"),
-    (dict(latent={"samples": torch.zeros(1, 16, 32, 40)}), "init latent is a FLUX.1 / SD3 LATENT (16 channels)"),
+    (dict(latent={"samples": torch.zeros(1, 4, 32, 40)}), "the latent input is an SD1.5/SDXL LATENT (4 channels)"),
+    (dict(latent={"samples": torch.zeros(1, 16, 32, 40)}), "the latent input is a FLUX.1 / SD3 LATENT (16 channels)"),
     (dict(latent=torch.zeros(1, 128, 16, 20)), "the latent input is not a LATENT"),
     (dict(image=torch.rand(1, 250, 320, 3)), "the image input is 320x250"),
-    (dict(image=torch.rand(2, 256, 320, 3), batch_size=3), "init image holds 2 images but batch is 3"),
+    (dict(image=torch.rand(2, 256, 320, 3), batch_size=3),
+     "the image input holds 2 images but the run makes 3: give one (used for every image) or 3, or set batch_size "
+     "to 2"),
     (dict(denoise=0.5), "denoise 0.5 needs the image input or the latent input to start from"),
 ])
 def test_bad_image_inputs_are_one_line_before_anything_loads(pipe, changes, expected):

@@ -25,7 +25,6 @@ FLAGS: dict[str, str] = {
     "seed": "--seed",
     "batch": "--batch",
     "denoise": "--denoise",
-    "init image": "--init-image",
     "init_image": "--init-image",
     "mask": "--mask",
     "mask_grow": "--mask-grow",

@@ -96,53 +96,60 @@ def _image_size_problem(width: int, height: int, what: str) -> Optional[str]:
             "first")
 
 
-def _check_batch(count: int, batch: int, what: str) -> None:
+def _check_batch(count: int, batch: int, setting: str) -> None:
+    """`setting` (init_image, init_latents, mask) holds one image for the whole batch or one per image."""
     if count not in (1, batch):
-        raise InvalidInputError(f"{what} holds {count} images but batch is {batch}: give one (used for every image) "
-                                f"or {batch}, or set batch to {count}").naming("batch")
+        raise InvalidInputError(f"{setting} holds {count} images but the run makes {batch}: give one (used for every "
+                                f"image) or {batch}, or set batch to {count}").naming(setting, "batch")
 
 
 def _check_init_image(request: "GenerationRequest") -> tuple[int, int]:
     image = request.init_image
     if not isinstance(image, torch.Tensor) or image.ndim != 4 or not image.is_floating_point():
         shape = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
-        raise InvalidInputError(f"init image {shape} is not an IMAGE: give float RGB [batch, height, width, 3] in 0..1")
+        raise InvalidInputError(f"init_image {shape} is not an IMAGE: give float RGB [batch, height, width, 3] in 0..1"
+                                ).naming("init_image")
     channels = image.shape[-1]
     if channels == 4:
-        raise InvalidInputError("init image has an alpha channel (RGBA): ERNIE-Image takes RGB: drop or flatten "
-                                "the alpha first (give it as the mask to repaint the transparent part)")
+        raise InvalidInputError("init_image has an alpha channel (RGBA): ERNIE-Image takes RGB: drop or flatten "
+                                "the alpha first (give it as the mask to repaint the transparent part)"
+                                ).naming("init_image")
     if channels != 3:
-        raise InvalidInputError(f"init image has {channels} channels: ERNIE-Image takes RGB [batch, height, width, 3]")
+        raise InvalidInputError(f"init_image has {channels} channels: ERNIE-Image takes RGB [batch, height, width, 3]"
+                                ).naming("init_image")
     if not bool(torch.isfinite(image).all()) or float(image.min()) < 0 or float(image.max()) > 1:
-        raise InvalidInputError("init image holds values outside 0..1 (or NaN): give float RGB in 0..1")
+        raise InvalidInputError("init_image holds values outside 0..1 (or NaN): give float RGB in 0..1"
+                                ).naming("init_image")
     height, width = int(image.shape[1]), int(image.shape[2])
-    problem = _image_size_problem(width, height, "init image")
+    problem = _image_size_problem(width, height, "init_image")
     if problem:
-        raise InvalidInputError(problem).naming("init image", RESIZE_IT)
-    _check_batch(int(image.shape[0]), request.batch, "init image")
+        raise InvalidInputError(problem).naming("init_image", RESIZE_IT)
+    _check_batch(int(image.shape[0]), request.batch, "init_image")
     return width, height
 
 
 def _check_init_latents(request: "GenerationRequest") -> tuple[int, int]:
     latents = request.init_latents
     if not isinstance(latents, torch.Tensor) or not latents.is_floating_point():
-        raise InvalidInputError(f"init latent {type(latents).__name__} is not a LATENT tensor: give a float tensor "
-                                "[batch, 128, height/16, width/16]")
+        raise InvalidInputError(f"init_latents {type(latents).__name__} is not a LATENT tensor: give a float tensor "
+                                "[batch, 128, height/16, width/16]").naming("init_latents")
     if latents.ndim == 5:
-        raise InvalidInputError(f"init latent {tuple(latents.shape)} is a video LATENT: ERNIE-Image takes an image "
-                                "LATENT [batch, 128, height/16, width/16]")
+        raise InvalidInputError(f"init_latents {tuple(latents.shape)} is a video LATENT: ERNIE-Image takes an image "
+                                "LATENT [batch, 128, height/16, width/16]").naming("init_latents")
     channels = int(latents.shape[1]) if latents.ndim == 4 else None
     if channels != 128:
         what = OTHER_LATENTS.get(channels, f"a LATENT of shape {tuple(latents.shape)}")
-        raise InvalidInputError(f"init latent is {what}, not ERNIE-Image's [batch, 128, height/16, width/16]: "
-                                "VAE Encode the image with the FLUX.2 VAE (flux2-vae) or give the image itself")
+        raise InvalidInputError(f"init_latents is {what}, not ERNIE-Image's [batch, 128, height/16, width/16]: "
+                                "VAE Encode the image with the FLUX.2 VAE (flux2-vae) or give the image itself"
+                                ).naming("init_latents")
     if not bool(torch.isfinite(latents).all()):
-        raise InvalidInputError("init latent holds NaN or infinite values: give a LATENT from a finished run")
+        raise InvalidInputError("init_latents holds NaN or infinite values: give a LATENT from a finished run"
+                                ).naming("init_latents")
     height, width = int(latents.shape[2]) * 16, int(latents.shape[3]) * 16
-    problem = _image_size_problem(width, height, "init latent (as pixels)")
+    problem = _image_size_problem(width, height, "init_latents (as pixels)")
     if problem:
-        raise InvalidInputError(problem).naming(RESIZE_IT)
-    _check_batch(int(latents.shape[0]), request.batch, "init latent")
+        raise InvalidInputError(problem).naming("init_latents", RESIZE_IT)
+    _check_batch(int(latents.shape[0]), request.batch, "init_latents")
     return width, height
 
 

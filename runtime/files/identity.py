@@ -1,9 +1,12 @@
-"""Which version of a file on disk something was read from: its size, modified time, inode and device as opened.
+"""Which version of a file on disk something was read from: its size, modification time, status-change time, inode
+and device as opened.
 
 A model's weights are read through memory maps, lazily and again after each release, so a file replaced, rewritten,
-cut or deleted under a loaded model would be read as other bytes (or fault on a page past a cut). Whoever holds a
-file's identity asks `change()` before reading it again; a front end fingerprints the files it would read
-(`fingerprint`) to tell whether they are still the ones it loaded.
+cut or deleted under a loaded model would be read as other bytes (or fault on a page past a cut). The status-change
+time (ctime) is kept because no user tool can set it: a file copied over in place keeping its size and modification
+time (`cp -p`, `touch -r`, `rsync -t`) still moves it. Whoever holds a file's identity asks `change()` before
+reading it again; a front end fingerprints the files it would read (`fingerprint`) to tell whether they are still the
+ones it loaded.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ class FileIdentity:
     path: str
     size: int
     mtime_ns: int
+    ctime_ns: int
     inode: int
     device: int
 
@@ -33,7 +37,7 @@ class FileIdentity:
 
     @classmethod
     def _from(cls, path: Path, found: os.stat_result) -> "FileIdentity":
-        return cls(str(path), found.st_size, found.st_mtime_ns, found.st_ino, found.st_dev)
+        return cls(str(path), found.st_size, found.st_mtime_ns, found.st_ctime_ns, found.st_ino, found.st_dev)
 
     def change(self) -> Optional[str]:
         """What is different on disk now ("size 1000 -> 500 bytes", "replaced by another file", ...); None: nothing."""
@@ -48,7 +52,9 @@ class FileIdentity:
         if now.size != self.size:
             return f"size {self.size} -> {now.size} bytes"
         if now.mtime_ns != self.mtime_ns:
-            return "rewritten in place"
+            return "its modification time changed (same size): it may have been rewritten"
+        if now.ctime_ns != self.ctime_ns:
+            return "its status time changed (same size and modification time): it may have been rewritten"
         return None
 
 

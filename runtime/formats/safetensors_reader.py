@@ -120,24 +120,15 @@ def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], 
             f"{path.name} is a PyTorch pickle checkpoint, which this pack never loads (pickles can run code): "
             f"use the .safetensors release of the model"
         )
-    if not start:
-        raise ModelFileError(empty_file(path.name, "safetensors"))
-    if len(start) < 8:
-        raise ModelFileError(cut_in_header(path.name, "safetensors", size))
-    header_len = int.from_bytes(start, "little")
-    if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-        if header_len > MAX_HEADER_BYTES:
-            raise ModelFileError(f"{path.name} is not a safetensors file (its first bytes are not a safetensors "
-                                 f"header): pick the .safetensors file itself")
-        raise ModelFileError(cut_in_header(path.name, "safetensors", size, 8 + header_len))
     try:
-        header = json.loads(handle.read(header_len).decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except (UnicodeDecodeError, ValueError) as err:
-        raise ModelFileError(f"{path.name} has a corrupt safetensors header ({err}): {REDOWNLOAD}") from None
+        header, data_start = _header_object(handle, path, size, start)
+    except ModelFileError:
+        if path.suffix.lower() != ".gguf":
+            raise
+        # Named .gguf, it holds neither GGUF's magic nor a safetensors header: it is not what its name says.
+        raise ModelFileError(f"{path.name} is not a GGUF file (it does not start with GGUF's magic bytes): "
+                             f"{REDOWNLOAD}") from None
     metadata = header.pop("__metadata__", None) or {}
-    data_start = 8 + header_len
     infos: dict[str, TensorInfo] = {}
     data_end = data_start
     for key, entry in header.items():
@@ -165,6 +156,27 @@ def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], 
         raise ModelFileError(cut_in_data(path.name, "safetensors", data_end, size))
     _check_coverage(infos, data_start, size, path)
     return infos, {str(k): str(v) for k, v in metadata.items()}
+
+
+def _header_object(handle, path: Path, size: int, start: bytes) -> tuple[dict, int]:
+    """The safetensors header's JSON object, read after its 8-byte length `start`, and where the data begins."""
+    if not start:
+        raise ModelFileError(empty_file(path.name, "safetensors"))
+    if len(start) < 8:
+        raise ModelFileError(cut_in_header(path.name, "safetensors", size))
+    header_len = int.from_bytes(start, "little")
+    if header_len > MAX_HEADER_BYTES:
+        raise ModelFileError(f"{path.name} is not a safetensors file (its first bytes are not a safetensors "
+                             f"header): pick the .safetensors file itself")
+    if 8 + header_len > size:
+        raise ModelFileError(cut_in_header(path.name, "safetensors", size, 8 + header_len))
+    try:
+        header = json.loads(handle.read(header_len).decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ModelFileError(f"{path.name} has a corrupt safetensors header ({err}): {REDOWNLOAD}") from None
+    return header, 8 + header_len
 
 
 def _check_coverage(infos: dict[str, TensorInfo], data_start: int, size: int, path: Path) -> None:
