@@ -54,3 +54,20 @@ def test_the_text_encoder_given_as_the_prompt_enhancer_is_refused_at_load(model)
     assert "is the ERNIE-Image text encoder (Ministral-3B" in message and "not the prompt enhancer" in message
     assert "give it as the text encoder (text_encoder)" in message
     assert "pick text_encoders/ernie-image-prompt-enhancer.safetensors" in message
+
+
+def test_a_text_encoder_given_from_inside_a_diffusers_folder_finds_the_tokenizer_beside_its_folder(
+        tiny_turbo_folder, tmp_path) -> None:
+    from ernie_image.runtime.formats.sources import ModelSources
+    from ernie_image.runtime.formats.tokenizer import load_tokenizer
+
+    inside = next((tiny_turbo_folder / "text_encoder").glob("*.safetensors"))
+    for given in (inside, inside.parent):
+        tokenizer = load_tokenizer(ModelSources(text_encoder=given))
+        assert tokenizer("a fox").input_ids == load_tokenizer(ModelSources(model_dir=tiny_turbo_folder))(
+            "a fox").input_ids
+    elsewhere = tmp_path / "encoders"  # the same file outside a diffusers folder: no tokenizer to find
+    elsewhere.mkdir()
+    (elsewhere / inside.name).symlink_to(inside)
+    with pytest.raises(ModelFileError, match="no vocabulary for the text encoder found"):
+        load_tokenizer(ModelSources(text_encoder=elsewhere / inside.name))

@@ -1,13 +1,26 @@
-"""Where the text encoder's tokenizer comes from: a diffusers `tokenizer/` folder, an explicit tokenizer path,
+"""Where the text encoder's tokenizer comes from: a diffusers `tokenizer/` folder (the model folder's, or the one beside
+the text_encoder/ folder a text encoder was given from), an explicit tokenizer path,
 or (ComfyUI single files) the Tekken tokenizer embedded in the text-encoder file as the uint8 tensor `tekken_model`."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from ..core.errors import ModelFileError, one_line
 
 # The option of a tokenizer folder of its own, which a front end without one (ComfyUI's Loader) leaves out.
 TOKENIZER_FOLDER = ", or a tokenizer/ folder alone (tokenizer)"
+
+
+def diffusers_tokenizer_beside(text_encoder) -> Optional[Path]:
+    """The tokenizer/ folder of the diffusers folder a text encoder was given from (`m/text_encoder/model.safetensors`
+    or `m/text_encoder`), when there is one."""
+    if text_encoder is None:
+        return None
+    path = Path(text_encoder)
+    folder = path if path.is_dir() else path.parent
+    beside = folder.parent / "tokenizer"
+    return beside if folder.name == "text_encoder" and beside.is_dir() else None
 
 
 def load_tokenizer(sources):
@@ -18,6 +31,9 @@ def load_tokenizer(sources):
         candidates.append(sources.tokenizer)
     if sources.model_dir is not None:
         candidates.append(sources.model_dir / "tokenizer")
+    beside = diffusers_tokenizer_beside(sources.text_encoder)
+    if beside is not None:
+        candidates.append(beside)
     for candidate in candidates:
         folder = candidate.parent if candidate.is_file() else candidate
         if (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists():
