@@ -119,6 +119,8 @@ class GpuComfy(Server):
     mode: str
     baseline_device: int
     baseline_host: dict[str, int]
+    spawned_at: float = 0.0  # time.monotonic() when the server's process was started
+    images_done: int = 0
 
 
 # ERNIE_GPU_SUITE_MODES=cudaMallocAsync (or aimdo) runs one pass, to split the suite over two device commands.
@@ -144,9 +146,11 @@ def comfy(request: pytest.FixtureRequest, models_dir: Path, tmp_path_factory: py
         command = [COMFY_PYTHON, "main.py", *arguments]
     baseline_device = device_used_bytes()
     log_path = base / "comfyui.log"
+    spawned_at = time.monotonic()
     with running(command, log_path, port, START_TIMEOUT_S, stop_timeout_s=30) as process:
         server = GpuComfy(f"http://127.0.0.1:{port}", process, log_path, mode, baseline_device,
-                          process_memory(process.pid))
+                          process_memory(process.pid), spawned_at)
+        report("comfyui_listening", mode=mode, from_start_s=round(time.monotonic() - spawned_at, 2))
         if mode == "aimdo":
             assert "aimdo: DynamicVRAM hooks on cuda" in server.log(), server.log()[-3000:]
         report("comfyui_started", mode=mode, device_used_gib=round(baseline_device / GiB, 2),
@@ -191,6 +195,10 @@ async def run_ok(comfy: GpuComfy, graph: dict[str, Any], label: str, run_out: Op
     assert run.outcome == "execution_success", f"{label}: {run.error}"
     assert saved_images(run), f"{label}: no image saved"
     info = await last_run(comfy)
+    comfy.images_done += 1
+    if comfy.images_done == 1:  # the first image after ComfyUI starts: from its process start, the start included
+        report("first_image_from_server_start", mode=comfy.mode, label=label,
+               seconds=round(time.monotonic() - comfy.spawned_at, 2))
     report(label, mode=comfy.mode, wall_s=round(time.monotonic() - started, 2),
            step_s=round(info["sampling_s"] / info["steps"], 4), **{k: v for k, v in info.items() if k != "device"})
     return info
