@@ -13,8 +13,8 @@ import pytest
 
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
-from ernie_image.runtime.local.compile_policy import (COMPILE_SECONDS, COMPILED_CALL_RATIO, UNCOMPILED_CALL_ROW_TOKEN_S,
-                                                      CompilePolicy, DitWork)
+from ernie_image.runtime.local.compile_policy import (COLD_COMPILE_SECONDS, COMPILE_SECONDS, COMPILED_CALL_RATIO,
+                                                      UNCOMPILED_CALL_ROW_TOKEN_S, CompilePolicy, DitWork)
 from ernie_image.runtime.local.options import LoadOptions
 from ernie_image.runtime.local.pipe import LocalPipe
 
@@ -128,6 +128,7 @@ def test_the_pipe_asks_before_each_dit_phase_and_compiles_once_when_it_pays(tiny
     monkeypatch.setattr(parts, "compile_available", lambda device: True)
     monkeypatch.setattr(description, "compile_available", lambda device: True)
     monkeypatch.setattr(parts, "compile_blocks", lambda dit: compiled.append(dit) or True)
+    monkeypatch.setattr(parts, "caches_hold", lambda weight_format, device: True)  # priced at COMPILE_SECONDS
     monkeypatch.setitem(compile_policy.COMPILE_SECONDS, "bf16", 1e9)  # never pays: stays uncompiled
     pipe = LocalPipe.load(tiny_turbo_folder, LoadOptions(device="cpu", previews=False))
     request = GenerationRequest(prompt="a fox", width=256, height=256, steps=2, seed=1)
@@ -153,3 +154,48 @@ def test_before_its_dit_is_built_a_job_is_priced_in_the_format_loading_will_make
     second image paid for the compile instead (seen on the H200)."""
     pipe = LocalPipe.load(tiny_turbo_folder, LoadOptions(device="cpu", quant=quant))
     assert pipe.parts.dit is None and pipe.parts.planned_dit_format() == expected
+
+
+@pytest.mark.parametrize("fmt, work, warm, jobs_uncompiled", [
+    ("fp8", BASE, True, 0),  # a restart: the compile mostly loads from inductor's cache, one Base job pays for it
+    ("fp8", BASE, False, 3),  # a first install: the compile from empty caches costs ~16 s, three Base jobs first
+    ("bf16", TURBO, False, 44),
+])
+def test_a_compile_from_empty_caches_is_priced_as_one(fmt, work, warm, jobs_uncompiled):
+    policy = CompilePolicy("auto", fmt, caches_warm=warm)
+    assert policy.compile_s == (COMPILE_SECONDS if warm else COLD_COMPILE_SECONDS)[fmt]
+    uncompiled = 0
+    while not policy.compile_before(work):
+        policy.ran_uncompiled(work, reference_seconds(work, fmt))
+        uncompiled += 1
+    assert uncompiled == jobs_uncompiled
+
+
+def test_the_caches_are_warm_once_this_gpu_and_torch_compiled_that_format_into_them(tmp_path, monkeypatch):
+    import torch
+
+    from ernie_image.runtime.model import compile_marks
+
+    cache = tmp_path / "torchinductor"
+    monkeypatch.setattr(compile_marks, "inductor_cache_folder", lambda: cache)
+    monkeypatch.setattr(compile_marks, "device_name", lambda device: "NVIDIA H200")
+    gpu = torch.device("cuda:0")
+    assert not compile_marks.caches_hold("fp8", gpu)
+    compile_marks.mark_compiled("fp8", gpu)  # no cache folder yet: nothing to vouch for, nothing written
+    assert not cache.exists()
+    cache.mkdir()
+    compile_marks.mark_compiled("fp8", gpu)
+    assert compile_marks.caches_hold("fp8", gpu) and not compile_marks.caches_hold("bf16", gpu)
+    assert not compile_marks.caches_hold("fp8", torch.device("cpu"))
+    monkeypatch.setattr(compile_marks, "device_name", lambda device: "NVIDIA GeForce RTX 4090")
+    assert not compile_marks.caches_hold("fp8", gpu)  # another GPU compiles other kernels
+    (cache / compile_marks.MARKS_FILE).write_text("[not a mark")
+    assert not compile_marks.caches_hold("fp8", gpu)  # a damaged mark: priced as empty caches, and rewritten
+    compile_marks.mark_compiled("fp8", gpu)
+    assert compile_marks.caches_hold("fp8", gpu) and sorted(p.name for p in cache.iterdir()) == [
+        compile_marks.MARKS_FILE]
+    (cache / compile_marks.MARKS_FILE).unlink()
+    (cache / compile_marks.MARKS_FILE).mkdir()  # a mark that cannot be read or written: no error, no scratch file
+    compile_marks.mark_compiled("bf16", gpu)
+    assert not compile_marks.caches_hold("bf16", gpu)
+    assert sorted(p.name for p in cache.iterdir()) == [compile_marks.MARKS_FILE]

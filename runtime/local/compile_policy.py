@@ -8,7 +8,9 @@ A user who makes a handful of Turbo images per restart never earns that back. "a
 uncompiled while what the uncompiled calls have cost beyond compiled ones, plus what the job about to run would cost,
 stays below the compile's cost; compile before the first job where it no longer does. Whatever the number of jobs,
 that spends about twice what the better choice in hindsight would have at most (as far as the estimates hold), and
-a single long job (Base: 100 DiT calls at CFG) compiles at once when it alone would pay for it.
+a single long job (Base: 100 DiT calls at CFG) compiles at once when it alone would pay for it. The compile's cost
+is the one from warm caches where inductor's cache holds the blocks already (model/compile_marks.py), else the one
+from empty caches: a first install runs uncompiled longer than a restart does.
 
 The estimate of a job's uncompiled time is per DiT call and image-token row, from the pipe's own uncompiled runs once
 it has one, else from the H200's figure (a slower GPU makes uncompiled calls dearer, so it compiles sooner).
@@ -22,8 +24,10 @@ CompileChoice = Union[bool, str]  # True, False or "auto"
 
 # Compiled call time / uncompiled call time, by DiT weight format (H200, bench/eager_graphs.py, bench/cold_start.py).
 COMPILED_CALL_RATIO = {"bf16": 0.87, "fp8": 0.65}
-# A process's compile of the blocks with warm inductor caches, seconds (H200, 16 cores, bench/cold_start.py).
+# A process's compile of the blocks, seconds (H200, 16 cores, bench/cold_start.py): with inductor's caches holding
+# them already (model/compile_marks.py), and from empty caches.
 COMPILE_SECONDS = {"bf16": 2.4, "fp8": 3.7}
+COLD_COMPILE_SECONDS = {"bf16": 7.0, "fp8": 16.0}
 # Uncompiled seconds per DiT call and image-token row before the pipe has measured its own (H200: 151 ms bf16 for
 # one 1024x1024 row of 4096 image tokens; FP8 143 ms).
 UNCOMPILED_CALL_ROW_TOKEN_S = {"bf16": 0.151 / 4096, "fp8": 0.143 / 4096}
@@ -50,16 +54,22 @@ class DitWork:
 
 
 class CompilePolicy:
-    def __init__(self, choice: CompileChoice, weight_format: str = "bf16") -> None:
-        if choice not in (True, False, "auto"):
+    def __init__(self, choice: CompileChoice, weight_format: str = "bf16", caches_warm: bool = True) -> None:
+        if not (isinstance(choice, bool) or choice == "auto"):
             raise ValueError(f"compile {choice!r}: use True, False or 'auto'")
         self.choice = choice
         self.format = weight_format if weight_format in COMPILE_SECONDS else OTHER_FORMAT
+        self.caches_warm = caches_warm  # whether inductor's caches hold the compile already (compile_marks.py)
         self.spent_s = 0.0  # what the uncompiled calls so far cost beyond compiled ones
         self._measured_row_token_s: Optional[float] = None
 
     def set_format(self, weight_format: str) -> None:
         self.format = weight_format if weight_format in COMPILE_SECONDS else OTHER_FORMAT
+
+    @property
+    def compile_s(self) -> float:
+        """What compiling costs this process: less where inductor's caches hold the blocks already."""
+        return (COMPILE_SECONDS if self.caches_warm else COLD_COMPILE_SECONDS)[self.format]
 
     @property
     def row_token_s(self) -> float:
@@ -76,7 +86,7 @@ class CompilePolicy:
         if self.choice != "auto":
             return bool(self.choice)
         expected = self.extra_s(work.row_tokens * self.row_token_s)
-        return self.spent_s + expected >= COMPILE_SECONDS[self.format]
+        return self.spent_s + expected >= self.compile_s
 
     def ran_uncompiled(self, work: DitWork, seconds: float) -> None:
         """A job's DiT calls ran uncompiled in `seconds`: count their extra cost, learn this device's speed."""

@@ -17,6 +17,7 @@ from ..formats import open_component
 from ..formats.sources import ModelSources
 from ..model.builders import build_dit, build_text_tower, build_vae
 from ..model.compile import compile_available, compile_blocks, fuse_projections
+from ..model.compile_marks import caches_hold, mark_compiled
 from ..model.fill import QUANT_ON_LOAD_FORMATS
 from ..offload.reserve import device_bytes_held
 from .checks import dit_weight_format, file_weight_format
@@ -77,6 +78,7 @@ class PipeParts:
         self.enhancer: Any = None
         self.compile_policy = CompilePolicy(options.compile)
         self.compile_policy_decided = False  # "auto" decided to compile: this DiT and any rebuilt one are compiled
+        self.compile_marked = False  # compile_marks.py knows this process compiled its blocks
 
     @property
     def compiles_dit(self) -> bool:
@@ -99,6 +101,9 @@ class PipeParts:
         """Around a job's DiT calls: uncompiled ones are timed (the device drained at both ends) for the policy."""
         if self.compiles_dit:
             yield
+            if not self.compile_marked and self.device.type == "cuda":
+                mark_compiled(self.planned_dit_format(), self.device)  # a restart prices a warm-cache compile
+                self.compile_marked = True
             return
         synchronize = torch.cuda.synchronize if self.device.type == "cuda" else (lambda device: None)
         synchronize(self.device)
@@ -112,7 +117,9 @@ class PipeParts:
         loaded DiT's captured graphs are dropped; its blocks compile on their next call)."""
         if self.compiles_dit or not compile_available(self.device):
             return
-        self.compile_policy.set_format(self.planned_dit_format())
+        fmt = self.planned_dit_format()
+        self.compile_policy.set_format(fmt)
+        self.compile_policy.caches_warm = caches_hold(fmt, self.device)
         if not self.compile_policy.compile_before(work):
             return
         self.compile_policy_decided = True
