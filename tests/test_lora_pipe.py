@@ -159,6 +159,7 @@ def test_blocks_compiled_after_a_lora_was_put_on_take_it_again_in_one_structure(
     monkeypatch.setattr(local_parts_module, "compile_available", lambda device: True)
     monkeypatch.setattr(local_parts_module, "compile_blocks",
                         lambda dit: [block.compile(backend="eager") for block in dit.layers] and True)
+    monkeypatch.setattr(local_parts_module, "caches_hold", lambda weight_format, device: True)
     monkeypatch.setitem(compile_policy.COMPILE_SECONDS, "bf16", 1e9)  # never pays: stays uncompiled
     pipe = LocalPipe.load(model, LoadOptions(device="cpu", dtype="fp32", lora_mode="branch"))
     weights = lf.dit_weights(tiny_turbo_folder)
