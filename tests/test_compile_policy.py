@@ -199,3 +199,11 @@ def test_the_caches_are_warm_once_this_gpu_and_torch_compiled_that_format_into_t
     compile_marks.mark_compiled("bf16", gpu)
     assert not compile_marks.caches_hold("bf16", gpu)
     assert sorted(p.name for p in cache.iterdir()) == [compile_marks.MARKS_FILE]
+
+
+def test_the_cache_folder_is_found_as_inductor_finds_it_and_left_as_it_is(tmp_path, monkeypatch):
+    from ernie_image.runtime.model import compile_marks
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "not-yet"))
+    assert compile_marks.inductor_cache_folder() == tmp_path / "not-yet"
+    assert not (tmp_path / "not-yet").exists()

@@ -20,11 +20,12 @@ MARKS_FILE = "ernie_image_compiled.json"
 
 
 def inductor_cache_folder() -> Optional[Path]:
+    """Where inductor keeps its cache, found as inductor finds it, without creating it or setting its variable."""
     try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     except ImportError:  # a torch without inductor's runtime utilities: nothing to vouch for
         return None
-    return Path(cache_dir())
+    return Path(os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()))
 
 
 def device_name(device: torch.device) -> str:
