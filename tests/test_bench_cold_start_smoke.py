@@ -1,8 +1,7 @@
 """bench/cold_start.py --tiny: the first-image benchmark end to end on the CPU with the tiny model.
 
-The GPU run is the same code at full size: fresh processes that read the weights from files, two images each. This
-checks that a row's process really starts fresh, makes both images and reports every split it promises, and that
-warm rows reuse the compile-cache folders of the row's empty run.
+The GPU run is the same code at full size: fresh processes that read the weights from files, three images each.
+This checks that each row runs in a process of its own, makes its images and reports every split it promises.
 """
 from __future__ import annotations
 

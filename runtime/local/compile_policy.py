@@ -58,7 +58,7 @@ class CompilePolicy:
         if not (isinstance(choice, bool) or choice == "auto"):
             raise ValueError(f"compile {choice!r}: use True, False or 'auto'")
         self.choice = choice
-        self.format = weight_format if weight_format in COMPILE_SECONDS else OTHER_FORMAT
+        self.set_format(weight_format)
         self.caches_warm = caches_warm  # whether inductor's caches hold the compile already (compile_marks.py)
         self.spent_s = 0.0  # what the uncompiled calls so far cost beyond compiled ones
         self._measured_row_token_s: Optional[float] = None
