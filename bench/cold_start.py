@@ -37,7 +37,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 BENCH = Path(__file__).resolve().parent
 MARK = "COLD_START "
@@ -68,7 +68,7 @@ class Row:
 
     @classmethod
     def parse(cls, text: str) -> "Row":
-        allocator, caches, what = text.split(":")
+        allocator, caches, what = (text.split(":") + ["", "", ""])[:3] if text.count(":") == 2 else ("", "", "")
         parts = what.split("-")
         if (allocator not in ("native", "cudaMallocAsync") or caches not in ("empty", "warm") or len(parts) not in (4, 5)
                 or parts[4:] not in ([], ["eager"], ["compiled"])):
@@ -114,7 +114,7 @@ def word_level_tokenizer_folder(folder: Path, vocab_size: int, adds_bos: bool, m
         (folder / "chat_template.jinja").write_text(chat_template)
 
 
-def write_full_size_folder(folder: Path, pe_tokens: int) -> None:
+def write_full_size_folder(scratch: Path, pe_tokens: int) -> None:
     import torch
     from e2e import build_components
     from enhancer import full_size_pe
@@ -125,22 +125,30 @@ def write_full_size_folder(folder: Path, pe_tokens: int) -> None:
 
     _, reference_dit, text_encoder, _, vae, _ = build_components()
     pe, raw = full_size_pe(torch.device("cuda"))
-    scratch = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(scratch, ignore_errors=True)
     save_diffusers_layout(scratch, released_config_folder("turbo"), reference_dit, text_encoder, vae, pe)
     vocab = min(raw["vocab_size"], text_encoder.config.text_config.vocab_size)
     word_level_tokenizer_folder(scratch / "tokenizer", vocab, True, 2048)
     word_level_tokenizer_folder(scratch / "pe_tokenizer", vocab, False, pe_tokens, ERNIE_PE_CHAT_TEMPLATE)
-    os.replace(scratch, folder)
 
 
-def write_tiny_folder(folder: Path) -> None:
+def write_tiny_folder(scratch: Path) -> None:
     from ernie_image.runtime.demo.tiny import build_tiny_model
 
-    scratch = folder.with_name(folder.name + ".partial")
-    shutil.rmtree(scratch, ignore_errors=True)
     build_tiny_model(scratch, "diffusers", "turbo", with_pe=True)
-    os.replace(scratch, folder)
+
+
+def write_once(folder: Path, write: Callable[[Path], None]) -> None:
+    """`write` into a scratch folder of this run's own, then put it in place; a run that finished first wins, and
+    nothing half-written is left behind, whatever happens."""
+    scratch = Path(tempfile.mkdtemp(prefix=folder.name + ".partial.", dir=folder.parent))
+    try:
+        write(scratch)
+        os.replace(scratch, folder)
+    except OSError:
+        if not folder.is_dir():
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def read_into_page_cache(folder: Path) -> float:
@@ -338,6 +346,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--spawned-at", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.size = args.size or (256 if args.tiny else 1024)
+    if args.images < 2:
+        parser.error("--images must be 2 or more: the first image and a warm one")
     if args.child:
         child(args)
         return
@@ -347,14 +357,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     from common import environment, import_package, table
 
     import_package()
+    schedule = [Row.parse(entry) for entry in (args.schedule or DEFAULT_SCHEDULE)]  # refused before any work
     args.out.mkdir(parents=True, exist_ok=True)
     args.models = args.models or args.out / "models"
     if not args.models.is_dir():
         started = time.perf_counter()
-        write_tiny_folder(args.models) if args.tiny else write_full_size_folder(args.models, args.pe_tokens)
+        write_once(args.models, write_tiny_folder if args.tiny else
+                   lambda scratch: write_full_size_folder(scratch, args.pe_tokens))
         print(f"# weights written to {args.models} in {time.perf_counter() - started:.1f} s", flush=True)
     print(f"# weights read into the page cache in {read_into_page_cache(args.models):.1f} s", flush=True)
-    schedule = [Row.parse(entry) for entry in (args.schedule or DEFAULT_SCHEDULE)]
     results = []
     with tempfile.TemporaryDirectory(prefix="cold_start_caches_") as cache_root:
         for row in schedule:
@@ -366,6 +377,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     markdown = table([table_row(result) for result in results], COLUMNS)
     (args.out / "cold_start.md").write_text(markdown + "\n")
     print(markdown)
+    failed = [result for result in results if "error" in result]
+    if failed:
+        sys.exit(f"{len(failed)} of {len(results)} rows failed (their errors are in the table)")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -31,3 +33,15 @@ def test_each_row_is_a_fresh_process_that_reports_every_split(tmp_path, tiny_tur
         assert set(result["first_phases"]) == {"pe_s", "text_s", "sampling_s", "decode_s"}
     table = (out / "cold_start.md").read_text()
     assert "ours-turbo-bf16-pe" in table and table.count("\n") == 4
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--schedule", "bogus"], "schedule entry 'bogus': use ALLOCATOR:empty|warm:"),
+    (["--schedule", "native:empty:ours-turbo-bf16"], "schedule entry 'native:empty:ours-turbo-bf16'"),
+    (["--images", "1"], "--images must be 2 or more"),
+])
+def test_a_bad_schedule_or_image_count_is_refused_before_any_weights_are_written(tmp_path, argv, error):
+    done = subprocess.run([sys.executable, str(BENCH / "cold_start.py"), "--tiny", "--out", str(tmp_path / "out"),
+                           *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and error in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()
