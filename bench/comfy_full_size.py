@@ -32,7 +32,8 @@ import_package()
 
 from ernie_image.runtime.demo.comfy_files import save_comfy_layout  # noqa: E402
 from ernie_image.runtime.quant.qweight import QuantizedWeight  # noqa: E402
-from ernie_image.runtime.quant.writer import quantize_state_dict, read_bf16_dit, write_quantized_file  # noqa: E402
+from ernie_image.runtime.cli.quantize import read_bf16_dit  # noqa: E402
+from ernie_image.runtime.quant.writer import quantize_state_dict, write_quantized_file  # noqa: E402
 
 NAMES = {
     "dit": "diffusion_models/ernie-image-turbo.safetensors",

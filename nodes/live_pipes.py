@@ -15,12 +15,18 @@ from ..runtime.core.pipe import ErniePipe
 log = logging.getLogger("ernie_image")
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# The weights' owners (a local pipe's parts and memory), held weakly apart from the pipe: one that outlives its pipe
+# is memory nothing can use or free (reported by summary, so a leak shows).
+_weights: "weakref.WeakSet[Any]" = weakref.WeakSet()
 # Held while a pipe generates, so an HTTP "free" waits for the run instead of pulling weights from under it.
 generation_lock = threading.Lock()
 
 
 def track(pipe: ErniePipe) -> ErniePipe:
     _live.add(pipe)
+    for owner in (getattr(pipe, "parts", None), getattr(pipe, "memory", None)):
+        if owner is not None:
+            _weights.add(owner)
     return pipe
 
 
@@ -44,6 +50,7 @@ def summary() -> dict[str, Any]:
     pipes = live_pipes()
     return {
         "live_pipes": len(pipes),
+        "weight_owners_alive": len(_weights),  # parts and memory of local pipes, the dropped ones' included
         "pipes": [{"kind": p.kind, "loaded": bool(p.is_loaded()), "plan": _describe(p), **_memory(p)} for p in pipes],
     }
 

@@ -181,6 +181,11 @@ async def no_pipe_alive(comfy: GpuComfy) -> bool:
     return (await memory(comfy))["live_pipes"] == 0
 
 
+async def no_weights_alive(comfy: GpuComfy) -> bool:
+    """Nothing of a dropped local pipe outlives it: its parts and memory are gone with it."""
+    return (await memory(comfy))["weight_owners_alive"] == 0
+
+
 async def last_run(comfy: GpuComfy) -> dict[str, Any]:
     runs = [p["last_run"] for p in (await memory(comfy))["pipes"] if p.get("last_run")]
     assert runs, "no local pipe reported a finished job"
@@ -215,10 +220,7 @@ def runtime_alone(models: Path, budget_gb: Optional[float], seed: int, quant: st
 import json, sys
 sys.path.insert(0, {str(REPO_ROOT / 'tests')!r})
 import conftest
-from ernie_image.runtime.core.host import NullHost
-from ernie_image.runtime.local.pipe import LoadOptions, LocalPipe
-from ernie_image.runtime.model.builders import ModelSources
-from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image import GenerationRequest, LoadOptions, LocalPipe, ModelSources, NullHost
 paths = {json.dumps({k: str(v) for k, v in files(models).items()})}
 sources = ModelSources(dit=paths["dit"], text_encoder=paths["text_encoder"], vae=paths["vae"])
 pipe = LocalPipe.load(sources, LoadOptions(device={'"cpu"' if DRY_RUN else '"auto"'}, vram_budget_gb={budget_gb!r}, keep_loaded=True,
@@ -282,6 +284,7 @@ async def test_free_model_and_node_cache_gives_device_and_pinned_memory_back(com
     status, _ = await post(comfy, "/free", {"unload_models": True, "free_memory": True})
     assert status == 200
     await wait_until_async(lambda: no_pipe_alive(comfy), 60, poll_s=0.5, what="the node cache dropping the pipe")
+    await wait_until_async(lambda: no_weights_alive(comfy), 30, poll_s=0.5, what="the dropped pipe's weights going with it")
 
     def given_back() -> Optional[dict[str, int]]:
         now = {"device": device_used_bytes(), **process_memory(comfy.process.pid)}

@@ -97,6 +97,23 @@ def test_evicting_the_cache_entry_frees_the_pipe_and_its_slabs_at_once(model) ->
     assert all(s.closed and s.slab.data.numel() == 0 and s.slab.pinned_bytes == 0 for s in streamers)
 
 
+
+def test_the_memory_route_counts_a_dropped_pipes_weights_until_they_are_gone(model) -> None:
+    """/ernie_image/memory's weight_owners_alive: a tracked pipe's parts and memory, counted while anything holds
+    them, so a "Free model and node cache" that leaves weights behind shows as a count above 0."""
+    from ernie_image.nodes import live_pipes
+
+    before = live_pipes.summary()
+    pipe = live_pipes.track(loaded_streaming_pipe(model))
+    assert live_pipes.summary()["weight_owners_alive"] == before["weight_owners_alive"] + 2
+    stray = pipe.parts  # something outside the pipe still holding its weights (and, through them, its memory)
+    del pipe
+    after = live_pipes.summary()
+    assert after["live_pipes"] == before["live_pipes"] and after["weight_owners_alive"] == before["weight_owners_alive"] + 2
+    del stray
+    assert live_pipes.summary()["weight_owners_alive"] == before["weight_owners_alive"]
+
+
 class FakeCudart:
     """cudaHostRegister / cudaHostUnregister as CUDA answers them, recorded."""
 
