@@ -5,8 +5,10 @@ with free_memory, the UI's "Free model and node cache") the pipe is garbage coll
 """
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import types
 import weakref
 from typing import Any
 
@@ -51,6 +53,7 @@ def summary() -> dict[str, Any]:
     return {
         "live_pipes": len(pipes),
         "weight_owners_alive": len(_weights),  # parts and memory of local pipes, the dropped ones' included
+        "orphaned_weights_held_by": orphan_holders(pipes),
         "pipes": [{"kind": p.kind, "loaded": bool(p.is_loaded()), "plan": _describe(p), **_memory(p)} for p in pipes],
     }
 
@@ -70,3 +73,45 @@ def _describe(pipe: Any) -> str:
         return pipe.describe()
     except Exception as error:  # noqa: BLE001 - a status page must not fail
         return f"(describe failed: {error})"
+
+
+def orphan_holders(pipes: list[Any], max_chains: int = 6, depth: int = 4) -> list[str]:
+    """What still holds the weights of pipes that are gone (a leak; empty when there is none): for each such owner,
+    chains of the objects referring to it, nearest first, so a report names the culprit without a debugger."""
+    owned = {id(owner) for pipe in pipes for owner in (getattr(pipe, "parts", None), getattr(pipe, "memory", None))}
+    orphans = [owner for owner in list(_weights) if id(owner) not in owned]
+    if not orphans:
+        return []
+    chains: list[str] = []
+    skip = {id(orphans), id(chains)} | {id(vars(o)) for o in orphans}  # their own attributes link parts to memory
+    for orphan in orphans:
+        _referrer_chains(orphan, [type(orphan).__qualname__], chains, skip, depth, max_chains)
+    return chains[:max_chains]
+
+
+def _referrer_chains(obj: Any, path: list[str], chains: list[str], skip: set[int], depth: int, limit: int) -> None:
+    for referrer in gc.get_referrers(obj):
+        if len(chains) >= limit:
+            return
+        if id(referrer) in skip or isinstance(referrer, types.FrameType):
+            continue
+        skip.add(id(referrer))
+        here = path + [_named(referrer)]
+        if depth <= 1 or isinstance(referrer, (types.ModuleType, type)):
+            chains.append(" <- ".join(here))
+            continue
+        before = len(chains)
+        _referrer_chains(referrer, here, chains, skip, depth - 1, limit)
+        if len(chains) == before:
+            chains.append(" <- ".join(here))
+
+
+def _named(value: Any) -> str:
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    if isinstance(value, dict):
+        return f"dict{sorted(map(str, value))[:5]}"
+    if isinstance(value, (types.FunctionType, types.MethodType)):
+        return f"{kind} {value.__qualname__}"
+    if isinstance(value, types.ModuleType):
+        return f"module {value.__name__}"
+    return kind

@@ -181,9 +181,11 @@ async def no_pipe_alive(comfy: GpuComfy) -> bool:
     return (await memory(comfy))["live_pipes"] == 0
 
 
-async def no_weights_alive(comfy: GpuComfy) -> bool:
-    """Nothing of a dropped local pipe outlives it: its parts and memory are gone with it."""
-    return (await memory(comfy))["weight_owners_alive"] == 0
+async def no_weights_alive(comfy: GpuComfy, seen: dict[str, Any]) -> bool:
+    """Nothing of a dropped local pipe outlives it: its parts and memory are gone with it. `seen` keeps the last
+    answer, whose `orphaned_weights_held_by` names what holds them when they are not."""
+    seen.update(await memory(comfy))
+    return seen["weight_owners_alive"] == 0
 
 
 async def last_run(comfy: GpuComfy) -> dict[str, Any]:
@@ -284,7 +286,10 @@ async def test_free_model_and_node_cache_gives_device_and_pinned_memory_back(com
     status, _ = await post(comfy, "/free", {"unload_models": True, "free_memory": True})
     assert status == 200
     await wait_until_async(lambda: no_pipe_alive(comfy), 60, poll_s=0.5, what="the node cache dropping the pipe")
-    await wait_until_async(lambda: no_weights_alive(comfy), 30, poll_s=0.5, what="the dropped pipe's weights going with it")
+    seen: dict[str, Any] = {}
+    await wait_until_async(lambda: no_weights_alive(comfy, seen), 30, poll_s=0.5,
+                           what=lambda: f"the dropped pipe's weights going with it (held by: "
+                                        f"{seen.get('orphaned_weights_held_by')})")
 
     def given_back() -> Optional[dict[str, int]]:
         now = {"device": device_used_bytes(), **process_memory(comfy.process.pid)}

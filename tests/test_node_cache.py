@@ -106,12 +106,15 @@ def test_the_memory_route_counts_a_dropped_pipes_weights_until_they_are_gone(mod
     before = live_pipes.summary()
     pipe = live_pipes.track(loaded_streaming_pipe(model))
     assert live_pipes.summary()["weight_owners_alive"] == before["weight_owners_alive"] + 2
-    stray = pipe.parts  # something outside the pipe still holding its weights (and, through them, its memory)
+    keeper = {"kept_by_the_test": pipe.parts}  # something outside the pipe still holding its weights (and memory)
     del pipe
     after = live_pipes.summary()
     assert after["live_pipes"] == before["live_pipes"] and after["weight_owners_alive"] == before["weight_owners_alive"] + 2
-    del stray
+    assert any(chain.startswith("PipeParts <- dict['kept_by_the_test']") for chain in after["orphaned_weights_held_by"]), \
+        after["orphaned_weights_held_by"]
+    del keeper
     assert live_pipes.summary()["weight_owners_alive"] == before["weight_owners_alive"]
+    assert live_pipes.summary()["orphaned_weights_held_by"] == []
 
 
 class FakeCudart:
