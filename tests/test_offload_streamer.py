@@ -259,6 +259,65 @@ def test_streamer_rejects_an_empty_stream():
         LayerStreamer([torch.nn.Linear(2, 2)], [], 2, CPU)
 
 
+
+# -- guesses: layers copied before the caller knows whether they run (a step cache's decision) -----------------
+def linear_layers(count: int = 6) -> tuple[list[torch.nn.Linear], list[torch.nn.Linear]]:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(count)]
+    originals = [torch.nn.Linear(8, 8) for _ in range(count)]
+    for original, layer in zip(originals, layers):
+        original.load_state_dict(layer.state_dict())
+    return layers, originals
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+@pytest.mark.parametrize("slots", [2, 3])
+def test_a_dropped_guess_is_never_run_and_a_confirmed_one_is_copied_once(mode, slots):
+    layers, originals = linear_layers()
+    streamer = LayerStreamer(layers, range(6), slots, CPU, pin=False, fake_mode=mode)
+    trace: list[tuple] = []
+    streamer.sync.trace = trace
+    source = {host.data_ptr(): index for index, host in enumerate(streamer._host)}
+    x = torch.randn(2, 8)
+
+    def run(indices) -> None:
+        for index in indices:
+            streamer.before(index)
+            assert torch.equal(layers[index](x), originals[index](x)), f"layer {index} ran on other bytes"
+            streamer.after(index)
+
+    streamer.follow_route()
+    for decided, rest in (("skip", [5]), ("compute", [2, 3, 4, 5]), ("skip", [4, 5]), ("compute", [2, 3, 4, 5])):
+        streamer.extend_route([0, 1])
+        streamer.guess([2, 3, 4], limit=1)
+        run([0, 1])
+        streamer.extend_route(rest)  # the decision: a rest that begins with the guess confirms it
+        run(rest)
+    copied = [source[event[2]] for event in trace if event[0] == "copy"]
+    assert copied == [0, 1, 2, 5] + [0, 1, 2, 3, 4, 5] + [0, 1, 2, 4, 5] + [0, 1, 2, 3, 4, 5]
+    assert ("join",) in trace[:1] and trace.count(("join",)) == 1  # the route was always known: no restart
+    streamer.end_route()
+    run(range(6))  # back to every layer in turn
+
+
+def test_guesses_copied_or_still_routed_are_dropped_together_and_the_ring_goes_on():
+    layers, originals = linear_layers()
+    streamer = LayerStreamer(layers, range(6), 3, CPU, pin=False, fake_mode="lazy")
+    x = torch.randn(2, 8)
+    streamer.follow_route()
+    streamer.extend_route([0, 1])
+    streamer.guess([3, 4, 5], limit=3)  # more than the ring has room for: one waits in the route
+    streamer.before(0)
+    assert torch.equal(layers[0](x), originals[0](x))
+    streamer.after(0)
+    assert [k for k, _ in streamer._issued] == [1, 3, 4] and list(streamer._route) == [5]
+    streamer.extend_route([2, 5])  # no guess confirmed: the copied ones give their slots back, the routed one goes
+    assert [k for k, _ in streamer._issued] == [1, 2, 5] and not streamer._route and not streamer._guessed
+    for index in (1, 2, 5):
+        streamer.before(index)
+        assert torch.equal(layers[index](x), originals[index](x))
+        streamer.after(index)
+
 # -- the ring across step boundaries ---------------------------------------------------------------------
 #
 # With s slots, the copy for a layer can start only once the layer that used its slot before has finished. At

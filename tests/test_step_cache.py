@@ -23,7 +23,7 @@ from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.step_cache import StepCacheConfig, parse_step_cache
 from ernie_image.runtime.step_cache.rule import SkipRule, relative_change, skippable_window
-from ernie_image.runtime.step_cache.session import BlockSplit, StepCacheRun
+from ernie_image.runtime.step_cache.session import GUESSED_BLOCKS, BlockSplit, StepCacheRun
 from ernie_image.runtime.step_cache.view import StepCachePipe, with_step_cache
 from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
 from streaming_budgets import middle_streaming_budget_gb
@@ -280,7 +280,8 @@ def test_image_inputs_and_cfg_1_run_bit_for_bit_at_threshold_zero(base_pipe, wha
 
 
 # ------------------------------------------------------------------------------------------ streamed blocks
-def test_streamed_blocks_give_the_resident_image_and_only_the_blocks_that_run_are_copied(base_model, base_pipe):
+def test_streamed_blocks_give_the_resident_image_and_a_skipped_step_copies_one_guessed_block_it_does_not_run(
+        base_model, base_pipe):
     request = cached(dataclasses.replace(BASE, batch=1), f"dbcache:forced={FORCED},first_blocks=2,last_blocks=1")
     resident = base_pipe.generate(request, NullHost())
     budget = middle_streaming_budget_gb(base_model, request, "cpu")
@@ -296,8 +297,12 @@ def test_streamed_blocks_give_the_resident_image_and_only_the_blocks_that_run_ar
     copied = [host_of[event[2]] for event in streamer.sync.trace if event[0] == "copy"]
     split = BlockSplit.of(6, 2, 1)
     expected = []
+    guessed = [index for index in split.middle if index in streamed][:GUESSED_BLOCKS]
     for letter in FORCED:  # two groups per step (CFG), each its first pass, then each its second
-        blocks = split.first * 2 + (split.middle + split.last if letter == "C" else split.last) * 2
+        if letter == "C":
+            blocks = split.first * 2 + (split.middle + split.last) * 2  # a guess confirmed is copied once, in order
+        else:  # the guess is copied before the decision and dropped by it
+            blocks = split.first * 2 + tuple(guessed) + split.last * 2
         expected += [index for index in blocks if index in streamed]
     assert copied == expected
     assert ("join",) not in streamer.sync.trace  # the route was known ahead: the stream never restarted

@@ -70,7 +70,7 @@ def test_compiled_blocks_threshold_zero_is_the_compiled_uncached_image(model):
     pipe.release()
 
 
-def test_streamed_cached_run_is_the_resident_one_bit_for_bit_and_copies_no_skipped_block(model, eager):
+def test_streamed_cached_run_is_the_resident_one_bit_for_bit_across_runs_and_a_cancel(model, eager):
     request = cached(REQUEST, FORCED)
     pipe = LocalPipe.load(model, LoadOptions(device="cuda", compile=False, vram_budget_gb=middle_streaming_budget_gb(
         model, request, "cuda"), keep_loaded=True))

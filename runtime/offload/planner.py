@@ -159,7 +159,7 @@ def budget_bytes(spec: "float | str | None", device=None, held_by_pipe: int = 0)
 
 
 # Resident blocks kept right after a host wait inside a step (a step cache's decision): their compute covers the
-# first streamed block's copy, which cannot start before the decision (a block that may be skipped is not copied).
+# copies that start only after it (the step cache guesses one streamed block ahead of the decision, no more).
 RESIDENT_AFTER_DECISION = 2
 
 

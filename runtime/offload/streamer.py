@@ -27,9 +27,12 @@ still queued (the allocator orders reuse on the compute stream only), and a stop
 
 A route (`follow_route`, for a caller that runs only some layers, or some twice, in an order it knows ahead:
 step_cache/): copies then follow the layer indices given to `extend_route`, in that order, and stop where the known
-route ends until more is given, so a layer the caller will not run is never copied. A layer that comes again
+route ends until more is given, so a layer the caller will not run is not copied. A layer that comes again
 while its previous visit still holds a slot waits (copies stay in route order) until that visit is done: it is
-never re-pointed while it runs. `end_route` returns to every layer in turn.
+never re-pointed while it runs. `end_route` returns to every layer in turn. A caller that will know only later
+whether some layers run (a step cache's decision) may `guess` them: they are copied as if routed, and the next
+`extend_route` confirms the ones it begins with and drops the others, whose copies are simply never used (their
+slots go to the next copies, in copy-stream order).
 
 On the CPU the same bookkeeping runs with `FakeSync`: the "device" ring is a second CPU tensor and copies are
 either run at once ("eager", catches a copy that overwrites a slot still in use) or deferred until the compute
@@ -228,6 +231,7 @@ class LayerStreamer:
         self._next = 0  # the stream position the next copy is of
         self._cursor = 0  # the slot the next copy goes to
         self._route: Optional[deque[int]] = None  # stream positions still to copy when following a route
+        self._guessed: deque[int] = deque()  # the last positions routed, in order, that `guess` put there
         self._started = False  # copies were issued since the ring was (re)bound: the next ones need no join
         self._bind_ring()
         self.closed = False
@@ -266,6 +270,7 @@ class LayerStreamer:
     def _restart(self, k: int) -> None:
         """First use, after unpark, or after a run stopped part-way (cancel, error): stream again from position k."""
         self.sync.join()  # see the module docstring
+        self._forget_copied_guesses()
         self._issued.clear()
         self._next = k
         if self._route is not None and (not self._route or self._route[0] != k):
@@ -280,16 +285,56 @@ class LayerStreamer:
 
     def extend_route(self, indices: Sequence[int]) -> None:
         """Layers (model indices; resident ones are ignored) the caller will run next, after those given before.
-        Their copies are issued at once as far as free slots allow."""
+        Their copies are issued at once as far as free slots allow. Guessed layers (`guess`) these begin with are
+        confirmed; the other guesses are dropped."""
         if self._route is None:
             raise RuntimeError("extend_route needs follow_route first")
-        self._route.extend(self.position[index] for index in indices if index in self.position)
+        positions = deque(self.position[index] for index in indices if index in self.position)
+        while self._guessed and positions and positions[0] == self._guessed[0]:
+            positions.popleft()
+            self._guessed.popleft()
+        if positions and self._guessed:
+            self._drop_guesses()
+        self._route.extend(positions)
         if self._started and not self.parked:
             self._pump()
+
+    def guess(self, indices: Sequence[int], limit: int) -> None:
+        """Copy the first `limit` streamed layers of `indices` next, before it is known whether they run (module
+        docstring): the next `extend_route` confirms or drops them."""
+        if self._route is None:
+            raise RuntimeError("guess needs follow_route first")
+        positions = [self.position[index] for index in indices if index in self.position][:max(0, limit)]
+        self._route.extend(positions)
+        self._guessed.extend(positions)
+        if self._started and not self.parked:
+            self._pump()
+
+    def _drop_guesses(self) -> None:
+        """Unroute the guesses: those not copied yet leave the route, the copied ones give their slots back (they
+        are the last copies issued; nothing ran in them, so the next copy may overwrite them)."""
+        route = self._route if self._route is not None else deque()
+        for _ in range(min(len(route), len(self._guessed))):  # the guesses are the last of what is routed
+            route.pop()
+            self._guessed.pop()
+        while self._guessed:
+            k, _ = self._issued.pop()
+            if k != self._guessed.pop():
+                raise RuntimeError("the stream's guessed copies are not its last ones")
+            self._cursor = (self._cursor - 1) % self.slots
+            self._next = k
+
+    def _forget_copied_guesses(self) -> None:
+        """The copies issued are being forgotten (a restart, a park): guesses among them are copies no more, the
+        ones still routed stay guesses."""
+        route = self._route if self._route is not None else deque()
+        for _ in range(len(self._guessed) - min(len(route), len(self._guessed))):
+            self._guessed.popleft()
 
     def end_route(self) -> None:
         """Back to every streamed layer in turn (the next layer run restarts the stream if it was not foreseen)."""
         self._route = None
+        self._guessed.clear()
 
     @property
     def following_route(self) -> bool:
@@ -321,6 +366,7 @@ class LayerStreamer:
         with torch.inference_mode(False):
             for host, entries in zip(self._host, self._entries):
                 _point(entries, host)
+        self._forget_copied_guesses()
         self._issued.clear()
         self._dev, self._views, self._at = [], [], []
         self.ring = torch.empty(0, dtype=torch.uint8, device=self.device)
