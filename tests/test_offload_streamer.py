@@ -318,6 +318,61 @@ def test_guesses_copied_or_still_routed_are_dropped_together_and_the_ring_goes_o
         assert torch.equal(layers[index](x), originals[index](x))
         streamer.after(index)
 
+
+def streamer_over_three_of_six(slots: int = 2):
+    """Layers 0-2 streamed, 3-5 resident; `run(i)` runs layer i and checks it ran on its own bytes."""
+    layers, originals = linear_layers()
+    streamer = LayerStreamer(layers, (0, 1, 2), slots, CPU, pin=False, fake_mode="lazy")
+    x = torch.randn(2, 8)
+
+    def run(index: int) -> None:
+        streamer.before(index)
+        assert torch.equal(layers[index](x), originals[index](x)), f"layer {index} ran on other bytes"
+        streamer.after(index)
+
+    return streamer, run
+
+
+def test_an_extend_route_naming_only_resident_layers_drops_the_guess():
+    streamer, run = streamer_over_three_of_six()
+    streamer.follow_route()
+    streamer.extend_route([0, 1])
+    streamer.guess([2], limit=1)
+    run(0), run(1)
+    streamer.extend_route([3, 4])  # the decision: 2 does not run next
+    assert not streamer._guessed and not streamer._issued
+    run(3), run(4)
+    streamer.extend_route([0, 1, 2])
+    run(0), run(1), run(2)
+
+
+@pytest.mark.parametrize("interruption", ["a guessed layer run unannounced", "a park mid-route",
+                                          "a new route without end_route"])
+def test_a_guess_settled_by_a_run_or_forgotten_with_its_copies_leaves_the_stream_consistent(interruption):
+    streamer, run = streamer_over_three_of_six()
+    streamer.follow_route()
+    if interruption == "a guessed layer run unannounced":
+        streamer.extend_route([0, 1])
+        streamer.guess([2], limit=1)
+        run(0), run(1), run(2)  # running the guess confirms it
+    elif interruption == "a park mid-route":
+        streamer.extend_route([0, 2])
+        streamer.guess([2], limit=1)
+        run(0)
+        streamer.park()  # between phases: the copies issued are forgotten, the guess among them
+        run(2)
+    else:
+        streamer.extend_route([0, 1, 0, 1])
+        streamer.guess([2], limit=1)
+        run(0)
+        streamer.follow_route()  # the last run never ended its route
+    streamer.extend_route([1, 0])
+    run(1), run(0)
+    assert not streamer._guessed
+    streamer.end_route()
+    for index in range(6):
+        run(index)
+
 # -- the ring across step boundaries ---------------------------------------------------------------------
 #
 # With s slots, the copy for a layer can start only once the layer that used its slot before has finished. At

@@ -21,6 +21,7 @@ from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.local.options import LoadOptions
 from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.offload.streamer import LayerStreamer
 from ernie_image.runtime.step_cache import StepCacheConfig, parse_step_cache
 from ernie_image.runtime.step_cache.rule import SkipRule, relative_change, skippable_window
 from ernie_image.runtime.step_cache.session import GUESSED_BLOCKS, BlockSplit, StepCacheRun
@@ -311,6 +312,25 @@ def test_streamed_blocks_give_the_resident_image_and_a_skipped_step_copies_one_g
     assert torch.equal(pipe.generate(plain, NullHost()).latents, base_pipe.generate(plain, NullHost()).latents)
     pipe.release()
 
+
+@pytest.mark.parametrize("spec", ["dbcache:threshold=10,start=0,end=1,max_skips=1,first_blocks=2,last_blocks=1",
+                                  "dbcache:threshold=10,start=0,end=1,max_skips=3,first_blocks=2,last_blocks=0",
+                                  f"dbcache:forced={FORCED},first_blocks=2,last_blocks=1"])
+def test_every_step_that_may_be_skipped_has_its_first_streamed_middle_block_guessed(base_model, base_pipe, spec,
+                                                                                    monkeypatch):
+    request = cached(dataclasses.replace(BASE, batch=1), spec)
+    resident = base_pipe.generate(request, NullHost())
+    budget = middle_streaming_budget_gb(base_model, request, "cpu")
+    pipe = LocalPipe.load(base_model, LoadOptions(device="cpu", vram_budget_gb=budget, keep_loaded=True))
+    guesses: list[tuple[int, ...]] = []
+    original = LayerStreamer.guess
+    monkeypatch.setattr(LayerStreamer, "guess", lambda self, indices, limit: (guesses.append(tuple(indices)),
+                                                                               original(self, indices, limit))[1])
+    result = pipe.generate(request, NullHost())
+    assert torch.equal(result.latents, resident.latents)
+    report = result.info["step_cache"]
+    assert "S" in report["schedule"] and len(guesses) == len(report["changes"]), (report, guesses)
+    pipe.release()
 
 def test_cancel_mid_step_releases_and_the_next_run_is_whole(base_model, base_pipe, cancel_after):
     request = cached(dataclasses.replace(BASE, batch=1, steps=4), "dbcache:forced=CSSC,first_blocks=2")

@@ -31,8 +31,9 @@ route ends until more is given, so a layer the caller will not run is not copied
 while its previous visit still holds a slot waits (copies stay in route order) until that visit is done: it is
 never re-pointed while it runs. `end_route` returns to every layer in turn. A caller that will know only later
 whether some layers run (a step cache's decision) may `guess` them: they are copied as if routed, and the next
-`extend_route` confirms the ones it begins with and drops the others, whose copies are simply never used (their
-slots go to the next copies, in copy-stream order).
+`extend_route` (even one naming no streamed layer) confirms the ones it begins with and drops the others, whose
+copies are simply never used (their slots go to the next copies, in copy-stream order); a guessed layer run before
+that is confirmed by running.
 
 On the CPU the same bookkeeping runs with `FakeSync`: the "device" ring is a second CPU tensor and copies are
 either run at once ("eager", catches a copy that overwrites a slot still in use) or deferred until the compute
@@ -282,6 +283,7 @@ class LayerStreamer:
     def follow_route(self) -> None:
         """From now on copy only the layers given to `extend_route`, in that order."""
         self._route = deque()
+        self._guessed.clear()  # a route left without end_route: its guesses are routed no more
 
     def extend_route(self, indices: Sequence[int]) -> None:
         """Layers (model indices; resident ones are ignored) the caller will run next, after those given before.
@@ -293,7 +295,7 @@ class LayerStreamer:
         while self._guessed and positions and positions[0] == self._guessed[0]:
             positions.popleft()
             self._guessed.popleft()
-        if positions and self._guessed:
+        if self._guessed:
             self._drop_guesses()
         self._route.extend(positions)
         if self._started and not self.parked:
@@ -324,11 +326,15 @@ class LayerStreamer:
             self._cursor = (self._cursor - 1) % self.slots
             self._next = k
 
+    def _copied_guesses(self) -> int:
+        """How many guesses are copies issued (the last of `_issued`); the others are the last of the route."""
+        routed = len(self._route) if self._route is not None else 0
+        return len(self._guessed) - min(routed, len(self._guessed))
+
     def _forget_copied_guesses(self) -> None:
         """The copies issued are being forgotten (a restart, a park): guesses among them are copies no more, the
         ones still routed stay guesses."""
-        route = self._route if self._route is not None else deque()
-        for _ in range(len(self._guessed) - min(len(route), len(self._guessed))):
+        for _ in range(self._copied_guesses()):
             self._guessed.popleft()
 
     def end_route(self) -> None:
@@ -348,6 +354,8 @@ class LayerStreamer:
             self.unpark()
         if not self._issued or self._issued[0][0] != k:
             self._restart(k)
+        if self._guessed and len(self._issued) <= self._copied_guesses():
+            self._guessed.popleft()  # a guessed copy run before any extend_route settled it: run, so confirmed
         self.sync.wait_ready(self._issued[0][1])
 
     def after(self, index: int) -> None:

@@ -150,12 +150,12 @@ class StepCacheRun:
             raise RuntimeError(f"the step cache was built for {self.steps} steps; step {step + 1} was asked for")
         self.step += 1
         measures = self.rule.measures(step)
-        if not measures:  # computed whatever the blocks say: the whole step's route is known now
-            self._plan_rest(step, skip=False)
+        if not measures:  # computed whatever the blocks say: decided now, so the route (and the guess) run ahead
+            skip = self.rule.decide(step, None)
+            self._plan_rest(step, skip)
         heads = [self._head(group, latents, timestep) for group in self.groups]
-        change = self._measure(heads) if measures else None
-        skip = self.rule.decide(step, change)
         if measures:
+            skip = self.rule.decide(step, self._measure(heads))
             self._plan_rest(step, skip)
         self.host.check_cancel()
         outputs = [self._rest(group, head, skip) for group, head in zip(self.groups, heads)]
@@ -203,7 +203,8 @@ class StepCacheRun:
 
     # -- the streamer's route: every group's blocks of a pass, in the order they run ----------------------------
     def _route(self, indices: tuple[int, ...]) -> None:
-        if self.streamer is not None and indices:
+        """Every group's `indices`, in run order; called even with none, since that too settles a guess."""
+        if self.streamer is not None:
             self.streamer.extend_route(indices * len(self.groups))
 
     def _plan_rest(self, step: int, skip: bool) -> None:
