@@ -48,14 +48,17 @@ def release_all() -> int:
     return len(pipes)
 
 
-def summary() -> dict[str, Any]:
+def summary(holders: bool = False) -> dict[str, Any]:
+    """The live pipes and their memory; `holders`: also what holds the weights of dropped pipes (orphan_holders)."""
     pipes = live_pipes()
-    return {
+    report = {
         "live_pipes": len(pipes),
         "weight_owners_alive": len(_weights),  # parts and memory of local pipes, the dropped ones' included
-        "orphaned_weights_held_by": orphan_holders(pipes),
         "pipes": [{"kind": p.kind, "loaded": bool(p.is_loaded()), "plan": _describe(p), **_memory(p)} for p in pipes],
     }
+    if holders:
+        report["orphaned_weights_held_by"] = orphan_holders(pipes)
+    return report
 
 
 def _memory(pipe: Any) -> dict[str, Any]:

@@ -145,7 +145,10 @@ async def test_connection(request: "web.Request") -> "web.Response":
 
 
 async def memory(request: "web.Request") -> "web.Response":
-    return _json(live_pipes.summary())
+    """The live pipes' memory; `?holders=1` also walks the heap for what holds a dropped pipe's weights (slow: a
+    diagnosis, not a status)."""
+    holders = request.query.get("holders") == "1"
+    return _json(await asyncio.get_running_loop().run_in_executor(None, live_pipes.summary, holders))
 
 
 async def free(request: "web.Request") -> "web.Response":

@@ -185,7 +185,10 @@ async def no_weights_alive(comfy: GpuComfy, seen: dict[str, Any]) -> bool:
     """Nothing of a dropped local pipe outlives it: its parts and memory are gone with it. `seen` keeps the last
     answer, whose `orphaned_weights_held_by` names what holds them when they are not."""
     seen.update(await memory(comfy))
-    return seen["weight_owners_alive"] == 0
+    if seen["weight_owners_alive"] == 0:
+        return True
+    seen.update(await get_json(comfy, "/ernie_image/memory?holders=1"))
+    return False
 
 
 async def last_run(comfy: GpuComfy) -> dict[str, Any]:
