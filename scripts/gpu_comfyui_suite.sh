@@ -16,7 +16,7 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export ERNIE_COMFYUI_DIR="$COMFY_ROOT/comfyui"
 export ERNIE_COMFYUI_PYTHON="$(command -v python3)"
 export ERNIE_GPU_MODELS_DIR="${ERNIE_GPU_MODELS_DIR:-/tmp/ernie_gpu_models}"
-python3 -c "import torch, comfy_aimdo, diffusers, av; assert torch.cuda.is_available(); print('torch', torch.__version__, torch.cuda.get_device_name())"
+python3 -c "import torch, comfy_aimdo, diffusers, av, pytest_asyncio; assert torch.cuda.is_available(); print('torch', torch.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 df -h /tmp | tail -1
 set +e
