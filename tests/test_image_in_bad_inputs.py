@@ -138,7 +138,7 @@ def files(tmp_path) -> dict[str, Path]:
     (["--init-image", "{rgb}", "--denoise", "0"], "error: --denoise 0.0 is not allowed"),
     (["--init-image", "{rgb}", "--denoise", "1.01"], "error: --denoise 1.01 is not allowed"),
     (["--denoise", "0.5"], "error: --denoise 0.5 needs --init-image: give the image to start from, or leave --denoise out"),
-    (["--init-image", "{sixteen}"], "is a I;16 (16-bit) image: ERNIE-Image reads 8-bit images: save it as 8-bit RGB"),
+    (["--init-image", "{sixteen}"], "is a 16-bit image (mode I;16): ERNIE-Image reads 8-bit images: save it as 8-bit RGB"),
     (["--init-image", "{alpha}"], "has transparent pixels (alpha): flatten it"),
     (["--init-image", "{broken}"], "is not a readable image"),
     (["--init-image", "{missing}"], "missing.png does not exist: give the path of a PNG or JPEG file"),

@@ -53,8 +53,9 @@ def _open(path: Path, setting: str):
     except (UnidentifiedImageError, *PILLOW_ERRORS) as error:
         raise _unreadable(path, setting, error) from None
     if image.mode in HIGH_DEPTH_MODES:
-        raise InvalidInputError(f"{setting} {path} is a {image.mode} ({'16-bit' if '16' in image.mode else '32-bit'}) "
-                                "image: ERNIE-Image reads 8-bit images: save it as 8-bit RGB").naming(setting)
+        depth = "16-bit" if "16" in image.mode else "32-bit floating-point"
+        raise InvalidInputError(f"{setting} {path} is a {depth} image (mode {image.mode}): ERNIE-Image reads 8-bit "
+                                "images: save it as 8-bit RGB").naming(setting)
     return image
 
 
