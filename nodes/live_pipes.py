@@ -111,8 +111,9 @@ def _referrer_chains(obj: Any, path: list[str], chains: list[str], skip: set[int
 
 def _named(value: Any) -> str:
     kind = f"{type(value).__module__}.{type(value).__qualname__}"
-    if isinstance(value, dict):
-        return f"dict{sorted(map(str, value))[:5]}"
+    if isinstance(value, dict):  # attribute-like keys only: a dict's keys may be anything (a URL, a key)
+        names = sorted(key for key in value if isinstance(key, str) and key.isidentifier())
+        return f"dict{names[:5]}" if len(names) == len(value) else f"dict of {len(value)} keys"
     if isinstance(value, (types.FunctionType, types.MethodType)):
         return f"{kind} {value.__qualname__}"
     if isinstance(value, types.ModuleType):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-IMPORT_LINE = re.compile(r"^[ \t]*from[ \t]+(ernie_image[\w.]*)[ \t]+import[ \t]+(?:\(([\w\s,]+)\)|([\w \t,]+))", re.MULTILINE)
+IMPORT_LINE = re.compile(r"^[ \t]*from[ \t]+(ernie_image[\w.]*)[ \t]+import[ \t]+(?:\(([\w\s,]+)\)|([\w \t,]+))",
+                         re.MULTILINE)
 SCRIPTS = sorted(p for folder in ("bench", "tests", "scripts") for p in (REPO_ROOT / folder).glob("*.py"))
 
 
@@ -50,7 +51,8 @@ def test_every_ernie_image_import_of_the_script_resolves(path: Path) -> None:
 
 
 def test_the_scan_reads_import_lines_inside_a_snippet_and_refuses_a_missing_name() -> None:
-    snippet = "import json\nfrom ernie_image.runtime.core.host import NullHost, Host\nfrom ernie_image import (\n    LocalPipe,\n)\nx = 1\n"
+    snippet = ("import json\nfrom ernie_image.runtime.core.host import NullHost, Host\n"
+               "from ernie_image import (\n    LocalPipe,\n)\nx = 1\n")
     assert imports_in_text(snippet) == [("ernie_image.runtime.core.host", "NullHost"),
                                         ("ernie_image.runtime.core.host", "Host"), ("ernie_image", "LocalPipe")]
     assert resolves("ernie_image.runtime.core.host", "NullHost")

@@ -78,8 +78,10 @@ def test_an_animated_file_is_a_batch_of_its_frames_and_an_mpo_its_first_picture(
     assert tuple(image.shape) == (1, 256, 256, 3) and abs(float(image.mean()) * 255 - 128) < 2
 
 
-@pytest.mark.parametrize("pixels, depth", [(np.full((256, 256), 40000, np.uint16), "16-bit image \\(mode I;16\\)"),
-                                          (np.full((256, 256), 0.5, np.float32), "32-bit floating-point image \\(mode F\\)")])
+@pytest.mark.parametrize("pixels, depth", [
+    (np.full((256, 256), 40000, np.uint16), "16-bit image \\(mode I;16\\)"),
+    (np.full((256, 256), 0.5, np.float32), "32-bit floating-point image \\(mode F\\)"),
+])
 def test_a_high_depth_file_load_image_would_turn_white_is_refused_naming_its_depth(tmp_path, pixels, depth):
     path = tmp_path / "deep.tiff"
     Image.fromarray(pixels).save(path)
