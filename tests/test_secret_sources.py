@@ -1,7 +1,7 @@
 """Which secret is read is the user's choice alone, never a workflow's: a structural check of the whole package.
 
-An environment variable is read by a name that is not written in the code in one module only,
-runtime/net/key_source.py, and the names it reads come from two places only: the CLI's --api-key-env flags
+An environment variable is read by a name that is not written in the code in one function only,
+runtime/net/key_source.py's user_named_variable, and the names it reads come from two places only: the CLI's --api-key-env flags
 (Credentials.bound_to, called from runtime/cli/) and an "env" entry of the user's own keys file
 (credentials.py, which refuses a keys file that others can write). No node, route or remote module builds a key
 source; what a workflow gives is a credential's label, looked up in that file and bound to its server's origin
@@ -36,7 +36,16 @@ def environment_reads_by_computed_name(tree: ast.AST) -> list[str]:
 def test_only_the_key_source_reads_a_variable_whose_name_is_not_in_the_code():
     reads = {name_of(path): environment_reads_by_computed_name(ast.parse(path.read_text())) for path in PACKAGE_FILES}
     assert {path: names for path, names in reads.items() if names} == {
-        "runtime/net/key_source.py": ["name", "self.env_var"]}
+        "runtime/net/key_source.py": ["name"]}
+
+
+def test_that_read_is_one_function_and_only_the_key_source_calls_it():
+    tree = ast.parse((ROOT / "runtime/net/key_source.py").read_text())
+    readers = [node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+               and environment_reads_by_computed_name(node)]
+    assert readers == ["user_named_variable"]
+    callers = {name_of(path) for path in PACKAGE_FILES if "user_named_variable" in path.read_text()}
+    assert callers == {"runtime/net/key_source.py"}
 
 
 def test_key_sources_are_built_only_from_the_keys_file_and_the_cli_flags():

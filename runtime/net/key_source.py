@@ -62,9 +62,7 @@ class ApiKeySource:
     def read(self) -> Optional[str]:
         """The key, or None when neither source is configured. A configured source that is empty is an error."""
         if self.env_var:
-            # env_var comes only from the user: a CLI flag in their own shell or an "env" entry of their keys file
-            # (credentials.py). No workflow, node input or route builds an ApiKeySource (tests/test_secrets_attacks).
-            value = os.environ.get(self.env_var, "").strip()
+            value = (user_named_variable(self.env_var) or "").strip()
             if value:
                 return header_safe(value, f"the environment variable {self.env_var}")
         if self.file:
@@ -86,6 +84,15 @@ class ApiKeySource:
                 f"before starting ComfyUI or the CLI", status=0
             )
         return None
+
+
+def user_named_variable(name: str) -> Optional[str]:
+    """The value of the environment variable `name`, None when unset: the package's one read of a variable whose
+    name is not written in the code. `name` comes only from the user, never from a workflow, a node input or a
+    route: a --api-key-env flag typed in their own shell, or an "env" entry of their own keys file, which
+    credentials.py refuses when others can write it (tests/test_secret_sources.py keeps it so, structurally;
+    tests/test_secrets_attacks.py tries it as an attacker)."""
+    return os.environ.get(name)
 
 
 def header_safe(key: str, where: str) -> str:
@@ -114,7 +121,8 @@ def _check_env_name(name: str, *, has_file: bool, label: str, program: str) -> N
     if has_file:
         return  # an unset variable falls back to the key file, as ApiKeySource.read does
     shown = _plain_name(name)
-    if name not in os.environ:
+    value = user_named_variable(name)
+    if value is None:
         if shown is None:
             raise InvalidInputError(
                 f"{label} names no variable of {program}'s environment, and {LOOKS_LIKE_A_KEY}: export the key in "
@@ -123,7 +131,7 @@ def _check_env_name(name: str, *, has_file: bool, label: str, program: str) -> N
             f"{label} names a variable ({shown}) that {program}'s environment does not have: export it "
             f"before starting {program}, or give a key file; write only the variable's NAME there, never the key"
         )
-    if not os.environ[name].strip():
+    if not value.strip():
         raise InvalidInputError(
             f"{label} names a variable ({shown or 'its name not shown'}) that is empty in {program}'s environment: "
             f"export the key in it before starting {program}, or give a key file"
