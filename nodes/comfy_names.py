@@ -15,6 +15,7 @@ from ..runtime.core.errors import ErnieImageError, worded
 from ..runtime.core.request import LOCAL_PIPE, MASK_OF_ITS_SIZE, RESIZE_IT
 from ..runtime.core.variant import own_settings
 from ..runtime.formats.tokenizer import TOKENIZER_FOLDER
+from ..runtime.local.loaded_files import RELOAD
 
 _Run = TypeVar("_Run", bound=Callable[..., Any])
 
@@ -40,7 +41,7 @@ NAMES: dict[str, str] = {
     LOCAL_PIPE: "a local ERNIE-Image Loader",
     TOKENIZER_FOLDER: "",  # the Loader takes no tokenizer of its own
     # A model file changed under the Loader's pipe (runtime/local/loaded_files.py): the Loader's IS_CHANGED sees it.
-    "LocalPipe.load": "queue the prompt again: the Loader reloads changed files",
+    RELOAD: "queue the prompt again: the Loader reloads changed files",
 }
 
 

@@ -16,7 +16,7 @@ from ..runtime.core.request import (
     GenerationResult,
     validate_size,
 )
-from .comfy_names import in_comfy_words, speaks_comfy
+from .comfy_names import speaks_comfy
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .host import NoteHost, cancel_as_comfy_interrupt, log
 from .image_inputs import image_input_fields, image_input_types
@@ -78,16 +78,15 @@ def latent_output(result: GenerationResult) -> Any:
 
 
 def run_generation(pipe: Any, request: GenerationRequest, node_id: Optional[str]) -> tuple[GenerationResult, list[str]]:
-    """Generate with ComfyUI as host: the result, and the notices the run gave (in ComfyUI's words; each is also a
-    console line). The pipe asks the host to make room on its device, frees its own memory after an error or a
+    """Generate with ComfyUI as host (the node's @speaks_comfy words its errors): the result, and the notices the
+    run gave (in ComfyUI's words; each is also a console line). The pipe asks the host to make room on its device, frees its own memory after an error or a
     cancel, and reports running out of memory as a MemoryBudgetError."""
     if pipe is None or not hasattr(pipe, "generate"):
         raise InvalidInputError("the pipe input is not connected: wire an ERNIE-Image Loader or Remote Backend to it")
     host = NoteHost(node_id)
-    with in_comfy_words():
-        request.validate()  # before anything runs, so a bad request unloads nothing of ComfyUI's
-        with generation_lock, cancel_as_comfy_interrupt():
-            result = pipe.generate(request, host)
+    request.validate()  # before anything runs, so a bad request unloads nothing of ComfyUI's
+    with generation_lock, cancel_as_comfy_interrupt():
+        result = pipe.generate(request, host)
     return result, host.notes
 
 

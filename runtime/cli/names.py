@@ -12,6 +12,7 @@ from typing import Iterable
 
 from ..core.errors import named_settings, worded
 from ..core.variant import VARIANT_DEFAULTS, own_settings
+from ..local.loaded_files import RELOAD
 from ..net.urls import KEYS_FILE
 
 FLAGS: dict[str, str] = {
@@ -49,7 +50,7 @@ FLAGS: dict[str, str] = {
     KEYS_FILE: f"{KEYS_FILE} (or --api-key-env / --api-key-file; --pe-api-key-env / --pe-api-key-file for a PE URL)",
     **{own_settings(variant): f"--steps {int(own['steps'])} --cfg {own['cfg']:g}"
        for variant, own in VARIANT_DEFAULTS.items()},
-    "LocalPipe.load": "run the command again",  # a model file changed under the run (local/loaded_files.py)
+    RELOAD: "run the command again",  # a model file changed under the run (local/loaded_files.py)
 }
 
 

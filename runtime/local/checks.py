@@ -114,11 +114,19 @@ def checked_load_arguments(sources: Any, options: Any) -> tuple[ModelSources, Lo
     return sources, options
 
 
+# A part's kind -> its ModelSources component.
+COMPONENTS = {"dit": "transformer", "text_encoder": "text_encoder", "vae": "vae"}
+
+
+def open_part(sources: ModelSources, kind: str) -> Any:
+    """The file of part `kind` ("dit", "text_encoder", "vae") opened, headers only."""
+    return open_component(sources.component(COMPONENTS[kind]), kind)
+
+
 def open_checked_parts(sources: ModelSources, options: LoadOptions) -> dict[str, Any]:
     """Every part's file opened (headers only) by kind ("dit", "text_encoder", "vae"): a missing, damaged or wrong
     file fails here, and so does a `quant` the DiT cannot take."""
-    opened = {kind: open_component(sources.component(component), kind)
-              for component, kind in (("transformer", "dit"), ("text_encoder", "text_encoder"), ("vae", "vae"))}
+    opened = {kind: open_part(sources, kind) for kind in COMPONENTS}
     dit = opened["dit"]
     if dit.quantized:
         refuse_quant_for_quantized_dit(options.quant, dit)

@@ -13,14 +13,13 @@ import torch
 from ..core.errors import ModelFileError
 from ..core.host import Host
 from ..core.variant import Variant
-from ..formats import open_component
 from ..formats.sources import ModelSources
 from ..model.builders import build_dit, build_text_tower, build_vae
 from ..model.compile import compile_available, compile_blocks, fuse_projections
 from ..model.compile_marks import caches_hold, mark_compiled
 from ..model.fill import QUANT_ON_LOAD_FORMATS
 from ..offload.reserve import device_bytes_held
-from .checks import dit_weight_format, file_weight_format
+from .checks import dit_weight_format, file_weight_format, open_part
 from .compile_policy import CompilePolicy, DitWork
 from .loaded_files import LoadedFiles
 from .loras import PipeLoras
@@ -51,9 +50,6 @@ def choose_auto_quant(options: LoadOptions, device: torch.device) -> Optional[tu
 
 
 # The part each kind of ComponentFile is, in ModelSources.component's words.
-COMPONENTS = {"dit": "transformer", "text_encoder": "text_encoder", "vae": "vae"}
-
-
 class PipeParts:
     def __init__(self, sources: ModelSources, options: LoadOptions, variant: Variant, device: torch.device,
                  dtype: torch.dtype, memory: PipeMemory, lora: PipeLoras,
@@ -153,7 +149,7 @@ class PipeParts:
 
     def _open(self, kind: str):
         """The part's file opened again, refused where it is not the file the pipe first opened (loaded_files.py)."""
-        component = open_component(self.sources.component(COMPONENTS[kind]), kind)
+        component = open_part(self.sources, kind)
         self.files.opened(kind, component.files)
         return component
 
