@@ -160,7 +160,7 @@ def test_a_config_that_does_not_fit_the_weights_is_named_with_the_field_and_what
     change(config)
     out = tmp_path / "x.png"
     line = _cli(capsys, "generate", "--model-dir", str(model), "--steps", "1", "--device", "cpu", "--out", str(out))
-    assert line.startswith(f"error: {config} {says}") and line.endswith(": fix or delete the config"), line
+    assert line.startswith(f"error: {config} {says}") and line.endswith(": fix it or re-download it"), line
     assert not out.exists()
 
 
@@ -182,7 +182,7 @@ def test_a_config_embedded_in_a_single_file_that_does_not_fit_is_named_with_the_
     with pytest.raises(ModelFileError) as refused:
         LocalPipe.load(sources, LoadOptions(device="cpu"))
     assert str(refused.value) == (f"the config in {sources.text_encoder.name}'s metadata says num_hidden_layers 2 but "
-                                  "the weights hold 4 layers: re-export the file")
+                                  "the weights hold 4 layers: re-export or re-download the file")
 
 
 def test_a_prompt_enhancer_config_that_does_not_fit_is_refused_at_load(capsys, tmp_path, tiny_turbo_with_pe):
@@ -191,7 +191,7 @@ def test_a_prompt_enhancer_config_that_does_not_fit_is_refused_at_load(capsys, t
     _setting("num_hidden_layers", 2)(config)
     line = _cli(capsys, "generate", "--model-dir", str(model), "--steps", "1", "--device", "cpu",
                 "--out", str(tmp_path / "x.png"))
-    assert line == f"error: {config} says num_hidden_layers 2 but the weights hold 4 layers: fix or delete the config"
+    assert line == f"error: {config} says num_hidden_layers 2 but the weights hold 4 layers: fix it or re-download it"
 
 
 def sparse_safetensors(path: Path, shapes: dict[str, tuple[int, ...]]) -> Path:
@@ -236,4 +236,4 @@ def test_a_field_the_weights_cannot_show_must_be_the_released_ones_when_the_weig
     with pytest.raises(ModelFileError) as refusal:
         LocalPipe.load(sources, LoadOptions(device="cpu"))
     assert str(refusal.value) == (f"{vae / 'config.json'} says norm_num_groups 16 but the weights are the released "
-                                  "ERNIE-Image VAE's, whose norm_num_groups is 32: fix or delete the config")
+                                  "ERNIE-Image VAE's, whose norm_num_groups is 32: fix it or re-download it")

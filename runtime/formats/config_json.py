@@ -77,9 +77,9 @@ def config_origin(component) -> tuple[str, str]:
     path = Path(component.path)
     config_file = getattr(component, "config_file", None)
     if config_file is not None:
-        return str(config_file), "re-download it"
+        return str(config_file), "fix it or re-download it"
     if "config" in getattr(component, "metadata", {}):
-        return f"the config in {path.name}'s metadata", "re-download the file"
+        return f"the config in {path.name}'s metadata", "re-export or re-download the file"
     return f"the config inferred for {path} (it has no config.json)", "put the model's config.json there"
 
 

@@ -20,7 +20,7 @@ import torch
 
 from ..core.errors import ModelFileError
 from ..core.variant import Variant
-from ..formats.config_json import load_config
+from ..formats.config_json import config_origin, load_config
 from ..formats.vae_keys import config_from_shapes
 
 Shape = Optional[tuple[int, ...]]
@@ -161,14 +161,13 @@ def _fits(value: Any, seen: Seen) -> bool:
 
 
 def given_config(component) -> Optional[tuple[str, str]]:
-    """(the config's name in a message, the fix) for a config that came with the weights (a config.json, or one
-    embedded in the file's metadata); None for one inferred from the weights or the released one."""
-    config_file = getattr(component, "config_file", None)
-    if config_file is not None:
-        return str(config_file), "fix or delete the config"
-    if component.config is not None and "config" in getattr(component, "metadata", {}):
-        return f"the config in {component.path.name}'s metadata", "re-export the file"
-    return None
+    """(the config's name in a message, the fix: config_json.config_origin) for a config that came with the weights
+    (a config.json, or one embedded in the file's metadata); None for one inferred from the weights or the released
+    one."""
+    if getattr(component, "config_file", None) is None and (
+            component.config is None or "config" not in getattr(component, "metadata", {})):
+        return None
+    return config_origin(component)
 
 
 def check_config_fits(component, kind: str, variant: Variant = "base") -> None:
