@@ -15,6 +15,7 @@ from ..lora.host_memory import available_host_bytes, merge_backup_bytes
 from ..lora.merge import merge_state
 from ..lora.parsed import ParsedLora, load_lora
 from ..lora.stack import LoraStack
+from ..model.compile import blocks_compiled
 from ..model.dit import DiTConfig
 
 Resolved = list[tuple[ParsedLora, float]]
@@ -88,8 +89,11 @@ class PipeLoras:
 
     def sync(self, dit: torch.nn.Module, streamed: Collection[int] = (), host: Any = None) -> None:
         """Make `dit` carry the wanted stack: nothing to do when it already does. `streamed`: the blocks that stream
-        (merge-mode LoRAs take the branch there). The merge's one notice goes to `host`."""
-        signature = tuple((parsed.stamp, strength, mode) for (parsed, strength), mode in zip(self.wanted, self.modes))
+        (merge-mode LoRAs take the branch there). The merge's one notice goes to `host`. The stack is put on again
+        when the blocks' layout for it changed: other streamed blocks, or blocks compiled since (compiled blocks
+        share one branch structure, uncompiled ones carry only their own: lora/attach.py)."""
+        stack_key = tuple((parsed.stamp, strength, mode) for (parsed, strength), mode in zip(self.wanted, self.modes))
+        signature = (stack_key, tuple(sorted(streamed)), blocks_compiled(dit)) if stack_key else ()
         if getattr(dit, "lora_signature", ()) == signature:
             return
         started = time.perf_counter()
@@ -109,11 +113,6 @@ class PipeLoras:
         notice = applied.notice()
         if notice and host is not None:
             host.log(notice)
-
-    def after_compile(self, dit: torch.nn.Module) -> None:
-        """`dit`'s blocks were just compiled: the next sync puts its stack on again, in the one branch structure
-        compiled blocks need (uncompiled ones carry only their own branches: lora/attach.py)."""
-        dit.lora_signature = None
 
     def host_tensors(self, dit: Optional[torch.nn.Module]) -> list[torch.Tensor]:
         """The merged Linears' original tensors kept in host memory (backup.py)."""

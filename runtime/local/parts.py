@@ -127,7 +127,6 @@ class PipeParts:
                 release_graphs()
             self.dit_forward = None
             compile_blocks(self.dit)
-            self.lora.after_compile(self.dit)
 
     def note_dit_file(self, dit) -> None:
         """What the opened DiT file says before it is built: a quantised file's formats, and what 'auto' runs."""
