@@ -232,18 +232,11 @@ class LocalPipe:
         request = request.with_defaults(self.variant)
         request.validate()
         with self._running:  # one job at a time on the loaded model (its views share it, with their own LoRAs)
-            self._refuse_changed_files()
+            # A file the model was loaded from that changed on disk is refused before the job reads anything
+            # (loaded_files.py), and the pipe lets go of all it holds: its weights may be views of that file.
+            self._releasing_on_error(request, self.files.check)
             self._lora.prepare(loras, self.sources, host, self.memory)
             return self._releasing_on_error(request, lambda: self._generate(request, host))
-
-    def _refuse_changed_files(self) -> None:
-        """Before a job reads anything: a file the model was loaded from that changed on disk is refused
-        (loaded_files.py), and the pipe lets go of all it holds (its weights may be views of that file)."""
-        try:
-            self.files.check()
-        except ModelFileError:
-            self.release()
-            raise
 
     def _releasing_on_error(self, request: GenerationRequest, job):
         try:
