@@ -12,8 +12,9 @@ DiT at 1024x1024 with 256 text tokens (CFG's two rows at --batch 2):
    model/compile.py compiles every block) and runs it once on the job's tensors, while this thread runs uncompiled
    DiT calls back to back until the twin is done: the compile's wall seconds and the uncompiled calls' median
    meanwhile (how much the compile slows the steps it overlaps);
-3. switch: compile_blocks on the real DiT and its first call (near a compiled call if the twin's compile left what
-   the blocks need in the compile caches; a whole compile if not), then compiled calls (median).
+3. switch: every real block compiled as model/compile.py's compile_blocks does (with the run's backend) and the
+   DiT's first call (near a compiled call if the twin's compile left what the blocks need in the compile caches; a
+   whole compile if not), then compiled calls (median).
 Asserted: the compiled output within 1e-2 relative L2 of the uncompiled one (the fast path's bound). `--tiny` runs
 the same code on the CPU with a tiny DiT, compiled with the "eager" backend (no C++ compiler needed), to check the
 script, not to measure. Writes DIR/background_compile.json and prints a table.
@@ -31,16 +32,16 @@ from typing import Callable
 
 import torch
 
-from common import BenchRun, dit_config, environment, import_package, quantised_copy, randomise_dit_, table
+from common import (BenchRun, dit_config, environment, import_package, quantised_copy, randomise_dit_, table,
+                    wall_time)
 
 import_package()
 
-from ernie_image.runtime.model.compile import fuse_projections  # noqa: E402
+from ernie_image.runtime.model.compile import allow_cache_size, fuse_projections  # noqa: E402
 from ernie_image.runtime.model.dit import DiTConfig, ErnieDiT  # noqa: E402
 
 TINY = {"hidden_size": 256, "num_attention_heads": 2, "num_layers": 3, "ffn_hidden_size": 512, "text_in_dim": 96,
         "rope_axes_dim": [32, 48, 48]}
-CACHE_SIZE_LIMIT = 64  # as model/compile.py sets it
 
 
 def build(device: torch.device, tiny: bool, fmt: str) -> ErnieDiT:
@@ -68,11 +69,9 @@ def job_inputs(model: ErnieDiT, device: torch.device, batch: int, tiny: bool) ->
 
 
 def timed(run: Callable[[], object], sync: Callable[[], None]) -> tuple[object, float]:
-    sync()
-    started = time.perf_counter()
-    out = run()
-    sync()
-    return out, (time.perf_counter() - started) * 1e3
+    """common.wall_time in milliseconds."""
+    out, seconds = wall_time(run, sync)
+    return out, seconds * 1e3
 
 
 def compile_in_background(block: torch.nn.Module, x: torch.Tensor, ctx, backend: str,
@@ -99,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
     device = torch.device("cpu" if args.tiny else "cuda")
     backend = "eager" if args.tiny else "inductor"
     bench = BenchRun(device)
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT)
+    allow_cache_size()
     with bench.phase("build"):
         model = build(device, args.tiny, args.format)
     inputs = job_inputs(model, device, args.batch, args.tiny)

@@ -56,12 +56,13 @@ def rss_bytes() -> int:
     return 0
 
 
-def wall_time(run: Callable[[], object]) -> tuple[object, float]:
-    """One call's result and its wall seconds, the GPU drained before and after (first calls: compile included)."""
-    torch.cuda.synchronize()
+def wall_time(run: Callable[[], object], sync: Callable[[], None] = torch.cuda.synchronize) -> tuple[object, float]:
+    """One call's result and its wall seconds, the device drained before and after by `sync` (first calls: compile
+    included)."""
+    sync()
     started = time.perf_counter()
     result = run()
-    torch.cuda.synchronize()
+    sync()
     return result, time.perf_counter() - started
 
 

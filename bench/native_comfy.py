@@ -36,7 +36,8 @@ import torch
 from common import REPO_ROOT, environment, table
 from eager_graphs import Bench, build_unfused  # also makes the package importable as ernie_image
 
-from ernie_image.runtime.model.compile import compile_available, compile_blocks, fuse_projections  # noqa: E402
+from ernie_image.runtime.model.compile import (allow_cache_size, compile_available, compile_blocks,  # noqa: E402
+                                                fuse_projections)
 from ernie_image.runtime.model.dit import ErnieDiT  # noqa: E402
 from ernie_image.runtime.model.dit_graphs import DiTGraphs  # noqa: E402
 
@@ -191,7 +192,7 @@ def main() -> None:
         if not args.skip_compile and compile_available(device):
             with bench.phase("native compiled"):
                 # the recompile limit compile_blocks sets for ours, so that neither falls back to eager blocks
-                torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+                allow_cache_size()
                 for layer in native.layers:  # each block, as ComfyUI's compile node does
                     layer.compile(backend="inductor")
                 compiled_rows(bench, "native", lambda x, t, c, lens: native(x, t, c), native_eager, native_compiled,

@@ -29,6 +29,7 @@ from torch import nn
 from common import cuda_time_ms, dit_config, import_package, randomise_dit_
 
 import_package()
+from ernie_image.runtime.model.compile import allow_cache_size  # noqa: E402
 from ernie_image.runtime.quant import QuantLinear, enable_compiled_dequant, quantize_weight  # noqa: E402
 from ernie_image.runtime.quant.gguf_blocks import BLOCK_GEOMETRY, FP16_SCALE_OFFSETS  # noqa: E402
 from ernie_image.runtime.quant.linear import enable_triton_dequant  # noqa: E402
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         micro_bench(device)
         if args.micro_only:
             return 0
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    allow_cache_size()
 
     model, config = build_model(args.tiny, device)
     inputs = make_inputs(config, args.tiny, device)

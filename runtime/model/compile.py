@@ -31,12 +31,20 @@ def fuse_projections(dit: ErnieDiT) -> int:
     return fused
 
 
+CACHE_SIZE_LIMIT = 64  # graphs dynamo keeps per compiled code: shapes and LoRA structures, for all 36 blocks
+
+
+def allow_cache_size() -> None:
+    """Let dynamo keep CACHE_SIZE_LIMIT graphs per code object (its default is too few for the blocks' variants)."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, CACHE_SIZE_LIMIT)
+
+
 def compile_blocks(dit: ErnieDiT) -> bool:
     """Compile each block in place; returns False (and leaves the model eager) when the compiler is missing."""
     device = dit.final_linear.weight.device
     if not compile_available(device):
         return False
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    allow_cache_size()
     for block in dit.layers:
         block.compile()
     return True
