@@ -58,13 +58,13 @@ class FileIdentity:
         return None
 
 
-def files_under(path: Path) -> list[Path]:
+def files_under(path: Path, hidden: bool = False) -> list[Path]:
     """`path` if it is a file; the files in it and its subfolders if it is a folder (sorted; hidden ones, such as a
-    download tool's .cache/ of locks, left out); [] if it is neither."""
+    download tool's .cache/ of locks, left out unless `hidden`); [] if it is neither."""
     path = Path(path)
     if path.is_dir():
         return sorted(found for found in path.rglob("*") if found.is_file()
-                      and not any(part.startswith(".") for part in found.relative_to(path).parts))
+                      and (hidden or not any(part.startswith(".") for part in found.relative_to(path).parts)))
     return [path] if path.is_file() else []
 
 

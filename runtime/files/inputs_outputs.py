@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
 
 from ..core.errors import InvalidInputError
+from .identity import files_under
 
 Input = tuple[str, Optional[Path]]  # (the option that names it, its path; None when not given)
 Output = tuple[str, Path, Path]  # (the option, the path given, a path the command will write from it)
@@ -51,12 +52,10 @@ def refuse_colliding_outputs(outputs: Iterable[Output]) -> None:
         written[key] = (option, Path(given), Path(path))
 
 
-def _files_read(path: Path) -> Iterator[Path]:
-    """The input itself, or every file under an input folder (a model folder, a transformer folder)."""
-    if path.is_dir():
-        yield from (file for file in sorted(path.rglob("*")) if file.is_file())
-    else:
-        yield path
+def _files_read(path: Path) -> list[Path]:
+    """Every file under an input folder (a model folder, a transformer folder; hidden ones too), else the input
+    itself, whether or not it exists yet."""
+    return files_under(path, hidden=True) if path.is_dir() else [path]
 
 
 def refuse_outputs_over_inputs(inputs: Iterable[Input], outputs: Iterable[Output]) -> None:
