@@ -28,6 +28,6 @@ def test_tiny_run_overlaps_uncompiled_calls_with_the_twin_compile_and_writes_eve
     assert list(rows) == ["uncompiled call, alone", "uncompiled call, while the twin compiles",
                           "background compile + first twin call (wall)", "first call after compile_blocks (the switch)",
                           "compiled call"]
-    assert rows["uncompiled call, while the twin compiles"]["calls"] >= 1  # the calls overlapped the compile
+    assert rows["uncompiled call, while the twin compiles"]["calls"] >= 1  # calls whose time overlapped the compile
     assert all(row["ms"] is not None and row["ms"] > 0 for row in rows.values())
     assert json.loads((tmp_path / "background_compile.json").read_text())["rows"] == report["rows"]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 
 from ernie_image.runtime.cli.names import cli_message
 from ernie_image.runtime.core.errors import ModelFileError
@@ -141,13 +142,26 @@ def test_a_file_changed_under_a_loaded_pipe_is_refused_naming_it_and_the_pipe_le
     assert refused_run(pipe) == changed_line(path, what)  # refused until the model is loaded again
 
 
+def other_decoder(path: Path) -> None:
+    """Other bytes renamed over the VAE file, differing in a weight the decoder uses."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as handle:
+        tensors, metadata = {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata()
+    tensors["decoder.conv_out.bias"] = tensors["decoder.conv_out.bias"] + 0.25
+    fresh = path.with_name(path.name + ".part")
+    save_file(tensors, str(fresh), metadata=metadata)
+    os.replace(fresh, path)
+
+
 def test_a_model_loaded_again_runs_with_the_new_file(sources):
     pipe = LocalPipe.load(sources, LoadOptions(device="cpu"))
     first = pipe.generate(REQUEST, NullHost()).images
-    replaced(sources.vae)
+    other_decoder(sources.vae)
     refused_run(pipe)
     again = LocalPipe.load(sources, LoadOptions(device="cpu")).generate(REQUEST, NullHost()).images
-    assert again.shape == first.shape
+    assert again.shape == first.shape and not torch.equal(again, first)
 
 
 def test_a_config_changed_under_a_pipe_of_a_diffusers_folder_is_named(tmp_path, tiny_turbo_folder):
@@ -173,12 +187,18 @@ class ReplacingVae(NullHost):
             self.change = replaced(self.vae)
 
 
-def test_a_file_changed_during_a_run_is_refused_before_the_phase_that_reads_it(sources):
+def test_a_file_changed_during_a_run_is_refused_before_the_phase_that_reads_it(sources, monkeypatch):
+    from ernie_image.runtime.local import pipe as pipe_module
+
     pipe = LocalPipe.load(sources, LoadOptions(device="cpu", keep_loaded=True))
     pipe.generate(REQUEST, NullHost())
-    host = ReplacingVae(sources.vae)
+    decodes: list[int] = []
+    decode = pipe_module.decode_images
+    monkeypatch.setattr(pipe_module, "decode_images",
+                        lambda *args, **kwargs: decodes.append(1) or decode(*args, **kwargs))
+    host = ReplacingVae(sources.vae)  # replaces the VAE file while the DiT samples
     assert refused_run(pipe, host) == changed_line(sources.vae, host.change)
-    assert host.progress_calls and not pipe.is_loaded()
+    assert host.progress_calls and not pipe.is_loaded() and decodes == []  # the decode never ran
 
 
 def test_each_surface_says_its_own_way_to_load_the_model_again(sources):

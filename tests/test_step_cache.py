@@ -322,14 +322,23 @@ def test_every_step_that_may_be_skipped_has_its_first_streamed_middle_block_gues
     resident = base_pipe.generate(request, NullHost())
     budget = middle_streaming_budget_gb(base_model, request, "cpu")
     pipe = LocalPipe.load(base_model, LoadOptions(device="cpu", vram_budget_gb=budget, keep_loaded=True))
-    guesses: list[tuple[int, ...]] = []
+    guesses: list[tuple[int, ...]] = []  # the blocks each guess put on the route
     original = LayerStreamer.guess
-    monkeypatch.setattr(LayerStreamer, "guess", lambda self, indices, limit: (guesses.append(tuple(indices)),
-                                                                               original(self, indices, limit))[1])
+
+    def recording(self, indices, limit) -> None:
+        known = len(self._guessed)
+        original(self, indices, limit)
+        guesses.append(tuple(self.streamed[k] for k in list(self._guessed)[known:]))
+
+    monkeypatch.setattr(LayerStreamer, "guess", recording)
     result = pipe.generate(request, NullHost())
     assert torch.equal(result.latents, resident.latents)
     report = result.info["step_cache"]
+    first_blocks, last_blocks = (int(spec.split(f"{name}=")[1].split(",")[0]) for name in ("first_blocks", "last_blocks"))
+    split = BlockSplit.of(len(pipe.parts.dit.layers), first_blocks, last_blocks)
+    first_streamed_middle = next(index for index in split.middle if index in pipe.memory.plan.dit.streamed)
     assert "S" in report["schedule"] and len(guesses) == len(report["changes"]), (report, guesses)
+    assert all(guess == (first_streamed_middle,) for guess in guesses), guesses
     pipe.release()
 
 def test_cancel_mid_step_releases_and_the_next_run_is_whole(base_model, base_pipe, cancel_after):

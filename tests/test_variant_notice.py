@@ -78,7 +78,7 @@ def test_the_library_notices_settings_meant_for_the_other_variant(turbo_pipe):
     assert TURBO_UNDER_BASE.format(own="steps=8, cfg=1", variant="variant") in host.messages
     unsaid = LoggingHost()
     turbo_pipe.generate(GenerationRequest(prompt="a red fox", width=256, height=256, steps=1, cfg=4.0), unsaid)
-    assert not any("meant for" in message for message in unsaid.messages)  # nobody said whose they are
+    assert not any("were given for" in message for message in unsaid.messages)  # nobody said whose they are
 
 
 def test_a_settings_for_that_is_not_a_variant_is_refused_in_one_line(turbo_pipe):
@@ -99,6 +99,8 @@ def test_the_model_s_own_settings_give_no_notice_whichever_sampler_gave_them(tur
     """A Base Sampler set to 8 steps at CFG 1 runs a Turbo model as it is made to run: nothing to say."""
     shown = ErnieImageSampler().generate(pipe=turbo_pipe, negative_prompt="", **{**sampler_inputs(1.0), "steps": 8})
     assert shown["ui"]["text"] == [""]
+    shown = ErnieImageTurboSampler().generate(pipe=base_pipe, **{**sampler_inputs(4.0), "steps": 50})
+    assert shown["ui"]["text"] == [""]  # and a Turbo Sampler set to Base's 50 steps at CFG 4 on a Base model
 
 
 # ------------------------------------------------------------------------------------------- on a remote pipe
