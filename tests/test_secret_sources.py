@@ -20,17 +20,53 @@ def name_of(path: Path) -> str:
     return path.relative_to(ROOT).as_posix()
 
 
+CONSTANT_KEYS = ("KEYS_FILE_ENV",)  # module constants naming a variable, written in the code
+
+
+def _key_is_written(key: ast.AST | None) -> bool:
+    return isinstance(key, ast.Constant) or (key is not None and ast.unparse(key) in CONSTANT_KEYS)
+
+
 def environment_reads_by_computed_name(tree: ast.AST) -> list[str]:
+    """Every use of the environment (`os.environ`, `environ`, `os.getenv`, `getenv`, however imported) other than
+    reading or setting a variable whose name is written in the code, by what it reads (or how it is used)."""
+    parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
     reads = []
     for node in ast.walk(tree):
-        key = None
-        if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "os.environ":
-            key = node.slice
-        elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("os.environ.get", "os.getenv") and node.args:
-            key = node.args[0]
-        if key is not None and not isinstance(key, ast.Constant) and ast.unparse(key) != "KEYS_FILE_ENV":
-            reads.append(ast.unparse(key))
+        name = ast.unparse(node) if isinstance(node, (ast.Name, ast.Attribute)) else ""
+        if name not in ("os.environ", "environ", "os.getenv", "getenv"):
+            continue
+        parent = parents.get(node)
+        if name.endswith("getenv"):
+            call = parent if isinstance(parent, ast.Call) and parent.func is node else None
+            key = (call.args[0] if call is not None and call.args else
+                   next((kw.value for kw in call.keywords if kw.arg == "key"), None) if call is not None else None)
+            if not _key_is_written(key):
+                reads.append(ast.unparse(key) if key is not None else name)
+            continue
+        if isinstance(parent, ast.Subscript) and parent.value is node:
+            key = parent.slice
+        elif isinstance(parent, ast.Attribute) and parent.value is node and isinstance(parents.get(parent), ast.Call):
+            call = parents[parent]
+            key = call.args[0] if call.args else None
+            if parent.attr in ("setdefault", "pop", "get") and _key_is_written(key):
+                continue
+        else:  # the whole environment handed on (copied, iterated, passed): any variable could be read from it
+            key = None
+        if not _key_is_written(key):
+            reads.append(ast.unparse(key) if key is not None else ast.unparse(parent or node))
     return reads
+
+
+def test_the_scan_sees_every_way_to_read_a_variable_by_a_computed_name():
+    code = """
+import os
+from os import environ, getenv
+os.environ.get(name); os.getenv(key=name); environ[name]; getenv(name); dict(os.environ)[name]
+os.environ.copy(); os.environ.get("WRITTEN"); os.environ["WRITTEN"]; os.getenv("WRITTEN"); os.environ.get(KEYS_FILE_ENV)
+"""
+    assert environment_reads_by_computed_name(ast.parse(code)) == [
+        "name", "name", "name", "name", "dict(os.environ)", "os.environ.copy"]
 
 
 def test_only_the_key_source_reads_a_variable_whose_name_is_not_in_the_code():

@@ -334,7 +334,8 @@ def test_every_step_that_may_be_skipped_has_its_first_streamed_middle_block_gues
     result = pipe.generate(request, NullHost())
     assert torch.equal(result.latents, resident.latents)
     report = result.info["step_cache"]
-    first_blocks, last_blocks = (int(spec.split(f"{name}=")[1].split(",")[0]) for name in ("first_blocks", "last_blocks"))
+    first_blocks, last_blocks = (int(spec.split(f"{name}=")[1].split(",")[0])
+                                 for name in ("first_blocks", "last_blocks"))
     split = BlockSplit.of(len(pipe.parts.dit.layers), first_blocks, last_blocks)
     first_streamed_middle = next(index for index in split.middle if index in pipe.memory.plan.dit.streamed)
     assert "S" in report["schedule"] and len(guesses) == len(report["changes"]), (report, guesses)
