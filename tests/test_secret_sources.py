@@ -1,8 +1,8 @@
 """Which secret is read is the user's choice alone, never a workflow's: a structural check of the whole package.
 
 An environment variable is read by a name that is not written in the code in one function only,
-runtime/net/key_source.py's user_named_variable, and the names it reads come from two places only: the CLI's --api-key-env flags
-(Credentials.bound_to, called from runtime/cli/) and an "env" entry of the user's own keys file
+runtime/net/key_source.py's user_named_variable, and the names it reads come from two places only: the CLI's
+--api-key-env flags (Credentials.bound_to, called from runtime/cli/) and an "env" entry of the user's own keys file
 (credentials.py, which refuses a keys file that others can write). No node, route or remote module builds a key
 source; what a workflow gives is a credential's label, looked up in that file and bound to its server's origin
 (tests/test_secrets_attacks.py tries the behaviour; this test keeps the boundary where it is).
