@@ -68,7 +68,7 @@ class Row:
 
     @classmethod
     def parse(cls, text: str) -> "Row":
-        allocator, caches, what = (text.split(":") + ["", "", ""])[:3] if text.count(":") == 2 else ("", "", "")
+        allocator, caches, what = text.split(":") if text.count(":") == 2 else ("", "", "")
         parts = what.split("-")
         if (allocator not in ("native", "cudaMallocAsync") or caches not in ("empty", "warm") or len(parts) not in (4, 5)
                 or parts[4:] not in ([], ["eager"], ["compiled"])):
