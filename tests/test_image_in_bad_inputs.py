@@ -45,6 +45,9 @@ IMAGE = torch.rand(1, 256, 256, 3)
     (dict(init_image=torch.rand(3, 256, 256, 3), batch=2),
      "init_image holds 3 images but the run makes 2: give one (used for every image) or 2, or set batch to 3"),
     (dict(init_image=IMAGE, mask=torch.ones(3, 256, 256), batch=2), "mask holds 3 images but the run makes 2"),
+    (dict(init_image=torch.rand(70, 256, 256, 3)),  # more than a batch can be: no batch size to suggest
+     "init_image holds 70 images but the run makes 1: give one (used for every image) or 1 (a batch takes up to 64 "
+     "images)"),
     (dict(init_image=IMAGE, denoise=float("nan")), "denoise nan is not allowed: use a value in (0, 1]"),
     (dict(init_image=IMAGE, denoise=0.0), "denoise 0.0 is not allowed"),
     (dict(init_image=IMAGE, denoise=1.5), "denoise 1.5 is not allowed"),

@@ -96,11 +96,15 @@ def _image_size_problem(width: int, height: int, what: str) -> Optional[str]:
             "first")
 
 
+MAX_BATCH = 64  # images one run makes at most
+
+
 def _check_batch(count: int, batch: int, setting: str) -> None:
     """`setting` (init_image, init_latents, mask) holds one image for the whole batch or one per image."""
     if count not in (1, batch):
+        larger = f", or set batch to {count}" if count <= MAX_BATCH else f" (a batch takes up to {MAX_BATCH} images)"
         raise InvalidInputError(f"{setting} holds {count} images but the run makes {batch}: give one (used for every "
-                                f"image) or {batch}, or set batch to {count}").naming(setting, "batch")
+                                f"image) or {batch}{larger}").naming(setting, "batch")
 
 
 def _check_init_image(request: "GenerationRequest") -> tuple[int, int]:
@@ -247,8 +251,8 @@ class GenerationRequest:
         if self.steps is not None and not 1 <= self.steps <= 1000:
             raise InvalidInputError(f"steps {self.steps} is not allowed: use 1..1000 (50 for ERNIE-Image, 8 for Turbo)"
                                     ).naming("steps")
-        if not 1 <= self.batch <= 64:
-            raise InvalidInputError(f"batch {self.batch} is not allowed: use 1..64").naming("batch")
+        if not 1 <= self.batch <= MAX_BATCH:
+            raise InvalidInputError(f"batch {self.batch} is not allowed: use 1..{MAX_BATCH}").naming("batch")
         if not 0 <= self.seed <= SEED_MASK:
             raise InvalidInputError(f"seed {self.seed} is not allowed: use 0..{SEED_MASK}").naming("seed")
         if self.cfg is not None and (not math.isfinite(self.cfg) or self.cfg < 0 or self.cfg > 100):
