@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import threading
 import types
 import weakref
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterable
 
 from ..runtime.core.pipe import ErniePipe
+from ..runtime.local.parts import built_models_alive
 
 log = logging.getLogger("ernie_image")
 
@@ -54,11 +57,43 @@ def summary(holders: bool = False) -> dict[str, Any]:
     report = {
         "live_pipes": len(pipes),
         "weight_owners_alive": len(_weights),  # parts and memory of local pipes, the dropped ones' included
+        "orphaned_models": len(_orphaned_models(pipes)),  # built by a pipe that is gone, still alive
+        "device": _device_memory(),
         "pipes": [{"kind": p.kind, "loaded": bool(p.is_loaded()), "plan": _describe(p), **_memory(p)} for p in pipes],
     }
     if holders:
         report["orphaned_weights_held_by"] = orphan_holders(pipes)
     return report
+
+
+def _device_memory() -> dict[str, int]:
+    """What PyTorch's CUDA allocator has handed out and holds in this process (empty before CUDA is used): tensors
+    alive show as allocated; memory freed but kept by the allocator only as reserved."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return {}
+    from ..runtime.model.cuda_capture import graph_memory_reserved
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    return {"allocated": int(torch.cuda.memory_allocated()), "reserved": int(torch.cuda.memory_reserved()),
+            "graphs_reserved": graph_memory_reserved(device)}
+
+
+def _owned_models(pipes: Iterable[Any]) -> set[int]:
+    owned: set[int] = set()
+    for pipe in pipes:
+        parts = getattr(pipe, "parts", None)
+        if parts is not None:
+            owned |= {id(value) for value in vars(parts).values() if isinstance(value, sys.modules["torch"].nn.Module)}
+            enhancer = getattr(parts, "enhancer", None)
+            if enhancer is not None:
+                owned.add(id(enhancer.model))
+    return owned
+
+
+def _orphaned_models(pipes: list[Any]) -> list[Any]:
+    owned = _owned_models(pipes)
+    return [model for model in built_models_alive() if id(model) not in owned]
 
 
 def _memory(pipe: Any) -> dict[str, Any]:
@@ -81,22 +116,53 @@ def _describe(pipe: Any) -> str:
 def orphan_holders(pipes: list[Any], max_chains: int = 6, depth: int = 4) -> list[str]:
     """What still holds the weights of pipes that are gone (a leak; empty when there is none): for each such owner,
     chains of the objects referring to it, nearest first, so a report names the culprit without a debugger."""
+    gc.collect()  # what the walk names is then held, not merely waiting for the collector
     owned = {id(owner) for pipe in pipes for owner in (getattr(pipe, "parts", None), getattr(pipe, "memory", None))}
     orphans = [owner for owner in list(_weights) if id(owner) not in owned]
-    if not orphans:
+    models = _orphaned_models(pipes)
+    if not orphans and not models:
         return []
     chains: list[str] = []
-    skip = {id(orphans), id(chains)} | {id(vars(o)) for o in orphans}  # their own attributes link parts to memory
+    skip = {id(pipes), id(orphans), id(models), id(chains)}
+    skip |= {id(vars(o)) for o in orphans}  # their own attributes link parts to memory
     for orphan in orphans:
         _referrer_chains(orphan, [type(orphan).__qualname__], chains, skip, depth, max_chains)
-    return chains[:max_chains]
+    for model in models:  # a model's holder sits a few modules up: follow further
+        before = len(chains)
+        _referrer_chains(model, [type(model).__qualname__], chains, skip, depth + 4, 2 * max_chains)
+        if len(chains) == before:
+            chains.append(f"{type(model).__qualname__} <- {UNSEEN_HOLDER}; threads now: {_threads_now()}")
+    return chains[:2 * max_chains]
+
+
+# The collector does not see a running frame's locals (nor native code's references), and reading them through
+# frame.f_locals would itself keep them (Python < 3.13 caches the snapshot on the frame): a model no referrer
+# holds is named with the threads that could.
+UNSEEN_HOLDER = "nothing the collector sees (a running frame's local variable, or native code)"
+
+
+def _threads_now() -> str:
+    """Each other thread's name and the function it is in: who could hold a model in a local variable."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    frames = sys._current_frames()
+    try:
+        return "; ".join(f"{names.get(ident, ident)} in {_frame_named(frame)}"
+                         for ident, frame in frames.items() if ident != threading.get_ident())
+    finally:
+        del frames  # it holds this frame: a cycle that would keep the walk's locals (the orphans) until a collection
 
 
 def _referrer_chains(obj: Any, path: list[str], chains: list[str], skip: set[int], depth: int, limit: int) -> None:
+    """Chains of what refers to `obj`, up to `depth` links; a frame (finished or suspended: the collector sees only
+    those) ends a chain, the walk's own frames skipped."""
     for referrer in gc.get_referrers(obj):
         if len(chains) >= limit:
             return
-        if id(referrer) in skip or isinstance(referrer, types.FrameType):
+        if id(referrer) in skip:
+            continue
+        if isinstance(referrer, types.FrameType):
+            if referrer.f_code.co_filename != __file__:
+                chains.append(" <- ".join(path + [_frame_named(referrer)]))
             continue
         skip.add(id(referrer))
         here = path + [_named(referrer)]
@@ -107,6 +173,11 @@ def _referrer_chains(obj: Any, path: list[str], chains: list[str], skip: set[int
         _referrer_chains(referrer, here, chains, skip, depth - 1, limit)
         if len(chains) == before:
             chains.append(" <- ".join(here))
+
+
+def _frame_named(frame: types.FrameType) -> str:
+    function = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+    return f"frame {function} ({Path(frame.f_code.co_filename).name}:{frame.f_lineno})"
 
 
 def _named(value: Any) -> str:

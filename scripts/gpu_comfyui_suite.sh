@@ -3,7 +3,7 @@
 # python3 already has CUDA torch. Nothing is downloaded: the Python packages that machine lacks come as wheels in
 # .whl/ (installed with --no-deps into /tmp/site, put first on PYTHONPATH), and ComfyUI as the tarball
 # .comfyui/comfyui.tar.gz (a ComfyUI v0.8.0 tree). Both are ignored by git and carried to the machine.
-# Prints "GPU-SUITE {json}" measurement lines; the log goes to $OUT (when set) or /tmp.
+# Arguments go to pytest (-k to pick tests). Prints "GPU-SUITE {json}" measurement lines; the log goes to $OUT (when set) or /tmp.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/tmp/site
@@ -20,7 +20,7 @@ python3 -c "import torch, comfy_aimdo, diffusers, av, pytest_asyncio; assert tor
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 df -h /tmp | tail -1
 set +e
-python3 -m pytest -q -s -rs -p no:cacheprovider --timeout 1200 tests/test_comfyui_gpu.py 2>&1 | tee "$LOG_DIR/gpu_comfyui_suite.log"
+python3 -m pytest -q -s -rs -p no:cacheprovider --timeout 1200 tests/test_comfyui_gpu.py "$@" 2>&1 | tee "$LOG_DIR/gpu_comfyui_suite.log"
 status=${PIPESTATUS[0]}
 grep -h "^GPU-SUITE" "$LOG_DIR/gpu_comfyui_suite.log" > "$LOG_DIR/gpu_comfyui_measures.jsonl" || true
 exit "$status"

@@ -164,6 +164,16 @@ async def get_json(comfy: Served, path: str) -> Any:
             return await response.json()
 
 
+async def nothing_of_dropped_pipes_alive(comfy: Served, seen: dict[str, Any]) -> bool:
+    """Nothing of a dropped local pipe outlives it: its parts, memory and built models are gone with it. `seen`
+    keeps the last answer, whose `orphaned_weights_held_by` names what holds them when they are not."""
+    seen.update(await get_json(comfy, "/ernie_image/memory"))
+    if seen["weight_owners_alive"] == 0 and seen["orphaned_models"] == 0:
+        return True
+    seen.update(await get_json(comfy, "/ernie_image/memory?holders=1"))
+    return False
+
+
 async def post(comfy: Served, path: str, body: Any) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as session:
         async with session.post(comfy.url + path, json=body) as response:

@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from comfyui_server import (COMFYUI_SUITE, COMFY_PYTHON, PACK_NAME, REPO_ROOT, Server, api_workflow, base_directory,
-                            free_port, get_json, node_of, place_tiny_models, post, run_prompt, running, saved_images)
+                            free_port, get_json, node_of, nothing_of_dropped_pipes_alive, place_tiny_models, post,
+                            run_prompt, running, saved_images)
 from waiting import wait_until_async
 
 API_WORKFLOWS = sorted((REPO_ROOT / "workflows" / "api").glob("*.json"))
@@ -316,6 +317,10 @@ async def test_keep_loaded_and_comfyuis_free_button(comfy: Comfy) -> None:
     status, _ = await post(comfy, "/free", {"unload_models": True, "free_memory": True})
     assert status == 200
     await wait_until_async(lambda: no_pipe_alive(comfy), what="the Loader's pipe dropped with the node cache")
+    seen: dict[str, Any] = {}
+    await wait_until_async(lambda: nothing_of_dropped_pipes_alive(comfy, seen),
+                           what=lambda: f"the pipe's models going with it "
+                                        f"(held by: {seen.get('orphaned_weights_held_by')})")
 
 
 async def no_pipe_alive(comfy: Comfy) -> bool:

@@ -3,8 +3,9 @@
 CPU: the cast-folding `out=` forms give exactly the plain expressions' numbers (bf16 and fp32, CFG length groups),
 and DiTGraphs leaves every case it must not touch to the DiT's own forward. GPU: a replay equals the eager forward
 bit for bit (batch 1 and 2, two length groups sharing one pool), the graph count is bounded, any change of structure
-recaptures, a capture that fails falls back to eager with one warning, and all of it holds under both CUDA
-allocator backends (fresh subprocesses, as ComfyUI's cudaMallocAsync default is fixed when CUDA starts).
+recaptures, a capture that fails falls back to eager with one warning, released graphs leave no memory reserved for
+graphs, and all of it holds under both CUDA allocator backends (fresh subprocesses, as ComfyUI's cudaMallocAsync
+default is fixed when CUDA starts).
 """
 from __future__ import annotations
 
@@ -377,6 +378,7 @@ import torch
 assert torch.cuda.get_allocator_backend() == sys.argv[1], torch.cuda.get_allocator_backend()
 from test_dit_graphs import tiny_dit, step_inputs
 from ernie_image.runtime.model.dit_graphs import DiTGraphs
+from ernie_image.runtime.model.cuda_capture import graph_memory_reserved
 from ernie_image.runtime.core.errors import Cancelled
 with torch.inference_mode():
     model = tiny_dit("cuda", torch.bfloat16)
@@ -403,6 +405,13 @@ with torch.inference_mode():
     for _ in range(3):
         assert torch.equal(graphs(*short), model(*short))
     assert graphs.graph_count == 1
+    # Released graphs leave no memory reserved for graphs (cudaMallocAsync keeps it until trimmed), and capture again.
+    if sys.argv[1] == "cudaMallocAsync":  # captures allocate from the driver's graph memory there
+        assert graph_memory_reserved(torch.device("cuda")) > 0
+    graphs.release_graphs()
+    assert graph_memory_reserved(torch.device("cuda")) == 0, graph_memory_reserved(torch.device("cuda"))
+    for _ in range(3):
+        assert torch.equal(graphs(*short), model(*short))
     del graphs
     torch.cuda.synchronize()
 print("survived")

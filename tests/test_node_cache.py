@@ -121,6 +121,41 @@ def test_the_memory_route_counts_a_dropped_pipes_weights_until_they_are_gone(mod
     assert live_pipes.summary(holders=True)["orphaned_weights_held_by"] == []
 
 
+def test_the_memory_route_names_a_thread_that_keeps_a_dropped_pipes_model(model) -> None:
+    """A model a pipe built that outlives the pipe (here kept in a waiting thread's local variable, as a worker
+    thread would) counts as an orphaned model; no referrer holds it, so the holders name the threads running and
+    where, the one that keeps it among them."""
+    import threading
+
+    from ernie_image.nodes import live_pipes
+
+    before = live_pipes.summary()
+    pipe = live_pipes.track(loaded_streaming_pipe(model))
+    assert live_pipes.summary()["orphaned_models"] == before["orphaned_models"]  # its models are its own
+    holding, done = threading.Event(), threading.Event()
+    handed = [pipe.parts.dit]
+
+    def keep() -> None:
+        dit = handed.pop()  # noqa: F841 - held by this frame alone
+        holding.set()
+        done.wait(60)
+
+    worker = threading.Thread(target=keep, name="kept-worker")
+    worker.start()
+    holding.wait(60)
+    del pipe
+    try:
+        after = live_pipes.summary(holders=True)
+        assert after["weight_owners_alive"] == before["weight_owners_alive"]  # parts and memory went with the pipe
+        assert after["orphaned_models"] == before["orphaned_models"] + 1
+        assert any(chain.startswith(f"ErnieDiT <- {live_pipes.UNSEEN_HOLDER}") and "kept-worker in frame " in chain
+                   for chain in after["orphaned_weights_held_by"]), after["orphaned_weights_held_by"]
+    finally:
+        done.set()
+        worker.join(60)
+    assert live_pipes.summary()["orphaned_models"] == before["orphaned_models"]
+
+
 class FakeCudart:
     """cudaHostRegister / cudaHostUnregister as CUDA answers them, recorded."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
@@ -49,7 +50,22 @@ def choose_auto_quant(options: LoadOptions, device: torch.device) -> Optional[tu
     return choose_auto(detect_device(device), budget)
 
 
-# The part each kind of ComponentFile is, in ModelSources.component's words.
+# Every model a pipe's parts built, held weakly: one alive after its pipe is gone is memory nothing can use or free
+# (a leak the ComfyUI pack's memory route reports, with what holds it).
+_built_models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def built_models_alive() -> list[torch.nn.Module]:
+    """The models (text tower, DiT, VAE halves, prompt enhancer) any pipe built that are still alive."""
+    return list(_built_models)
+
+
+def _built(module: Any) -> Any:
+    if isinstance(module, torch.nn.Module):
+        _built_models.add(module)
+    return module
+
+
 class PipeParts:
     def __init__(self, sources: ModelSources, options: LoadOptions, variant: Variant, device: torch.device,
                  dtype: torch.dtype, memory: PipeMemory, lora: PipeLoras,
@@ -122,11 +138,15 @@ class PipeParts:
         host.log(f"compiling the DiT's blocks: uncompiled runs have cost {self.compile_policy.spent_s:.1f} s more "
                  "than compiled ones would, about what compiling costs (LoadOptions.compile='auto')")
         if self.dit is not None:
-            release_graphs = getattr(self.dit_forward, "release_graphs", None)
-            if release_graphs is not None:
-                release_graphs()
+            self.release_graphs()
             self.dit_forward = None
             compile_blocks(self.dit)
+
+    def release_graphs(self) -> None:
+        """Give the DiT forward's CUDA graphs and their memory back (dit_graphs.DiTGraphs; nothing for a plain DiT)."""
+        release = getattr(self.dit_forward, "release_graphs", None)
+        if release is not None:
+            release()
 
     def note_dit_file(self, dit) -> None:
         """What the opened DiT file says before it is built: a quantised file's formats, and what 'auto' runs."""
@@ -158,7 +178,7 @@ class PipeParts:
         if self.text_tower is None:
             component = self._open("text_encoder")
             tower = build_text_tower(component, self.memory.build_device(), self.dtype, self.variant)
-            self.text_tower = self.memory.place_text(tower)
+            self.text_tower = self.memory.place_text(_built(tower))
         return self.text_tower
 
     @built_outside_inference_mode
@@ -171,7 +191,7 @@ class PipeParts:
                             quant_device=self.device, arithmetic=self.options.arithmetic)
             if self.device.type == "cuda":
                 fuse_projections(dit)
-            dit = self.memory.place_dit(dit)
+            dit = self.memory.place_dit(_built(dit))
             if self.compiles_dit:
                 compile_blocks(dit)
             self.dit = dit
@@ -209,7 +229,7 @@ class PipeParts:
         self.files.check(("vae",))
         if self.vae is None:
             component = self._open("vae")
-            self.vae = build_vae(component, self.device, self._vae_dtype())
+            self.vae = _built(build_vae(component, self.device, self._vae_dtype()))
         return self.vae
 
     @built_outside_inference_mode
@@ -217,7 +237,7 @@ class PipeParts:
         self.files.check(("vae",))
         if self.vae_encoder is None:
             component = self._open("vae")
-            self.vae_encoder = build_vae(component, self.device, self._vae_dtype(), part="encoder")
+            self.vae_encoder = _built(build_vae(component, self.device, self._vae_dtype(), part="encoder"))
         return self.vae_encoder
 
     def load_enhancer(self, host: Host, placed: bool):
@@ -229,6 +249,7 @@ class PipeParts:
             self.enhancer = built_outside_inference_mode(LocalEnhancer.load)(
                 self.sources, self.device, self.dtype, self.variant, host,
                 build_device=self.memory.build_device() if placed else None, quant=self.options.pe_quant)
+            _built(self.enhancer.model)
         self.enhancer.compiled_decode = self.options.pe_compile and compile_available(self.device)
         return self.enhancer
 
@@ -280,6 +301,7 @@ class PipeParts:
         if not self.memory.active:
             return
         if self.memory.dit is None:
+            self.release_graphs()
             self.dit = self.dit_forward = None
         if self.memory.text is None:
             self.text_tower = None
@@ -290,4 +312,5 @@ class PipeParts:
 
     def drop(self) -> None:
         """Let go of every part but the tokenizer (no device memory, quick to keep)."""
+        self.release_graphs()
         self.text_tower = self.dit = self.dit_forward = self.vae = self.vae_encoder = self.enhancer = None

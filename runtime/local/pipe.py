@@ -208,9 +208,8 @@ class LocalPipe:
         finally:
             if cache is not None:
                 self.last_step_cache = cache.close(release_graphs=self.memory.plan is not None)
-            release_graphs = getattr(self.parts.dit_forward, "release_graphs", None)
-            if release_graphs is not None and self.memory.plan is not None:
-                release_graphs()  # the plan gives the DiT's activation memory to the VAE phase next
+            if self.memory.plan is not None:
+                self.parts.release_graphs()  # the plan gives the DiT's activation memory to the VAE phase next
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         self._phase = "vae"
@@ -407,9 +406,10 @@ class LocalPipe:
 
     def __del__(self) -> None:
         # The last reference is gone (an evicted cache entry, "Free model and node cache"): hand back the pinned
-        # slabs and device buffers now. Only what release() frees without collecting garbage or touching the CUDA
-        # cache, as this can run on any thread or at interpreter exit.
+        # slabs, device buffers and graph memory now. Only what release() frees without collecting garbage or
+        # touching the CUDA cache, as this can run on any thread or at interpreter exit.
         try:
+            self.parts.release_graphs()
             self.memory.release()
         except Exception:  # noqa: BLE001 - a finaliser must not raise; the memory goes with the objects anyway
             pass

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from .compile import blocks_compiled
-from .cuda_capture import capture_stream, heal_generator_after_failed_capture, host_syncs_raise, is_host_sync_error
+from .cuda_capture import (capture_stream, give_back_graph_memory, heal_generator_after_failed_capture, host_syncs_raise,
+                           is_host_sync_error)
 
 Compute = Callable[..., torch.Tensor]  # (*static inputs) -> output
 
@@ -126,10 +127,13 @@ class GraphCache:
         """Give the graphs' memory back but remember which signatures were warmed up: the next call for one of them
         captures again at once (LocalPipe does this after each sampling run under a VRAM plan, whose later phases
         count on the DiT's activation memory being free)."""
+        devices = {captured.output.device for captured in self._graphs.values() if captured.output is not None}
         while self._graphs:
             _, captured = self._graphs.popitem(last=False)
             _drop(captured)
         self._pool = None
+        for device in devices:
+            give_back_graph_memory(device)
 
     @property
     def graph_count(self) -> int:

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model.cuda_capture import capture_stream, heal_generator_after_failed_capture, host_syncs_raise
+from ..model.cuda_capture import (capture_stream, give_back_graph_memory, heal_generator_after_failed_capture,
+                                  host_syncs_raise)
 
 CACHE_ROUNDING = 256  # slot counts are rounded up to this: a regular key length for the attention kernels
 
@@ -135,9 +136,12 @@ class StaticCacheDecoder:
         """Drop the graph and the cache now (not when a traceback that holds this decoder lets go).
 
         The graph's output goes first, while the graph that allocated it still exists."""
+        device = self.graph_logits.device if self.graph_logits is not None else None
         self.graph_logits = None
         self.graph = None
         self.keys = self.values = self.cache = self.step_tables = None
+        if device is not None:
+            give_back_graph_memory(device)
 
     def _decode_step(self) -> torch.Tensor:
         mask = (self.slots <= self.position)[None, None, None, :]  # slots past this token hold stale keys
