@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..runtime.core.pipe import ErniePipe
-from ..runtime.local.parts import built_models_alive
 
 log = logging.getLogger("ernie_image")
 
@@ -92,6 +91,10 @@ def _owned_models(pipes: Iterable[Any]) -> set[int]:
 
 
 def _orphaned_models(pipes: list[Any]) -> list[Any]:
+    if "torch" not in sys.modules:  # no model was ever built
+        return []
+    from ..runtime.local.parts import built_models_alive
+
     owned = _owned_models(pipes)
     return [model for model in built_models_alive() if id(model) not in owned]
 
