@@ -95,6 +95,23 @@ def test_a_bad_spec_is_one_line(spec, error):
         parse_step_cache(spec)
 
 
+SETTINGS = [field.name for field in dataclasses.fields(StepCacheConfig) if field.name != "method"]
+
+
+@pytest.mark.parametrize("method", ["dbcache", "fbcache"])
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("form", ["{}", "{}=", " {} = ", "{}, threshold=0.1"])
+def test_a_known_setting_without_a_value_says_it_needs_one_with_an_example_that_parses(method, setting, form):
+    spec = f"{method}:" + form.format(setting.replace("_", "-") if form == "{}=" else setting)
+    with pytest.raises(InvalidInputError) as refused:
+        parse_step_cache(spec)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"step cache setting {setting} needs a value: give "
+                                                       f"{setting}=VALUE, e.g. {method}:{setting}="), message
+    example = message.rsplit(" ", 1)[1]
+    assert isinstance(parse_step_cache(example), StepCacheConfig)  # the example is one the user can run
+
+
 def test_specs_parse_and_print_back():
     assert parse_step_cache("off") is None
     config = parse_step_cache("dbcache:threshold=0.12,max-skips=2,first_blocks=4,forced=cssc")
@@ -468,6 +485,8 @@ def test_the_cli_records_the_cache_and_writes_the_comparison(tmp_path, capsys, t
 
 @pytest.mark.parametrize("argv, error", [
     (["--step-cache", "dbcache:threshold=x"], "threshold 'x' is not a number"),
+    (["--step-cache", "dbcache:threshold"], "setting threshold needs a value: give threshold=VALUE, e.g. "
+                                            "dbcache:threshold=0.08\n"),
     (["--step-cache-compare", "c.png"], "--step-cache-compare needs --step-cache METHOD"),
     (["--step-cache", "dbcache", "--server", "http://127.0.0.1:9"], "--step-cache runs on the local model only"),
 ])
