@@ -59,10 +59,11 @@ class ErnieImageStepCache:
             "optional": {
                 "first_blocks": ("INT", {"default": DEFAULT_FIRST_BLOCKS["dbcache"], "min": 1, "max": 35,
                                          "tooltip": "dbcache: blocks always computed first; their change decides "
-                                         "(cache-dit's Fn, 8). More is more precise and skips less work."}),
+                                         "(cache-dit's Fn, 8). More is more precise and skips less work. fbcache: "
+                                         "1, the one it computes."}),
                 "last_blocks": ("INT", {"default": 0, "min": 0, "max": 34,
                                         "tooltip": "dbcache: blocks always computed last, after the cached middle "
-                                        "(cache-dit's Bn, 0)."}),
+                                        "(cache-dit's Bn, 0). fbcache: 0."}),
             },
         }
 
@@ -75,9 +76,9 @@ class ErnieImageStepCache:
         if method == OFF:
             view = with_step_cache(pipe, None)
             return shown_on_node("step cache off", view)
-        blocks = {"first_blocks": int(first_blocks), "last_blocks": int(last_blocks)} if method == "dbcache" else {}
         config = StepCacheConfig(method, threshold=float(threshold), start=float(start), end=float(end),
-                                 max_skips=int(max_consecutive_skips), **blocks)
+                                 max_skips=int(max_consecutive_skips), first_blocks=int(first_blocks),
+                                 last_blocks=int(last_blocks))
         view = with_step_cache(pipe, config)
         return shown_on_node(describe(config, getattr(pipe, "defaults", {}).get("steps")), view)
 

@@ -443,17 +443,39 @@ def test_the_node_makes_the_view_and_says_which_steps_may_be_skipped(base_pipe):
     assert view.step_cache == StepCacheConfig(threshold=0.1, max_skips=2, first_blocks=4, last_blocks=1)
     assert out["ui"]["text"][0] == ("dbcache F4B1, threshold 0.1, steps 15%-95%, at most 2 skips in a row\n"
                                     "at 50 steps: steps 9-48 may be skipped")
-    assert node.apply(base_pipe, "fbcache", 0.08, 0.15, 0.95, 3)["result"][0].step_cache.probe_blocks == 1
+    assert node.apply(base_pipe, "fbcache", 0.08, 0.15, 0.95, 3, first_blocks=1, last_blocks=0)["result"][0] \
+        .step_cache.probe_blocks == 1
     assert node.apply(view, "off", 0.08, 0.15, 0.95, 3)["result"][0] is base_pipe
     with pytest.raises(InvalidInputError, match="threshold nan is not allowed"):
         node.apply(base_pipe, "dbcache", float("nan"), 0.15, 0.95, 3)
+
+
+@pytest.mark.parametrize("first_blocks, last_blocks", [(8, 0), (4, 0), (1, 2), (2, 1)])
+def test_the_node_refuses_block_counts_fbcache_does_not_run_as_the_cli_does(base_pipe, first_blocks, last_blocks):
+    """fbcache is F1B0: block counts it would not run are refused in the node, the CLI and the library alike, in
+    one line naming the node's widgets, before anything runs."""
+    from ernie_image.nodes.step_cache import ErnieImageStepCache
+
+    blocks = f"F{first_blocks}B{last_blocks}"
+    expected = (f"fbcache computes one first block and no last block (F1B0), not {blocks}: set first_blocks to 1 "
+                f"and last_blocks to 0, or use dbcache for {blocks}")
+    with pytest.raises(InvalidInputError) as node_refusal:
+        ErnieImageStepCache().apply(base_pipe, "fbcache", 0.08, 0.15, 0.95, 3, first_blocks=first_blocks,
+                                    last_blocks=last_blocks)
+    assert str(node_refusal.value) == expected
+    with pytest.raises(InvalidInputError) as cli_refusal:
+        parse_step_cache(f"fbcache:first_blocks={first_blocks},last_blocks={last_blocks}")
+    assert str(cli_refusal.value) == expected
+    with pytest.raises(InvalidInputError, match=r"not F\dB\d: set first_blocks to 1"):
+        StepCacheConfig("fbcache", first_blocks=first_blocks, last_blocks=last_blocks).validate()
 
 
 def test_the_sampler_node_says_how_many_steps_were_computed(base_pipe):
     from ernie_image.nodes.sampler import ErnieImageSampler
     from ernie_image.nodes.step_cache import ErnieImageStepCache
 
-    view = ErnieImageStepCache().apply(base_pipe, "fbcache", 0.08, 0.15, 0.95, 3)["result"][0]
+    view = ErnieImageStepCache().apply(base_pipe, "fbcache", 0.08, 0.15, 0.95, 3, first_blocks=1,
+                                       last_blocks=0)["result"][0]
     view = with_step_cache(view, "fbcache:forced=CSSC")  # the node's settings, decisions fixed for the test
     out = ErnieImageSampler().generate(pipe=view, prompt="a red fox", negative_prompt="blurry", resolution="custom",
                                        width=256, height=256, steps=4, cfg=3.0, seed=1, batch_size=1, shift=4.0,

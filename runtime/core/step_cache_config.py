@@ -74,8 +74,10 @@ class StepCacheConfig:
                                     "later than end").naming("start", "end")
         _whole("max_skips", self.max_skips, 1, MAX_SKIPS_LIMIT)
         if self.method == "fbcache" and (self.first_blocks not in (None, 1) or self.last_blocks not in (None, 0)):
-            raise InvalidInputError("fbcache computes one first block and no last block: use dbcache to set "
-                                    "first_blocks / last_blocks").naming("first_blocks", "last_blocks")
+            blocks = f"F{self.probe_blocks}B{self.tail_blocks}"
+            raise InvalidInputError(f"fbcache computes one first block and no last block (F1B0), not {blocks}: set "
+                                    f"first_blocks to 1 and last_blocks to 0, or use dbcache for {blocks}"
+                                    ).naming("first_blocks", "last_blocks")
         if self.first_blocks is not None:
             _whole("first_blocks", self.first_blocks, 1, 1000)
         if self.last_blocks is not None:
