@@ -434,20 +434,37 @@ def test_views_replace_rather_than_stack_and_a_remote_pipe_refuses(base_pipe):
         cached(BASE, "dbcache:forced=CSC").validate()
 
 
-def test_the_node_makes_the_view_and_says_which_steps_may_be_skipped(base_pipe):
+def test_the_node_makes_the_view_and_names_no_step_count_it_cannot_know(base_pipe):
+    """The node runs before the Sampler that decides the steps: its text gives the window as fractions of the
+    steps, whatever the model's default step count; the Sampler's text after a run names the steps it ran."""
     from ernie_image.nodes.step_cache import ErnieImageStepCache
 
     node = ErnieImageStepCache()
     out = node.apply(base_pipe, "dbcache", 0.1, 0.15, 0.95, 2, first_blocks=4, last_blocks=1)
     view = out["result"][0]
     assert view.step_cache == StepCacheConfig(threshold=0.1, max_skips=2, first_blocks=4, last_blocks=1)
-    assert out["ui"]["text"][0] == ("dbcache F4B1, threshold 0.1, steps 15%-95%, at most 2 skips in a row\n"
-                                    "at 50 steps: steps 9-48 may be skipped")
+    assert out["ui"]["text"][0] == "dbcache F4B1, threshold 0.1, steps 15%-95%, at most 2 skips in a row"
     assert node.apply(base_pipe, "fbcache", 0.08, 0.15, 0.95, 3, first_blocks=1, last_blocks=0)["result"][0] \
         .step_cache.probe_blocks == 1
     assert node.apply(view, "off", 0.08, 0.15, 0.95, 3)["result"][0] is base_pipe
     with pytest.raises(InvalidInputError, match="threshold nan is not allowed"):
         node.apply(base_pipe, "dbcache", float("nan"), 0.15, 0.95, 3)
+
+
+@pytest.mark.parametrize("default_steps", [50, 8, 30, None])
+def test_the_node_text_is_the_same_whatever_the_pipes_default_steps(base_pipe, default_steps):
+    from ernie_image.nodes.step_cache import ErnieImageStepCache
+
+    class DefaultsOf:  # the pipe, with another default step count
+        def __init__(self, inner) -> None:
+            self.inner = inner
+            self.defaults = {} if default_steps is None else {**inner.defaults, "steps": default_steps}
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    text = ErnieImageStepCache().apply(DefaultsOf(base_pipe), "dbcache", 0.08, 0.15, 0.95, 3)["ui"]["text"][0]
+    assert text == "dbcache F8B0, threshold 0.08, steps 15%-95%, at most 3 skips in a row"
 
 
 @pytest.mark.parametrize("first_blocks, last_blocks", [(8, 0), (4, 0), (1, 2), (2, 1)])
