@@ -112,6 +112,12 @@ def test_a_known_setting_without_a_value_says_it_needs_one_with_an_example_that_
     assert isinstance(parse_step_cache(example), StepCacheConfig)  # the example is one the user can run
 
 
+def test_every_setting_is_in_the_documented_settings_list():
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "step-cache.md").read_text(encoding="utf-8")
+    settings_list = docs.split("## What it does", 1)[1].split("\n## ", 1)[0]
+    assert [name for name in SETTINGS if f"`{name}`" not in settings_list] == []
+
+
 def test_specs_parse_and_print_back():
     assert parse_step_cache("off") is None
     config = parse_step_cache("dbcache:threshold=0.12,max-skips=2,first_blocks=4,forced=cssc")
