@@ -12,7 +12,6 @@ from ..runtime.core.errors import InvalidInputError
 from ..runtime.core.step_cache_config import (DEFAULT_END, DEFAULT_FIRST_BLOCKS, DEFAULT_MAX_SKIPS, DEFAULT_START,
                                          DEFAULT_THRESHOLD, MAX_SKIPS_LIMIT, MAX_THRESHOLD, METHODS, OFF,
                                          StepCacheConfig)
-from ..runtime.step_cache.rule import skippable_window
 from ..runtime.step_cache.view import with_step_cache
 from .comfy_names import speaks_comfy
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
@@ -59,10 +58,11 @@ class ErnieImageStepCache:
             "optional": {
                 "first_blocks": ("INT", {"default": DEFAULT_FIRST_BLOCKS["dbcache"], "min": 1, "max": 35,
                                          "tooltip": "dbcache: blocks always computed first; their change decides "
-                                         "(cache-dit's Fn, 8). More is more precise and skips less work."}),
+                                         "(cache-dit's Fn, 8). More is more precise and skips less work. fbcache: "
+                                         "1, the one it computes."}),
                 "last_blocks": ("INT", {"default": 0, "min": 0, "max": 34,
                                         "tooltip": "dbcache: blocks always computed last, after the cached middle "
-                                        "(cache-dit's Bn, 0)."}),
+                                        "(cache-dit's Bn, 0). fbcache: 0."}),
             },
         }
 
@@ -75,18 +75,9 @@ class ErnieImageStepCache:
         if method == OFF:
             view = with_step_cache(pipe, None)
             return shown_on_node("step cache off", view)
-        blocks = {"first_blocks": int(first_blocks), "last_blocks": int(last_blocks)} if method == "dbcache" else {}
         config = StepCacheConfig(method, threshold=float(threshold), start=float(start), end=float(end),
-                                 max_skips=int(max_consecutive_skips), **blocks)
+                                 max_skips=int(max_consecutive_skips), first_blocks=int(first_blocks),
+                                 last_blocks=int(last_blocks))
         view = with_step_cache(pipe, config)
-        return shown_on_node(describe(config, getattr(pipe, "defaults", {}).get("steps")), view)
-
-
-def describe(config: StepCacheConfig, steps: Any = None) -> str:
-    """The node's text: the settings, and which steps may be skipped at the model's default step count."""
-    text = config.label()
-    if isinstance(steps, (int, float)) and steps >= 2:
-        window = skippable_window(config, int(steps))
-        text += (f"\nat {int(steps)} steps: steps {window.start + 1}-{window.stop} may be skipped" if len(window)
-                 else f"\nat {int(steps)} steps: no step may be skipped")
-    return text
+        # The Sampler after this node decides the steps: the text gives the window as fractions of them.
+        return shown_on_node(config.label(), view)

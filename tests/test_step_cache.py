@@ -95,6 +95,29 @@ def test_a_bad_spec_is_one_line(spec, error):
         parse_step_cache(spec)
 
 
+SETTINGS = [field.name for field in dataclasses.fields(StepCacheConfig) if field.name != "method"]
+
+
+@pytest.mark.parametrize("method", ["dbcache", "fbcache"])
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("form", ["{}", "{}=", " {} = ", "{}, threshold=0.1"])
+def test_a_known_setting_without_a_value_says_it_needs_one_with_an_example_that_parses(method, setting, form):
+    spec = f"{method}:" + form.format(setting.replace("_", "-") if form == "{}=" else setting)
+    with pytest.raises(InvalidInputError) as refused:
+        parse_step_cache(spec)
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"step cache setting {setting} needs a value: give "
+                                                       f"{setting}=VALUE, e.g. {method}:{setting}="), message
+    example = message.rsplit(" ", 1)[1]
+    assert isinstance(parse_step_cache(example), StepCacheConfig)  # the example is one the user can run
+
+
+def test_every_setting_is_in_the_documented_settings_list():
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "step-cache.md").read_text(encoding="utf-8")
+    settings_list = docs.split("## What it does", 1)[1].split("\n## ", 1)[0]
+    assert [name for name in SETTINGS if f"`{name}`" not in settings_list] == []
+
+
 def test_specs_parse_and_print_back():
     assert parse_step_cache("off") is None
     config = parse_step_cache("dbcache:threshold=0.12,max-skips=2,first_blocks=4,forced=cssc")
@@ -417,26 +440,65 @@ def test_views_replace_rather_than_stack_and_a_remote_pipe_refuses(base_pipe):
         cached(BASE, "dbcache:forced=CSC").validate()
 
 
-def test_the_node_makes_the_view_and_says_which_steps_may_be_skipped(base_pipe):
+def test_the_node_makes_the_view_and_names_no_step_count_it_cannot_know(base_pipe):
+    """The node runs before the Sampler that decides the steps: its text gives the window as fractions of the
+    steps, whatever the model's default step count; the Sampler's text after a run names the steps it ran."""
     from ernie_image.nodes.step_cache import ErnieImageStepCache
 
     node = ErnieImageStepCache()
     out = node.apply(base_pipe, "dbcache", 0.1, 0.15, 0.95, 2, first_blocks=4, last_blocks=1)
     view = out["result"][0]
     assert view.step_cache == StepCacheConfig(threshold=0.1, max_skips=2, first_blocks=4, last_blocks=1)
-    assert out["ui"]["text"][0] == ("dbcache F4B1, threshold 0.1, steps 15%-95%, at most 2 skips in a row\n"
-                                    "at 50 steps: steps 9-48 may be skipped")
-    assert node.apply(base_pipe, "fbcache", 0.08, 0.15, 0.95, 3)["result"][0].step_cache.probe_blocks == 1
+    assert out["ui"]["text"][0] == "dbcache F4B1, threshold 0.1, steps 15%-95%, at most 2 skips in a row"
+    assert node.apply(base_pipe, "fbcache", 0.08, 0.15, 0.95, 3, first_blocks=1, last_blocks=0)["result"][0] \
+        .step_cache.probe_blocks == 1
     assert node.apply(view, "off", 0.08, 0.15, 0.95, 3)["result"][0] is base_pipe
     with pytest.raises(InvalidInputError, match="threshold nan is not allowed"):
         node.apply(base_pipe, "dbcache", float("nan"), 0.15, 0.95, 3)
+
+
+@pytest.mark.parametrize("default_steps", [50, 8, 30, None])
+def test_the_node_text_is_the_same_whatever_the_pipes_default_steps(base_pipe, default_steps):
+    from ernie_image.nodes.step_cache import ErnieImageStepCache
+
+    class DefaultsOf:  # the pipe, with another default step count
+        def __init__(self, inner) -> None:
+            self.inner = inner
+            self.defaults = {} if default_steps is None else {**inner.defaults, "steps": default_steps}
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    text = ErnieImageStepCache().apply(DefaultsOf(base_pipe), "dbcache", 0.08, 0.15, 0.95, 3)["ui"]["text"][0]
+    assert text == "dbcache F8B0, threshold 0.08, steps 15%-95%, at most 3 skips in a row"
+
+
+@pytest.mark.parametrize("first_blocks, last_blocks", [(8, 0), (4, 0), (1, 2), (2, 1)])
+def test_the_node_refuses_block_counts_fbcache_does_not_run_as_the_cli_does(base_pipe, first_blocks, last_blocks):
+    """fbcache is F1B0: block counts it would not run are refused in the node, the CLI and the library alike, in
+    one line naming the node's widgets, before anything runs."""
+    from ernie_image.nodes.step_cache import ErnieImageStepCache
+
+    blocks = f"F{first_blocks}B{last_blocks}"
+    expected = (f"fbcache computes one first block and no last block (F1B0), not {blocks}: set first_blocks to 1 "
+                f"and last_blocks to 0, or use dbcache for {blocks}")
+    with pytest.raises(InvalidInputError) as node_refusal:
+        ErnieImageStepCache().apply(base_pipe, "fbcache", 0.08, 0.15, 0.95, 3, first_blocks=first_blocks,
+                                    last_blocks=last_blocks)
+    assert str(node_refusal.value) == expected
+    with pytest.raises(InvalidInputError) as cli_refusal:
+        parse_step_cache(f"fbcache:first_blocks={first_blocks},last_blocks={last_blocks}")
+    assert str(cli_refusal.value) == expected
+    with pytest.raises(InvalidInputError, match=r"not F\dB\d: set first_blocks to 1"):
+        StepCacheConfig("fbcache", first_blocks=first_blocks, last_blocks=last_blocks).validate()
 
 
 def test_the_sampler_node_says_how_many_steps_were_computed(base_pipe):
     from ernie_image.nodes.sampler import ErnieImageSampler
     from ernie_image.nodes.step_cache import ErnieImageStepCache
 
-    view = ErnieImageStepCache().apply(base_pipe, "fbcache", 0.08, 0.15, 0.95, 3)["result"][0]
+    view = ErnieImageStepCache().apply(base_pipe, "fbcache", 0.08, 0.15, 0.95, 3, first_blocks=1,
+                                       last_blocks=0)["result"][0]
     view = with_step_cache(view, "fbcache:forced=CSSC")  # the node's settings, decisions fixed for the test
     out = ErnieImageSampler().generate(pipe=view, prompt="a red fox", negative_prompt="blurry", resolution="custom",
                                        width=256, height=256, steps=4, cfg=3.0, seed=1, batch_size=1, shift=4.0,
@@ -468,6 +530,8 @@ def test_the_cli_records_the_cache_and_writes_the_comparison(tmp_path, capsys, t
 
 @pytest.mark.parametrize("argv, error", [
     (["--step-cache", "dbcache:threshold=x"], "threshold 'x' is not a number"),
+    (["--step-cache", "dbcache:threshold"], "setting threshold needs a value: give threshold=VALUE, e.g. "
+                                            "dbcache:threshold=0.08\n"),
     (["--step-cache-compare", "c.png"], "--step-cache-compare needs --step-cache METHOD"),
     (["--step-cache", "dbcache", "--server", "http://127.0.0.1:9"], "--step-cache runs on the local model only"),
 ])

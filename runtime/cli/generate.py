@@ -72,7 +72,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
     parser = OneLineParser(prog="ernie-image generate", description="Generate an image with ERNIE-Image.")
     _add_generate_arguments(parser)
     add_lora_argument(parser)
-    from .step_cache_args import add_step_cache_arguments, step_cache_of, write_comparison
+    from .step_cache_args import add_step_cache_arguments, comparison_output, step_cache_of
 
     add_step_cache_arguments(parser)  # --step-cache, --step-cache-compare
     add_image_arguments(parser)
@@ -95,7 +95,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
         return generate_on_servers(args, remote, ConsoleHost(interrupts))
     from ..core.request import GenerationRequest
     from ..demo.cached_model import load_demo_pipe
-    from ..files.png_output import save_pngs
+    from ..files.png_output import PngOutput, save_png_outputs
     from ..formats.sources import ModelSources
     from ..local.options import LoadOptions
     from ..local.pipe import LocalPipe
@@ -131,11 +131,12 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
                 **({"loras": loras.metadata()} if loras else {}),
                 **({"step_cache": result.info["step_cache"]} if "step_cache" in result.info else {})}
     host.check_cancel()  # a Ctrl-C that landed while the last step ran: nothing is written
-    compared = []  # --step-cache-compare: the uncached twin, side by side (made before any file is written)
-    if args.step_cache_compare is not None:
-        compared = write_comparison(pipe, request, result, host, args.step_cache_compare)
-    paths = save_pngs(result.images, args.out, settings)
-    for path in paths + compared:
+    outputs = [PngOutput(result.images, args.out, settings)]
+    if args.step_cache_compare is not None:  # the uncached twin, side by side
+        outputs.append(comparison_output(pipe, request, result, host, args.step_cache_compare))
+    written = save_png_outputs(outputs)  # every file of the command, or none
+    paths = written[0]
+    for path in (path for group in written for path in group):
         print(path)
     described = cli_words(pipe.describe(used), pipe.variant_choice.settings)  # the plan of this job, not a default one
     host.log(f"{len(paths)} image(s) {used.width}x{used.height}, {used.steps} steps, CFG {used.cfg:g}, seed "

@@ -36,6 +36,7 @@ FLAGS: dict[str, str] = {
     "wait_for_servers_s": "--wait-for-servers",
     "resend_unanswered": "--resend-unanswered",
     "out": "--out",
+    "step_cache_compare": "--step-cache-compare",
     "variant": "--variant",
     "model_dir": "--model-dir",
     "dit": "--dit",

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..core.errors import InvalidInputError
 from ..core.step_cache_config import METHODS, OFF, StepCacheConfig, parse_step_cache
 from .parser import OutputPath
+
+if TYPE_CHECKING:
+    from ..files.png_output import PngOutput
 
 
 def add_step_cache_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,12 +39,12 @@ def check(args: argparse.Namespace) -> None:
                                 "runs; leave out --server or --step-cache")
 
 
-def write_comparison(pipe: Any, request: Any, cached: Any, host: Any, out: Any) -> list:
+def comparison_output(pipe: Any, request: Any, cached: Any, host: Any, out: Any) -> "PngOutput":
     """--step-cache-compare: `request` (which holds the cache) made again without it, side by side with `cached`
-    (its result), the figures logged. Returns the PNG paths written."""
-    from ..files.png_output import save_pngs
+    (its result), the figures logged. Returns the PngOutput to write with the command's other files."""
+    from ..files.png_output import PngOutput
     from ..step_cache.compare import compare_with
 
     comparison = compare_with(pipe, request, cached, host)
     host.log(comparison.summary())
-    return save_pngs(comparison.side_by_side(), out, comparison.settings())
+    return PngOutput(comparison.side_by_side(), out, comparison.settings(), name="step_cache_compare")

@@ -74,8 +74,10 @@ class StepCacheConfig:
                                     "later than end").naming("start", "end")
         _whole("max_skips", self.max_skips, 1, MAX_SKIPS_LIMIT)
         if self.method == "fbcache" and (self.first_blocks not in (None, 1) or self.last_blocks not in (None, 0)):
-            raise InvalidInputError("fbcache computes one first block and no last block: use dbcache to set "
-                                    "first_blocks / last_blocks").naming("first_blocks", "last_blocks")
+            blocks = f"F{self.probe_blocks}B{self.tail_blocks}"
+            raise InvalidInputError(f"fbcache computes one first block and no last block (F1B0), not {blocks}: set "
+                                    f"first_blocks to 1 and last_blocks to 0, or use dbcache for {blocks}"
+                                    ).naming("first_blocks", "last_blocks")
         if self.first_blocks is not None:
             _whole("first_blocks", self.first_blocks, 1, 1000)
         if self.last_blocks is not None:
@@ -152,9 +154,12 @@ def parse_step_cache(text: str) -> Optional[StepCacheConfig]:
                                 "optionally followed by :key=value,... (e.g. dbcache:threshold=0.12)")
     values: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, equals, value = (piece.strip() for piece in item.partition("="))
+        key, _, value = (piece.strip() for piece in item.partition("="))
         key = key.replace("-", "_")
-        if not equals or key not in _FIELD_TYPES:
+        if key in _FIELD_TYPES and not value:
+            example = f"{method}:{key}={_example_value(method, key)}"
+            raise InvalidInputError(f"step cache setting {key} needs a value: give {key}=VALUE, e.g. {example}")
+        if key not in _FIELD_TYPES:
             raise InvalidInputError(f"step cache setting {item!r} is not known: use key=value with a key of "
                                     f"{', '.join(_FIELD_TYPES)}")
         if key in values:
@@ -168,6 +173,13 @@ def parse_step_cache(text: str) -> Optional[StepCacheConfig]:
     config = StepCacheConfig(method, **values)
     config.validate()
     return config
+
+
+def _example_value(method: str, key: str) -> str:
+    """A value of setting `key` that `method` takes: its default (a schedule of four steps for `forced`)."""
+    if key == "forced":
+        return COMPUTE + SKIP * 2 + COMPUTE
+    return str(StepCacheConfig(method).metadata()[key])
 
 
 def as_config(value: Any) -> Optional[StepCacheConfig]:

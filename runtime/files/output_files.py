@@ -117,12 +117,14 @@ def full_disk(error: BaseException) -> Optional[str]:
     return f"{what} ({os.strerror(number)})" if what is not None else None
 
 
-def write_error(out: Path, error: BaseException) -> ErnieImageError:
-    """The one line for an output file that could not be written. It names the parameter `out` (the CLI shows its
-    flag, --out: cli/names.py); a full disk or quota is said so, as no other path in the same folder would help."""
+def write_error(out: Path, error: BaseException, name: str = "out") -> ErnieImageError:
+    """The one line for an output file that could not be written. It names the parameter `name` that gave `out`
+    (the CLI shows its flag, --out: cli/names.py); a full disk or quota is said so, as no other path in the same
+    folder would help."""
     full = full_disk(error)
     if full is not None:
-        return ErnieImageError(f"out {out} cannot be written: {full}: {FREE_SPACE_FIX}").naming("out")
+        return ErnieImageError(f"{name} {out} cannot be written: {full}: {FREE_SPACE_FIX}").naming(name)
     reason = getattr(error, "strerror", None) or str(error)
-    return ErnieImageError(f"out {out} cannot be written ({reason}): give a path in a writable folder").naming("out")
+    return ErnieImageError(f"{name} {out} cannot be written ({reason}): give a path in a writable folder"
+                           ).naming(name)
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -24,28 +25,48 @@ def png_paths(out: Path, count: int) -> list[Path]:
     return [out.with_name(f"{out.stem}_{index}{out.suffix}") for index in range(count)]
 
 
+@dataclass(frozen=True)
+class PngOutput:
+    """Images [B, H, W, 3] in 0..1 to write as PNGs to `out` (png_paths) with `settings` (+ batch_index) as
+    metadata; `name`: what the caller calls `out`, which an error writing it names (the CLI shows its flag)."""
+    images: torch.Tensor
+    out: Path
+    settings: Mapping[str, Any]
+    name: str = "out"
+
+
 def save_pngs(images: torch.Tensor, out: Path, settings: Mapping[str, Any]) -> list[Path]:
     """Write images [B, H, W, 3] in 0..1 as PNGs (see png_paths) with `settings` (+ batch_index) as metadata.
 
     The batch is written whole or not at all: a failure or Ctrl-C leaves no file of it behind and the files it
     would replace as they were (see atomic_outputs for when a cancel stops applying). Settings must hold no secrets; they are readable
     by anyone who has the image (read_png_settings)."""
+    return save_png_outputs([PngOutput(images, Path(out), settings)])[0]
+
+
+def save_png_outputs(outputs: Sequence[PngOutput]) -> list[list[Path]]:
+    """Write several outputs' PNGs as one batch (save_pngs): every file of every output or none. Returns each
+    output's paths, in order."""
     from PIL import Image
     from PIL.PngImagePlugin import PngInfo
 
-    check_images(images)
-    texts = [_settings_json(settings, index) for index in range(images.shape[0])]
-    out = Path(out)
-    paths = png_paths(out, images.shape[0])
+    if not outputs:
+        return []
+    files: list[tuple[PngOutput, int, str]] = []  # (the output, the image's index in it, its settings text)
+    for output in outputs:
+        check_images(output.images)
+        files += [(output, index, _settings_json(output.settings, index)) for index in range(output.images.shape[0])]
+    paths = [png_paths(output.out, output.images.shape[0]) for output in outputs]
+    writing = outputs[0]  # the output whose file is being written: an error names it
     try:
-        with atomic_outputs(paths) as partials:
-            for index, partial in enumerate(partials):
+        with atomic_outputs([path for group in paths for path in group]) as partials:
+            for (writing, index, text), partial in zip(files, partials):
                 info = PngInfo()
-                info.add_text(METADATA_KEY, texts[index])
-                pixels = (images[index].clamp(0, 1) * 255).round().to("cpu").byte().numpy()
+                info.add_text(METADATA_KEY, text)
+                pixels = (writing.images[index].clamp(0, 1) * 255).round().to("cpu").byte().numpy()
                 Image.fromarray(pixels, mode="RGB").save(partial, format="PNG", pnginfo=info)
     except OSError as error:
-        raise write_error(out, error) from None
+        raise write_error(writing.out, error, writing.name) from None
     return paths
 
 
