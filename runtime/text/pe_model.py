@@ -1,7 +1,8 @@
 """Loading the prompt enhancer: a `Ministral3ForCausalLM` and its tokenizer, from either layout users have.
 
 - diffusers folder: `pe/` (config.json + safetensors, `model.`-prefixed keys) and `pe_tokenizer/` (tokenizer.json,
-  chat_template.jinja with the fixed system text); the safetensors file inside `pe/` given alone finds both the same;
+  chat_template.jinja with the fixed system text); the safetensors file inside `pe/`, given alone, finds
+  `pe_tokenizer/` and `pe/generation_config.json` as the folder does;
 - ComfyUI single file `text_encoders/ernie-image-prompt-enhancer.safetensors`: `model.layers.N...` keys in Hugging
   Face layout, no lm_head (tied to the embeddings), the Tekken tokenizer embedded as the uint8 tensor
   `tekken_model`, no chat template (Baidu's is used, see pe_prompt.py).
