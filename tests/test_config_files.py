@@ -90,6 +90,27 @@ def test_a_damaged_demo_cache_says_delete_it_and_it_is_rebuilt(capsys, tmp_path,
     assert line.endswith("delete that folder and run again: it is rebuilt"), line
 
 
+@pytest.mark.parametrize("cut, unseen", [("x_embedder.proj.weight", "hidden_size, in_channels, num_attention_heads"),
+                                         ("layers.0.self_attention.norm_q.weight", "num_attention_heads"),
+                                         ("layers.0.mlp.gate_proj.weight", "ffn_hidden_size")],
+                         ids=["no patch embedding", "no q norm", "no feed-forward"])
+def test_a_dit_without_a_config_whose_tensors_do_not_show_its_fields_is_named(capsys, tmp_path, model, cut, unseen):
+    """Without a config.json the DiT is built from its tensors' shapes: weights lacking one of those tensors are one
+    line naming the fields they do not show."""
+    from safetensors import safe_open
+
+    folder = model / "transformer"
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    with safe_open(weights, "pt") as opened:
+        shapes = {key: tuple(opened.get_slice(key).get_shape()) for key in opened.keys() if key != cut}
+    weights.unlink()
+    (folder / "config.json").unlink()
+    sparse_safetensors(weights, shapes)
+    line = _cli(capsys, "generate", "--model-dir", str(model), "--device", "cpu", "--out", str(tmp_path / "x.png"))
+    assert line == (f"error: {folder} has no config and its tensors do not show the transformer's {unseen}: its "
+                    "weights are incomplete: re-download them")
+
+
 def test_each_part_given_as_the_file_inside_its_folder_is_built_from_the_config_beside_it(tiny_turbo_folder):
     """--dit/--text-encoder/--vae naming the weights inside a diffusers folder's transformer/, text_encoder/ and vae/:
     each part is built from its own config.json there (the tiny VAE's norm groups and the tiny text encoder's

@@ -87,8 +87,41 @@ def test_the_weighted_rope_tables_of_a_block_are_one_product_with_the_same_bits(
     sequence, heads, head_dim = grid[0] * grid[1] + max(text_lens), DIT_CONFIG.num_attention_heads, DIT_CONFIG.head_dim
     normed = torch.randn(len(text_lens), sequence, 2, heads, head_dim, generator=generator).to(dtype)
     q_weight, k_weight = (1 + 0.1 * torch.randn(2, head_dim, generator=generator)).to(dtype)
-    got = rope.apply_weighted(normed, q_weight, k_weight)
+    got = rope.apply_weighted(normed, dit_module.qk_norm_weights(q_weight, k_weight, dtype))
     assert torch.equal(got, weighted_tables_per_block(rope, normed, q_weight, k_weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@torch.inference_mode()
+def test_each_blocks_qk_norm_weights_are_laid_out_once_per_structure_version_with_the_same_bits(dtype, monkeypatch):
+    """The fast form lays each block's q/k norm weights side by side at the first step and keeps them: later steps
+    lay out none and give the bits of a model that kept nothing (a twin on the same weights, made afresh). A norm
+    weight edited in place with structure_version bumped is laid out again, and its new bits are the twin's."""
+    fast_on_cpu = Arithmetic(fast_devices=("cpu",), kitchen_rope=False, kitchen_adaln=False)
+    model = random_dit("cpu", dtype).with_arithmetic(fast_on_cpu)
+    laid_out = []
+    lay_out = dit_module.qk_norm_weights
+    monkeypatch.setattr(dit_module, "qk_norm_weights", lambda *weights: laid_out.append(1) or lay_out(*weights))
+    latents, _, text, text_lens = step_inputs("cpu", dtype)
+
+    def step(sigma: float) -> tuple[torch.Tensor, int]:
+        """The model's step at `sigma` and how many blocks' weights it laid out."""
+        before = len(laid_out)
+        timestep = torch.full((latents.shape[0],), sigma * 1000).to(dtype)
+        out = model(latents, timestep, text, text_lens)
+        made = len(laid_out) - before
+        assert torch.equal(out, model.with_arithmetic(fast_on_cpu)(latents, timestep, text, text_lens))
+        return out, made
+
+    first, made = step(0.73)
+    assert made == DIT_CONFIG.num_layers
+    assert [step(sigma)[1] for sigma in (0.73, 0.5, 0.12)] == [0, 0, 0]
+    with torch.no_grad():
+        model.layers[1].self_attention.norm_k.weight.mul_(1.5)
+    model.structure_version += 1
+    edited, made = step(0.73)
+    assert made == DIT_CONFIG.num_layers and not torch.equal(edited, first)
+    assert step(0.73)[1] == 0
 
 
 @torch.inference_mode()

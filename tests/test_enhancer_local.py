@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from ernie_image.runtime.demo.tiny import TinySizes
 from ernie_image.runtime.demo.tiny_pe import build_tiny_pe_folder, lively_prompt_enhancer
 from ernie_image.runtime.formats.sources import ModelSources
 from ernie_image.runtime.text.enhancer import LocalEnhancer, revise_prompts
+from ernie_image.runtime.text.pe_model import locate_pe
 from ernie_image.runtime.text.pe_prompt import ERNIE_PE_SYSTEM_TEXT, render_chat, user_message
 from ernie_image.runtime.text.token_sampler import ExponentialDraws, SamplingSettings, sample_tokens
 
@@ -177,6 +179,41 @@ def test_comfy_single_file_gives_the_same_revision_as_the_folder(tmp_path):
     settings = reference.settings(0.6, 0.95, 12)
     assert single.revise(PROMPTS[1], 1024, 1024, 3, settings).revised == \
         reference.revise(PROMPTS[1], 1024, 1024, 3, settings).revised
+
+
+def test_the_pe_given_as_the_file_inside_its_folder_is_the_pe_given_as_the_folder(tmp_path):
+    """--pe .../pe/model.safetensors: the pe_tokenizer/ (chat template, BOS) and generation_config.json (top_k) of
+    its diffusers folder count as for --pe .../pe and --model-dir, and the rewrite is the same."""
+    folder = build_tiny_pe_folder(tmp_path / "m", seed=3, adds_bos=True)
+    generation = folder / "pe" / "generation_config.json"
+    generation.write_text(json.dumps({**json.loads(generation.read_text()), "top_k": 7}))
+    reference = LocalEnhancer.load(ModelSources(model_dir=folder), CPU, torch.float32)
+    settings = reference.settings(0.6, 0.95, 12)
+    for given in (folder / "pe" / "model.safetensors", folder / "pe"):
+        enhancer = LocalEnhancer.load(ModelSources(pe=given), CPU, torch.float32)
+        assert enhancer.located.tokenizer_folder == folder / "pe_tokenizer" and enhancer.top_k == reference.top_k == 7
+        assert enhancer.tokenizer.chat_template == reference.tokenizer.chat_template is not None
+        assert enhancer.input_ids(PROMPTS[1], 1024, 1024) == reference.input_ids(PROMPTS[1], 1024, 1024)
+        assert enhancer.revise(PROMPTS[1], 1024, 1024, 3, settings).revised == \
+            reference.revise(PROMPTS[1], 1024, 1024, 3, settings).revised
+
+
+@pytest.mark.parametrize("config_beside", [None, {"_class_name": "AutoencoderKLFlux2"},
+                                           {"architectures": ["Mistral3ForConditionalGeneration"]}],
+                         ids=["no config", "the VAE's config", "the text encoder's config"])
+def test_a_pe_file_outside_its_folder_reads_nothing_beside_it(tmp_path, config_beside):
+    """A PE file in a folder whose config.json is not the PE's (ComfyUI's models/text_encoders/) is a single file:
+    a generation_config.json beside it and a pe_tokenizer/ next to that folder belong to something else."""
+    folder = build_tiny_pe_folder(tmp_path / "m", seed=3)
+    elsewhere = tmp_path / "models" / "text_encoders"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "pe.safetensors").symlink_to(folder / "pe" / "model.safetensors")
+    (elsewhere / "generation_config.json").write_text(json.dumps({"top_k": 7}))
+    (tmp_path / "models" / "pe_tokenizer").symlink_to(folder / "pe_tokenizer")
+    if config_beside is not None:
+        (elsewhere / "config.json").write_text(json.dumps(config_beside))
+    located = locate_pe(ModelSources(pe=elsewhere / "pe.safetensors"))
+    assert located.tokenizer_folder is None and located.generation_config == {}
 
 
 def test_cli_prints_only_the_revised_prompt(pe_dir, enhancer, capsys):

@@ -23,9 +23,10 @@ import torch
 
 from ..core.errors import ErnieImageError, ModelFileError, one_line
 from ..files.identity import FileIdentity
-from .config_json import describes_part, read_config
+from .config_json import read_config
 from .detect import Identity, identify, sample_keys, text_model_role
 from .safetensors_reader import SafetensorsFile, is_gguf, open_safetensors
+from .sources import component_folder
 from .vae_keys import bfl_to_diffusers, config_from_shapes, num_up_blocks_bfl
 
 Kind = Literal["dit", "text_encoder", "vae", "pe"]
@@ -295,9 +296,7 @@ def _read_config(path: Path, kind: str, metadata: dict[str, str]) -> tuple[Optio
         if not isinstance(config, dict):
             raise ModelFileError(f"{path.name} carries an unreadable 'config' in its metadata: re-export the file")
         return config, None
-    beside = path.parent / "config.json"
-    if path.is_file() and beside.is_file():
-        config = read_config(beside)
-        if describes_part(config, kind):
-            return config, beside
+    folder = component_folder(path, kind)
+    if folder is not None and (folder / "config.json").is_file():
+        return read_config(folder / "config.json"), folder / "config.json"
     return None, None

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -47,6 +47,12 @@ class Identity:
     description: str  # what the file is, for messages
 
 
+def layer_count(keys: Iterable[str], prefix: str = "") -> int:
+    """How many layers `keys` name (`<prefix>layers.N.`...): the highest N plus one; 0 when they name none."""
+    pattern = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
+    return 1 + max((int(match[1]) for key in keys if (match := pattern.match(key))), default=-1)
+
+
 def _find_prefix(keys: Shapes, prefixes: tuple[str, ...], probes: tuple[str, ...]) -> Optional[str]:
     for prefix in prefixes:
         if all(prefix + probe in keys for probe in probes):
@@ -56,7 +62,7 @@ def _find_prefix(keys: Shapes, prefixes: tuple[str, ...], probes: tuple[str, ...
 
 def _text_identity(keys: Shapes, prefix: str) -> Identity:
     width = keys[prefix + TEXT_PROBE][1]
-    layers = 1 + max(int(m[1]) for k in keys if (m := re.match(re.escape(prefix) + r"layers\.(\d+)\.", k)))
+    layers = layer_count(keys, prefix)
     if prefix + "layers.0.self_attn.q_norm.weight" in keys:
         return Identity(None, prefix, "hf", f"a Qwen3 text model (width {width}, {layers} layers)")
     if prefix + "layers.0.self_attn.q_proj.bias" in keys:

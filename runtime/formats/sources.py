@@ -7,6 +7,7 @@ from typing import Optional
 
 from ..core.errors import ModelFileError
 from ..core.variant import Variant, checked_variant_option
+from .config_json import describes_part, read_config
 
 # What a component is called where a message asks for its file, and the setting that takes that file.
 _FILE_WORDS = {"transformer": ("DiT", "dit"), "text_encoder": ("text encoder", "text_encoder"), "vae": ("VAE", "vae"),
@@ -58,3 +59,14 @@ class ModelSources:
 
     def has_pe(self) -> bool:
         return self.pe is not None or (self.model_dir is not None and (self.model_dir / "pe").is_dir())
+
+
+def component_folder(path: Path, kind: str) -> Optional[Path]:
+    """The diffusers component folder of part `kind` ("dit", "text_encoder", "vae", "pe") given as that folder
+    (`m/pe`) or as the file inside it (`m/pe/model.safetensors`): where its config.json and generation_config.json
+    are and, beside it, its tokenizer folder. A file is inside its part's folder when the config.json beside it is
+    that part's; None for a file elsewhere (ComfyUI's models/ folders hold no config.json)."""
+    if path.is_dir():
+        return path
+    config = path.parent / "config.json"
+    return path.parent if path.is_file() and config.is_file() and describes_part(read_config(config), kind) else None

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..core.errors import ModelFileError, one_line
+from .sources import component_folder
 
 # The option of a tokenizer folder of its own, which a front end without one (ComfyUI's Loader) leaves out.
 TOKENIZER_FOLDER = ", or a tokenizer/ folder alone (tokenizer)"
@@ -15,12 +16,11 @@ TOKENIZER_FOLDER = ", or a tokenizer/ folder alone (tokenizer)"
 def diffusers_tokenizer_beside(text_encoder) -> Optional[Path]:
     """The tokenizer/ folder of the diffusers folder a text encoder was given from (`m/text_encoder/model.safetensors`
     or `m/text_encoder`), when there is one."""
-    if text_encoder is None:
+    folder = component_folder(Path(text_encoder), "text_encoder") if text_encoder is not None else None
+    if folder is None or folder.name != "text_encoder":
         return None
-    path = Path(text_encoder)
-    folder = path if path.is_dir() else path.parent
     beside = folder.parent / "tokenizer"
-    return beside if folder.name == "text_encoder" and beside.is_dir() else None
+    return beside if beside.is_dir() else None
 
 
 def load_tokenizer(sources):

@@ -14,11 +14,15 @@ from ..core.errors import ModelFileError
 from ..core.variant import Variant
 from ..formats.config_json import config_named, load_config
 from .arithmetic import ArithmeticName
-from .config_fit import check_built_shapes, check_config_fits
+from .config_fit import check_built_shapes, check_config_fits, dit_fields_from_shapes
 from .fill import fill_from_file
 
 if TYPE_CHECKING:
     from .dit import DiTConfig
+
+
+# The fields a DiT without a config is built from, each read off its weights (config_fit.dit_fields_from_shapes).
+_DIT_FIELDS_SEEN = ("hidden_size", "in_channels", "ffn_hidden_size", "out_channels", "num_attention_heads", "num_layers")
 
 
 def dit_config_for(component) -> "DiTConfig":
@@ -27,20 +31,17 @@ def dit_config_for(component) -> "DiTConfig":
     if component.config is not None:
         with config_named(component, "DiT"):
             return DiTConfig.from_dict(component.config)
-    shape = {key: tuple(component.tensor(key).shape) for key in
-             ("x_embedder.proj.weight", "layers.0.self_attention.norm_q.weight", "layers.0.mlp.gate_proj.weight")}
-    hidden, in_channels = shape["x_embedder.proj.weight"][:2]
-    head_dim = shape["layers.0.self_attention.norm_q.weight"][0]
-    num_layers = 1 + max(int(key.split(".")[1]) for key in component.keys if key.startswith("layers."))
-    text_in = tuple(component.tensor("text_proj.weight").shape)[1] if "text_proj.weight" in component.keys else hidden
+    fields = {seen.field: seen.value for seen in dit_fields_from_shapes(component)}
+    unseen = [field for field in _DIT_FIELDS_SEEN if field not in fields]
+    if unseen:
+        raise ModelFileError(f"{component.path} has no config and its tensors do not show the transformer's "
+                             f"{', '.join(unseen)}: its weights are incomplete: re-download them")
+    fields.setdefault("text_in_dim", fields["hidden_size"])  # no text_proj: the text comes in at the model's width
     released = DiTConfig()  # the rope axes scale with the head dim
-    axes = tuple(a * head_dim // released.head_dim for a in released.rope_axes_dim)
-    return DiTConfig.from_dict({
-        "hidden_size": hidden, "num_attention_heads": hidden // head_dim, "num_layers": num_layers,
-        "ffn_hidden_size": shape["layers.0.mlp.gate_proj.weight"][0], "in_channels": in_channels,
-        "out_channels": tuple(component.tensor("final_linear.weight").shape)[0], "text_in_dim": text_in,
-        "rope_axes_dim": axes,
-    })
+    head_dim = fields["hidden_size"] // fields["num_attention_heads"]
+    fields["rope_axes_dim"] = tuple(a * head_dim // released.head_dim for a in released.rope_axes_dim)
+    with config_named(component, "DiT"):
+        return DiTConfig.from_dict(fields)
 
 
 def build_dit(component, device: torch.device, dtype: torch.dtype, quant: str = "none",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -21,6 +20,7 @@ import torch
 from ..core.errors import ModelFileError
 from ..core.variant import Variant
 from ..formats.config_json import config_origin, load_config
+from ..formats.detect import layer_count
 from ..formats.vae_keys import config_from_shapes
 
 Shape = Optional[tuple[int, ...]]
@@ -55,14 +55,16 @@ def _dims(component, where: tuple[tuple[str, str, int], ...]) -> list[Seen]:
 
 def _layer_count(component, also_one_more: bool = False) -> list[Seen]:
     """The layer count (`layers.N.`); `also_one_more`: a config may count one layer more than the file holds."""
-    found = {int(m[1]) for key in component.keys if (m := re.match(r"layers\.(\d+)\.", key))}
-    if not found:
+    layers = layer_count(component.keys)
+    if not layers:
         return []
-    layers = max(found) + 1
     return [Seen(LAYER_FIELDS[component.kind], layers, f"{layers} layers", (layers + 1,) if also_one_more else ())]
 
 
-def dit_seen(component) -> list[Seen]:
+def dit_fields_from_shapes(component) -> list[Seen]:
+    """The DiT config's fields its weights' shapes show, a field whose tensors the file lacks left out: widths and
+    channels, the heads (the width over the q norm's head dim), the layer count. What the fit check holds a given
+    config against, and what a DiT without one is built from (builders.dit_config_for)."""
     seen = _dims(component, (("hidden_size", "x_embedder.proj.weight", 0), ("in_channels", "x_embedder.proj.weight", 1),
                              ("ffn_hidden_size", "layers.0.mlp.gate_proj.weight", 0),
                              ("out_channels", "final_linear.weight", 0), ("text_in_dim", "text_proj.weight", 1)))
@@ -128,7 +130,7 @@ class Part:
 
 
 PARTS: dict[str, Part] = {
-    "dit": Part("transformer", dit_seen, _dit_defaults, lambda variant: load_config(variant, "transformer"),
+    "dit": Part("transformer", dit_fields_from_shapes, _dit_defaults, lambda variant: load_config(variant, "transformer"),
                 ("rope_theta", "rope_axes_dim", "eps")),
     "text_encoder": Part("text encoder", lambda c: text_seen(c, whole_file_layers=False), _text_defaults,
                          lambda variant: load_config(variant, "text_encoder")["text_config"],

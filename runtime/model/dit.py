@@ -16,8 +16,9 @@ loads with `load_state_dict`. The maths is the reference's; what differs is how 
 - uncompiled on CUDA with the "fast" arithmetic (the default, arithmetic.py), a block's elementwise work takes
   fewer and faster passes: every operand of the large kernels stays in the activations' dtype (PyTorch's
   mixed-dtype kernels take a casting path about three times slower), using the bf16 modulation values whose fp32
-  forms the reference uses (exact), the norms' weights go into their norm kernel or the RoPE tables, gated
-  residuals are one `addcmul`, and q and k are normalised and rotated together. The roundings differ from the
+  forms the reference uses (exact), the norms' weights go into their norm kernel or the RoPE tables (a block's
+  q and k norm weights laid side by side once, then kept until `structure_version` changes), gated residuals are
+  one `addcmul`, and q and k are normalised and rotated together. The roundings differ from the
   reference's in places, so the results differ in last bits (the tests' GPU bound), not bit for bit; the CPU and
   the "exact" arithmetic keep the bit-identical forms. Where comfy-kitchen is installed, its CUDA kernels do q/k
   RMSNorm + RoPE and each adaLN RMSNorm + modulation in one pass each (fused_kernels.py).
@@ -116,10 +117,10 @@ class Attention(nn.Module):
         del self.to_q, self.to_k, self.to_v
         return True
 
-    def forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor],
-                arithmetic: Arithmetic = FAST) -> torch.Tensor:
-        if arithmetic.fast_for(x):
-            return self._fast_forward(x, rope, key_mask, arithmetic)
+    def forward(self, x: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
+        if ctx.arithmetic.fast_for(x):
+            return self._fast_forward(x, ctx)
+        rope = ctx.rope
         if self.to_qkv is not None:
             q, k, v = self.to_qkv(x).chunk(3, dim=-1)
         else:
@@ -129,16 +130,16 @@ class Attention(nn.Module):
         v = v.unflatten(-1, (self.heads, -1))
         q, k = rope.apply(q), rope.apply(k)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=ctx.key_mask
         )
         return self.to_out[0](out.transpose(1, 2).flatten(2, 3))
 
-    def _fast_forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor],
-                      arithmetic: Arithmetic) -> torch.Tensor:
+    def _fast_forward(self, x: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
         """q and k normalised and rotated together (one pass each for both), their norm weights folded into the
         RoPE tables."""
         batch, length, _ = x.shape
-        if rope.rotation is not None and arithmetic.kitchen_rope and fused_kernels.rope_serves(x):
+        rope, key_mask = ctx.rope, ctx.key_mask
+        if rope.rotation is not None and ctx.arithmetic.kitchen_rope and fused_kernels.rope_serves(x):
             return self._kitchen_forward(x, rope, key_mask)
         if self.to_qkv is not None:
             qkv = self.to_qkv(x).unflatten(-1, (3, self.heads, -1))  # [B, S, 3, H, hd]
@@ -147,7 +148,11 @@ class Attention(nn.Module):
             q_k = torch.stack((self.to_q(x), self.to_k(x)), dim=2).unflatten(-1, (self.heads, -1))
             v = self.to_v(x).unflatten(-1, (self.heads, -1))
         normed = _rms_normalize_short_rows(q_k, self.norm_q.eps)
-        rotated = rope.apply_weighted(normed, self.norm_q.weight, self.norm_k.weight)
+        key = (self, normed.dtype)
+        weights = ctx.qk_norm_weights.get(key)
+        if weights is None:
+            weights = ctx.qk_norm_weights[key] = qk_norm_weights(self.norm_q.weight, self.norm_k.weight, normed.dtype)
+        rotated = rope.apply_weighted(normed, weights)
         out = F.scaled_dot_product_attention(
             rotated[:, :, 0].transpose(1, 2), rotated[:, :, 1].transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask
         )
@@ -165,6 +170,14 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=key_mask)
         return self.to_out[0](out.transpose(1, 2).reshape(batch, length, -1))
+
+
+def qk_norm_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A block's q and k norm weights [hd] as RopeTables.apply_weighted folds them into its tables, [2, 2, 1, hd]
+    in `dtype` (the activations'): per q and k, the weight (for cos) and its halves swapped (for the signed sin)."""
+    half = q_weight.shape[-1] // 2
+    weights = torch.cat((q_weight, q_weight[half:], q_weight[:half], k_weight, k_weight[half:], k_weight[:half]))
+    return weights.to(dtype).view(2, 2, 1, -1)
 
 
 def _rms_normalize_short_rows(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -266,7 +279,7 @@ class Block(nn.Module):
         arithmetic = ctx.arithmetic
         attn_in = _norm_modulate(self.adaLN_sa_ln, x, one_plus_scale_msa, shift_msa, raw_scale_msa, raw_shift_msa,
                                  arithmetic)
-        attn = self.self_attention(attn_in, ctx.rope, ctx.key_mask, arithmetic)
+        attn = self.self_attention(attn_in, ctx)
         x = _gated_residual(x, gate_msa, attn, raw_gate_msa, arithmetic)
         mlp_in = _norm_modulate(self.adaLN_mlp_ln, x, one_plus_scale_mlp, shift_mlp, raw_scale_mlp, raw_shift_mlp,
                                 arithmetic)
@@ -303,15 +316,13 @@ class RopeTables:
             return torch.cat((x2, x1), dim=-1).mul_(self.signed_sin).add_(x * self.cos)
         return x * self.cos + torch.cat((-x2, x1), dim=-1) * self.sin
 
-    def apply_weighted(self, normed: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor) -> torch.Tensor:
-        """apply(normed * weight) for normed [B, S, 2, H, hd] (q, k) and each one's norm weight [hd], the weights
-        folded into the tables: out = n * (w cos) and, half by half, += n_other_half * (w_other_half signed_sin);
-        every operand in normed's dtype (see _norm_modulate). A block's weighted tables are built in two kernels:
-        its weights side by side, then one product with the tables of this shape."""
+    def apply_weighted(self, normed: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """apply(normed * weight) for normed [B, S, 2, H, hd] (q, k) and their norm weights as qk_norm_weights
+        gives them, folded into the tables: out = n * (w cos) and, half by half, += n_other_half * (w_other_half
+        signed_sin); every operand in normed's dtype (see _norm_modulate). A block's weighted tables are one product
+        with the tables of this shape."""
         half = normed.shape[-1] // 2
-        # [q w, q w halves swapped, k w, k w halves swapped] -> [G=2, cos|sin, 1, hd]
-        weights = torch.cat((q_weight, q_weight[half:], q_weight[:half], k_weight, k_weight[half:], k_weight[:half]))
-        tables = self.cos_sin * weights.to(normed.dtype).view(2, 2, 1, -1)  # [B, S, 2, 2, 1, hd]
+        tables = self.cos_sin * weights  # [B, S, 2, 2, 1, hd]
         cos, sin = tables[:, :, :, 0], tables[:, :, :, 1]  # each [B, S, 2, 1, hd]
         out = normed * cos
         out[..., :half].addcmul_(normed[..., half:], sin[..., :half])
@@ -332,6 +343,9 @@ class StepContext:
     raw_modulation: tuple[torch.Tensor, ...]
     rope: RopeTables
     key_mask: Optional[torch.Tensor]  # bool [B, 1, 1, S] or None when no key is padded
+    # The fast form's qk_norm_weights per (block's Attention, dtype), made by the first step that needs them and
+    # kept by the model for as long as its structure_version stays (ErnieDiT.prepare).
+    qk_norm_weights: dict[tuple[nn.Module, torch.dtype], torch.Tensor]
     arithmetic: Arithmetic = FAST  # the model's (ErnieDiT.arithmetic)
 
 
@@ -397,9 +411,11 @@ class ErnieDiT(nn.Module):
         self.block_runner: BlockRunner = run_block_in_place
         self._rope_cache: dict[tuple, RopeTables] = {}
         # Bumped by any code that changes which tensors or modules the forward uses (fusing, LoRA, re-placement):
-        # a captured replay of the forward (dit_graphs.DiTGraphs) is only valid for the version it was captured at.
+        # a captured replay of the forward (dit_graphs.DiTGraphs) and the folded q/k norm weights are only valid
+        # for the version they were made at, so an in-place edit of a norm_q/norm_k weight must bump it too.
         # Moves of the whole model (.to(), .to_empty()) and load_state_dict(assign=True) bump it below.
         self.structure_version = 0
+        self._qk_norm_weights: tuple[int, dict] = (self.structure_version, {})
 
     @property
     def dtype(self) -> torch.dtype:
@@ -411,6 +427,7 @@ class ErnieDiT(nn.Module):
         twin = copy.copy(self)
         twin.arithmetic = Arithmetic.of(arithmetic)
         twin._rope_cache = {}
+        twin._qk_norm_weights = (twin.structure_version, {})
         return twin
 
     def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), .to_empty(): every tensor is a new one
@@ -464,8 +481,12 @@ class ErnieDiT(nn.Module):
         raw_modulation = tuple(m.unsqueeze(1) for m in self.adaLN_modulation(conditioning).chunk(6, dim=-1))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (m.float() for m in raw_modulation)
         modulation = (shift_msa, 1 + scale_msa, gate_msa, shift_mlp, 1 + scale_mlp, gate_mlp)
+        version, qk_norm_weights = self._qk_norm_weights
+        if version != self.structure_version:
+            qk_norm_weights = {}
+            self._qk_norm_weights = (self.structure_version, qk_norm_weights)
         ctx = StepContext(modulation=modulation, raw_modulation=raw_modulation, rope=rope, key_mask=key_mask,
-                          arithmetic=self.arithmetic)
+                          qk_norm_weights=qk_norm_weights, arithmetic=self.arithmetic)
         return x, ctx, conditioning
 
     def project_text(self, text: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Loading the prompt enhancer: a `Ministral3ForCausalLM` and its tokenizer, from either layout users have.
 
 - diffusers folder: `pe/` (config.json + safetensors, `model.`-prefixed keys) and `pe_tokenizer/` (tokenizer.json,
-  chat_template.jinja with the fixed system text);
+  chat_template.jinja with the fixed system text); the safetensors file inside `pe/`, given alone, finds
+  `pe_tokenizer/` and `pe/generation_config.json` as the folder does;
 - ComfyUI single file `text_encoders/ernie-image-prompt-enhancer.safetensors`: `model.layers.N...` keys in Hugging
   Face layout, no lm_head (tied to the embeddings), the Tekken tokenizer embedded as the uint8 tensor
   `tekken_model`, no chat template (Baidu's is used, see pe_prompt.py).
@@ -21,7 +22,7 @@ from ..core.errors import ModelFileError
 from ..core.variant import Variant
 from ..formats import open_component
 from ..formats.config_json import config_named, load_config, read_config
-from ..formats.sources import ModelSources
+from ..formats.sources import ModelSources, component_folder
 from ..model.builders import rebuild_rotary_tables
 from ..model.config_fit import check_built_shapes, check_config_fits
 from ..model.fill import fill_from_file
@@ -34,7 +35,7 @@ _DROPPED_CONFIG_KEYS = ("architectures", "dtype", "torch_dtype", "transformers_v
 class PeWeights:
     """Where one PE's parts are."""
 
-    weights: Path  # pe/ folder or the single file
+    weights: Path  # pe/ folder, the file inside it, or the single file
     tokenizer_folder: Optional[Path]  # pe_tokenizer/ when there is one
     generation_config: dict
 
@@ -46,16 +47,17 @@ def locate_pe(sources: ModelSources) -> PeWeights:
             "ernie-image-prompt-enhancer.safetensors file (pe), or turn the prompt enhancer off"
         ).naming("pe")
     weights = sources.component("pe")
+    folder = component_folder(weights, "pe")
     tokenizer_folder = None
-    for candidate in ([weights.parent / "pe_tokenizer"] if weights.is_dir() else []) + (
+    for candidate in ([folder.parent / "pe_tokenizer"] if folder is not None else []) + (
         [sources.model_dir / "pe_tokenizer"] if sources.model_dir is not None else []
     ):
         if (candidate / "tokenizer.json").exists() or (candidate / "tokenizer_config.json").exists():
             tokenizer_folder = candidate
             break
     generation_config = {}
-    if weights.is_dir() and (weights / "generation_config.json").exists():
-        generation_config = read_config(weights / "generation_config.json")
+    if folder is not None and (folder / "generation_config.json").exists():
+        generation_config = read_config(folder / "generation_config.json")
     return PeWeights(weights, tokenizer_folder, generation_config)
 
 
