@@ -16,6 +16,7 @@ from ..runtime.core.request import LOCAL_PIPE, MASK_OF_ITS_SIZE, RESIZE_IT
 from ..runtime.core.variant import own_settings
 from ..runtime.formats.tokenizer import TOKENIZER_FOLDER
 from ..runtime.local.loaded_files import RELOAD
+from ..runtime.local.options import AUTO_BUDGET
 
 _Run = TypeVar("_Run", bound=Callable[..., Any])
 
@@ -31,6 +32,7 @@ NAMES: dict[str, str] = {
     own_settings("turbo"): "the Turbo Sampler",
     "urls": "the Remote Backend's server_urls",
     "vram_budget_gb": "the Loader's vram_budget_gb",
+    AUTO_BUDGET: "0 for auto (what is free after ComfyUI makes room)",
     "pe_endpoint": "pe_url",
     "init_image": "the image input",
     "batch": "batch_size",

@@ -42,7 +42,7 @@ def build_options(vram_budget_gb: float, keep_loaded: bool, quant_config: Option
     from ..runtime.local.options import LoadOptions
 
     return LoadOptions(
-        vram_budget_gb=None if vram_budget_gb <= 0 else float(vram_budget_gb),
+        vram_budget_gb=None if vram_budget_gb == 0 else float(vram_budget_gb),  # the runtime refuses < 0, nan, inf
         keep_loaded=bool(keep_loaded),
         quant=quant_config.load_quant if quant_config is not None else "none",
     )
