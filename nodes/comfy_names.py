@@ -33,6 +33,7 @@ NAMES: dict[str, str] = {
     "urls": "the Remote Backend's server_urls",
     "vram_budget_gb": "the Loader's vram_budget_gb",
     AUTO_BUDGET: "0 for auto (what is free after ComfyUI makes room)",
+    "step_cache": "the Step Cache node",
     "pe_endpoint": "pe_url",
     "init_image": "the image input",
     "batch": "batch_size",
