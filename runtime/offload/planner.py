@@ -122,8 +122,8 @@ class MemoryPlan:
         pe = self.pe.pinned_bytes if self.pe is not None else 0
         return self.dit.pinned_bytes + self.text.pinned_bytes + pe
 
-    def table(self, pcie_gbps: float = PCIE_GBPS) -> str:
-        return render_plan(self, pcie_gbps)
+    def table(self, pcie_gbps: float = PCIE_GBPS, title: str = "VRAM plan") -> str:
+        return render_plan(self, pcie_gbps, title)
 
 
 def auto_budget(free_bytes: int, total_bytes: int, held_by_us: int = 0) -> int:
@@ -377,14 +377,14 @@ def _ranges(indices: tuple[int, ...]) -> str:
     return ",".join(parts) or "none"
 
 
-def render_plan(plan: MemoryPlan, pcie_gbps: float = PCIE_GBPS) -> str:
+def render_plan(plan: MemoryPlan, pcie_gbps: float = PCIE_GBPS, title: str = "VRAM plan") -> str:
     job, dit = plan.job, plan.dit
 
     def g(num_bytes: int) -> str:
         return f"{num_bytes / GiB:6.2f}"
 
     lines = [
-        f"VRAM plan: budget {plan.budget / GiB:.2f} GiB on {plan.device_type}; {job.width}x{job.height}, batch "
+        f"{title}: budget {plan.budget / GiB:.2f} GiB on {plan.device_type}; {job.width}x{job.height}, batch "
         f"{job.batch}, CFG {job.cfg:g} (DiT batch {job.dit_batch}, {job.sequence} tokens), DiT {plan.sizes.dit_format}",
         f"{'phase':<13}{'placement':<52}{'GPU GiB':>8}{'work GiB':>9}{'pinned GiB':>11}",
     ]
