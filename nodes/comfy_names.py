@@ -16,6 +16,8 @@ from ..runtime.core.request import LOCAL_PIPE, MASK_OF_ITS_SIZE, RESIZE_IT
 from ..runtime.core.variant import own_settings
 from ..runtime.formats.tokenizer import TOKENIZER_FOLDER
 from ..runtime.local.loaded_files import RELOAD
+from ..runtime.local.options import AUTO_BUDGET
+from ..runtime.local.memory import RUN_CHECKS_ITS_SIZE
 
 _Run = TypeVar("_Run", bound=Callable[..., Any])
 
@@ -31,6 +33,9 @@ NAMES: dict[str, str] = {
     own_settings("turbo"): "the Turbo Sampler",
     "urls": "the Remote Backend's server_urls",
     "vram_budget_gb": "the Loader's vram_budget_gb",
+    AUTO_BUDGET: "0 for auto (what is free after ComfyUI makes room)",
+    "step_cache": "the Step Cache node",
+    RUN_CHECKS_ITS_SIZE: "the Sampler checks its own size before it starts",
     "pe_endpoint": "pe_url",
     "init_image": "the image input",
     "batch": "batch_size",

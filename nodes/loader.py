@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..runtime.core.errors import ErnieImageError, InvalidInputError
+from ..runtime.core.errors import ErnieImageError, InvalidInputError, named_settings
 from ..runtime.core.variant import override_notice
 from . import comfy_env
 from .comfy_env import GGUF_FOLDER_KEY, NONE_CHOICE
@@ -42,7 +42,7 @@ def build_options(vram_budget_gb: float, keep_loaded: bool, quant_config: Option
     from ..runtime.local.options import LoadOptions
 
     return LoadOptions(
-        vram_budget_gb=None if vram_budget_gb <= 0 else float(vram_budget_gb),
+        vram_budget_gb=None if vram_budget_gb == 0 else float(vram_budget_gb),  # the runtime refuses < 0, nan, inf
         keep_loaded=bool(keep_loaded),
         quant=quant_config.load_quant if quant_config is not None else "none",
     )
@@ -138,7 +138,8 @@ class ErnieImageLoader:
             refuse_gguf_file_without_gguf(quant_config, sources.component("transformer"))
         pipe = LocalPipe.load(sources, options)  # reads only the files' headers: nothing to cancel
         track(pipe)
-        plan = comfy_words(pipe.describe(), pipe.variant_choice.settings)
+        described = pipe.describe()  # the plan of a default 1024x1024 image: the Sampler checks its own size
+        plan = comfy_words(described, named_settings(described))
         overriding = override_notice(pipe.variant_choice)  # the widget set against what the file says
         if overriding:
             plan = f"{plan}\n{comfy_words(overriding, overriding.settings)}"

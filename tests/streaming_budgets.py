@@ -1,5 +1,6 @@
-"""Budgets at which a tiny model plans with part of its DiT streamed, found as a user's budget is planned
-(plan_memory over the model's own sizes): the least budget that plans at all, then walked up 4 KiB at a time.
+"""Budgets at which a tiny model plans at all, or with part of its DiT streamed, found as a user's budget is planned
+(plan_memory over the model's own sizes): the least budget that plans at all, by halving to 4 KiB, then walked up
+4 KiB at a time to one that streams.
 
 The tiny DiT's blocks are ~80 KB, so the window where part of it streams is a few hundred KB wide, above whatever
 the device's plan reserves (~457 MiB on CUDA).
@@ -18,10 +19,8 @@ SEARCH_STEP = 4096
 SEARCH_SPAN = 64 * 1024**2
 
 
-def first_budget_gb(model, request: GenerationRequest, device: str, streams: Callable[[MemoryPlan], bool],
-                    what: str) -> float:
-    """The smallest budget (GiB) whose plan for `request` on `device` `streams`; an AssertionError saying 'no
-    budget `what`' when none does within 64 MiB of the least budget that plans."""
+def _planner(model, request: GenerationRequest, device: str) -> Callable[[int], Optional[MemoryPlan]]:
+    """The plan a budget (bytes) gives `request` on `device`, None where it is refused."""
     pipe = LocalPipe.load(model, LoadOptions(device=device, vram_budget_gb=1.0))
     sizes = pipe.memory.sizes_for(pipe.sources, pipe.variant)
     job = pipe.memory.job_for(request.with_defaults(pipe.variant), False)
@@ -33,10 +32,28 @@ def first_budget_gb(model, request: GenerationRequest, device: str, streams: Cal
         except MemoryBudgetError:
             return None
 
+    return plan_or_none
+
+
+def _least_planning_bytes(plan_or_none: Callable[[int], Optional[MemoryPlan]]) -> int:
     low, high = 0, 64 * GiB
     while high - low > SEARCH_STEP:
         middle = (low + high) // 2
         low, high = (low, middle) if plan_or_none(middle) is not None else (middle, high)
+    return high
+
+
+def least_budget_gb(model, request: GenerationRequest, device: str) -> float:
+    """The least budget (GiB, within 4 KiB above it) at which `request` plans on `device`."""
+    return _least_planning_bytes(_planner(model, request, device)) / GiB
+
+
+def first_budget_gb(model, request: GenerationRequest, device: str, streams: Callable[[MemoryPlan], bool],
+                    what: str) -> float:
+    """The smallest budget (GiB) whose plan for `request` on `device` `streams`; an AssertionError saying 'no
+    budget `what`' when none does within 64 MiB of the least budget that plans."""
+    plan_or_none = _planner(model, request, device)
+    high = _least_planning_bytes(plan_or_none)
     for budget in range(high, high + SEARCH_SPAN, SEARCH_STEP):
         plan = plan_or_none(budget)
         if plan is not None and streams(plan):

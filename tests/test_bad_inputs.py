@@ -349,8 +349,8 @@ def test_a_damaged_vae_fails_when_the_pipe_loads_not_after_sampling(tmp_path):
 def test_a_load_options_budget_that_is_not_a_positive_number_is_refused_at_load(budget):
     from ernie_image.runtime.local.options import LoadOptions
 
-    with pytest.raises(InvalidInputError, match=r"^VRAM budget .* GB is not a positive number: give the GB the pipe "
-                                                r"may use, or None for free VRAM minus a reserve$"):
+    with pytest.raises(InvalidInputError, match=r"^vram_budget_gb .* is not a positive number of GB: give the GB the "
+                                                r"pipe may use, or None for free VRAM minus a reserve$"):
         LoadOptions(device="cpu", vram_budget_gb=budget).validate()
 
 

@@ -66,6 +66,23 @@ def test_the_same_error_names_the_python_names_in_the_library(half_folder):
     assert str(refused.value) == FOLDER_WORDS.format(folder=half_folder, setting="model_dir", dit="dit")
 
 
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), float("-inf"), -1.0])
+def test_a_budget_that_is_no_number_of_gb_names_the_loaders_widget_and_its_auto(tiny_turbo_folder, tmp_path, budget,
+                                                                                 monkeypatch):
+    from ernie_image.runtime.local import pipe as local_pipe
+
+    models = tmp_path / "models"
+    shutil.copytree(tiny_turbo_folder, models / "diffusers" / "ERNIE-Image-Turbo")
+    monkeypatch.setitem(sys.modules, "folder_paths", fake_folder_paths(models))
+    monkeypatch.setattr(local_pipe, "open_checked_parts", lambda *a, **k: pytest.fail("a model file was opened"))
+    with pytest.raises(InvalidInputError) as refused:
+        ErnieImageLoader().load(diffusers_folder="ERNIE-Image-Turbo", diffusion_model="(none)", text_encoder="(none)",
+                                vae="(none)", prompt_enhancer="(none)", variant="auto", vram_budget_gb=budget,
+                                keep_loaded=False)
+    assert str(refused.value) == (f"the Loader's vram_budget_gb {budget!r} is not a positive number of GB: give the GB "
+                                  "the pipe may use, or 0 for auto (what is free after ComfyUI makes room)")
+
+
 NAMES = {"model_dir": "--model-dir", "text_encoder": "--text-encoder", "vae": "--vae", "width": "--width",
          "height": "--height"}
 

@@ -41,13 +41,13 @@ def _wrong_type(key: str):
 DAMAGES = [
     ("transformer", _cut_short, "is not valid JSON (JSONDecodeError: "),
     ("transformer", _a_list, "holds a JSON list, not a config (a JSON object)"),
-    ("transformer", _wrong_type("num_layers"), "does not describe an ERNIE-Image DiT ("),
+    ("transformer", _wrong_type("num_layers"), 'says num_layers "two", which is not a positive whole number'),
     ("text_encoder", _cut_short, "is not valid JSON (JSONDecodeError: "),
     ("text_encoder", _a_list, "holds a JSON list, not a config (a JSON object)"),
-    ("text_encoder", _wrong_type("hidden_size"), "does not describe an ERNIE-Image text encoder ("),
+    ("text_encoder", _wrong_type("hidden_size"), 'says text_config.hidden_size "two", which is not a positive whole'),
     ("vae", _cut_short, "is not valid JSON (JSONDecodeError: "),
     ("vae", _a_list, "holds a JSON list, not a config (a JSON object)"),
-    ("vae", _wrong_type("layers_per_block"), "does not describe an ERNIE-Image VAE ("),
+    ("vae", _wrong_type("layers_per_block"), 'says layers_per_block "two", which is not a positive whole number'),
 ]
 IDS = [f"{component} {damage.__name__.strip('_').replace('_', ' ')}" for component, damage, _ in DAMAGES]
 
@@ -65,6 +65,73 @@ def test_a_damaged_config_is_one_line_naming_the_file(capsys, tmp_path, model, c
     line = _cli(capsys, "generate", "--model-dir", str(model), "--steps", "1", "--device", "cpu", "--out", str(out))
     assert line.startswith(f"error: {config} ") and says in line and line.endswith("re-download it"), line
     assert not out.exists()
+
+
+# Values no ERNIE-Image part is built from: a size that is not a positive whole number, an epsilon or a RoPE base
+# that is not a positive finite number (a negative eps ran to NaN and was blamed on the weights).
+BAD_VALUES = [
+    ("transformer", "eps", -1, "a positive finite number"),
+    ("transformer", "eps", 0, "a positive finite number"),
+    ("transformer", "eps", "1e-6", "a positive finite number"),
+    ("transformer", "rope_theta", float("nan"), "a positive finite number"),
+    ("transformer", "num_attention_heads", 0, "a positive whole number"),
+    ("transformer", "num_layers", -2, "a positive whole number"),
+    ("transformer", "hidden_size", 64.5, "a positive whole number"),
+    ("transformer", "ffn_hidden_size", [128], "a positive whole number"),
+    ("transformer", "in_channels", True, "a positive whole number"),
+    ("transformer", "rope_axes_dim", [8, 0, 24], "a list of positive whole numbers"),
+    ("vae", "layers_per_block", 0, "a positive whole number"),
+    ("vae", "norm_num_groups", -4, "a positive whole number"),
+    ("vae", "block_out_channels", [8, -16, 16, 32], "a list of positive whole numbers"),
+    ("vae", "block_out_channels", [], "a list of positive whole numbers"),
+    ("vae", "batch_norm_eps", -0.0001, "a positive finite number"),
+    ("vae", "sample_size", 0, "a positive whole number or a list of them"),
+    ("text_encoder", "rms_norm_eps", -1e-05, "a positive finite number"),
+    ("text_encoder", "rms_norm_eps", float("inf"), "a positive finite number"),
+    ("text_encoder", "num_attention_heads", 0, "a positive whole number"),
+    ("text_encoder", "head_dim", 0, "a positive whole number or null"),
+    ("text_encoder", "num_key_value_heads", -2, "a positive whole number or null"),
+    ("text_encoder", "vocab_size", "270", "a positive whole number"),
+]
+
+
+@pytest.mark.parametrize("component, field, value, wanted", BAD_VALUES,
+                         ids=[f"{component} {field} {value!r}" for component, field, value, _ in BAD_VALUES])
+def test_a_config_value_no_part_is_built_from_is_one_line_naming_it_before_any_weight_is_read(
+        capsys, tmp_path, model, monkeypatch, component, field, value, wanted):
+    from ernie_image.runtime.formats.safetensors_reader import SafetensorsFile
+
+    config = model / component / "config.json"
+    _setting(field, value)(config)
+    monkeypatch.setattr(SafetensorsFile, "tensor", lambda *a, **k: pytest.fail("a weight was read"))
+    out = tmp_path / "x.png"
+    line = _cli(capsys, "generate", "--model-dir", str(model), "--steps", "1", "--device", "cpu", "--out", str(out))
+    name = f"text_config.{field}" if component == "text_encoder" else field
+    assert line == f"error: {config} says {name} {json.dumps(value)}, which is not {wanted}: fix it or re-download it"
+    assert not out.exists()
+
+
+def test_a_bad_value_in_a_config_embedded_in_a_single_file_is_named_with_the_fix_re_export(tmp_path, monkeypatch):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ernie_image.runtime.core.errors import ModelFileError
+    from ernie_image.runtime.demo.tiny import build_tiny_model
+    from ernie_image.runtime.formats.safetensors_reader import SafetensorsFile
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
+
+    sources = build_tiny_model(tmp_path / "comfy", layout="comfy", variant="turbo")
+    with safe_open(str(sources.text_encoder), "pt") as handle:
+        tensors, metadata = {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata()
+    config = json.loads(metadata["config"])
+    config["rms_norm_eps"] = -1e-05
+    save_file(tensors, str(sources.text_encoder), metadata={**metadata, "config": json.dumps(config)})
+    monkeypatch.setattr(SafetensorsFile, "tensor", lambda *a, **k: pytest.fail("a weight was read"))
+    with pytest.raises(ModelFileError) as refused:
+        LocalPipe.load(sources, LoadOptions(device="cpu"))
+    assert str(refused.value) == (f"the config in {sources.text_encoder.name}'s metadata says rms_norm_eps -1e-05, "
+                                  "which is not a positive finite number: re-export or re-download the file")
 
 
 def test_a_missing_vae_config_the_shapes_cannot_replace_is_named(capsys, tmp_path, model):

@@ -1,6 +1,8 @@
 """The Samplers over a real tiny local pipe, called as ComfyUI calls them (keyword arguments, no ComfyUI here)."""
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.demo.tiny import build_tiny_model
 from ernie_image.runtime.local.options import LoadOptions
 from ernie_image.runtime.local.pipe import LocalPipe
+from streaming_budgets import least_budget_gb
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +87,71 @@ def test_keep_loaded_keeps_weights_between_runs(tiny_sources) -> None:
     pipe.release()
     assert not pipe.is_loaded()
     assert not any(p["loaded"] for p in summary()["pipes"] if p["kind"] == "local")
+
+
+# -- the Loader's plan: made for a size it assumes, never a refusal of the size the Sampler runs ------------------
+@pytest.fixture
+def comfy_models(tiny_sources, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """ComfyUI's models/ folders holding the tiny Turbo model's three files, as the Loader's widgets pick them."""
+    import shutil
+    import sys
+
+    from comfy_folders import fake_folder_paths
+
+    models = tmp_path / "models"
+    picked = {}
+    for widget, folder, source in (("diffusion_model", "diffusion_models", tiny_sources.dit),
+                                   ("text_encoder", "text_encoders", tiny_sources.text_encoder),
+                                   ("vae", "vae", tiny_sources.vae)):
+        (models / folder).mkdir(parents=True)
+        shutil.copyfile(source, models / folder / source.name)
+        picked[widget] = source.name
+    monkeypatch.setitem(sys.modules, "folder_paths", fake_folder_paths(models))
+    return picked
+
+
+def load_in_comfyui(models: dict[str, str], budget_gb: float) -> tuple[LocalPipe, str]:
+    from ernie_image.nodes.loader import ErnieImageLoader
+
+    pipe, text = ErnieImageLoader().load(diffusers_folder="(none)", prompt_enhancer="(none)", variant="auto",
+                                         vram_budget_gb=budget_gb, keep_loaded=False, **models)["result"]
+    return pipe, text
+
+
+def plan_device() -> str:
+    """Where the Loader's pipe plans: its device 'auto'."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+LOADER_PLAN_BELOW = re.compile(
+    r"^VRAM plan for a 1024x1024 image: this budget \((?P<budget>[\d.]+) GB\) is below the (?P<needed>[\d.]+) GB a "
+    r"1024x1024 image needs at least \(batch 1, CFG 1\); the Sampler checks its own size before it starts, and a "
+    r"smaller image needs less$")
+
+
+@pytest.mark.parametrize("between", [0.1, 0.9])
+def test_a_budget_too_small_for_1024_but_enough_for_the_samplers_size_is_no_refusal_on_the_loader(
+        tiny_sources, comfy_models, between) -> None:
+    small = turbo_inputs(width=256, height=256, batch_size=1, use_pe=False)
+    request = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=3)
+    least_small = least_budget_gb(tiny_sources, request, plan_device())
+    least_1024 = least_budget_gb(tiny_sources, GenerationRequest(prompt="", width=1024, height=1024), plan_device())
+    assert least_small < least_1024
+    budget = least_small + between * (least_1024 - least_small)
+    pipe, text = load_in_comfyui(comfy_models, budget)
+    plan_lines = [line for line in text.splitlines() if line.startswith("VRAM plan")]
+    said = LOADER_PLAN_BELOW.match(plan_lines[0]) if len(plan_lines) == 1 else None
+    assert said, text
+    assert abs(float(said["budget"]) - budget) < 0.01 and least_1024 - 4096 / 2**30 <= float(said["needed"])
+    assert float(said["needed"]) <= math.ceil(least_1024 * 10) / 10 and "raise the budget" not in text
+    images, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **small)["result"]  # the Sampler's size fits
+    assert images.shape == (1, 256, 256, 3)
+
+
+def test_a_plan_that_fits_is_labelled_with_the_size_it_is_for(tiny_sources, comfy_models) -> None:
+    least_1024 = least_budget_gb(tiny_sources, GenerationRequest(prompt="", width=1024, height=1024), plan_device())
+    _, text = load_in_comfyui(comfy_models, least_1024 + 0.5)
+    plan_lines = [line for line in text.splitlines() if line.startswith("VRAM plan")]
+    assert len(plan_lines) == 1 and plan_lines[0].startswith(
+        "VRAM plan for a 1024x1024 image (the Sampler checks its own size before it starts): budget "), text
+    assert "; 1024x1024, batch 1, CFG 1 (" in plan_lines[0] and "\npeak by phase (GiB): " in text  # the whole plan

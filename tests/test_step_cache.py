@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from ernie_image.runtime.core.errors import Cancelled, InvalidInputError
+from ernie_image.nodes.comfy_names import comfy_words
+from ernie_image.runtime.cli.names import cli_message
+from ernie_image.runtime.core.errors import Cancelled, InvalidInputError, MemoryBudgetError
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.local.options import LoadOptions
 from ernie_image.runtime.local.pipe import LocalPipe
@@ -27,7 +30,7 @@ from ernie_image.runtime.step_cache.rule import SkipRule, relative_change, skipp
 from ernie_image.runtime.step_cache.session import GUESSED_BLOCKS, BlockSplit, StepCacheRun
 from ernie_image.runtime.step_cache.view import StepCachePipe, with_step_cache
 from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
-from streaming_budgets import middle_streaming_budget_gb
+from streaming_budgets import least_budget_gb, middle_streaming_budget_gb
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
 
@@ -334,6 +337,60 @@ def test_streamed_blocks_give_the_resident_image_and_a_skipped_step_copies_one_g
     plain = dataclasses.replace(request, step_cache=None)  # the uncached run after it streams as before
     assert torch.equal(pipe.generate(plain, NullHost()).latents, base_pipe.generate(plain, NullHost()).latents)
     pipe.release()
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory) -> Path:
+    """A tiny Base model whose DiT is wide enough that its activations, not the VAE's, set the least budget."""
+    sizes = TinySizes(dit_hidden=256, dit_heads=8, dit_ffn=512)
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-wide"), variant="base", sizes=sizes).model_dir
+
+
+# The least budget with the step cache's residuals, and without: a budget between them is refused for the cache alone.
+BUDGET_REFUSAL = re.compile(
+    r"^a 256x256 batch-1 job \(CFG 3, DiT fp32\) with a step cache needs at least (?P<needed>[\d.]+) GB of VRAM with "
+    r"everything streamed, (?P<without>[\d.]+) GB without it: the step cache's residual tensors raise the minimum "
+    r"above the budget of (?P<budget>[\d.]+) GB: raise the budget \((?P<budget_name>.+)\) to (?P=needed) GB, or "
+    r"leave out the step cache \((?P<cache_name>.+)\)$")
+
+
+@pytest.mark.parametrize("between", [0.02, 0.5, 0.98])
+def test_a_budget_only_the_step_cache_s_residuals_exceed_is_refused_naming_both_minimums_and_both_fixes(
+        wide_model, between):
+    request = cached(dataclasses.replace(BASE, batch=1, steps=2), "dbcache")
+    with_cache = least_budget_gb(wide_model, request, "cpu")
+    without_cache = least_budget_gb(wide_model, dataclasses.replace(request, step_cache=None), "cpu")
+    assert without_cache < with_cache
+    budget = without_cache + between * (with_cache - without_cache)
+    pipe = LocalPipe.load(wide_model, LoadOptions(device="cpu", vram_budget_gb=budget))
+    with pytest.raises(MemoryBudgetError) as refused:
+        pipe.generate(request, NullHost())
+    assert pipe.parts.dit is None and pipe.memory.plan is None  # refused before anything loads
+    message = str(refused.value)
+    said = BUDGET_REFUSAL.match(message)
+    assert said, message
+    step = 4096 / 2**30  # the least budgets are found to 4 KiB
+    assert float(said["needed"]) >= with_cache - step and float(said["without"]) >= without_cache - step
+    assert float(said["without"]) <= float(said["budget"]) < float(said["needed"])  # shown as far as they differ
+    assert abs(float(said["budget"]) - budget) <= 0.5 * 10 ** -len(said["budget"].split(".")[1]) + 1e-12
+    assert (said["budget_name"], said["cache_name"]) == ("vram_budget_gb", "step_cache")
+    assert BUDGET_REFUSAL.match(cli_message(refused.value)).group("budget_name", "cache_name") == (
+        "--budget", "--step-cache")
+    assert BUDGET_REFUSAL.match(comfy_words(message, refused.value.settings)).group("budget_name", "cache_name") == (
+        "the Loader's vram_budget_gb", "the Step Cache node")
+    plain = dataclasses.replace(request, step_cache=None)  # the same budget runs the job without the cache
+    assert torch.isfinite(pipe.generate(plain, NullHost()).images).all()
+
+
+def test_a_budget_below_the_minimum_without_the_step_cache_is_refused_without_blaming_the_cache(wide_model):
+    request = cached(dataclasses.replace(BASE, batch=1, steps=2), "dbcache")
+    without_cache = least_budget_gb(wide_model, dataclasses.replace(request, step_cache=None), "cpu")
+    pipe = LocalPipe.load(wide_model, LoadOptions(device="cpu", vram_budget_gb=without_cache / 2))
+    refusal = (r"^a 256x256 batch-1 job \(CFG 3, DiT fp32\) needs at least .* GB of VRAM with everything streamed; "
+               r"the budget is .* GB: raise the budget, ")
+    with pytest.raises(MemoryBudgetError, match=refusal) as refused:
+        pipe.generate(request, NullHost())
+    assert "step cache" not in str(refused.value)
 
 
 @pytest.mark.parametrize("spec", ["dbcache:threshold=10,start=0,end=1,max_skips=1,first_blocks=2,last_blocks=1",

@@ -46,6 +46,7 @@ FLAGS: dict[str, str] = {
     "tokenizer": "--tokenizer",
     "urls": "--server",
     "vram_budget_gb": "--budget",
+    "step_cache": "--step-cache",
     "pe_endpoint": "--pe-url",
     "format": "--format",
     KEYS_FILE: f"{KEYS_FILE} (or --api-key-env / --api-key-file; --pe-api-key-env / --pe-api-key-file for a PE URL)",

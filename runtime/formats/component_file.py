@@ -23,7 +23,8 @@ import torch
 
 from ..core.errors import ErnieImageError, ModelFileError, one_line
 from ..files.identity import FileIdentity
-from .config_json import read_config
+from .config_json import origin_of, read_config
+from .config_values import check_config_values
 from .detect import Identity, identify, sample_keys, text_model_role
 from .safetensors_reader import SafetensorsFile, is_gguf, open_safetensors
 from .sources import component_folder
@@ -283,6 +284,14 @@ def _identities(config_file: Optional[Path]) -> tuple[FileIdentity, ...]:
 
 
 def _read_config(path: Path, kind: str, metadata: dict[str, str]) -> tuple[Optional[dict], Optional[Path]]:
+    """`_find_config`, its values checked (config_values.py) before any weight is read."""
+    config, config_file = _find_config(path, kind, metadata)
+    if config is not None:
+        check_config_values(config, kind, *origin_of(path, config_file, config_file is None))
+    return config, config_file
+
+
+def _find_config(path: Path, kind: str, metadata: dict[str, str]) -> tuple[Optional[dict], Optional[Path]]:
     """The part's config and the config.json it came from: a folder's config.json, else one embedded in the file's
     metadata, else (a single file inside a diffusers component folder) the config.json beside the file when it is
     this part's config; (None, None) when there is none."""

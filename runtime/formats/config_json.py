@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from ..core.errors import ErnieImageError, ModelFileError, one_line
 from ..core.variant import Variant
@@ -74,11 +74,16 @@ def describes_part(config: dict[str, Any], kind: str) -> bool:
 
 def config_origin(component) -> tuple[str, str]:
     """Where a component's config came from, and how to restore it: (its name in a message, the fix)."""
-    path = Path(component.path)
-    config_file = getattr(component, "config_file", None)
+    return origin_of(Path(component.path), getattr(component, "config_file", None),
+                     "config" in getattr(component, "metadata", {}))
+
+
+def origin_of(path: Path, config_file: Optional[Path], in_metadata: bool) -> tuple[str, str]:
+    """`config_origin` of the weights at `path` whose config was read from `config_file`, else from the file's
+    metadata (`in_metadata`), else inferred."""
     if config_file is not None:
         return str(config_file), "fix it or re-download it"
-    if "config" in getattr(component, "metadata", {}):
+    if in_metadata:
         return f"the config in {path.name}'s metadata", "re-export or re-download the file"
     return f"the config inferred for {path} (it has no config.json)", "put the model's config.json there"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ..core.errors import ErnieImageError
+from ..core.errors import ErnieImageError, NamedLine, named_settings, naming_line
 from ..core.request import GenerationRequest
 from ..lora.stack import describe_stack
 from ..model.compile import compile_available
@@ -25,9 +25,9 @@ def dit_mode(pipe: Any) -> str:
     return f"eager{exact}{until}"
 
 
-def describe_pipe(pipe: Any, request: Optional[GenerationRequest] = None) -> str:
+def describe_pipe(pipe: Any, request: Optional[GenerationRequest] = None) -> NamedLine:
     """A LocalPipe's variant, device, formats and VRAM plan (of the last job, else of `request` or a default 1024x1024
-    job)."""
+    job, labelled as that size's), recording the settings it names."""
     defaults = pipe.defaults
     weights = pipe.dit_weights + ", " if pipe.dit_weights else ""
     lines = [
@@ -42,12 +42,16 @@ def describe_pipe(pipe: Any, request: Optional[GenerationRequest] = None) -> str
     merged = pipe._lora.describe(pipe.parts.dit)
     if merged:
         lines.append(merged)
+    settings = pipe.variant_choice.settings
     if pipe.memory.plan is not None and request is None:
         lines.append(pipe.memory.describe())
     else:
         job = (request or GenerationRequest(prompt="")).with_defaults(pipe.variant)
+        preview = pipe.memory.preview if request is not None else pipe.memory.preview_before_a_size
         try:
-            lines.append(pipe.memory.preview(job, pipe.sources, pipe.variant, pipe.options.pe_endpoint is None))
+            plan = preview(job, pipe.sources, pipe.variant, pipe.options.pe_endpoint is None)
         except ErnieImageError as error:
-            lines.append(f"VRAM plan unavailable: {error}")
-    return "\n".join(lines)
+            plan = naming_line(f"VRAM plan unavailable: {error}", *error.settings)
+        lines.append(plan)
+        settings = (*settings, *named_settings(plan))
+    return naming_line("\n".join(lines), *settings)

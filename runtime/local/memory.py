@@ -12,9 +12,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from ..core.errors import MemoryBudgetError
+from ..core.errors import MemoryBudgetError, NamedLine, naming_line
 from ..offload.placement import DiTPlacement, PePlacement, TextPlacement
-from ..offload.planner import MemoryPlan, budget_bytes, plan_memory
+from ..offload.planner import MemoryPlan, budget_bytes, gib_shown, gib_up, least_budget, plan_memory
 from ..offload.reserve import file_dit_size
 from ..offload.sizes import LayeredSize, ModelSizes
 from ..offload.streamer import module_bytes
@@ -22,6 +22,8 @@ from ..offload.workspace import Job
 from ..sampling.image_in import needs_encoding
 
 TEXT_TOKENS_FOR_PLAN = 512  # the DiT's text length is known only after encoding; plan for a long prompt
+# Why a plan previewed for an assumed size refuses nothing, in the library's words (ComfyUI's: nodes/comfy_names.py).
+RUN_CHECKS_ITS_SIZE = "generate() checks each request's own size before it starts"
 
 
 def _dtype_format(dtype: torch.dtype) -> str:
@@ -147,14 +149,36 @@ class PipeMemory:
         self.plan = plan
         return plan
 
-    def preview(self, request, sources, variant, local_pe: bool = True) -> str:
+    def preview(self, request, sources, variant, local_pe: bool = True) -> NamedLine:
         """The plan `request` would get, as text, without placing or releasing anything."""
         if not self.active:
-            return f"VRAM plan: none on {self.device.type} (weights stay in host memory)"
+            return naming_line(self._inactive())
         try:
-            return plan_memory(*self._plan_inputs(request, sources, variant, local_pe), self.device.type).table()
+            return naming_line(plan_memory(*self._plan_inputs(request, sources, variant, local_pe),
+                                           self.device.type).table())
         except MemoryBudgetError as error:
-            return f"VRAM plan: {error}"
+            return naming_line(f"VRAM plan: {error}", *error.settings)
+
+    def preview_before_a_size(self, request, sources, variant, local_pe: bool = True) -> NamedLine:
+        """`preview` for a size assumed before a run gives its own (a loaded pipe's default 1024x1024): the plan
+        labelled with the size it is for; where that size does not fit, the budget it needs instead of a refusal
+        (each run checks its own size before it starts)."""
+        if not self.active:
+            return naming_line(self._inactive())
+        budget, job, sizes = self._plan_inputs(request, sources, variant, local_pe)
+        size = f"a {job.width}x{job.height} image"
+        try:
+            plan = plan_memory(budget, job, sizes, self.device.type)
+        except MemoryBudgetError:
+            needed = gib_up(least_budget(job, sizes, self.device.type))
+            shown = f"{gib_shown(budget)} GB" + (", auto" if self.budget_gb is None else "")
+            return naming_line(f"VRAM plan for {size}: this budget ({shown}) is below the {needed} GB {size} "
+                               f"needs at least (batch {job.batch}, CFG {job.cfg:g}); {RUN_CHECKS_ITS_SIZE}, and a "
+                               "smaller image needs less", RUN_CHECKS_ITS_SIZE)
+        return naming_line(plan.table(title=f"VRAM plan for {size} ({RUN_CHECKS_ITS_SIZE})"), RUN_CHECKS_ITS_SIZE)
+
+    def _inactive(self) -> str:
+        return f"VRAM plan: none on {self.device.type} (weights stay in host memory)"
 
     def build_device(self) -> torch.device:
         """Where model files are materialised: the host when the offloader places them, else the device."""

@@ -15,6 +15,7 @@ from ..model.fill import QUANT_ON_LOAD_FORMATS
 QUANT_CHOICES = ("none", "auto", "bf16", *QUANT_ON_LOAD_FORMATS)
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on a GPU, fp32 on the CPU
 DIT_ARITHMETIC_CHOICES = ("fast", "exact")
+AUTO_BUDGET = "None for free VRAM minus a reserve"  # LoadOptions.vram_budget_gb's automatic budget, as a phrase
 
 
 SWITCHES = ("keep_loaded", "previews", "pe_compile", "cuda_graphs")  # options that are True or False, nothing else
@@ -90,8 +91,8 @@ class LoadOptions:
         budget = self.vram_budget_gb
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                    or not math.isfinite(budget) or budget <= 0):
-            raise InvalidInputError(f"VRAM budget {budget!r} GB is not a positive number: give the GB the pipe may "
-                                    f"use, or None for free VRAM minus a reserve")
+            raise InvalidInputError(f"vram_budget_gb {budget!r} is not a positive number of GB: give the GB "
+                                    f"the pipe may use, or {AUTO_BUDGET}").naming("vram_budget_gb", AUTO_BUDGET)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..core.errors import ModelFileError
+from ..core.errors import ModelFileError, NamedLine
 from ..core.host import Host, NullHost, wants_previews
 from ..core.non_finite import refuse_non_finite
 from ..core.pipe import check_generate_call
@@ -137,8 +137,9 @@ class LocalPipe:
         """What quant 'auto' runs, and why ("" for any other quant)."""
         return self.parts.quant_reason
 
-    def describe(self, request: Optional[GenerationRequest] = None) -> str:
-        """The variant, device, formats and the VRAM plan (of the last job, else of a default 1024x1024 job)."""
+    def describe(self, request: Optional[GenerationRequest] = None) -> NamedLine:
+        """The variant, device, formats and the VRAM plan (of the last job, else of `request` or a default 1024x1024
+        job), recording the settings it names (errors.naming_line)."""
         return describe_pipe(self, request)
 
     def is_loaded(self) -> bool:

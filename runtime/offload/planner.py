@@ -7,10 +7,12 @@ Policy (fastest first):
    the headroom of the largest other phase is set aside: the text tower streams layer-wise (it runs once per
    image, so streaming it costs the same copy as loading it whole and never evicts DiT blocks), the VAE decodes
    whole or in tiles, the enhancer loads for its phase (streaming it per generated token would be far slower).
-3. Nothing fits: MemoryBudgetError naming the smallest budget that works at this size.
+3. Nothing fits: MemoryBudgetError naming the smallest budget that works at this size (and, where a step cache's
+   residuals alone put the job out of the budget, the smallest without the cache too).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -120,8 +122,8 @@ class MemoryPlan:
         pe = self.pe.pinned_bytes if self.pe is not None else 0
         return self.dit.pinned_bytes + self.text.pinned_bytes + pe
 
-    def table(self, pcie_gbps: float = PCIE_GBPS) -> str:
-        return render_plan(self, pcie_gbps)
+    def table(self, pcie_gbps: float = PCIE_GBPS, title: str = "VRAM plan") -> str:
+        return render_plan(self, pcie_gbps, title)
 
 
 def auto_budget(free_bytes: int, total_bytes: int, held_by_us: int = 0) -> int:
@@ -211,6 +213,46 @@ def smallest_budget(layout_bytes: int, device_type: str = "cuda") -> int:
     return max(layout_bytes + 256 * 1024**2, math.ceil(layout_bytes / (1 - ALLOCATOR_SLACK_FRACTION)))
 
 
+def least_layout(job: Job, sizes: ModelSizes, device_type: str = "cuda", slots: int = DEFAULT_SLOTS) -> int:
+    """Bytes of the smallest layout `job` runs in: the DiT's stem and `slots` staging buffers, and room for the
+    largest phase with everything streamed or tiled that can be (the text tower and enhancer layer-wise, the VAE
+    by tiles where that takes less)."""
+    text = _layered(sizes.text, "streamed", slots, text_workspace(sizes, device_type), True)
+    pe = (_layered(sizes.pe, "streamed", slots, pe_workspace(sizes, device_type), False).phase_bytes
+          if job.use_pe and sizes.pe is not None else 0)
+    vae = sizes.vae_bytes + min(vae_workspace(sizes, job, tile, device_type) for tile in (None, VAE_TILE))
+    encode = (sizes.vae_encoder_bytes + min(vae_encode_workspace(sizes, job, tile, device_type)
+                                            for tile in (None, VAE_TILE))) if job.encode else 0
+    headroom = max(dit_workspace(sizes, job, device_type), text.phase_bytes, vae, pe, encode)
+    return sizes.dit.stem_bytes + slots * sizes.dit.layer_bytes + headroom
+
+
+def least_budget(job: Job, sizes: ModelSizes, device_type: str = "cuda", slots: int = DEFAULT_SLOTS) -> int:
+    """The smallest budget in which `job` plans (its usable part holds `least_layout`)."""
+    return smallest_budget(least_layout(job, sizes, device_type, slots), device_type)
+
+
+def _too_small(budget: int, job: Job, sizes: ModelSizes, device_type: str, slots: int) -> MemoryBudgetError:
+    """The refusal of a budget below `least_budget`: the job, the least budget and the fixes; when the budget would
+    have sufficed without the job's step cache, that the cache's residuals raised the minimum, with both minimums."""
+    needed = least_budget(job, sizes, device_type, slots)
+    what = f"a {job.width}x{job.height} batch-{job.batch} job (CFG {job.cfg:g}, DiT {sizes.dit_format})"
+    uncached = dataclasses.replace(job, step_cache=False)
+    usable = budget - allocator_slack(budget, device_type)
+    if job.step_cache and least_layout(uncached, sizes, device_type, slots) <= usable:
+        without_cache = least_budget(uncached, sizes, device_type, slots)
+        needed_gb, without_gb, budget_gb = gib_apart(needed, without_cache, budget)
+        return MemoryBudgetError(
+            f"{what} with a step cache needs at least {needed_gb} GB of VRAM with everything streamed, "
+            f"{without_gb} GB without it: the step cache's residual tensors raise the minimum above the budget of "
+            f"{budget_gb} GB: raise the budget (vram_budget_gb) to {needed_gb} GB, or leave out the step cache "
+            f"(step_cache)").naming("vram_budget_gb", "step_cache")
+    return MemoryBudgetError(
+        f"{what} needs at least {gib_up(needed)} GB of VRAM with everything streamed; the budget is "
+        f"{gib_shown(budget)} GB: raise the budget, lower the size or batch, or use a smaller weight format (q4_k, "
+        f"nvfp4)")
+
+
 def plan_memory(budget: Optional[int], job: Job, sizes: ModelSizes, device_type: str = "cuda",
                 slots: int = DEFAULT_SLOTS) -> MemoryPlan:
     """The placement for `job` within `budget` bytes (None: unbounded, everything resident).
@@ -238,25 +280,14 @@ def plan_memory(budget: Optional[int], job: Job, sizes: ModelSizes, device_type:
         return _finish(budget if budget is not None else everything, job, sizes, device_type, dit_all,
                        text_resident, vae_full, pe_resident, encode=encode_full)
 
+    if least_layout(job, sizes, device_type, slots) > usable:
+        raise _too_small(budget, job, sizes, device_type, slots)
     text_streamed = _layered(sizes.text, "streamed", slots, text_ws, True)
     vae_tiled_ws = vae_workspace(sizes, job, VAE_TILE, device_type)
-    smallest_vae = min(vae_full.workspace, vae_tiled_ws)
     pe_streamed = _layered(sizes.pe, "streamed", slots, pe_ws, False) if use_pe else None
     encode_tiled = (EncodePlan(False, VAE_TILE, sizes.vae_encoder_bytes,
                                vae_encode_workspace(sizes, job, VAE_TILE, device_type)) if job.encode else None)
-    dit_floor = sizes.dit.stem_bytes + slots * sizes.dit.layer_bytes
-    headroom_floor = max(dit_ws, text_streamed.phase_bytes, sizes.vae_bytes + smallest_vae,
-                         pe_streamed.phase_bytes if pe_streamed else 0,
-                         min(encode_full.phase_bytes, encode_tiled.phase_bytes) if job.encode else 0)
-    smallest = dit_floor + headroom_floor
-    if smallest > usable:
-        raise MemoryBudgetError(
-            f"a {job.width}x{job.height} batch-{job.batch} job (CFG {job.cfg:g}, DiT {sizes.dit_format}) needs at "
-            f"least {_gib_up(smallest_budget(smallest, device_type))} GB of VRAM with everything streamed; the budget is "
-            f"{_gib_shown(budget)} GB: "
-            f"raise the budget, lower the size or batch, or use a smaller weight format (q4_k, nvfp4)"
-        )
-    spare = usable - dit_floor
+    spare = usable - sizes.dit.stem_bytes - slots * sizes.dit.layer_bytes
     vae = vae_full if sizes.vae_bytes + vae_full.workspace <= spare else VaePlan(False, VAE_TILE, sizes.vae_bytes,
                                                                                    vae_tiled_ws)
     encode = None
@@ -313,14 +344,26 @@ def _finish(budget: int, job: Job, sizes: ModelSizes, device_type: str, dit: DiT
     return MemoryPlan(budget, job, sizes, device_type, dit, text, vae, pe, peaks, notes, encode)
 
 
-def _gib_shown(num_bytes: int) -> str:
+def gib_shown(num_bytes: int) -> str:
     """GiB with two decimals, or two significant digits below 0.1 (a 0.001 budget does not read as 0.00)."""
     value = num_bytes / GiB
     return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"
 
 
-def _gib_up(num_bytes: int) -> str:
-    return f"{math.ceil(num_bytes / GiB * 10) / 10:.1f}"
+def gib_up(num_bytes: int, decimals: int = 1) -> str:
+    """GiB rounded up to `decimals` decimals: a least budget shown is never below it."""
+    scale = 10**decimals
+    return f"{math.ceil(num_bytes / GiB * scale) / scale:.{decimals}f}"
+
+
+def gib_apart(needed: int, suffices: int, budget: int) -> tuple[str, str, str]:
+    """Two least budgets rounded up and a budget between them, in GiB to one decimal or as many more as keep them
+    in the order they are in (a tiny model's figures differ by kilobytes)."""
+    for decimals in range(1, 10):
+        shown = gib_up(needed, decimals), gib_up(suffices, decimals), f"{budget / GiB:.{decimals}f}"
+        if float(shown[0]) > float(shown[2]) >= float(shown[1]):
+            return shown
+    return shown
 
 
 def _ranges(indices: tuple[int, ...]) -> str:
@@ -334,14 +377,14 @@ def _ranges(indices: tuple[int, ...]) -> str:
     return ",".join(parts) or "none"
 
 
-def render_plan(plan: MemoryPlan, pcie_gbps: float = PCIE_GBPS) -> str:
+def render_plan(plan: MemoryPlan, pcie_gbps: float = PCIE_GBPS, title: str = "VRAM plan") -> str:
     job, dit = plan.job, plan.dit
 
     def g(num_bytes: int) -> str:
         return f"{num_bytes / GiB:6.2f}"
 
     lines = [
-        f"VRAM plan: budget {plan.budget / GiB:.2f} GiB on {plan.device_type}; {job.width}x{job.height}, batch "
+        f"{title}: budget {plan.budget / GiB:.2f} GiB on {plan.device_type}; {job.width}x{job.height}, batch "
         f"{job.batch}, CFG {job.cfg:g} (DiT batch {job.dit_batch}, {job.sequence} tokens), DiT {plan.sizes.dit_format}",
         f"{'phase':<13}{'placement':<52}{'GPU GiB':>8}{'work GiB':>9}{'pinned GiB':>11}",
     ]
