@@ -9,10 +9,11 @@ import gc
 import logging
 import sys
 import threading
+import time
 import types
 import weakref
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from ..runtime.core.pipe import ErniePipe
 
@@ -50,8 +51,9 @@ def release_all() -> int:
     return len(pipes)
 
 
-def summary(holders: bool = False) -> dict[str, Any]:
-    """The live pipes and their memory; `holders`: also what holds the weights of dropped pipes (orphan_holders)."""
+def summary(holders: bool = False, walks: Optional["HolderWalks"] = None) -> dict[str, Any]:
+    """The live pipes and their memory; `holders`: also what holds the weights of dropped pipes (orphan_holders),
+    walked now, or as `walks` rations it."""
     pipes = live_pipes()
     report = {
         "live_pipes": len(pipes),
@@ -61,8 +63,33 @@ def summary(holders: bool = False) -> dict[str, Any]:
         "pipes": [{"kind": p.kind, "loaded": bool(p.is_loaded()), "plan": _describe(p), **_memory(p)} for p in pipes],
     }
     if holders:
-        report["orphaned_weights_held_by"] = orphan_holders(pipes)
+        report.update(walks.answer(pipes) if walks is not None else {"orphaned_weights_held_by": orphan_holders(pipes)})
     return report
+
+
+class HolderWalks:
+    """The heap walk behind the memory route's `?holders=1`, rationed: it holds the interpreter for the whole walk
+    (hundreds of ms in a large process), so prompts running beside a caller that polls it would crawl. One walk at a time, and after a
+    walk none for `QUIET_FACTOR` times as long as it took: in between, the last walk's answer, with its age."""
+
+    QUIET_FACTOR = 9  # at most a tenth of the time spent walking, however often it is asked
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: list[str] = []
+        self._done_at = float("-inf")
+        self._next_at = float("-inf")
+
+    def answer(self, pipes: list[Any]) -> dict[str, Any]:
+        with self._lock:
+            now = time.monotonic()
+            if now >= self._next_at:
+                self._last = orphan_holders(pipes)
+                self._done_at = time.monotonic()
+                self._next_at = self._done_at + self.QUIET_FACTOR * (self._done_at - now)
+            return {"orphaned_weights_held_by": list(self._last),
+                    "holders_walked_s_ago": round(time.monotonic() - self._done_at, 2)}
+
 
 
 def _device_memory() -> dict[str, int]:

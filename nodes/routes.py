@@ -5,16 +5,17 @@ only each server's fixed health/model/version endpoints are asked, with a short 
 and a size cap (runtime/net/client.py), and only a summary goes back, never a server's raw body. It takes the
 server URLs, a credential LABEL and a timeout, nothing else: it reads no variable or file a request names, and a
 server gets only the key the user bound to its origin (runtime/net/credentials.py).
-GET /ernie_image/memory: the pack's live pipes and whether their weights are loaded.
+GET /ernie_image/memory: the pack's live pipes and their memory (`?holders=1`: what holds a dropped pipe's weights).
 POST /ernie_image/free: release the weights of every live pipe (ComfyUI's own "unload models" cannot reach them).
 
-Every POST must come from ComfyUI's own page: any web page the user visits can send a POST to 127.0.0.1:8188, so
-a request whose Origin is another site, or which a browser marks cross-site, or which is not JSON (a form or
-text/plain POST skips the browser's preflight), is refused with 403/415 before anything runs.
+Every route answers ComfyUI's own page (and scripts) only: any web page the user visits can send requests to
+127.0.0.1:8188, so a request whose Origin is another site, or which a browser marks cross-site, is refused with 403
+before anything runs, as is a POST that is not JSON (a form or text/plain POST skips the browser's preflight).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import sys
 from typing import TYPE_CHECKING, Any, Optional
@@ -36,12 +37,13 @@ CHECK_TOTAL_TIMEOUT_S = 15.0
 MAX_CONNECT_TIMEOUT_S = 5.0
 MAX_SERVERS_PER_CHECK = 8
 MAX_BODY_BYTES = 16 * 1024
+HOLDER_WALKS = live_pipes.HolderWalks()
 CHECK_FIELDS = frozenset({"server_urls", "credential", "connect_timeout_s"})
 SAME_SITE_FETCHES = frozenset({"same-origin", "none"})
 
 
 def foreign_request(headers: Any) -> Optional[str]:
-    """Why a POST must be refused as not coming from ComfyUI's own page, or None when it may run. A request with no
+    """Why a request must be refused as not coming from ComfyUI's own page, or None when it may run. A request with no
     Origin and no Sec-Fetch-Site is no browser page's (a script, the headless API): allowed, as ComfyUI allows it."""
     origin = headers.get("Origin")
     if origin is not None:
@@ -146,9 +148,14 @@ async def test_connection(request: "web.Request") -> "web.Response":
 
 async def memory(request: "web.Request") -> "web.Response":
     """The live pipes' memory; `?holders=1` also walks the heap for what holds a dropped pipe's weights (slow: a
-    diagnosis, not a status)."""
+    diagnosis, not a status, and rationed: live_pipes.HolderWalks). ComfyUI's own page and scripts only: a page
+    elsewhere could make the walk stall prompts, and the plans name servers."""
+    refused = _refuse_foreign(request)
+    if refused is not None:
+        return refused
     holders = request.query.get("holders") == "1"
-    return _json(await asyncio.get_running_loop().run_in_executor(None, live_pipes.summary, holders))
+    answer = functools.partial(live_pipes.summary, holders, HOLDER_WALKS)
+    return _json(await asyncio.get_running_loop().run_in_executor(None, answer))
 
 
 async def free(request: "web.Request") -> "web.Response":

@@ -9,6 +9,7 @@ after it. `ram_usage` below follows that code; the entry is the Loader's outputs
 """
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -23,6 +24,7 @@ from ernie_image.runtime.local.options import LoadOptions
 from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.offload import pinned
 from test_offload_pipe import SIZES, streaming_budget_gb
+from waiting import wait_until
 
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=5)
 
@@ -179,3 +181,30 @@ def test_a_pinned_slab_dropped_without_free_is_unregistered(monkeypatch) -> None
     assert slab.pinned_bytes == 1 << 20 and list(cudart.registered.values()) == [1 << 20]
     del slab
     assert cudart.registered == {}
+
+
+def test_the_routes_holder_walk_is_rationed_to_a_tenth_of_the_time(monkeypatch) -> None:
+    """The heap walk holds the interpreter while it runs: asked in a loop, it walks again only once nine times its
+    own duration has passed, answering the last walk (with its age) in between."""
+    from ernie_image.nodes import live_pipes
+
+    walked = []
+
+    def walk(pipes: list) -> list[str]:
+        started = time.monotonic()
+        while time.monotonic() - started < 0.05:  # a walk that takes 50 ms of the interpreter
+            pass
+        walked.append(started)
+        return [f"walk {len(walked)}"]
+
+    monkeypatch.setattr(live_pipes, "orphan_holders", walk)
+    walks = live_pipes.HolderWalks()
+    first = live_pipes.summary(holders=True, walks=walks)
+    again = live_pipes.summary(holders=True, walks=walks)
+    assert first["orphaned_weights_held_by"] == again["orphaned_weights_held_by"] == ["walk 1"] and len(walked) == 1
+    assert again["holders_walked_s_ago"] >= 0
+    later = wait_until(lambda: (answer := live_pipes.summary(holders=True, walks=walks)) and len(walked) == 2
+                       and answer, 30, what="a second walk once the quiet time is over")
+    assert later["orphaned_weights_held_by"] == ["walk 2"] and later["holders_walked_s_ago"] < 0.05
+    assert walked[1] - walked[0] >= (1 + live_pipes.HolderWalks.QUIET_FACTOR) * 0.05
+    assert live_pipes.summary(holders=True)["orphaned_weights_held_by"] == ["walk 3"]  # unrationed: walks at once
