@@ -12,12 +12,11 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from ..runtime.core.errors import ErnieImageError, worded
+from ..runtime.core.phrases import AUTO_BUDGET, RUN_CHECKS_ITS_SIZE
 from ..runtime.core.request import LOCAL_PIPE, MASK_OF_ITS_SIZE, RESIZE_IT
 from ..runtime.core.variant import own_settings
 from ..runtime.formats.tokenizer import TOKENIZER_FOLDER
 from ..runtime.local.loaded_files import RELOAD
-from ..runtime.local.options import AUTO_BUDGET
-from ..runtime.local.memory import RUN_CHECKS_ITS_SIZE
 
 _Run = TypeVar("_Run", bound=Callable[..., Any])
 

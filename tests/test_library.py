@@ -46,14 +46,18 @@ def test_every_public_name_imports_from_the_package_top():
         ernie_image.NoSuchThing  # noqa: B018
 
 
-def test_importing_the_package_imports_no_torch_and_comfyui_still_finds_the_nodes(tmp_path):
+def test_importing_the_package_imports_no_torch_nor_model_code_and_comfyui_still_finds_the_nodes(tmp_path):
     (tmp_path / "ernie_image").symlink_to(REPO_ROOT, target_is_directory=True)
+    model_code = ("ernie_image.runtime.model", "ernie_image.runtime.offload", "ernie_image.runtime.local.memory",
+                  "ernie_image.runtime.local.parts", "ernie_image.runtime.local.pipe")
     code = ("import sys, ernie_image; light = 'torch' not in sys.modules; "
-            "print(light, hasattr(ernie_image, 'WEB_DIRECTORY'), len(getattr(ernie_image, 'NODE_CLASS_MAPPINGS')), "
+            "nodes = len(getattr(ernie_image, 'NODE_CLASS_MAPPINGS')); "  # what ComfyUI's start imports
+            f"no_model_code = not [m for m in sys.modules if m.startswith({model_code!r})]; "
+            "print(light, no_model_code, hasattr(ernie_image, 'WEB_DIRECTORY'), nodes, "
             "sorted(ernie_image.NODE_DISPLAY_NAME_MAPPINGS) == sorted(ernie_image.NODE_CLASS_MAPPINGS))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
-    assert done.stdout.split() == ["True", "True", "8", "True"], done.stderr
+    assert done.stdout.split() == ["True", "True", "True", "8", "True"], done.stderr
 
 
 def test_steps_and_cfg_default_to_the_pipes_variant(tiny_turbo_folder):

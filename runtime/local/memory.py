@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..core.errors import MemoryBudgetError, NamedLine, naming_line
+from ..core.phrases import RUN_CHECKS_ITS_SIZE
 from ..offload.placement import DiTPlacement, PePlacement, TextPlacement
 from ..offload.planner import MemoryPlan, budget_bytes, gib_shown, gib_up, least_budget, plan_memory
 from ..offload.reserve import file_dit_size
@@ -23,7 +24,6 @@ from ..sampling.image_in import needs_encoding
 
 TEXT_TOKENS_FOR_PLAN = 512  # the DiT's text length is known only after encoding; plan for a long prompt
 # Why a plan previewed for an assumed size refuses nothing, in the library's words (ComfyUI's: nodes/comfy_names.py).
-RUN_CHECKS_ITS_SIZE = "generate() checks each request's own size before it starts"
 
 
 def _dtype_format(dtype: torch.dtype) -> str:

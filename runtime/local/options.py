@@ -8,6 +8,7 @@ from typing import Any, Optional, Union
 import torch
 
 from ..core.errors import InvalidInputError
+from ..core.phrases import AUTO_BUDGET
 from ..model.fill import QUANT_ON_LOAD_FORMATS
 
 # LoadOptions.quant: a bf16 DiT is quantised on load to the format named; a quantised DiT file runs in its own
@@ -15,7 +16,6 @@ from ..model.fill import QUANT_ON_LOAD_FORMATS
 QUANT_CHOICES = ("none", "auto", "bf16", *QUANT_ON_LOAD_FORMATS)
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32")  # auto: bf16 on a GPU, fp32 on the CPU
 DIT_ARITHMETIC_CHOICES = ("fast", "exact")
-AUTO_BUDGET = "None for free VRAM minus a reserve"  # LoadOptions.vram_budget_gb's automatic budget, as a phrase
 
 
 SWITCHES = ("keep_loaded", "previews", "pe_compile", "cuda_graphs")  # options that are True or False, nothing else
