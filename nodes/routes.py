@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 from ..runtime.core.errors import ErnieImageError, InvalidInputError
 from . import live_pipes
+from .heap_holders import HolderWalks
 from .remote import parse_urls
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ CHECK_TOTAL_TIMEOUT_S = 15.0
 MAX_CONNECT_TIMEOUT_S = 5.0
 MAX_SERVERS_PER_CHECK = 8
 MAX_BODY_BYTES = 16 * 1024
-HOLDER_WALKS = live_pipes.HolderWalks()
+HOLDER_WALKS = HolderWalks()
 CHECK_FIELDS = frozenset({"server_urls", "credential", "connect_timeout_s"})
 SAME_SITE_FETCHES = frozenset({"same-origin", "none"})
 

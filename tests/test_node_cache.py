@@ -130,6 +130,7 @@ def test_the_memory_route_names_a_thread_that_keeps_a_dropped_pipes_model(model)
     import threading
 
     from ernie_image.nodes import live_pipes
+    from ernie_image.nodes.heap_holders import UNSEEN_HOLDER
 
     before = live_pipes.summary()
     pipe = live_pipes.track(loaded_streaming_pipe(model))
@@ -150,7 +151,7 @@ def test_the_memory_route_names_a_thread_that_keeps_a_dropped_pipes_model(model)
         after = live_pipes.summary(holders=True)
         assert after["weight_owners_alive"] == before["weight_owners_alive"]  # parts and memory went with the pipe
         assert after["orphaned_models"] == before["orphaned_models"] + 1
-        assert any(chain.startswith(f"ErnieDiT <- {live_pipes.UNSEEN_HOLDER}") and "kept-worker in frame " in chain
+        assert any(chain.startswith(f"ErnieDiT <- {UNSEEN_HOLDER}") and "kept-worker in frame " in chain
                    for chain in after["orphaned_weights_held_by"]), after["orphaned_weights_held_by"]
     finally:
         done.set()
@@ -187,6 +188,7 @@ def test_the_routes_holder_walk_is_rationed_to_a_tenth_of_the_time(monkeypatch) 
     """The heap walk holds the interpreter while it runs: asked in a loop, it walks again only once nine times its
     own duration has passed, answering the last walk (with its age) in between."""
     from ernie_image.nodes import live_pipes
+    from ernie_image.nodes.heap_holders import HolderWalks
 
     walked = []
 
@@ -198,7 +200,7 @@ def test_the_routes_holder_walk_is_rationed_to_a_tenth_of_the_time(monkeypatch) 
         return [f"walk {len(walked)}"]
 
     monkeypatch.setattr(live_pipes, "orphan_holders", walk)
-    walks = live_pipes.HolderWalks()
+    walks = HolderWalks()
     first = live_pipes.summary(holders=True, walks=walks)
     again = live_pipes.summary(holders=True, walks=walks)
     assert first["orphaned_weights_held_by"] == again["orphaned_weights_held_by"] == ["walk 1"] and len(walked) == 1
@@ -206,5 +208,35 @@ def test_the_routes_holder_walk_is_rationed_to_a_tenth_of_the_time(monkeypatch) 
     later = wait_until(lambda: (answer := live_pipes.summary(holders=True, walks=walks)) and len(walked) == 2
                        and answer, 30, what="a second walk once the quiet time is over")
     assert later["orphaned_weights_held_by"] == ["walk 2"] and later["holders_walked_s_ago"] < 0.05
-    assert walked[1] - walked[0] >= (1 + live_pipes.HolderWalks.QUIET_FACTOR) * 0.05
+    assert walked[1] - walked[0] >= (1 + HolderWalks.QUIET_FACTOR) * 0.05
     assert live_pipes.summary(holders=True)["orphaned_weights_held_by"] == ["walk 3"]  # unrationed: walks at once
+
+
+def test_a_caller_during_a_walk_gets_the_last_answer_at_once_and_a_failed_walk_is_rationed_too() -> None:
+    import threading
+
+    from ernie_image.nodes.heap_holders import HolderWalks
+
+    walks, inside, release = HolderWalks(), threading.Event(), threading.Event()
+
+    def slow() -> list[str]:
+        inside.set()
+        release.wait(30)
+        return ["slow"]
+
+    walker = threading.Thread(target=walks.answer, args=(slow,))
+    walker.start()
+    assert inside.wait(30)
+    assert walks.answer(lambda: ["not walked"])["orphaned_weights_held_by"] == []  # the last answer, no wait
+    release.set()
+    walker.join(30)
+    assert walks.answer(lambda: ["not walked"])["orphaned_weights_held_by"] == ["slow"]  # quiet after the walk
+
+    failing = HolderWalks()
+
+    def broken() -> list[str]:
+        raise RuntimeError("the walk failed")
+
+    with pytest.raises(RuntimeError):
+        failing.answer(broken)
+    assert failing._next_at > float("-inf")  # a failed walk starts its quiet time like any other
