@@ -378,7 +378,7 @@ import torch
 assert torch.cuda.get_allocator_backend() == sys.argv[1], torch.cuda.get_allocator_backend()
 from test_dit_graphs import tiny_dit, step_inputs
 from ernie_image.runtime.model.dit_graphs import DiTGraphs
-from ernie_image.runtime.model.cuda_capture import graph_memory_reserved
+from ernie_image.runtime.model.graph_memory import graph_memory_reserved
 from ernie_image.runtime.core.errors import Cancelled
 with torch.inference_mode():
     model = tiny_dit("cuda", torch.bfloat16)

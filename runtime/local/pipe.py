@@ -409,11 +409,11 @@ class LocalPipe:
         # The last reference is gone (an evicted cache entry, "Free model and node cache"): hand back the pinned
         # slabs, device buffers and graph memory now. Only what release() frees without collecting garbage or
         # touching the CUDA cache, as this can run on any thread or at interpreter exit.
-        try:
-            self.parts.release_graphs()
-            self.memory.release()
-        except Exception:  # noqa: BLE001 - a finaliser must not raise; the memory goes with the objects anyway
-            pass
+        for release in (self.memory.release, self.parts.release_graphs):  # each whatever the other does
+            try:
+                release()
+            except Exception:  # noqa: BLE001 - a finaliser must not raise; the memory goes with the objects anyway
+                pass
 
     def release(self) -> None:
         self.memory.release()

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from .compile import blocks_compiled
-from .cuda_capture import (capture_stream, give_back_graph_memory, heal_generator_after_failed_capture, host_syncs_raise,
-                           is_host_sync_error)
+from .cuda_capture import capture_stream, heal_generator_after_failed_capture, host_syncs_raise, is_host_sync_error
+from .graph_memory import give_back_graph_memory
 
 Compute = Callable[..., torch.Tensor]  # (*static inputs) -> output
 

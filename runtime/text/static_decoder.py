@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..model.cuda_capture import (capture_stream, give_back_graph_memory, heal_generator_after_failed_capture,
-                                  host_syncs_raise)
+from ..model.cuda_capture import capture_stream, heal_generator_after_failed_capture, host_syncs_raise
+from ..model.graph_memory import give_back_graph_memory
 
 CACHE_ROUNDING = 256  # slot counts are rounded up to this: a regular key length for the attention kernels
 
