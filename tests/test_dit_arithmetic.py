@@ -92,11 +92,11 @@ def test_the_weighted_rope_tables_of_a_block_are_one_product_with_the_same_bits(
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@torch.inference_mode()
-def test_each_blocks_qk_norm_weights_are_laid_out_once_per_structure_version_with_the_same_bits(dtype, monkeypatch):
+def test_each_blocks_qk_norm_weights_are_laid_out_once_until_edited_with_the_same_bits(dtype, monkeypatch):
     """The fast form lays each block's q/k norm weights side by side at the first step and keeps them: later steps
     lay out none and give the bits of a model that kept nothing (a twin on the same weights, made afresh). A norm
-    weight edited in place with structure_version bumped is laid out again, and its new bits are the twin's."""
+    weight edited in place is laid out again (that block's alone), as are all after a structure_version bump, and
+    the new bits are the twin's. The model is built outside inference mode, as pipes build theirs."""
     fast_on_cpu = Arithmetic(fast_devices=("cpu",), kitchen_rope=False, kitchen_adaln=False)
     model = random_dit("cpu", dtype).with_arithmetic(fast_on_cpu)
     laid_out = []
@@ -104,6 +104,7 @@ def test_each_blocks_qk_norm_weights_are_laid_out_once_per_structure_version_wit
     monkeypatch.setattr(dit_module, "qk_norm_weights", lambda *weights: laid_out.append(1) or lay_out(*weights))
     latents, _, text, text_lens = step_inputs("cpu", dtype)
 
+    @torch.inference_mode()
     def step(sigma: float) -> tuple[torch.Tensor, int]:
         """The model's step at `sigma` and how many blocks' weights it laid out."""
         before = len(laid_out)
@@ -117,11 +118,12 @@ def test_each_blocks_qk_norm_weights_are_laid_out_once_per_structure_version_wit
     assert made == DIT_CONFIG.num_layers
     assert [step(sigma)[1] for sigma in (0.73, 0.5, 0.12)] == [0, 0, 0]
     with torch.no_grad():
-        model.layers[1].self_attention.norm_k.weight.mul_(1.5)
-    model.structure_version += 1
+        model.layers[1].self_attention.norm_k.weight.mul_(1.5)  # an in-place edit, no bump (load_state_dict's copy)
     edited, made = step(0.73)
-    assert made == DIT_CONFIG.num_layers and not torch.equal(edited, first)
+    assert made == 1 and not torch.equal(edited, first)
     assert step(0.73)[1] == 0
+    model.structure_version += 1
+    assert step(0.73)[1] == DIT_CONFIG.num_layers
 
 
 @torch.inference_mode()

@@ -17,8 +17,8 @@ loads with `load_state_dict`. The maths is the reference's; what differs is how 
   fewer and faster passes: every operand of the large kernels stays in the activations' dtype (PyTorch's
   mixed-dtype kernels take a casting path about three times slower), using the bf16 modulation values whose fp32
   forms the reference uses (exact), the norms' weights go into their norm kernel or the RoPE tables (a block's
-  q and k norm weights laid side by side once, then kept until `structure_version` changes), gated residuals are
-  one `addcmul`, and q and k are normalised and rotated together. The roundings differ from the
+  q and k norm weights laid side by side once, then kept until `structure_version` changes or they are edited),
+  gated residuals are one `addcmul`, and q and k are normalised and rotated together. The roundings differ from the
   reference's in places, so the results differ in last bits (the tests' GPU bound), not bit for bit; the CPU and
   the "exact" arithmetic keep the bit-identical forms. Where comfy-kitchen is installed, its CUDA kernels do q/k
   RMSNorm + RoPE and each adaLN RMSNorm + modulation in one pass each (fused_kernels.py).
@@ -148,11 +148,7 @@ class Attention(nn.Module):
             q_k = torch.stack((self.to_q(x), self.to_k(x)), dim=2).unflatten(-1, (self.heads, -1))
             v = self.to_v(x).unflatten(-1, (self.heads, -1))
         normed = _rms_normalize_short_rows(q_k, self.norm_q.eps)
-        key = (self, normed.dtype)
-        weights = ctx.qk_norm_weights.get(key)
-        if weights is None:
-            weights = ctx.qk_norm_weights[key] = qk_norm_weights(self.norm_q.weight, self.norm_k.weight, normed.dtype)
-        rotated = rope.apply_weighted(normed, weights)
+        rotated = rope.apply_weighted(normed, self._laid_out_norm_weights(ctx, normed))
         out = F.scaled_dot_product_attention(
             rotated[:, :, 0].transpose(1, 2), rotated[:, :, 1].transpose(1, 2), v.transpose(1, 2), attn_mask=key_mask
         )
@@ -170,6 +166,23 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=key_mask)
         return self.to_out[0](out.transpose(1, 2).reshape(batch, length, -1))
+
+
+    def _laid_out_norm_weights(self, ctx: "StepContext", normed: torch.Tensor) -> torch.Tensor:
+        """qk_norm_weights for this block, kept in `ctx` from step to step. Made again when the weights were edited
+        in place (load_state_dict) or moved (a streamed block's other ring slot), as their edit counters and
+        addresses show; and each time inside a CUDA-graph capture, so that a replay reads the weights where they
+        are, and for weights made in inference mode, which keep no edit counter (pipes build theirs outside it)."""
+        q_weight, k_weight = self.norm_q.weight, self.norm_k.weight
+        capturing = normed.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing or q_weight.is_inference() or k_weight.is_inference():  # (inference tensors count no edits)
+            return qk_norm_weights(q_weight, k_weight, normed.dtype)
+        stamp = (q_weight._version, k_weight._version, q_weight.data_ptr(), k_weight.data_ptr())
+        made = ctx.qk_norm_weights.get((self, normed.dtype))
+        if made is None or made[0] != stamp:
+            made = (stamp, qk_norm_weights(q_weight, k_weight, normed.dtype))
+            ctx.qk_norm_weights[(self, normed.dtype)] = made
+        return made[1]
 
 
 def qk_norm_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -343,9 +356,10 @@ class StepContext:
     raw_modulation: tuple[torch.Tensor, ...]
     rope: RopeTables
     key_mask: Optional[torch.Tensor]  # bool [B, 1, 1, S] or None when no key is padded
-    # The fast form's qk_norm_weights per (block's Attention, dtype), made by the first step that needs them and
-    # kept by the model for as long as its structure_version stays (ErnieDiT.prepare).
-    qk_norm_weights: dict[tuple[nn.Module, torch.dtype], torch.Tensor]
+    # The fast form's qk_norm_weights per (block's Attention, dtype), with the stamp of the weights they were made
+    # from, made by the first step that needs them and kept by the model while its structure_version stays
+    # (ErnieDiT.prepare) and the weights are not edited (Attention._fast_forward).
+    qk_norm_weights: dict[tuple[nn.Module, torch.dtype], tuple[tuple[int, ...], torch.Tensor]]
     arithmetic: Arithmetic = FAST  # the model's (ErnieDiT.arithmetic)
 
 
@@ -411,8 +425,7 @@ class ErnieDiT(nn.Module):
         self.block_runner: BlockRunner = run_block_in_place
         self._rope_cache: dict[tuple, RopeTables] = {}
         # Bumped by any code that changes which tensors or modules the forward uses (fusing, LoRA, re-placement):
-        # a captured replay of the forward (dit_graphs.DiTGraphs) and the folded q/k norm weights are only valid
-        # for the version they were made at, so an in-place edit of a norm_q/norm_k weight must bump it too.
+        # a captured replay of the forward (dit_graphs.DiTGraphs) is only valid for the version it was captured at.
         # Moves of the whole model (.to(), .to_empty()) and load_state_dict(assign=True) bump it below.
         self.structure_version = 0
         self._qk_norm_weights: tuple[int, dict] = (self.structure_version, {})

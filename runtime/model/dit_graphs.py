@@ -26,8 +26,8 @@ placement.py), and ErnieDiT itself for whole-model moves (`.to()`, `.to_empty()`
 Each call compares `structure_key` (that version and the block runner: two attribute reads, never the parameters
 themselves) with the one its graphs were made for and drops them on a change. Editing weights in place
 (`param.copy_`, `load_state_dict` without assign, LoRA branch values refilled in place) needs nothing: a replay
-reads the weights where they are; only the attention's q/k norm weights, which the fast eager form lays side by
-side once per version (dit.py), need a bump after an in-place edit. Moving one block by hand
+reads the weights where they are (the eager form's laid-out q/k norm weights are made afresh inside a capture, and
+made again in eager steps once the weights' edit counters move). Moving one block by hand
 (`dit.layers[3].to(...)`) is a structure change the caller must report.
 """
 from __future__ import annotations
