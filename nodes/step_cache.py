@@ -9,12 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..runtime.core.errors import InvalidInputError
-from ..runtime.core.step_cache_config import (DEFAULT_END, DEFAULT_FIRST_BLOCKS, DEFAULT_MAX_SKIPS, DEFAULT_START,
-                                         DEFAULT_THRESHOLD, MAX_SKIPS_LIMIT, MAX_THRESHOLD, METHODS, OFF,
-                                         StepCacheConfig)
+from ..runtime.core.step_cache_config import (DEFAULT_END, DEFAULT_MAX_SKIPS, DEFAULT_START, DEFAULT_THRESHOLD,
+                                         MAX_SKIPS_LIMIT, MAX_THRESHOLD, METHODS, OFF, StepCacheConfig)
 from ..runtime.step_cache.view import with_step_cache
 from .comfy_names import speaks_comfy
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
+
+METHOD_DEFAULT = 0  # first_blocks 0: the method's own count (StepCacheConfig's None), so switching method just works
 
 
 class ErnieImageStepCache:
@@ -56,10 +57,10 @@ class ErnieImageStepCache:
                                                   "one is computed."}),
             },
             "optional": {
-                "first_blocks": ("INT", {"default": DEFAULT_FIRST_BLOCKS["dbcache"], "min": 1, "max": 35,
+                "first_blocks": ("INT", {"default": METHOD_DEFAULT, "min": 0, "max": 35,
                                          "tooltip": "dbcache: blocks always computed first; their change decides "
                                          "(cache-dit's Fn, 8). More is more precise and skips less work. fbcache: "
-                                         "1, the one it computes."}),
+                                         "1, the one it computes. 0: the method's own (dbcache 8, fbcache 1)."}),
                 "last_blocks": ("INT", {"default": 0, "min": 0, "max": 34,
                                         "tooltip": "dbcache: blocks always computed last, after the cached middle "
                                         "(cache-dit's Bn, 0). fbcache: 0."}),
@@ -68,15 +69,15 @@ class ErnieImageStepCache:
 
     @speaks_comfy
     def apply(self, pipe: Any, method: str, threshold: float, start: float, end: float,
-              max_consecutive_skips: int, first_blocks: int = DEFAULT_FIRST_BLOCKS["dbcache"],
-              last_blocks: int = 0) -> dict[str, Any]:
+              max_consecutive_skips: int, first_blocks: int = METHOD_DEFAULT, last_blocks: int = 0) -> dict[str, Any]:
         if pipe is None or not hasattr(pipe, "generate"):
             raise InvalidInputError("the pipe input is not connected: wire an ERNIE-Image Loader to it")
         if method == OFF:
             view = with_step_cache(pipe, None)
             return shown_on_node("step cache off", view)
         config = StepCacheConfig(method, threshold=float(threshold), start=float(start), end=float(end),
-                                 max_skips=int(max_consecutive_skips), first_blocks=int(first_blocks),
+                                 max_skips=int(max_consecutive_skips),
+                                 first_blocks=None if first_blocks == METHOD_DEFAULT else int(first_blocks),
                                  last_blocks=int(last_blocks))
         view = with_step_cache(pipe, config)
         # The Sampler after this node decides the steps: the text gives the window as fractions of them.

@@ -550,6 +550,17 @@ def test_the_node_refuses_block_counts_fbcache_does_not_run_as_the_cli_does(base
         StepCacheConfig("fbcache", first_blocks=first_blocks, last_blocks=last_blocks).validate()
 
 
+@pytest.mark.parametrize("method, blocks", [("dbcache", "F8B0"), ("fbcache", "F1B0")])
+def test_the_nodes_untouched_block_widgets_give_each_method_its_own_counts(base_pipe, method, blocks):
+    """Switching the method with the block widgets as the node made them runs that method's own split."""
+    from ernie_image.nodes.step_cache import ErnieImageStepCache
+
+    optional = ErnieImageStepCache.INPUT_TYPES()["optional"]
+    widgets = {name: spec[1]["default"] for name, spec in optional.items()}
+    out = ErnieImageStepCache().apply(base_pipe, method, 0.08, 0.15, 0.95, 3, **widgets)
+    assert out["ui"]["text"][0].startswith(f"{method} {blocks},")
+
+
 def test_the_sampler_node_says_how_many_steps_were_computed(base_pipe):
     from ernie_image.nodes.sampler import ErnieImageSampler
     from ernie_image.nodes.step_cache import ErnieImageStepCache
