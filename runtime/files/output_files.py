@@ -69,7 +69,9 @@ def set_commit_hook(hook: Optional[Callable[[], None]]) -> None:
 def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
     """Yield one partial path per target; on success rename them all, on any exception (Ctrl-C too) remove them.
 
-    Targets renamed before a later rename fails are removed as well, so a batch is written whole or not at all.
+    Targets renamed before a later rename fails are removed as well, so a batch is written whole or not at all (a
+    write that fails, the full disk included, fails before any rename and leaves every target as it was; a rename
+    failing after the folders were checked would leave the files the earlier renames replaced gone).
     The commit hook (set_commit_hook) runs just before the first rename: from there the batch replaces the targets
     (the CLI stops taking Ctrl-C as a cancel at that point, so a cancel never lands between two renames)."""
     partials = [partial_path(Path(p)) for p in paths]
