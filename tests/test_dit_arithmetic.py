@@ -95,8 +95,8 @@ def test_the_weighted_rope_tables_of_a_block_are_one_product_with_the_same_bits(
 def test_each_blocks_qk_norm_weights_are_laid_out_once_until_edited_with_the_same_bits(dtype, monkeypatch):
     """The fast form lays each block's q/k norm weights side by side at the first step and keeps them: later steps
     lay out none and give the bits of a model that kept nothing (a twin on the same weights, made afresh). A norm
-    weight edited in place is laid out again (that block's alone), as are all after a structure_version bump, and
-    the new bits are the twin's. The model is built outside inference mode, as pipes build theirs."""
+    weight edited in place or moved is laid out again (that block's alone), as are all after a structure_version
+    bump, and the new bits are the twin's. The model is built outside inference mode, as pipes build theirs."""
     fast_on_cpu = Arithmetic(fast_devices=("cpu",), kitchen_rope=False, kitchen_adaln=False)
     model = random_dit("cpu", dtype).with_arithmetic(fast_on_cpu)
     laid_out = []
@@ -122,6 +122,10 @@ def test_each_blocks_qk_norm_weights_are_laid_out_once_until_edited_with_the_sam
     edited, made = step(0.73)
     assert made == 1 and not torch.equal(edited, first)
     assert step(0.73)[1] == 0
+    norm = model.layers[2].self_attention.norm_q  # the same values at another address (a streamed block's slot)
+    norm.weight = torch.nn.Parameter(norm.weight.detach().clone())
+    moved, made = step(0.73)
+    assert made == 1 and torch.equal(moved, edited)
     model.structure_version += 1
     assert step(0.73)[1] == DIT_CONFIG.num_layers
 

@@ -9,7 +9,7 @@ after it. `ram_usage` below follows that code; the entry is the Loader's outputs
 """
 from __future__ import annotations
 
-import time
+import types
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -24,7 +24,6 @@ from ernie_image.runtime.local.options import LoadOptions
 from ernie_image.runtime.local.pipe import LocalPipe
 from ernie_image.runtime.offload import pinned
 from test_offload_pipe import SIZES, streaming_budget_gb
-from waiting import wait_until
 
 REQUEST = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=5)
 
@@ -184,40 +183,47 @@ def test_a_pinned_slab_dropped_without_free_is_unregistered(monkeypatch) -> None
     assert cudart.registered == {}
 
 
-def test_the_routes_holder_walk_is_rationed_to_a_tenth_of_the_time(monkeypatch) -> None:
+def test_holder_walks_are_rationed_to_a_tenth_of_the_time(monkeypatch) -> None:
     """The heap walk holds the interpreter while it runs: asked in a loop, it walks again only once nine times its
-    own duration has passed, answering the last walk (with its age) in between."""
-    from ernie_image.nodes import live_pipes
+    own duration has passed, answering the last walk (with its age) in between; a walk that fails starts its quiet
+    time as well. (A clock the fake walks move: the rule, without wall-clock windows.)"""
+    from ernie_image.nodes import heap_holders
     from ernie_image.nodes.heap_holders import HolderWalks
 
-    walked = []
+    clock = [100.0]
+    monkeypatch.setattr(heap_holders, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    walked: list[float] = []
 
-    def walk(pipes: list) -> list[str]:
-        started = time.monotonic()
-        while time.monotonic() - started < 0.05:  # a walk that takes 50 ms of the interpreter
-            pass
-        walked.append(started)
-        return [f"walk {len(walked)}"]
+    def walk(seconds: float = 0.05, fails: bool = False):
+        def run() -> list[str]:
+            clock[0] += seconds
+            walked.append(clock[0])
+            if fails:
+                raise RuntimeError("the walk failed")
+            return [f"walk {len(walked)}"]
+        return run
 
-    monkeypatch.setattr(live_pipes, "orphan_holders", walk)
     walks = HolderWalks()
-    first = live_pipes.summary(holders=True, walks=walks)
-    again = live_pipes.summary(holders=True, walks=walks)
-    assert first["orphaned_weights_held_by"] == again["orphaned_weights_held_by"] == ["walk 1"] and len(walked) == 1
-    assert again["holders_walked_s_ago"] >= 0
-    later = wait_until(lambda: (answer := live_pipes.summary(holders=True, walks=walks)) and len(walked) == 2
-                       and answer, 30, what="a second walk once the quiet time is over")
-    assert later["orphaned_weights_held_by"] == ["walk 2"] and later["holders_walked_s_ago"] < 0.05
-    assert walked[1] - walked[0] >= (1 + HolderWalks.QUIET_FACTOR) * 0.05
-    assert live_pipes.summary(holders=True)["orphaned_weights_held_by"] == ["walk 3"]  # unrationed: walks at once
+    assert walks.answer(walk())["orphaned_weights_held_by"] == ["walk 1"]  # ends at 100.05: quiet until 100.5
+    clock[0] = 100.49
+    later = walks.answer(walk())
+    assert later == {"orphaned_weights_held_by": ["walk 1"], "holders_walked_s_ago": 0.44} and len(walked) == 1
+    clock[0] = 100.5
+    assert walks.answer(walk())["orphaned_weights_held_by"] == ["walk 2"]
+    clock[0] = 200.0
+    with pytest.raises(RuntimeError):
+        walks.answer(walk(seconds=1.0, fails=True))  # ends at 201: quiet until 210
+    clock[0] = 209.9
+    assert walks.answer(walk())["orphaned_weights_held_by"] == ["walk 2"] and len(walked) == 3
 
 
-def test_a_caller_during_a_walk_gets_the_last_answer_at_once_and_a_failed_walk_is_rationed_too() -> None:
+def test_a_caller_during_a_walk_gets_the_last_answer_at_once() -> None:
     import threading
 
     from ernie_image.nodes.heap_holders import HolderWalks
 
     walks, inside, release = HolderWalks(), threading.Event(), threading.Event()
+    walks.QUIET_FACTOR = 1e9  # after the slow walk, none for the rest of the test
 
     def slow() -> list[str]:
         inside.set()
@@ -231,12 +237,3 @@ def test_a_caller_during_a_walk_gets_the_last_answer_at_once_and_a_failed_walk_i
     release.set()
     walker.join(30)
     assert walks.answer(lambda: ["not walked"])["orphaned_weights_held_by"] == ["slow"]  # quiet after the walk
-
-    failing = HolderWalks()
-
-    def broken() -> list[str]:
-        raise RuntimeError("the walk failed")
-
-    with pytest.raises(RuntimeError):
-        failing.answer(broken)
-    assert failing._next_at > float("-inf")  # a failed walk starts its quiet time like any other

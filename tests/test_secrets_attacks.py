@@ -230,14 +230,15 @@ class Answer:
 
 
 def post(machine: Machine, body: Any, *, path: str = "/ernie_image/test_connection",
-         content_type: str = "application/json", headers: Optional[dict[str, str]] = None) -> Answer:
-    """A POST to the pack's route over HTTP, by default as ComfyUI's own page sends it (same origin)."""
-    data = body if isinstance(body, (bytes, str)) else json.dumps(body)
+         content_type: str = "application/json", headers: Optional[dict[str, str]] = None,
+         method: str = "POST") -> Answer:
+    """A POST (or `method`) to the pack's route over HTTP, by default as ComfyUI's own page sends it (same origin)."""
+    data = None if body is None else body if isinstance(body, (bytes, str)) else json.dumps(body)
     sent = {"Content-Type": content_type, "Origin": f"http://{machine.routes_url}", "Sec-Fetch-Site": "same-origin"}
     sent.update(headers or {})
     connection = http.client.HTTPConnection(machine.routes_url, timeout=30)
     try:
-        connection.request("POST", path, body=data, headers={k: v for k, v in sent.items() if v is not None})
+        connection.request(method, path, body=data, headers={k: v for k, v in sent.items() if v is not None})
         response = connection.getresponse()
         raw = response.read()
     finally:
@@ -532,6 +533,29 @@ class TestAForeignPageCannotDriveTheRoutes:
     def test_free_is_refused_from_another_origin(self, machine: Machine) -> None:
         answer = post(machine, {}, path="/ernie_image/free", headers={"Origin": "http://evil.example"})
         assert answer.status == 403 and "ComfyUI's own page only" in one_line(answer.error)
+
+    @pytest.mark.parametrize("request_kind", ["another origin", "an opaque origin", "another port of the same host",
+                                              "cross-site", "same-site, another origin"])
+    def test_the_memory_route_is_refused_to_another_page(self, machine: Machine, request_kind: str) -> None:
+        """A no-cors GET from any page reaches the route: its plans name servers and its heap walk is slow."""
+        for query in ("", "?holders=1"):
+            answer = post(machine, None, path=f"/ernie_image/memory{query}", method="GET",
+                          headers=self.REQUESTS[request_kind]["headers"])
+            assert answer.status == 403 and "ComfyUI's own page only" in one_line(answer.error)
+
+    def test_the_memory_routes_heap_walks_are_rationed(self, machine: Machine, monkeypatch) -> None:
+        from ernie_image.nodes import live_pipes, routes
+        from ernie_image.nodes.heap_holders import HolderWalks
+
+        walks = HolderWalks()
+        walks.QUIET_FACTOR = 1e9  # after one walk, none for the rest of the test
+        walked: list[int] = []
+        monkeypatch.setattr(routes, "HOLDER_WALKS", walks)
+        monkeypatch.setattr(live_pipes, "orphan_holders", lambda pipes: walked.append(1) or ["held"])
+        answers = [post(machine, None, path="/ernie_image/memory?holders=1", method="GET") for _ in range(3)]
+        assert [a.status for a in answers] == [200] * 3 and len(walked) == 1
+        assert all(a.body["orphaned_weights_held_by"] == ["held"] for a in answers)
+        assert "holders_walked_s_ago" in answers[-1].body
 
     @pytest.mark.parametrize("body", [["server_urls"], "not json", {"server_urls": 5, "x": 1}],
                              ids=["array", "text", "unknown field"])

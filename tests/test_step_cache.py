@@ -371,6 +371,8 @@ def test_a_budget_only_the_step_cache_s_residuals_exceed_is_refused_naming_both_
     assert said, message
     step = 4096 / 2**30  # the least budgets are found to 4 KiB
     assert float(said["needed"]) >= with_cache - step and float(said["without"]) >= without_cache - step
+    shown = 10 ** -len(said["needed"].split(".")[1])  # rounded up to the digits shown, never further
+    assert float(said["needed"]) < with_cache + shown and float(said["without"]) < without_cache + shown
     assert float(said["without"]) <= float(said["budget"]) < float(said["needed"])  # shown as far as they differ
     assert abs(float(said["budget"]) - budget) <= 0.5 * 10 ** -len(said["budget"].split(".")[1]) + 1e-12
     assert (said["budget_name"], said["cache_name"]) == ("vram_budget_gb", "step_cache")
