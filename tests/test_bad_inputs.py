@@ -345,13 +345,23 @@ def test_a_damaged_vae_fails_when_the_pipe_loads_not_after_sampling(tmp_path):
         LocalPipe.load(sources, LoadOptions(device="cpu"))
 
 
-@pytest.mark.parametrize("budget", [-1, 0, float("nan"), float("inf"), "12", True])
+@pytest.mark.parametrize("budget", [-1, 0, float("nan"), float("inf"), 1e300, "12", True])
 def test_a_load_options_budget_that_is_not_a_positive_number_is_refused_at_load(budget):
     from ernie_image.runtime.local.options import LoadOptions
 
-    with pytest.raises(InvalidInputError, match=r"^vram_budget_gb .* is not a positive number of GB: give the GB the "
-                                                r"pipe may use, or None for free VRAM minus a reserve$"):
+    with pytest.raises(InvalidInputError, match=r"^vram_budget_gb .* is not a positive number of GB up to 1e\+06: "
+                                                r"give the GB the pipe may use, or None for free VRAM minus a reserve$"):
         LoadOptions(device="cpu", vram_budget_gb=budget).validate()
+
+
+@pytest.mark.parametrize("budget", ["1e300", "2e6"])
+def test_a_budget_beyond_any_device_is_refused_by_the_planner_in_one_line(budget):
+    from ernie_image.runtime.core.errors import MemoryBudgetError
+    from ernie_image.runtime.offload.planner import budget_bytes
+
+    with pytest.raises(MemoryBudgetError, match=r"^VRAM budget .* GB is more than any device holds \(at most 1e\+06\): "
+                                                r"give e.g. 12 or 'auto'$"):
+        budget_bytes(budget)
 
 
 @pytest.mark.parametrize("dtype", ["fp64", "float32", ""])

@@ -10,6 +10,7 @@ import torch
 from ..core.errors import InvalidInputError
 from ..core.phrases import AUTO_BUDGET
 from ..model.fill import QUANT_ON_LOAD_FORMATS
+from ..offload.planner import MAX_BUDGET_GB
 
 # LoadOptions.quant: a bf16 DiT is quantised on load to the format named; a quantised DiT file runs in its own
 # format (with 'none', 'auto' or that format; another is refused).
@@ -90,9 +91,9 @@ class LoadOptions:
                                     "or give a quantised DiT file").naming("quant")
         budget = self.vram_budget_gb
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                                   or not math.isfinite(budget) or budget <= 0):
-            raise InvalidInputError(f"vram_budget_gb {budget!r} is not a positive number of GB: give the GB "
-                                    f"the pipe may use, or {AUTO_BUDGET}").naming("vram_budget_gb", AUTO_BUDGET)
+                                   or not math.isfinite(budget) or not 0 < budget <= MAX_BUDGET_GB):
+            raise InvalidInputError(f"vram_budget_gb {budget!r} is not a positive number of GB up to "
+                                    f"{MAX_BUDGET_GB:g}: give the GB the pipe may use, or {AUTO_BUDGET}").naming("vram_budget_gb", AUTO_BUDGET)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -133,6 +133,9 @@ def auto_budget(free_bytes: int, total_bytes: int, held_by_us: int = 0) -> int:
     return max(free_bytes + held_by_us - reserve, 0)
 
 
+MAX_BUDGET_GB = 1e6  # a budget above this is a typo, not a device (and past ~1.6e299 GB not a byte count)
+
+
 def budget_bytes(spec: "float | str | None", device=None, held_by_pipe: int = 0) -> Optional[int]:
     """'auto'/None -> measured on a CUDA device (None on the CPU: unbounded); a number -> that many GiB.
 
@@ -149,6 +152,9 @@ def budget_bytes(spec: "float | str | None", device=None, held_by_pipe: int = 0)
             raise MemoryBudgetError(f"VRAM budget {spec!r} is not a number of GB: give e.g. 12 or 'auto'") from None
         if not math.isfinite(value) or value <= 0:
             raise MemoryBudgetError(f"VRAM budget {spec!r} is not a positive number of GB: give e.g. 12 or 'auto'")
+        if value > MAX_BUDGET_GB:
+            raise MemoryBudgetError(f"VRAM budget {spec!r} GB is more than any device holds (at most "
+                                    f"{MAX_BUDGET_GB:g}): give e.g. 12 or 'auto'")
         return int(value * GiB)
     import torch
 
