@@ -1,6 +1,8 @@
 """Every bad input fails early with one line that names the cause and the fix (ModelFileError / InvalidInputError)."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -394,3 +396,12 @@ def test_a_cuda_device_asked_for_without_one_is_the_users_input_not_a_model_file
     with pytest.raises(InvalidInputError, match=rf"device {device} was asked for but PyTorch sees no CUDA GPU: "
                                                 r"choose cpu"):
         resolve_device(device)
+
+
+def test_the_cli_refuses_a_budget_beyond_any_device_in_its_own_words():
+    done = subprocess.run([sys.executable, "-m", "ernie_image", "generate", "--prompt", "x", "--width", "256",
+                           "--height", "256", "--budget", "1e300", "--out", "never.png"],
+                          capture_output=True, text=True, timeout=300)
+    line = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and line.startswith("error: --budget 1e+300 is not a positive number of GB"), line
+    assert line.endswith("or auto (free VRAM minus a reserve)") and "None" not in line, line

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from ..core.errors import named_settings, worded
+from ..core.phrases import AUTO_BUDGET
 from ..core.variant import VARIANT_DEFAULTS, own_settings
 from ..local.loaded_files import RELOAD
 from ..net.urls import KEYS_FILE
@@ -46,6 +47,7 @@ FLAGS: dict[str, str] = {
     "tokenizer": "--tokenizer",
     "urls": "--server",
     "vram_budget_gb": "--budget",
+    AUTO_BUDGET: "auto (free VRAM minus a reserve)",
     "step_cache": "--step-cache",
     "pe_endpoint": "--pe-url",
     "format": "--format",
