@@ -29,7 +29,7 @@ def test_each_row_is_a_fresh_process_that_reports_every_split(tmp_path, tiny_tur
         assert all(result[key] > 0 for key in splits), result
         assert len(result["images_s"]) == 3 and result["warm_image_s"] == result["images_s"][-1]
         assert result["to_second_image_s"] - result["to_first_image_s"] >= result["images_s"][1] - 0.02  # rounding
-        assert result["to_first_image_s"] >= result["start_and_imports_s"] + result["first_image_s"]
+        assert result["to_first_image_s"] >= result["start_and_imports_s"] + result["first_image_s"] - 0.02  # rounding
         assert set(result["first_phases"]) == {"pe_s", "text_s", "sampling_s", "decode_s"}
     table = (out / "cold_start.md").read_text()
     assert "ours-turbo-bf16-pe" in table and table.count("\n") == 4
