@@ -1,5 +1,5 @@
 """The values a part's config gives, checked as the config is read: sizes are positive whole numbers (or lists of
-them), epsilons and RoPE bases positive finite numbers.
+them), epsilons and RoPE bases positive finite numbers, switches true or false.
 
 A value out of range builds a model that runs to NaN (a negative eps: then blamed on the weights) or fails later
 with another error; a field's value is refused instead in one line naming the config, the field, the value and the
@@ -38,6 +38,7 @@ SIZES = Rule("a list of positive whole numbers", _wholes)
 SIZE_OR_SIZES = Rule("a positive whole number or a list of them", lambda value: _whole(value) or _wholes(value))
 SIZE_OR_NULL = Rule("a positive whole number or null", lambda value: value is None or _whole(value))
 POSITIVE = Rule("a positive finite number", _finite)
+FLAG = Rule("true or false", lambda value: isinstance(value, bool))  # a string "false" would read as true
 
 # The text encoder's (in its text_config) and the prompt enhancer's Mistral fields; head_dim and num_key_value_heads
 # may be null (transformers then derives them).
@@ -53,6 +54,7 @@ RULES: dict[str, dict[str, Rule]] = {
                          "out_channels", "patch_size", "text_in_dim"), SIZE),
         "rope_axes_dim": SIZES,
         **dict.fromkeys(("rope_theta", "eps"), POSITIVE),
+        "qk_layernorm": FLAG,
     },
     "vae": {
         **dict.fromkeys(("in_channels", "out_channels", "latent_channels", "layers_per_block", "norm_num_groups"),
@@ -60,6 +62,7 @@ RULES: dict[str, dict[str, Rule]] = {
         "block_out_channels": SIZES,
         **dict.fromkeys(("sample_size", "patch_size"), SIZE_OR_SIZES),
         "batch_norm_eps": POSITIVE,
+        **dict.fromkeys(("use_quant_conv", "use_post_quant_conv", "mid_block_add_attention"), FLAG),
     },
     "text_encoder": TEXT_RULES,
     "pe": TEXT_RULES,
