@@ -70,6 +70,9 @@ class DiTConfig:
             raise ValueError(f"patch_size {config.patch_size} is not supported: ERNIE-Image uses 1")
         if sum(config.rope_axes_dim) != config.hidden_size // config.num_attention_heads:
             raise ValueError("rope_axes_dim must sum to hidden_size / num_attention_heads")
+        if not config.qk_layernorm:
+            raise ValueError("qk_layernorm false is not supported: ERNIE-Image's transformer normalises q and k "
+                             "(qk_layernorm true)")
         return config
 
     @property
