@@ -6,7 +6,8 @@ why, and the fix.
 
 Renames are failed by fault injection (os.replace raising a real OSError with a real errno, as the kernel would),
 and for real: a target that is a bind mount of its own (in a private mount namespace), which no rename can replace,
-root or not; a target whose folder turns read-only after the checks, where permissions bind (not as root)."""
+root or not; a target whose folder turns read-only after the checks (run as an ordinary user in a user namespace
+where the tests run as root, as root's rights override permissions)."""
 from __future__ import annotations
 
 import errno
@@ -197,7 +198,8 @@ def images(count: int) -> torch.Tensor:
 def test_save_png_outputs_names_the_output_whose_rename_failed(tmp_path, monkeypatch, failing):
     """Two outputs, a batch of three images (`out`) and two side-by-sides (`compare`): whichever file's rename
     fails, the line names its own output and path (not the last output written), why, and the fix."""
-    outputs = [PngOutput(images(3), tmp_path / "x.png", {}, "out"), PngOutput(images(2), tmp_path / "c.png", {}, "compare")]
+    outputs = [PngOutput(images(3), tmp_path / "x.png", {}, "out"),
+               PngOutput(images(2), tmp_path / "c.png", {}, "compare")]
     files = [*png_paths(tmp_path / "x.png", 3), *png_paths(tmp_path / "c.png", 2)]
     for path in files:
         path.write_bytes(b"an earlier run's " + path.name.encode())
@@ -206,7 +208,8 @@ def test_save_png_outputs_names_the_output_whose_rename_failed(tmp_path, monkeyp
     with pytest.raises(ErnieImageError) as caught:
         save_png_outputs(outputs)
     name, given = ("out", tmp_path / "x.png") if failing < 3 else ("compare", tmp_path / "c.png")
-    assert str(caught.value) == f"{name} {given} cannot be written (Permission denied): give a path in a writable folder"
+    assert str(caught.value) == (f"{name} {given} cannot be written (Permission denied): give a path in a writable "
+                                 "folder")
     assert caught.value.settings == (name,)
     assert folder_files(tmp_path) == before
 
@@ -250,7 +253,8 @@ _OVER_A_MOUNTED_FILE = textwrap.dedent("""
     except ErnieImageError as error:
         said = str(error)
     subprocess.run(["umount", str(paths[mounted])], check=True)
-    print(json.dumps({"said": said, "files": {p.name: p.read_text(errors="replace") for p in sorted(folder.iterdir())}}))
+    files = {path.name: path.read_text(errors="replace") for path in sorted(folder.iterdir())}
+    print(json.dumps({"said": said, "files": files}))
 """)
 
 
@@ -274,41 +278,59 @@ def test_a_target_mounted_on_its_own_fails_the_batch_for_real_leaving_every_file
     assert after["files"] == {path.name: f"the earlier {path.name}" for path in png_paths(folder / "x.png", count)}
 
 
-def _permissions_bind() -> bool:
-    """Whether a folder without write permission refuses this process a new file (not so for root)."""
-    import tempfile
+# argv[1]: a folder holding folders a/ and b/, each with an earlier x.png; both replaced as one batch, b/ turned
+# read-only once the new files are written. Prints the error's target, errno and each folder's files after.
+_INTO_A_FOLDER_TURNED_READ_ONLY = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    from ernie_image.runtime.files.output_files import OutputNotReplaced, atomic_outputs
 
-    with tempfile.TemporaryDirectory() as scratch:
-        os.chmod(scratch, 0o555)
-        try:
-            Path(scratch, "probe").touch()
-        except PermissionError:
-            return True
-        finally:
-            os.chmod(scratch, 0o755)
-    return False
-
-
-@pytest.mark.skipif(not _permissions_bind(), reason="permissions do not bind this user (root): the bind-mount and "
-                                                    "fault-injection tests cover the renames")
-def test_a_folder_turned_read_only_after_the_checks_fails_the_batch_for_real(tmp_path):
-    """The second target's folder loses its write permission once every file is written: its rename fails with
-    EACCES, the first target gets its earlier file back. The new file written in that folder before it turned
-    read-only is the one file left: nobody but the folder's owner can remove it now."""
-    first, second = tmp_path / "a", tmp_path / "b"
-    first.mkdir()
-    second.mkdir()
-    targets = [first / "x.png", second / "x.png"]
-    for target in targets:
-        target.write_bytes(b"the earlier " + target.parent.name.encode())
+    root = Path(sys.argv[1])
+    targets = [root / "a" / "x.png", root / "b" / "x.png"]
+    said = None
     try:
-        with pytest.raises(OutputNotReplaced) as caught:
-            with atomic_outputs(targets) as partials:
-                for partial in partials:
-                    partial.write_bytes(b"new")
-                os.chmod(second, 0o555)
+        with atomic_outputs(targets) as partials:
+            for partial in partials:
+                partial.write_bytes(b"new")
+            os.chmod(root / "b", 0o555)
+    except OutputNotReplaced as error:
+        said = [str(error.target), error.errno]
     finally:
-        os.chmod(second, 0o755)
-    assert (caught.value.target, caught.value.errno) == (targets[1], errno.EACCES)
-    assert folder_files(first) == {"x.png": b"the earlier a"}
-    assert folder_files(second) == {"x.png": b"the earlier b", partials[1].name: b"new"}
+        os.chmod(root / "b", 0o755)
+    files = {name: {path.name: path.read_text() for path in sorted((root / name).iterdir())} for name in "ab"}
+    print(json.dumps({"said": said, "files": files, "new": partials[1].name}))
+""")
+
+
+def _without_root() -> list[str] | None:
+    """A command prefix under which folder permissions bind this process: none needed for a user, a user namespace
+    mapping root to an ordinary user (whose capabilities go at exec) for root; None where root has no such way."""
+    if os.geteuid() != 0:
+        return []
+    prefix = ["unshare", "--user", "--map-user=1000", "--map-group=1000"]
+    try:
+        allowed = subprocess.run([*prefix, "true"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return None
+    return prefix if allowed else None
+
+
+@pytest.mark.skipif(_without_root() is None, reason="root here, and no user namespace to drop its rights in: the "
+                                                    "bind-mount and fault-injection tests cover the renames")
+def test_a_folder_turned_read_only_after_the_checks_fails_the_batch_for_real(tmp_path):
+    """The second target's folder loses its write permission once every file is written: keeping its earlier file
+    and its rename fail with EACCES, and the first target gets its earlier file back. The new file written in that
+    folder before it turned read-only is the one file left: nobody but the folder's owner can remove it now."""
+    for name in "ab":
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "x.png").write_text(f"the earlier {name}")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "ernie_image").symlink_to(REPO_ROOT, target_is_directory=True)
+    done = subprocess.run([*_without_root(), sys.executable, "-c", _INTO_A_FOLDER_TURNED_READ_ONLY, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    after = json.loads(done.stdout.strip().splitlines()[-1])
+    assert after["said"] == [str(tmp_path / "b" / "x.png"), errno.EACCES]
+    assert after["files"] == {"a": {"x.png": "the earlier a"}, "b": {"x.png": "the earlier b", after["new"]: "new"}}

@@ -84,8 +84,8 @@ def test_every_part_a_local_pipe_builds_is_counted_until_the_pipe_is_gone(tiny_t
 def test_the_memory_routes_summary_imports_no_model_code_where_no_model_was_built(tmp_path):
     (tmp_path / "ernie_image").symlink_to(REPO_ROOT, target_is_directory=True)
     code = ("import sys; from ernie_image.nodes import live_pipes; report = live_pipes.summary(holders=True); "
-            "loaded = [m for m in sys.modules if m.startswith(('ernie_image.runtime.model', 'ernie_image.runtime.offload', "
-            "'ernie_image.runtime.local.parts', 'ernie_image.runtime.local.pipe'))]; "
+            "loaded = [m for m in sys.modules if m.startswith(('ernie_image.runtime.model', "
+            "'ernie_image.runtime.offload', 'ernie_image.runtime.local.parts', 'ernie_image.runtime.local.pipe'))]; "
             "print(report['orphaned_models'], report['orphaned_weights_held_by'], loaded)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(tmp_path)}, cwd=tmp_path)
