@@ -67,19 +67,20 @@ def test_a_damaged_config_is_one_line_naming_the_file(capsys, tmp_path, model, c
     assert not out.exists()
 
 
-# Values no ERNIE-Image part is built from: a size that is not a positive whole number, an epsilon or a RoPE base
-# that is not a positive finite number (a negative eps ran to NaN and was blamed on the weights).
+# Values no ERNIE-Image part is built from: a size that is not a positive whole number, an epsilon that is not a
+# positive finite number, a RoPE base not above 1 (a negative eps ran to NaN and was blamed on the weights). The RoPE
+# parameters of the text configs: tests/test_config_rope_values.py.
 BAD_VALUES = [
     ("transformer", "eps", -1, "a positive finite number"),
     ("transformer", "eps", 0, "a positive finite number"),
     ("transformer", "eps", "1e-6", "a positive finite number"),
-    ("transformer", "rope_theta", float("nan"), "a positive finite number"),
+    ("transformer", "rope_theta", float("nan"), "a finite number > 1"),
     ("transformer", "num_attention_heads", 0, "a positive whole number"),
     ("transformer", "num_layers", -2, "a positive whole number"),
     ("transformer", "hidden_size", 64.5, "a positive whole number"),
     ("transformer", "ffn_hidden_size", [128], "a positive whole number"),
     ("transformer", "in_channels", True, "a positive whole number"),
-    ("transformer", "rope_axes_dim", [8, 0, 24], "a list of positive whole numbers"),
+    ("transformer", "rope_axes_dim", [8, 0, 24], "a list of three positive even whole numbers"),
     ("vae", "layers_per_block", 0, "a positive whole number"),
     ("vae", "norm_num_groups", -4, "a positive whole number"),
     ("vae", "block_out_channels", [8, -16, 16, 32], "a list of positive whole numbers"),

@@ -1,43 +1,24 @@
 """The values a part's config gives, checked as the config is read: sizes are positive whole numbers (or lists of
-them), epsilons and RoPE bases positive finite numbers.
+them), epsilons positive finite numbers, RoPE bases finite numbers above 1, and the text configs' RoPE parameters
+what their rope type needs (rope_values.py).
 
-A value out of range builds a model that runs to NaN (a negative eps: then blamed on the weights) or fails later
-with another error; a field's value is refused instead in one line naming the config, the field, the value and the
-fix, before any weight is read. Whether the sizes fit the weights is model/config_fit.py's check, after this one.
+A value out of range builds a model that runs to NaN (a negative eps, a RoPE factor of 0: then blamed on the
+weights) or fails later with another error; a field's value is refused instead in one line naming the config, the
+field by its dotted path, the value and the fix, before any weight is read. Whether the sizes fit the weights is
+model/config_fit.py's check, after this one. Fields no rule names are left alone.
 """
 from __future__ import annotations
 
-import json
-import math
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Optional
 
-from ..core.errors import ModelFileError
+from .rope_values import rope_fault
+from .value_rules import POSITIVE, ROPE_BASE, SIZE, SIZE_OR_NULL, SIZE_OR_SIZES, SIZES, Fault, Rule
 
-
-def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def _wholes(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and bool(value) and all(_whole(item) for item in value)
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
-@dataclass(frozen=True)
-class Rule:
-    wanted: str  # what the field must be, in a message
-    accepts: Callable[[Any], bool]
-
-
-SIZE = Rule("a positive whole number", _whole)
-SIZES = Rule("a list of positive whole numbers", _wholes)
-SIZE_OR_SIZES = Rule("a positive whole number or a list of them", lambda value: _whole(value) or _wholes(value))
-SIZE_OR_NULL = Rule("a positive whole number or null", lambda value: value is None or _whole(value))
-POSITIVE = Rule("a positive finite number", _finite)
+# ERNIE's rotary embedding has three axes (text position, row, column), each rotated in pairs of channels.
+ROPE_AXES = Rule("a list of three positive even whole numbers",
+                 lambda value: isinstance(value, (list, tuple)) and len(value) == 3
+                 and all(SIZE.accepts(item) and item % 2 == 0 for item in value))
+TEXT_SECTION = Rule("a JSON object", lambda value: isinstance(value, dict))
 
 # The text encoder's (in its text_config) and the prompt enhancer's Mistral fields; head_dim and num_key_value_heads
 # may be null (transformers then derives them).
@@ -45,14 +26,16 @@ TEXT_RULES: dict[str, Rule] = {
     **dict.fromkeys(("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                      "max_position_embeddings"), SIZE),
     **dict.fromkeys(("num_key_value_heads", "head_dim"), SIZE_OR_NULL),
-    **dict.fromkeys(("rms_norm_eps", "rope_theta"), POSITIVE),
+    "rms_norm_eps": POSITIVE,
+    "rope_theta": ROPE_BASE,
 }
 RULES: dict[str, dict[str, Rule]] = {
     "dit": {
         **dict.fromkeys(("hidden_size", "num_attention_heads", "num_layers", "ffn_hidden_size", "in_channels",
                          "out_channels", "patch_size", "text_in_dim"), SIZE),
-        "rope_axes_dim": SIZES,
-        **dict.fromkeys(("rope_theta", "eps"), POSITIVE),
+        "rope_axes_dim": ROPE_AXES,
+        "rope_theta": ROPE_BASE,
+        "eps": POSITIVE,
     },
     "vae": {
         **dict.fromkeys(("in_channels", "out_channels", "latent_channels", "layers_per_block", "norm_num_groups"),
@@ -64,15 +47,26 @@ RULES: dict[str, dict[str, Rule]] = {
     "text_encoder": TEXT_RULES,
     "pe": TEXT_RULES,
 }
+TEXT_KINDS = ("text_encoder", "pe")
+
+
+def config_fault(config: dict[str, Any], kind: str) -> Optional[Fault]:
+    """The first field of part `kind`'s config ("dit", "vae", "text_encoder", "pe") whose value is out of range,
+    or None."""
+    section, prefix = config, ""
+    if kind in TEXT_KINDS and "text_config" in config:  # the text encoder's Mistral3 config: the tower's own inside
+        if not TEXT_SECTION.accepts(config["text_config"]):
+            return Fault("text_config", config["text_config"], TEXT_SECTION.wanted)
+        section, prefix = config["text_config"], "text_config."
+    for field, rule in RULES[kind].items():
+        if field in section and not rule.accepts(section[field]):
+            return Fault(prefix + field, section[field], rule.wanted)
+    return rope_fault(section, prefix, kind) if kind in TEXT_KINDS else None
 
 
 def check_config_values(config: dict[str, Any], kind: str, origin: str, fix: str) -> None:
-    """Refuse the first field of part `kind`'s config ("dit", "vae", "text_encoder", "pe") whose value its rule does
-    not accept, in one line: `origin` says which config (config_json.origin_of), `fix` what to do."""
-    nested = kind in ("text_encoder", "pe") and isinstance(config.get("text_config"), dict)
-    section = config["text_config"] if nested else config
-    for field, rule in RULES[kind].items():
-        if field in section and not rule.accepts(section[field]):
-            name = f"text_config.{field}" if nested else field
-            raise ModelFileError(f"{origin} says {name} {json.dumps(section[field])}, which is not {rule.wanted}: "
-                                 f"{fix}")
+    """Refuse the first field of part `kind`'s config whose value its rule does not accept, in one line: `origin`
+    says which config (config_json.origin_of), `fix` what to do."""
+    fault = config_fault(config, kind)
+    if fault is not None:
+        raise fault.error(origin, fix)

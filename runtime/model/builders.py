@@ -96,7 +96,7 @@ def text_tower_on_meta(component, variant: Variant = "base") -> torch.nn.Module:
         total_layers = int(raw["num_hidden_layers"])
         raw = {k: v for k, v in raw.items() if k not in ("model_type", "architectures", "dtype", "transformers_version")}
         # Only Ministral3 (the PE) reads llama_4_scaling_beta; the reference text tower is a plain MistralModel.
-        raw["rope_parameters"] = {k: v for k, v in raw.get("rope_parameters", {}).items()
+        raw["rope_parameters"] = {k: v for k, v in (raw.get("rope_parameters") or {}).items()
                                   if k != "llama_4_scaling_beta"}
         raw["num_hidden_layers"] = total_layers - 1
         config = MistralConfig(**raw)
