@@ -151,6 +151,43 @@ def test_keeping_an_earlier_file_that_fails_is_a_failed_output_too(tmp_path, mon
     assert folder_files(tmp_path) == before
 
 
+def test_a_symlink_at_a_target_is_put_back_as_the_link_it_was(tmp_path, monkeypatch):
+    """A target that is a symlink (to a file elsewhere) is replaced as a link, not written through, and a failed
+    batch puts the link itself back, pointing where it did; the file it points to is never touched."""
+    elsewhere = tmp_path / "elsewhere.png"
+    elsewhere.write_bytes(b"the file the link points to")
+    folder = tmp_path / "out"
+    folder.mkdir()
+    targets = [folder / "out_0.png", folder / "out_1.png"]
+    targets[0].symlink_to(elsewhere)
+    Renames(monkeypatch, targets[1], rename_error(errno.EACCES))
+    with pytest.raises(OutputNotReplaced):
+        write_batch(targets)
+    assert [path.name for path in folder.iterdir()] == ["out_0.png"] and os.readlink(targets[0]) == str(elsewhere)
+    monkeypatch.undo()
+    write_batch(targets)
+    assert not targets[0].is_symlink() and targets[0].read_bytes() == b"the new out_0.png"
+    assert elsewhere.read_bytes() == b"the file the link points to"
+
+
+@pytest.mark.parametrize("count, failing", POSITIONS, ids=lambda value: str(value))
+def test_a_folder_at_a_target_is_never_moved_and_fails_the_batch(tmp_path, count, failing):
+    """A folder where a file is to go (made after the checks) is left where it is, its files in it: no file replaces
+    a folder, so the batch fails there (EISDIR) and every other target is as it was."""
+    targets = earlier_files(tmp_path, count, EARLIER["every other had"])
+    if targets[failing - 1].exists():
+        targets[failing - 1].unlink()
+    targets[failing - 1].mkdir()
+    (targets[failing - 1] / "inside.txt").write_text("the user's")
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()}
+    with pytest.raises(OutputNotReplaced) as caught:
+        write_batch(targets)
+    assert (caught.value.target, caught.value.errno) == (targets[failing - 1], errno.EISDIR)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([*before, targets[failing - 1].name])
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert folder_files(targets[failing - 1]) == {"inside.txt": b"the user's"}
+
+
 @pytest.mark.parametrize("count, failing", POSITIONS, ids=lambda value: str(value))
 def test_a_ctrl_c_between_two_renames_puts_every_earlier_file_back(tmp_path, monkeypatch, count, failing):
     """A library caller's Ctrl-C (KeyboardInterrupt) as a rename starts: the batch is undone and the interrupt goes

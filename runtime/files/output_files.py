@@ -14,6 +14,7 @@ import errno
 import itertools
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence
@@ -134,8 +135,12 @@ def _replace_all(batch: list[_Replacing]) -> None:
 
 
 def _keep_earlier(item: _Replacing) -> None:
-    """Give the target's earlier file (if any) a second, hidden name: a hard link, else the file renamed aside."""
-    if not os.path.lexists(item.target):
+    """Give the target's earlier file (if any) a second, hidden name: a hard link, else the file renamed aside. A
+    folder at the target is left where it is (the rename over it fails: a file never replaces a folder)."""
+    try:
+        if stat.S_ISDIR(os.lstat(item.target).st_mode):
+            return
+    except FileNotFoundError:
         return
     item.backup = item.target.with_name(f".{item.target.name}.{os.getpid()}.{next(_counter)}.backup")
     try:
