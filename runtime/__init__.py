@@ -5,7 +5,7 @@ Its packages, in import order: each imports only itself and the packages above i
 
     core/      what every part shares: errors, the Host interface, GenerationRequest/Result (and the
                StepCacheConfig a request holds), the ErniePipe protocol, the variant (Base or Turbo), non-finite
-               checks
+               checks, numbers read from text in plain decimal form
     files/     the user's files: images and masks read, PNGs and outputs written whole, inputs never overwritten
     net/       HTTP to servers: URLs, API keys bound to origins and where they are read from, settings, client,
                errors and error answers, cancellation, the event-loop thread
