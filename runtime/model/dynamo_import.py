@@ -15,14 +15,12 @@ from pathlib import Path
 
 from .compile_marks import inductor_cache_folder
 
-CACHE_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
-
 
 def import_dynamo() -> None:
     """Import torch._dynamo, leaving no cache folder or variable that the import alone made."""
     if "torch._dynamo" in sys.modules:
         return
-    variable = os.environ.get(CACHE_VARIABLE)
+    variable = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     missing = _missing_folders(inductor_cache_folder())  # found as inductor finds it, not made
     import torch._dynamo  # noqa: F401
 
@@ -32,7 +30,7 @@ def import_dynamo() -> None:
         except OSError:
             break
     if variable is None:
-        os.environ.pop(CACHE_VARIABLE, None)
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
 
 def _missing_folders(folder: Path) -> list[Path]:
