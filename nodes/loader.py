@@ -97,7 +97,8 @@ class ErnieImageLoader:
                 "vram_budget_gb": (
                     "FLOAT",
                     {"default": 0.0, "min": 0.0, "max": MAX_BUDGET_GB, "step": 0.5,
-                     "tooltip": "GPU memory this model may use, in GB. 0 = auto (what is free after ComfyUI makes room). "
+                     "tooltip": "GPU memory this model may use, in GiB (1024 MiB, as nvidia-smi counts). 0 = auto "
+                     "(what is free after ComfyUI makes room). "
                      "A small budget streams DiT blocks from RAM: slower, but it fits."},
                 ),
                 "keep_loaded": (

@@ -16,6 +16,7 @@ from ..formats.config_json import config_named, load_config
 from .arithmetic import ArithmeticName
 from .config_fit import check_config_fits, dit_fields_from_shapes
 from .dtype_fit import check_built_dtypes, floating_tensors
+from .dynamo_import import import_dynamo
 from .fill import fill_from_file
 from .tensor_fit import check_built_tensors, shapes_of
 
@@ -91,6 +92,7 @@ def build_text_tower(component, device: torch.device, dtype: torch.dtype, varian
 
 def text_tower_on_meta(component, variant: Variant = "base") -> torch.nn.Module:
     """The text tower its config describes, on the meta device: a config that does not build it is named."""
+    import_dynamo()
     from transformers import MistralConfig, MistralModel
 
     with config_named(component, "text encoder"):
@@ -136,6 +138,7 @@ def build_vae(component, device: torch.device, dtype: torch.dtype, part: VaePart
 
 def vae_on_meta(component) -> torch.nn.Module:
     """The whole VAE its config describes, on the meta device: a config that does not build it is named."""
+    import_dynamo()
     from diffusers import AutoencoderKLFlux2
 
     with config_named(component, "VAE"):
