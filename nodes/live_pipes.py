@@ -12,11 +12,11 @@ import threading
 import weakref
 from typing import Any, Iterable, Optional
 
+from ..runtime.core.built_models import built_models_alive
 from ..runtime.core.pipe import ErniePipe
 from .heap_holders import HolderWalks, holder_chains
 
 log = logging.getLogger("ernie_image")
-_PARTS_MODULE = f"{__name__.rsplit('.', 2)[0]}.runtime.local.parts"  # the pack's name is its folder's in ComfyUI
 
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()
 # The weights' owners (a local pipe's parts and memory), held weakly apart from the pipe: one that outlives its pipe
@@ -103,11 +103,12 @@ def _owned_models(pipes: Iterable[Any]) -> set[int]:
 
 
 def _orphaned_models(pipes: list[Any]) -> list[Any]:
-    parts = sys.modules.get(_PARTS_MODULE)
-    if parts is None:  # no pipe has built a model in this process (and the route need not load model code)
+    """The models pipes built (core.built_models) that no live pipe holds."""
+    alive = built_models_alive()
+    if not alive:  # none built in this process (torch itself may not be loaded)
         return []
     owned = _owned_models(pipes)
-    return [model for model in parts.built_models_alive() if id(model) not in owned]
+    return [model for model in alive if id(model) not in owned]
 
 
 def _memory(pipe: Any) -> dict[str, Any]:

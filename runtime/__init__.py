@@ -5,7 +5,8 @@ Its packages, in import order: each imports only itself and the packages above i
 
     core/      what every part shares: errors, the Host interface, GenerationRequest/Result (and the
                StepCacheConfig a request holds), the ErniePipe protocol, the variant (Base or Turbo), non-finite
-               checks
+               checks, the models pipes built that are still alive (read without loading model code), numbers
+               read from text in plain decimal form
     files/     the user's files: images and masks read, PNGs and outputs written whole, inputs never overwritten
     net/       HTTP to servers: URLs, API keys bound to origins and where they are read from, settings, client,
                errors and error answers, cancellation, the event-loop thread

@@ -1,6 +1,7 @@
 """Every bad input fails early with one line that names the cause and the fix (ModelFileError / InvalidInputError)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -182,15 +183,17 @@ def _cli(capsys, *argv: str) -> str:
     ("--width", "0", "width 0 is not allowed"),  # 0 used to mean "default" and ran at 256
     ("--height", "0", "height 0 is not allowed"),
     ("--steps", "0", "steps 0 is not allowed"),  # used to run the variant's default steps
-    ("--cfg", "nan", "cfg nan is not allowed"),  # NaN passed every range check
-    ("--shift", "nan", "shift nan is not allowed"),
-    ("--shift", "inf", "shift inf is not allowed"),
+    ("--cfg", "nan", "--cfg 'nan' is not a number: give a plain decimal"),  # NaN passed every range check
+    ("--cfg", "101", "--cfg 101.0 is not allowed: use 0..100"),
+    ("--shift", "nan", "--shift 'nan' is not a number"),
+    ("--shift", "inf", "--shift 'inf' is not a number"),
+    ("--shift", "0", "--shift 0.0 is not allowed: use a positive value"),
     ("--seed", str(2**64), "seed 18446744073709551616 is not allowed: use 0..9223372036854775807"),  # traceback
     ("--seed", "-1", "seed -1 is not allowed"),
     ("--budget", "abc", "--budget 'abc' is not a number of GB"),  # traceback
     ("--device", "foo", "device 'foo' is not supported: use auto, cpu, cuda or cuda:N"),  # traceback
     ("--device", "mps", "device 'mps' is not supported"),
-    ("--width", "abc", "argument --width: invalid int value: 'abc'"),  # was argparse's usage block
+    ("--width", "abc", "--width 'abc' is not a whole number: give digits only, e.g. --width 1024"),  # a usage block
     ("--quant", "fp4", "quant 'fp4' is not supported: use one of none, auto, bf16, fp8"),  # was after text encoding
 ])
 def test_cli_refuses_a_bad_setting_in_one_line(capsys, tiny_folder, tmp_path, option, value, expected):
@@ -299,7 +302,8 @@ def test_cli_demo_model_in_an_unusable_cache_folder_is_one_line(capsys, tmp_path
 
 
 @pytest.mark.parametrize("argv,expected", [
-    (["plan", "--budget", "12", "--width", "abc"], "argument --width: invalid int value: 'abc'"),  # a usage block
+    (["plan", "--budget", "12", "--width", "abc"], "--width 'abc' is not a whole number"),  # was a usage block
+    (["plan", "--budget", "12", "--variant", "fast"], "argument --variant: invalid choice: 'fast'"),
     (["quantize", "--dit", "x.safetensors", "--format", "q9"], "argument --format: invalid choice: 'q9'"),
     (["check-remote"], "the following arguments are required"),
 ])
@@ -398,10 +402,14 @@ def test_a_cuda_device_asked_for_without_one_is_the_users_input_not_a_model_file
         resolve_device(device)
 
 
-def test_the_cli_refuses_a_budget_beyond_any_device_in_its_own_words():
+def test_the_cli_refuses_a_budget_beyond_any_device_in_its_own_words(tmp_path):
+    site = tmp_path / "site"  # `python -m ernie_image` runs this checkout, not whichever one is installed
+    site.mkdir()
+    (site / "ernie_image").symlink_to(Path(__file__).resolve().parent.parent, target_is_directory=True)
     done = subprocess.run([sys.executable, "-m", "ernie_image", "generate", "--prompt", "x", "--width", "256",
                            "--height", "256", "--budget", "1e300", "--out", "never.png"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(site), "ERNIE_IMAGE_CACHE": str(tmp_path / "cache")})
     line = done.stderr.strip().splitlines()[-1]
-    assert done.returncode == 2 and line.startswith("error: --budget 1e+300 is not a positive number of GB"), line
+    assert done.returncode == 2 and line.startswith("error: --budget 1e300 is not a positive number of GB"), line
     assert line.endswith("or auto (free VRAM minus a reserve)") and "None" not in line, line

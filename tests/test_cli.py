@@ -106,12 +106,13 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(capsys, tmp
     (["enhance", "--pe-url", "http://127.0.0.1:9", "--prompt", "x", "--seed", str(2**64)],
      f"--seed {2**64} is not allowed: use 0..{SEED_MASK}"),  # was sent on to the server
     (["enhance", "--pe-url", "http://127.0.0.1:9", "--prompt", "x", "--seed", "-1"], "--seed -1 is not allowed"),
-    (["generate", "--budget", "nan"], "--budget nan is not allowed"),
-    (["generate", "--budget", "0"], "--budget 0 is not allowed"),
+    (["generate", "--budget", "nan"], "--budget 'nan' is not a number of GB"),
+    (["generate", "--budget", "0"], "--budget 0 is not a positive number of GB up to 1e+06"),
     (["generate", "--steps", "1001"], "--steps 1001 is not allowed: use 1..1000"),
     (["generate", "--batch", "0"], "--batch 0 is not allowed: use 1..64"),
-    (["generate", "--cfg", "inf"], "--cfg inf is not allowed"),
-    (["check-remote", "http://127.0.0.1:9", "--connect-timeout", "nan"], "--connect-timeout nan is not allowed"),
+    (["generate", "--cfg", "inf"], "--cfg 'inf' is not a number: give a plain decimal"),
+    (["generate", "--cfg", "101"], "--cfg 101.0 is not allowed: use 0..100"),
+    (["check-remote", "http://127.0.0.1:9", "--connect-timeout", "nan"], "--connect-timeout 'nan' is not a number of seconds"),
     (["check-remote", "http://127.0.0.1:9", "--connect-timeout", "0"], "--connect-timeout 0 is not allowed"),
     (["check-remote", "http://127.0.0.1:9", "--read-timeout", "-5"], "--read-timeout -5 is not allowed"),
 ])

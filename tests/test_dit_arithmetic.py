@@ -95,8 +95,10 @@ def test_the_weighted_rope_tables_of_a_block_are_one_product_with_the_same_bits(
 def test_each_blocks_qk_norm_weights_are_laid_out_once_until_edited_with_the_same_bits(dtype, monkeypatch):
     """The fast form lays each block's q/k norm weights side by side at the first step and keeps them: later steps
     lay out none and give the bits of a model that kept nothing (a twin on the same weights, made afresh). A norm
-    weight edited in place or moved is laid out again (that block's alone), as are all after a structure_version
-    bump, and the new bits are the twin's. The model is built outside inference mode, as pipes build theirs."""
+    weight edited in place, moved or replaced is laid out again (that block's alone; every block's when the whole
+    model goes to another dtype and back, which rounds the weights), and the new bits are the twin's; a
+    structure_version bump with the weights unchanged lays out nothing. The model is built outside inference mode,
+    as pipes build theirs."""
     fast_on_cpu = Arithmetic(fast_devices=("cpu",), kitchen_rope=False, kitchen_adaln=False)
     model = random_dit("cpu", dtype).with_arithmetic(fast_on_cpu)
     laid_out = []
@@ -126,8 +128,38 @@ def test_each_blocks_qk_norm_weights_are_laid_out_once_until_edited_with_the_sam
     norm.weight = torch.nn.Parameter(norm.weight.detach().clone())
     moved, made = step(0.73)
     assert made == 1 and torch.equal(moved, edited)
-    model.structure_version += 1
-    assert step(0.73)[1] == DIT_CONFIG.num_layers
+    norm = model.layers[0].self_attention.norm_q  # other values, a new Parameter (load_state_dict(assign=True))
+    norm.weight = torch.nn.Parameter(norm.weight.detach() * 0.5)
+    replaced, made = step(0.73)
+    assert made == 1 and not torch.equal(replaced, moved)
+    model.structure_version += 1  # what fusing or LoRA does to other tensors: these weights are the same
+    assert step(0.73)[1] == 0
+    model.to(torch.float16).to(dtype)  # every tensor a new one, through float16's rounding; edit counters kept
+    rounded, made = step(0.73)
+    assert made == DIT_CONFIG.num_layers and (dtype == torch.bfloat16 or not torch.equal(rounded, replaced))
+
+
+def test_a_norm_weight_replaced_at_the_address_and_edit_count_of_the_old_one_is_laid_out_again(monkeypatch):
+    """An allocator hands freed memory out again, and a Parameter keeps its edit counter when `.to()` gives it a new
+    tensor: a new tensor at the old one's address with the old count (made here on purpose, from one buffer) is
+    still a new tensor, laid out again with the bits of a model that kept nothing."""
+    fast_on_cpu = Arithmetic(fast_devices=("cpu",), kitchen_rope=False, kitchen_adaln=False)
+    model = random_dit("cpu", torch.float32).with_arithmetic(fast_on_cpu)
+    latents, timestep, text, text_lens = step_inputs("cpu", torch.float32)
+    weight = model.layers[1].self_attention.norm_k.weight
+    memory = weight.detach().numpy().copy()
+    weight.data = torch.from_numpy(memory)
+    with torch.inference_mode():
+        first = model(latents, timestep, text, text_lens)
+    version, address = weight._version, weight.data_ptr()
+    weight.data = torch.zeros_like(weight)  # the first tensor freed (its memory stays: `memory` holds it)
+    memory *= 1.5  # another tensor's values in that memory, then that tensor given to the Parameter
+    weight.data = torch.from_numpy(memory)
+    assert (weight._version, weight.data_ptr()) == (version, address)
+    with torch.inference_mode():
+        again = model(latents, timestep, text, text_lens)
+        fresh = model.with_arithmetic(fast_on_cpu)(latents, timestep, text, text_lens)
+    assert torch.equal(again, fresh) and not torch.equal(again, first)
 
 
 @torch.inference_mode()

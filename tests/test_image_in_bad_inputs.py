@@ -137,7 +137,7 @@ def files(tmp_path) -> dict[str, Path]:
     (["--init-image", "{odd}"], "resize or crop it to 304x256"),
     (["--init-image", "{rgb}", "--mask", "{mask_small}"], "error: --mask is 256x240 but the image is 256x256"),
     (["--init-image", "{rgb}", "--batch", "2", "--mask", "{mask_small}"], "mask is 256x240"),
-    (["--init-image", "{rgb}", "--denoise", "nan"], "error: --denoise nan is not allowed"),
+    (["--init-image", "{rgb}", "--denoise", "nan"], "error: --denoise 'nan' is not a number: give a plain decimal"),
     (["--init-image", "{rgb}", "--denoise", "0"], "error: --denoise 0.0 is not allowed"),
     (["--init-image", "{rgb}", "--denoise", "1.01"], "error: --denoise 1.01 is not allowed"),
     (["--denoise", "0.5"], "error: --denoise 0.5 needs --init-image: give the image to start from, or leave --denoise out"),

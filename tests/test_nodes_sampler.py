@@ -1,7 +1,6 @@
 """The Samplers over a real tiny local pipe, called as ComfyUI calls them (keyword arguments, no ComfyUI here)."""
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 
@@ -13,9 +12,10 @@ from ernie_image.nodes.sampler import ErnieImageSampler, ErnieImageTurboSampler,
 from ernie_image.runtime.core.errors import InvalidInputError, ModelFileError
 from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
-from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.demo.tiny import TinySizes, build_tiny_model
 from ernie_image.runtime.local.options import LoadOptions
 from ernie_image.runtime.local.pipe import LocalPipe
+from ernie_image.runtime.offload.planner import budget_bytes, gib_shown, gib_up, least_budget
 from streaming_budgets import least_budget_gb
 
 
@@ -90,9 +90,19 @@ def test_keep_loaded_keeps_weights_between_runs(tiny_sources) -> None:
 
 
 # -- the Loader's plan: made for a size it assumes, never a refusal of the size the Sampler runs ------------------
-@pytest.fixture
-def comfy_models(tiny_sources, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
-    """ComfyUI's models/ folders holding the tiny Turbo model's three files, as the Loader's widgets pick them."""
+# A DiT wide enough (hidden 1024, one block) that a 1024x1024 image needs tenths of a GB more than a 256x256 one:
+# the tiny model's figures all round up to 0.1 GB, so a plan text naming either size's would read the same.
+WIDE_DIT = TinySizes(dit_hidden=1024, dit_heads=8, dit_ffn=2048, rope_axes=(32, 48, 48), dit_layers=1)
+
+
+@pytest.fixture(scope="module")
+def wide_sources(tmp_path_factory: pytest.TempPathFactory):
+    return build_tiny_model(tmp_path_factory.mktemp("wide") / "turbo", layout="comfy", variant="turbo",
+                            sizes=WIDE_DIT)
+
+
+def in_comfy_folders(sources, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """ComfyUI's models/ folders holding a model's three files, as the Loader's widgets pick them."""
     import shutil
     import sys
 
@@ -100,14 +110,24 @@ def comfy_models(tiny_sources, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
     models = tmp_path / "models"
     picked = {}
-    for widget, folder, source in (("diffusion_model", "diffusion_models", tiny_sources.dit),
-                                   ("text_encoder", "text_encoders", tiny_sources.text_encoder),
-                                   ("vae", "vae", tiny_sources.vae)):
+    for widget, folder, source in (("diffusion_model", "diffusion_models", sources.dit),
+                                   ("text_encoder", "text_encoders", sources.text_encoder),
+                                   ("vae", "vae", sources.vae)):
         (models / folder).mkdir(parents=True)
         shutil.copyfile(source, models / folder / source.name)
         picked[widget] = source.name
     monkeypatch.setitem(sys.modules, "folder_paths", fake_folder_paths(models))
     return picked
+
+
+@pytest.fixture
+def comfy_models(tiny_sources, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    return in_comfy_folders(tiny_sources, tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def wide_comfy_models(wide_sources, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    return in_comfy_folders(wide_sources, tmp_path, monkeypatch)
 
 
 def load_in_comfyui(models: dict[str, str], budget_gb: float) -> tuple[LocalPipe, str]:
@@ -129,21 +149,34 @@ LOADER_PLAN_BELOW = re.compile(
     r"smaller image needs less$")
 
 
-@pytest.mark.parametrize("between", [0.1, 0.9])
+def planned_least_gb(pipe: LocalPipe, width: int, height: int) -> str:
+    """The least budget the planner computes for a `width` x `height` image of `pipe`'s defaults (batch 1, no PE),
+    rounded up to 0.1 GB as plan texts show it."""
+    job = pipe.memory.job_for(GenerationRequest(prompt="", width=width, height=height).with_defaults(pipe.variant),
+                              use_pe=False)
+    return gib_up(least_budget(job, pipe.memory.planning_sizes(pipe.sources, pipe.variant), plan_device()))
+
+
+@pytest.mark.parametrize("between", [0.1, 0.5, 0.9])
 def test_a_budget_too_small_for_1024_but_enough_for_the_samplers_size_is_no_refusal_on_the_loader(
-        tiny_sources, comfy_models, between) -> None:
+        wide_sources, wide_comfy_models, between) -> None:
+    """Any budget between what the Sampler's 256x256 needs and what 1024x1024 needs: the Loader's text gives the
+    budget and the planner's own least budget for 1024x1024 (figures more than their 0.1 GB rounding apart from
+    the budget's and 256x256's), and the Sampler's size runs."""
     small = turbo_inputs(width=256, height=256, batch_size=1, use_pe=False)
     request = GenerationRequest(prompt="a red fox", width=256, height=256, steps=2, cfg=1.0, seed=3)
-    least_small = least_budget_gb(tiny_sources, request, plan_device())
-    least_1024 = least_budget_gb(tiny_sources, GenerationRequest(prompt="", width=1024, height=1024), plan_device())
-    assert least_small < least_1024
+    least_small = least_budget_gb(wide_sources, request, plan_device())
+    least_1024 = least_budget_gb(wide_sources, GenerationRequest(prompt="", width=1024, height=1024), plan_device())
+    assert least_1024 - least_small > 0.2  # the figures below differ by more than their rounding
     budget = least_small + between * (least_1024 - least_small)
-    pipe, text = load_in_comfyui(comfy_models, budget)
+    pipe, text = load_in_comfyui(wide_comfy_models, budget)
     plan_lines = [line for line in text.splitlines() if line.startswith("VRAM plan")]
     said = LOADER_PLAN_BELOW.match(plan_lines[0]) if len(plan_lines) == 1 else None
     assert said, text
-    assert abs(float(said["budget"]) - budget) < 0.01 and least_1024 - 4096 / 2**30 <= float(said["needed"])
-    assert float(said["needed"]) <= math.ceil(least_1024 * 10) / 10 and "raise the budget" not in text
+    needed = planned_least_gb(pipe, 1024, 1024)
+    assert said["needed"] == needed != planned_least_gb(pipe, 256, 256)
+    assert float(needed) - 0.1 < least_1024 <= float(needed)  # the least budget that plans, rounded up
+    assert said["budget"] == gib_shown(budget_bytes(budget)) and "raise the budget" not in text
     images, _, _ = ErnieImageTurboSampler().generate(pipe=pipe, **small)["result"]  # the Sampler's size fits
     assert images.shape == (1, 256, 256, 3)
 

@@ -174,8 +174,9 @@ def test_cli_prints_the_plan(capsys):
     (["--budget", "1", "--width", "1024", "--height", "1024"], "needs at least"),
     (["--budget", "12", "--width", "1000", "--height", "1024"], "multiple of 16"),
     (["--budget", "-3"], "not a positive number"),
-    (["--budget", "abc"], "VRAM budget 'abc' is not a number of GB"),  # was a ValueError traceback
-    (["--budget", "12", "--cfg", "nan"], "--cfg nan is not allowed"),  # was accepted
+    (["--budget", "abc"], "--budget 'abc' is not a number of GB: give e.g. --budget 12"),  # was a traceback
+    (["--budget", "12", "--cfg", "nan"], "--cfg 'nan' is not a number"),  # was accepted
+    (["--budget", "12", "--cfg", "101"], "--cfg 101.0 is not allowed: use 0..100"),
 ])
 def test_cli_reports_bad_input_in_one_line_with_exit_code_2(capsys, argv, expected):
     assert main_plan(argv) == 2

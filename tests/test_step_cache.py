@@ -495,7 +495,7 @@ def test_views_replace_rather_than_stack_and_a_remote_pipe_refuses(base_pipe):
         refuse_remote(cached(BASE, "dbcache"))
     with pytest.raises(InvalidInputError, match="step_cache 'dbcache' is not a StepCacheConfig"):
         dataclasses.replace(BASE, step_cache="dbcache").validate()
-    with pytest.raises(InvalidInputError, match="forced schedule has 3 letters for 8 steps"):
+    with pytest.raises(InvalidInputError, match="forced schedule has 3 letters for a run of 8 steps: give 8 letters"):
         cached(BASE, "dbcache:forced=CSC").validate()
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Literal, Optional
 
 from ..core.errors import InvalidInputError
+from ..core.number_text import DECIMAL_RULE, decimal_from_text
 from ..core.request import SEED_MASK, validate_size
 from ..files.inputs_outputs import refuse_colliding_outputs, refuse_outputs_over_inputs
 from ..files.uninterrupted import uninterrupted
@@ -45,16 +46,18 @@ def check_number_range(value: float, option: str, low: float, high: float, hint:
 
 
 def parse_budget(text: str) -> Optional[float]:
-    """`--budget`: GB (GiB) as a positive finite number, or 'auto' (None)."""
+    """`--budget` (generate and plan): GB (GiB) as a plain decimal number, or 'auto' (None). The range is
+    LoadOptions' own check, so both commands refuse a budget in the library's one wording (cli/names.py gives it
+    the CLI's words)."""
+    from ..local.options import check_budget_gb
+
     if text == "auto":
         return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise InvalidInputError(f"--budget {text!r} is not a number of GB: give e.g. --budget 12 or auto") from None
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidInputError(f"--budget {text} is not allowed: give a number of GB above 0, e.g. --budget 12, "
+    value = decimal_from_text(text)
+    if value is None:
+        raise InvalidInputError(f"--budget {text!r} is not a number of GB: give e.g. --budget 12 ({DECIMAL_RULE}), "
                                 "or auto")
+    check_budget_gb(value, shown=text)
     return value
 
 
@@ -181,6 +184,7 @@ def _name_max(folder: Path) -> int:
 
 DEMO_SIDE = 256  # the demo model's default size (the real models': 1024)
 REAL_SIDE = 1024
+DEMO_VARIANT = "turbo"  # the demo model's variant unless --variant says another
 
 
 def uses_demo_model(args: argparse.Namespace) -> bool:
@@ -192,10 +196,55 @@ def default_side(args: argparse.Namespace) -> int:
     return DEMO_SIDE if uses_demo_model(args) else REAL_SIDE
 
 
+def known_steps(args: argparse.Namespace) -> Optional[int]:
+    """The steps the run will take, where the command line tells them: --steps, else the default of the variant
+    --variant sets (the demo model's: Turbo unless set). None where the model's files decide the variant."""
+    from ..core.variant import VARIANT_DEFAULTS
+
+    if args.steps is not None:
+        return args.steps
+    variant = args.variant or (DEMO_VARIANT if uses_demo_model(args) else None)
+    return None if variant is None else int(VARIANT_DEFAULTS[variant]["steps"])
+
+
+def cpu_budget_notice(args: argparse.Namespace) -> Optional[str]:
+    """The notice for a --budget number on the CPU: what it does there (LocalPipe plans with the CPU standing in
+    for the GPU, which is how the tests run the streamer), and that it saves nothing."""
+    from ..local.options import resolve_device
+
+    if parse_budget(args.budget) is None or resolve_device(args.device).type != "cpu":
+        return None
+    return (f"--budget {args.budget} has no GPU memory to save on the CPU (the weights are in host memory either "
+            "way): the run is placed within it as if the CPU were a GPU, so blocks that do not fit are copied every "
+            "step, which only costs time; leave --budget out without a CUDA device")
+
+
 def _check_flags_that_need_another(args: argparse.Namespace) -> None:
     if getattr(args, "lora_mode", None) is not None and not getattr(args, "lora", None):
         raise InvalidInputError(f"--lora-mode {args.lora_mode} says how LoRAs run: give --lora PATH too, or leave "
                                 "it out")
+    if not getattr(args, "servers", None):  # with --server, remote_args refuses every local-model option
+        _check_prompt_enhancer_files(args)
+
+
+def _check_prompt_enhancer_files(args: argparse.Namespace) -> None:
+    """--pe and --tokenizer belong to a model given on the command line; --pe runs only with --use-pe, and not
+    beside a PE server, which would revise the prompt instead (each would be silently unused)."""
+    if uses_demo_model(args):
+        for option in ("pe", "tokenizer"):
+            if getattr(args, option) is not None:
+                flag = "--" + option
+                why, alone = ((" has no prompt enhancer, nor the vocabulary a real one shares with its text encoder",
+                               " (`ernie-image enhance --pe FILE --prompt TEXT` shows its rewrite alone)")
+                              if option == "pe" else (" has a tokenizer of its own", ""))
+                raise InvalidInputError(f"{flag} {getattr(args, option)} needs a model: without --model-dir or "
+                                        f"--dit/--text-encoder/--vae the tiny demo model runs, which{why}: give the "
+                                        f"model too, or leave out {flag}{alone}")
+    if args.pe is not None and args.pe_url:
+        raise InvalidInputError("--pe and --pe-url both name a prompt enhancer, and the PE server would revise the "
+                                "prompt: give one of them")
+    if args.pe is not None and not args.use_pe:
+        raise InvalidInputError(f"--pe {args.pe} revises the prompt only with --use-pe: add --use-pe, or drop --pe")
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

@@ -11,7 +11,7 @@ from ..core.errors import InvalidInputError
 from .console import ConsoleHost
 from .interrupts import Interrupts
 from .names import cli_words
-from .parser import OneLineParser, OutputPath
+from .parser import DecimalNumber, OneLineParser, Option, OutputPath, PathOption, WholeNumber
 from .step_cache_args import check as step_cache_check
 
 DEMO_NOTICE = (
@@ -31,55 +31,74 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     from ..core.request import SEED_MASK
     from ..local.options import DTYPE_CHOICES, QUANT_CHOICES
 
-    parser.add_argument("--model-dir", type=Path, help="diffusers ERNIE-Image folder (model_index.json, transformer/, ...)")
-    parser.add_argument("--dit", type=Path, help="DiT file (safetensors, GGUF, FP8/NVFP4); overrides the folder's")
-    parser.add_argument("--text-encoder", type=Path, help="text-encoder file; overrides the folder's")
-    parser.add_argument("--vae", type=Path, help="VAE file (flux2-vae.safetensors or diffusers layout)")
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer folder or tokenizer.json (single files embed one)")
-    parser.add_argument("--pe", type=Path, help="prompt-enhancer folder or file")
+    # A second, different file for one part, prompt, seed or output is refused (parser.py says why); the settings
+    # a later value may override (sizes, steps, CFG, budget, device...) keep argparse's last-one-wins.
+    one_file = dict(action=PathOption, once=True)
+    parser.add_argument("--model-dir", **one_file, help="diffusers ERNIE-Image folder (model_index.json, transformer/, ...)")
+    parser.add_argument("--dit", **one_file, help="DiT file (safetensors, GGUF, FP8/NVFP4); overrides the folder's")
+    parser.add_argument("--text-encoder", **one_file, help="text-encoder file; overrides the folder's")
+    parser.add_argument("--vae", **one_file, help="VAE file (flux2-vae.safetensors or diffusers layout)")
+    parser.add_argument("--tokenizer", **one_file, help="tokenizer folder or tokenizer.json (single files embed one); "
+                                                         "needs a model given")
+    parser.add_argument("--pe", **one_file, help="prompt-enhancer folder or file, used with --use-pe; needs a model "
+                                                  "given (the demo model has none: see `ernie-image enhance`)")
     parser.add_argument("--variant", choices=["auto", "base", "turbo"], default="auto",
                         help="auto (default): what the DiT file records, its diffusers config, else its name; the run "
                              "line says which decided")
-    parser.add_argument("--prompt", default="a red fox in fresh snow, morning light",
+    parser.add_argument("--prompt", action=Option, once=True, default="a red fox in fresh snow, morning light",
+                        repeat_hint=" (--batch N makes N images of it)",
                         help="up to 2048 tokens reach the model (a longer prompt is cut, with a notice); an empty "
                              "prompt is allowed, with a notice")
-    parser.add_argument("--negative", default="")
-    parser.add_argument("--width", type=int, default=None, help="multiple of 16 in 256..4096 (default 1024; demo 256)")
-    parser.add_argument("--height", type=int, default=None, help="as --width")
-    parser.add_argument("--steps", type=int, default=None, help="1..1000 (default: 50 base, 8 turbo)")
-    parser.add_argument("--cfg", type=float, default=None, help="0..100 (default: 4.0 base, 1.0 turbo)")
-    parser.add_argument("--shift", type=float, default=4.0)
-    parser.add_argument("--seed", type=int, default=0, help=f"0..{SEED_MASK}")
-    parser.add_argument("--batch", type=int, default=1, help="1..64")
+    parser.add_argument("--negative", action=Option, once=True, default="")
+    parser.add_argument("--width", action=WholeNumber, example="1024", default=None,
+                        help="multiple of 16 in 256..4096 (default 1024; demo 256)")
+    parser.add_argument("--height", action=WholeNumber, example="1024", default=None, help="as --width")
+    parser.add_argument("--steps", action=WholeNumber, example="8", default=None,
+                        help="1..1000 (default: 50 base, 8 turbo)")
+    parser.add_argument("--cfg", action=DecimalNumber, example="4.0", default=None,
+                        help="0..100 (default: 4.0 base, 1.0 turbo)")
+    parser.add_argument("--shift", action=DecimalNumber, example="4.0", default=4.0)
+    parser.add_argument("--seed", action=WholeNumber, once=True, example="7", default=0,
+                        repeat_hint=" (run the command once per seed)", help=f"0..{SEED_MASK}")
+    parser.add_argument("--batch", action=WholeNumber, example="4", default=1, help="1..64")
     parser.add_argument("--use-pe", action="store_true", help="rewrite the prompt with the prompt enhancer first")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    parser.add_argument("--budget", default="auto", help="VRAM budget in GB (GiB), or auto")
+    parser.add_argument("--budget", default="auto",
+                        help="VRAM budget in GB (GiB), or auto; on the CPU it saves no memory (a notice says so)")
     parser.add_argument("--quant", default="none", metavar="{" + ",".join(QUANT_CHOICES) + "}",
                         help="quantise a bf16 DiT on load (a DiT file that is already quantised runs in its own format: "
                              "leave --quant out for it)")
-    parser.add_argument("--out", action=OutputPath, metavar="PNG", default=Path("ernie.png"),
+    parser.add_argument("--out", action=OutputPath, once=True, metavar="PNG", default=Path("ernie.png"),
                         help="output PNG in an existing folder (batch: name_0.png, ...); an existing file is "
                              "replaced once the new one is complete")
 
 
-def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None) -> int:
-    from .image_args import add_image_arguments, check_image_fields, image_fields
-    from .lora_args import add_lora_argument, lora_stack
-
-    from .remote_args import add_remote_arguments, pe_endpoint_from_args, remote_pipe_from_args
+def build_parser() -> argparse.ArgumentParser:
+    """`generate`'s options: its own, then each feature's."""
+    from .image_args import add_image_arguments
+    from .lora_args import add_lora_argument
+    from .remote_args import add_remote_arguments
+    from .step_cache_args import add_step_cache_arguments
 
     parser = OneLineParser(prog="ernie-image generate", description="Generate an image with ERNIE-Image.")
     _add_generate_arguments(parser)
     add_lora_argument(parser)
-    from .step_cache_args import add_step_cache_arguments, comparison_output, step_cache_of
-
     add_step_cache_arguments(parser)  # --step-cache, --step-cache-compare
     add_image_arguments(parser)
     add_remote_arguments(parser)  # --server URL (a fleet when repeated), its timeouts and key, --pe-url
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None) -> int:
+    from .image_args import check_image_fields, image_fields
+    from .lora_args import lora_stack
+    from .remote_args import pe_endpoint_from_args, remote_pipe_from_args
+    from .step_cache_args import comparison_output, step_cache_of
+
+    args = build_parser().parse_args(argv)
     args.variant = None if args.variant == "auto" else args.variant
-    from .checks import check_generate_args, default_side, parse_budget, uses_demo_model
+    from .checks import DEMO_VARIANT, check_generate_args, cpu_budget_notice, default_side, parse_budget, uses_demo_model
 
     image_in = image_fields(args)  # image files read and checked before any model file is opened
     check_image_fields(image_in, args)
@@ -115,14 +134,19 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
     )
     demo = uses_demo_model(args)
     if demo:
-        pipe = load_demo_pipe(options, args.variant or "turbo", job=request)  # a budget too small: before it is built
+        # A budget too small or a schedule of another length: refused on its configs, before it is built or read
+        pipe = load_demo_pipe(options, args.variant or DEMO_VARIANT, job=request)
         host.log(DEMO_NOTICE.format(path=pipe.sources.model_dir))
         if loras:
             pipe = pipe.with_loras(loras)
     else:
         sources = ModelSources(model_dir=args.model_dir, dit=args.dit, text_encoder=args.text_encoder, vae=args.vae,
                                tokenizer=args.tokenizer, pe=args.pe, variant=args.variant)
-        pipe = LocalPipe.load(sources, options, loras=loras)  # reads the LoRA files, not the weights
+        pipe = LocalPipe.load(sources, options, loras=loras)  # reads the LoRA files and headers, not the weights
+        pipe.check_request(request)  # a schedule or budget the variant the files name refuses: before any weight
+    notice = cpu_budget_notice(args)
+    if notice:
+        host.log(notice)
     started = time.perf_counter()
     result = pipe.generate(request, host)
     elapsed = time.perf_counter() - started

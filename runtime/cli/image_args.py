@@ -9,15 +9,20 @@ from typing import Any
 from ..core.errors import InvalidInputError
 from ..core.request import GenerationRequest
 from ..files.image_files import read_image, read_mask
+from .parser import DecimalNumber, PathOption, WholeNumber
 
 
 def add_image_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--init-image", type=Path, help="start from this image (img2img); its size is the output size")
-    parser.add_argument("--denoise", type=float, default=1.0,
+    parser.add_argument("--init-image", action=PathOption, once=True,
+                        help="start from this image (img2img); its size is the output size")
+    parser.add_argument("--denoise", action=DecimalNumber, example="0.6", default=1.0,
                         help="how much of the image to redraw, in (0, 1]: 1.0 redraws everything (default)")
-    parser.add_argument("--mask", type=Path, help="inpainting mask, same size as --init-image: white = repaint")
-    parser.add_argument("--mask-grow", type=int, default=0, help="grow the mask by this many pixels")
-    parser.add_argument("--mask-feather", type=int, default=0, help="soften the mask's edge over this many pixels")
+    parser.add_argument("--mask", action=PathOption, once=True,
+                        help="inpainting mask, same size as --init-image: white = repaint")
+    parser.add_argument("--mask-grow", action=WholeNumber, example="8", default=0,
+                        help="grow the mask by this many pixels")
+    parser.add_argument("--mask-feather", action=WholeNumber, example="8", default=0,
+                        help="soften the mask's edge over this many pixels")
     parser.add_argument("--no-composite", action="store_true",
                         help="keep the sampler's pixels outside the mask (default: the original's, exactly)")
 

@@ -1,4 +1,12 @@
-"""The argument parser every `ernie-image` command uses: a usage error is this CLI's one line, not a usage block."""
+"""The argument parser every `ernie-image` command uses: a usage error is this CLI's one line, not a usage block.
+
+Options whose value is a number read it with `WholeNumber` / `DecimalNumber`: plain decimal forms only
+(core/number_text), so `--cfg 4_5` is refused instead of running at CFG 45. An option that names one thing (a file, the prompt, the
+seed, the step cache's settings) is added with `once=True`: given again with another value it is refused, since
+the command would silently keep the last one and drop the other the user meant. A setting a later value may
+override (a size, a step count, a budget: how a command kept in a script is adjusted) keeps argparse's rule, the
+last one wins.
+"""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +14,11 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional, Sequence, Union
 
 from ..core.errors import InvalidInputError
+from ..core.number_text import DECIMAL_RULE, WHOLE_RULE, decimal_from_text, whole_from_text
+
+GIVEN = "_given_once"  # the namespace's record of the `once` options given so far: dest -> the text given
+SHOWN_CHARACTERS = 40  # of a value a refusal quotes in full (a prompt may be long)
+
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse, with its usage errors raised as InvalidInputError (the CLI prints `error: ...` and exits 2)."""
@@ -14,13 +27,86 @@ class OneLineParser(argparse.ArgumentParser):
         raise InvalidInputError(f"{message}: see '{self.prog} --help'")
 
 
-class OutputPath(argparse.Action):
-    """A path option that stores a Path and refuses an empty value (`--out=`), which Path would read as `.`.
-    `metavar` names what to give, e.g. "PNG" ("--out is empty: give a .png path")."""
+class Option(argparse.Action):
+    """A single-valued option: its text read by `read` (the text itself here); `once`: refused when given again
+    with another value (the module docstring says which options are), `repeat_hint` ending that refusal, which
+    quotes both values unless `quiet` (an API key option: a key pasted by mistake is never printed). `example`: a
+    value the fixes show. An error raised here reaches the user as it is (argparse rewords only the errors of a
+    `type`)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, once: bool = False, example: str = "",
+                 repeat_hint: str = "", quiet: bool = False, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, **kwargs)
+        self.once = once
+        self.example = example
+        self.repeat_hint = repeat_hint
+        self.quiet = quiet
+
+    @property
+    def flag(self) -> str:
+        return self.option_strings[0]
+
+    def read(self, text: str) -> Any:
+        return text
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Union[str, Sequence[Any], None], option_string: Optional[str] = None) -> None:
         text = str(values)
+        if self.once:
+            self._refuse_another_value(namespace, text)
+        setattr(namespace, self.dest, self.read(text))
+
+    def _refuse_another_value(self, namespace: argparse.Namespace, text: str) -> None:
+        given: dict[str, str] = getattr(namespace, GIVEN, None) or {}
+        earlier = given.get(self.dest)
+        if earlier is not None and earlier != text:
+            values = "with two values" if self.quiet else f"({_shown(earlier)} and {_shown(text)})"
+            raise InvalidInputError(f"{self.flag} is given twice {values} and the command takes one: give it "
+                                    f"once{self.repeat_hint}")
+        setattr(namespace, GIVEN, {**given, self.dest: text})
+
+
+class PathOption(Option):
+    def read(self, text: str) -> Path:
+        return Path(text)
+
+
+class OutputPath(Option):
+    """A path option that stores a Path and refuses an empty value (`--out=`), which Path would read as `.`.
+    `metavar` names what to give, e.g. "PNG" ("--out is empty: give a .png path")."""
+
+    def read(self, text: str) -> Path:
         if not text.strip():
-            raise InvalidInputError(f"{option_string} is empty: give a .{str(self.metavar).lower()} path")
-        setattr(namespace, self.dest, Path(text))
+            raise InvalidInputError(f"{self.flag} is empty: give a .{str(self.metavar).lower()} path")
+        return Path(text)
+
+
+class WholeNumber(Option):
+    """A whole number in plain digits (a sign allowed); the range is the command's check."""
+
+    def read(self, text: str) -> int:
+        number = whole_from_text(text)
+        if number is None:
+            raise InvalidInputError(f"{self.flag} {text!r} is not a whole number: give {WHOLE_RULE}, e.g. "
+                                    f"{self.flag} {self.example or 1}")
+        return number
+
+
+class DecimalNumber(Option):
+    """A number in plain decimal form (core/number_text); the range is the command's check."""
+
+    def read(self, text: str) -> float:
+        number = decimal_from_text(text)
+        if number is None:
+            raise InvalidInputError(f"{self.flag} {text!r} is not a number: give a plain decimal, e.g. "
+                                    f"{self.flag} {self.example or 1.0} ({DECIMAL_RULE})")
+        return number
+
+
+
+def _shown(text: str) -> str:
+    """`text` quoted, a long one with its middle left out (the ends tell two paths or prompts apart)."""
+    if len(text) <= SHOWN_CHARACTERS:
+        return repr(text)
+    half = SHOWN_CHARACTERS // 2
+    return repr(text[:half] + "..." + text[-half:])

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from ..core.errors import InvalidInputError
 from ..net.credentials import Credentials, load_credentials
 from ..net.settings import checked_seconds
+from .parser import Option
 
 if TYPE_CHECKING:
     from ..remote.backend import RemotePipe
@@ -46,18 +47,20 @@ def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--resend-unanswered", action="store_true",
                        help="send an image again when its server gave no answer (timeout, dropped connection); "
                             "that server may still be working on it, so the job may run twice")
-    group.add_argument("--api-key-env", default=None, metavar="NAME",
+    group.add_argument("--api-key-env", action=Option, once=True, quiet=True, default=None, metavar="NAME",
                        help="NAME of the environment variable holding the servers' API key (never the key)")
-    group.add_argument("--api-key-file", default=None, metavar="PATH", help="file holding only the servers' API key")
+    group.add_argument("--api-key-file", action=Option, once=True, quiet=True, default=None, metavar="PATH",
+                       help="file holding only the servers' API key")
     pe = parser.add_argument_group("prompt enhancer on a chat server (local or remote generation)")
-    pe.add_argument("--pe-url", default=None, metavar="URL",
+    pe.add_argument("--pe-url", action=Option, once=True, default=None, metavar="URL",
                     help="OpenAI-compatible chat server serving ERNIE-Image's prompt enhancer (vLLM, SGLang); "
                          "with --use-pe the prompt is revised there")
-    pe.add_argument("--pe-model", default=None, metavar="NAME",
+    pe.add_argument("--pe-model", action=Option, once=True, default=None, metavar="NAME",
                     help="model name on the PE server (default: the first it lists)")
-    pe.add_argument("--pe-api-key-env", default=None, metavar="NAME",
+    pe.add_argument("--pe-api-key-env", action=Option, once=True, quiet=True, default=None, metavar="NAME",
                     help="NAME of the environment variable holding the PE server's API key")
-    pe.add_argument("--pe-api-key-file", default=None, metavar="PATH", help="file holding only the PE server's API key")
+    pe.add_argument("--pe-api-key-file", action=Option, once=True, quiet=True, default=None, metavar="PATH",
+                    help="file holding only the PE server's API key")
     pe.add_argument("--pe-timeout", default=None, metavar="S",
                     help=f"seconds the PE server has for its whole answer with a revised prompt (default "
                          f"{DEFAULT_PE_TIMEOUT_S:g})")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from .errors import InvalidInputError
+from .number_text import DECIMAL_RULE, WHOLE_RULE, decimal_from_text, whole_from_text
 
 METHODS = ("dbcache", "fbcache")
 OFF = "off"
@@ -70,8 +71,8 @@ class StepCacheConfig:
         _number("start", self.start, 0.0, 1.0, "a fraction of the steps, e.g. 0.15")
         _number("end", self.end, 0.0, 1.0, "a fraction of the steps, e.g. 0.95")
         if self.start > self.end:
-            raise InvalidInputError(f"step cache start {self.start:g} is after end {self.end:g}: start must not be "
-                                    "later than end").naming("start", "end")
+            raise InvalidInputError(f"step cache start {self.start:g} is after end {self.end:g}: give a start no "
+                                    "later than the end, e.g. start=0.15,end=0.95").naming("start", "end")
         _whole("max_skips", self.max_skips, 1, MAX_SKIPS_LIMIT)
         if self.method == "fbcache" and (self.first_blocks not in (None, 1) or self.last_blocks not in (None, 0)):
             blocks = f"F{self.probe_blocks}B{self.tail_blocks}"
@@ -125,29 +126,44 @@ def _whole(name: str, value: Any, low: int, high: int) -> None:
 
 
 def _check_forced(forced: Any, steps: Optional[int]) -> None:
+    example = _schedule_example(steps or 4)
     if not isinstance(forced, str) or not forced or set(forced) - {COMPUTE, SKIP}:
         raise InvalidInputError(f"step cache forced {forced!r} is not a schedule: give one letter per step, "
-                                f"{COMPUTE} computed or {SKIP} skipped").naming("forced")
+                                f"{COMPUTE} computed or {SKIP} skipped, e.g. forced={example}").naming("forced")
     if forced[0] != COMPUTE or forced[-1] != COMPUTE:
         raise InvalidInputError(f"step cache forced {forced!r} skips the first or the last step: both are always "
-                                "computed").naming("forced")
+                                f"computed, so start and end it with {COMPUTE}, e.g. forced={example}"
+                                ).naming("forced")
     if steps is not None and len(forced) != steps:
-        raise InvalidInputError(f"step cache forced schedule has {len(forced)} letters for {steps} steps: give one "
-                                "per step").naming("forced")
+        raise InvalidInputError(f"step cache forced schedule has {_count(len(forced), 'letter')} for a run of "
+                                f"{_count(steps, 'step')}: give {_count(steps, 'letter')}, one per step ({COMPUTE} "
+                                f"computed, {SKIP} skipped, the first and the last {COMPUTE}), or run "
+                                f"{_count(len(forced), 'step')}").naming("forced")
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 _FIELD_TYPES = {"threshold": float, "start": float, "end": float, "max_skips": int, "first_blocks": int,
                 "last_blocks": int, "forced": str}
+# The values each numeric setting takes, as its refusals say them (validate() holds the same ranges).
+_RANGES = {"threshold": f"0..{MAX_THRESHOLD:g}", "start": "0..1", "end": "0..1", "max_skips": f"1..{MAX_SKIPS_LIMIT}",
+           "first_blocks": "1..1000", "last_blocks": "0..1000"}
 
 
 def parse_step_cache(text: str) -> Optional[StepCacheConfig]:
     """`METHOD[:key=value,...]` (the CLI's --step-cache), e.g. `dbcache`, `fbcache:threshold=0.12`,
-    `dbcache:first_blocks=4,max_skips=2`; `off` gives None. Checked in full (one-line InvalidInputError)."""
+    `dbcache:first_blocks=4,max_skips=2`; `off` gives None. Checked in full (one-line InvalidInputError naming the
+    form to give). Numbers are plain decimals (number_text): `1_0`, `nan`, `inf` are refused, not read as numbers."""
     if not isinstance(text, str):
         raise InvalidInputError(f"step cache {text!r} is not text: give METHOD[:key=value,...]")
     method, _, rest = text.strip().partition(":")
     method = method.strip().lower()
-    if method == OFF and not rest.strip():
+    if method == OFF:
+        if rest.strip():
+            raise InvalidInputError(f"step cache {OFF} takes no settings, but {rest.strip()!r} follows it: give "
+                                    f"{OFF} alone, or a method with its settings (e.g. dbcache:threshold=0.12)")
         return None
     if method not in METHODS:
         raise InvalidInputError(f"step cache method {method!r} is not known: use {', '.join(METHODS)} or {OFF}, "
@@ -164,21 +180,34 @@ def parse_step_cache(text: str) -> Optional[StepCacheConfig]:
                                     f"{', '.join(_FIELD_TYPES)}")
         if key in values:
             raise InvalidInputError(f"step cache setting {key} is given twice: give it once")
-        kind = _FIELD_TYPES[key]
-        try:
-            values[key] = value.upper() if kind is str else kind(value)
-        except ValueError:
-            what = "a whole number" if kind is int else "a number"
-            raise InvalidInputError(f"step cache {key} {value!r} is not {what}") from None
+        values[key] = _setting_value(method, key, value)
     config = StepCacheConfig(method, **values)
     config.validate()
     return config
 
 
+def _setting_value(method: str, key: str, text: str) -> Any:
+    """The value of setting `key` typed as `text`; a number that is not in plain digits is refused."""
+    kind = _FIELD_TYPES[key]
+    if kind is str:
+        return text.upper()
+    number = whole_from_text(text) if kind is int else decimal_from_text(text)
+    if number is None:
+        what, form = ("a whole number", WHOLE_RULE) if kind is int else ("a number", f"a plain decimal: {DECIMAL_RULE}")
+        raise InvalidInputError(f"step cache {key} {text!r} is not {what}: give e.g. "
+                                f"{method}:{key}={_example_value(method, key)} ({_RANGES[key]}; {form})")
+    return number
+
+
+def _schedule_example(steps: int) -> str:
+    """A schedule of `steps` letters the cache runs: the first and the last step computed, the others skipped."""
+    return COMPUTE if steps == 1 else COMPUTE + SKIP * (steps - 2) + COMPUTE
+
+
 def _example_value(method: str, key: str) -> str:
     """A value of setting `key` that `method` takes: its default (a schedule of four steps for `forced`)."""
     if key == "forced":
-        return COMPUTE + SKIP * 2 + COMPUTE
+        return _schedule_example(4)
     return str(StepCacheConfig(method).metadata()[key])
 
 

@@ -92,32 +92,37 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 def check_demo_job(options, variant: Variant = "turbo", job=None) -> None:
-    """What a LocalPipe checks from a model's file headers, checked on the demo model's shapes before it is built
-    (a first run writes it to the cache first): a quant format its DiT cannot be packed in, and a VRAM budget below
-    what `job` (a GenerationRequest, or None) needs."""
+    """What a LocalPipe checks from a model's file headers, checked on the demo model's shapes (its configs, built
+    on the meta device: no weights) whether or not it is built yet: a quant format its DiT cannot be packed in, and
+    for `job` (a GenerationRequest, or None) its settings with the demo variant's defaults (a step-cache schedule
+    against the steps) and a VRAM budget below what it needs."""
     from ..local.checks import check_quant_packs
     from ..local.pipe import LocalPipe
     from .tiny import model_shapes
 
+    if job is not None:
+        job = job.with_defaults(variant)
+        job.validate()
     dit_config, text_config, vae_config, dit_weights = model_shapes()
     check_quant_packs(options.quant, dit_weights)
     if job is not None:
         memory = LocalPipe(ModelSources(model_dir=demo_model_folder(variant)), options, variant).memory  # reads no file
-        memory.check_job(job.with_defaults(variant), memory.sizes_from_configs(dit_config, text_config, vae_config))
+        memory.check_job(job, memory.sizes_from_configs(dit_config, text_config, vae_config))
 
 
 def load_demo_pipe(options=None, variant: Variant = "turbo", cache_dir: Optional[Path] = None, job=None):
     """A LocalPipe on the demo model. A damaged cache (a file cut short, edited or removed) is one line naming the
-    folder and the fix: delete it and it is rebuilt. Options it cannot run with, and a budget too small for `job`
-    (the GenerationRequest it will run first, or None), are refused before it is built."""
+    folder and the fix: delete it and it is rebuilt. Options it cannot run with, and a `job` (the GenerationRequest
+    it will run first, or None) it would refuse (a budget too small, a step-cache schedule of another length), are
+    refused before it is built or read (check_demo_job)."""
     from ..local.options import LoadOptions, resolve_device
     from ..local.pipe import LocalPipe
 
     options = options or LoadOptions()
     options.validate()
     resolve_device(options.device)  # no CUDA for --device cuda is not a damaged demo model
-    if not (demo_model_folder(variant, cache_dir) / ".complete").exists():
-        check_demo_job(options, variant, job)  # once built, its file headers answer as quickly as any model's
+    if job is not None or not (demo_model_folder(variant, cache_dir) / ".complete").exists():
+        check_demo_job(options, variant, job)
     sources = demo_model_sources(variant, cache_dir)
     try:
         return LocalPipe.load(sources, options)

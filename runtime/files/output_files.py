@@ -3,7 +3,9 @@
 Each file is written under a hidden name unique to this process (`.<name>.<pid>.<n>.partial`, in the target's
 folder) and renamed over the target only when complete. So a failure, a Ctrl-C or a second run writing the same
 path at the same time never leaves a partial file or a mix of two runs; an existing file is replaced by a
-complete new one. Files get the usual permissions (0666 less the umask, 0644 mostly).
+complete new one. A batch of files is replaced all or none: each file it replaces is kept under a hidden name
+(`.<name>.<pid>.<n>.backup`) until every rename has succeeded, and put back if one fails. Files get the usual
+permissions (0666 less the umask, 0644 mostly).
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import errno
 import itertools
 import os
 import re
+import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence
 
@@ -21,6 +25,8 @@ from .uninterrupted import uninterrupted
 _counter = itertools.count()
 FULL_DISK = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up"}
 FREE_SPACE_FIX = "free space on it, or give a path on another disk"
+# A rename over a file that is a mount point of its own (a file bind-mounted into a container) fails so.
+MOUNTED_FIX = "give a path that is not a mount point (a file mounted on its own cannot be replaced)"
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' and tokenizers' writers carry errno
 # numpy's tofile (the GGUF writer's) reports a short write with no errno; to a regular file, only a disk (or quota)
 # that ran out stops a write short.
@@ -65,17 +71,37 @@ def set_commit_hook(hook: Optional[Callable[[], None]]) -> None:
     _commit_hook = hook
 
 
+class OutputNotReplaced(OSError):
+    """A complete new file could not be renamed over its target (`target`): errno and strerror are the rename's.
+    Raised after every target of its batch was put back as it was and every partial and backup file removed (a
+    backup that could not be put back stays, named in `kept`)."""
+
+    def __init__(self, target: Path, error: OSError, kept: Sequence[Path] = ()) -> None:
+        super().__init__(error.errno, error.strerror or str(error), str(target))
+        self.target = Path(target)
+        self.kept = tuple(kept)  # earlier files that could not be put back, under their backup names
+
+
+@dataclass
+class _Replacing:
+    """One target of a batch being committed, with the second name its earlier file has while the batch commits."""
+    target: Path
+    partial: Path
+    backup: Optional[Path] = None  # None: the target had no earlier file (or the batch has not reached it)
+
+
 @contextlib.contextmanager
 def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
-    """Yield one partial path per target; on success rename them all, on any exception (Ctrl-C too) remove them.
+    """Yield one partial path per target; once the block ends, rename them all over their targets, or, on any
+    exception (Ctrl-C too), remove them and leave every target as it was.
 
-    Targets renamed before a later rename fails are removed as well, so a batch is written whole or not at all (a
-    write that fails, the full disk included, fails before any rename and leaves every target as it was; a rename
-    failing after the folders were checked would leave the files the earlier renames replaced gone).
+    All or none holds through the renames too: each existing target gets a second, hidden name (a hard link, or it is
+    renamed aside where the file system takes no links) before its new file replaces it, and if a later rename fails
+    every target replaced so far gets its earlier file back. The failure is an OutputNotReplaced naming its target.
     The commit hook (set_commit_hook) runs just before the first rename: from there the batch replaces the targets
     (the CLI stops taking Ctrl-C as a cancel at that point, so a cancel never lands between two renames)."""
-    partials = [partial_path(Path(p)) for p in paths]
-    renamed: list[Path] = []
+    targets = [Path(p) for p in paths]
+    partials = [partial_path(target) for target in targets]
     try:
         yield partials
         mode = new_file_mode()
@@ -83,15 +109,68 @@ def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
             os.chmod(partial, mode)
         if _commit_hook is not None:
             _commit_hook()
-        for partial, target in zip(partials, paths):
-            os.replace(partial, target)
-            renamed.append(Path(target))
     except BaseException:
         with uninterrupted():  # a second Ctrl-C cannot stop it half way
-            for leftover in (*partials, *renamed):
-                with contextlib.suppress(OSError):
-                    leftover.unlink()
+            _remove(partials)
         raise
+    _replace_all([_Replacing(target, partial) for target, partial in zip(targets, partials)])
+
+
+def _replace_all(batch: list[_Replacing]) -> None:
+    """Rename every partial over its target, keeping each earlier file until all are in place (atomic_outputs)."""
+    current: Optional[_Replacing] = None
+    try:
+        for current in batch:
+            _keep_earlier(current)
+            os.replace(current.partial, current.target)
+    except BaseException as error:
+        with uninterrupted():  # a second Ctrl-C cannot stop it half way
+            kept = [item.backup for item in reversed(batch) if not _put_back(item)]  # a path twice: last first
+            _remove([item.partial for item in batch])
+        if isinstance(error, OSError) and current is not None:
+            raise OutputNotReplaced(current.target, error, kept) from error
+        raise
+    with uninterrupted():
+        _remove([item.backup for item in batch if item.backup is not None])
+
+
+def _keep_earlier(item: _Replacing) -> None:
+    """Give the target's earlier file (if any) a second, hidden name: a hard link, else the file renamed aside. A
+    folder at the target is left where it is (the rename over it fails: a file never replaces a folder)."""
+    try:
+        if stat.S_ISDIR(os.lstat(item.target).st_mode):
+            return
+    except FileNotFoundError:
+        return
+    item.backup = item.target.with_name(f".{item.target.name}.{os.getpid()}.{next(_counter)}.backup")
+    try:
+        os.link(item.target, item.backup, follow_symlinks=False)  # a symlink is kept as the link it is
+    except OSError:  # no hard links here (FAT, some network mounts) or not allowed (protected_hardlinks)
+        os.replace(item.target, item.backup)
+
+
+def _put_back(item: _Replacing) -> bool:
+    """Undo one target's part of a batch, judged by the files (a Ctrl-C may land between a rename and the line
+    after it): the earlier file back at the target, or the target removed where there was none. False where the
+    earlier file could not be put back: it stays under its backup name, so it is not lost."""
+    replaced = not os.path.lexists(item.partial)  # every partial exists until renamed over its target
+    backup = item.backup if item.backup is not None and os.path.lexists(item.backup) else None
+    try:
+        if backup is not None and (replaced or not os.path.lexists(item.target)):  # new file in place, or aside
+            os.replace(backup, item.target)
+        elif backup is not None:  # linked, never replaced: the target still is the earlier file
+            backup.unlink()
+        elif replaced:
+            item.target.unlink()
+    except OSError:
+        return backup is None
+    return True
+
+
+def _remove(paths: Iterable[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 @contextlib.contextmanager
@@ -125,8 +204,13 @@ def write_error(out: Path, error: BaseException, name: str = "out") -> ErnieImag
     folder would help."""
     full = full_disk(error)
     if full is not None:
-        return ErnieImageError(f"{name} {out} cannot be written: {full}: {FREE_SPACE_FIX}").naming(name)
-    reason = getattr(error, "strerror", None) or str(error)
-    return ErnieImageError(f"{name} {out} cannot be written ({reason}): give a path in a writable folder"
-                           ).naming(name)
-
+        line = f"{name} {out} cannot be written: {full}: {FREE_SPACE_FIX}"
+    else:
+        reason = getattr(error, "strerror", None) or str(error)
+        fix = MOUNTED_FIX if error_number(error) in (errno.EBUSY, errno.EXDEV) else "give a path in a writable folder"
+        line = f"{name} {out} cannot be written ({reason}): {fix}"
+    kept = getattr(error, "kept", ())
+    if kept:  # a rename back failed as well: the earlier file is not lost, only under a hidden name
+        files = "the file it would replace is" if len(kept) == 1 else "the files it would replace are"
+        line += f"; {files} kept as {', '.join(str(path) for path in kept)}"
+    return ErnieImageError(line).naming(name)

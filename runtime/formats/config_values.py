@@ -1,6 +1,6 @@
 """The values a part's config gives, checked as the config is read: sizes are positive whole numbers (or lists of
-them), epsilons positive finite numbers, RoPE bases finite numbers above 1, and the text configs' RoPE parameters
-what their rope type needs (rope_values.py).
+them), epsilons positive finite numbers, RoPE bases finite numbers above 1, switches true or false, and the text
+configs' RoPE parameters what their rope type needs (rope_values.py).
 
 A value out of range builds a model that runs to NaN (a negative eps, a RoPE factor of 0: then blamed on the
 weights) or fails later with another error; a field's value is refused instead in one line naming the config, the
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .rope_values import rope_fault
-from .value_rules import POSITIVE, ROPE_BASE, SIZE, SIZE_OR_NULL, SIZE_OR_SIZES, SIZES, Fault, Rule
+from .value_rules import FLAG, POSITIVE, ROPE_BASE, SIZE, SIZE_OR_NULL, SIZE_OR_SIZES, SIZES, Fault, Rule
 
 # ERNIE's rotary embedding has three axes (text position, row, column), each rotated in pairs of channels.
 ROPE_AXES = Rule("a list of three positive even whole numbers",
@@ -36,6 +36,7 @@ RULES: dict[str, dict[str, Rule]] = {
         "rope_axes_dim": ROPE_AXES,
         "rope_theta": ROPE_BASE,
         "eps": POSITIVE,
+        "qk_layernorm": FLAG,  # a string "false" would read as true
     },
     "vae": {
         **dict.fromkeys(("in_channels", "out_channels", "latent_channels", "layers_per_block", "norm_num_groups"),
@@ -43,6 +44,7 @@ RULES: dict[str, dict[str, Rule]] = {
         "block_out_channels": SIZES,
         **dict.fromkeys(("sample_size", "patch_size"), SIZE_OR_SIZES),
         "batch_norm_eps": POSITIVE,
+        **dict.fromkeys(("use_quant_conv", "use_post_quant_conv", "mid_block_add_attention"), FLAG),
     },
     "text_encoder": TEXT_RULES,
     "pe": TEXT_RULES,

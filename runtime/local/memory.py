@@ -112,6 +112,11 @@ class PipeMemory:
             sizes.dit, layer_bytes=placed.block_bytes,
             stem_bytes=placed.stem_bytes - self._placed_lora_bytes + self.lora_bytes))
 
+    def check_request(self, request, sources, variant, local_pe: bool = True) -> None:
+        """plan_job's refusal (MemoryBudgetError) for `request` on these files, placing and releasing nothing."""
+        if self.active:
+            plan_memory(*self._plan_inputs(request, sources, variant, local_pe), self.device.type)
+
     @staticmethod
     def job_for(request, use_pe: bool) -> Job:
         cache = getattr(request, "step_cache", None)

@@ -89,11 +89,18 @@ class LoadOptions:
         if self.quant not in QUANT_CHOICES:
             raise InvalidInputError(f"quant {self.quant!r} is not supported: use one of {', '.join(QUANT_CHOICES)}, "
                                     "or give a quantised DiT file").naming("quant")
-        budget = self.vram_budget_gb
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
-                                   or not math.isfinite(budget) or not 0 < budget <= MAX_BUDGET_GB):
-            raise InvalidInputError(f"vram_budget_gb {budget!r} is not a positive number of GB up to "
-                                    f"{MAX_BUDGET_GB:g}: give the GB the pipe may use, or {AUTO_BUDGET}").naming("vram_budget_gb", AUTO_BUDGET)
+        if self.vram_budget_gb is not None:
+            check_budget_gb(self.vram_budget_gb)
+
+
+def check_budget_gb(budget: Any, shown: Optional[str] = None) -> None:
+    """A VRAM budget in GB: a positive finite number up to MAX_BUDGET_GB. The one refusal of a budget out of range,
+    for LoadOptions and the CLI's --budget alike; `shown`: the value as the user typed it (else its repr)."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) \
+            or not 0 < budget <= MAX_BUDGET_GB:
+        raise InvalidInputError(f"vram_budget_gb {shown or repr(budget)} is not a positive number of GB up to "
+                                f"{MAX_BUDGET_GB:g}: give the GB the pipe may use, or {AUTO_BUDGET}"
+                                ).naming("vram_budget_gb", AUTO_BUDGET)
 
 
 def resolve_device(name: str) -> torch.device:

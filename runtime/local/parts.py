@@ -4,14 +4,13 @@ what they hold on the device and in host memory is counted here."""
 from __future__ import annotations
 
 import functools
-import threading
 import time
-import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from ..core.built_models import register_built_model
 from ..core.errors import ModelFileError
 from ..core.host import Host
 from ..core.variant import Variant
@@ -51,22 +50,10 @@ def choose_auto_quant(options: LoadOptions, device: torch.device) -> Optional[tu
     return choose_auto(detect_device(device), budget)
 
 
-# Every model a pipe's parts built, held weakly: one alive after its pipe is gone is memory nothing can use or free
-# (a leak the ComfyUI pack's memory route reports, with what holds it).
-_built_models: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-_built_models_lock = threading.Lock()  # a route reads the set on another thread while a prompt builds a model
-
-
-def built_models_alive() -> list[torch.nn.Module]:
-    """The models (text tower, DiT, VAE halves, prompt enhancer) any pipe built that are still alive."""
-    with _built_models_lock:
-        return list(_built_models)
-
-
 def _built(module: Any) -> Any:
+    """`module` as built, counted among the models alive (core.built_models) when it is a model."""
     if isinstance(module, torch.nn.Module):
-        with _built_models_lock:
-            _built_models.add(module)
+        register_built_model(module)
     return module
 
 

@@ -238,6 +238,14 @@ class LocalPipe:
             self._lora.prepare(loras, self.sources, host, self.memory)
             return self._releasing_on_error(request, lambda: self._generate(request, host))
 
+    def check_request(self, request: GenerationRequest) -> None:
+        """Refuse `request` as generate() would before it reads a weight, reading file headers only: its settings
+        with this model's defaults (a step-cache schedule against the steps), and a VRAM budget below what it
+        needs. generate() checks again, with the LoRAs it runs."""
+        request = request.with_defaults(self.variant)
+        request.validate()
+        self.memory.check_request(request, self.sources, self.variant, self._local_pe())
+
     def _releasing_on_error(self, request: GenerationRequest, job):
         try:
             return job()

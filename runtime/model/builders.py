@@ -14,8 +14,9 @@ from ..core.errors import ModelFileError
 from ..core.variant import Variant
 from ..formats.config_json import config_named, load_config
 from .arithmetic import ArithmeticName
-from .config_fit import check_built_shapes, check_config_fits, dit_fields_from_shapes
+from .config_fit import check_config_fits, dit_fields_from_shapes
 from .fill import fill_from_file
+from .tensor_fit import check_built_tensors, shapes_of
 
 if TYPE_CHECKING:
     from .dit import DiTConfig
@@ -147,8 +148,18 @@ def vae_on_meta(component) -> torch.nn.Module:
 
 def check_config_builds(component, kind: str, variant: Variant = "base") -> None:
     """The config held against the weights' shapes (config_fit.py), then the part it describes built on the meta
-    device and dropped: a config that does not fit the weights or does not build its part (wrong types, values out
-    of range) fails at load in one line naming the config, before any work."""
+    device, its tensors held against the file's (tensor_fit.py), and dropped: a config that does not fit the weights
+    or does not build its part (wrong types, values out of range) fails at load in one line naming the config, before
+    any work."""
     check_config_fits(component, kind, variant)
-    build = {"dit": dit_on_meta, "text_encoder": lambda c: text_tower_on_meta(c, variant), "vae": vae_on_meta}[kind]
-    check_built_shapes(component, build(component))
+    if kind == "dit":
+        check_built_tensors(component, kind, shapes_of(dit_on_meta(component)))
+    elif kind == "text_encoder":
+        tower = text_tower_on_meta(component, variant)
+        last = f"layers.{len(tower.layers)}."  # the layer hidden_states[-2] never reads, and the final norm
+        check_built_tensors(component, kind, shapes_of(tower),
+                            may_hold=lambda key: key.startswith(last) or key == "norm.weight")
+    else:
+        decoder_only = not any(key.startswith("encoder.") for key in component.keys)  # text-to-image needs no more
+        check_built_tensors(component, kind, shapes_of(vae_on_meta(component)),
+                            may_lack=lambda key: decoder_only and key.startswith(("encoder.", "quant_conv.")))

@@ -2,20 +2,21 @@
 
 A config.json (or a config embedded in a file's metadata) that does not fit the weights beside it would build
 another model than the file holds: fewer layers than the file has run silently with the rest never read; other
-widths fail mid-load blaming the weights. Each field the weights' shapes show (layer counts, widths, channels) must
-be what the config says; a field the config lacks must have a default that fits. Fields no shape shows (GroupNorm's
-group count, the RoPE base) must be the released model's where the weights are the released model's. Any other
-tensor the config would make in another shape is named too. Each refusal is one line naming the config, the field
-and what the weights hold.
+widths fail mid-load blaming the weights; a switch that leaves a layer out (the VAE's use_post_quant_conv,
+mid_block_add_attention) would leave the file's tensors unread, or fail after a whole sampling run. Each field the
+weights show (layer and block counts, widths, channels, which optional layers they hold) must be what the config
+says; a field the config lacks must have a default that fits. Fields no shape shows (GroupNorm's group count, the
+RoPE base) must be the released model's where the weights are the released model's. Each refusal is one line naming
+the config, the field and what the weights hold. The part the config then builds is held against the file tensor by
+tensor (tensor_fit.py).
 """
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
-
-import torch
 
 from ..core.errors import ModelFileError
 from ..core.variant import Variant
@@ -34,6 +35,7 @@ class Seen:
     value: Any
     evidence: str
     also: tuple[Any, ...] = ()  # other values a config may give it (a text encoder file may lack its last layer)
+    counts: bool = False  # the field is a list whose length the weights show (`value` is that length)
 
 
 def _shape_of(component, key: str) -> Shape:
@@ -74,6 +76,9 @@ def dit_fields_from_shapes(component) -> list[Seen]:
         heads = embed[0] // head[0]
         seen.append(Seen("num_attention_heads", heads, f"{heads} heads of {head[0]} "
                                                        f"(layers.0.self_attention.norm_q.weight is {list(head)})"))
+    if head is not None:
+        seen.append(Seen("qk_layernorm", True,
+                         f"the q/k norms (layers.0.self_attention.norm_q.weight is {list(head)})"))
     return seen + _layer_count(component)
 
 
@@ -85,11 +90,43 @@ def text_seen(component, whole_file_layers: bool) -> list[Seen]:
     return seen + _layer_count(component, also_one_more=not whole_file_layers)
 
 
+def _held(component, field: str, key: str, layer: str) -> Seen:
+    """A switch that keeps or leaves out one layer (`layer`, in a message): on where the file holds `key`."""
+    shape = _shape_of(component, key)
+    return Seen(field, shape is not None, f"{key} {list(shape)}" if shape is not None else f"no {layer}")
+
+
+def _blocks(component, side: str, name: str) -> int:
+    pattern = re.compile(rf"{side}\.{name}\.(\d+)\.")
+    return 1 + max((int(match[1]) for key in component.keys if (match := pattern.match(key))), default=-1)
+
+
 def vae_seen(component) -> list[Seen]:
+    """The VAE's fields its weights show: channels, block counts, layers per block, and which optional layers it has
+    (quant_conv, post_quant_conv, the mid blocks' attention). A decoder-only file shows nothing of the encoder."""
     decoder = {key: tuple(component.tensor(key).shape) for key in component.keys if key.startswith("decoder.")}
     inferred = config_from_shapes(decoder, {})
-    seen = [Seen(field, inferred[field], f"{_shown(inferred[field])} (the decoder's tensors)")
+    config = component.config or {}
+    # The decoder's channels are decoder_block_out_channels where the config gives them, else block_out_channels.
+    split = config.get("decoder_block_out_channels") is not None
+    seen = [Seen("decoder_block_out_channels" if split and field == "block_out_channels" else field, inferred[field],
+                 f"{_shown(inferred[field])} (the decoder's tensors)")
             for field in ("block_out_channels", "layers_per_block", "latent_channels") if field in inferred]
+    ups = _blocks(component, "decoder", "up_blocks")
+    if ups:
+        seen.append(Seen("up_block_types", ups, f"{ups} up blocks (decoder.up_blocks.0 to {ups - 1})", counts=True))
+    seen.append(_held(component, "use_post_quant_conv", "post_quant_conv.weight", "post_quant_conv.*"))
+    seen.append(_held(component, "mid_block_add_attention", "decoder.mid_block.attentions.0.to_q.weight",
+                      "decoder.mid_block.attentions.* (the mid block's attention)"))
+    downs = _blocks(component, "encoder", "down_blocks")
+    if downs:
+        seen.append(Seen("down_block_types", downs, f"{downs} down blocks (encoder.down_blocks.0 to {downs - 1})",
+                         counts=True))
+        seen.append(_held(component, "use_quant_conv", "quant_conv.weight", "quant_conv.*"))
+        if split:
+            outs = [tuple(component.tensor(f"encoder.down_blocks.{i}.resnets.0.conv1.weight").shape)[0]
+                    for i in range(downs) if f"encoder.down_blocks.{i}.resnets.0.conv1.weight" in component.keys]
+            seen.append(Seen("block_out_channels", outs, f"{outs} (the encoder's tensors)"))
     return seen + _dims(component, (("out_channels", "decoder.conv_out.weight", 0),
                                     ("in_channels", "encoder.conv_in.weight", 1)))
 
@@ -143,7 +180,16 @@ PARTS: dict[str, Part] = {
 
 
 def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
     return str(list(value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def _shown_given(value: Any, seen: Seen) -> str:
+    """A config's value in a message; a list whose length is what differs, with its length."""
+    if seen.counts and isinstance(value, (list, tuple)):
+        return f"{_shown(value)} ({len(value)} block{'' if len(value) == 1 else 's'})"
+    return _shown(value)
 
 
 def _is_size(value: Any) -> bool:
@@ -158,7 +204,20 @@ def _same(value: Any, other: Any) -> bool:
     return value == other
 
 
+def _comparable(value: Any, seen: Seen) -> bool:
+    """A value of the type the weights can be held against: anything else is damage, which building the part names."""
+    if seen.counts:
+        return isinstance(value, (list, tuple))
+    if isinstance(seen.value, bool):
+        return isinstance(value, bool)
+    return _is_size(value)
+
+
 def _fits(value: Any, seen: Seen) -> bool:
+    if seen.counts:
+        return isinstance(value, (list, tuple)) and len(value) == seen.value
+    if isinstance(seen.value, bool) or isinstance(value, bool):
+        return value is seen.value
     return _same(value, seen.value) or any(_same(value, also) for also in seen.also)
 
 
@@ -187,9 +246,9 @@ def check_config_fits(component, kind: str, variant: Variant = "base") -> None:
     defaults: Optional[dict[str, Any]] = None
     for item in seen:
         if item.field in section:
-            if _is_size(section[item.field]) and not _fits(section[item.field], item):
-                raise ModelFileError(f"{origin} says {prefix}{item.field} {_shown(section[item.field])} but the "
-                                     f"weights hold {item.evidence}: {fix}")
+            if _comparable(section[item.field], item) and not _fits(section[item.field], item):
+                raise ModelFileError(f"{origin} says {prefix}{item.field} {_shown_given(section[item.field], item)} "
+                                     f"but the weights hold {item.evidence}: {fix}")
             continue
         defaults = part.defaults() if defaults is None else defaults
         if not _fits(defaults.get(item.field), item):
@@ -201,17 +260,3 @@ def check_config_fits(component, kind: str, variant: Variant = "base") -> None:
                 raise ModelFileError(f"{origin} says {prefix}{field} {_shown(section[field])} but the weights are the "
                                      f"released ERNIE-Image {part.what}'s, whose {field} is "
                                      f"{_shown(released.get(field))}: {fix}")
-
-
-def check_built_shapes(component, module: torch.nn.Module) -> None:
-    """Every tensor the config made (on the meta device) that the file holds in another shape is named against the
-    config, not the weights (packed files keep their own layouts: their fill checks them)."""
-    given = given_config(component)
-    if given is None or component.quantized:
-        return
-    origin, fix = given
-    for key, tensor in module.state_dict().items():
-        shape = _shape_of(component, key)
-        if shape is not None and shape != tuple(tensor.shape):
-            raise ModelFileError(f"{origin} does not fit the weights: it makes {key} {list(tensor.shape)} but the "
-                                 f"weights hold {list(shape)}: {fix}")

@@ -17,7 +17,7 @@ loads with `load_state_dict`. The maths is the reference's; what differs is how 
   fewer and faster passes: every operand of the large kernels stays in the activations' dtype (PyTorch's
   mixed-dtype kernels take a casting path about three times slower), using the bf16 modulation values whose fp32
   forms the reference uses (exact), the norms' weights go into their norm kernel or the RoPE tables (a block's
-  q and k norm weights laid side by side once, then kept until `structure_version` changes or they are edited),
+  q and k norm weights laid side by side once, then kept until they are edited or replaced),
   gated residuals are one `addcmul`, and q and k are normalised and rotated together. The roundings differ from the
   reference's in places, so the results differ in last bits (the tests' GPU bound), not bit for bit; the CPU and
   the "exact" arithmetic keep the bit-identical forms. Where comfy-kitchen is installed, its CUDA kernels do q/k
@@ -36,6 +36,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import fused_kernels
 from .arithmetic import Arithmetic, ArithmeticName
@@ -70,6 +71,9 @@ class DiTConfig:
             raise ValueError(f"patch_size {config.patch_size} is not supported: ERNIE-Image uses 1")
         if sum(config.rope_axes_dim) != config.hidden_size // config.num_attention_heads:
             raise ValueError("rope_axes_dim must sum to hidden_size / num_attention_heads")
+        if not config.qk_layernorm:
+            raise ValueError("qk_layernorm false is not supported: ERNIE-Image's transformer normalises q and k "
+                             "(qk_layernorm true)")
         return config
 
     @property
@@ -169,20 +173,41 @@ class Attention(nn.Module):
 
 
     def _laid_out_norm_weights(self, ctx: "StepContext", normed: torch.Tensor) -> torch.Tensor:
-        """qk_norm_weights for this block, kept in `ctx` from step to step. Made again when the weights were edited
-        in place (load_state_dict) or moved (a streamed block's other ring slot), as their edit counters and
-        addresses show; and each time inside a CUDA-graph capture, so that a replay reads the weights where they
-        are, and for weights made in inference mode, which keep no edit counter (pipes build theirs outside it)."""
+        """qk_norm_weights for this block, kept in `ctx` from step to step while their WeightStamps hold: made again
+        when the weights were edited in place (load_state_dict), moved (a streamed block's other ring slot) or
+        replaced (.to(), load_state_dict(assign=True)); and each time inside a CUDA-graph capture, so that a replay
+        reads the weights where they are, and for weights made in inference mode, which keep no edit counter (pipes
+        build theirs outside it)."""
         q_weight, k_weight = self.norm_q.weight, self.norm_k.weight
         capturing = normed.is_cuda and torch.cuda.is_current_stream_capturing()
         if capturing or q_weight.is_inference() or k_weight.is_inference():  # (inference tensors count no edits)
             return qk_norm_weights(q_weight, k_weight, normed.dtype)
-        stamp = (q_weight._version, k_weight._version, q_weight.data_ptr(), k_weight.data_ptr())
         made = ctx.qk_norm_weights.get((self, normed.dtype))
-        if made is None or made[0] != stamp:
-            made = (stamp, qk_norm_weights(q_weight, k_weight, normed.dtype))
+        if made is None or not (made[0].holds(q_weight) and made[1].holds(k_weight)):
+            made = (WeightStamp(q_weight), WeightStamp(k_weight), qk_norm_weights(q_weight, k_weight, normed.dtype))
             ctx.qk_norm_weights[(self, normed.dtype)] = made
-        return made[1]
+        return made[2]
+
+
+class WeightStamp:
+    """Which tensor a weight is and how often it was edited: its storage, its address there and its edit counter.
+
+    A Parameter keeps its edit counter when `.to()` gives it a new tensor (`param.data = ...`), and the new tensor
+    may get the address a freed one had, so the address and counter alone can match a different tensor. The storage
+    is told apart by its identity, held weakly: while the stamp lives no other storage can take that identity (the
+    storage's memory is freed with its last tensor as always)."""
+
+    __slots__ = ("storage", "address", "version")
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.storage = StorageWeakRef(weight.untyped_storage())
+        self.address = weight.data_ptr()
+        self.version = weight._version
+
+    def holds(self, weight: torch.Tensor) -> bool:
+        """Whether `weight` is the tensor stamped, unedited since."""
+        return (weight._version == self.version and weight.data_ptr() == self.address
+                and weight.untyped_storage()._cdata == self.storage.cdata)
 
 
 def qk_norm_weights(q_weight: torch.Tensor, k_weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -356,10 +381,10 @@ class StepContext:
     raw_modulation: tuple[torch.Tensor, ...]
     rope: RopeTables
     key_mask: Optional[torch.Tensor]  # bool [B, 1, 1, S] or None when no key is padded
-    # The fast form's qk_norm_weights per (block's Attention, dtype), with the stamp of the weights they were made
-    # from, made by the first step that needs them and kept by the model while its structure_version stays
-    # (ErnieDiT.prepare) and the weights are not edited (Attention._fast_forward).
-    qk_norm_weights: dict[tuple[nn.Module, torch.dtype], tuple[tuple[int, ...], torch.Tensor]]
+    # The fast form's qk_norm_weights per (block's Attention, dtype), after the stamps of the q and k norm weights
+    # they were made from: made by the first step that needs them and kept by the model while the stamps hold
+    # (Attention._laid_out_norm_weights).
+    qk_norm_weights: dict[tuple[nn.Module, torch.dtype], tuple["WeightStamp", "WeightStamp", torch.Tensor]]
     arithmetic: Arithmetic = FAST  # the model's (ErnieDiT.arithmetic)
 
 
@@ -428,7 +453,7 @@ class ErnieDiT(nn.Module):
         # a captured replay of the forward (dit_graphs.DiTGraphs) is only valid for the version it was captured at.
         # Moves of the whole model (.to(), .to_empty()) and load_state_dict(assign=True) bump it below.
         self.structure_version = 0
-        self._qk_norm_weights: tuple[int, dict] = (self.structure_version, {})
+        self._qk_norm_weights: dict = {}  # StepContext.qk_norm_weights, kept from step to step
 
     @property
     def dtype(self) -> torch.dtype:
@@ -440,7 +465,7 @@ class ErnieDiT(nn.Module):
         twin = copy.copy(self)
         twin.arithmetic = Arithmetic.of(arithmetic)
         twin._rope_cache = {}
-        twin._qk_norm_weights = (twin.structure_version, {})
+        twin._qk_norm_weights = {}
         return twin
 
     def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), .to_empty(): every tensor is a new one
@@ -494,12 +519,8 @@ class ErnieDiT(nn.Module):
         raw_modulation = tuple(m.unsqueeze(1) for m in self.adaLN_modulation(conditioning).chunk(6, dim=-1))
         shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (m.float() for m in raw_modulation)
         modulation = (shift_msa, 1 + scale_msa, gate_msa, shift_mlp, 1 + scale_mlp, gate_mlp)
-        version, qk_norm_weights = self._qk_norm_weights
-        if version != self.structure_version:
-            qk_norm_weights = {}
-            self._qk_norm_weights = (self.structure_version, qk_norm_weights)
         ctx = StepContext(modulation=modulation, raw_modulation=raw_modulation, rope=rope, key_mask=key_mask,
-                          qk_norm_weights=qk_norm_weights, arithmetic=self.arithmetic)
+                          qk_norm_weights=self._qk_norm_weights, arithmetic=self.arithmetic)
         return x, ctx, conditioning
 
     def project_text(self, text: torch.Tensor) -> torch.Tensor:

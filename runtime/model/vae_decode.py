@@ -40,8 +40,8 @@ def decode_images(latents: torch.Tensor, vae, tile: Optional[int] = None) -> tor
 
     `tile`: the memory plan's tile size when a whole image does not fit; large images tile by themselves.
     """
-    vae_dtype = vae.post_quant_conv.weight.dtype
-    device = vae.post_quant_conv.weight.device
+    vae_dtype = vae.decoder.conv_in.weight.dtype  # post_quant_conv is None in a VAE built without one
+    device = vae.decoder.conv_in.weight.device
     spatial = unpatchify(denormalise(latents.to(device, torch.float32), vae)).to(vae_dtype)
     pixels = spatial.shape[-1] * spatial.shape[-2] * 64
     if tile is None and pixels > TILED_DECODE_ABOVE_PIXELS:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..core.errors import InvalidInputError
+from ..core.number_text import DECIMAL_RULE, decimal_from_text
 from .credentials import Credential, Credentials
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
@@ -20,11 +21,15 @@ READ_TIMEOUT = "the read timeout"  # how a message names the read timeout when t
 
 def checked_seconds(value: object, label: str, *, allow_zero: bool = False) -> float:
     """A number of seconds a user gave (a timeout, a wait): finite and positive (or zero where `allow_zero`).
-    InvalidInputError, one line, naming `label` (a widget or a CLI flag), otherwise."""
+    Text is read as a plain decimal only (core/number_text: `1_0`, `nan`, ` 30 ` are refused). InvalidInputError,
+    one line, naming `label` (a widget or a CLI flag), otherwise."""
     try:
-        seconds = float(value)  # type: ignore[arg-type]
+        seconds = decimal_from_text(value) if isinstance(value, str) else float(value)  # type: ignore[arg-type]
+        if seconds is None:
+            raise ValueError(value)
     except (TypeError, ValueError):
-        raise InvalidInputError(f"{label} {str(value)[:20]!r} is not a number of seconds: give e.g. 30") from None
+        raise InvalidInputError(f"{label} {str(value)[:20]!r} is not a number of seconds: give e.g. 30 "
+                                f"({DECIMAL_RULE})") from None
     if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
         least = "0 or more" if allow_zero else "more than 0"
         raise InvalidInputError(f"{label} {str(value)[:20]} is not allowed: give a finite number of seconds, {least}")

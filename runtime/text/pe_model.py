@@ -24,8 +24,9 @@ from ..formats import open_component
 from ..formats.config_json import config_named, load_config, read_config
 from ..formats.sources import ModelSources, component_folder
 from ..model.builders import rebuild_rotary_tables
-from ..model.config_fit import check_built_shapes, check_config_fits
+from ..model.config_fit import check_config_fits
 from ..model.fill import fill_from_file
+from ..model.tensor_fit import check_built_tensors, shapes_of
 from .token_sampler import TRANSFORMERS_DEFAULT_TOP_K
 
 _DROPPED_CONFIG_KEYS = ("architectures", "dtype", "torch_dtype", "transformers_version", "model_type")
@@ -109,7 +110,11 @@ def check_pe_config(component, variant: Variant = "base") -> None:
     """The PE's config held against its weights, then built on the meta device (as model.builders does for the
     other parts): a config that does not fit or does not build fails at load in one line naming the config."""
     check_config_fits(component, "pe", variant)
-    check_built_shapes(component, pe_on_meta(component, variant).model)
+    model = pe_on_meta(component, variant)
+    made = shapes_of(model.model)
+    if not model.config.tie_word_embeddings:  # a head of its own, read from the file's lm_head.weight
+        made["lm_head.weight"] = tuple(model.lm_head.weight.shape)
+    check_built_tensors(component, "pe", made)
 
 
 def build_pe_model(component, device: torch.device, dtype: torch.dtype, variant: Variant = "base"):
