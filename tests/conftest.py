@@ -134,3 +134,19 @@ def no_comfy_modules_left_behind():
     for name in set(sys.modules) - before:
         if name.split(".")[0] in ("comfy", "comfy_execution"):
             del sys.modules[name]
+
+
+@pytest.fixture
+def dit_steps(monkeypatch) -> list[int]:
+    """Every DiT forward the run makes, counted (there must be none before a refusal)."""
+    from ernie_image.runtime.model.dit import ErnieDiT
+
+    steps: list[int] = []
+    forward = ErnieDiT.forward
+
+    def counted(self, *args, **kwargs):
+        steps.append(1)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(ErnieDiT, "forward", counted)
+    return steps

@@ -27,7 +27,6 @@ from safetensors.torch import load_file, save_file
 
 from ernie_image.runtime.cli.commands import main
 from ernie_image.runtime.demo.tiny import build_tiny_model
-from ernie_image.runtime.model.dit import ErnieDiT
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 UP, DOWN = "UpDecoderBlock2D", "DownEncoderBlock2D"
@@ -138,20 +137,6 @@ def _model(sources: dict[str, Path], layout: str, root: Path) -> Model:
     if layout == "GGUF q8_0 DiT" and "q8_0" not in sources:
         pytest.skip("the gguf package is not installed")
     return LAYOUTS[layout](sources, root)
-
-
-@pytest.fixture
-def dit_steps(monkeypatch) -> list[int]:
-    """Every DiT forward the run makes, counted (there must be none before a refusal)."""
-    steps: list[int] = []
-    forward = ErnieDiT.forward
-
-    def counted(self, *args, **kwargs):
-        steps.append(1)
-        return forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(ErnieDiT, "forward", counted)
-    return steps
 
 
 def _generate(model: Model, out: Path, *more: str) -> list[str]:

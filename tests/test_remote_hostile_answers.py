@@ -17,9 +17,9 @@ import pytest
 from ernie_image.runtime.core.errors import Cancelled, named_settings
 from ernie_image.runtime.net.client import HttpClient
 from ernie_image.runtime.net.errors import BadResponse, ConnectionLost, ServerFailed
-from ernie_image.runtime.net.loop_thread import run_sync
 from ernie_image.runtime.net.settings import SMALL_ANSWER_BYTES, HttpSettings, RetryPolicy, Timeouts
 
+from client_calls import call
 from fake_sglang import FakeSglang, gzip_bomb
 from waiting import PROMPTLY_S, do_when
 
@@ -33,15 +33,6 @@ ENDPOINTS = {  # where a fault goes (FakeSglang's prefixes), and the request tha
     "model list": ("models:", "GET", "/v1/models", None),
 }
 SMALL = ("health", "model list")
-
-
-def call(client: HttpClient, method: str, path: str, body=None, **kwargs):
-    async def go():
-        try:
-            return await client.request_json(method, path, body, **kwargs)
-        finally:
-            await client.close()
-    return run_sync(go())
 
 
 def one_line(error: BaseException) -> str:

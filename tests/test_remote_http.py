@@ -16,21 +16,13 @@ from ernie_image.runtime.net.key_source import ApiKeySource
 from ernie_image.runtime.net.loop_thread import run_sync
 from ernie_image.runtime.net.settings import HttpSettings, RetryPolicy, Timeouts
 
+from client_calls import call
 from fake_sglang import FakeSglang, UnacceptingListener, free_port
 from waiting import PROMPTLY_S, WAIT_S, do_when, press_cancel
 
 GEN = "/v1/images/generations"
 BODY = {"prompt": "a red fox", "size": "64x64", "response_format": "b64_json"}
 FAST_RETRY = RetryPolicy(attempts=3, base_delay_s=0.01, max_delay_s=0.05)
-
-
-def call(client: HttpClient, method: str, path: str, body=None, **kwargs):
-    async def go():
-        try:
-            return await client.request_json(method, path, body, **kwargs)
-        finally:
-            await client.close()
-    return run_sync(go())
 
 
 @pytest.fixture

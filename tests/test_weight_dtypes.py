@@ -29,7 +29,6 @@ from safetensors.torch import load_file, save_file
 
 from ernie_image.runtime.cli.commands import main
 from ernie_image.runtime.demo.tiny import build_tiny_model
-from ernie_image.runtime.model.dit import ErnieDiT
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 FIX = "the file is damaged or not this model's; re-download it"
@@ -199,20 +198,6 @@ def _retype(path: Path, pattern: str, dtype: torch.dtype) -> list[str]:
     changed = (_retype_gguf if path.suffix == ".gguf" else _retype_safetensors)(path, pattern, dtype)
     assert changed, f"no tensor of {path.name} matches {pattern!r}"
     return changed
-
-
-@pytest.fixture
-def dit_steps(monkeypatch) -> list[int]:
-    """Every DiT forward the run makes, counted (there must be none before a refusal)."""
-    steps: list[int] = []
-    forward = ErnieDiT.forward
-
-    def counted(self, *args, **kwargs):
-        steps.append(1)
-        return forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(ErnieDiT, "forward", counted)
-    return steps
 
 
 def _generate(model: Model, out: Path) -> list[str]:
