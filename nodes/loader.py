@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..runtime.core.errors import ErnieImageError, InvalidInputError, named_settings
-from ..runtime.core.variant import override_notice
+from ..runtime.core.variant import name_notice, override_notice
 from . import comfy_env
 from .comfy_env import GGUF_FOLDER_KEY, NONE_CHOICE
 from .comfy_names import comfy_words, speaks_comfy
@@ -97,7 +97,8 @@ class ErnieImageLoader:
                 "vram_budget_gb": (
                     "FLOAT",
                     {"default": 0.0, "min": 0.0, "max": MAX_BUDGET_GB, "step": 0.5,
-                     "tooltip": "GPU memory this model may use, in GB. 0 = auto (what is free after ComfyUI makes room). "
+                     "tooltip": "GPU memory this model may use, in GiB (1024 MiB, as nvidia-smi counts). 0 = auto "
+                     "(what is free after ComfyUI makes room). "
                      "A small budget streams DiT blocks from RAM: slower, but it fits."},
                 ),
                 "keep_loaded": (
@@ -140,9 +141,10 @@ class ErnieImageLoader:
         track(pipe)
         described = pipe.describe()  # the plan of a default 1024x1024 image: the Sampler checks its own size
         plan = comfy_words(described, named_settings(described))
-        overriding = override_notice(pipe.variant_choice)  # the widget set against what the file says
-        if overriding:
-            plan = f"{plan}\n{comfy_words(overriding, overriding.settings)}"
+        # the widget set against what the file says; or the file's metadata or config against its name
+        for notice in (override_notice(pipe.variant_choice), name_notice(pipe.variant_choice)):
+            if notice:
+                plan = f"{plan}\n{comfy_words(notice, notice.settings)}"
         if quant_config is not None and not pipe.quant_reason:  # the pipe says itself what 'auto' runs
             plan = f"{plan}\nquant: {quant_config.reason}"
         return shown_on_node(plan, pipe, plan)

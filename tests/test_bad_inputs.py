@@ -190,7 +190,7 @@ def _cli(capsys, *argv: str) -> str:
     ("--shift", "0", "--shift 0.0 is not allowed: use a positive value"),
     ("--seed", str(2**64), "seed 18446744073709551616 is not allowed: use 0..9223372036854775807"),  # traceback
     ("--seed", "-1", "seed -1 is not allowed"),
-    ("--budget", "abc", "--budget 'abc' is not a number of GB"),  # traceback
+    ("--budget", "abc", "--budget 'abc' is not a number of GiB"),  # traceback
     ("--device", "foo", "device 'foo' is not supported: use auto, cpu, cuda or cuda:N"),  # traceback
     ("--device", "mps", "device 'mps' is not supported"),
     ("--width", "abc", "--width 'abc' is not a whole number: give digits only, e.g. --width 1024"),  # a usage block
@@ -355,8 +355,8 @@ def test_a_damaged_vae_fails_when_the_pipe_loads_not_after_sampling(tmp_path):
 def test_a_load_options_budget_that_is_not_a_positive_number_is_refused_at_load(budget):
     from ernie_image.runtime.local.options import LoadOptions
 
-    with pytest.raises(InvalidInputError, match=r"^vram_budget_gb .* is not a positive number of GB up to 1e\+06: "
-                                                r"give the GB the pipe may use, or None for free VRAM minus a reserve$"):
+    with pytest.raises(InvalidInputError, match=r"^vram_budget_gb .* is not a positive number of GiB up to 1e\+06: "
+                                                r"give the GiB the pipe may use, or None for free VRAM minus a reserve$"):
         LoadOptions(device="cpu", vram_budget_gb=budget).validate()
 
 
@@ -365,7 +365,7 @@ def test_a_budget_beyond_any_device_is_refused_by_the_planner_in_one_line(budget
     from ernie_image.runtime.core.errors import MemoryBudgetError
     from ernie_image.runtime.offload.planner import budget_bytes
 
-    with pytest.raises(MemoryBudgetError, match=r"^VRAM budget .* GB is more than any device holds \(at most 1e\+06\): "
+    with pytest.raises(MemoryBudgetError, match=r"^VRAM budget .* GiB is more than any device holds \(at most 1e\+06\): "
                                                 r"give e.g. 12 or 'auto'$"):
         budget_bytes(budget)
 
@@ -411,5 +411,5 @@ def test_the_cli_refuses_a_budget_beyond_any_device_in_its_own_words(tmp_path):
                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(site), "ERNIE_IMAGE_CACHE": str(tmp_path / "cache")})
     line = done.stderr.strip().splitlines()[-1]
-    assert done.returncode == 2 and line.startswith("error: --budget 1e300 is not a positive number of GB"), line
+    assert done.returncode == 2 and line.startswith("error: --budget 1e300 is not a positive number of GiB"), line
     assert line.endswith("or auto (free VRAM minus a reserve)") and "None" not in line, line

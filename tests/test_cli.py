@@ -106,8 +106,8 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(capsys, tmp
     (["enhance", "--pe-url", "http://127.0.0.1:9", "--prompt", "x", "--seed", str(2**64)],
      f"--seed {2**64} is not allowed: use 0..{SEED_MASK}"),  # was sent on to the server
     (["enhance", "--pe-url", "http://127.0.0.1:9", "--prompt", "x", "--seed", "-1"], "--seed -1 is not allowed"),
-    (["generate", "--budget", "nan"], "--budget 'nan' is not a number of GB"),
-    (["generate", "--budget", "0"], "--budget 0 is not a positive number of GB up to 1e+06"),
+    (["generate", "--budget", "nan"], "--budget 'nan' is not a number of GiB"),
+    (["generate", "--budget", "0"], "--budget 0 is not a positive number of GiB up to 1e+06"),
     (["generate", "--steps", "1001"], "--steps 1001 is not allowed: use 1..1000"),
     (["generate", "--batch", "0"], "--batch 0 is not allowed: use 1..64"),
     (["generate", "--cfg", "inf"], "--cfg 'inf' is not a number: give a plain decimal"),
@@ -137,8 +137,8 @@ def test_cuda_asked_for_without_one_is_refused_before_the_demo_model_is_built(ca
 
 def test_a_budget_below_what_the_job_needs_is_refused_before_the_demo_model_is_built(capsys, tmp_path, empty_cache):
     line = _cli(capsys, "generate", "--budget", "0.001", "--out", str(tmp_path / "x.png"))
-    assert line.startswith("error: a 256x256 batch-1 job (CFG 1, DiT fp32) needs at least 0.1 GB of VRAM with "
-                           "everything streamed; the budget is 0.001 GB: raise the budget"), line  # no demo notice
+    assert line.startswith("error: a 256x256 batch-1 job (CFG 1, DiT fp32) needs at least 0.1 GiB of VRAM with "
+                           "everything streamed; the budget is 0.001 GiB: raise the budget"), line  # no demo notice
     assert not empty_cache.exists() and not (tmp_path / "x.png").exists()
 
 

@@ -208,7 +208,7 @@ class TestNumberForms:
     @pytest.mark.parametrize("command", ["generate", "plan"])
     @pytest.mark.parametrize("text", ODD)
     def test_the_budget(self, run, command, text):
-        assert_refused(run(command, f"--budget={text}"), f"--budget {text!r} is not a number of GB",
+        assert_refused(run(command, f"--budget={text}"), f"--budget {text!r} is not a number of GiB",
                        "give e.g. --budget 12 (digits, one '.', an optional exponent; no '_', spaces, nan or inf), "
                        "or auto")
 
@@ -232,6 +232,64 @@ class TestNumberForms:
     @staticmethod
     def _budget(command: str) -> tuple[str, ...]:
         return ("--budget", "12") if command == "plan" else ()
+
+
+class TestEnhanceNumbers:
+    """`ernie-image enhance` reads its numbers as generate and plan do: the same odd forms are refused in the same
+    words, before any prompt enhancer is opened or server asked."""
+
+    WHOLE = ["--width", "--height", "--seed", "--max-new-tokens"]
+    DECIMAL = ["--temperature", "--top-p"]
+
+    @pytest.mark.parametrize("text", TestNumberForms.ODD)
+    @pytest.mark.parametrize("option", WHOLE)
+    def test_whole_number_options(self, run, option, text):
+        assert_refused(run("enhance", "--prompt", "a fox", f"{option}={text}"),
+                       f"{option} {text!r} is not a whole number", f"give digits only, e.g. {option} ")
+
+    @pytest.mark.parametrize("text", TestNumberForms.ODD)
+    @pytest.mark.parametrize("option", DECIMAL)
+    def test_decimal_options(self, run, option, text):
+        assert_refused(run("enhance", "--prompt", "a fox", f"{option}={text}"),
+                       f"{option} {text!r} is not a number", f"give a plain decimal, e.g. {option} ")
+
+    @pytest.mark.parametrize("argv, name, value", [
+        (("--temperature", ".5"), "temperature", 0.5), (("--top-p", "1e-1"), "top_p", 0.1),
+        (("--seed", "+7"), "seed", 7), (("--max-new-tokens", "64"), "max_new_tokens", 64)])
+    def test_plain_forms_are_read(self, argv, name, value):
+        from ernie_image.runtime.cli.enhance import _parser
+
+        assert getattr(_parser().parse_args(["--prompt", "x", *argv]), name) == value
+
+    def test_a_second_seed_is_refused_as_generate_refuses_it(self, run):
+        assert_refused(run("enhance", "--prompt", "a fox", "--seed", "1", "--seed", "2"),
+                       "--seed is given twice ('1' and '2') and the command takes one", "give it once")
+
+
+class TestLoraStrengths:
+    """The strength after a .safetensors path is a plain decimal (core/number_text): spaces, `_`, nan, inf and
+    other scripts' digits are refused naming the form, before any model is built; a plain one past -10..10 is
+    refused as out of range."""
+
+    @pytest.mark.parametrize("text", [" 0.5", "0.5 ", "0 .5", "1_0", "nan", "inf", "-inf", "Infinity", "١", "٠.٥",
+                                      "0x1", "1e", "", "1,5", "strong"])
+    def test_a_strength_not_in_plain_decimal_form(self, run, tmp_path, text):
+        lora = tmp_path / "style.safetensors"
+        assert_refused(run("generate", "--lora", f"{lora}:{text}"),
+                       f"LoRA style.safetensors strength {text!r} is not a number",
+                       f"give --lora {lora}:0.8 (digits, one '.', an optional exponent; no '_', spaces, nan or inf), "
+                       "or leave ':STRENGTH' out for 1.0")
+
+    @pytest.mark.parametrize("text, shown", [("11", "11.0"), ("-1e2", "-100.0"), ("1e999", "inf")])
+    def test_a_plain_strength_out_of_range(self, run, tmp_path, text, shown):
+        assert_refused(run("generate", "--lora", f"{tmp_path / 'style.safetensors'}:{text}"),
+                       f"LoRA style.safetensors strength {shown} is not allowed", "use a finite value from -10 to 10")
+
+    @pytest.mark.parametrize("text, strength", [("0.5", 0.5), ("+.25", 0.25), ("-1", -1.0), ("2e-1", 0.2)])
+    def test_plain_strengths_are_read(self, text, strength):
+        from ernie_image.runtime.cli.lora_args import parse_lora_argument
+
+        assert parse_lora_argument(f"a.safetensors:{text}").strength == strength
 
 
 # ------------------------------------------------------------------------------------------- options given twice
@@ -293,7 +351,7 @@ class TestRepeatedOptions:
         ("generate", "--width", "256", "100", "--width 100 is not allowed", "use 256"),
         ("generate", "--steps", "4", "1001", "--steps 1001 is not allowed", "use 1..1000"),
         ("generate", "--cfg", "2", "101", "--cfg 101.0 is not allowed", "use 0..100"),
-        ("generate", "--budget", "12", "0", "--budget 0 is not a positive number", "give the GB the pipe may use"),
+        ("generate", "--budget", "12", "0", "--budget 0 is not a positive number", "give the GiB the pipe may use"),
         ("generate", "--batch", "2", "0", "--batch 0 is not allowed", "use 1..64"),
         ("generate", "--device", "cpu", "tpu", "--device 'tpu' is not supported", "use auto, cpu, cuda or cuda:N"),
         ("plan", "--width", "512", "100", "--width 100 is not allowed", "use 256"),
@@ -390,10 +448,11 @@ class TestBudgets:
     refused before the demo model is built or opened, and a truthful notice for a budget on the CPU."""
 
     @pytest.mark.parametrize("budget, cause", [
-        ("abc", "--budget 'abc' is not a number of GB"), ("1_0", "--budget '1_0' is not a number of GB"),
-        ("nan", "--budget 'nan' is not a number of GB"), ("0", "--budget 0 is not a positive number of GB up to 1e+06"),
-        ("-1", "--budget -1 is not a positive number of GB"), ("2e6", "--budget 2e6 is not a positive number of GB"),
-        ("1e999", "--budget 1e999 is not a positive number of GB")])
+        ("abc", "--budget 'abc' is not a number of GiB"), ("1_0", "--budget '1_0' is not a number of GiB"),
+        ("nan", "--budget 'nan' is not a number of GiB"),
+        ("0", "--budget 0 is not a positive number of GiB up to 1e+06"),
+        ("-1", "--budget -1 is not a positive number of GiB"), ("2e6", "--budget 2e6 is not a positive number of GiB"),
+        ("1e999", "--budget 1e999 is not a positive number of GiB")])
     def test_generate_and_plan_refuse_a_bad_budget_in_the_same_line(self, run, budget, cause):
         generate, plan = run("generate", "--budget", budget), run("plan", "--budget", budget)
         assert_refused(generate, cause, "or auto")
@@ -401,8 +460,8 @@ class TestBudgets:
         assert generate.line == plan.line
 
     def test_a_budget_out_of_range_reads_as_the_library_says_it(self, run):
-        line = assert_refused(run("generate", "--budget", "0"), "--budget 0 is not a positive number of GB up to "
-                              "1e+06", "give the GB the pipe may use, or auto (free VRAM minus a reserve)")
+        line = assert_refused(run("generate", "--budget", "0"), "--budget 0 is not a positive number of GiB up to "
+                              "1e+06", "give the GiB the pipe may use, or auto (free VRAM minus a reserve)")
         assert "None" not in line and "vram_budget_gb" not in line
 
     @pytest.mark.parametrize("cache", ["empty", "built"])
@@ -411,34 +470,34 @@ class TestBudgets:
         if cache == "built":
             monkeypatch.setenv("ERNIE_IMAGE_CACHE", str(built_demo_cache))
         assert_refused(run("generate", "--budget", "0.001"),
-                       "a 256x256 batch-1 job (CFG 1, DiT fp32) needs at least 0.1 GB of VRAM with everything "
-                       "streamed; the budget is 0.001 GB", "raise the budget")
+                       "a 256x256 batch-1 job (CFG 1, DiT fp32) needs at least 0.1 GiB of VRAM with everything "
+                       "streamed; the budget is 0.001 GiB", "raise the budget")
         assert not empty_cache.exists()
 
     def test_a_budget_below_a_models_least_is_refused_before_any_weight(self, run, tiny_turbo_folder):
         assert_refused(run("generate", "--model-dir", str(tiny_turbo_folder), "--budget", "0.001", "--device", "cpu"),
-                       "needs at least 0.1 GB of VRAM", "raise the budget", model_work=("model files opened",))
+                       "needs at least 0.1 GiB of VRAM", "raise the budget", model_work=("model files opened",))
 
     def test_plan_shows_what_the_step_cache_adds(self, run):
         outcome = run("plan", "--budget", "12", "--cfg", "4", "--batch", "2", "--step-cache", "dbcache")
         assert outcome.code == 0 and outcome.err_lines == []
         assert "VRAM plan: budget 12.00 GiB" in outcome.out
         assert ("step cache (dbcache F8B0, threshold 0.08, steps 15%-95%, at most 3 skips in a row): its residual "
-                "tensors add 0.88 GiB to the DiT's work memory; least budget 4.8 GB with it, 3.9 GB without"
+                "tensors add 0.88 GiB to the DiT's work memory; least budget 4.8 GiB with it, 3.9 GiB without"
                 ) in outcome.out
         without = run("plan", "--budget", "12", "--cfg", "4", "--batch", "2")
         assert "step cache" not in without.out and without.out != outcome.out.rsplit("\n", 2)[0]
 
     def test_plan_refuses_a_budget_only_the_step_cache_puts_out_of_reach_as_generate_does(self, run):
         assert_refused(run("plan", "--budget", "4.2", "--cfg", "4", "--batch", "2", "--step-cache", "dbcache"),
-                       "a 1024x1024 batch-2 job (CFG 4, DiT bf16) with a step cache needs at least 4.8 GB of VRAM "
-                       "with everything streamed, 3.9 GB without it",
-                       "raise the budget (--budget) to 4.8 GB, or leave out the step cache (--step-cache)")
+                       "a 1024x1024 batch-2 job (CFG 4, DiT bf16) with a step cache needs at least 4.8 GiB of VRAM "
+                       "with everything streamed, 3.9 GiB without it",
+                       "raise the budget (--budget) to 4.8 GiB, or leave out the step cache (--step-cache)")
         assert run("plan", "--budget", "4.2", "--cfg", "4", "--batch", "2").code == 0
 
     def test_plan_says_when_another_phase_decides_the_least_budget(self, run):
         outcome = run("plan", "--budget", "12", "--step-cache", "fbcache")
-        assert "least budget 2.5 GB with it or without (another phase needs more than the DiT)" in outcome.out
+        assert "least budget 2.5 GiB with it or without (another phase needs more than the DiT)" in outcome.out
 
     def test_a_budget_on_the_cpu_gets_a_notice_saying_what_it_does(self, run, tiny_turbo_folder):
         argv = ("generate", "--model-dir", str(tiny_turbo_folder), "--device", "cpu", "--steps", "1", "--width",
@@ -458,7 +517,7 @@ class TestBudgets:
     (["generate", "--step-cache", "off:threshold=0.1"], "step cache off takes no settings"),
     (["generate", "--step-cache", "dbcache", "--step-cache", "fbcache"], "--step-cache is given twice"),
     (["generate", "--step-cache", "dbcache:threshold=1_0"], "step cache threshold '1_0' is not a number"),
-    (["plan", "--budget", "1_0"], "--budget '1_0' is not a number of GB"),
+    (["plan", "--budget", "1_0"], "--budget '1_0' is not a number of GiB"),
 ])
 def test_the_command_refuses_in_one_line_without_a_traceback(tmp_path, argv, cause):
     """`python -m ernie_image` as a user runs it (this checkout, linked as the package): one line, exit 2, nothing

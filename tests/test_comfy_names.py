@@ -79,8 +79,8 @@ def test_a_budget_that_is_no_number_of_gb_names_the_loaders_widget_and_its_auto(
         ErnieImageLoader().load(diffusers_folder="ERNIE-Image-Turbo", diffusion_model="(none)", text_encoder="(none)",
                                 vae="(none)", prompt_enhancer="(none)", variant="auto", vram_budget_gb=budget,
                                 keep_loaded=False)
-    assert str(refused.value) == (f"the Loader's vram_budget_gb {budget!r} is not a positive number of GB up to 1e+06: "
-                                  "give the GB the pipe may use, or 0 for auto (what is free after ComfyUI makes room)")
+    assert str(refused.value) == (f"the Loader's vram_budget_gb {budget!r} is not a positive number of GiB up to 1e+06: "
+                                  "give the GiB the pipe may use, or 0 for auto (what is free after ComfyUI makes room)")
 
 
 NAMES = {"model_dir": "--model-dir", "text_encoder": "--text-encoder", "vae": "--vae", "width": "--width",

@@ -52,7 +52,8 @@ def test_a_2048_second_pass_fits_12_gb_with_every_phase_inside_it():
     assert all(peak <= usable for peak in plan.phase_peaks.values()), plan.table()
     assert plan.encode.tile == 512 and not plan.encode.persistent  # loaded for its phase, then dropped
     assert len(plan.dit.resident) >= 12  # the VAE's work at 2048 does not push the DiT out
-    assert "VAE encode   loaded for its phase, then dropped, tiled 512px" in plan.table()
+    assert "VAE encode   loaded for its phase, then dropped, 512-pixel tiles" in plan.table()
+    assert "VAE decode   resident, 1024-pixel tiles" in plan.table()  # a 2048 image tiles by itself: the plan says so
 
 
 def test_an_image_job_costs_at_most_a_block_more_than_text_to_image():

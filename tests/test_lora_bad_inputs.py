@@ -201,7 +201,7 @@ def test_a_single_letter_before_the_colon_is_a_drive_only_on_windows(windows, te
     assert parse_lora_argument(text) == LoraEntry(Path(path), strength)
 
 
-@pytest.mark.parametrize("text, match", [("a.safetensors:nan", "is not allowed"), ("a.safetensors:12", "is not allowed"),
+@pytest.mark.parametrize("text, match", [("a.safetensors:nan", "is not a number"), ("a.safetensors:12", "is not allowed"),
                                          ("a.safetensors:strong", "is not a number"), ("", "needs a file"),
                                          (":0.5", r"^--lora ':0.5' names no file before the colon: give --lora "
                                                   r"PATH:0.5 \(PATH: the LoRA .safetensors\)$"),

@@ -247,7 +247,7 @@ def test_the_message_names_the_budget_and_the_job(model) -> None:
     pipe.generate(request, NullHost())
     pipe.parts.dit.layers[0].forward = raise_oom
     with pytest.raises(MemoryBudgetError, match=r"in the DiT phase \(256x256 batch 2 CFG 3, tried to allocate "
-                                                r"2\.50 GiB\): lower the VRAM budget \(vram_budget_gb, 6 GB now\), "
+                                                r"2\.50 GiB\): lower the VRAM budget \(vram_budget_gb, 6 GiB now\), "
                                                 r"a smaller size or batch, or a quantised"):
         pipe.generate(request, NullHost())
     assert not pipe.is_loaded() and pipe.memory.plan is None
@@ -399,7 +399,7 @@ def real_out_of_memory_is_reported_and_freed(model: ModelSources) -> None:
     try:
         for _ in range(2):
             with pytest.raises(MemoryBudgetError,
-                               match=r"^out of GPU memory on cuda.* lower the VRAM budget \(vram_budget_gb, 8 GB now\)"):
+                               match=r"^out of GPU memory on cuda.* lower the VRAM budget \(vram_budget_gb, 8 GiB now\)"):
                 pipe.generate(request, NullHost())
             assert not pipe.is_loaded()
             held_after.append(torch.cuda.memory_allocated())

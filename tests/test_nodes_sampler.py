@@ -144,7 +144,7 @@ def plan_device() -> str:
 
 
 LOADER_PLAN_BELOW = re.compile(
-    r"^VRAM plan for a 1024x1024 image: this budget \((?P<budget>[\d.]+) GB\) is below the (?P<needed>[\d.]+) GB a "
+    r"^VRAM plan for a 1024x1024 image: this budget \((?P<budget>[\d.]+) GiB\) is below the (?P<needed>[\d.]+) GiB a "
     r"1024x1024 image needs at least \(batch 1, CFG 1\); the Sampler checks its own size before it starts, and a "
     r"smaller image needs less$")
 

@@ -82,7 +82,7 @@ def test_config_sizes_are_the_built_fp32_dits_so_placing_it_plans_once(model):
 
 def test_budget_too_small_fails_before_loading_anything(model):
     pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=1e-6))
-    with pytest.raises(MemoryBudgetError, match=r"needs at least .* GB of VRAM"):
+    with pytest.raises(MemoryBudgetError, match=r"needs at least .* GiB of VRAM"):
         pipe.generate(REQUEST, NullHost())
     assert pipe.parts.dit is None and pipe.parts.text_tower is None and pipe.memory.plan is None
 

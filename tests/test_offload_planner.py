@@ -122,8 +122,8 @@ def test_too_small_budget_names_the_smallest_that_works():
     with pytest.raises(MemoryBudgetError) as error:
         plan_memory(1 * GiB, Job(1024, 1024), SIZES)
     message = str(error.value)
-    assert "1024x1024" in message and "budget is 1.00 GB" in message
-    smallest = float(message.split("at least ")[1].split(" GB")[0])
+    assert "1024x1024" in message and "budget is 1.00 GiB" in message
+    smallest = float(message.split("at least ")[1].split(" GiB")[0])
     assert plan_memory(int(smallest * GiB), Job(1024, 1024), SIZES).peak <= smallest * GiB
     with pytest.raises(MemoryBudgetError):
         plan_memory(int((smallest - 0.2) * GiB), Job(1024, 1024), SIZES)
@@ -133,7 +133,7 @@ def test_bigger_jobs_need_bigger_minimum_budgets():
     def smallest(job: Job) -> float:
         with pytest.raises(MemoryBudgetError) as error:
             plan_memory(GiB // 4, job, SIZES)
-        return float(str(error.value).split("at least ")[1].split(" GB")[0])
+        return float(str(error.value).split("at least ")[1].split(" GiB")[0])
 
     assert smallest(Job(1024, 1024)) < smallest(Job(1024, 1024, batch=2, cfg=4.0)) < smallest(Job(2048, 2048, cfg=4.0))
 
@@ -174,7 +174,7 @@ def test_cli_prints_the_plan(capsys):
     (["--budget", "1", "--width", "1024", "--height", "1024"], "needs at least"),
     (["--budget", "12", "--width", "1000", "--height", "1024"], "multiple of 16"),
     (["--budget", "-3"], "not a positive number"),
-    (["--budget", "abc"], "--budget 'abc' is not a number of GB: give e.g. --budget 12"),  # was a traceback
+    (["--budget", "abc"], "--budget 'abc' is not a number of GiB: give e.g. --budget 12"),  # was a traceback
     (["--budget", "12", "--cfg", "nan"], "--cfg 'nan' is not a number"),  # was accepted
     (["--budget", "12", "--cfg", "101"], "--cfg 101.0 is not allowed: use 0..100"),
 ])

@@ -348,9 +348,9 @@ def wide_model(tmp_path_factory) -> Path:
 
 # The least budget with the step cache's residuals, and without: a budget between them is refused for the cache alone.
 BUDGET_REFUSAL = re.compile(
-    r"^a 256x256 batch-1 job \(CFG 3, DiT fp32\) with a step cache needs at least (?P<needed>[\d.]+) GB of VRAM with "
-    r"everything streamed, (?P<without>[\d.]+) GB without it: the step cache's residual tensors raise the minimum "
-    r"above the budget of (?P<budget>[\d.]+) GB: raise the budget \((?P<budget_name>.+)\) to (?P=needed) GB, or "
+    r"^a 256x256 batch-1 job \(CFG 3, DiT fp32\) with a step cache needs at least (?P<needed>[\d.]+) GiB of VRAM with "
+    r"everything streamed, (?P<without>[\d.]+) GiB without it: the step cache's residual tensors raise the minimum "
+    r"above the budget of (?P<budget>[\d.]+) GiB: raise the budget \((?P<budget_name>.+)\) to (?P=needed) GiB, or "
     r"leave out the step cache \((?P<cache_name>.+)\)$")
 
 
@@ -388,8 +388,8 @@ def test_a_budget_below_the_minimum_without_the_step_cache_is_refused_without_bl
     request = cached(dataclasses.replace(BASE, batch=1, steps=2), "dbcache")
     without_cache = least_budget_gb(wide_model, dataclasses.replace(request, step_cache=None), "cpu")
     pipe = LocalPipe.load(wide_model, LoadOptions(device="cpu", vram_budget_gb=without_cache / 2))
-    refusal = (r"^a 256x256 batch-1 job \(CFG 3, DiT fp32\) needs at least .* GB of VRAM with everything streamed; "
-               r"the budget is .* GB: raise the budget, ")
+    refusal = (r"^a 256x256 batch-1 job \(CFG 3, DiT fp32\) needs at least .* GiB of VRAM with everything streamed; "
+               r"the budget is .* GiB: raise the budget, ")
     with pytest.raises(MemoryBudgetError, match=refusal) as refused:
         pipe.generate(request, NullHost())
     assert "step cache" not in str(refused.value)

@@ -321,3 +321,95 @@ def test_a_config_beside_a_dit_file_that_is_another_parts_is_not_read_as_its_con
     shutil.copyfile(tiny_turbo_folder / other / "config.json", dit.parent / "config.json")
     sources = ModelSources(model_dir=tiny_turbo_folder, dit=dit)
     assert first_line(sources).startswith("ERNIE-Image Base, by default: nothing in the files says which")
+
+
+# ------------------------------------------------------------------------------------------- a name that says otherwise
+NAME_NOTICE = ("the {what} name {name} says {named}, but {decider} says {label} ({evidence}): it runs as {label}; set "
+               "{setting} to turbo or base to choose")
+NO_LORA_FIELDS = "it has no use_lora or lora_rank, which Turbo's carries"
+
+
+@pytest.fixture(scope="module")
+def misnamed_folders(tmp_path_factory) -> dict[str, Path]:
+    """Diffusers folders whose name says the other variant than their transformer config: 'ERNIE-Image-Turbo' holding
+    the base release's config (no use_lora/lora_rank), 'ERNIE-Image-Base' holding Turbo's."""
+    root = tmp_path_factory.mktemp("named")
+    return {name: build_tiny_model(root / name, layout="diffusers", variant=variant).model_dir
+            for name, variant in (("ERNIE-Image-Turbo", "base"), ("ERNIE-Image-Base", "turbo"))}
+
+
+MISNAMED = {  # folder -> what the notice says, and what the run is
+    "ERNIE-Image-Turbo": (dict(named="Turbo", label="Base", evidence=NO_LORA_FIELDS), "base"),
+    "ERNIE-Image-Base": (dict(named="Base", label="Turbo", evidence="it has use_lora and lora_rank"), "turbo"),
+}
+
+
+def _name_notice(folder: str, setting: str) -> str:
+    said, _ = MISNAMED[folder]
+    return NAME_NOTICE.format(what="folder", name=folder, decider="the transformer config", setting=setting, **said)
+
+
+def _run_folder(capsys, folder: Path, out: Path, *extra: str) -> list[str]:
+    code = main(["generate", "--model-dir", str(folder), "--prompt", "a fox", "--width", "256", "--height", "256",
+                 "--steps", "1", "--device", "cpu", "--out", str(out), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 0, err
+    return err
+
+
+@pytest.mark.parametrize("folder", list(MISNAMED))
+def test_a_folder_named_one_variant_whose_config_says_the_other_runs_as_the_config_says_with_a_notice(
+        capsys, tmp_path, misnamed_folders, folder):
+    err = _run_folder(capsys, misnamed_folders[folder], tmp_path / "x.png")
+    assert err.count(_name_notice(folder, "--variant")) == 1, err
+    _, variant = MISNAMED[folder]
+    label = "Turbo" if variant == "turbo" else "Base"
+    run_line = next(line for line in err if line.startswith("1 image(s) 256x256"))
+    assert f"; ERNIE-Image {label}, from the transformer config; on cpu" in run_line
+    assert ("CFG 1," if variant == "turbo" else "CFG 4,") in run_line  # the config's variant's defaults
+
+
+@pytest.mark.parametrize("folder", list(MISNAMED))
+@pytest.mark.parametrize("chosen", ["turbo", "base"])
+def test_a_variant_set_chooses_and_the_name_notice_goes(capsys, tmp_path, misnamed_folders, folder, chosen):
+    err = _run_folder(capsys, misnamed_folders[folder], tmp_path / "x.png", "--variant", chosen)
+    assert not any(" name " in line and " says " in line for line in err), err
+    label = "Turbo" if chosen == "turbo" else "Base"
+    assert any(f"; ERNIE-Image {label}, set by --variant; on cpu" in line for line in err), err
+
+
+def test_a_folder_whose_name_agrees_or_says_nothing_gets_no_notice(capsys, tmp_path, tiny_turbo_folder):
+    for name in ("ERNIE-Image-Turbo", "my-model"):
+        folder = Path(shutil.copytree(tiny_turbo_folder, tmp_path / name))
+        err = _run_folder(capsys, folder, tmp_path / f"{name}.png")
+        assert not any(" name " in line and " says " in line for line in err), err
+
+
+def test_a_file_whose_metadata_says_base_but_whose_name_says_turbo_gets_the_notice(capsys, tmp_path, base):
+    misnamed = copied(base.dit, tmp_path / "models" / "ernie-image-turbo.safetensors")
+    host = LoggingHost()
+    LocalPipe.load(dataclasses.replace(base, dit=misnamed), CPU).generate(
+        GenerationRequest(prompt="a fox", width=256, height=256, steps=1), host)
+    assert NAME_NOTICE.format(what="file", name=misnamed.name, named="Turbo", decider="the file's metadata",
+                              label="Base", evidence="ernie_image.variant base", setting="variant") in host.messages
+
+
+def test_the_loader_text_says_it(misnamed_folders, tmp_path, monkeypatch, no_comfy_modules_left_behind):
+    models = tmp_path / "models"
+    shutil.copytree(misnamed_folders["ERNIE-Image-Turbo"], models / "diffusers" / "ERNIE-Image-Turbo")
+    monkeypatch.setitem(sys.modules, "folder_paths", fake_folder_paths(models))
+    pipe, plan = load_with_loader("auto", diffusers_folder="ERNIE-Image-Turbo", diffusion_model="(none)",
+                                  text_encoder="(none)", vae="(none)")["result"]
+    assert pipe.variant == "base" and plan.startswith("ERNIE-Image Base, from the transformer config;")
+    assert _name_notice("ERNIE-Image-Turbo", "the Loader's variant widget") in plan.splitlines()
+    _, plan = load_with_loader("turbo", diffusers_folder="ERNIE-Image-Turbo", diffusion_model="(none)",
+                               text_encoder="(none)", vae="(none)")["result"]
+    assert "ERNIE-Image-Turbo says" not in plan  # the widget chose: what the files say is the override's notice
+
+
+def test_quantize_says_it_before_recording_the_config_s_variant(capsys, tmp_path, misnamed_folders):
+    out = tmp_path / "q.gguf"
+    code, printed, err = _quantize(capsys, "--dit", str(misnamed_folders["ERNIE-Image-Turbo"] / "transformer"),
+                                   "--format", "q8_0", "--out", str(out))
+    assert code == 0 and err.splitlines() == [_name_notice("ERNIE-Image-Turbo", "--variant")], err
+    assert printed.rstrip().endswith("; recorded as Base, from the transformer config")

@@ -278,7 +278,7 @@ export const TEMPLATE_INDEX = [
         "title": "ERNIE-Image Turbo Hires Fix",
         "mediaType": "image",
         "mediaSubtype": "jpg",
-        "description": "Generate at 1024x1024, upscale to 2048x2048 and refine it with a second Turbo pass at denoise 0.4, inside a 12 GB budget.",
+        "description": "Generate at 1024x1024, upscale to 2048x2048 and refine it with a second Turbo pass at denoise 0.4, inside a 12 GiB budget.",
         "tags": [
           "Text to Image",
           "Image",

@@ -46,7 +46,7 @@ def check_number_range(value: float, option: str, low: float, high: float, hint:
 
 
 def parse_budget(text: str) -> Optional[float]:
-    """`--budget` (generate and plan): GB (GiB) as a plain decimal number, or 'auto' (None). The range is
+    """`--budget` (generate and plan): GiB as a plain decimal number, or 'auto' (None). The range is
     LoadOptions' own check, so both commands refuse a budget in the library's one wording (cli/names.py gives it
     the CLI's words)."""
     from ..local.options import check_budget_gb
@@ -55,7 +55,7 @@ def parse_budget(text: str) -> Optional[float]:
         return None
     value = decimal_from_text(text)
     if value is None:
-        raise InvalidInputError(f"--budget {text!r} is not a number of GB: give e.g. --budget 12 ({DECIMAL_RULE}), "
+        raise InvalidInputError(f"--budget {text!r} is not a number of GiB: give e.g. --budget 12 ({DECIMAL_RULE}), "
                                 "or auto")
     check_budget_gb(value, shown=text)
     return value

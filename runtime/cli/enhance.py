@@ -16,7 +16,7 @@ from ..text.enhancer import LocalEnhancer, revise_prompts, validate_sampling
 from ..text.remote_enhancer import ChatEndpoint, revise_prompts_remote
 from .checks import check_input_path, check_seed
 from .console import ConsoleHost
-from .parser import OneLineParser
+from .parser import DecimalNumber, OneLineParser, WholeNumber
 from .remote_args import cli_credentials
 
 
@@ -36,12 +36,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pe-timeout", default=None, metavar="S",
                         help="seconds to wait for the server's revised prompt (default 120)")
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--height", type=int, default=1024)
-    parser.add_argument("--seed", type=int, default=0, help=f"0..{SEED_MASK}, as generate's --seed")
-    parser.add_argument("--temperature", type=float, default=0.6)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--width", action=WholeNumber, example="1024", default=1024)
+    parser.add_argument("--height", action=WholeNumber, example="1024", default=1024)
+    parser.add_argument("--seed", action=WholeNumber, once=True, example="7", default=0,
+                        repeat_hint=" (run the command once per seed)", help=f"0..{SEED_MASK}, as generate's --seed")
+    parser.add_argument("--temperature", action=DecimalNumber, example="0.6", default=0.6)
+    parser.add_argument("--top-p", action=DecimalNumber, example="0.95", default=0.95)
+    parser.add_argument("--max-new-tokens", action=WholeNumber, example="512", default=512)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     parser.add_argument("--quiet", action="store_true", help="no timing line on stderr")

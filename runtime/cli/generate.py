@@ -65,7 +65,8 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--budget", default="auto",
-                        help="VRAM budget in GB (GiB), or auto; on the CPU it saves no memory (a notice says so)")
+                        help="VRAM budget in GiB (1024 MiB, as nvidia-smi counts), or auto; on the CPU it saves no "
+                             "memory (a notice says so)")
     parser.add_argument("--quant", default="none", metavar="{" + ",".join(QUANT_CHOICES) + "}",
                         help="quantise a bf16 DiT on load (a DiT file that is already quantised runs in its own format: "
                              "leave --quant out for it)")

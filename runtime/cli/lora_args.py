@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from pathlib import Path
 from typing import Sequence
 
 from ..core.errors import InvalidInputError
+from ..core.number_text import DECIMAL_RULE, decimal_from_text
 from ..lora.files import file_stamp
 from ..lora.stack import LORA_MODES, LoraEntry, LoraStack, check_strength
 
 DRIVE_LETTERS = os.name == "nt"  # where "C:" before a colon is a drive, not a file named C
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?(nan|inf|infinity)", re.IGNORECASE)
 
 
 def add_lora_argument(parser: argparse.ArgumentParser) -> None:
@@ -32,20 +31,22 @@ def parse_lora_argument(text: str) -> LoraEntry:
     """`PATH[:STRENGTH]` (the CLI's --lora): strength 1.0 when left out. The last colon starts the strength; on
     Windows a single letter before it, in either case, is a drive, part of the path (C:0.5 and c:0.5 are the file
     0.5 on that drive; C:\\x.safetensors:0.5 is x.safetensors at 0.5), elsewhere it is a file name (c:0.5 is the
-    file c at 0.5). Nothing before the colon is an error."""
+    file c at 0.5). Nothing before the colon is an error. The strength is a plain decimal (core/number_text): a
+    tail such as ` 0.5`, `1_0`, `nan` or other scripts' digits is no strength, refused after a .safetensors path."""
     path, sep, tail = text.rpartition(":")
     drive = DRIVE_LETTERS and len(path) == 1 and path.isalpha()
-    if sep and path and _NUMBER.fullmatch(tail.strip()) and not drive:
-        return LoraEntry(Path(path), check_strength(tail, Path(path).name))
+    strength = decimal_from_text(tail)
+    if sep and path and strength is not None and not drive:
+        return LoraEntry(Path(path), check_strength(strength, Path(path).name))
     if not text:
         raise InvalidInputError("--lora needs a file: give --lora PATH or --lora PATH:STRENGTH")
     if sep and not path:
-        fix = f"--lora PATH{text}" if _NUMBER.fullmatch(tail.strip()) else "--lora PATH or --lora PATH:STRENGTH"
+        fix = f"--lora PATH{text}" if strength is not None else "--lora PATH or --lora PATH:STRENGTH"
         raise InvalidInputError(f"--lora {text!r} names no file before the colon: give {fix} (PATH: the LoRA "
                                 ".safetensors)")
     if sep and Path(path).suffix.lower() == ".safetensors":
         raise InvalidInputError(f"LoRA {Path(path).name} strength {tail!r} is not a number: give --lora "
-                                f"{path}:0.8 (or leave ':STRENGTH' out for 1.0)")
+                                f"{path}:0.8 ({DECIMAL_RULE}), or leave ':STRENGTH' out for 1.0")
     return LoraEntry(Path(text))
 
 

@@ -18,7 +18,8 @@ from .step_cache_args import add_step_cache_argument, step_cache_of
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="ernie-image plan",
                            description="Show how ERNIE-Image is placed in a VRAM budget (no GPU needed).")
-    parser.add_argument("--budget", default="auto", help="VRAM budget in GB (GiB), or 'auto' (this machine's GPU)")
+    parser.add_argument("--budget", default="auto",
+                        help="VRAM budget in GiB (1024 MiB, as nvidia-smi counts), or 'auto' (this machine's GPU)")
     parser.add_argument("--width", action=WholeNumber, example="1024", default=1024)
     parser.add_argument("--height", action=WholeNumber, example="1024", default=1024)
     parser.add_argument("--batch", action=WholeNumber, example="2", default=1)
@@ -56,7 +57,8 @@ def main_plan(argv: Sequence[str]) -> int:
             import torch
 
             if not torch.cuda.is_available():
-                raise ErnieImageError("--budget auto needs a CUDA GPU to measure: give the budget in GB, e.g. --budget 12")
+                raise ErnieImageError("--budget auto needs a CUDA GPU to measure: give the budget in GiB, e.g. "
+                                      "--budget 12")
             device = torch.device("cuda")
         budget = budget_bytes(budget_gb, device)
         sizes = ModelSizes.released(args.variant, args.format, with_pe=args.pe)
@@ -80,8 +82,8 @@ def step_cache_effect(cache: StepCacheConfig, job: Job, sizes: ModelSizes, devic
     extra = dit_workspace(sizes, job, device_type) - dit_workspace(sizes, uncached, device_type)
     needed, needed_without = (least_budget(one, sizes, device_type) for one in (job, uncached))
     if needed == needed_without:
-        least = f"least budget {gib_up(needed)} GB with it or without (another phase needs more than the DiT)"
+        least = f"least budget {gib_up(needed)} GiB with it or without (another phase needs more than the DiT)"
     else:  # one decimal as the budget refusal says them, more where that would show two equal figures
         decimals = next((d for d in range(1, 10) if gib_up(needed, d) != gib_up(needed_without, d)), 9)
-        least = f"least budget {gib_up(needed, decimals)} GB with it, {gib_up(needed_without, decimals)} GB without"
+        least = f"least budget {gib_up(needed, decimals)} GiB with it, {gib_up(needed_without, decimals)} GiB without"
     return f"step cache ({cache.label()}): its residual tensors add {extra / 2**30:.2f} GiB to the DiT's work memory; {least}"

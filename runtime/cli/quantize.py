@@ -16,7 +16,9 @@ import torch
 
 from ..core.errors import ErnieImageError, InvalidInputError, ModelFileError
 from ..core.non_finite import refuse_non_finite_weights
-from ..core.variant import VARIANT_SETTING, VariantChoice, checked_variant_option, decide_variant, override_notice
+from ..core.weight_dtypes import refuse_non_floating
+from ..core.variant import (VARIANT_SETTING, VariantChoice, checked_variant_option, decide_variant, name_notice,
+                            override_notice)
 from ..files.inputs_outputs import refuse_outputs_over_inputs
 from ..formats.component_file import QUANT_MARKERS, open_component
 from ..formats.safetensors_reader import is_gguf, open_safetensors
@@ -88,6 +90,7 @@ def read_bf16_dit(source: str | Path, files: list[Path] | None = None) -> dict[s
     state: dict[str, torch.Tensor] = {}
     for file in files:
         tensors, _ = read_safetensors_file(file)
+        refuse_non_floating(tensors, file)  # the DiT holds no integer tensor: one would not quantise, nor load
         state.update((strip_dit_prefix(key), tensor) for key, tensor in tensors.items())
     missing = [k for k in DIT_MARKER_KEYS if k not in state]
     if missing:
@@ -141,9 +144,9 @@ def main_quantize(argv: list[str] | None = None) -> int:
         refuse_output_over_input(args.out, args.dit)
         files = bf16_dit_files(args.dit)
         variant = source_variant(args.dit, args.variant)  # before any weight is read
-        overriding = override_notice(variant)
-        if overriding:
-            print(cli_words(overriding, overriding.settings), file=sys.stderr)
+        for notice in (override_notice(variant), name_notice(variant)):  # what the written file records, told
+            if notice:
+                print(cli_words(notice, notice.settings), file=sys.stderr)
         state = read_bf16_dit(args.dit, files)
         refuse_non_finite_weights(state, f"--dit {args.dit}", "re-download them, then quantise again")
         counts = quantized_layer_counts(state, args.format)

@@ -5,7 +5,7 @@ import argparse
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..core.errors import InvalidInputError
-from ..core.step_cache_config import METHODS, OFF, StepCacheConfig, parse_step_cache
+from ..core.step_cache_config import COMPUTE, METHODS, OFF, SKIP, StepCacheConfig, parse_step_cache
 from .parser import Option, OutputPath
 
 if TYPE_CHECKING:
@@ -14,8 +14,10 @@ if TYPE_CHECKING:
 
 STEP_CACHE_HELP = (f"skip the DiT's middle blocks on steps where its first blocks barely change: {' or '.join(METHODS)} "
                    "(cache-dit's Dual Block Cache, First-Block-Cache), optionally with threshold (0.08), start (0.15), "
-                   "end (0.95), max_skips (3), first_blocks (8), last_blocks (0), e.g. "
-                   f"dbcache:threshold=0.12,max_skips=2; {OFF} (alone) for none")
+                   "end (0.95), max_skips (3), first_blocks (8), last_blocks (0), and for measuring forced (one "
+                   f"letter per step, {COMPUTE} computed or {SKIP} skipped, the first and the last {COMPUTE}; it "
+                   f"decides in place of start, end, max_skips and threshold: forced={COMPUTE}{SKIP}{SKIP}{COMPUTE} "
+                   f"for 4 steps), e.g. dbcache:threshold=0.12,max_skips=2; {OFF} (alone) for none")
 
 
 def add_step_cache_argument(parser: argparse.ArgumentParser, help_tail: str = "") -> None:

@@ -10,6 +10,9 @@ The two releases share every key and shape, so the weights cannot tell them apar
      "base" or "ernie" without "turbo" the base model; a word after "not", "no", "non" or "without" counts as the
      other variant (`base_not_turbo` is Base); a name with words of both variants tells nothing;
   5. else the base model, saying that nothing told which.
+Where the metadata or the config decides and the file or folder name says the other variant (a folder named
+ERNIE-Image-Turbo whose transformer config is the base release's), the model runs as they say, with a notice naming
+both and the setting that chooses (name_notice).
 """
 from __future__ import annotations
 
@@ -36,15 +39,26 @@ Source = Literal["set", "metadata", "config", "name", "default"]
 
 
 @dataclass(frozen=True)
+class NameSays:
+    """What a file or folder name says (name_variant): the variant, "file" or "folder", and the name."""
+
+    variant: Variant
+    what: str
+    name: str
+
+
+@dataclass(frozen=True)
 class VariantChoice:
     variant: Variant
     source: Source
     how: str  # "from the file's metadata", ...: the words after the variant's name
     overrides: Optional["VariantChoice"] = None  # set by the user against what the files say: what they say
+    evidence: str = ""  # what in the files says it ("ernie_image.variant base", "it has no use_lora or lora_rank")
+    name_says: Optional[NameSays] = None  # the name, where it says the other variant than the metadata or config
 
     @property
     def label(self) -> str:
-        return "Turbo" if self.variant == "turbo" else "Base"
+        return _label(self.variant)
 
     @property
     def settings(self) -> tuple[str, ...]:
@@ -73,6 +87,23 @@ def override_notice(choice: VariantChoice) -> Optional[NamedLine]:
                        f"model is taken as {choice.label}", VARIANT_SETTING)
 
 
+def name_notice(choice: VariantChoice) -> Optional[NamedLine]:
+    """The line for files whose metadata or config says one variant and whose name the other ("the folder name
+    ERNIE-Image-Turbo says Turbo, but the transformer config says Base (...): it runs as Base; set variant to turbo or
+    base to choose"); None when they agree, or the name says nothing, or the user set the variant."""
+    named = choice.name_says
+    if named is None:
+        return None
+    decider = "the file's metadata" if choice.source == "metadata" else "the transformer config"
+    return naming_line(f"the {named.what} name {named.name} says {_label(named.variant)}, but {decider} says "
+                       f"{choice.label} ({choice.evidence}): it runs as {choice.label}; set {VARIANT_SETTING} to "
+                       "turbo or base to choose", VARIANT_SETTING)
+
+
+def _label(variant: Variant) -> str:
+    return "Turbo" if variant == "turbo" else "Base"
+
+
 def checked_variant_option(value: object) -> Optional[Variant]:
     """The variant override as given: None or "auto" (decided from the files), "base" or "turbo"."""
     if value is None or value == AUTO:
@@ -95,18 +126,36 @@ def decide_variant(dit, set_to: Optional[Variant] = None) -> VariantChoice:
 
 
 def _files_say(dit) -> VariantChoice:
+    named = _name_says(Path(dit.path))
     recorded = dit.metadata.get(METADATA_KEY)
     if recorded is not None:
-        return VariantChoice(_recorded_variant(recorded, dit.path), "metadata", "from the file's metadata")
+        variant = _recorded_variant(recorded, dit.path)
+        return VariantChoice(variant, "metadata", "from the file's metadata", evidence=f"{METADATA_KEY} {recorded}",
+                             name_says=_other(named, variant))
     if dit.config is not None:
-        turbo = any(key in dit.config for key in TURBO_CONFIG_KEYS)
-        return VariantChoice("turbo" if turbo else "base", "config", "from the transformer config")
-    for name, what in _names(Path(dit.path)):
-        said = name_variant(name)
-        if said is not None:
-            return VariantChoice(said, "name", f"from the {what} name")
+        held = [key for key in TURBO_CONFIG_KEYS if key in dit.config]
+        variant = "turbo" if held else "base"
+        evidence = (f"it has {' and '.join(held)}" if held else
+                    f"it has no {' or '.join(TURBO_CONFIG_KEYS)}, which Turbo's carries")
+        return VariantChoice(variant, "config", "from the transformer config", evidence=evidence,
+                             name_says=_other(named, variant))
+    if named is not None:
+        return VariantChoice(named.variant, "name", f"from the {named.what} name")
     return VariantChoice("base", "default", f"by default: nothing in the files says which (set {VARIANT_SETTING} "
                                             "if it is Turbo)")
+
+
+def _name_says(path: Path) -> Optional[NameSays]:
+    """What the first name that says a variant says (_names, in turn), or None."""
+    for name, what in _names(path):
+        said = name_variant(name)
+        if said is not None:
+            return NameSays(said, what, name)
+    return None
+
+
+def _other(named: Optional[NameSays], variant: Variant) -> Optional[NameSays]:
+    return named if named is not None and named.variant != variant else None
 
 
 _NEGATIONS = frozenset({"not", "no", "non", "without"})

@@ -72,6 +72,12 @@ class ComponentFile:
     _releasers: dict[str, Callable[[], None]] = field(repr=False, default_factory=dict)
     config_file: Optional[Path] = None  # the config.json `config` was read from (None: metadata, inferred or none)
     files: tuple[FileIdentity, ...] = ()  # every file read, as opened: weights and config.json (files/identity.py)
+    _stored: dict[str, tuple[Path, str]] = field(repr=False, default_factory=dict)  # key -> (its file, its raw name)
+
+    def stored_as(self, key: str) -> tuple[Path, str]:
+        """Where `key` is stored, for a message: the weight file holding it (a folder's shard, else the file given)
+        and its name in that file (before prefixes are dropped and BFL names renamed)."""
+        return self._stored.get(key, (self.path, key))
 
     def tensor(self, key: str) -> torch.Tensor:
         try:
@@ -108,7 +114,7 @@ def open_component(path: Path, kind: Kind) -> ComponentFile:
         return _open_quantized(path, kind, "quantized-safetensors", metadata)
     identity = identify(shapes)
     _check_kind(identity, kind, path, shapes)
-    loaders, bfl, releasers = _canonical_loaders(kind, identity, owner)
+    loaders, bfl, releasers, stored = _canonical_loaders(kind, identity, owner)
     config, config_file = _read_config(path, kind, metadata)
     if kind == "vae" and config is None:
         config = config_from_shapes(_decoder_shapes(loaders), _released_vae_config())
@@ -116,7 +122,7 @@ def open_component(path: Path, kind: Kind) -> ComponentFile:
     files = tuple(reader.identity for reader in readers) + _identities(config_file)
     return ComponentFile(kind=kind, layout=layout, path=path, config=config, keys=sorted(loaders),
                          _loaders=loaders, metadata=metadata, _releasers=releasers, config_file=config_file,
-                         files=files)
+                         files=files, _stored=stored)
 
 
 def _check_text_role(identity: Identity, kind: str, path: Path, shapes: dict) -> None:
@@ -187,10 +193,13 @@ def _view(reader: SafetensorsFile, raw_key: str, reshape=None) -> Loader:
 
 
 def _canonical_loaders(kind: str, identity: Identity, owner: dict[str, SafetensorsFile]
-                       ) -> tuple[dict[str, Loader], bool, dict[str, Callable[[], None]]]:
+                       ) -> tuple[dict[str, Loader], bool, dict[str, Callable[[], None]], dict[str, tuple[Path, str]]]:
+    """Per canonical name: its loader, its releaser and where it is stored (its file, its raw name); and whether the
+    VAE's names are BFL's."""
     prefix = identity.prefix
     loaders: dict[str, Loader] = {}
     releasers: dict[str, Callable[[], None]] = {}
+    stored: dict[str, tuple[Path, str]] = {}
     if kind == "vae" and identity.layout == "bfl":
         inner = {key[len(prefix):]: reader for key, reader in owner.items() if key.startswith(prefix)}
         count = num_up_blocks_bfl(inner)
@@ -199,11 +208,13 @@ def _canonical_loaders(kind: str, identity: Identity, owner: dict[str, Safetenso
             if name is not None:
                 loaders[name] = _view(reader, prefix + key, reshape)
                 releasers[name] = lambda reader=reader, raw=prefix + key: reader.release(raw)
+                stored[name] = (reader.path, prefix + key)
     else:
         for raw_key, reader in owner.items():
             if kind == "pe" and raw_key == "lm_head.weight":
                 loaders["lm_head.weight"] = _view(reader, raw_key)
                 releasers["lm_head.weight"] = lambda reader=reader, raw=raw_key: reader.release(raw)
+                stored["lm_head.weight"] = (reader.path, raw_key)
                 continue
             if not raw_key.startswith(prefix):
                 continue
@@ -212,10 +223,11 @@ def _canonical_loaders(kind: str, identity: Identity, owner: dict[str, Safetenso
                 continue
             loaders[name] = _view(reader, raw_key)
             releasers[name] = lambda reader=reader, raw=raw_key: reader.release(raw)
+            stored[name] = (reader.path, raw_key)
     if kind == "vae" and "bn.running_mean" in loaders and "bn.num_batches_tracked" not in loaders:
         # BatchNorm's step counter: in diffusers' state dict, absent from some files, unused at inference.
         loaders["bn.num_batches_tracked"] = lambda: torch.tensor(0, dtype=torch.int64)
-    return loaders, kind == "vae" and identity.layout == "bfl", releasers
+    return loaders, kind == "vae" and identity.layout == "bfl", releasers, stored
 
 
 def _decoder_shapes(loaders: dict[str, Loader]) -> dict:

@@ -125,20 +125,22 @@ def open_part(sources: ModelSources, kind: str) -> Any:
 
 def open_checked_parts(sources: ModelSources, options: LoadOptions) -> dict[str, Any]:
     """Every part's file opened (headers only) by kind ("dit", "text_encoder", "vae"): a missing, damaged or wrong
-    file fails here, and so does a `quant` the DiT cannot take."""
+    file fails here, and so does a `quant` asked of a DiT file already quantised."""
     opened = {kind: open_part(sources, kind) for kind in COMPONENTS}
-    dit = opened["dit"]
-    if dit.quantized:
-        refuse_quant_for_quantized_dit(options.quant, dit)
-    else:
-        check_quant_packs(options.quant, {key: dit.tensor(key) for key in dit.keys})  # mapped views
+    if opened["dit"].quantized:
+        refuse_quant_for_quantized_dit(options.quant, opened["dit"])
     return opened
 
 
-def check_configs_build(opened: dict[str, Any], variant: Variant) -> None:
-    """Each part built from its config on the meta device: a bad config.json fails at load, not mid-job."""
+def check_configs_build(opened: dict[str, Any], variant: Variant, quant: str = "none") -> None:
+    """Each part built from its config on the meta device: a bad config.json, or weights in types the part's never
+    are, fail at load, not mid-job; then a `quant` none of the DiT's weights can be packed in (told after the dtypes,
+    since integer weights pack in no format)."""
     for kind, component in opened.items():
         check_config_builds(component, kind, variant)
+    dit = opened["dit"]
+    if not dit.quantized:
+        check_quant_packs(quant, {key: dit.tensor(key) for key in dit.keys})  # mapped views
 
 
 def check_pe_file(sources: ModelSources, variant: Variant) -> Any:

@@ -176,8 +176,8 @@ class PipeMemory:
             plan = plan_memory(budget, job, sizes, self.device.type)
         except MemoryBudgetError:
             needed = gib_up(least_budget(job, sizes, self.device.type))
-            shown = f"{gib_shown(budget)} GB" + (", auto" if self.budget_gb is None else "")
-            return naming_line(f"VRAM plan for {size}: this budget ({shown}) is below the {needed} GB {size} "
+            shown = f"{gib_shown(budget)} GiB" + (", auto" if self.budget_gb is None else "")
+            return naming_line(f"VRAM plan for {size}: this budget ({shown}) is below the {needed} GiB {size} "
                                f"needs at least (batch {job.batch}, CFG {job.cfg:g}); {RUN_CHECKS_ITS_SIZE}, and a "
                                "smaller image needs less", RUN_CHECKS_ITS_SIZE)
         return naming_line(plan.table(title=f"VRAM plan for {size} ({RUN_CHECKS_ITS_SIZE})"), RUN_CHECKS_ITS_SIZE)

@@ -25,9 +25,9 @@ SWITCHES = ("keep_loaded", "previews", "pe_compile", "cuda_graphs")  # options t
 @dataclass
 class LoadOptions:
     """How a LocalPipe loads and runs. device: auto, cpu, cuda, cuda:N. dtype: auto, bf16, fp16, fp32.
-    vram_budget_gb: GB the pipe may use (None: free VRAM less a reserve). keep_loaded, previews, pe_compile,
-    cuda_graphs: True or False. quant: none, auto, bf16, fp8, q8_0, q4_k, nvfp4. compile: "auto" (the default: the
-    DiT's blocks are compiled once that pays for itself), True (at load) or False; compiling needs a CUDA device and
+    vram_budget_gb: GiB (2**30 bytes) the pipe may use (None: free VRAM less a reserve). keep_loaded, previews,
+    pe_compile, cuda_graphs: True or False. quant: none, auto, bf16, fp8, q8_0, q4_k, nvfp4. compile: "auto" (the
+    default: the DiT's blocks are compiled once that pays for itself), True (at load) or False; compiling needs a CUDA device and
     Triton, and elsewhere the DiT runs uncompiled whatever is asked (the pipe's description says so).
     arithmetic: fast or exact. pe_quant: none or fp8. pe_endpoint: a text.remote_enhancer.ChatEndpoint.
     lora_mode: merge or branch. Checked in full by validate(), before any file is read."""
@@ -94,12 +94,12 @@ class LoadOptions:
 
 
 def check_budget_gb(budget: Any, shown: Optional[str] = None) -> None:
-    """A VRAM budget in GB: a positive finite number up to MAX_BUDGET_GB. The one refusal of a budget out of range,
+    """A VRAM budget in GiB: a positive finite number up to MAX_BUDGET_GB. The one refusal of a budget out of range,
     for LoadOptions and the CLI's --budget alike; `shown`: the value as the user typed it (else its repr)."""
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) \
             or not 0 < budget <= MAX_BUDGET_GB:
-        raise InvalidInputError(f"vram_budget_gb {shown or repr(budget)} is not a positive number of GB up to "
-                                f"{MAX_BUDGET_GB:g}: give the GB the pipe may use, or {AUTO_BUDGET}"
+        raise InvalidInputError(f"vram_budget_gb {shown or repr(budget)} is not a positive number of GiB up to "
+                                f"{MAX_BUDGET_GB:g}: give the GiB the pipe may use, or {AUTO_BUDGET}"
                                 ).naming("vram_budget_gb", AUTO_BUDGET)
 
 

@@ -69,7 +69,7 @@ def out_of_memory_message(error: BaseException, phase: str, request: GenerationR
     allocation = _ALLOCATION.search(str(oom))
     failed = _what_failed(request, allocation.group(1) if allocation else None)
     if budget_gb is not None and budget_gb != "auto":
-        budget = f"lower the VRAM budget (vram_budget_gb, {float(budget_gb):g} GB now)"
+        budget = f"lower the VRAM budget (vram_budget_gb, {float(budget_gb):g} GiB now)"
     else:
         budget = "set a VRAM budget (vram_budget_gb)"
     fix = PHASE_FIXES.get(phase, DIT_FIX)

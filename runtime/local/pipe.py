@@ -18,7 +18,8 @@ from ..core.host import Host, NullHost, wants_previews
 from ..core.non_finite import refuse_non_finite
 from ..core.pipe import check_generate_call
 from ..core.request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
-from ..core.variant import Variant, VariantChoice, decide_variant, override_notice, set_by_user, settings_notice
+from ..core.variant import (Variant, VariantChoice, decide_variant, name_notice, override_notice, set_by_user,
+                            settings_notice)
 from ..formats import open_component
 from ..formats.sources import ModelSources
 from ..lora.stack import LoraStack
@@ -92,7 +93,7 @@ class LocalPipe:
         options.validate()
         opened = open_checked_parts(sources, options)
         pipe = cls(sources, options, decide_variant(opened["dit"], sources.variant), loras)
-        check_configs_build(opened, pipe.variant)  # on the meta device: a bad config.json fails now
+        check_configs_build(opened, pipe.variant, options.quant)  # on the meta device: a bad config.json fails now
         pipe.parts.note_dit_file(opened["dit"])  # what 'auto' runs is said before the DiT is built
         pipe._lora.resolve(pipe.loras, sources)
         pe = check_pe_file(sources, pipe.variant)
@@ -261,7 +262,7 @@ class LocalPipe:
 
     def _generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         self._phase = "setup"
-        for notice in (override_notice(self.variant_choice),
+        for notice in (override_notice(self.variant_choice), name_notice(self.variant_choice),
                        settings_notice(self.variant_choice, request.settings_for, request.steps, request.cfg)):
             if notice:
                 host.log(notice)

@@ -15,6 +15,8 @@ from ..core.variant import Variant
 from ..formats.config_json import config_named, load_config
 from .arithmetic import ArithmeticName
 from .config_fit import check_config_fits, dit_fields_from_shapes
+from .dtype_fit import check_built_dtypes, floating_tensors
+from .dynamo_import import import_dynamo
 from .fill import fill_from_file
 from .tensor_fit import check_built_tensors, shapes_of
 
@@ -90,6 +92,7 @@ def build_text_tower(component, device: torch.device, dtype: torch.dtype, varian
 
 def text_tower_on_meta(component, variant: Variant = "base") -> torch.nn.Module:
     """The text tower its config describes, on the meta device: a config that does not build it is named."""
+    import_dynamo()
     from transformers import MistralConfig, MistralModel
 
     with config_named(component, "text encoder"):
@@ -135,6 +138,7 @@ def build_vae(component, device: torch.device, dtype: torch.dtype, part: VaePart
 
 def vae_on_meta(component) -> torch.nn.Module:
     """The whole VAE its config describes, on the meta device: a config that does not build it is named."""
+    import_dynamo()
     from diffusers import AutoencoderKLFlux2
 
     with config_named(component, "VAE"):
@@ -148,18 +152,21 @@ def vae_on_meta(component) -> torch.nn.Module:
 
 def check_config_builds(component, kind: str, variant: Variant = "base") -> None:
     """The config held against the weights' shapes (config_fit.py), then the part it describes built on the meta
-    device, its tensors held against the file's (tensor_fit.py), and dropped: a config that does not fit the weights
-    or does not build its part (wrong types, values out of range) fails at load in one line naming the config, before
-    any work."""
+    device, its tensors held against the file's (tensor_fit.py) and their dtypes (dtype_fit.py), and dropped: a config
+    that does not fit the weights or does not build its part (wrong types, values out of range), or a file holding
+    integers where the part's weights are floating point, fails at load in one line, before any work."""
     check_config_fits(component, kind, variant)
     if kind == "dit":
-        check_built_tensors(component, kind, shapes_of(dit_on_meta(component)))
+        part = dit_on_meta(component)
+        check_built_tensors(component, kind, shapes_of(part))
     elif kind == "text_encoder":
-        tower = text_tower_on_meta(component, variant)
-        last = f"layers.{len(tower.layers)}."  # the layer hidden_states[-2] never reads, and the final norm
-        check_built_tensors(component, kind, shapes_of(tower),
+        part = text_tower_on_meta(component, variant)
+        last = f"layers.{len(part.layers)}."  # the layer hidden_states[-2] never reads, and the final norm
+        check_built_tensors(component, kind, shapes_of(part),
                             may_hold=lambda key: key.startswith(last) or key == "norm.weight")
     else:
+        part = vae_on_meta(component)
         decoder_only = not any(key.startswith("encoder.") for key in component.keys)  # text-to-image needs no more
-        check_built_tensors(component, kind, shapes_of(vae_on_meta(component)),
+        check_built_tensors(component, kind, shapes_of(part),
                             may_lack=lambda key: decoder_only and key.startswith(("encoder.", "quant_conv.")))
+    check_built_dtypes(component, floating_tensors(part))

@@ -8,24 +8,32 @@ the mark with it. A mark that cannot be read or written only makes the next proc
 """
 from __future__ import annotations
 
+import getpass
 import json
 import os
+import re
+import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 MARKS_FILE = "ernie_image_compiled.json"
 
 
-def inductor_cache_folder() -> Optional[Path]:
-    """Where inductor keeps its cache, found as inductor finds it, without creating it or setting its variable."""
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:  # a torch without inductor's runtime utilities: nothing to vouch for
-        return None
-    return Path(os.path.abspath(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()))
+def inductor_cache_folder() -> Path:
+    """Where inductor keeps its cache, found as torch/_inductor/runtime/cache_dir_utils.py finds it
+    (TORCHINDUCTOR_CACHE_DIR, else `torchinductor_<user>` in the temporary folder), without creating it: importing
+    torch._inductor to ask it would import torch._dynamo, which makes the folder (dynamo_import.py)."""
+    asked = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if asked is None:
+        try:
+            user = getpass.getuser()
+        except (KeyError, ModuleNotFoundError, OSError):
+            getuid = getattr(os, "getuid", None)
+            user = f"uid_{getuid()}" if callable(getuid) else "unknown_user"
+        asked = os.path.join(tempfile.gettempdir(), "torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    return Path(os.path.abspath(asked))
 
 
 def device_name(device: torch.device) -> str:
@@ -48,14 +56,13 @@ def caches_hold(weight_format: str, device: torch.device) -> bool:
     """Whether blocks of `weight_format` have compiled into this machine's inductor cache on this GPU and torch."""
     if torch.device(device).type != "cuda":  # blocks compile on CUDA only
         return False
-    folder = inductor_cache_folder()
-    return folder is not None and _key(weight_format, device) in _marks(folder)
+    return _key(weight_format, device) in _marks(inductor_cache_folder())
 
 
 def mark_compiled(weight_format: str, device: torch.device) -> None:
     """Record that blocks of `weight_format` compiled here (after a job ran them compiled)."""
     folder = inductor_cache_folder()
-    if folder is None or not folder.is_dir():
+    if not folder.is_dir():
         return
     marks = _marks(folder)
     marks[_key(weight_format, device)] = time.strftime("%Y-%m-%d %H:%M:%S")

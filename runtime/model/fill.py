@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from ..core.errors import ModelFileError
+from .dtype_fit import check_built_dtypes, floating_tensors
 
 QUANT_ON_LOAD_FORMATS = ("fp8", "q8_0", "q4_k", "nvfp4")
 
@@ -15,7 +16,9 @@ QUANT_ON_LOAD_FORMATS = ("fp8", "q8_0", "q4_k", "nvfp4")
 def fill_from_file(module: torch.nn.Module, component, device: torch.device, dtype: torch.dtype, quant: str = "none",
                    quant_device: Optional[torch.device] = None, keep_fp32: tuple[str, ...] = ()) -> torch.nn.Module:
     """Fill a meta-device module from `component` (packed Linears when the file is quantised or `quant` asks),
-    then check that nothing is left on the meta device."""
+    then check that nothing is left on the meta device. A file holding integers where the module's weights are
+    floating point is refused first, in one line (dtype_fit.py)."""
+    check_built_dtypes(component, floating_tensors(module))
     if component.quantized or quant in QUANT_ON_LOAD_FORMATS:
         module = _build_quantized(module, component, device, dtype, quant, quant_device or device)
     else:

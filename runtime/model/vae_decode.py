@@ -7,7 +7,7 @@ import torch
 
 # diffusers hard-codes this epsilon (the VAE config says 1e-4); the reference image depends on it.
 BN_EPS = 1e-5
-TILED_DECODE_ABOVE_PIXELS = 1536 * 1536
+TILED_DECODE_ABOVE_PIXELS = 1536 * 1536  # a larger image is decoded and encoded in tiles of the VAE's sample size
 
 
 def denormalise(latents: torch.Tensor, vae) -> torch.Tensor:
@@ -20,6 +20,15 @@ def unpatchify(latents: torch.Tensor) -> torch.Tensor:
     """[B, 128, h, w] -> [B, 32, 2h, 2w]; channel c*4 + 2*dy + dx holds pixel (2y+dy, 2x+dx) of channel c."""
     b, c, h, w = latents.shape
     return latents.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // 4, h * 2, w * 2)
+
+
+def vae_tile(planned: Optional[int], pixels: int, sample_size: int) -> Optional[int]:
+    """The tile side a VAE pass over an image of `pixels` pixels runs with: the memory plan's (`planned`) when it
+    has one; else, above TILED_DECODE_ABOVE_PIXELS, the VAE's `sample_size`; else None, the whole image at once.
+    The planner records this (its plan's table says it) and the pass runs with what the plan records."""
+    if planned is None and pixels > TILED_DECODE_ABOVE_PIXELS:
+        return sample_size
+    return planned
 
 
 def configure_tiling(vae, tile: Optional[int]) -> None:
@@ -38,14 +47,12 @@ def configure_tiling(vae, tile: Optional[int]) -> None:
 def decode_images(latents: torch.Tensor, vae, tile: Optional[int] = None) -> torch.Tensor:
     """Normalised latents -> float32 [B, H, W, 3] in 0..1 on the CPU (ComfyUI's IMAGE).
 
-    `tile`: the memory plan's tile size when a whole image does not fit; large images tile by themselves.
+    `tile`: the memory plan's tile side (`vae_tile`); without a plan large images tile by themselves.
     """
     vae_dtype = vae.decoder.conv_in.weight.dtype  # post_quant_conv is None in a VAE built without one
     device = vae.decoder.conv_in.weight.device
     spatial = unpatchify(denormalise(latents.to(device, torch.float32), vae)).to(vae_dtype)
     pixels = spatial.shape[-1] * spatial.shape[-2] * 64
-    if tile is None and pixels > TILED_DECODE_ABOVE_PIXELS:
-        tile = int(vae.config.sample_size)
-    configure_tiling(vae, tile)
+    configure_tiling(vae, vae_tile(tile, pixels, int(vae.config.sample_size)))
     decoded = vae.decode(spatial, return_dict=False)[0]
     return (decoded.float() / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu().contiguous()

@@ -10,9 +10,7 @@ from typing import Optional
 
 import torch
 
-from .vae_decode import BN_EPS, TILED_DECODE_ABOVE_PIXELS, configure_tiling
-
-TILED_ENCODE_ABOVE_PIXELS = TILED_DECODE_ABOVE_PIXELS
+from .vae_decode import BN_EPS, configure_tiling, vae_tile
 
 
 def normalise(latents: torch.Tensor, vae) -> torch.Tensor:
@@ -36,13 +34,11 @@ def encode_images(images: torch.Tensor, vae, tile: Optional[int] = None) -> torc
     """float32 [B, H, W, 3] in 0..1 (ComfyUI's IMAGE) -> normalised latents [B, 128, H/16, W/16], float32 on the
     VAE's device.
 
-    `tile`: the memory plan's tile size when a whole image does not fit; large images tile by themselves.
+    `tile`: the memory plan's tile side (vae_decode.vae_tile); without a plan large images tile by themselves.
     """
     weight = encoder_weight(vae)
     pixels = images.to(weight.device, torch.float32).permute(0, 3, 1, 2) * 2 - 1
-    if tile is None and images.shape[1] * images.shape[2] > TILED_ENCODE_ABOVE_PIXELS:
-        tile = int(vae.config.sample_size)
-    configure_tiling(vae, tile)
+    configure_tiling(vae, vae_tile(tile, images.shape[1] * images.shape[2], int(vae.config.sample_size)))
     moments = vae.encode(pixels.to(weight.dtype), return_dict=False)[0]
     mean = moments.mean.float()  # DiagonalGaussianDistribution: the posterior mean, no sampling
     return normalise(patchify(mean), vae)

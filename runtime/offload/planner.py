@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from ..core.errors import MemoryBudgetError
+from ..model.vae_decode import vae_tile
 from .sizes import ModelSizes
 from .workspace import Job, dit_workspace, pe_workspace, text_workspace, vae_encode_workspace, vae_workspace
 
@@ -75,7 +76,7 @@ class LayeredPlan:
 @dataclass(frozen=True)
 class VaePlan:
     persistent: bool
-    tile: Optional[int]  # pixels per tile side; None: whole-image decode
+    tile: Optional[int]  # pixels per tile side the decode runs with (vae_decode.vae_tile); None: whole-image decode
     weight_bytes: int
     workspace: int
 
@@ -85,7 +86,7 @@ class EncodePlan:
     """The VAE encoder of a job with an image in: its own phase, before the text encoder's."""
 
     persistent: bool  # kept between runs (everything fits); else loaded for its phase and dropped
-    tile: Optional[int]  # pixels per tile side; None: whole-image encode
+    tile: Optional[int]  # pixels per tile side the encode runs with (vae_decode.vae_tile); None: whole-image encode
     weight_bytes: int
     workspace: int
 
@@ -133,7 +134,7 @@ def auto_budget(free_bytes: int, total_bytes: int, held_by_us: int = 0) -> int:
     return max(free_bytes + held_by_us - reserve, 0)
 
 
-MAX_BUDGET_GB = 1e6  # a budget above this is a typo, not a device (and past ~1.6e299 GB not a byte count)
+MAX_BUDGET_GB = 1e6  # GiB; a budget above this is a typo, not a device (and past ~1.6e299 GiB not a byte count)
 
 
 def budget_bytes(spec: "float | str | None", device=None, held_by_pipe: int = 0) -> Optional[int]:
@@ -149,11 +150,11 @@ def budget_bytes(spec: "float | str | None", device=None, held_by_pipe: int = 0)
         try:
             value = float(spec)
         except ValueError:
-            raise MemoryBudgetError(f"VRAM budget {spec!r} is not a number of GB: give e.g. 12 or 'auto'") from None
+            raise MemoryBudgetError(f"VRAM budget {spec!r} is not a number of GiB: give e.g. 12 or 'auto'") from None
         if not math.isfinite(value) or value <= 0:
-            raise MemoryBudgetError(f"VRAM budget {spec!r} is not a positive number of GB: give e.g. 12 or 'auto'")
+            raise MemoryBudgetError(f"VRAM budget {spec!r} is not a positive number of GiB: give e.g. 12 or 'auto'")
         if value > MAX_BUDGET_GB:
-            raise MemoryBudgetError(f"VRAM budget {spec!r} GB is more than any device holds (at most "
+            raise MemoryBudgetError(f"VRAM budget {spec!r} GiB is more than any device holds (at most "
                                     f"{MAX_BUDGET_GB:g}): give e.g. 12 or 'auto'")
         return int(value * GiB)
     import torch
@@ -249,13 +250,13 @@ def _too_small(budget: int, job: Job, sizes: ModelSizes, device_type: str, slots
         without_cache = least_budget(uncached, sizes, device_type, slots)
         needed_gb, without_gb, budget_gb = gib_apart(needed, without_cache, budget)
         return MemoryBudgetError(
-            f"{what} with a step cache needs at least {needed_gb} GB of VRAM with everything streamed, "
-            f"{without_gb} GB without it: the step cache's residual tensors raise the minimum above the budget of "
-            f"{budget_gb} GB: raise the budget (vram_budget_gb) to {needed_gb} GB, or leave out the step cache "
+            f"{what} with a step cache needs at least {needed_gb} GiB of VRAM with everything streamed, "
+            f"{without_gb} GiB without it: the step cache's residual tensors raise the minimum above the budget of "
+            f"{budget_gb} GiB: raise the budget (vram_budget_gb) to {needed_gb} GiB, or leave out the step cache "
             f"(step_cache)").naming("vram_budget_gb", "step_cache")
     return MemoryBudgetError(
-        f"{what} needs at least {gib_up(needed)} GB of VRAM with everything streamed; the budget is "
-        f"{gib_shown(budget)} GB: raise the budget, lower the size or batch, or use a smaller weight format (q4_k, "
+        f"{what} needs at least {gib_up(needed)} GiB of VRAM with everything streamed; the budget is "
+        f"{gib_shown(budget)} GiB: raise the budget, lower the size or batch, or use a smaller weight format (q4_k, "
         f"nvfp4)")
 
 
@@ -271,10 +272,12 @@ def plan_memory(budget: Optional[int], job: Job, sizes: ModelSizes, device_type:
     text_ws = text_workspace(sizes, device_type)
     use_pe = job.use_pe and sizes.pe is not None
     pe_ws = pe_workspace(sizes, device_type) if use_pe else 0
-    vae_full = VaePlan(True, None, sizes.vae_bytes, vae_workspace(sizes, job, None, device_type))
+    # "Whole image" is the pass without a tile of the plan's: above a size it tiles by itself, as the plan records.
+    own_tile = vae_tile(None, job.width * job.height, sizes.vae_sample_size)
+    vae_full = VaePlan(True, own_tile, sizes.vae_bytes, vae_workspace(sizes, job, own_tile, device_type))
     pe_resident = _layered(sizes.pe, "resident", 0, pe_ws, False) if use_pe else None
-    encode_full = (EncodePlan(True, None, sizes.vae_encoder_bytes, vae_encode_workspace(sizes, job, None, device_type))
-                   if job.encode else None)
+    encode_full = (EncodePlan(True, own_tile, sizes.vae_encoder_bytes,
+                              vae_encode_workspace(sizes, job, own_tile, device_type)) if job.encode else None)
 
     dit_all = plan_dit(sizes, sizes.dit.layers, 0, dit_ws)
     text_resident = _layered(sizes.text, "resident", 0, text_ws, True)
@@ -301,7 +304,7 @@ def plan_memory(budget: Optional[int], job: Job, sizes: ModelSizes, device_type:
         # Whole-image encode only where the other phases already need that much: it must not cost DiT blocks.
         others = max(dit_ws, text_streamed.phase_bytes, sizes.vae_bytes + vae.workspace,
                      _layered(sizes.pe, "phase", 0, pe_ws, False).phase_bytes if use_pe else 0)
-        whole = EncodePlan(False, None, encode_full.weight_bytes, encode_full.workspace)
+        whole = EncodePlan(False, encode_full.tile, encode_full.weight_bytes, encode_full.workspace)
         encode = whole if whole.phase_bytes <= others else encode_tiled
     encode_phase = encode.phase_bytes if encode else 0
     notes: list[str] = []
@@ -399,8 +402,8 @@ def render_plan(plan: MemoryPlan, pcie_gbps: float = PCIE_GBPS, title: str = "VR
         lines.append(f"{name:<13}{what:<52}{g(gpu):>8}{g(work):>9}{g(pinned):>11}")
 
     if plan.encode is not None:
-        encode_what = ("resident" if plan.encode.persistent else "loaded for its phase, then dropped") + (
-            f", tiled {plan.encode.tile}px" if plan.encode.tile else ", whole image")
+        encode_what = ("resident" if plan.encode.persistent else "loaded for its phase, then dropped") \
+            + _tiles_text(plan.encode.tile)
         row("VAE encode", encode_what, plan.encode.weight_bytes, plan.encode.workspace, 0)
     if plan.pe is not None:
         row("enhancer", _layer_text(plan.pe), plan.pe.gpu_bytes, plan.pe.workspace, plan.pe.pinned_bytes)
@@ -410,18 +413,22 @@ def render_plan(plan: MemoryPlan, pcie_gbps: float = PCIE_GBPS, title: str = "VR
     else:
         what = f"all {dit.layers} blocks resident"
     row("DiT", what, dit.gpu_weight_bytes, dit.workspace, dit.pinned_bytes)
-    vae_what = ("resident" if plan.vae.persistent else "loaded per decode") + (
-        f", tiled {plan.vae.tile}px" if plan.vae.tile else ", whole image")
+    vae_what = ("resident" if plan.vae.persistent else "loaded per decode") + _tiles_text(plan.vae.tile)
     row("VAE decode", vae_what, plan.vae.weight_bytes, plan.vae.workspace, 0)
     if dit.streamed:
         lines.append(f"streamed DiT blocks: {_ranges(dit.streamed)}")
         copy = dit.copy_bytes_per_step
-        lines.append(f"copy per DiT step: {copy / 1e9:.2f} GB, {1000 * copy / (pcie_gbps * 1e9):.0f} ms at "
+        lines.append(f"copy per DiT step: {copy / GiB:.2f} GiB, {1000 * copy / (pcie_gbps * 1e9):.0f} ms at "
                      f"{pcie_gbps:g} GB/s (overlaps the resident blocks' compute)")
     peaks = ", ".join(f"{name} {value / GiB:.2f}" for name, value in plan.phase_peaks.items())
     lines.append(f"peak by phase (GiB): {peaks}; pinned host {plan.pinned_bytes / GiB:.2f} GiB")
     lines.extend(f"note: {note}" for note in plan.notes)
     return "\n".join(lines)
+
+
+def _tiles_text(tile: Optional[int]) -> str:
+    """How a VAE pass covers the image: the tile side it runs with (the plan's own record), or the whole image."""
+    return f", {tile}-pixel tiles" if tile else ", whole image"
 
 
 def _layer_text(plan: LayeredPlan) -> str:

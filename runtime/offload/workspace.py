@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model.vae_decode import TILED_DECODE_ABOVE_PIXELS
+from ..model.vae_decode import vae_tile
 from .sizes import DEQUANT_FORMATS, ModelSizes
 
 FRAGMENTATION = 1.10
@@ -91,10 +91,9 @@ def pe_workspace(sizes: ModelSizes, device_type: str = "cuda") -> int:
 
 
 def _effective_tile(sizes: ModelSizes, job: Job, tile: int | None) -> int | None:
-    """A 'whole image' VAE pass over a large image tiles by itself at the VAE's sample size (model/vae_decode.py, model/vae_encode.py)."""
-    if tile is None and job.width * job.height > TILED_DECODE_ABOVE_PIXELS:
-        return sizes.vae_sample_size
-    return tile
+    """The tile a VAE pass of `job` runs with when asked for `tile` (model/vae_decode.py: a 'whole image' pass over
+    a large image tiles by itself at the VAE's sample size)."""
+    return vae_tile(tile, job.width * job.height, sizes.vae_sample_size)
 
 
 def vae_workspace(sizes: ModelSizes, job: Job, tile: int | None, device_type: str = "cuda") -> int:

@@ -63,10 +63,16 @@ def _as_torch(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array)
 
 
+# Plain arrays gguf reads in their own numpy dtype, besides FLOAT_TYPES: float64 is cast to the run's dtype on load, as
+# diffusers casts it; integers are refused where the part's tensor is floating point (model/dtype_fit.py), naming
+# the file, rather than here as a block type this pack cannot dequantise.
+PLAIN_TYPES = ("F64", "I8", "I16", "I32", "I64")
+
+
 def _tensor_entry(reader_tensor, name: str) -> torch.Tensor | QuantizedWeight:
     qtype = reader_tensor.tensor_type.name
     shape = tuple(int(d) for d in reversed(reader_tensor.shape.tolist()))
-    if qtype in FLOAT_TYPES:
+    if qtype in FLOAT_TYPES or qtype in PLAIN_TYPES:
         data = _as_torch(reader_tensor.data)
         if qtype == "BF16":  # gguf-py exposes BF16 as raw bytes
             data = data.view(torch.bfloat16)

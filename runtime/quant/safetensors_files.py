@@ -8,7 +8,8 @@ Recognised per layer (a layer = a `<name>.weight` key), by tensors and metadata,
   * ModelOpt / diffusers-BFL: uint8 `weight` + e4m3 `weight_scale` [N, K/16] + `weight_scale_2` (NVFP4),
     or fp8 `weight` + fp32 `weight_scale` (per tensor or per row).
   * Plain fp8 weights without a scale (ComfyUI's unscaled fp8 files).
-Everything else comes back as plain tensors.
+Everything else comes back as plain tensors. A packed layer's tensors in another type than its format holds (an
+integer weight, scale or comfy_quant entry) are refused in one line naming the file before any is read as packed.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..core.errors import ModelFileError, one_line
+from ..core.weight_dtypes import wrong_dtypes
 from .nvfp4 import from_modelopt
 from .qweight import QuantizedWeight
 
@@ -91,10 +93,71 @@ def _detect_weight(layer: str, raw: dict[str, torch.Tensor], legacy_fp8: bool) -
     return None
 
 
+# What each packed layer's tensors may be, as a refusal says it (core/weight_dtypes.py), checked in this order.
+COMFY_QUANT = "comfy_quant entries are uint8 (JSON text)"
+FP8_WEIGHTS = "FP8 weights are float8_e4m3fn or float8_e5m2"
+NVFP4_WEIGHTS = "NVFP4 weights are uint8 (packed pairs)"
+NVFP4_BLOCK_SCALES = "NVFP4 block scales are float8_e4m3fn"
+SCALES = "scales are floating point"
+_NVFP4_BLOCK_SCALE_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # uint8: the same bytes, viewed as e4m3
+_SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale", ".scale_weight", ".scale_input")
+
+WrongDtypes = dict[str, dict[str, torch.dtype]]  # what they should be (a phrase above) -> {tensor: its dtype}
+
+
+def _is_nvfp4(layer: str, raw: dict[str, torch.Tensor], formats: dict[str, str]) -> bool:
+    """The layer is NVFP4: so its file says (comfy_quant), or its tensors do (ModelOpt: uint8 weight, two scales)."""
+    if layer in formats:
+        return formats[layer] == "nvfp4"
+    weight = raw.get(f"{layer}.weight")
+    return weight is not None and weight.dtype == torch.uint8 and f"{layer}.weight_scale_2" in raw
+
+
+def _comfy_quant_dtypes(raw: dict[str, torch.Tensor]) -> WrongDtypes:
+    """comfy_quant entries in another type than uint8: read before any layer's format is."""
+    wrong = {key: tensor.dtype for key, tensor in raw.items()
+             if key.endswith(".comfy_quant") and tensor.dtype != torch.uint8}
+    return {COMFY_QUANT: wrong} if wrong else {}
+
+
+def _packed_dtypes(raw: dict[str, torch.Tensor], formats: dict[str, str]) -> WrongDtypes:
+    """Each packed layer's tensors in another type than its format holds: the packed weight in float8 (FP8) or uint8
+    (NVFP4), NVFP4's block scales in float8_e4m3fn, every other scale in floating point. Tensors beside the packed
+    layers (norms, biases, unpacked weights) are the part's to check against its own (model/dtype_fit.py)."""
+    wrong: WrongDtypes = {}
+    for layer, fmt in formats.items():
+        weight = raw.get(f"{layer}.weight")
+        if weight is None:
+            continue
+        if fmt in ("float8_e4m3fn", "float8_e5m2") and weight.dtype not in _FP8_DTYPES:
+            wrong.setdefault(FP8_WEIGHTS, {})[f"{layer}.weight"] = weight.dtype
+        elif fmt == "nvfp4" and weight.dtype != torch.uint8:
+            wrong.setdefault(NVFP4_WEIGHTS, {})[f"{layer}.weight"] = weight.dtype
+    for key, tensor in raw.items():
+        suffix = next((suffix for suffix in _SCALE_SUFFIXES if key.endswith(suffix)), None)
+        if suffix is None:
+            continue
+        if suffix == ".weight_scale" and _is_nvfp4(key[: -len(suffix)], raw, formats):
+            if tensor.dtype not in _NVFP4_BLOCK_SCALE_DTYPES:
+                wrong.setdefault(NVFP4_BLOCK_SCALES, {})[key] = tensor.dtype
+        elif not tensor.is_floating_point():
+            wrong.setdefault(SCALES, {})[key] = tensor.dtype
+    return wrong
+
+
+def _refuse(wrong: WrongDtypes, path: Path) -> None:
+    """One line for the first kind of tensor (in the order above) held in a type its layout never holds."""
+    for where in (COMFY_QUANT, FP8_WEIGHTS, NVFP4_WEIGHTS, NVFP4_BLOCK_SCALES, SCALES):
+        if where in wrong:
+            raise wrong_dtypes(path, wrong[where], where)
+
+
 def load_quantized_safetensors(path: str | Path) -> dict[str, torch.Tensor | QuantizedWeight]:
     path = Path(path)
     raw, metadata = read_safetensors_file(path)
+    _refuse(_comfy_quant_dtypes(raw), path)
     formats = _layer_formats(raw, metadata, path)
+    _refuse(_packed_dtypes(raw, formats), path)
     legacy_fp8 = "scaled_fp8" in raw
     state: dict[str, torch.Tensor | QuantizedWeight] = {}
     for key, tensor in raw.items():

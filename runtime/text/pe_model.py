@@ -25,6 +25,8 @@ from ..formats.config_json import config_named, load_config, read_config
 from ..formats.sources import ModelSources, component_folder
 from ..model.builders import rebuild_rotary_tables
 from ..model.config_fit import check_config_fits
+from ..model.dtype_fit import check_built_dtypes, floating_tensors
+from ..model.dynamo_import import import_dynamo
 from ..model.fill import fill_from_file
 from ..model.tensor_fit import check_built_tensors, shapes_of
 from .token_sampler import TRANSFORMERS_DEFAULT_TOP_K
@@ -97,6 +99,7 @@ def pe_weight_bytes(config: dict, dtype: torch.dtype) -> int:
 
 def pe_on_meta(component, variant: Variant = "base"):
     """The Ministral3ForCausalLM its config describes, on the meta device: a config that does not build it is named."""
+    import_dynamo()
     from transformers import Ministral3Config, Ministral3ForCausalLM
 
     with config_named(component, "prompt enhancer"):
@@ -115,11 +118,19 @@ def check_pe_config(component, variant: Variant = "base") -> None:
     if not model.config.tie_word_embeddings:  # a head of its own, read from the file's lm_head.weight
         made["lm_head.weight"] = tuple(model.lm_head.weight.shape)
     check_built_tensors(component, "pe", made)
+    check_pe_dtypes(component, model)
+
+
+def check_pe_dtypes(component, model) -> None:
+    """The file's dtypes held against the PE's (dtype_fit.py): its model's tensors, and an untied head's."""
+    head = set() if model.config.tie_word_embeddings else {"lm_head.weight"}
+    check_built_dtypes(component, floating_tensors(model.model) | head)
 
 
 def build_pe_model(component, device: torch.device, dtype: torch.dtype, variant: Variant = "base"):
     """Ministral3ForCausalLM filled from a "pe" ComponentFile (canonical MistralModel keys)."""
     model = pe_on_meta(component, variant)
+    check_pe_dtypes(component, model)  # the head too, which fill_from_file does not read
     config = model.config
     rebuild_rotary_tables(model.model, config, device)
     fill_from_file(model.model, component, device, dtype)
