@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional
 
 import pytest
-from PIL import Image
+from PIL import Image, ImageFile
 
 from ernie_image.nodes.remote import ErnieImageRemoteBackend
 from ernie_image.nodes.sampler import ErnieImageTurboSampler
@@ -42,14 +42,23 @@ MISBEHAVING = "refused, the server is misbehaving: check the server and the mode
 CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # samples per pixel of each PNG colour type
 
 
+ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+
+
 def png(color_type: int, depth: int, pixel: bytes = b"", palette: Optional[bytes] = None,
-        trns: Optional[bytes] = None) -> bytes:
-    """A SIDE x SIDE PNG of this colour type and bit depth, every pixel `pixel` (zeros when empty)."""
-    row = pixel * SIDE if pixel else bytes(-(-SIDE * CHANNELS[color_type] * depth // 8))
-    chunks = [(b"IHDR", struct.pack(">IIBBBBB", SIDE, SIDE, depth, color_type, 0, 0, 0))]
+        trns: Optional[bytes] = None, interlaced: bool = False, pixels_cut: int = 0) -> bytes:
+    """A SIDE x SIDE PNG of this colour type and bit depth, every pixel `pixel` (zeros when empty); `interlaced`:
+    Adam7; `pixels_cut`: that many bytes of the filtered pixels left out, the PNG's chunks otherwise whole."""
+    rows = []
+    for x0, y0, dx, dy in ADAM7 if interlaced else ((0, 0, 1, 1),):
+        columns = -(-(SIDE - x0) // dx)
+        row = pixel * columns if pixel else bytes(-(-columns * CHANNELS[color_type] * depth // 8))
+        rows += [b"\x00" + row] * -(-(SIDE - y0) // dy)
+    filtered = b"".join(rows)
+    chunks = [(b"IHDR", struct.pack(">IIBBBBB", SIDE, SIDE, depth, color_type, 0, 0, int(interlaced)))]
     chunks += [(b"PLTE", palette)] if palette else []
     chunks += [(b"tRNS", trns)] if trns else []
-    chunks += [(b"IDAT", zlib.compress(b"".join(b"\x00" + row for _ in range(SIDE)))), (b"IEND", b"")]
+    chunks += [(b"IDAT", zlib.compress(filtered[:len(filtered) - pixels_cut])), (b"IEND", b"")]
     return b"\x89PNG\r\n\x1a\n" + b"".join(struct.pack(">I", len(data)) + kind + data +
                                           struct.pack(">I", zlib.crc32(kind + data)) for kind, data in chunks)
 
@@ -126,11 +135,40 @@ def test_the_pngs_sent_are_what_their_names_say():
                      "RGBA, fully opaque": "RGBA", "16-bit RGBA": "RGBA", "animated (APNG)": "RGB"}
 
 
-def test_an_opaque_8_bit_rgb_png_is_accepted_pixel_for_pixel():
-    raw = png(2, 8, b"\x00\x80\xff")
+@pytest.mark.parametrize("interlaced", [False, True], ids=["plain", "interlaced"])
+@pytest.mark.parametrize("truncated_allowed", [False, True], ids=["", "LOAD_TRUNCATED_IMAGES set"])
+def test_an_opaque_8_bit_rgb_png_is_accepted_pixel_for_pixel(monkeypatch, interlaced, truncated_allowed):
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", truncated_allowed)
+    raw = png(2, 8, b"\x00\x80\xff", interlaced=interlaced)
     image = decode_image(base64.b64encode(raw).decode(), SIDE, SIDE, "srv")
     assert image.shape == (SIDE, SIDE, 3)
     assert (image * 255).round().tolist() == [[[0.0, 128.0, 255.0]] * SIDE] * SIDE
+
+
+WHOLE = png(2, 8, b"\x10\x20\x30")
+CUT = {
+    "cut in half": WHOLE[:len(WHOLE) // 2],
+    "pixels short, chunks whole": png(2, 8, b"\x10\x20\x30", pixels_cut=3 * SIDE),
+    "interlaced, pixels short": png(2, 8, b"\x10\x20\x30", interlaced=True, pixels_cut=10),
+}
+WHOLE_PIXELS = {
+    "no IEND": WHOLE[:-12],
+    "IEND cut short": WHOLE[:-4],
+    "data past the pixels": png(2, 8, b"\x10\x20\x30", pixels_cut=-7),
+}
+
+
+@pytest.mark.parametrize("name", CUT)
+@pytest.mark.parametrize("truncated_allowed", [False, True], ids=["", "LOAD_TRUNCATED_IMAGES set"])
+def test_a_png_that_is_not_whole_is_refused_even_where_pillow_is_told_to_accept_truncated_images(
+        monkeypatch, name, truncated_allowed):
+    """Some ComfyUI node packs set ImageFile.LOAD_TRUNCATED_IMAGES for the whole process: Pillow then fills what is
+    missing with black and says nothing."""
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", truncated_allowed)
+    with pytest.raises(BadResponse) as caught:
+        decode_image(base64.b64encode(CUT[name]).decode(), SIDE, SIDE, "srv")
+    assert str(caught.value) in [f"srv returned bytes that are not a readable image ({kind}); see the server log and "
+                                 f"check its version" for kind in ("OSError", "SyntaxError", "ValueError")]
 
 
 @pytest.mark.parametrize("name", NOT_8_BIT_RGB)
@@ -230,3 +268,11 @@ def test_the_comfyui_sampler_on_a_remote_pipe_stops_with_the_line():
                                               steps=8, cfg=1.0, seed=0, batch_size=1, shift=4.0, use_pe=False)
         pipe.release()
     assert str(caught.value) == refusal(server.url, "a 16-bit grayscale PNG")
+
+
+@pytest.mark.parametrize("name", WHOLE_PIXELS)
+@pytest.mark.parametrize("truncated_allowed", [False, True], ids=["", "LOAD_TRUNCATED_IMAGES set"])
+def test_a_png_whose_pixels_are_all_there_is_used_as_pillow_uses_it(monkeypatch, name, truncated_allowed):
+    monkeypatch.setattr(ImageFile, "LOAD_TRUNCATED_IMAGES", truncated_allowed)
+    image = decode_image(base64.b64encode(WHOLE_PIXELS[name]).decode(), SIDE, SIDE, "srv")
+    assert (image * 255).round().tolist() == [[[16.0, 32.0, 48.0]] * SIDE] * SIDE

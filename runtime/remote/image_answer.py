@@ -14,17 +14,19 @@ import binascii
 import io
 import struct
 import warnings
+import zlib
 from typing import Any, Optional
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageFile, UnidentifiedImageError
 
 from ..net.errors import BadResponse
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 RGB_COLOR_TYPE = 2  # the PNG colour type of RGB without alpha
 MISBEHAVING = "refused, the server is misbehaving: check the server and the model it runs (its log and its version)"
+ADAM7_PASSES = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
 # PNG colour type -> (its name, what follows "PNG")
 _COLOR_TYPES = {0: ("grayscale", ""), 2: ("RGB", ""), 3: ("palette", ""), 4: ("grayscale", " with an alpha channel"),
                 6: ("RGBA", "")}
@@ -87,6 +89,37 @@ def _refuse_unless_8_bit_rgb(image: Image.Image, raw: bytes, label: str) -> None
                       f"an SGLang server makes: {MISBEHAVING}")
 
 
+def _filtered_rgb_bytes(width: int, height: int, interlaced: bool) -> int:
+    """How many bytes an 8-bit RGB PNG's pixels inflate to: each row of each pass, 3 bytes a pixel and a filter byte."""
+    passes = ADAM7_PASSES if interlaced else ((0, 0, 1, 1),)
+    total = 0
+    for x0, y0, dx, dy in passes:
+        columns, rows = -(-(width - x0) // dx), -(-(height - y0) // dy)
+        if columns > 0 and rows > 0:
+            total += rows * (1 + 3 * columns)
+    return total
+
+
+def _rgb_pixels_all_there(raw: bytes, width: int, height: int) -> bool:
+    """Whether an 8-bit RGB PNG holds every byte of its pixels, as Pillow checks it unless something in the process
+    set ImageFile.LOAD_TRUNCATED_IMAGES (some ComfyUI node packs do): Pillow then fills what is missing with black
+    and says nothing. As for Pillow, the pixels are what counts: a missing or cut IEND, or data past the pixels, do
+    not matter."""
+    offset, compressed = 8, []
+    while offset + 8 <= len(raw):  # the chunks, the last perhaps cut short
+        length, kind = struct.unpack(">I", raw[offset:offset + 4])[0], raw[offset + 4:offset + 8]
+        if kind == b"IDAT":
+            compressed.append(raw[offset + 8:offset + 8 + length])
+        if kind == b"IEND":
+            break
+        offset += 12 + length
+    expected = _filtered_rgb_bytes(width, height, interlaced=raw[28] == 1)
+    try:  # inflated no further than the image's own size
+        return len(zlib.decompressobj().decompress(b"".join(compressed), expected)) == expected
+    except zlib.error:
+        return False
+
+
 def decode_image(b64: Any, width: int, height: int, label: str) -> torch.Tensor:
     """base64 PNG -> float32 [H, W, 3] in 0..1. It must be a PNG of the size asked for, one frame of opaque 8-bit RGB;
     size and kind are checked from the header, before any pixel is decoded."""
@@ -114,6 +147,8 @@ def decode_image(b64: Any, width: int, height: int, label: str) -> torch.Tensor:
                     f"decoding: the server may floor sizes or be misconfigured; check its version and its log"
                 )
             _refuse_unless_8_bit_rgb(image, raw, label)
+            if ImageFile.LOAD_TRUNCATED_IMAGES and not _rgb_pixels_all_there(raw, width, height):
+                raise OSError("image file is truncated")  # as Pillow says it when the flag is not set
             image.load()
             array = np.asarray(image, dtype=np.float32)  # one float copy of the pixels, scaled in place
     except Image.DecompressionBombError:
