@@ -150,7 +150,8 @@ class ErnieImageRemoteBackend:
                 "read_timeout_s": (
                     "FLOAT",
                     {"default": 120.0, "min": 5.0, "max": 3600.0, "step": 5.0,
-                     "tooltip": "Base seconds to wait for an image; it grows with steps and size."},
+                     "tooltip": "Base seconds a server has for its whole answer with an image (it grows with steps "
+                     "and size); a server that answers slower, even byte by byte, is given up on."},
                 ),
                 "credential": ("STRING", {"default": "", "tooltip": CREDENTIAL_TOOLTIP}),
             },

@@ -19,6 +19,10 @@ Behaviours a fleet meets (each counted: `generations` is every POST received, `r
   a 400 whose body quotes the Authorization header: `faults=["400_echo_auth"]`;
   `retry_after_s` is the Retry-After of a 429;
 - broken for good: `every_post="500"` (or "reset", ...) answers every generation POST with that fault;
+- hostile answers: "trickle" answers 200 and then one byte every `trickle_every_s`, forever (`trickling` is set
+  as the first byte goes out); "gzip" answers gzip-compressed (Content-Encoding: gzip) whatever the client asked
+  for, "gzip_bomb" 256 MiB of zeros gzip-compressed (256 KiB on the wire); "big" 2 MiB of JSON; "500_huge" a 500
+  whose body is 64 MiB. Each works on generation, and as "health:..." / "models:..." on those endpoints;
 - ignores output_format: `faults=["jpeg"]` / `["webp"]` answers that format whatever was asked;
 - loading: `warmup_s` (/health answers 503, POSTs are held until ready, as SGLang does);
 - misbehaving images: `image_b64` answers that image (any PNG: 16-bit, with alpha, ...) to every generation,
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gzip
 import hashlib
 import io
 import json
@@ -47,6 +52,7 @@ import struct
 import threading
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -110,6 +116,7 @@ class FakeSglang:
     redirect_path: Optional[str] = None  # redirect this path only (None: every path)
     wire: list[WireRequest] = field(default_factory=list)
     hold_answers: bool = False  # every image waits for `let_answers_go()` before it is answered
+    trickle_every_s: float = 0.05  # the pace of a "trickle" answer: one byte each time
 
     def __post_init__(self) -> None:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -120,6 +127,7 @@ class FakeSglang:
         self._kill_after = self.die_after
         self.completed: list[float] = []  # monotonic times at which generations finished
         self.ran: list[int] = []  # seeds of the images generated (started work), in order
+        self.trickling = threading.Event()  # a "trickle" answer has begun
 
     # ------------------------------------------------------------------------------------ lifecycle
     @property
@@ -291,7 +299,8 @@ class FakeSglang:
             fault = "503"
         if self.every_post is not None:
             fault = self.every_post
-        if fault in ("503", "429", "408", "reset", "garbage", "huge", "hang", "500_json", "400_echo_auth"):
+        if fault in ("503", "429", "408", "reset", "garbage", "huge", "hang", "500_json", "400_echo_auth", "trickle",
+                     "gzip", "gzip_bomb", "big", "500_huge"):
             return await self._apply_fault(fault, request)
         if not isinstance(body, dict):
             return web.json_response({"detail": [{"type": "model_attributes_type", "loc": ["body"],
@@ -434,6 +443,25 @@ class FakeSglang:
             return resp
         if fault == "hang":
             await asyncio.sleep(3600)
+        if fault == "trickle":
+            return await self._trickle(request)
+        if fault in ("gzip", "gzip_bomb"):
+            body = gzip_bomb() if fault == "gzip_bomb" else gzip.compress(json.dumps({"status": "ok"}).encode())
+            return web.Response(status=200, body=body, headers={"Content-Type": "application/json",
+                                                                 "Content-Encoding": "gzip"})
+        if fault == "big":
+            return web.Response(status=200, body=b'{"status": "ok", "padding": "' + b"x" * (2 << 20) + b'"}',
+                                content_type="application/json")
+        if fault == "500_huge":
+            resp = web.StreamResponse(status=500, headers={"Content-Type": "text/plain"})
+            await resp.prepare(request)
+            try:
+                await resp.write(b"Internal Server Error\n")
+                for _ in range(64):
+                    await resp.write(b"x" * (1 << 20))
+            except (ConnectionResetError, RuntimeError):
+                pass  # the client stopped reading, as it should
+            return resp
         if fault == "reset":
             transport = request.transport
             if transport is not None:
@@ -444,6 +472,34 @@ class FakeSglang:
             await asyncio.sleep(1)
             return web.Response(status=200)
         raise ValueError(f"unknown fault {fault!r}")
+
+
+    async def _trickle(self, request: web.Request) -> web.StreamResponse:
+        """200 with a well-formed JSON answer, sent one byte every `trickle_every_s` until the client goes."""
+        body = json.dumps({"status": "ok", "data": [], "padding": "x" * 4096}).encode()
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/json",
+                                                       "Content-Length": str(len(body))})
+        await resp.prepare(request)
+        self.trickling.set()
+        try:
+            for index in range(len(body)):
+                await resp.write(body[index:index + 1])
+                await asyncio.sleep(self.trickle_every_s)
+        except (ConnectionResetError, RuntimeError):
+            pass  # the client gave up on it
+        return resp
+
+
+_GZIP_BOMB: list[bytes] = []
+
+
+def gzip_bomb() -> bytes:
+    """256 MiB of zeros, gzip-compressed (256 KiB), made once."""
+    if not _GZIP_BOMB:
+        packer = zlib.compressobj(9, zlib.DEFLATED, 31)  # 31: the gzip format
+        zeros = bytes(1 << 20)
+        _GZIP_BOMB.append(b"".join(packer.compress(zeros) for _ in range(256)) + packer.flush())
+    return _GZIP_BOMB[0]
 
 
 def render(prompt: str, negative: str, seed: int, steps: int, guidance: float, use_pe: bool, width: int,

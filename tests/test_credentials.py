@@ -182,7 +182,7 @@ def test_inside_comfyui_its_user_directory_is_looked_at_first(tmp_path: Path, ke
                                                                                           env=KEY_VAR)]}))
     credentials = load_credentials(str(comfy_user))
     assert [c.label for c in credentials.entries] == ["from-comfy"]
-    assert credentials.location == str(comfy_user / "ernie_image" / "keys.json")
+    assert credentials.location == "ComfyUI's user/ernie_image/keys.json", "named without the install's path"
 
 
 def test_the_keys_file_variable_names_the_one_file_looked_at(tmp_path: Path, keys_file: WriteKeys,
@@ -213,7 +213,7 @@ def test_each_entry_binds_one_label_to_one_origin_and_one_source(keys_file: Writ
     assert (gpu.label, gpu.origin, gpu.source) == ("gpu-box", Origin.of(GPU_BOX), ApiKeySource(env_var=KEY_VAR))
     assert (pe.label, pe.origin, pe.source) == ("pe", Origin.of("https://pe.example.com:443"),
                                                 ApiKeySource(file=str(key_path)))
-    assert (lab.label, lab.keys_file, lab.source) == ("lab", str(path), ApiKeySource())
+    assert (lab.label, lab.keys_file and lab.keys_file.path, lab.source) == ("lab", path, ApiKeySource())
     assert (gpu.read(), pe.read(), lab.read()) == (KEY, OTHER_KEY, KEY)
     for shown in (repr(credentials), str(credentials), gpu.describe(), lab.describe()):
         assert KEY not in shown and OTHER_KEY not in shown, "no object holds a key, not even one written in the file"
@@ -291,6 +291,160 @@ def test_a_keys_file_other_users_can_write_is_refused(keys_file: WriteKeys, mode
     os.chmod(path, mode)
     message = refused(load_credentials)
     assert str(path) in message and "chmod" in message
+
+
+# ------------------------------------------------------------------- the folders above the keys file (StrictModes)
+def folders_above(path: Path, top: Path) -> list[Path]:
+    """The keys file's folders from its own up to `top` (a folder of the test's own)."""
+    return [folder for folder in path.parents if folder == top or top in folder.parents]
+
+
+def refused_at(path: Path) -> str:
+    """The refusal of the keys file at `path`, named by ERNIE_IMAGE_KEYS_FILE as the command line would."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(KEYS_FILE_ENV, str(path))
+        return refused(load_credentials)
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o770, 0o757, 0o730, 0o703], ids=oct)
+@pytest.mark.parametrize("level", [0, 1, 2], ids=["its folder", "the folder above", "two above"])
+def test_a_keys_file_in_a_folder_others_can_write_is_refused_naming_the_folder(keys_file_of_this_test: Path,
+                                                                              tmp_path_factory, level: int,
+                                                                              mode: int) -> None:
+    """Another user who may rename or remove entries in any folder above the keys file can put a keys file of their
+    own in its place (with keys.json itself 600): refused as ssh's StrictModes refuses it."""
+    top = tmp_path_factory.mktemp("shared")
+    path = written(top / "a" / "b" / "keys.json", document(entry("gpu-box", GPU_BOX, env=KEY_VAR)))
+    folder = folders_above(path, top)[level]
+    os.chmod(folder, mode)
+    try:
+        message = refused_at(path)
+    finally:
+        os.chmod(folder, 0o755)
+    assert message == (f"the folder {folder} holding the keys file can be changed by other users, who could put "
+                       f"another keys file in its place and send your keys elsewhere: run chmod go-w {folder}")
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o1775, 0o755, 0o750, 0o700], ids=oct)
+def test_a_folder_with_the_sticky_bit_or_writable_by_its_owner_alone_is_trusted(tmp_path_factory,
+                                                                               mode: int) -> None:
+    """As /tmp: in a sticky folder others may add entries but not rename or remove yours."""
+    top = tmp_path_factory.mktemp("shared")
+    path = written(top / "a" / "keys.json", document(entry("gpu-box", GPU_BOX, env=KEY_VAR)))
+    os.chmod(path.parent, mode)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(KEYS_FILE_ENV, str(path))
+            assert [c.label for c in load_credentials().entries] == ["gpu-box"]
+    finally:
+        os.chmod(path.parent, 0o755)
+
+
+def test_a_keys_file_reached_through_a_link_is_checked_where_the_link_leads_too(tmp_path_factory) -> None:
+    top = tmp_path_factory.mktemp("linked")
+    real = written(top / "shared" / "keys.json", document(entry("gpu-box", GPU_BOX, env=KEY_VAR)))
+    os.chmod(real.parent, 0o777)
+    link = top / "mine" / "keys.json"
+    link.parent.mkdir()
+    link.symlink_to(real)
+    try:
+        assert refused_at(link) == (
+            f"the folder {real.parent} holding the keys file can be changed by other users, who could put another "
+            f"keys file in its place and send your keys elsewhere: run chmod go-w {real.parent}")
+        os.chmod(real.parent, 0o755)
+        os.chmod(link.parent, 0o777)
+        assert f"the folder {link.parent} holding the keys file can be changed" in refused_at(link)
+    finally:
+        os.chmod(real.parent, 0o755)
+        os.chmod(link.parent, 0o755)
+
+
+OTHER_UID = 54321  # nobody's: a user who is not the one running the tests, nor root
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="giving a file to another user needs root")
+@pytest.mark.parametrize("whose", ["the keys file", "its folder", "the folder above"])
+def test_a_keys_file_or_folder_of_another_user_is_refused(tmp_path_factory, whose: str) -> None:
+    top = tmp_path_factory.mktemp("owned")
+    path = written(top / "a" / "keys.json", document(entry("gpu-box", GPU_BOX, env=KEY_VAR)))
+    owned = {"the keys file": path, "its folder": path.parent, "the folder above": path.parent.parent}[whose]
+    os.chown(owned, OTHER_UID, -1)
+    try:
+        message = refused_at(path)
+    finally:
+        os.chown(owned, os.getuid(), -1)
+    if owned == path:
+        assert message == (f"the keys file {path} belongs to another user (uid {OTHER_UID}), who decides where your "
+                           f"keys go: write your own keys file (see the README)")
+    else:
+        assert message == (f"the folder {owned} holding the keys file belongs to another user (uid {OTHER_UID}), "
+                           f"who could put another keys file in its place and send your keys elsewhere: keep the "
+                           f"keys file in a folder of your own")
+
+
+# --------------------------------------------------------------------------- how messages name the keys file
+def comfy_keys_file(tmp_path: Path, text: str, mode: int = 0o600) -> tuple[Path, Path]:
+    """ComfyUI's user folder under `tmp_path`/ComfyUI, and the keys file written in it."""
+    user = tmp_path / "ComfyUI" / "user"
+    return user, written(user / "ernie_image" / "keys.json", text, mode)
+
+
+@pytest.mark.parametrize("text, mode, folder_mode, said", [
+    ("{not json", 0o600, 0o755, "the keys file ComfyUI's user/ernie_image/keys.json is not valid JSON (line 1)"),
+    (document(entry("lab", GPU_BOX, key=KEY)), 0o644, 0o755,
+     "the keys file ComfyUI's user/ernie_image/keys.json holds a key and other users can read it: run chmod 600 "
+     "ComfyUI's user/ernie_image/keys.json"),
+    (document(entry("a", GPU_BOX, env=KEY_VAR)), 0o666, 0o755,
+     "the keys file ComfyUI's user/ernie_image/keys.json can be changed by other users"),
+    (document(entry("a", GPU_BOX, env=KEY_VAR)), 0o600, 0o777,
+     "the folder ComfyUI's user/ernie_image holding the keys file can be changed by other users, who could put "
+     "another keys file in its place and send your keys elsewhere: run chmod go-w ComfyUI's user/ernie_image"),
+    (document({"label": "a", "origin": GPU_BOX}), 0o600, 0o755,
+     "entry 1 of the keys file ComfyUI's user/ernie_image/keys.json ('a') needs exactly one of env"),
+])
+def test_inside_comfyui_a_keys_file_error_names_it_by_comfyuis_user_folder_not_its_path(
+        tmp_path: Path, text: str, mode: int, folder_mode: int, said: str) -> None:
+    """Inside ComfyUI the error goes to /history, which anyone with the page reads: no install or home path in it.
+    The fix still says what to change, where."""
+    user, path = comfy_keys_file(tmp_path, text, mode)
+    os.chmod(path.parent, folder_mode)
+    try:
+        message = refused(load_credentials, str(user))
+    finally:
+        os.chmod(path.parent, 0o755)
+    assert said in message and str(tmp_path) not in message
+    # the command line, whose user gave the path, names it in full
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(KEYS_FILE_ENV, str(path))
+        os.chmod(path.parent, folder_mode)
+        try:
+            assert str(path.parent) in refused(load_credentials)
+        finally:
+            os.chmod(path.parent, 0o755)
+
+
+def test_inside_comfyui_a_folder_above_its_user_folder_is_named_relative_to_it(tmp_path: Path) -> None:
+    user, path = comfy_keys_file(tmp_path, document(entry("a", GPU_BOX, env=KEY_VAR)))
+    os.chmod(user.parent, 0o777)  # the ComfyUI folder itself
+    try:
+        message = refused(load_credentials, str(user))
+    finally:
+        os.chmod(user.parent, 0o755)
+    assert message.endswith("run chmod go-w ComfyUI's user/..") and str(tmp_path) not in message
+
+
+def test_inside_comfyui_the_advice_on_binding_a_key_names_the_keys_file_without_its_path(tmp_path: Path,
+                                                                                        monkeypatch) -> None:
+    user = tmp_path / "ComfyUI" / "user"
+    user.mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "home" / ".config"))
+    credentials = load_credentials(str(user))
+    assert credentials.location == "ComfyUI's user/ernie_image/keys.json"
+    assert credentials.how_to_bind(Origin.of(GPU_BOX)).endswith("to the keys file ComfyUI's user/ernie_image/keys.json")
+    written(tmp_path / "home" / ".config" / "ernie-image" / "keys.json", "{broken", 0o600)
+    assert refused(load_credentials, str(user)).startswith(
+        "the keys file ~/.config/ernie-image/keys.json is not valid JSON"), "the home folder is ~"
 
 
 # ---------------------------------------------------------------------------------- which key a server gets

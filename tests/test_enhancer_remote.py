@@ -32,8 +32,8 @@ SECRET = "sk-test-0123456789"
 class ChatServer:
     """vLLM-like: /v1/models lists one model, /v1/chat/completions answers `revised: <prompt> @<seed>`.
 
-    `faults` are consumed one per chat request: "500", "503", "hang", "not_json", "no_choices", "empty",
-    "length" (finish_reason length), "404". Assigning `model` while it runs is a server restarted with another
+    `faults` are consumed one per chat request: "500", "503", "hang", "trickle" (a well-formed reply, one byte
+    every 0.05 s), "not_json", "no_choices", "empty", "length" (finish_reason length), "404". Assigning `model` while it runs is a server restarted with another
     model: it lists the new one, and a chat request naming the old one gets vLLM's 404 "does not exist".
     """
 
@@ -102,6 +102,8 @@ class ChatServer:
                 await asyncio.wait_for(self._release.wait(), 30)
             except asyncio.TimeoutError:
                 pass
+        if fault == "trickle":
+            return await self._trickle(request)
         if fault == "not_json":
             return web.Response(text="<html>gateway</html>", content_type="text/html")
         if fault == "no_choices":
@@ -117,6 +119,22 @@ class ChatServer:
                          "finish_reason": "length" if fault == "length" else "stop"}],
             "usage": {"prompt_tokens": 90, "completion_tokens": 17, "total_tokens": 107},
         })
+
+
+    async def _trickle(self, request: web.Request) -> web.StreamResponse:
+        reply = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": "too late"},
+                                         "finish_reason": "stop"}], "padding": "x" * 4096}).encode()
+        resp = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": str(len(reply))})
+        await resp.prepare(request)
+        try:
+            for index in range(len(reply)):
+                await resp.write(reply[index:index + 1])
+                if self._release.is_set():
+                    break
+                await asyncio.sleep(0.05)
+        except (ConnectionResetError, RuntimeError):
+            pass  # the client gave up on it
+        return resp
 
 
 def fast_endpoint(url: str, **overrides) -> ChatEndpoint:
@@ -151,6 +169,7 @@ def test_distinct_prompts_are_sent_once_each():
 @pytest.mark.parametrize("fault, said", [
     ("500", "(HTTP 500)"),
     ("hang", "sent no revised prompt within 1 s"),
+    ("trickle", "answered too slowly: the whole answer took longer than 1 s, coming in bit by bit; check the server"),
     ("not_json", "not JSON"),
     ("no_choices", "choices[0].message.content"),
 ])

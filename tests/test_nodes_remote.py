@@ -158,3 +158,50 @@ def test_a_key_is_picked_by_its_label_and_the_old_key_widgets_are_hidden_inputs(
     assert inputs["required"]["credential"][0] == inputs["optional"]["pe_credential"][0] == "STRING"
     assert sorted(inputs["hidden"]) == sorted(LEGACY_INPUTS), "an old workflow's values still reach connect()"
     assert "keys file" in inputs["required"]["credential"][1]["tooltip"]
+
+
+def in_comfyui_with_user_folder(monkeypatch: pytest.MonkeyPatch, user: Path) -> None:
+    """ComfyUI's folder registry answering its user folder, as inside ComfyUI."""
+    import sys
+    import types
+
+    folder_paths = types.ModuleType("folder_paths")
+    folder_paths.folder_names_and_paths = {}
+    folder_paths.get_user_directory = lambda: str(user)
+    monkeypatch.setitem(sys.modules, "folder_paths", folder_paths)
+
+
+@pytest.mark.parametrize("broken, said", [
+    ("folder others can write", "the folder ComfyUI's user/ernie_image holding the keys file can be changed by other "
+                                "users, who could put another keys file in its place and send your keys elsewhere: "
+                                "run chmod go-w ComfyUI's user/ernie_image"),
+    ("unknown label", "credential names no credential of yours (yours bound to http://127.0.0.1:1: 'lab'): add {\"label\": \"NAME\", \"origin\": "
+                      "\"http://127.0.0.1:1\", \"env\": \"VARIABLE\"} (or \"file\": PATH) to the keys file ComfyUI's "
+                      "user/ernie_image/keys.json with that label, or leave credential empty"),
+    ("key readable by others", "the keys file ComfyUI's user/ernie_image/keys.json holds a key and other users can "
+                               "read it: run chmod 600 ComfyUI's user/ernie_image/keys.json, or name a variable "
+                               "(env) or a file instead of writing the key"),
+])
+def test_a_keys_file_error_on_the_node_names_no_path_of_the_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     broken: str, said: str) -> None:
+    """The node's error lands in ComfyUI's /history, which anyone with the page reads: the keys file is named by
+    ComfyUI's user folder, never by the install or home path, and the error still says what to change."""
+    import json
+    import os
+
+    user = tmp_path / "ComfyUI" / "user"
+    keys = user / "ernie_image" / "keys.json"
+    keys.parent.mkdir(parents=True)
+    key_entry = {"label": "lab", "origin": "http://127.0.0.1:1", "key": KEY}
+    keys.write_text(json.dumps({"credentials": [key_entry]}))
+    os.chmod(keys, 0o644 if broken == "key readable by others" else 0o600)
+    if broken == "folder others can write":
+        os.chmod(keys.parent, 0o777)
+    in_comfyui_with_user_folder(monkeypatch, user)
+    try:
+        with pytest.raises(InvalidInputError) as refused:
+            connect(server_urls="http://127.0.0.1:1", credential="gpu-box" if broken == "unknown label" else "")
+    finally:
+        os.chmod(keys.parent, 0o755)
+    assert str(refused.value) == said
+    assert str(tmp_path) not in str(refused.value) and KEY not in str(refused.value)

@@ -216,7 +216,7 @@ def test_a_dead_fleet_fails_in_one_line_naming_each_server(capsys, tmp_path):
                  "--steps", "8", "--cfg", "1", "--width", "256", "--height", "256", "--out", str(tmp_path / "x.png")])
     assert code == 2
     assert one_line_error(capsys) == (
-        f"error: no server could take the remaining 1 of 1 images: {first}: nothing is listening there (connection "
+        f"error: no server could take the image: {first}: nothing is listening there (connection "
         f"refused); {second}: nothing is listening there (connection refused): start or fix the servers, check the "
         f"URLs, or give a server that is still loading time with --wait-for-servers SECONDS")
     assert list(tmp_path.iterdir()) == []
@@ -242,7 +242,7 @@ def test_check_remote_advice_names_an_option_it_has(capsys):
     with FakeSglang(service_time_s=1.0) as server:
         assert main(["check-remote", server.url, "--read-timeout", "0.3"]) == 1
     out = capsys.readouterr().out
-    assert "within 0.3 s (read timeout)" in out and "raise the read timeout" in out
+    assert "within 0.3 s (read timeout)" in out and "raise --read-timeout" in out
     with FakeSglang() as server:
         assert main(["check-remote", server.url, "--read-timeout", "30", "--connect-timeout", "2"]) == 0
 
@@ -476,6 +476,45 @@ def test_check_remote_awaits_health_for_the_read_timeout_given_and_names_that_fl
     out = capsys.readouterr().out
     assert (f"! {url} accepted the connection but sent no answer to GET /health within 1 s: the server is hung or "
             f"overloaded (see its log); raise --read-timeout if it is only slow") in out.splitlines(), out
+
+
+@pytest.mark.parametrize("fault, said", [
+    ("health:trickle", "answered GET /health too slowly: the whole answer took longer than 1 s: the server is hung, "
+                       "overloaded or misbehaving (see its log); raise --read-timeout if it is only slow"),
+    ("models:trickle", "answered GET {url}/v1/models too slowly: the whole answer took longer than 1 s (read "
+                       "timeout), coming in bit by bit; check the server (its log, its network, a proxy in front of "
+                       "it), or raise --read-timeout if it is only slow"),
+    ("trickle", "answered POST {url}/v1/images/generations too slowly: the whole answer took longer than 1 s (read "
+                "timeout), coming in bit by bit; check the server (its log, its network, a proxy in front of it), or "
+                "raise --read-timeout if it is only slow"),
+])
+def test_check_remote_read_timeout_bounds_every_whole_answer_however_slowly_it_comes(capsys, fault, said):
+    """--read-timeout "bounds every answer it waits for": an answer trickling in one byte every 0.05 s included."""
+    with FakeSglang(faults=[fault]) as server:
+        started = time.monotonic()
+        assert main(["check-remote", server.url, "--read-timeout", "1"]) == 1
+        elapsed = time.monotonic() - started
+        assert server.trickling.is_set()
+    assert 1.0 <= elapsed < 1.0 + PROMPTLY_S
+    out = capsys.readouterr().out
+    assert f"! {server.url} {said.format(url=server.url)}" in out.splitlines(), out
+
+
+def test_generate_read_timeout_bounds_a_whole_image_answer_however_slowly_it_comes(capsys, tmp_path):
+    with FakeSglang(faults=["trickle"]) as server:
+        started = time.monotonic()
+        code = main(["generate", "--server", server.url, "--read-timeout", "1", "--steps", "1", "--cfg", "1",
+                     "--width", "256", "--height", "256", "--out", str(tmp_path / "x.png")])
+        elapsed = time.monotonic() - started
+    assert code == 2
+    assert 1.2 <= elapsed < 1.2 + PROMPTLY_S, "1 s grown with 1 step at 256x256: 1.2 s for the whole answer"
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1
+    line = errors[0]
+    assert (f"{server.url} answered POST {server.url}/v1/images/generations too slowly: the whole answer took longer "
+            f"than 1.2 s (read timeout)") in line
+    assert "raise --read-timeout if it is only slow" in line and "read_timeout_s" not in line
+    assert not list(tmp_path.glob("*.png"))
 
 
 def test_check_remote_connect_timeout_bounds_a_connection_never_accepted(capsys):

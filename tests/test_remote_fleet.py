@@ -185,7 +185,7 @@ def failed_batch_message(urls: list[str], count: int) -> str:
 def test_an_image_every_server_fails_ends_once_each_has_failed_it_naming_each():
     with fake(every_post="500") as a, fake(every_post="500_json") as b:
         message = failed_batch_message([a.url, b.url], 3)
-    assert "\n" not in message and "no server could take the remaining 3 of 3 images" in message
+    assert "\n" not in message and "no server could take the 3 images" in message
     assert a.url in message and b.url in message and "CUDA out of memory" in message
     assert len(a.generations) == len(b.generations) == 1, "each server fails an image once, then is out"
 
@@ -226,8 +226,33 @@ def test_every_server_given_up_on_is_one_line_per_server():
     """Ready servers that keep refusing work (503 after /health said ok) are given up on, each named once."""
     with fake(faults=["503"] * 10) as a, fake(faults=["503"] * 10) as b:
         message = failed_batch_message([a.url, b.url], 2)
-    assert "\n" not in message and "no server could take the remaining 2 of 2 images" in message
+    assert "\n" not in message and "no server could take the 2 images" in message
     assert a.url in message and b.url in message and a.ran == b.ran == []
+
+
+@pytest.mark.parametrize("batch, said", [(1, "the image"), (3, "the 3 images")])
+@pytest.mark.parametrize("how", ["another model", "an API key asked for"])
+def test_a_fleet_given_up_on_at_its_first_look_names_the_images_it_could_not_take(how, batch, said):
+    """Every server set aside before any image is sent (not ERNIE-Image, a key it wants): the error counts the
+    batch's images, never "the remaining 0 of 0 images"."""
+    behaviour = {"another model": dict(model_id="black-forest-labs/FLUX.1-dev", pipeline_name="FluxPipeline"),
+                 "an API key asked for": dict(api_key="sk-not-bound-here")}[how]
+    with fake(**behaviour) as a, fake(**behaviour) as b:
+        message = failed_batch_message([a.url, b.url], batch)
+        assert a.generations == b.generations == []
+    assert "\n" not in message and message.startswith(f"no server could take {said} ({a.url}")
+    assert "0 of 0" not in message and b.url in message
+
+
+def test_a_fleet_asked_which_model_it_serves_that_no_server_can_answer_says_any_work():
+    with fake(api_key="sk-not-bound-here") as a, fake(api_key="sk-not-bound-here") as b:
+        pipe = RemotePipe([a.url, b.url], FAST)
+        try:
+            with pytest.raises(RemoteError) as caught:
+                pipe.served_variant(NullHost())
+        finally:
+            pipe.release()
+    assert str(caught.value).startswith(f"no server could take any work ({a.url} refused the API key")
 
 
 # ------------------------------------------------------------------------------ never a duplicate job

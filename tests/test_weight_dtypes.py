@@ -80,7 +80,9 @@ def _comfy(part: str) -> Callable[[dict[str, Path], Path], Model]:
     def build(sources: dict[str, Path], root: Path) -> Model:
         files = Path(shutil.copytree(sources["comfy"], root / "comfy"))
         argv = ("--dit", str(files / COMFY_FILES["dit"]), "--text-encoder", str(files / COMFY_FILES["text_encoder"]),
-                "--vae", str(files / COMFY_FILES["vae"]), "--pe", str(files / COMFY_FILES["pe"]))
+                "--vae", str(files / COMFY_FILES["vae"]))
+        if part == "pe":  # the CLI takes a prompt enhancer only to run it
+            argv += ("--pe", str(files / COMFY_FILES["pe"]), "--use-pe")
         return Model(argv, files / COMFY_FILES[part])
     return build
 

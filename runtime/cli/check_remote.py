@@ -24,8 +24,9 @@ def main_check_remote(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--connect-timeout", default=5.0, metavar="S",
                         help="seconds to wait for a server to accept the connection (default 5)")
     parser.add_argument("--read-timeout", default=None, metavar="S",
-                        help=f"seconds to wait for each answer: readiness, model list and the tiny test image "
-                             f"(default {PROBE_READ_S:g} for the first two, {GENERATION_TIMEOUT_S:g} for the image)")
+                        help=f"seconds each whole answer may take: readiness, model list, version and the tiny test "
+                             f"image (default {PROBE_READ_S:g} for the first three, {GENERATION_TIMEOUT_S:g} for the "
+                             f"image)")
     args = parser.parse_args(argv)
     for url in args.urls:  # a malformed URL is a usage error (exit 2), before any server is asked
         normalize_base_url(url, what="URL", endpoint_suffixes=ENDPOINT_SUFFIXES)

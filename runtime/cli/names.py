@@ -35,6 +35,7 @@ FLAGS: dict[str, str] = {
     "dtype": "--dtype",
     "quant": "--quant",
     "wait_for_servers_s": "--wait-for-servers",
+    "read_timeout_s": "--read-timeout",
     "resend_unanswered": "--resend-unanswered",
     "out": "--out",
     "step_cache_compare": "--step-cache-compare",

@@ -38,8 +38,8 @@ def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"seconds to wait for a server to accept a connection "
                             f"(default {DEFAULT_CONNECT_TIMEOUT_S:g})")
     group.add_argument("--read-timeout", default=None, metavar="S",
-                       help=f"base seconds to wait for one image; it grows with steps and size "
-                            f"(default {DEFAULT_READ_TIMEOUT_S:g})")
+                       help=f"base seconds a server has for its whole answer with one image; it grows with steps "
+                            f"and size (default {DEFAULT_READ_TIMEOUT_S:g})")
     group.add_argument("--wait-for-servers", default=None, metavar="S",
                        help=f"seconds to wait while no server can take work, e.g. still loading, counted "
                             f"from the start (default {DEFAULT_WAIT_FOR_SERVERS_S:g}; 0 fails unless a server "
@@ -62,7 +62,8 @@ def add_remote_arguments(parser: argparse.ArgumentParser) -> None:
     pe.add_argument("--pe-api-key-file", action=Option, once=True, quiet=True, default=None, metavar="PATH",
                     help="file holding only the PE server's API key")
     pe.add_argument("--pe-timeout", default=None, metavar="S",
-                    help=f"seconds to wait for the PE server's revised prompt (default {DEFAULT_PE_TIMEOUT_S:g})")
+                    help=f"seconds the PE server has for its whole answer with a revised prompt (default "
+                         f"{DEFAULT_PE_TIMEOUT_S:g})")
 
 
 def check_one_key_source(env_var: Optional[str], file: Optional[str], prefix: str = "") -> None:

@@ -7,7 +7,8 @@ ORIGIN (scheme, host, port). The user binds keys in one of two places:
       {"credentials": [{"label": "gpu-box", "origin": "http://gpu-box:30000", "env": "SGLANG_API_KEY"},
                        {"label": "pe", "origin": "https://pe.example.com", "file": "~/.config/pe.key"},
                        {"label": "lab", "origin": "http://10.0.0.5:30000", "key": "sk-..."}]}
-  (a file holding a "key" itself must be readable by its owner only, as ssh asks of a private key);
+  (a file holding a "key" itself must be readable by its owner only, as ssh asks of a private key; the file and
+  the folders above it must be the user's (or root's) and not writable by others: keys_file.py);
 - the command line's --api-key-env / --api-key-file, bound to the servers given on that same command line.
 
 What a workflow may do: name a credential's LABEL (or nothing: each server then gets the key bound to its own
@@ -29,6 +30,7 @@ from urllib.parse import urlsplit
 from ..core.errors import InvalidInputError
 from .errors import AuthenticationError
 from .key_source import ApiKeySource, header_safe
+from .keys_file import KeysFile, keys_file_names
 from .urls import shown_url
 
 KEYS_FILE_ENV = "ERNIE_IMAGE_KEYS_FILE"
@@ -98,7 +100,7 @@ class Credential:
     label: str
     origin: Origin
     source: ApiKeySource = ApiKeySource()  # a variable or a file
-    keys_file: Optional[str] = None  # the keys file it is written in; set alone when the key is written there
+    keys_file: Optional[KeysFile] = None  # the keys file it is written in; set alone when the key is written there
     given_by: str = ""  # how the user gave it, for messages: "the keys file ..." or "--api-key-env"
 
     def describe(self) -> str:
@@ -128,7 +130,7 @@ class Credentials:
     """The user's bindings, and where they are written (named in the advice on binding one)."""
 
     entries: tuple[Credential, ...] = ()
-    location: str = ""  # the keys file read, or the one the user would write
+    location: str = ""  # the keys file read, or the one the user would write, as messages name it
 
     @classmethod
     def bound_to(cls, urls: Sequence[str], env_var: Optional[str] = None, file: Optional[str] = None, *,
@@ -216,22 +218,27 @@ def keys_file_candidates(comfy_user_dir: Optional[str] = None) -> list[Path]:
 
 
 def load_credentials(comfy_user_dir: Optional[str] = None) -> Credentials:
-    """The user's bindings from the first keys file found; none (naming where one would go) when there is none."""
+    """The user's bindings from the first keys file found; none (naming where one would go) when there is none.
+    Inside ComfyUI (`comfy_user_dir` given) messages name the file relative to its user folder or ~ (keys_file.py:
+    an error there goes to /history), on the command line in full."""
     candidates = keys_file_candidates(comfy_user_dir)
+    names = keys_file_names(comfy_user_dir)
     for path in candidates:
         if path.exists() or path.is_symlink():
-            return Credentials(tuple(_read_entries(path)), str(path))
+            keys_file = KeysFile(path, names)
+            return Credentials(tuple(_read_entries(keys_file)), keys_file.shown)
     if os.environ.get(KEYS_FILE_ENV, "").strip():
-        raise InvalidInputError(f"{KEYS_FILE_ENV} names {candidates[0]}, which does not exist: write the keys file "
-                                f"there or unset {KEYS_FILE_ENV}")
-    return Credentials(location=str(candidates[0]))
+        raise InvalidInputError(f"{KEYS_FILE_ENV} names {names(candidates[0])}, which does not exist: write the keys "
+                                f"file there or unset {KEYS_FILE_ENV}")
+    return Credentials(location=names(candidates[0]))
 
 
-def _read_document(path: Path) -> dict[str, Any]:
-    where = f"the keys file {path}"
+def _read_document(keys_file: KeysFile) -> dict[str, Any]:
+    path = keys_file.path
+    where = f"the keys file {keys_file.shown}"
     if not path.is_file():
         raise InvalidInputError(f"{where} is not a regular file: write the keys there as JSON")
-    _require_unwritable_by_others(path)
+    keys_file.require_trusted()
     if path.stat().st_size > MAX_KEYS_FILE_BYTES:
         raise InvalidInputError(f"{where} is larger than {MAX_KEYS_FILE_BYTES // 1024} KiB: it is not a keys file")
     try:
@@ -249,11 +256,11 @@ def _read_document(path: Path) -> dict[str, Any]:
     return document
 
 
-def _read_entries(path: Path) -> list[Credential]:
-    document = _read_document(path)
+def _read_entries(keys_file: KeysFile) -> list[Credential]:
+    document = _read_document(keys_file)
     entries: list[Credential] = []
     for index, raw in enumerate(document["credentials"]):
-        where = f"entry {index + 1} of the keys file {path}"
+        where = f"entry {index + 1} of the keys file {keys_file.shown}"
         if not isinstance(raw, dict):
             raise InvalidInputError(f"{where} is not an object with label, origin and env, file or key")
         unknown = sorted(str(name)[:20] for name in raw if name not in ENTRY_FIELDS)
@@ -272,46 +279,40 @@ def _read_entries(path: Path) -> list[Credential]:
         if len(given) != 1:
             raise InvalidInputError(f"{where} ({label!r}) needs exactly one of env (a variable's name), file (a "
                                     f"path) or key (the key itself)")
-        entries.append(_entry(path, label, origin, given[0], raw[given[0]], where))
+        entries.append(_entry(keys_file, label, origin, given[0], raw[given[0]], where))
     return entries
 
 
-def _entry(path: Path, label: str, origin: Origin, kind: str, value: Any, where: str) -> Credential:
+def _entry(keys_file: KeysFile, label: str, origin: Origin, kind: str, value: Any, where: str) -> Credential:
     if not isinstance(value, str):
         raise InvalidInputError(f"{where} ({label!r}): {kind} must be text")
-    given_by = f"the keys file {path}"
+    given_by = f"the keys file {keys_file.shown}"
     if kind == "env":
         return Credential(label, origin, ApiKeySource(env_var=value.strip()), given_by=given_by)
     if kind == "file":
         return Credential(label, origin, ApiKeySource(file=value.strip()), given_by=given_by)
-    _require_private(path)
-    return Credential(label, origin, keys_file=str(path), given_by=given_by)
+    _require_private(keys_file)
+    return Credential(label, origin, keys_file=keys_file, given_by=given_by)
 
 
-def _require_unwritable_by_others(path: Path) -> None:
-    """Whoever can write the keys file decides where the keys go (ssh's rule for its config)."""
-    if os.name == "posix" and path.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise InvalidInputError(f"the keys file {path} can be changed by other users, who could send your keys "
-                                f"elsewhere: run chmod 600 {path}")
-
-
-def _require_private(path: Path) -> None:
+def _require_private(keys_file: KeysFile) -> None:
     """A keys file that holds a key itself must not be readable by other users (ssh's rule for a private key)."""
     if os.name != "posix":
         return
-    mode = path.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise InvalidInputError(f"the keys file {path} holds a key and other users can read it: run chmod 600 "
-                                f"{path}, or name a variable (env) or a file instead of writing the key")
+    if keys_file.path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        shown = keys_file.shown
+        raise InvalidInputError(f"the keys file {shown} holds a key and other users can read it: run chmod 600 "
+                                f"{shown}, or name a variable (env) or a file instead of writing the key")
 
 
 def _written_key(credential: Credential) -> str:
     """The "key" written in the keys file for this credential, read from the file now."""
-    path = Path(credential.keys_file or "")
-    for raw in _read_document(path)["credentials"]:
+    keys_file = credential.keys_file or KeysFile(Path(""))
+    for raw in _read_document(keys_file)["credentials"]:
         if isinstance(raw, dict) and str(raw.get("label", "")).strip() == credential.label:
-            _require_private(path)
+            _require_private(keys_file)
             key = raw.get("key")
             if isinstance(key, str) and key.strip():
                 return header_safe(key.strip(), f"{credential.describe()}'s key")
-    raise AuthenticationError(f"{credential.describe()} has no key in {path} any more: write it again", status=0)
+    raise AuthenticationError(f"{credential.describe()} has no key in {keys_file.shown} any more: write it again",
+                              status=0)

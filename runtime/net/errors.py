@@ -26,10 +26,12 @@ class ConnectionLost(RemoteError):
     """The request went out, then the connection broke or no answer came in time: the server may still be working
     on it, so sending it again could run the same job twice."""
 
-    def __init__(self, message: str, cause: Optional[str] = None, timed_out: bool = False) -> None:
+    def __init__(self, message: str, cause: Optional[str] = None, timed_out: bool = False,
+                 answered_in_part: bool = False) -> None:
         super().__init__(message)
         self.cause = cause or message  # what happened, in plain words, without the server's name or the fix
-        self.timed_out = timed_out  # no answer within the read timeout (else: the connection broke)
+        self.timed_out = timed_out  # no whole answer within the read timeout (else: the connection broke)
+        self.answered_in_part = answered_in_part  # timed out after the answer began: it came too slowly
 
 
 class ServerRejected(RemoteError):

@@ -60,14 +60,21 @@ def run_sync(coro: Coroutine[Any, Any, T], poll: Optional[Callable[[], None]] = 
         coro.close()
         raise RuntimeError("run_sync called from the remote loop thread itself; await the coroutine instead")
     future = asyncio.run_coroutine_threadsafe(coro, _LOOP.loop())
+    error: Optional[BaseException] = None
     try:
-        while True:
-            try:
-                return future.result(timeout=CANCEL_POLL_S if poll is not None else None)
-            except concurrent.futures.TimeoutError:
-                if future.done() or poll is None:
-                    raise  # the coroutine's own TimeoutError, not the end of a poll slice
+        while not future.done():
+            concurrent.futures.wait((future,), timeout=CANCEL_POLL_S if poll is not None else None)
+            if not future.done() and poll is not None:
                 poll()
+        error = future.exception()
+        if error is None:
+            return future.result()
+        raise error
     except BaseException:
         future.cancel()  # no-op once the coroutine has finished (it raised)
         raise
+    finally:
+        # What the coroutine raised holds this frame in its traceback, and the future holds it: without this (and
+        # without future.result(), whose own frame would hold the future), an error would keep the caller's frames
+        # (a pipe among their locals) alive until the garbage collector runs, not until the caller drops it.
+        error = future = None  # noqa: F841

@@ -1,5 +1,5 @@
 """How a client talks to its server: the credential bound to it, connect and read timeouts, retries with backoff,
-the response size cap; and the check of a number of seconds a user gives for any of them."""
+the response size caps; and the check of a number of seconds a user gives for any of them."""
 from __future__ import annotations
 
 import math
@@ -12,6 +12,11 @@ from ..core.number_text import DECIMAL_RULE, decimal_from_text
 from .credentials import Credential, Credentials
 
 DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
+# What a small JSON answer may weigh (/health, /v1/models, /server_info, an error body): sglang 0.5.23 answers each
+# in under 1 KB (shared facts: examples.json), a FastAPI 422 that quotes a long prompt in a few KB. Images and chat
+# replies have their own cap (max_body_bytes).
+SMALL_ANSWER_BYTES = 1024 * 1024
+READ_TIMEOUT = "the read timeout"  # how a message names the read timeout when the caller gives no setting
 
 
 def checked_seconds(value: object, label: str, *, allow_zero: bool = False) -> float:
@@ -33,8 +38,8 @@ def checked_seconds(value: object, label: str, *, allow_zero: bool = False) -> f
 
 @dataclass(frozen=True)
 class Timeouts:
-    connect_s: float = 5.0
-    read_s: float = 300.0  # default wait for a response; callers pass a scaled value per request
+    connect_s: float = 5.0  # for a server to accept the connection
+    read_s: float = 300.0  # for the whole answer, once connected; callers pass a scaled value per request
 
 
 @dataclass(frozen=True)
@@ -60,10 +65,12 @@ class HttpSettings:
     retry: RetryPolicy = RetryPolicy()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     keys: Credentials = Credentials()  # where the user binds keys, named when a server asks for one
+    read_timeout_setting: str = READ_TIMEOUT  # the setting that gives the read timeout, named in its errors
 
     @classmethod
     def of(cls, *, credential: Optional[Credential], connect_timeout_s: float, read_timeout_s: float,
-           retry_attempts: int, max_response_mb: int, keys: Credentials = Credentials()) -> "HttpSettings":
+           retry_attempts: int, max_response_mb: int, keys: Credentials = Credentials(),
+           read_timeout_setting: str = READ_TIMEOUT) -> "HttpSettings":
         """From the flat values a node or CLI exposes."""
         return cls(
             credential=credential,
@@ -71,4 +78,5 @@ class HttpSettings:
             retry=RetryPolicy(attempts=max(1, retry_attempts)),
             max_body_bytes=max_response_mb * 1024 * 1024,
             keys=keys,
+            read_timeout_setting=read_timeout_setting,
         )

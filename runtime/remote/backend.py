@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ..text.remote_enhancer import ChatEndpoint
 
 URLS_SETTING = "urls"  # RemotePipe's servers, named in lines for a front end to show its own name (--server)
+READ_TIMEOUT_SETTING = "read_timeout_s"  # the base read timeout as the node names it (the CLI: --read-timeout)
 # Scheduler shift of both released checkpoints; the server uses its own scheduler config, shift is not sent.
 SERVER_SHIFT = 4.0
 REMOTE_LORA_REFUSAL = (
@@ -83,7 +84,8 @@ class RemoteSettings:
         return FleetSettings(
             http=HttpSettings.of(
                 credential=None, connect_timeout_s=self.connect_timeout_s, read_timeout_s=self.read_timeout_base_s,
-                retry_attempts=self.retry_attempts, max_response_mb=self.max_response_mb, keys=keys.advice),
+                retry_attempts=self.retry_attempts, max_response_mb=self.max_response_mb, keys=keys.advice,
+                read_timeout_setting=READ_TIMEOUT_SETTING),
             keys=keys,
             read_timeout=ReadTimeoutPolicy(base_s=self.read_timeout_base_s,
                                            per_step_megapixel_s=self.read_timeout_per_step_megapixel_s,

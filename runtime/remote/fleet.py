@@ -36,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..core.errors import RemoteError, naming_line
+from ..core.errors import RemoteError, named_settings, naming_line
 from ..net.credentials import ServerKeys
 from ..net.errors import BadResponse, ConnectionLost, ServerFailed, ServerRejected, ServerUnavailable
 from ..net.settings import HttpSettings, RetryPolicy
@@ -252,10 +252,18 @@ class _Batch:
             for task in workers:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+            # The error raised next reaches the caller, whose frames (a pipe's own) its traceback then holds: kept
+            # on the fleet, it would keep that pipe alive for as long as the fleet, the pipe's own finalizer included.
+            for slot in self.slots:
+                slot.gave_up = None
         if self.fatal is None and self.unanswered:
             self.fatal = self._unanswered_error()
         if self.fatal is not None:
-            raise self.fatal
+            fatal, self.fatal = self.fatal, None
+            try:
+                raise fatal
+            finally:
+                del fatal
 
     def _received(self) -> str:
         """How many images came back before the batch failed (a batch is returned whole or not at all)."""
@@ -271,7 +279,7 @@ class _Batch:
         return UnansweredImage(
             f"image {index + 1} of {len(self.jobs)} (seed {self.jobs[index].seed}): {error}; it is not sent again, to "
             f"this server or another, so no server runs it twice{more}{self._received()} (to send such images "
-            f"again, turn on {RESEND_SETTING})").naming(RESEND_SETTING)
+            f"again, turn on {RESEND_SETTING})").naming(RESEND_SETTING, *named_settings(error))
 
     async def _supervise(self) -> None:
         """Until the batch is done or cannot go on: every server given up on, or none ready within the wait."""
@@ -340,22 +348,31 @@ class _Batch:
             still = "" if self.slots[0].state == UNKNOWN else within.replace(" within", ", still after")  # timed
             return ServersNotReady(f"{causes}{still}: start the server, check "
                                    f"the URL, or {more_time}").naming(WAIT_SETTING)
-        what = (f"the remaining {len(self.pending)} of {len(self.jobs)} images" if self.jobs else
-                f"the remaining {self.images_for} of {self.images_for} images" if self.images_for else "any work")
-        return ServersNotReady(f"no server could take {what}{within}: {causes}: start or fix the servers, check the "
-                               f"URLs, or {more_time}").naming(WAIT_SETTING)
+        return ServersNotReady(f"no server could take {self._images_left()}{within}: {causes}: start or fix the "
+                               f"servers, check the URLs, or {more_time}").naming(WAIT_SETTING)
+
+    def _images_left(self) -> str:
+        """The images no server took, in words: "the image", "the 4 images", "the remaining 2 of 4 images"; "any
+        work" when the batch has none yet (the first look for a ready server, for no images in particular)."""
+        total = len(self.jobs) or self.images_for
+        left = len(self.pending) if self.jobs else total
+        if not total or not left:
+            return "any work"
+        if left < total:
+            return f"the remaining {left} of {total} images"
+        return "the image" if total == 1 else f"the {total} images"
 
     def _all_given_up(self) -> BaseException:
         if self.unanswered and not self.pending:
             return self._unanswered_error()
         if len(self.slots) == 1 and self.slots[0].gave_up is not None and not self.done:
             return self.slots[0].gave_up  # its own error says what to fix
-        left = len(self.pending)
         reasons = "; ".join(s.detail for s in self.slots)
         unmade = f"; {len(self.unanswered)} image(s) sent got no answer and are not sent again" if self.unanswered else ""
+        named = [name for s in self.slots if s.gave_up is not None for name in named_settings(s.gave_up)]
         return RemoteError(
-            f"no server could take the remaining {left} of {len(self.jobs)} images ({reasons}){unmade}"
-            f"{self._received()}; check that the servers are running and ready (ernie-image check-remote URL)")
+            f"no server could take {self._images_left()} ({reasons}){unmade}{self._received()}; check that the "
+            f"servers are running and ready (ernie-image check-remote URL)").naming(*dict.fromkeys(named))
 
     # ---------------------------------------------------------------------------------------- workers
     async def _serve(self, slot: ServerSlot) -> None:
@@ -425,8 +442,8 @@ class _Batch:
         slot.state, slot.gave_up, slot.detail = GIVEN_UP, error, why
         others = [s.label for s in self.slots if s is not slot and s.state != GIVEN_UP]
         if others and not self._finished():  # alone, its error ends the run and says it once
-            self._report(slot, f"giving up on {slot.label} for this batch: {why}{then}; the batch goes on with "
-                               f"{', '.join(others)}")
+            self._report(slot, naming_line(f"giving up on {slot.label} for this batch: {why}{then}; the batch goes on "
+                                           f"with {', '.join(others)}", *named_settings(error)))
         self._signal()
 
     async def _send(self, slot: ServerSlot, index: int) -> None:
@@ -498,7 +515,8 @@ class _Batch:
         slot.state, slot.detail, slot.cause = FAILED, str(error), error.cause
         slot.next_try_at = time.monotonic() + self.settings.retry_down_after_s
         self.notify(naming_line(f"{error}; image {index + 1} (seed {seed}) is sent again, as {RESEND_SETTING} asks: "
-                                f"{slot.label} may still be working on the first copy", RESEND_SETTING))
+                                f"{slot.label} may still be working on the first copy", RESEND_SETTING,
+                                *named_settings(error)))
         if slot.failures >= self.settings.max_failures_per_server:
             self._give_up(slot, error, f"{error} ({slot.failures} images in a row unanswered)")
 

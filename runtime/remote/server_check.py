@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 from ..core.errors import ErnieImageError
 from ..net.credentials import Credentials, ServerKeys, load_credentials
 from ..net.loop_thread import run_sync
-from ..net.settings import HttpSettings, RetryPolicy, Timeouts
+from ..net.settings import READ_TIMEOUT, HttpSettings, RetryPolicy, Timeouts
 from ..net.urls import normalize_base_url, shown_url
 from .sglang import PROBE_READ_S, ImageParams, ReadTimeoutPolicy, SglangClient
 
@@ -49,7 +49,7 @@ async def check_one(url: str, keys: ServerKeys, generate: bool, connect_timeout_
     try:
         credential = keys.for_url(normalize_base_url(url))
         settings = HttpSettings(credential, Timeouts(connect_s=connect_timeout_s), RetryPolicy(attempts=1),
-                                keys=keys.advice)
+                                keys=keys.advice, read_timeout_setting=read_timeout_label or READ_TIMEOUT)
         client = SglangClient(url, settings, ReadTimeoutPolicy(base_s=generation_timeout_s, per_step_megapixel_s=0.0),
                               probe_read_s=probe_read_s, probe_read_label=read_timeout_label)
     except ErnieImageError as exc:

@@ -225,13 +225,19 @@ class SglangClient:
         (wrong URL or path, refused key) or a body that is not SGLang's."""
         try:
             response = await self.http.request_json("GET", "/health", read_timeout_s=self.probe_read_s,
-                                                    accept_statuses=frozenset({503}), retry=PROBE_RETRY)
+                                                    accept_statuses=frozenset({503}), retry=PROBE_RETRY,
+                                                    small_answer=True)
         except ServerUnavailable as exc:
             return Readiness(REFUSED if exc.reason == "refused" else UNREACHABLE, str(exc), exc.cause)
         except ConnectionLost as exc:
             if exc.timed_out:
-                cause = f"/health not answered within {self.probe_read_s:g} s (read timeout)"
                 advice = f"; raise {self.probe_read_label} if it is only slow" if self.probe_read_label else ""
+                if exc.answered_in_part:
+                    cause = f"/health answered too slowly (the whole answer took longer than {self.probe_read_s:g} s)"
+                    return Readiness(UNREACHABLE, f"{self.label} answered GET /health too slowly: the whole answer took "
+                                                  f"longer than {self.probe_read_s:g} s: the server is hung, overloaded "
+                                                  f"or misbehaving (see its log){advice}", cause)
+                cause = f"/health not answered within {self.probe_read_s:g} s (read timeout)"
                 return Readiness(UNREACHABLE, f"{self.label} accepted the connection but sent no answer to GET /health "
                                               f"within {self.probe_read_s:g} s: the server is hung or overloaded (see "
                                               f"its log){advice}", cause)
@@ -253,7 +259,8 @@ class SglangClient:
 
     # ---------------------------------------------------------------------------------- discovery
     async def models(self) -> list[ServerModel]:
-        response = await self.http.request_json("GET", "/v1/models", read_timeout_s=self.probe_read_s)
+        response = await self.http.request_json("GET", "/v1/models", read_timeout_s=self.probe_read_s,
+                                                small_answer=True)
         data = response.data.get("data") if isinstance(response.data, dict) else None
         if not isinstance(data, list):
             raise BadResponse(f"{self.label}/v1/models has no model list: is this an SGLang diffusion server?")
@@ -297,7 +304,8 @@ class SglangClient:
         raise BadResponse(f"{self.label} serves {served}, not an ERNIE-Image pipeline: start it with {start}")
 
     async def _server_info(self) -> dict:
-        response = await self.http.request_json("GET", "/server_info", read_timeout_s=self.probe_read_s)
+        response = await self.http.request_json("GET", "/server_info", read_timeout_s=self.probe_read_s,
+                                                small_answer=True)
         return response.data if isinstance(response.data, dict) else {}
 
     async def version(self) -> Optional[str]:

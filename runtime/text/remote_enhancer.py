@@ -23,7 +23,7 @@ from ..net.client import HttpClient
 from ..net.credentials import Credential, Credentials
 from ..net.errors import BadResponse, ConnectionLost, ServerFailed, ServerRejected, ServerUnavailable
 from ..net.loop_thread import run_sync
-from ..net.settings import HttpSettings
+from ..net.settings import READ_TIMEOUT, HttpSettings
 from ..net.urls import shown_url
 from .enhancer import RevisedPrompts, Revision, validate_sampling
 from .pe_prompt import chat_messages
@@ -72,7 +72,8 @@ class ChatEndpoint:
         return HttpClient(self.base_url(), HttpSettings.of(
             credential=self.credential, connect_timeout_s=self.connect_timeout_s,
             read_timeout_s=self.read_timeout_s, retry_attempts=self.retry_attempts,
-            max_response_mb=self.max_response_mb, keys=self.keys))
+            max_response_mb=self.max_response_mb, keys=self.keys,
+            read_timeout_setting=self.timeout_setting or READ_TIMEOUT))
 
 
 class _Unusable(RemoteError):
@@ -115,7 +116,7 @@ async def _model_name(client: HttpClient, endpoint: ChatEndpoint) -> str:
     key = endpoint.base_url()
     listed = _listed_models.get(key)  # one get, not `in` then [], so a forget between them cannot raise
     if listed is None:
-        reply = await client.request_json("GET", MODELS_PATH)
+        reply = await client.request_json("GET", MODELS_PATH, small_answer=True)
         try:
             listed = str(reply.data["data"][0]["id"])
         except (KeyError, IndexError, TypeError):
@@ -208,9 +209,15 @@ WAIT_NOTICE_EVERY_S = 10.0
 def _slow_server(error: ConnectionLost, endpoint: ChatEndpoint) -> ConnectionLost:
     """A read timeout in the enhancer's words: the transport's own advice names the image read timeout."""
     longer = (f", or give it longer with {endpoint.timeout_setting}" if endpoint.timeout_setting else "")
-    return ConnectionLost(f"the prompt enhancer at {shown_url(endpoint.base_url())} sent no revised prompt within "
-                          f"{endpoint.read_timeout_s:g} s: it may be overloaded or still loading its model; check the "
-                          f"server{longer}", cause=error.cause, timed_out=True)
+    where = f"the prompt enhancer at {shown_url(endpoint.base_url())}"
+    if error.answered_in_part:
+        return ConnectionLost(f"{where} answered too slowly: the whole answer took longer than "
+                              f"{endpoint.read_timeout_s:g} s, coming in bit by bit; check the server (its log, its "
+                              f"network, a proxy in front of it){longer}", cause=error.cause, timed_out=True,
+                              answered_in_part=True)
+    return ConnectionLost(f"{where} sent no revised prompt within {endpoint.read_timeout_s:g} s: it may be "
+                          f"overloaded or still loading its model; check the server{longer}", cause=error.cause,
+                          timed_out=True)
 
 
 def revise_prompts_remote(endpoint: ChatEndpoint, prompts: Sequence[str], width: int, height: int, seed: int,
