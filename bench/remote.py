@@ -28,7 +28,8 @@ from ernie_image.runtime.core.host import NullHost  # noqa: E402
 from ernie_image.runtime.core.request import GenerationRequest  # noqa: E402
 from ernie_image.runtime.net.loop_thread import run_sync  # noqa: E402
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings  # noqa: E402
-from ernie_image.runtime.remote.sglang import ImageParams, SglangClient, build_payload, decode_image  # noqa: E402
+from ernie_image.runtime.remote.image_answer import decode_image  # noqa: E402
+from ernie_image.runtime.remote.sglang import ImageParams, SglangClient, build_payload  # noqa: E402
 
 SIDE = 512
 

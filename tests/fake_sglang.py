@@ -25,6 +25,8 @@ Behaviours a fleet meets (each counted: `generations` is every POST received, `r
   whose body is 64 MiB. Each works on generation, and as "health:..." / "models:..." on those endpoints;
 - ignores output_format: `faults=["jpeg"]` / `["webp"]` answers that format whatever was asked;
 - loading: `warmup_s` (/health answers 503, POSTs are held until ready, as SGLang does);
+- misbehaving images: `image_b64` answers that image (any PNG: 16-bit, with alpha, ...) to every generation,
+  `images_per_answer` puts that many entries in `data` (the request asks for n=1);
 - a redirect: `redirect_to=URL` answers `redirect_status` (307) with `Location: URL + path` on every path, or on
   `redirect_path` alone (the client must never follow it, least of all with the API key).
 
@@ -107,6 +109,7 @@ class FakeSglang:
     flaky_every: int = 0  # every Nth generation POST answers 503 before any work
     retry_after_s: float = 0.0  # Retry-After of a "429" fault
     image_b64: Optional[str] = None  # when set, every generation answers this base64 image (a bad or hostile PNG)
+    images_per_answer: Optional[int] = None  # entries in `data` of every answer (None: the n asked for)
     every_post: Optional[str] = None  # a fault for every generation POST (a server broken for good)
     redirect_to: Optional[str] = None  # when set, answer a redirect to this URL (+ the path asked) instead
     redirect_status: int = 307
@@ -374,7 +377,8 @@ class FakeSglang:
             item["b64_json"] = b64
         else:
             item["url"] = f"/v1/images/{image_id}/content"
-        payload: dict[str, Any] = {"id": image_id, "created": int(time.time()), "data": [item],
+        count = int(body.get("n", 1)) if self.images_per_answer is None else self.images_per_answer
+        payload: dict[str, Any] = {"id": image_id, "created": int(time.time()), "data": [item] * count,
                                    "peak_memory_mb": self.peak_memory_mb,
                                    "inference_time_s": round(time.monotonic() - started, 4), "usage": None}
         if fault == "missing_data":

@@ -22,7 +22,8 @@ from ernie_image.runtime.net.loop_thread import run_sync
 from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
 from ernie_image.runtime.remote.fleet import Fleet
 from ernie_image.runtime.remote.server_check import check_remote, format_check_table
-from ernie_image.runtime.remote.sglang import ImageParams, decode_image, mask_seed
+from ernie_image.runtime.remote.image_answer import decode_image
+from ernie_image.runtime.remote.sglang import ImageParams, mask_seed
 
 from fake_sglang import FakeSglang, free_port, render
 from waiting import PROMPTLY_S, WAIT_S, do_when, press_cancel, wait_until

@@ -6,18 +6,12 @@ relative URL instead of the image), so every request sets every field explicitly
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import dataclasses
-import io
 import re
-import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
 
 from ..core.request import SEED_MASK, SIDE_MULTIPLE
 from ..core.variant import VariantChoice, name_variant
@@ -27,6 +21,7 @@ from ..net.errors import (AuthenticationError, BadResponse, ConnectionLost, Serv
                           ServerUnavailable)
 from ..net.settings import HttpSettings, RetryPolicy
 from ..net.urls import normalize_base_url, shown_url
+from .image_answer import answered_images, decode_image
 
 ERNIE_PIPELINE = "ErnieImagePipeline"
 GENERATE_PATH = "/v1/images/generations"
@@ -193,60 +188,6 @@ def build_payload(params: ImageParams, model: str) -> dict[str, Any]:
     }
 
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def _image_format(raw: bytes) -> Optional[str]:
-    """The format Pillow reads from the header of `raw` (not a PNG), or None for bytes that are no image it knows.
-    Only the header is read: nothing is decoded."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(raw)) as image:
-                return image.format or None
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError):
-        return None
-
-
-def decode_image(b64: Any, width: int, height: int, label: str) -> torch.Tensor:
-    """base64 PNG -> float32 [H, W, 3] in 0..1; the size must be the one asked for."""
-    if not isinstance(b64, str) or not b64:
-        raise BadResponse(f"{label} returned no image data (b64_json is empty): is response_format supported?")
-    try:
-        raw = base64.b64decode(b64, validate=True)
-    except (binascii.Error, ValueError):
-        raise BadResponse(f"{label} returned an image that is not valid base64; see the server log") from None
-    if not raw.startswith(PNG_SIGNATURE):
-        other = _image_format(raw)
-        if other is not None:  # decoded, it would pass for the lossless PNG the request asked for
-            raise BadResponse(f"{label} sent a {other} image, not the PNG asked for: refused (the server ignored "
-                              f"output_format png): check its version")
-    try:
-        with warnings.catch_warnings():
-            # Pillow warns (several lines on stderr) of a header claiming a huge image: refused below, in one line.
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(raw))
-        with image:
-            size = image.size  # from the header: a wrong size is refused before any pixel is decoded
-            if size != (width, height):
-                raise BadResponse(
-                    f"{label} returned a {size[0]}x{size[1]} image for a {width}x{height} request, refused before "
-                    f"decoding: the server may floor sizes or be misconfigured; check its version and its log"
-                )
-            image.load()
-            # one float copy of the pixels, scaled in place (convert only when the PNG is not RGB already)
-            array = np.asarray(image if image.mode == "RGB" else image.convert("RGB"), dtype=np.float32)
-    except Image.DecompressionBombError:
-        raise BadResponse(f"{label} returned an image whose header claims far more pixels than the {width}x{height} "
-                          f"asked for (a decompression bomb), refused before decoding: check the server's version "
-                          f"and its log, and that the URL is the SGLang server's") from None
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise BadResponse(f"{label} returned bytes that are not a readable image ({type(exc).__name__}); see the "
-                          f"server log and check its version") from None
-    array /= 255.0
-    return torch.from_numpy(array)
-
-
 def _number(value: Any) -> Optional[float]:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -388,13 +329,9 @@ class SglangClient:
         wait_s = self.read_timeout.seconds(params.steps, params.width, params.height)
         response = await self.http.request_json("POST", GENERATE_PATH, payload, read_timeout_s=wait_s, retry=retry)
         body = response.data
-        if not isinstance(body, dict):
-            raise BadResponse(f"{self.label} answered the generation with {type(body).__name__}, not a JSON object")
-        data = body.get("data")
-        if not isinstance(data, list) or not data or not isinstance(data[0], dict):
-            raise BadResponse(f"{self.label} answered the generation without images (no 'data'); see the server log")
+        (b64,) = answered_images(body, payload["n"], self.label)
         # decoding a large PNG takes tens of ms: off the loop, so other servers' responses keep flowing
-        image = await asyncio.to_thread(decode_image, data[0].get("b64_json"), params.width, params.height, self.label)
+        image = await asyncio.to_thread(decode_image, b64, params.width, params.height, self.label)
         return GeneratedImage(
             image=image,
             seed=payload["seed"],
