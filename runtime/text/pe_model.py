@@ -115,10 +115,25 @@ def check_pe_config(component, variant: Variant = "base") -> None:
     check_config_fits(component, "pe", variant)
     model = pe_on_meta(component, variant)
     made = shapes_of(model.model)
-    if not model.config.tie_word_embeddings:  # a head of its own, read from the file's lm_head.weight
+    tied = model.config.tie_word_embeddings
+    if not tied:  # a head of its own, read from the file's lm_head.weight
         made["lm_head.weight"] = tuple(model.lm_head.weight.shape)
-    check_built_tensors(component, "pe", made)
+    check_built_tensors(component, "pe", made, may_hold=lambda key: tied and _is_head_copy(component, key))
     check_pe_dtypes(component, model)
+
+
+def _is_head_copy(component, key: str) -> bool:
+    """Whether `key` is a copy of the embeddings saved as the head (transformers ignores it when the head is tied):
+    lm_head.weight in the shape the file holds embed_tokens.weight in."""
+    if key != "lm_head.weight" or "embed_tokens.weight" not in component.keys:
+        return False
+    head = _held_shape(component, key)
+    return head is not None and head == _held_shape(component, "embed_tokens.weight")
+
+
+def _held_shape(component, key: str) -> Optional[tuple[int, ...]]:
+    shape = getattr(component.tensor(key), "shape", None)
+    return tuple(shape) if shape is not None else None
 
 
 def check_pe_dtypes(component, model) -> None:
