@@ -394,9 +394,15 @@ class TestPromptEnhancerFiles:
         assert_refused(run("generate", "--tokenizer", str(tmp_path)), f"--tokenizer {tmp_path} needs a model",
                        "give the model too, or leave out --tokenizer")
 
-    def test_pe_with_a_model_needs_use_pe(self, run, tmp_path_factory, tiny_turbo_with_pe):
-        assert_refused(run("generate", "--model-dir", str(tiny_turbo_with_pe), "--pe", str(tiny_turbo_with_pe / "pe")),
-                       "revises the prompt only with --use-pe", "add --use-pe, or drop --pe")
+    @pytest.mark.parametrize("use_pe", [(), ("--use-pe",)], ids=["without --use-pe", "with --use-pe"])
+    def test_pe_with_a_model_runs_and_without_use_pe_a_notice_says_it_is_unused(self, run, tiny_turbo_with_pe,
+                                                                                use_pe):
+        """A script may give --pe on every run and turn the prompt enhancer on and off with --use-pe."""
+        outcome = run("generate", "--model-dir", str(tiny_turbo_with_pe), "--pe", str(tiny_turbo_with_pe / "pe"),
+                      "--steps", "1", "--width", "256", "--height", "256", *use_pe)
+        assert outcome.code == 0 and outcome.written == ["x.png"], outcome
+        told = [line for line in outcome.err_lines if "--pe is not used" in line]
+        assert told == ([] if use_pe else ["--pe is not used without --use-pe"])
 
     def test_pe_and_a_pe_server_together_are_refused(self, run, tiny_turbo_with_pe):
         assert_refused(run("generate", "--model-dir", str(tiny_turbo_with_pe), "--pe", str(tiny_turbo_with_pe / "pe"),
