@@ -26,7 +26,6 @@ from ..formats.sources import ModelSources, component_folder
 from ..model.builders import rebuild_rotary_tables
 from ..model.config_fit import check_config_fits
 from ..model.dtype_fit import check_built_dtypes, floating_tensors
-from ..model.dynamo_import import import_dynamo
 from ..model.fill import fill_from_file
 from ..model.tensor_fit import check_built_tensors, shapes_of
 from .token_sampler import TRANSFORMERS_DEFAULT_TOP_K
@@ -99,8 +98,7 @@ def pe_weight_bytes(config: dict, dtype: torch.dtype) -> int:
 
 def pe_on_meta(component, variant: Variant = "base"):
     """The Ministral3ForCausalLM its config describes, on the meta device: a config that does not build it is named."""
-    import_dynamo()
-    from transformers import Ministral3Config, Ministral3ForCausalLM
+    from ..model.libraries import Ministral3Config, Ministral3ForCausalLM
 
     with config_named(component, "prompt enhancer"):
         config = Ministral3Config(**pe_config_for(component, variant))
