@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 
@@ -29,6 +30,7 @@ from ernie_image.runtime.net.credentials import (
 )
 from ernie_image.runtime.net.errors import AuthenticationError
 from ernie_image.runtime.net.key_source import ApiKeySource
+from ernie_image.runtime.net.keys_file import Accounts, shell_fix, writable_by_others
 from ernie_image.runtime.net.loop_thread import run_sync
 from ernie_image.runtime.net.settings import HttpSettings
 
@@ -289,7 +291,7 @@ def test_a_keys_file_other_users_can_write_is_refused(keys_file: WriteKeys, mode
     "~/.ssh/id_rsa") there; ssh refuses a config file others can write for the same reason."""
     path = keys_file(entry("gpu-box", GPU_BOX, env=KEY_VAR))
     os.chmod(path, mode)
-    message = refused(load_credentials)
+    message = refused_needing()
     assert str(path) in message and "chmod" in message
 
 
@@ -299,23 +301,34 @@ def folders_above(path: Path, top: Path) -> list[Path]:
     return [folder for folder in path.parents if folder == top or top in folder.parents]
 
 
+def refused_needing(comfy_user_dir: Optional[str] = None) -> str:
+    """The refusal of the keys file when a server bound to one of its entries needs it (its refusal alone)."""
+    message = refused(lambda: load_credentials(comfy_user_dir).for_server(GPU_BOX))
+    assert message.startswith(NEEDED), message
+    return message[len(NEEDED):]
+
+
+NEEDED = f"{Origin.of(GPU_BOX)}, bound to a key there, needs the keys file, which is not used: "
+
+
 def refused_at(path: Path) -> str:
     """The refusal of the keys file at `path`, named by ERNIE_IMAGE_KEYS_FILE as the command line would."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(KEYS_FILE_ENV, str(path))
-        return refused(load_credentials)
+        return refused_needing()
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o770, 0o757, 0o730, 0o703], ids=oct)
 @pytest.mark.parametrize("level", [0, 1, 2], ids=["its folder", "the folder above", "two above"])
 def test_a_keys_file_in_a_folder_others_can_write_is_refused_naming_the_folder(keys_file_of_this_test: Path,
                                                                               tmp_path_factory, level: int,
-                                                                              mode: int) -> None:
+                                                                              mode: int, monkeypatch) -> None:
     """Another user who may rename or remove entries in any folder above the keys file can put a keys file of their
     own in its place (with keys.json itself 600): refused as ssh's StrictModes refuses it."""
     top = tmp_path_factory.mktemp("shared")
     path = written(top / "a" / "b" / "keys.json", document(entry("gpu-box", GPU_BOX, env=KEY_VAR)))
     folder = folders_above(path, top)[level]
+    monkeypatch.setattr(Accounts, "of_system", classmethod(lambda cls: Accounts()))  # no group is private
     os.chmod(folder, mode)
     try:
         message = refused_at(path)
@@ -359,6 +372,94 @@ def test_a_keys_file_reached_through_a_link_is_checked_where_the_link_leads_too(
         os.chmod(link.parent, 0o755)
 
 
+ME, MY_GID, SHARED_GID = 1000, 1000, 100
+ACCOUNTS = Accounts(primary_gids=((ME, MY_GID), (1001, 1001), (1002, SHARED_GID), (1003, SHARED_GID), (0, 0)),
+                    names=((ME, "me"), (1001, "ann"), (1002, "bob"), (1003, "cy"), (0, "root")),
+                    members=((MY_GID, ()), (1001, ("ann",)), (SHARED_GID, ()), (2000, ("me", "ann")), (3000, ("me",))))
+
+
+def folder_stat(mode: int, uid: int, gid: int) -> os.stat_result:
+    return os.stat_result((stat.S_IFDIR | mode, 0, 0, 1, uid, gid, 0, 0, 0, 0))
+
+
+@pytest.mark.parametrize("mode, gid, open_to_others", [
+    (0o755, MY_GID, False), (0o775, MY_GID, False), (0o770, MY_GID, False),  # the owner's private group (umask 002)
+    (0o775, 1001, True),  # another user's private group
+    (0o775, SHARED_GID, True),  # a primary group other users share
+    (0o775, 2000, True),  # a group listing other members
+    (0o775, 3000, True),  # listing the owner alone, but not the owner's primary group
+    (0o777, MY_GID, True), (0o757, MY_GID, True), (0o703, MY_GID, True),  # writable by everyone
+    (0o1777, SHARED_GID, False), (0o1775, 2000, False),  # sticky: others may not rename or remove what is yours
+], ids=lambda value: oct(value) if isinstance(value, int) and value > 0o700 else str(value))
+def test_a_folder_writable_by_its_group_is_trusted_only_when_the_group_is_its_owners_private_one(
+        mode: int, gid: int, open_to_others: bool) -> None:
+    """Debian OpenSSH's user-group-modes: a user private group has the owner alone in it."""
+    assert writable_by_others(folder_stat(mode, ME, gid), ACCOUNTS, folder=True) is open_to_others
+
+
+def test_roots_private_group_is_private_to_root() -> None:
+    assert not writable_by_others(folder_stat(0o775, 0, 0), ACCOUNTS, folder=True)
+    assert writable_by_others(folder_stat(0o775, ME, 0), ACCOUNTS, folder=True)
+
+
+@pytest.mark.parametrize("names, fix", [
+    (["/srv/a b", "/srv"], "run chmod go-w '/srv/a b' /srv"),
+    (["~/.config/ernie-image", "~"], "run chmod go-w ~/.config/ernie-image ~"),
+    (["ComfyUI's user/ernie_image", "ComfyUI's user", "ComfyUI's user/..", "ComfyUI's user/../.."],
+     "run chmod go-w on ComfyUI's user/ernie_image folder, ComfyUI's user folder, ComfyUI's folder, "
+     "the folder 1 above ComfyUI's folder"),
+])
+def test_the_fix_is_a_shell_command_for_paths_and_words_for_comfyuis_folders(names: list[str], fix: str) -> None:
+    assert shell_fix(names) == fix
+
+
+def test_every_folder_others_can_change_is_named_in_one_line(tmp_path_factory, monkeypatch) -> None:
+    top = tmp_path_factory.mktemp("shared")
+    path = written(top / "a" / "b" / "keys.json", document(entry("gpu-box", GPU_BOX, env=KEY_VAR)))
+    monkeypatch.setattr(Accounts, "of_system", classmethod(lambda cls: Accounts()))
+    bad = [path.parent, path.parent.parent]
+    for folder in bad:
+        os.chmod(folder, 0o775)
+    try:
+        message = refused_at(path)
+    finally:
+        for folder in bad:
+            os.chmod(folder, 0o755)
+    assert message == (f"the folders {bad[0]}, {bad[1]} above the keys file can be changed by other users, who could "
+                       f"put another keys file in their place and send your keys elsewhere: run chmod go-w {bad[0]} "
+                       f"{bad[1]}")
+
+
+def untrusted_keys_file(tmp_path_factory) -> Path:
+    top = tmp_path_factory.mktemp("open")
+    path = written(top / "a" / "keys.json", document(entry("gpu-box", GPU_BOX, env=KEY_VAR)))
+    os.chmod(path.parent, 0o777)
+    return path
+
+
+def test_an_untrusted_keys_file_is_ignored_with_a_notice_while_no_server_needs_it(tmp_path_factory,
+                                                                                  monkeypatch) -> None:
+    path = untrusted_keys_file(tmp_path_factory)
+    monkeypatch.setenv(KEYS_FILE_ENV, str(path))
+    keys = ServerKeys.resolve(load_credentials(), ["http://127.0.0.1:1"])
+    assert keys.bound == ()
+    assert keys.notice == (f"the keys file is not used (no server here needs it): the folder {path.parent} holding "
+                           f"the keys file can be changed by other users, who could put another keys file in its "
+                           f"place and send your keys elsewhere: run chmod go-w {path.parent}")
+    os.chmod(path.parent, 0o755)
+    assert ServerKeys.resolve(load_credentials(), ["http://127.0.0.1:1"]).notice == ""
+
+
+@pytest.mark.parametrize("url, label", [("http://127.0.0.1:1", "gpu-box"), ("http://127.0.0.1:1", "other"),
+                                        (GPU_BOX, "")], ids=["its label", "any label", "a server bound there"])
+def test_a_server_that_needs_an_untrusted_keys_file_is_refused(tmp_path_factory, monkeypatch, url: str,
+                                                               label: str) -> None:
+    path = untrusted_keys_file(tmp_path_factory)
+    monkeypatch.setenv(KEYS_FILE_ENV, str(path))
+    message = refused(ServerKeys.resolve, load_credentials(), [url], label)
+    assert "needs the keys file, which is not used: the folder" in message and f"chmod go-w {path.parent}" in message
+
+
 OTHER_UID = 54321  # nobody's: a user who is not the one running the tests, nor root
 
 
@@ -398,7 +499,7 @@ def comfy_keys_file(tmp_path: Path, text: str, mode: int = 0o600) -> tuple[Path,
      "the keys file ComfyUI's user/ernie_image/keys.json can be changed by other users"),
     (document(entry("a", GPU_BOX, env=KEY_VAR)), 0o600, 0o777,
      "the folder ComfyUI's user/ernie_image holding the keys file can be changed by other users, who could put "
-     "another keys file in its place and send your keys elsewhere: run chmod go-w ComfyUI's user/ernie_image"),
+     "another keys file in its place and send your keys elsewhere: run chmod go-w on ComfyUI's user/ernie_image folder"),
     (document({"label": "a", "origin": GPU_BOX}), 0o600, 0o755,
      "entry 1 of the keys file ComfyUI's user/ernie_image/keys.json ('a') needs exactly one of env"),
 ])
@@ -409,7 +510,7 @@ def test_inside_comfyui_a_keys_file_error_names_it_by_comfyuis_user_folder_not_i
     user, path = comfy_keys_file(tmp_path, text, mode)
     os.chmod(path.parent, folder_mode)
     try:
-        message = refused(load_credentials, str(user))
+        message = refused(lambda: load_credentials(str(user)).for_server(GPU_BOX))
     finally:
         os.chmod(path.parent, 0o755)
     assert said in message and str(tmp_path) not in message
@@ -418,7 +519,7 @@ def test_inside_comfyui_a_keys_file_error_names_it_by_comfyuis_user_folder_not_i
         patch.setenv(KEYS_FILE_ENV, str(path))
         os.chmod(path.parent, folder_mode)
         try:
-            assert str(path.parent) in refused(load_credentials)
+            assert str(path.parent) in refused(lambda: load_credentials().for_server(GPU_BOX))
         finally:
             os.chmod(path.parent, 0o755)
 
@@ -427,10 +528,10 @@ def test_inside_comfyui_a_folder_above_its_user_folder_is_named_relative_to_it(t
     user, path = comfy_keys_file(tmp_path, document(entry("a", GPU_BOX, env=KEY_VAR)))
     os.chmod(user.parent, 0o777)  # the ComfyUI folder itself
     try:
-        message = refused(load_credentials, str(user))
+        message = refused_needing(str(user))
     finally:
         os.chmod(user.parent, 0o755)
-    assert message.endswith("run chmod go-w ComfyUI's user/..") and str(tmp_path) not in message
+    assert message.endswith("run chmod go-w on ComfyUI's folder") and str(tmp_path) not in message
 
 
 def test_inside_comfyui_the_advice_on_binding_a_key_names_the_keys_file_without_its_path(tmp_path: Path,
@@ -614,3 +715,15 @@ def test_a_credential_never_shows_the_key_it_gives(keys_file: WriteKeys) -> None
     for shown in (repr(credential), str(credential), credential.describe(), repr(HttpSettings(credential=credential)),
                   repr(HttpClient(GPU_BOX, HttpSettings(credential=credential)))):
         assert KEY not in shown
+
+
+def test_a_keyless_remote_pipe_is_made_beside_an_untrusted_keys_file_and_says_so_once(tmp_path_factory,
+                                                                                      monkeypatch) -> None:
+    from ernie_image.runtime.remote.backend import RemotePipe, RemoteSettings
+
+    path = untrusted_keys_file(tmp_path_factory)
+    monkeypatch.setenv(KEYS_FILE_ENV, str(path))
+    pipe = RemotePipe(["http://127.0.0.1:1"], RemoteSettings())
+    assert pipe.keys.bound == () and pipe.keys.notice.startswith("the keys file is not used (no server here needs it)")
+    message = refused(RemotePipe, ["http://127.0.0.1:1"], RemoteSettings(credential="gpu-box"))
+    assert "credential 'gpu-box' needs the keys file, which is not used" in message

@@ -172,9 +172,10 @@ def in_comfyui_with_user_folder(monkeypatch: pytest.MonkeyPatch, user: Path) -> 
 
 
 @pytest.mark.parametrize("broken, said", [
-    ("folder others can write", "the folder ComfyUI's user/ernie_image holding the keys file can be changed by other "
+    ("folder others can write", "http://127.0.0.1:1, bound to a key there, needs the keys file, which is not used: "
+                                "the folder ComfyUI's user/ernie_image holding the keys file can be changed by other "
                                 "users, who could put another keys file in its place and send your keys elsewhere: "
-                                "run chmod go-w ComfyUI's user/ernie_image"),
+                                "run chmod go-w on ComfyUI's user/ernie_image folder"),
     ("unknown label", "credential names no credential of yours (yours bound to http://127.0.0.1:1: 'lab'): add {\"label\": \"NAME\", \"origin\": "
                       "\"http://127.0.0.1:1\", \"env\": \"VARIABLE\"} (or \"file\": PATH) to the keys file ComfyUI's "
                       "user/ernie_image/keys.json with that label, or leave credential empty"),

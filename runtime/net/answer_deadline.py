@@ -86,7 +86,11 @@ async def until_due(clock: AnswerClock, awaitable: Awaitable[T]) -> T:
         moved.cancel()
         if not task.done():
             task.cancel()
-            try:
-                await task
-            except BaseException:  # noqa: BLE001 - the request's own end no longer matters
-                pass
+            task.add_done_callback(_retrieve)  # the request's own end no longer matters
+            # asyncio.wait never raises the request's end, but does raise a cancel aimed at this task meanwhile.
+            await asyncio.wait({task})
+
+
+def _retrieve(task: "asyncio.Future[Any]") -> None:
+    if not task.cancelled():
+        task.exception()

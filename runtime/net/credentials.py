@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from ..core.errors import InvalidInputError
 from .errors import AuthenticationError
 from .key_source import ApiKeySource, header_safe
-from .keys_file import KeysFile, keys_file_names
+from .keys_file import KeysFile, UntrustedKeysFile, keys_file_names
 from .urls import shown_url
 
 KEYS_FILE_ENV = "ERNIE_IMAGE_KEYS_FILE"
@@ -131,6 +131,14 @@ class Credentials:
 
     entries: tuple[Credential, ...] = ()
     location: str = ""  # the keys file read, or the one the user would write, as messages name it
+    # A keys file others could change is not used: why (its refusal, one line), and the origins it binds keys to.
+    # A server that needs it (its label asked for, or its origin bound there) is refused with that line.
+    untrusted: str = ""
+    untrusted_origins: tuple[Origin, ...] = ()
+
+    def notice(self) -> str:
+        """One line for the user when the keys file was ignored, else ""."""
+        return f"the keys file is not used (no server here needs it): {self.untrusted}" if self.untrusted else ""
 
     @classmethod
     def bound_to(cls, urls: Sequence[str], env_var: Optional[str] = None, file: Optional[str] = None, *,
@@ -155,6 +163,9 @@ class Credentials:
         origin, or with no label the one bound to that origin (None: the server gets no key). Checked now."""
         origin = Origin.of(url)
         label = (label or "").strip()
+        if self.untrusted and (label or origin in self.untrusted_origins):
+            needs = f"{setting} {label!r}" if label else f"{origin}, bound to a key there,"
+            raise UntrustedKeysFile(f"{needs} needs the keys file, which is not used: {self.untrusted}")
         if label:
             credential = self._labelled(label, setting, origin)
             if credential.origin != origin:
@@ -190,6 +201,7 @@ class ServerKeys:
 
     bound: tuple[tuple[Origin, Credential], ...] = ()
     advice: Credentials = Credentials()
+    notice: str = ""  # the keys file was ignored, and why ("" when it was used or there is none)
 
     @classmethod
     def resolve(cls, credentials: Credentials, urls: Sequence[str], label: str = "",
@@ -199,7 +211,7 @@ class ServerKeys:
             credential = credentials.for_server(url, label, setting=setting)
             if credential is not None:
                 bound[Origin.of(url)] = credential
-        return cls(tuple(bound.items()), Credentials(location=credentials.location))
+        return cls(tuple(bound.items()), Credentials(location=credentials.location), credentials.notice())
 
     def for_url(self, url: str) -> Optional[Credential]:
         origin = Origin.of(url)
@@ -226,7 +238,11 @@ def load_credentials(comfy_user_dir: Optional[str] = None) -> Credentials:
     for path in candidates:
         if path.exists() or path.is_symlink():
             keys_file = KeysFile(path, names)
-            return Credentials(tuple(_read_entries(keys_file)), keys_file.shown)
+            try:
+                return Credentials(tuple(_read_entries(keys_file)), keys_file.shown)
+            except UntrustedKeysFile as refusal:
+                return Credentials(location=keys_file.shown, untrusted=str(refusal),
+                                   untrusted_origins=_origins_named(keys_file))
     if os.environ.get(KEYS_FILE_ENV, "").strip():
         raise InvalidInputError(f"{KEYS_FILE_ENV} names {names(candidates[0])}, which does not exist: write the keys "
                                 f"file there or unset {KEYS_FILE_ENV}")
@@ -254,6 +270,22 @@ def _read_document(keys_file: KeysFile) -> dict[str, Any]:
         raise InvalidInputError(f'{where} must be a JSON object {{"credentials": [...]}}: see the README\'s keys '
                                 f"file section")
     return document
+
+
+def _origins_named(keys_file: KeysFile) -> tuple[Origin, ...]:
+    """The origins an untrusted keys file binds keys to, as far as they can be read (its keys are never used)."""
+    try:
+        document = json.loads(keys_file.path.read_bytes()[:MAX_KEYS_FILE_BYTES])
+        raw_entries = document.get("credentials") if isinstance(document, dict) else None
+    except (OSError, ValueError, RecursionError):
+        return ()
+    origins: list[Origin] = []
+    for raw in raw_entries if isinstance(raw_entries, list) else ():
+        try:
+            origins.append(Origin.parse(raw.get("origin") if isinstance(raw, dict) else None, "the keys file"))
+        except InvalidInputError:
+            continue
+    return tuple(dict.fromkeys(origins))
 
 
 def _read_entries(keys_file: KeysFile) -> list[Credential]:

@@ -130,6 +130,7 @@ class RemotePipe:
         for url in self.urls:
             normalize_base_url(url, endpoint_suffixes=ENDPOINT_SUFFIXES)
         self.keys = settings.server_keys([normalize_base_url(url) for url in self.urls])
+        self._keys_notice = self.keys.notice  # said once, with the first run's notices
         if settings.pe_endpoint is not None:
             normalize_base_url(settings.pe_endpoint.base_url(), what="PE endpoint URL")
             if settings.pe_endpoint.credential is not None:
@@ -244,6 +245,9 @@ class RemotePipe:
         if request.steps is None or request.cfg is None:  # the served variant's defaults, as the local pipe does
             request = request.with_defaults(model.variant)
         _notice_other_variant(request, model, host)
+        if self._keys_notice:
+            host.log(self._keys_notice)
+            self._keys_notice = ""
         as_run = request  # what the result records: before the PE's prompts replace the user's
         request, revised = self._revise(request, host)
         if request.shift != SERVER_SHIFT:
