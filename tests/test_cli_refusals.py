@@ -347,6 +347,44 @@ class TestRepeatedOptions:
         args = _parser(command).parse_args([option, first, f"{option}={first}"])
         assert str(getattr(args, option[2:].replace("-", "_"))) == first
 
+    SAME_MEANING = [
+        ("generate", "--seed", "7", "07"), ("generate", "--seed", "7", "+7"), ("enhance", "--seed", "3", "003"),
+        ("generate", "--model-dir", "m", "m/"), ("generate", "--model-dir", "m", "./m"),
+        ("generate", "--model-dir", "/a/m", "/a//b/../m/"),
+        ("generate", "--dit", "~/d.safetensors", "{home}/d.safetensors"),
+        ("generate", "--pe", "pe", "pe/."), ("generate", "--init-image", "a.png", "./a.png"),
+        ("generate", "--out", "{out}/a.png", "{out}//a.png"),
+    ]
+
+    @pytest.mark.parametrize("command, option, first, second", SAME_MEANING,
+                             ids=[" ".join(case) for case in SAME_MEANING])
+    def test_two_texts_of_one_value_are_one_value(self, outputs, monkeypatch, command, option, first, second):
+        """Compared as read: a number by its value, a path as the file system reads it (~ expanded, normalised)."""
+        monkeypatch.setenv("HOME", "/home/someone")
+        first, second = (text.format(out=outputs, home="/home/someone") for text in (first, second))
+        extra = ["--prompt", "x"] if command == "enhance" else []
+        name = option[2:].replace("-", "_")
+        args = _parser(command).parse_args([*extra, option, first, option, second])
+        assert getattr(args, name) == getattr(_parser(command).parse_args([*extra, option, second]), name)
+
+    DIFFERENT_MEANING = [
+        ("--seed", "7", "70"), ("--seed", "7", "-7"), ("--model-dir", "m", "m2"), ("--model-dir", "m", "../m"),
+        ("--model-dir", "m", "/m"), ("--model-dir", "a/m", "a/M"), ("--pe", "pe", "pe/model.safetensors"),
+    ]
+
+    @pytest.mark.parametrize("option, first, second", DIFFERENT_MEANING,
+                             ids=[" ".join(case) for case in DIFFERENT_MEANING])
+    def test_two_texts_of_two_values_are_refused_quoting_both(self, run, option, first, second):
+        assert_refused(run("generate", option, first, option, second),
+                       f"{option} is given twice ({first!r} and {second!r}) and the command takes one", "give it once")
+
+    def test_a_parse_starts_afresh_and_leaves_nothing_on_the_namespace(self):
+        parser = _parser("generate")
+        first = parser.parse_args(["--seed", "1"])
+        second = parser.parse_args(["--seed", "2"])  # not "given twice": the first parse is over
+        assert (first.seed, second.seed) == (1, 2)
+        assert not [name for name in vars(second) if name.startswith("_")]
+
     @pytest.mark.parametrize("command, option, first, last, cause, fix", [
         ("generate", "--width", "256", "100", "--width 100 is not allowed", "use 256"),
         ("generate", "--steps", "4", "1001", "--steps 1001 is not allowed", "use 1..1000"),
@@ -371,9 +409,9 @@ def _quoted(value: str) -> str:
 
 
 def _parser(command: str):
-    from ernie_image.runtime.cli import generate, plan
+    from ernie_image.runtime.cli import enhance, generate, plan
 
-    return (generate if command == "generate" else plan).build_parser()
+    return {"generate": generate.build_parser, "plan": plan.build_parser, "enhance": enhance._parser}[command]()
 
 
 # ------------------------------------------------------------------------------------------- prompt enhancer files
@@ -394,9 +432,15 @@ class TestPromptEnhancerFiles:
         assert_refused(run("generate", "--tokenizer", str(tmp_path)), f"--tokenizer {tmp_path} needs a model",
                        "give the model too, or leave out --tokenizer")
 
-    def test_pe_with_a_model_needs_use_pe(self, run, tmp_path_factory, tiny_turbo_with_pe):
-        assert_refused(run("generate", "--model-dir", str(tiny_turbo_with_pe), "--pe", str(tiny_turbo_with_pe / "pe")),
-                       "revises the prompt only with --use-pe", "add --use-pe, or drop --pe")
+    @pytest.mark.parametrize("use_pe", [(), ("--use-pe",)], ids=["without --use-pe", "with --use-pe"])
+    def test_pe_with_a_model_runs_and_without_use_pe_a_notice_says_it_is_unused(self, run, tiny_turbo_with_pe,
+                                                                                use_pe):
+        """A script may give --pe on every run and turn the prompt enhancer on and off with --use-pe."""
+        outcome = run("generate", "--model-dir", str(tiny_turbo_with_pe), "--pe", str(tiny_turbo_with_pe / "pe"),
+                      "--steps", "1", "--width", "256", "--height", "256", *use_pe)
+        assert outcome.code == 0 and outcome.written == ["x.png"], outcome
+        told = [line for line in outcome.err_lines if "--pe is not used" in line]
+        assert told == ([] if use_pe else ["--pe is not used without --use-pe"])
 
     def test_pe_and_a_pe_server_together_are_refused(self, run, tiny_turbo_with_pe):
         assert_refused(run("generate", "--model-dir", str(tiny_turbo_with_pe), "--pe", str(tiny_turbo_with_pe / "pe"),

@@ -329,18 +329,41 @@ def test_a_text_model_config_that_does_not_fit_is_refused_in_one_line_before_any
     assert dit_steps == [] and not (tmp_path / "x.png").exists()
 
 
-def test_a_prompt_enhancer_file_holding_a_head_its_tied_config_would_leave_unread_is_refused(
-        capsys, tmp_path, tiny_turbo_with_pe, dit_steps):
-    model = Path(shutil.copytree(tiny_turbo_with_pe, tmp_path / "model"))
+def _pe_with_head(tiny_turbo_with_pe: Path, root: Path, head: Callable[[torch.Tensor], torch.Tensor]) -> Path:
+    """A copy of the tiny model whose PE file (tied config) also holds lm_head.weight = head(embed_tokens)."""
+    model = Path(shutil.copytree(tiny_turbo_with_pe, root / "model"))
     weights = next((model / "pe").glob("*.safetensors"))
     state = load_file(str(weights))
-    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    state["lm_head.weight"] = head(state["model.embed_tokens.weight"]).clone(memory_format=torch.contiguous_format)
     save_file(state, str(weights))
+    return model
+
+
+@pytest.mark.parametrize("head", [lambda embed: embed, torch.zeros_like],
+                         ids=["the embeddings' copy", "zeros in the embeddings' shape"])
+def test_a_tied_prompt_enhancer_file_holding_a_head_in_the_embeddings_shape_loads_and_the_copy_is_unused(
+        capsys, tmp_path, tiny_turbo_with_pe, head):
+    """As transformers does: with tie_word_embeddings true the head is the embeddings, whatever lm_head.weight holds."""
+    images = []
+    for name, model in (("without", tiny_turbo_with_pe),
+                        ("with", _pe_with_head(tiny_turbo_with_pe, tmp_path, head))):
+        out = tmp_path / f"{name}.png"
+        assert main(_generate(Model(("--model-dir", str(model)), {}), out, "--use-pe", "--seed", "5")) == 0, \
+            capsys.readouterr().err
+        images.append(out.read_bytes())
+    assert images[0] == images[1]
+
+
+@pytest.mark.parametrize("head", [lambda embed: embed[:-1], lambda embed: embed[:, :-1], lambda embed: embed.t()],
+                         ids=["a row fewer", "a column fewer", "transposed"])
+def test_a_tied_prompt_enhancer_file_holding_a_head_in_another_shape_is_refused(
+        capsys, tmp_path, tiny_turbo_with_pe, dit_steps, head):
+    model = _pe_with_head(tiny_turbo_with_pe, tmp_path, head)
     line = _refused(capsys, _generate(Model(("--model-dir", str(model)), {}), tmp_path / "x.png"))
     assert line == (f"error: {model / 'pe' / 'config.json'} does not fit the weights: the weights hold lm_head.weight, "
                     "for which it makes no place (its tie_word_embeddings true is the likely cause): fix it or "
                     "re-download it")
-    assert dit_steps == []
+    assert dit_steps == [] and not (tmp_path / "x.png").exists()
 
 
 # ------------------------------------------------------------------------------------------- as a separate process

@@ -171,3 +171,29 @@ def test_the_fast_forms_run_wherever_they_are_asked_for_within_their_bound():
     exact = model.with_arithmetic("exact")(*args)
     assert not torch.equal(fast, exact)  # the fast forms did run
     assert ((fast.float() - exact.float()).norm() / exact.float().norm()).item() <= 2e-3
+
+
+REPLACING_EVERY_TENSOR = {
+    "to another dtype": lambda model: model.to(torch.float16),
+    "to the same dtype and device through _apply": lambda model: model.float(),
+    "to_empty": lambda model: model.to_empty(device="cpu"),
+    "load_state_dict(assign=True)": lambda model: model.load_state_dict(
+        {key: value.clone() for key, value in model.state_dict().items()}, assign=True),
+}
+
+
+@pytest.mark.parametrize("replace", REPLACING_EVERY_TENSOR.values(), ids=REPLACING_EVERY_TENSOR.keys())
+def test_the_laid_out_qk_norm_weights_are_dropped_when_every_tensor_is_replaced(replace):
+    """Moving or replacing the whole model drops what was laid out from its old weights (kept, they would hold
+    memory on the old device until the next step), in the dict a StepContext shares; an in-place load keeps them."""
+    fast_on_cpu = Arithmetic(fast_devices=("cpu",), kitchen_rope=False, kitchen_adaln=False)
+    model = random_dit("cpu", torch.float32).with_arithmetic(fast_on_cpu)
+    latents, _, text, text_lens = step_inputs("cpu", torch.float32)
+    cache = model._qk_norm_weights
+    with torch.inference_mode():
+        model(latents, torch.full((latents.shape[0],), 730.0), text, text_lens)
+    assert len(cache) == DIT_CONFIG.num_layers
+    model.load_state_dict(model.state_dict())  # copied into the same tensors: the stamps tell what changed
+    assert len(cache) == DIT_CONFIG.num_layers
+    replace(model)
+    assert model._qk_norm_weights is cache and cache == {}

@@ -6,7 +6,9 @@ diffusers' and transformers' model classes do; the pack imports it first and tak
 """
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +93,67 @@ def test_import_dynamo_takes_back_only_what_its_import_made(tmp_path, temporary,
     done = _python(tmp_path, temporary, code=code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", str(before != "absent"), "False"]
+
+
+# ------------------------------------------------------------------------------------------- one place of import
+LIBRARIES_MODULE = CHECKOUT / "runtime" / "model" / "libraries.py"
+MODEL_MODULES = re.compile(r"^(diffusers\.(models|pipelines)|transformers\.models)(\.|$)")  # they import torch._dynamo
+
+
+def _imports_of_model_classes(path: Path) -> list[str]:
+    """`module: name` for each model class (runtime/model/libraries.py lists them) or model module that the file
+    imports from diffusers or transformers itself."""
+    from ernie_image.runtime.model.libraries import LIBRARY_OF
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            library = node.module.split(".")[0]
+            if library not in ("diffusers", "transformers"):
+                continue
+            for alias in node.names:
+                if alias.name in LIBRARY_OF or MODEL_MODULES.search(f"{node.module}.{alias.name}"):
+                    found.append(f"{node.module}: {alias.name}")
+        elif isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names if MODEL_MODULES.search(alias.name)]
+    return found
+
+
+def test_only_the_libraries_module_imports_the_model_classes():
+    """Each model class comes through runtime/model/libraries.py, which imports torch._dynamo first: a module that
+    imported one from diffusers or transformers itself would leave the cache folder behind again."""
+    elsewhere = {str(path.relative_to(CHECKOUT)): found for path in sorted((CHECKOUT / "runtime").rglob("*.py"))
+                 if path != LIBRARIES_MODULE and (found := _imports_of_model_classes(path))}
+    assert elsewhere == {}
+
+
+@pytest.mark.parametrize("source, caught", [
+    ("from diffusers import AutoencoderKLFlux2", ["diffusers: AutoencoderKLFlux2"]),
+    ("def build():\n    from transformers import MistralModel as Model", ["transformers: MistralModel"]),
+    ("from transformers.models.ministral3 import modeling_ministral3",
+     ["transformers.models.ministral3: modeling_ministral3"]),
+    ("import transformers.models.mistral.modeling_mistral", ["transformers.models.mistral.modeling_mistral"]),
+    ("from diffusers.models.autoencoders import AutoencoderKL", ["diffusers.models.autoencoders: AutoencoderKL"]),
+    ("from transformers import AutoTokenizer, DynamicCache", []),
+    ("from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS", []),
+    ("from ..model.libraries import MistralModel", []),
+], ids=["diffusers class", "inside a function, renamed", "a model module", "a model module imported whole",
+        "a class from diffusers.models", "tokenizers and caches", "a helper module", "through libraries.py"])
+def test_the_structural_check_catches_each_form_of_import(tmp_path, source, caught):
+    module = tmp_path / "module.py"
+    module.write_text(source + "\n")
+    assert _imports_of_model_classes(module) == caught
+
+
+def test_the_libraries_module_imports_dynamo_before_a_model_class(tmp_path, temporary):
+    code = (
+        "import sys\n"
+        "from ernie_image.runtime.model import libraries\n"
+        "print('torch._dynamo' in sys.modules, 'diffusers' in sys.modules)\n"
+        "from ernie_image.runtime.model.libraries import AutoencoderKLFlux2\n"
+        "print('torch._dynamo' in sys.modules, AutoencoderKLFlux2.__module__.split('.')[0])\n"
+    )
+    done = _python(tmp_path, temporary, code=code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "False", "True", "diffusers"]
+    assert sorted(path.name for path in temporary.iterdir()) == []

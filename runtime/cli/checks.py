@@ -219,6 +219,13 @@ def cpu_budget_notice(args: argparse.Namespace) -> Optional[str]:
             "step, which only costs time; leave --budget out without a CUDA device")
 
 
+def unused_pe_notice(args: argparse.Namespace) -> Optional[str]:
+    """The notice for --pe FILE without --use-pe: the prompt is used as written."""
+    if getattr(args, "pe", None) is None or getattr(args, "use_pe", False):
+        return None
+    return "--pe is not used without --use-pe"
+
+
 def _check_flags_that_need_another(args: argparse.Namespace) -> None:
     if getattr(args, "lora_mode", None) is not None and not getattr(args, "lora", None):
         raise InvalidInputError(f"--lora-mode {args.lora_mode} says how LoRAs run: give --lora PATH too, or leave "
@@ -228,8 +235,9 @@ def _check_flags_that_need_another(args: argparse.Namespace) -> None:
 
 
 def _check_prompt_enhancer_files(args: argparse.Namespace) -> None:
-    """--pe and --tokenizer belong to a model given on the command line; --pe runs only with --use-pe, and not
-    beside a PE server, which would revise the prompt instead (each would be silently unused)."""
+    """--pe and --tokenizer belong to a model given on the command line; --pe is refused beside a PE server, which
+    would revise the prompt instead (each would be silently unused). --pe without --use-pe is told, not refused
+    (unused_pe_notice): a script may give --pe on every run and turn the prompt enhancer on and off with --use-pe."""
     if uses_demo_model(args):
         for option in ("pe", "tokenizer"):
             if getattr(args, option) is not None:
@@ -243,8 +251,6 @@ def _check_prompt_enhancer_files(args: argparse.Namespace) -> None:
     if args.pe is not None and args.pe_url:
         raise InvalidInputError("--pe and --pe-url both name a prompt enhancer, and the PE server would revise the "
                                 "prompt: give one of them")
-    if args.pe is not None and not args.use_pe:
-        raise InvalidInputError(f"--pe {args.pe} revises the prompt only with --use-pe: add --use-pe, or drop --pe")
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

@@ -99,7 +99,8 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
 
     args = build_parser().parse_args(argv)
     args.variant = None if args.variant == "auto" else args.variant
-    from .checks import DEMO_VARIANT, check_generate_args, cpu_budget_notice, default_side, parse_budget, uses_demo_model
+    from .checks import (DEMO_VARIANT, check_generate_args, cpu_budget_notice, default_side, parse_budget, unused_pe_notice,
+                         uses_demo_model)
 
     image_in = image_fields(args)  # image files read and checked before any model file is opened
     check_image_fields(image_in, args)
@@ -145,9 +146,9 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
                                tokenizer=args.tokenizer, pe=args.pe, variant=args.variant)
         pipe = LocalPipe.load(sources, options, loras=loras)  # reads the LoRA files and headers, not the weights
         pipe.check_request(request)  # a schedule or budget the variant the files name refuses: before any weight
-    notice = cpu_budget_notice(args)
-    if notice:
-        host.log(notice)
+    for notice in (unused_pe_notice(args), cpu_budget_notice(args)):
+        if notice:
+            host.log(notice)
     started = time.perf_counter()
     result = pipe.generate(request, host)
     elapsed = time.perf_counter() - started

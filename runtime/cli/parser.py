@@ -1,27 +1,40 @@
 """The argument parser every `ernie-image` command uses: a usage error is this CLI's one line, not a usage block.
 
 Options whose value is a number read it with `WholeNumber` / `DecimalNumber`: plain decimal forms only
-(core/number_text), so `--cfg 4_5` is refused instead of running at CFG 45. An option that names one thing (a file, the prompt, the
-seed, the step cache's settings) is added with `once=True`: given again with another value it is refused, since
-the command would silently keep the last one and drop the other the user meant. A setting a later value may
-override (a size, a step count, a budget: how a command kept in a script is adjusted) keeps argparse's rule, the
-last one wins.
+(core/number_text), so `--cfg 4_5` is refused instead of running at CFG 45. An option that names one thing (a file,
+the prompt, the seed, the step cache's settings) is added with `once=True`: given again with another value it is
+refused, since the command would silently keep the last one and drop the other the user meant. Values are compared
+as read (a number by its value, a path normalised), so `--seed 7 --seed 07` and `--model-dir m --model-dir m/` are
+one value given twice, which is harmless. A setting a later value may override (a size, a step count, a budget: how
+a command kept in a script is adjusted) keeps argparse's rule, the last one wins.
 """
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any, NoReturn, Optional, Sequence, Union
 
 from ..core.errors import InvalidInputError
 from ..core.number_text import DECIMAL_RULE, WHOLE_RULE, decimal_from_text, whole_from_text
 
-GIVEN = "_given_once"  # the namespace's record of the `once` options given so far: dest -> the text given
 SHOWN_CHARACTERS = 40  # of a value a refusal quotes in full (a prompt may be long)
 
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse, with its usage errors raised as InvalidInputError (the CLI prints `error: ...` and exits 2)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.given_once: dict[str, tuple[Any, str]] = {}  # this parse's `once` options: dest -> (meaning, text)
+
+    def parse_known_args(self, args: Optional[Sequence[str]] = None,  # type: ignore[override]
+                         namespace: Optional[argparse.Namespace] = None) -> tuple[argparse.Namespace, list[str]]:
+        self.given_once = {}
+        try:
+            return super().parse_known_args(args, namespace)
+        finally:
+            self.given_once = {}
 
     def error(self, message: str) -> NoReturn:
         raise InvalidInputError(f"{message}: see '{self.prog} --help'")
@@ -49,26 +62,41 @@ class Option(argparse.Action):
     def read(self, text: str) -> Any:
         return text
 
+    def meaning(self, value: Any) -> Any:
+        """What two values given for a `once` option are compared by: the value as read."""
+        return value
+
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Union[str, Sequence[Any], None], option_string: Optional[str] = None) -> None:
         text = str(values)
+        value = self.read(text)
         if self.once:
-            self._refuse_another_value(namespace, text)
-        setattr(namespace, self.dest, self.read(text))
+            self._refuse_another_value(parser, text, value)
+        setattr(namespace, self.dest, value)
 
-    def _refuse_another_value(self, namespace: argparse.Namespace, text: str) -> None:
-        given: dict[str, str] = getattr(namespace, GIVEN, None) or {}
-        earlier = given.get(self.dest)
-        if earlier is not None and earlier != text:
-            values = "with two values" if self.quiet else f"({_shown(earlier)} and {_shown(text)})"
+    def _refuse_another_value(self, parser: argparse.ArgumentParser, text: str, value: Any) -> None:
+        if not isinstance(parser, OneLineParser):
+            raise TypeError(f"{self.flag} is added with once=True, which needs a OneLineParser")
+        meaning = self.meaning(value)
+        earlier = parser.given_once.get(self.dest)
+        if earlier is not None and earlier[0] != meaning:
+            values = "with two values" if self.quiet else f"({_shown(earlier[1])} and {_shown(text)})"
             raise InvalidInputError(f"{self.flag} is given twice {values} and the command takes one: give it "
                                     f"once{self.repeat_hint}")
-        setattr(namespace, GIVEN, {**given, self.dest: text})
+        parser.given_once[self.dest] = (meaning, text)
+
+
+def _path_meaning(path: Path) -> str:
+    """A path as the file system reads it: `~` expanded, `m/`, `./m` and `m` one path (links are not followed)."""
+    return os.path.normpath(os.path.expanduser(str(path)))
 
 
 class PathOption(Option):
     def read(self, text: str) -> Path:
         return Path(text)
+
+    def meaning(self, value: Path) -> str:
+        return _path_meaning(value)
 
 
 class OutputPath(Option):
@@ -79,6 +107,9 @@ class OutputPath(Option):
         if not text.strip():
             raise InvalidInputError(f"{self.flag} is empty: give a .{str(self.metavar).lower()} path")
         return Path(text)
+
+    def meaning(self, value: Path) -> str:
+        return _path_meaning(value)
 
 
 class WholeNumber(Option):

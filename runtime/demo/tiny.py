@@ -18,7 +18,6 @@ from ..core.variant import Variant
 from ..files.output_files import give_usual_mode, safetensors_under
 from ..formats.config_json import released_config_folder
 from ..formats.sources import ModelSources
-from ..model.dynamo_import import import_dynamo
 from ..text.pe_prompt import ERNIE_PE_CHAT_TEMPLATE
 from .tiny_vocab import BOS_ID, EOS_ID, PAD_ID, SPECIAL_TOKENS
 
@@ -109,8 +108,7 @@ def _text_config(sizes: TinySizes) -> dict:
 
 
 def build_text_encoder(sizes: TinySizes, seed: int):
-    import_dynamo()
-    from transformers import Mistral3Config, Mistral3Model
+    from ..model.libraries import Mistral3Config, Mistral3Model
 
     config = Mistral3Config(
         text_config=_text_config(sizes),
@@ -127,8 +125,7 @@ def build_text_encoder(sizes: TinySizes, seed: int):
 
 
 def build_prompt_enhancer(sizes: TinySizes, seed: int):
-    import_dynamo()
-    from transformers import Ministral3Config, Ministral3ForCausalLM
+    from ..model.libraries import Ministral3Config, Ministral3ForCausalLM
 
     raw = _text_config(sizes)
     raw.pop("model_type")
@@ -138,8 +135,7 @@ def build_prompt_enhancer(sizes: TinySizes, seed: int):
 
 
 def build_dit(sizes: TinySizes, seed: int):
-    import_dynamo()
-    from diffusers import ErnieImageTransformer2DModel
+    from ..model.libraries import ErnieImageTransformer2DModel
 
     torch.manual_seed(seed)
     model = ErnieImageTransformer2DModel(
@@ -170,8 +166,7 @@ def model_shapes(sizes: TinySizes = TinySizes()) -> tuple[dict, dict, dict, dict
     or written."""
     # Imported outside the meta device: diffusers makes module-level tensors on import (quantizer tables), which
     # would otherwise live on the meta device for the rest of the process.
-    import_dynamo()
-    from diffusers import AutoencoderKLFlux2, ErnieImageTransformer2DModel  # noqa: F401
+    from ..model.libraries import AutoencoderKLFlux2, ErnieImageTransformer2DModel  # noqa: F401
 
     with torch.device("meta"):
         dit, vae = build_dit(sizes, 0), build_vae(sizes, 0)
@@ -179,8 +174,7 @@ def model_shapes(sizes: TinySizes = TinySizes()) -> tuple[dict, dict, dict, dict
 
 
 def build_vae(sizes: TinySizes, seed: int):
-    import_dynamo()
-    from diffusers import AutoencoderKLFlux2
+    from ..model.libraries import AutoencoderKLFlux2
 
     torch.manual_seed(seed)
     vae = AutoencoderKLFlux2(

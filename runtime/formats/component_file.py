@@ -3,7 +3,7 @@
 Canonical key spaces:
 - "dit": diffusers' ErnieImageTransformer2DModel names (`layers.0.self_attention.to_q.weight`, ...);
 - "text_encoder" / "pe": transformers' MistralModel names (`embed_tokens.weight`, `layers.N...`, `norm.weight`),
-  plus `lm_head.weight` for the PE when it is not tied;
+  plus `lm_head.weight` for the PE where the file holds one (read only when the PE's head is not tied);
 - "vae": diffusers' AutoencoderKLFlux2 names.
 
 Layouts read: a diffusers folder (sharded or not), a single safetensors file (Comfy-Org's files: the DiT with or

@@ -16,7 +16,6 @@ from ..formats.config_json import config_named, load_config
 from .arithmetic import ArithmeticName
 from .config_fit import check_config_fits, dit_fields_from_shapes
 from .dtype_fit import check_built_dtypes, floating_tensors
-from .dynamo_import import import_dynamo
 from .fill import fill_from_file
 from .tensor_fit import check_built_tensors, shapes_of
 
@@ -92,8 +91,7 @@ def build_text_tower(component, device: torch.device, dtype: torch.dtype, varian
 
 def text_tower_on_meta(component, variant: Variant = "base") -> torch.nn.Module:
     """The text tower its config describes, on the meta device: a config that does not build it is named."""
-    import_dynamo()
-    from transformers import MistralConfig, MistralModel
+    from .libraries import MistralConfig, MistralModel
 
     with config_named(component, "text encoder"):
         raw = text_config_for(component, variant)
@@ -138,8 +136,7 @@ def build_vae(component, device: torch.device, dtype: torch.dtype, part: VaePart
 
 def vae_on_meta(component) -> torch.nn.Module:
     """The whole VAE its config describes, on the meta device: a config that does not build it is named."""
-    import_dynamo()
-    from diffusers import AutoencoderKLFlux2
+    from .libraries import AutoencoderKLFlux2
 
     with config_named(component, "VAE"):
         config = component.config if component.config is not None else load_config("base", "vae")

@@ -23,7 +23,6 @@ from ..core.variant import Variant
 from ..formats.config_json import config_origin, load_config
 from ..formats.detect import layer_count
 from ..formats.vae_keys import config_from_shapes
-from .dynamo_import import import_dynamo
 
 Shape = Optional[tuple[int, ...]]
 
@@ -139,8 +138,7 @@ def _dit_defaults() -> dict[str, Any]:
 
 
 def _vae_defaults() -> dict[str, Any]:
-    import_dynamo()
-    from diffusers import AutoencoderKLFlux2
+    from .libraries import AutoencoderKLFlux2
 
     parameters = inspect.signature(AutoencoderKLFlux2.__init__).parameters
     return {name: parameter.default for name, parameter in parameters.items()
@@ -148,15 +146,13 @@ def _vae_defaults() -> dict[str, Any]:
 
 
 def _text_defaults() -> dict[str, Any]:
-    import_dynamo()
-    from transformers import MistralConfig
+    from .libraries import MistralConfig
 
     return MistralConfig().to_dict()
 
 
 def _pe_defaults() -> dict[str, Any]:
-    import_dynamo()
-    from transformers import Ministral3Config
+    from .libraries import Ministral3Config
 
     return Ministral3Config().to_dict()
 

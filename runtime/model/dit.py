@@ -470,14 +470,20 @@ class ErnieDiT(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):  # .to(), .cuda(), .half(), .to_empty(): every tensor is a new one
         result = super()._apply(fn, recurse)
-        self.structure_version += 1
+        self._tensors_replaced()
         return result
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         if assign:  # the file's tensors replace the module's (a copy into them is an in-place edit)
-            self.structure_version += 1
+            self._tensors_replaced()
         return result
+
+    def _tensors_replaced(self) -> None:
+        """Every weight is a new tensor: a captured forward is stale, and the laid-out q/k norm weights made from the
+        old ones are dropped (in place: a StepContext holds this dict), not kept alive on the old device."""
+        self.structure_version += 1
+        self._qk_norm_weights.clear()
 
     def rope_tables(self, grid: tuple[int, int], text_lens: list[int], text_max: int, device, dtype) -> RopeTables:
         key = (grid, tuple(text_lens), text_max, str(device), dtype)

@@ -3,9 +3,10 @@
 Importing torch._dynamo creates inductor's cache folder (`$TMPDIR/torchinductor_<user>`, or TORCHINDUCTOR_CACHE_DIR)
 in torch 2.13: torch/_dynamo/package.py builds its DynamoCache at import, through cache_dir(), which makes the folder
 and sets TORCHINDUCTOR_CACHE_DIR. diffusers' and transformers' model classes import torch._dynamo, so an eager CPU
-run would leave an empty folder in the temporary folder. `import_dynamo` is called before those classes are imported:
-it imports torch._dynamo first and takes back what that import made (the folders that were not there before, while
-they are empty, and the variable). A compile later makes the folder again, as inductor makes it before every write.
+run would leave an empty folder in the temporary folder. libraries.py, the one module those classes are imported
+through, calls `import_dynamo` before importing one: it imports torch._dynamo first and takes back what that import
+made (the folders that were not there before, while they are empty, and the variable). A compile later makes the
+folder again, as inductor makes it before every write.
 """
 from __future__ import annotations
 

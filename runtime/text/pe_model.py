@@ -26,7 +26,6 @@ from ..formats.sources import ModelSources, component_folder
 from ..model.builders import rebuild_rotary_tables
 from ..model.config_fit import check_config_fits
 from ..model.dtype_fit import check_built_dtypes, floating_tensors
-from ..model.dynamo_import import import_dynamo
 from ..model.fill import fill_from_file
 from ..model.tensor_fit import check_built_tensors, shapes_of
 from .token_sampler import TRANSFORMERS_DEFAULT_TOP_K
@@ -99,8 +98,7 @@ def pe_weight_bytes(config: dict, dtype: torch.dtype) -> int:
 
 def pe_on_meta(component, variant: Variant = "base"):
     """The Ministral3ForCausalLM its config describes, on the meta device: a config that does not build it is named."""
-    import_dynamo()
-    from transformers import Ministral3Config, Ministral3ForCausalLM
+    from ..model.libraries import Ministral3Config, Ministral3ForCausalLM
 
     with config_named(component, "prompt enhancer"):
         config = Ministral3Config(**pe_config_for(component, variant))
@@ -115,10 +113,25 @@ def check_pe_config(component, variant: Variant = "base") -> None:
     check_config_fits(component, "pe", variant)
     model = pe_on_meta(component, variant)
     made = shapes_of(model.model)
-    if not model.config.tie_word_embeddings:  # a head of its own, read from the file's lm_head.weight
+    tied = model.config.tie_word_embeddings
+    if not tied:  # a head of its own, read from the file's lm_head.weight
         made["lm_head.weight"] = tuple(model.lm_head.weight.shape)
-    check_built_tensors(component, "pe", made)
+    check_built_tensors(component, "pe", made, may_hold=lambda key: tied and _is_head_copy(component, key))
     check_pe_dtypes(component, model)
+
+
+def _is_head_copy(component, key: str) -> bool:
+    """Whether `key` is a copy of the embeddings saved as the head (transformers ignores it when the head is tied):
+    lm_head.weight in the shape the file holds embed_tokens.weight in."""
+    if key != "lm_head.weight" or "embed_tokens.weight" not in component.keys:
+        return False
+    head = _held_shape(component, key)
+    return head is not None and head == _held_shape(component, "embed_tokens.weight")
+
+
+def _held_shape(component, key: str) -> Optional[tuple[int, ...]]:
+    shape = getattr(component.tensor(key), "shape", None)
+    return tuple(shape) if shape is not None else None
 
 
 def check_pe_dtypes(component, model) -> None:
