@@ -266,9 +266,22 @@ def test_a_key_written_in_a_keys_file_other_users_can_read_is_refused_with_chmod
         keys_file: WriteKeys, mode: int) -> None:
     path = keys_file(entry("lab", GPU_BOX, key=KEY))
     os.chmod(path, mode)
-    assert refused(load_credentials) == (
-        f"the keys file {path} holds a key and other users can read it: run chmod 600 {path}, or name a variable "
-        f"(env) or a file instead of writing the key")
+    reason = (f"the keys file {path} holds a key and other users can read it: run chmod 600 {path}, or name a "
+              f"variable (env) or a file instead of writing the key")
+    credentials = load_credentials()  # a server that needs no key runs on, told why the file is not used
+    assert credentials.notice() == f"the keys file is not used (no server here needs it): {reason}"
+    assert credentials.for_server("http://127.0.0.1:9") is None
+    for needs_it in (lambda: credentials.for_server(GPU_BOX), lambda: credentials.for_server(GPU_BOX, "lab")):
+        assert refused(needs_it).endswith(f"needs the keys file, which is not used: {reason}")
+
+
+def test_a_key_written_in_a_keys_file_its_private_group_can_change_says_change(keys_file: WriteKeys) -> None:
+    """Group-writable by the owner's private group passes the trust check; a key written there is still refused."""
+    mode = 0o620
+    path = keys_file(entry("lab", GPU_BOX, key=KEY))
+    os.chmod(path, mode)
+    assert f"holds a key and other users can change it: run chmod 600 {path}" in refused(
+        lambda: load_credentials().for_server(GPU_BOX, "lab"))
 
 
 def test_a_keys_file_naming_only_variables_and_files_may_be_readable_by_others(keys_file: WriteKeys) -> None:

@@ -179,7 +179,8 @@ def in_comfyui_with_user_folder(monkeypatch: pytest.MonkeyPatch, user: Path) -> 
     ("unknown label", "credential names no credential of yours (yours bound to http://127.0.0.1:1: 'lab'): add {\"label\": \"NAME\", \"origin\": "
                       "\"http://127.0.0.1:1\", \"env\": \"VARIABLE\"} (or \"file\": PATH) to the keys file ComfyUI's "
                       "user/ernie_image/keys.json with that label, or leave credential empty"),
-    ("key readable by others", "the keys file ComfyUI's user/ernie_image/keys.json holds a key and other users can "
+    ("key readable by others", "http://127.0.0.1:1, bound to a key there, needs the keys file, which is not used: "
+                               "the keys file ComfyUI's user/ernie_image/keys.json holds a key and other users can "
                                "read it: run chmod 600 ComfyUI's user/ernie_image/keys.json, or name a variable "
                                "(env) or a file instead of writing the key"),
 ])

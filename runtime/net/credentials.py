@@ -331,9 +331,11 @@ def _require_private(keys_file: KeysFile) -> None:
     """A keys file that holds a key itself must not be readable by other users (ssh's rule for a private key)."""
     if os.name != "posix":
         return
-    if keys_file.path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+    mode = keys_file.path.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
         shown = keys_file.shown
-        raise InvalidInputError(f"the keys file {shown} holds a key and other users can read it: run chmod 600 "
+        can = "read" if mode & (stat.S_IRGRP | stat.S_IROTH) else "change"
+        raise UntrustedKeysFile(f"the keys file {shown} holds a key and other users can {can} it: run chmod 600 "
                                 f"{shown}, or name a variable (env) or a file instead of writing the key")
 
 

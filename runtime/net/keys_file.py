@@ -28,7 +28,8 @@ COMFY_USER_FOLDER = "ComfyUI's user"
 
 
 class UntrustedKeysFile(InvalidInputError):
-    """Someone else than the user could change the keys file or put another in its place."""
+    """Someone else than the user could change the keys file, put another in its place, or read a key written in
+    it: the file is not used, and only a server that needs it is refused."""
 
 
 @dataclass(frozen=True)
