@@ -309,6 +309,76 @@ def test_a_dit_rope_value_out_of_range_is_refused_as_its_config_is_read(tmp_path
     assert refusal(folder, "dit") == says(folder, field, value, wanted)
 
 
+# The tiny DiT: hidden_size 64 over 2 heads, heads of 32 channels shared by the axes (8, 12, 12).
+DIT_SUM_CASES = [
+    ({"rope_axes_dim": [8, 12, 14]},
+     "rope_axes_dim [8, 12, 14] sums to 34, but hidden_size / num_attention_heads is 32"),
+    ({"rope_axes_dim": [8, 8, 8]}, "rope_axes_dim [8, 8, 8] sums to 24, but hidden_size / num_attention_heads is 32"),
+    ({"hidden_size": 65}, "rope_axes_dim [8, 12, 12] sums to 32, but hidden_size / num_attention_heads is 32.5"),
+]
+
+
+@pytest.mark.parametrize("change, said", DIT_SUM_CASES, ids=[str(change) for change, _ in DIT_SUM_CASES])
+def test_dit_rope_axes_that_do_not_fill_a_head_are_refused_with_the_sum_and_the_head_size(change, said):
+    from ernie_image.runtime.model.dit import DiTConfig
+
+    with pytest.raises(ValueError) as refused:  # config_json.config_named names the file around it
+        DiTConfig.from_dict({"hidden_size": 64, "num_attention_heads": 2, "rope_axes_dim": [8, 12, 12], **change})
+    assert str(refused.value) == said
+
+
+# ---- the text configs' head size: RoPE rotates channel pairs, so transformers refuses an odd one ----------------
+
+EVEN = "a positive even whole number (RoPE rotates channels in pairs) or null"
+HEAD_CASES = [*[({"head_dim": value}, "head_dim", value, f"is not {EVEN}") for value in (13, 1, 7, 0, -2, 12.0, "12")],
+              # no head_dim: transformers takes hidden_size // num_attention_heads (60 // 4 is 15)
+              *[({"head_dim": absent, "hidden_size": 60}, "num_attention_heads", 4,
+                 "with {p}hidden_size 60 and no {p}head_dim makes heads of 15 channels, which is not even (RoPE "
+                 "rotates channels in pairs)") for absent in (None, "absent")]]
+
+
+@pytest.mark.parametrize("kind, nested", [("text_encoder", True), ("text_encoder", False), ("pe", False),
+                                          ("pe", True)])
+@pytest.mark.parametrize("change, field, value, broken", HEAD_CASES, ids=[str(case[0]) for case in HEAD_CASES])
+def test_an_odd_text_head_size_is_refused_naming_its_dotted_path(tmp_path, tiny, no_weight_is_read, kind, nested,
+                                                                 change, field, value, broken):
+    config = text_config(kind, tiny, nested, "rope_parameters", tiny_rope(kind, tiny), **change)
+    inner = config.get("text_config", config)
+    if inner.get("head_dim") == "absent":
+        del inner["head_dim"]
+    prefix = "text_config." if nested else ""
+    folder = placed(tmp_path, tiny, kind, config)
+    assert refusal(folder, kind) == (f"{folder / 'config.json'} says {prefix}{field} {json.dumps(value)}, which "
+                                     f"{broken.format(p=prefix)}: {FIX}")
+
+
+LONG = "x" * 150 + " a `quoted_field`=13 that the cut would `split` here"
+LIBRARY_CASES = [
+    # huggingface_hub's wrappers left out; the field transformers names kept; no backtick, no line break
+    ("transformers", {"hidden_size": "x"}, "TypeError: Field 'hidden_size' expected int, got str (value: 'x')"),
+    ("transformers", {"head_dim": 13}, "ValueError: RoPE requires an even rotary dimension, but got head_dim=13 with "
+                                       "partial_rotary_factor=1.0 for full_attention."),
+    ("plain", ValueError(LONG), "ValueError: " + "x" * 150 + " a quoted_field=13 that the cut would ..."),
+    ("plain", ValueError("a `b`\nc"), "ValueError: a b c"),
+]
+
+
+@pytest.mark.parametrize("source, given, said", LIBRARY_CASES, ids=[str(case[1])[:30] for case in LIBRARY_CASES])
+def test_a_library_refusal_of_a_config_is_one_line_cut_at_a_word(source, given, said):
+    from ernie_image.runtime.formats.config_json import library_detail
+
+    error = given
+    if source == "transformers":
+        from transformers import MistralConfig
+
+        try:
+            MistralConfig(**given)
+        except Exception as raised:  # noqa: BLE001 - whichever error transformers raises is the one worded
+            error = raised
+    detail = library_detail(error)
+    assert detail == said and "`" not in detail and "\n" not in detail and len(detail) <= 204
+
+
 # ---- what still loads ---------------------------------------------------------------------------------------------
 
 def _builds_finite_rotary_tables(folder: Path, kind: str) -> None:

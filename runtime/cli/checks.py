@@ -53,7 +53,7 @@ def parse_budget(text: str) -> Optional[float]:
 
     if text == "auto":
         return None
-    value = decimal_from_text(text)
+    value = decimal_from_text(text, "--budget")
     if value is None:
         raise InvalidInputError(f"--budget {text!r} is not a number of GiB: give e.g. --budget 12 ({DECIMAL_RULE}), "
                                 "or auto")

@@ -35,7 +35,7 @@ def parse_lora_argument(text: str) -> LoraEntry:
     tail such as ` 0.5`, `1_0`, `nan` or other scripts' digits is no strength, refused after a .safetensors path."""
     path, sep, tail = text.rpartition(":")
     drive = DRIVE_LETTERS and len(path) == 1 and path.isalpha()
-    strength = decimal_from_text(tail)
+    strength = decimal_from_text(tail, f"LoRA {Path(path).name} strength")
     if sep and path and strength is not None and not drive:
         return LoraEntry(Path(path), check_strength(strength, Path(path).name))
     if not text:

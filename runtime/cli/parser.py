@@ -127,7 +127,7 @@ class DecimalNumber(Option):
     """A number in plain decimal form (core/number_text); the range is the command's check."""
 
     def read(self, text: str) -> float:
-        number = decimal_from_text(text)
+        number = decimal_from_text(text, self.flag)
         if number is None:
             raise InvalidInputError(f"{self.flag} {text!r} is not a number: give a plain decimal, e.g. "
                                     f"{self.flag} {self.example or 1.0} ({DECIMAL_RULE})")

@@ -6,12 +6,15 @@ another number.
 """
 from __future__ import annotations
 
+import math
 import re
 from typing import Optional
 
+from .errors import InvalidInputError
+
 # The forms accepted, as refusals say them.
 WHOLE_RULE = "digits only"
-DECIMAL_RULE = "digits, one '.', an optional exponent; no '_', spaces, nan or inf"
+DECIMAL_RULE = "an optional sign, digits, one '.', an optional exponent; no '_', spaces, nan or inf"
 
 _WHOLE = re.compile(r"[+-]?[0-9]+")
 _DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
@@ -22,7 +25,13 @@ def whole_from_text(text: str) -> Optional[int]:
     return int(text) if isinstance(text, str) and _WHOLE.fullmatch(text) else None
 
 
-def decimal_from_text(text: str) -> Optional[float]:
-    """`text` as a number when it is a plain decimal (`4`, `0.12`, `.5`, `1e-3`), else None. A value past float's
-    range (`1e999`) is inf: the caller's range check refuses it."""
-    return float(text) if isinstance(text, str) and _DECIMAL.fullmatch(text) else None
+def decimal_from_text(text: str, name: str = "the number") -> Optional[float]:
+    """`text` as a number when it is a plain decimal (`4`, `0.12`, `.5`, `1e-3`), else None. `-0` reads as 0 (a
+    message shows 0, not -0). A value past float's range (`1e999`) is refused as too large, quoting `text` under
+    `name` (the option or setting it was typed for): float would read it as inf."""
+    if not isinstance(text, str) or not _DECIMAL.fullmatch(text):
+        return None
+    number = float(text)
+    if not math.isfinite(number):
+        raise InvalidInputError(f"{name} {text!r} is too large: give a number within the range {name} allows")
+    return number + 0.0  # -0.0 + 0.0 is 0.0

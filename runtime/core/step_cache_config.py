@@ -191,7 +191,7 @@ def _setting_value(method: str, key: str, text: str) -> Any:
     kind = _FIELD_TYPES[key]
     if kind is str:
         return text.upper()
-    number = whole_from_text(text) if kind is int else decimal_from_text(text)
+    number = whole_from_text(text) if kind is int else decimal_from_text(text, f"step cache {key}")
     if number is None:
         what, form = ("a whole number", WHOLE_RULE) if kind is int else ("a number", f"a plain decimal: {DECIMAL_RULE}")
         raise InvalidInputError(f"step cache {key} {text!r} is not {what}: give e.g. "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -98,8 +99,20 @@ def config_named(component, part: str) -> Iterator[None]:
         raise
     except _config_errors() as error:
         origin, fix = config_origin(component)
-        raise ModelFileError(f"{origin} does not describe an ERNIE-Image {part} ({one_line(error, 160)}): "
+        raise ModelFileError(f"{origin} does not describe an ERNIE-Image {part} ({library_detail(error)}): "
                              f"{fix}") from None
+
+
+def library_detail(error: BaseException, limit: int = 200) -> str:
+    """A library's refusal of a config as one line: huggingface_hub's strict-dataclass wrapper ("Class validation
+    error for validator 'validate_rope':") left out for the error it wraps, which names the field; backticks
+    dropped and a long text cut at a word, so no quote is left open."""
+    text = " ".join(one_line(error, 10_000).replace("`", "").split())
+    text = re.sub(r"^StrictDataclass\w*Error: (Class validation error for validator|Validation error for field) "
+                  r"'[^']*': ", "", text)
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def released_config_folder(variant: Variant) -> Path:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .rope_values import rope_fault
-from .value_rules import FLAG, POSITIVE, ROPE_BASE, SIZE, SIZE_OR_NULL, SIZE_OR_SIZES, SIZES, Fault, Rule
+from .value_rules import EVEN_SIZE, FLAG, POSITIVE, ROPE_BASE, SIZE, SIZE_OR_SIZES, SIZES, Fault, Rule
 
 # ERNIE's rotary embedding has three axes (text position, row, column), each rotated in pairs of channels.
 ROPE_AXES = Rule("a list of three positive even whole numbers",
@@ -21,11 +21,12 @@ ROPE_AXES = Rule("a list of three positive even whole numbers",
 TEXT_SECTION = Rule("a JSON object", lambda value: isinstance(value, dict))
 
 # The text encoder's (in its text_config) and the prompt enhancer's Mistral fields; head_dim and num_key_value_heads
-# may be null (transformers then derives them).
+# may be null (transformers then derives them). The whole head is rotated (rope_values.WHOLE_HEAD), so it is even.
 TEXT_RULES: dict[str, Rule] = {
     **dict.fromkeys(("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
                      "max_position_embeddings"), SIZE),
-    **dict.fromkeys(("num_key_value_heads", "head_dim"), SIZE_OR_NULL),
+    "num_key_value_heads": SIZE.or_null(),
+    "head_dim": EVEN_SIZE.or_null(),
     "rms_norm_eps": POSITIVE,
     "rope_theta": ROPE_BASE,
 }
@@ -63,7 +64,19 @@ def config_fault(config: dict[str, Any], kind: str) -> Optional[Fault]:
     for field, rule in RULES[kind].items():
         if field in section and not rule.accepts(section[field]):
             return Fault(prefix + field, section[field], rule.wanted)
-    return rope_fault(section, prefix, kind) if kind in TEXT_KINDS else None
+    if kind in TEXT_KINDS:
+        return _derived_head_fault(section, prefix) or rope_fault(section, prefix, kind)
+    return None
+
+
+def _derived_head_fault(section: dict[str, Any], prefix: str) -> Optional[Fault]:
+    """A text config without head_dim: transformers takes hidden_size // num_attention_heads, which must be even."""
+    hidden, heads = section.get("hidden_size"), section.get("num_attention_heads")
+    if section.get("head_dim") is not None or hidden is None or heads is None or (hidden // heads) % 2 == 0:
+        return None
+    return Fault(prefix + "num_attention_heads", heads, EVEN_SIZE.wanted,
+                 broken=f"with {prefix}hidden_size {hidden} and no {prefix}head_dim makes heads of "
+                        f"{hidden // heads} channels, which is not even (RoPE rotates channels in pairs)")
 
 
 def check_config_values(config: dict[str, Any], kind: str, origin: str, fix: str) -> None:

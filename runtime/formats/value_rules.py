@@ -40,6 +40,10 @@ SIZE = Rule("a positive whole number", _whole)
 SIZES = Rule("a list of positive whole numbers", _wholes)
 SIZE_OR_SIZES = Rule("a positive whole number or a list of them", lambda value: _whole(value) or _wholes(value))
 SIZE_OR_NULL = SIZE.or_null()
+# RoPE rotates channels in pairs: transformers refuses a rotated head size that is odd ("RoPE requires an even rotary
+# dimension").
+EVEN_SIZE = Rule("a positive even whole number (RoPE rotates channels in pairs)",
+                 lambda value: _whole(value) and value % 2 == 0)
 POSITIVE = Rule("a positive finite number", _positive)
 POSITIVES = Rule("a list of positive finite numbers",
                  lambda value: isinstance(value, list) and bool(value) and all(_positive(item) for item in value))
@@ -61,10 +65,12 @@ class Fault:
     value: Any
     wanted: str
     reader: str = ""  # what reads the field, for one that is missing: 'rope_type "llama3"'
+    broken: str = ""  # how the value breaks a rule between fields ("sums to 34, but ..."), said instead of `wanted`
 
     def error(self, origin: str, fix: str) -> ModelFileError:
         """The one-line refusal: `origin` names the config (config_json.origin_of), `fix` what to do."""
         if self.value is MISSING:
             return ModelFileError(f"{origin} has no {self.field}, which {self.reader} reads: it must be "
                                   f"{self.wanted}: {fix}")
-        return ModelFileError(f"{origin} says {self.field} {json.dumps(self.value)}, which is not {self.wanted}: {fix}")
+        why = self.broken or f"is not {self.wanted}"
+        return ModelFileError(f"{origin} says {self.field} {json.dumps(self.value)}, which {why}: {fix}")

@@ -69,8 +69,10 @@ class DiTConfig:
         config = cls(**known)
         if config.patch_size != 1:
             raise ValueError(f"patch_size {config.patch_size} is not supported: ERNIE-Image uses 1")
-        if sum(config.rope_axes_dim) != config.hidden_size // config.num_attention_heads:
-            raise ValueError("rope_axes_dim must sum to hidden_size / num_attention_heads")
+        if sum(config.rope_axes_dim) * config.num_attention_heads != config.hidden_size:
+            head = config.hidden_size / config.num_attention_heads
+            raise ValueError(f"rope_axes_dim {list(config.rope_axes_dim)} sums to {sum(config.rope_axes_dim)}, but "
+                             f"hidden_size / num_attention_heads is {head:g}")
         if not config.qk_layernorm:
             raise ValueError("qk_layernorm false is not supported: ERNIE-Image's transformer normalises q and k "
                              "(qk_layernorm true)")

@@ -24,7 +24,7 @@ def checked_seconds(value: object, label: str, *, allow_zero: bool = False) -> f
     Text is read as a plain decimal only (core/number_text: `1_0`, `nan`, ` 30 ` are refused). InvalidInputError,
     one line, naming `label` (a widget or a CLI flag), otherwise."""
     try:
-        seconds = decimal_from_text(value) if isinstance(value, str) else float(value)  # type: ignore[arg-type]
+        seconds = decimal_from_text(value, label) if isinstance(value, str) else float(value)  # type: ignore[arg-type]
         if seconds is None:
             raise ValueError(value)
     except (TypeError, ValueError):
