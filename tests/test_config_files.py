@@ -90,7 +90,7 @@ BAD_VALUES = [
     ("text_encoder", "rms_norm_eps", -1e-05, "a positive finite number"),
     ("text_encoder", "rms_norm_eps", float("inf"), "a positive finite number"),
     ("text_encoder", "num_attention_heads", 0, "a positive whole number"),
-    ("text_encoder", "head_dim", 0, "a positive whole number or null"),
+    ("text_encoder", "head_dim", 0, "a positive even whole number (RoPE rotates channels in pairs) or null"),
     ("text_encoder", "num_key_value_heads", -2, "a positive whole number or null"),
     ("text_encoder", "vocab_size", "270", "a positive whole number"),
 ]

@@ -27,6 +27,8 @@ def checked_seconds(value: object, label: str, *, allow_zero: bool = False) -> f
         seconds = decimal_from_text(value, label) if isinstance(value, str) else float(value)  # type: ignore[arg-type]
         if seconds is None:
             raise ValueError(value)
+    except InvalidInputError:
+        raise
     except (TypeError, ValueError):
         raise InvalidInputError(f"{label} {str(value)[:20]!r} is not a number of seconds: give e.g. 30 "
                                 f"({DECIMAL_RULE})") from None
