@@ -66,6 +66,7 @@ def test_models_registered_on_several_threads_while_others_read_are_all_counted(
     building.set()
     for thread in threads:
         thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a thread did not finish"
     assert failures == []
     assert counted([model for into in kept for model in into]) == 4 * 2000
 

@@ -87,8 +87,9 @@ def test_an_answer_not_begun_within_the_read_timeout_is_no_answer_and_a_post_is_
 
 
 def test_a_server_that_takes_its_time_but_answers_within_the_read_timeout_is_answered():
-    with FakeSglang(service_time_s=0.3) as server:
-        response = call(client_of(server), "POST", GEN, BODY)
+    with FakeSglang(service_time_s=0.3) as server:  # well inside a 10 s read timeout, even on a loaded machine
+        client = HttpClient(server.url, HttpSettings(timeouts=Timeouts(connect_s=2.0, read_s=10.0), retry=ONCE))
+        response = call(client, "POST", GEN, BODY)
     assert response.status == 200 and response.data["data"][0]["b64_json"]
 
 
