@@ -256,7 +256,8 @@ class FeedForward(nn.Module):
             gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.linear_fc2(up * F.gelu(gate))
+        gelu_gated = getattr(self.linear_fc2, "gelu_gated", None)  # a weight format's one-pass input (quant/)
+        return gelu_gated(gate, up) if gelu_gated is not None else self.linear_fc2(up * F.gelu(gate))
 
 
 def _fuse_linears(linears: list[nn.Module]) -> Optional[nn.Linear]:

@@ -39,7 +39,7 @@ def native_fp8_supported(device: torch.device) -> bool:
     return cuda_capability(device) >= (8, 9)
 
 
-def _quantize_activation(x2d: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activation(x2d: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x2d.abs().amax(dim=1, keepdim=True) if per_row else x2d.abs().amax()
     # The scale is rounded to the activation dtype first so the division and _scaled_mm see the same value.
     scale = (amax.to(torch.float32) / E4M3_MAX).clamp(min=_MIN_SCALE).to(x2d.dtype)
@@ -57,13 +57,13 @@ def fp8_linear_native(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     if x2d.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         x2d = x2d.to(torch.bfloat16)
     if x.dtype == torch.bfloat16:  # row-wise scaling
-        xq, x_scale = _quantize_activation(x2d, per_row=True)
+        xq, x_scale = quantize_activation(x2d, per_row=True)
         y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale_row,
                              out_dtype=torch.bfloat16, use_fast_accum=True)
     else:
         if weight_scale is not None and weight_scale.numel() != 1:
             raise RuntimeError("per-row FP8 weights need bf16 activations for the native path")
-        xq, x_scale = _quantize_activation(x2d, per_row=False)
+        xq, x_scale = quantize_activation(x2d, per_row=False)
         y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale.reshape(()),
                              scale_b=weight_scale_row[:, :1].reshape(()), out_dtype=x.dtype)
     if bias is not None:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fp8 import fp8_linear_native, native_fp8_supported
+from .fp8_gated import fp8_gelu_gated_native
 from .nvfp4 import native_fp4_supported, nvfp4_linear_native
 from .qweight import QuantizedWeight, dequantize_packed
 from .triton_dequant import dequantize_triton, has_triton_kernel
@@ -138,18 +139,24 @@ class QuantLinear(nn.Module):
 
     def _native(self, x: torch.Tensor) -> torch.Tensor | None:
         """The native GEMM's output, or None: this call (or, after a kernel error, this layer) dequantises."""
+        if self._native_format == "fp8":
+            return self._run_native(x, lambda: fp8_linear_native(x, self.weight, getattr(self, "weight_scale", None),
+                                                                 self.weight_scale_row, self.bias))
+        return self._run_native(x, lambda: nvfp4_linear_native(x, self.weight, self.weight_scale,
+                                                               self.weight_scale_2, self.shape, self.bias))
+
+    def _run_native(self, x: torch.Tensor, multiply: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        """`multiply()` where this layer's native GEMM takes `x` on its device, else None."""
         if self._native_failed or not native_kernel_accepts(x, self._native_format, self.in_features,
                                                              self._per_tensor_fp8) \
                 or self.weight.device != x.device:
             return None
+        # The *_supported checks are False off CUDA and below the SM the kernel needs.
+        supported = native_fp8_supported if self._native_format == "fp8" else native_fp4_supported
+        if not supported(x.device):
+            return None
         try:
-            # The *_supported checks are False off CUDA and below the SM the kernel needs.
-            if self._native_format == "fp8" and native_fp8_supported(x.device):
-                return fp8_linear_native(x, self.weight, getattr(self, "weight_scale", None), self.weight_scale_row,
-                                         self.bias)
-            if self._native_format == "nvfp4" and native_fp4_supported(x.device):
-                return nvfp4_linear_native(x, self.weight, self.weight_scale, self.weight_scale_2,
-                                           self.shape, self.bias)
+            return multiply()
         except torch.cuda.OutOfMemoryError:  # says nothing about the kernel; dequantising would need more memory
             raise
         except (RuntimeError, TypeError) as err:  # the kernel rejects an input it should take: this torch lacks it
@@ -160,6 +167,16 @@ class QuantLinear(nn.Module):
                             "failing the same way dequantise per forward from now on",
                             self.layer_name or "QuantLinear", self.format, tuple(x.shape), type(err).__name__, err)
         return None
+
+    def gelu_gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """self(up * gelu(gate)). A layer multiplying natively in FP8 quantises the product in one pass
+        (fp8_gated.py); every other case computes the product and calls the layer."""
+        if self._native_format == "fp8" and gate.shape == up.shape and gate.dtype == up.dtype == torch.bfloat16:
+            y = self._run_native(gate, lambda: fp8_gelu_gated_native(gate, up, self.weight, self.weight_scale_row,
+                                                                     self.bias))
+            if y is not None:
+                return y
+        return self(up * F.gelu(gate))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._native(x)

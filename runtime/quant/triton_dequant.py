@@ -3,30 +3,20 @@
 `dequantize_triton` returns the same tensor as `qweight.dequantize_packed`, bit for bit after rounding to
 the output dtype (see triton_kernels.py for why), or None when there is no kernel for the type, the shapes
 do not fit one, or Triton cannot run here; the caller then takes the torch path, which also reports bad
-inputs. Triton is imported on first use only, so the pack imports without it.
-
-Where the kernels run: CUDA tensors, compiled; CPU tensors only when TRITON_INTERPRET=1 is set (Triton's
-interpreter, for tests; never in production, it is slow). Each mode loads its own copy of the kernel
-module because `triton.jit` decides compiled vs interpreted when a kernel is defined.
+inputs. Triton is imported on first use only (triton_loader.py, which also says where the kernels run), so
+the pack imports without it.
 """
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import logging
 import math
-import os
-import sys
-import threading
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from .gguf_blocks import BLOCK_GEOMETRY
 from .nvfp4 import BLOCK as NVFP4_BLOCK, _roundup
-
-log = logging.getLogger(__name__)
+from .triton_loader import kernels_for
 
 # GGML type -> kernel name in triton_kernels.py.
 GGUF_KERNELS = {"Q8_0": "q8_0_kernel", "Q4_0": "q4_0_kernel", "Q4_1": "q4_1_kernel", "Q5_0": "q5_0_kernel",
@@ -37,9 +27,6 @@ OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # for a 12288x4096 weight, i.e. ~90 waves over an H100/H200's 132 SMs: enough to hide memory latency.
 DEFAULT_TILE = 4096
 NVFP4_TILE_COLS = 256  # tile = [DEFAULT_TILE / 256 rows, 256 columns]: 128 packed bytes per row, 512 B out
-
-_modules: dict[bool, ModuleType | None] = {}
-_lock = threading.Lock()
 
 
 def has_triton_kernel(fmt: str, qtype: str) -> bool:
@@ -53,43 +40,7 @@ def triton_available(device: torch.device) -> bool:
 
 
 def _kernels_for(device: torch.device) -> ModuleType | None:
-    interpret = device.type != "cuda"
-    if interpret and os.environ.get("TRITON_INTERPRET") != "1":
-        return None
-    return _kernel_module(interpret)
-
-
-def _kernel_module(interpret: bool) -> ModuleType | None:
-    if interpret in _modules:  # every forward asks: no lock once loaded
-        return _modules[interpret]
-    with _lock:
-        if interpret not in _modules:
-            _modules[interpret] = _load_kernel_module(interpret)
-        return _modules[interpret]
-
-
-def _load_kernel_module(interpret: bool) -> ModuleType | None:
-    name = f"{__package__}._triton_kernels_{'interpreted' if interpret else 'compiled'}"
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    try:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("triton_kernels.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # triton looks kernels' modules up by name
-        spec.loader.exec_module(module)
-        return module
-    except ImportError:  # no triton: the torch path is the only one
-        sys.modules.pop(name, None)
-        return None
-    except Exception as err:  # a broken triton install must not break the torch path
-        sys.modules.pop(name, None)
-        log.warning("Triton kernels unavailable (%s: %s); dequantising in torch", type(err).__name__, err)
-        return None
-    finally:
-        if previous is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+    return kernels_for("triton_kernels", device)
 
 
 def _num_warps(tile: int) -> int:

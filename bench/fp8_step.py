@@ -1,0 +1,252 @@
+"""Where the compiled FP8 DiT step's time goes, against its floors, and what each FP8 GEMM form costs per shape.
+
+    python bench/fp8_step.py --out DIR [--batch 1 2]     # CUDA GPU (SM >= 8.9), full size, 1024x1024, 256 tokens
+
+In one process, on one random full-size DiT:
+1. per block GEMM shape (fused and unfused projections) at M = batch x 4352 rows: bf16 `mm`, FP8 `_scaled_mm` with
+   row-wise scales (what runtime/quant/fp8.py runs), FP8 with one scale per tensor, and the compiled per-row
+   activation quantisation alone; and gelu(gate) * up quantised, compiled and by the one-pass kernel;
+2. the floor: the step's FP8 GEMMs (row-wise) and bf16 attentions back to back, nothing else;
+3. the compiled FP8 step, projections fused before quantising and as a pipe that quantises first (q/k/v and
+   gate/up as separate layers), median ms and relative L2 against bf16: the MLP's product quantised in one pass
+   (runtime/quant/fp8_gated.py) and, for comparison, by the compiler; the fused one also replayed as one CUDA graph;
+4. a profile of the compiled fused FP8 step at batch 1: GPU time by kernel kind and the 25 costliest kernels.
+Writes DIR/fp8_step.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from common import cuda_time_ms, environment, import_package, quantised_copy, table
+
+import_package()
+
+from speed import SEQ, build_ours, inputs  # noqa: E402
+
+from ernie_image.runtime.model.compile import allow_cache_size, compile_blocks, fuse_projections  # noqa: E402
+from ernie_image.runtime.quant.fp8 import quantize_activation, quantize_fp8  # noqa: E402
+from ernie_image.runtime.quant import fp8_gated  # noqa: E402
+from ernie_image.runtime.quant.fp8_gated import gelu_mul_quantize, gelu_mul_quantize_reference  # noqa: E402
+from ernie_image.runtime.quant.triton_loader import kernels_for  # noqa: E402
+
+SHAPES = {"qkv": (12288, 4096), "q|k|v|out": (4096, 4096), "gate_up": (24576, 4096), "gate|up": (12288, 4096),
+          "down": (4096, 12288)}
+
+
+def gemm_rows(batch: int) -> list[dict]:
+    rows = []
+    quantise = torch.compile(lambda x: quantize_activation(x, per_row=True))
+    for name, (n, k) in SHAPES.items():
+        m = batch * SEQ
+        x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
+        w = torch.randn((n, k), device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        wq, w_scale = quantize_fp8(w)
+        w_row = w_scale.reshape(1, -1).contiguous()
+        xq, x_scale = quantise(x)
+        one = torch.ones((), device="cuda")
+        flops = 2 * m * n * k
+        forms: dict[str, Callable[[], object]] = {
+            "bf16 mm": lambda: torch.mm(x, w.t()),
+            "fp8 row-wise": lambda: torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_row,
+                                                     out_dtype=torch.bfloat16, use_fast_accum=True),
+            "fp8 per tensor": lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one,
+                                                       out_dtype=torch.bfloat16, use_fast_accum=True),
+            "activation quant (compiled)": lambda: quantise(x),
+        }
+        for form, run in forms.items():
+            ms = cuda_time_ms(run, warmup=5, iters=30)
+            tflops = f"{flops / ms / 1e9:.0f}" if "quant" not in form else ""
+            rows.append({"batch": batch, "shape": f"{name} {m}x{n}x{k}", "form": form, "ms": round(ms, 4),
+                         "TFLOP/s": tflops})
+            print(f"# {rows[-1]}", flush=True)
+    m = batch * SEQ
+    gate, up = torch.randn((m, 2 * 12288), device="cuda", dtype=torch.bfloat16).chunk(2, dim=-1)
+    compiled_form = torch.compile(gelu_mul_quantize_reference)
+    for form, run in (("gelu*up -> e4m3, compiled torch form", lambda: compiled_form(gate, up)),
+                      ("gelu*up -> e4m3, one-pass kernel", lambda: gelu_mul_quantize(gate, up))):
+        rows.append({"batch": batch, "shape": f"gate_up halves {m}x12288", "form": form,
+                     "ms": round(cuda_time_ms(run, warmup=5, iters=30), 4), "TFLOP/s": ""})
+        print(f"# {rows[-1]}", flush=True)
+    kernels = kernels_for("triton_fp8_kernels", gate.device)
+    for warps in (4, 8, 16, 32):
+        run = lambda: fp8_gated.launch(kernels, gate, up, warps)  # noqa: E731
+        rows.append({"batch": batch, "shape": f"gate_up halves {m}x12288", "form": f"one-pass kernel, {warps} warps",
+                     "ms": round(cuda_time_ms(run, warmup=5, iters=30), 4), "TFLOP/s": ""})
+        print(f"# {rows[-1]}", flush=True)
+    return rows
+
+
+def floor_run(fp8: torch.nn.Module, batch: int) -> Callable[[], None]:
+    tokens = batch * SEQ
+    x = torch.randn((tokens, 4096), device="cuda").bfloat16()
+    hidden = torch.randn((tokens, 12288), device="cuda").bfloat16()
+    xq, x_scale = quantize_activation(x, per_row=True)
+    hq, h_scale = quantize_activation(hidden, per_row=True)
+    q, k, v = (torch.randn((batch, 32, SEQ, 128), device="cuda").bfloat16() for _ in range(3))
+    layers = [(b.self_attention.to_qkv, b.self_attention.to_out[0], b.mlp.gate_up, b.mlp.linear_fc2) for b in fp8.layers]
+
+    def mm(a, a_scale, layer):
+        return torch._scaled_mm(a, layer.weight.t(), scale_a=a_scale, scale_b=layer.weight_scale_row,
+                                out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    def run() -> None:
+        for qkv, out, gate_up, down in layers:
+            mm(xq, x_scale, qkv)
+            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            mm(xq, x_scale, out)
+            mm(xq, x_scale, gate_up)
+            mm(hq, h_scale, down)
+    return run
+
+
+def one_pass(model: torch.nn.Module, on: bool) -> None:
+    """The MLP's product quantised by the one-pass kernel (on) or as the torch form (an instance attribute None
+    hides the layer's one-pass input)."""
+    for block in model.layers:
+        if on:
+            block.mlp.linear_fc2.__dict__.pop("gelu_gated", None)
+        else:
+            block.mlp.linear_fc2.gelu_gated = None
+
+
+def graph_row(model: torch.nn.Module, label: str, reference: torch.Tensor) -> dict:
+    """The compiled batch-1 step replayed as one CUDA graph: what the host's launch gaps cost the step."""
+    static = inputs(1)
+    row = {"model": f"{label}, one CUDA graph", "batch": 1}
+    try:
+        model(*static)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = model(*static)
+        row.update(ms=round(cuda_time_ms(graph.replay, warmup=3, iters=10), 2),
+                   rel_l2_vs_bf16=round(relative_l2(out, reference), 5))
+    except Exception as error:  # reported as the row
+        row["error"] = f"{type(error).__name__}: {error}"[:200]
+    print(f"# step {row}", flush=True)
+    return row
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    if any(w in lowered for w in ("flash", "fmha", "attention", "sdpa")):
+        return "attention"
+    if any(w in lowered for w in ("gemm", "cublas", "cutlass", "xmma", "nvjet", "f8f8bf16")):
+        return "gemm"
+    if lowered.startswith("triton"):
+        return "fused (triton)"
+    return "other"
+
+
+def profile(run: Callable[[], object]) -> dict:
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    first = last = None
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            ms = event.device_time / 1000.0
+            for bucket in (kinds[kernel_kind(event.name)], kernels[event.name[:110]]):
+                bucket[0] += ms
+                bucket[1] += 1
+            start = event.time_range.start
+            end = event.time_range.end
+            first = start if first is None else min(first, start)
+            last = end if last is None else max(last, end)
+    busy = sum(v[0] for v in kinds.values())
+    span = (last - first) / 1000.0 if first is not None else 0.0
+    top = sorted(kernels.items(), key=lambda item: -item[1][0])[:25]
+    return {"by_kind": {k: {"ms": round(v[0], 2), "kernels": int(v[1])} for k, v in kinds.items()},
+            "span_ms": round(span, 2), "idle_ms": round(span - busy, 2),
+            "top_kernels": [{"kernel": name, "ms": round(v[0], 3), "count": int(v[1])} for name, v in top]}
+
+
+def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--fastest-warps", action="store_true",
+                        help="run the steps with the one-pass kernel's fastest warp count in the sweep")
+    parser.add_argument("--one-pass-only", action="store_true", help="only the fused one-pass step variants")
+    args = parser.parse_args()
+    allow_cache_size()
+    report: dict = {"environment": environment(), "gemms": [], "steps": [], "floors": []}
+    with torch.inference_mode():
+        for batch in args.batch:
+            report["gemms"] += gemm_rows(batch)
+        print(table(report["gemms"], ["batch", "shape", "form", "ms", "TFLOP/s"]), flush=True)
+        if args.fastest_warps:
+            sweep = [r for r in report["gemms"] if r["form"].startswith("one-pass kernel, ")]
+            best = min(sweep, key=lambda r: r["ms"])
+            report["steps_warps"] = int(best["form"].split(", ")[1].split()[0])
+            fp8_gated.launch.__defaults__ = (report["steps_warps"],)
+            print(f"# steps run the kernel with {report['steps_warps']} warps", flush=True)
+
+        ours = build_ours()
+        unfused = quantised_copy(ours, "fp8")  # the order a pipe loads in: quantised first, then fusing is tried
+        fuse_projections(unfused)
+        fuse_projections(ours)
+        fused = quantised_copy(ours, "fp8")
+        references = {batch: ours(*inputs(batch)) for batch in args.batch}
+        ours = None
+        torch.cuda.empty_cache()
+        for batch in args.batch:
+            ms = cuda_time_ms(floor_run(fused, batch), warmup=2, iters=5)
+            report["floors"].append({"batch": batch, "what": "FP8 GEMMs (row-wise) + bf16 attention", "ms": round(ms, 2)})
+            print(f"# floor {report['floors'][-1]}", flush=True)
+        variants = (("fused projections, product quantised by the compiler", "two-pass"),
+                    ("fused projections", "one-pass"), ("as loaded (quantised, then fused where it can)", "one-pass"))
+        for quantiser in ("two-pass", "one-pass"):  # uncompiled, before any compile
+            one_pass(fused, quantiser == "one-pass")
+            for batch in args.batch:
+                args_b = inputs(batch)
+                out = fused(*args_b)
+                ms = cuda_time_ms(lambda: fused(*args_b), warmup=2, iters=5)
+                report["steps"].append({"model": f"uncompiled, fused projections, {quantiser} quantisation",
+                                        "batch": batch, "ms": round(ms, 2),
+                                        "rel_l2_vs_bf16": round(relative_l2(out, references[batch]), 5)})
+                print(f"# step {report['steps'][-1]}", flush=True)
+        for label, quantiser in variants[1:2] if args.one_pass_only else variants:
+            model = unfused if label.startswith("as loaded") else fused
+            one_pass(model, quantiser == "one-pass")
+            torch._dynamo.reset()
+            compile_blocks(model)
+            for batch in args.batch:
+                args_b = inputs(batch)
+                out = model(*args_b)
+                ms = cuda_time_ms(lambda: model(*args_b), warmup=3, iters=10)
+                report["steps"].append({"model": label, "batch": batch, "ms": round(ms, 2),
+                                        "rel_l2_vs_bf16": round(relative_l2(out, references[batch]), 5)})
+                print(f"# step {report['steps'][-1]}", flush=True)
+            if label == "fused projections":
+                report["steps"].append(graph_row(model, label, references[1]))
+        args_1 = inputs(1)
+        report["profile_b1_fused"] = profile(lambda: fused(*args_1))
+    print(table(report["floors"], ["batch", "what", "ms"]))
+    print(table(report["steps"], ["model", "batch", "ms", "rel_l2_vs_bf16", "error"]))
+    prof = report["profile_b1_fused"]
+    print(f"profile b1: {prof['by_kind']} span {prof['span_ms']} ms, idle {prof['idle_ms']} ms")
+    for row in prof["top_kernels"]:
+        print(f"{row['ms']:9.3f} ms {row['count']:5d}x {row['kernel']}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fp8_step.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
