@@ -379,7 +379,10 @@ class TestRepeatedOptions:
         ("generate", "--model-dir", "/a/m", "/a//b/../m/"),
         ("generate", "--dit", "~/d.safetensors", "{home}/d.safetensors"),
         ("generate", "--pe", "pe", "pe/."), ("generate", "--init-image", "a.png", "./a.png"),
-        ("generate", "--out", "{out}/a.png", "{out}//a.png"),
+        ("generate", "--out", "{out}/a.png", "{out}//a.png"), ("generate", "--out", "a.png", "{cwd}/a.png"),
+        ("generate", "--model-dir", "m", "{cwd}/m"),
+        ("generate", "--step-cache", "dbcache:threshold=0.1", "dbcache:threshold=.1"),
+        ("plan", "--step-cache", "fbcache:max_skips=2,threshold=0.1", "fbcache:threshold=0.10,max_skips=02"),
     ]
 
     @pytest.mark.parametrize("command, option, first, second", SAME_MEANING,
@@ -387,7 +390,7 @@ class TestRepeatedOptions:
     def test_two_texts_of_one_value_are_one_value(self, outputs, monkeypatch, command, option, first, second):
         """Compared as read: a number by its value, a path as the file system reads it (~ expanded, normalised)."""
         monkeypatch.setenv("HOME", "/home/someone")
-        first, second = (text.format(out=outputs, home="/home/someone") for text in (first, second))
+        first, second = (text.format(out=outputs, home="/home/someone", cwd=os.getcwd()) for text in (first, second))
         extra = ["--prompt", "x"] if command == "enhance" else []
         name = option[2:].replace("-", "_")
         args = _parser(command).parse_args([*extra, option, first, option, second])

@@ -123,3 +123,11 @@ def test_an_empty_config_is_named_as_an_empty_json_file(capsys, tmp_path, tiny_t
     assert main(["generate", "--model-dir", str(model), "--steps", "1", "--device", "cpu",
                  "--out", str(tmp_path / "x.png")]) == 2
     assert capsys.readouterr().err.strip() == f"error: {config} is an empty JSON file (0 bytes){FIX}"
+
+
+def test_a_diffusers_folders_part_is_named_with_its_folder(tmp_path, whole_files):
+    """vae/ and transformer/ both hold diffusion_pytorch_model.safetensors: the folder tells which one is cut."""
+    part = tmp_path / "ERNIE-Image" / "vae"
+    part.mkdir(parents=True)
+    message = refusal(cut(whole_files["safetensors"], 100, part / "diffusion_pytorch_model.safetensors"))
+    assert message.startswith("vae/diffusion_pytorch_model.safetensors is truncated") and str(tmp_path) not in message

@@ -163,3 +163,16 @@ def test_every_step_cache_setting_a_refusal_lists_is_in_help(capsys, command):
     missing = [key for key in keys if re.search(rf"\b{key}\b", step_cache_help) is None]
     assert missing == [], step_cache_help
     assert "forced (one letter per step, C computed or S skipped, the first and the last C" in step_cache_help
+
+
+@pytest.mark.parametrize("spec, note, runs", [
+    ("dbcache:first_blocks=40", "step cache: F40B0 leaves no block to skip in this 36-block DiT: runs as F35B0", "F35B0"),
+    ("dbcache:first_blocks=30,last_blocks=10", "F30B10 leaves no block to skip in this 36-block DiT: runs as F30B5",
+     "F30B5"),
+    ("dbcache:first_blocks=20,last_blocks=4", None, "F20B4"),
+])
+def test_plan_says_the_blocks_a_step_cache_runs_as_generate_does(capsys, spec, note, runs):
+    code, out, _ = run(capsys, "plan", "--budget", "12", "--step-cache", spec)
+    assert code == 0
+    assert (note in out) if note else ("leaves no block" not in out), out
+    assert f"step cache (dbcache {runs}," in out

@@ -4,8 +4,9 @@ Options whose value is a number read it with `WholeNumber` / `DecimalNumber`: pl
 (core/number_text), so `--cfg 4_5` is refused instead of running at CFG 45. An option that names one thing (a file,
 the prompt, the seed, the step cache's settings) is added with `once=True`: given again with another value it is
 refused, since the command would silently keep the last one and drop the other the user meant. Values are compared
-as read (a number by its value, a path normalised), so `--seed 7 --seed 07` and `--model-dir m --model-dir m/` are
-one value given twice, which is harmless. A setting a later value may override (a size, a step count, a budget: how
+as read (a number by its value, a path made absolute, the step cache by its settings), so `--seed 7 --seed 07`,
+`--model-dir m --model-dir m/` and `--step-cache dbcache:threshold=0.1 --step-cache dbcache:threshold=.1` are one value
+given twice, which is harmless. A setting a later value may override (a size, a step count, a budget: how
 a command kept in a script is adjusted) keeps argparse's rule, the last one wins.
 """
 from __future__ import annotations
@@ -87,8 +88,9 @@ class Option(argparse.Action):
 
 
 def _path_meaning(path: Path) -> str:
-    """A path as the file system reads it: `~` expanded, `m/`, `./m` and `m` one path (links are not followed)."""
-    return os.path.normpath(os.path.expanduser(str(path)))
+    """A path as the file system reads it: `~` expanded, relative to the working folder, `m/`, `./m`, `m` and its
+    absolute form one path (links are not followed)."""
+    return os.path.abspath(os.path.expanduser(str(path)))
 
 
 class PathOption(Option):

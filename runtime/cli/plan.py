@@ -62,10 +62,14 @@ def main_plan(argv: Sequence[str]) -> int:
             device = torch.device("cuda")
         budget = budget_bytes(budget_gb, device)
         sizes = ModelSizes.released(args.variant, args.format, with_pe=args.pe)
+        first_blocks = cache.blocks_in(sizes.dit.layers)[0] if cache is not None else 0
         job = Job(args.width, args.height, args.batch, args.cfg, args.text_tokens, use_pe=args.pe,
-                  step_cache=cache is not None, decision_after_blocks=cache.probe_blocks if cache is not None else 0)
+                  step_cache=cache is not None, decision_after_blocks=first_blocks)
         print(plan_memory(budget, job, sizes).table(args.pcie_gbps))
         if cache is not None:
+            note = cache.fit_note(sizes.dit.layers)
+            if note:
+                print(note)
             print(step_cache_effect(cache, job, sizes))
     except ErnieImageError as error:
         from .names import cli_message
@@ -86,4 +90,5 @@ def step_cache_effect(cache: StepCacheConfig, job: Job, sizes: ModelSizes, devic
     else:  # one decimal as the budget refusal says them, more where that would show two equal figures
         decimals = next((d for d in range(1, 10) if gib_up(needed, d) != gib_up(needed_without, d)), 9)
         least = f"least budget {gib_up(needed, decimals)} GiB with it, {gib_up(needed_without, decimals)} GiB without"
-    return f"step cache ({cache.label()}): its residual tensors add {extra / 2**30:.2f} GiB to the DiT's work memory; {least}"
+    first, last = cache.blocks_in(sizes.dit.layers)
+    return f"step cache ({cache.label(f'F{first}B{last}')}): its residual tensors add {extra / 2**30:.2f} GiB to the DiT's work memory; {least}"

@@ -20,9 +20,20 @@ STEP_CACHE_HELP = (f"skip the DiT's middle blocks on steps where its first block
                    f"for 4 steps), e.g. dbcache:threshold=0.12,max_skips=2; {OFF} (alone) for none")
 
 
+class StepCacheOption(Option):
+    """--step-cache's text, two of which are compared by the settings they give (`threshold=0.1` and `=.1` alike);
+    a spec that does not parse is compared as text and refused by `check` with its own reason."""
+
+    def meaning(self, value: str) -> Any:
+        try:
+            return parse_step_cache(value)
+        except InvalidInputError:
+            return value
+
+
 def add_step_cache_argument(parser: argparse.ArgumentParser, help_tail: str = "") -> None:
     """--step-cache METHOD[:key=value,...], given once (a second one would not add its settings to the first)."""
-    parser.add_argument("--step-cache", action=Option, once=True, default=None, metavar="METHOD[:key=value,...]",
+    parser.add_argument("--step-cache", action=StepCacheOption, once=True, default=None, metavar="METHOD[:key=value,...]",
                         repeat_hint=", with all its settings after the method (e.g. dbcache:threshold=0.12,max_skips=2)",
                         help=STEP_CACHE_HELP + help_tail)
 

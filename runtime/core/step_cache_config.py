@@ -95,6 +95,19 @@ class StepCacheConfig:
             record["forced"] = self.forced
         return record
 
+    def blocks_in(self, layers: int) -> tuple[int, int]:
+        """(first, last): the blocks this cache runs first and last in a DiT of `layers` blocks, which keeps at least
+        one first block and one middle block to skip."""
+        return fitted_blocks(layers, self.probe_blocks, self.tail_blocks)
+
+    def fit_note(self, layers: int) -> Optional[str]:
+        """The notice for settings a DiT of `layers` blocks cannot run as given; None where it can."""
+        first, last = self.blocks_in(layers)
+        if (first, last) == (self.probe_blocks, self.tail_blocks):
+            return None
+        return (f"step cache: F{self.probe_blocks}B{self.tail_blocks} leaves no block to skip in this {layers}-block "
+                f"DiT: runs as F{first}B{last}")
+
     def label(self, blocks: Optional[str] = None) -> str:
         """One short phrase: `dbcache F8B0, threshold 0.08, steps 15%-95%, at most 3 skips in a row`; `blocks`:
         the FnBn that ran, where the DiT had fewer blocks than asked for."""
@@ -110,6 +123,12 @@ class StepCacheConfig:
         changed = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
                    if f.name != "method" and getattr(self, f.name) != getattr(default, f.name)]
         return self.method + (":" + ",".join(changed) if changed else "")
+
+
+def fitted_blocks(layers: int, first: int, last: int) -> tuple[int, int]:
+    """(first, last) blocks asked for, cut to a DiT of `layers` blocks so one first and one middle block remain."""
+    first = max(1, min(first, layers - 1))
+    return first, max(0, min(last, layers - first - 1))
 
 
 def _number(name: str, value: Any, low: float, high: float, hint: str) -> None:

@@ -101,6 +101,15 @@ class SafetensorsFile:
             self._mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
 
+_PART_FOLDERS = ("transformer", "text_encoder", "vae", "pe")  # a diffusers folder's parts, each a folder
+
+
+def _named(path: Path) -> str:
+    """The file as messages name it: a diffusers folder's part with its folder (vae/ and transformer/ hold files of
+    one name), any other file by its name; never the machine's path."""
+    return f"{path.parent.name}/{path.name}" if path.parent.name in _PART_FOLDERS else path.name
+
+
 def is_gguf(path: Path) -> bool:
     """The file starts with GGUF's magic bytes (whatever its name says); one too short to hold them is told by its
     name, so an empty or cut .gguf file is named as the GGUF file it was meant to be."""
@@ -114,10 +123,10 @@ def is_gguf(path: Path) -> bool:
 def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     start = handle.read(8)
     if start.startswith(GGUF_MAGIC):
-        raise ModelFileError(f"{path.name} is a GGUF file, not safetensors: load it through the GGUF path")
+        raise ModelFileError(f"{_named(path)} is a GGUF file, not safetensors: load it through the GGUF path")
     if any(start.startswith(magic) for magic in PICKLE_MAGICS):
         raise ModelFileError(
-            f"{path.name} is a PyTorch pickle checkpoint, which this pack never loads (pickles can run code): "
+            f"{_named(path)} is a PyTorch pickle checkpoint, which this pack never loads (pickles can run code): "
             f"use the .safetensors release of the model"
         )
     try:
@@ -126,7 +135,7 @@ def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], 
         if path.suffix.lower() != ".gguf":
             raise
         # Named .gguf, it holds neither GGUF's magic nor a safetensors header: it is not what its name says.
-        raise ModelFileError(f"{path.name} is not a GGUF file (it does not start with GGUF's magic bytes): "
+        raise ModelFileError(f"{_named(path)} is not a GGUF file (it does not start with GGUF's magic bytes): "
                              f"{REDOWNLOAD}") from None
     metadata = header.pop("__metadata__", None) or {}
     infos: dict[str, TensorInfo] = {}
@@ -135,25 +144,25 @@ def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], 
         try:
             dtype, shape, (begin, end) = entry["dtype"], tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise ModelFileError(f"{path.name} has a corrupt header entry for {key!r}: {REDOWNLOAD}") from None
+            raise ModelFileError(f"{_named(path)} has a corrupt header entry for {key!r}: {REDOWNLOAD}") from None
         if dtype == "C64":
-            raise ModelFileError(f"{path.name}: tensor {key!r} holds complex numbers (C64), which no model or LoRA "
+            raise ModelFileError(f"{_named(path)}: tensor {key!r} holds complex numbers (C64), which no model or LoRA "
                                  f"weights are: the file is not a weights file or is damaged; use the model's or "
                                  f"LoRA's .safetensors release")
         if dtype not in DTYPES:
-            raise ModelFileError(f"{path.name}: tensor {key!r} has dtype {dtype}, which this PyTorch cannot hold: "
+            raise ModelFileError(f"{_named(path)}: tensor {key!r} has dtype {dtype}, which this PyTorch cannot hold: "
                                  f"update PyTorch or use a file in bf16/fp16/fp32")
         count = 1
         for dim in shape:
             count *= dim
         expected = count * torch.empty((), dtype=DTYPES[dtype]).element_size()
         if end - begin != expected or begin < 0:
-            raise ModelFileError(f"{path.name}: tensor {key!r} spans {end - begin} bytes but shape {shape} in "
+            raise ModelFileError(f"{_named(path)}: tensor {key!r} spans {end - begin} bytes but shape {shape} in "
                                  f"{dtype} needs {expected}: {REDOWNLOAD}")
         infos[key] = TensorInfo(dtype, shape, data_start + int(begin), data_start + int(end))
         data_end = max(data_end, data_start + int(end))
     if data_end > size:
-        raise ModelFileError(cut_in_data(path.name, "safetensors", data_end, size))
+        raise ModelFileError(cut_in_data(_named(path), "safetensors", data_end, size))
     _check_coverage(infos, data_start, size, path)
     return infos, {str(k): str(v) for k, v in metadata.items()}
 
@@ -161,21 +170,21 @@ def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], 
 def _header_object(handle, path: Path, size: int, start: bytes) -> tuple[dict, int]:
     """The safetensors header's JSON object, read after its 8-byte length `start`, and where the data begins."""
     if not start:
-        raise ModelFileError(empty_file(path.name, "safetensors"))
+        raise ModelFileError(empty_file(_named(path), "safetensors"))
     if len(start) < 8:
-        raise ModelFileError(cut_in_header(path.name, "safetensors", size))
+        raise ModelFileError(cut_in_header(_named(path), "safetensors", size))
     header_len = int.from_bytes(start, "little")
     if header_len > MAX_HEADER_BYTES:
-        raise ModelFileError(f"{path.name} is not a safetensors file (its first bytes are not a safetensors "
+        raise ModelFileError(f"{_named(path)} is not a safetensors file (its first bytes are not a safetensors "
                              f"header): pick the .safetensors file itself")
     if 8 + header_len > size:
-        raise ModelFileError(cut_in_header(path.name, "safetensors", size, 8 + header_len))
+        raise ModelFileError(cut_in_header(_named(path), "safetensors", size, 8 + header_len))
     try:
         header = json.loads(handle.read(header_len).decode("utf-8"))
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
     except (UnicodeDecodeError, ValueError) as err:
-        raise ModelFileError(f"{path.name} has a corrupt safetensors header ({err}): {REDOWNLOAD}") from None
+        raise ModelFileError(f"{_named(path)} has a corrupt safetensors header ({err}): {REDOWNLOAD}") from None
     return header, 8 + header_len
 
 
@@ -185,12 +194,12 @@ def _check_coverage(infos: dict[str, TensorInfo], data_start: int, size: int, pa
     position = data_start
     for key, info in sorted(infos.items(), key=lambda item: (item[1].begin, item[1].end)):
         if info.begin != position:
-            raise ModelFileError(f"{path.name}: tensor {key!r} starts at byte {info.begin - data_start} of the data "
+            raise ModelFileError(f"{_named(path)}: tensor {key!r} starts at byte {info.begin - data_start} of the data "
                                  f"where {position - data_start} was expected (tensors overlap or leave gaps): "
                                  f"{REDOWNLOAD}")
         position = info.end
     if position != size:
-        raise ModelFileError(f"{path.name} has {size - position} bytes after its last tensor (the header does not "
+        raise ModelFileError(f"{_named(path)} has {size - position} bytes after its last tensor (the header does not "
                              f"cover the file): {REDOWNLOAD}")
 
 

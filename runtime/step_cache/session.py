@@ -31,7 +31,7 @@ from torch import nn
 
 from ..core.host import Host
 from ..sampling.euler import text_groups
-from ..core.step_cache_config import StepCacheConfig
+from ..core.step_cache_config import StepCacheConfig, fitted_blocks
 from .graphs import BlockGraphs, graphs_of, run_blocks_eagerly
 from .rule import SkipRule, relative_change
 
@@ -50,8 +50,7 @@ class BlockSplit:
     def of(cls, layers: int, first: int, last: int) -> "BlockSplit":
         if layers < 2:
             raise ValueError("a step cache needs a DiT of at least 2 blocks")
-        first = max(1, min(first, layers - 1))
-        last = max(0, min(last, layers - first - 1))
+        first, last = fitted_blocks(layers, first, last)
         return cls(tuple(range(first)), tuple(range(first, layers - last)), tuple(range(layers - last, layers)))
 
 
@@ -127,10 +126,8 @@ class StepCacheRun:
         self.rule = SkipRule(config, steps)
         layers = len(dit.layers)
         self.split = BlockSplit.of(layers, config.probe_blocks, config.tail_blocks)
-        self.notes: list[str] = []
-        if (len(self.split.first), len(self.split.last)) != (config.probe_blocks, config.tail_blocks):
-            self.notes.append(f"step cache: F{config.probe_blocks}B{config.tail_blocks} leaves no block to skip in "
-                              f"this {layers}-block DiT: runs as F{len(self.split.first)}B{len(self.split.last)}")
+        note = config.fit_note(layers)
+        self.notes: list[str] = [note] if note else []
         groups = text_groups(rows, device, dtype, dit.project_text)  # the text projected once for the run
         single = len(groups) == 1
         self.groups = [_Group(None if single else indices, text, lens) for indices, text, lens in groups]
