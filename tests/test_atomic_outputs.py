@@ -24,7 +24,8 @@ import torch
 from full_disk import REPO_ROOT, needs_namespaces
 
 from ernie_image.runtime.core.errors import ErnieImageError
-from ernie_image.runtime.files.output_files import OutputNotReplaced, atomic_outputs, write_error
+from ernie_image.runtime.files.output_files import (STALE_PARTIAL_S, OutputNotReplaced, atomic_outputs,
+                                                     remove_stale_partials, write_error)
 from ernie_image.runtime.files.png_output import PngOutput, png_paths, save_png_outputs
 
 # (how many outputs, which one's rename fails, from 1): every position of batches of 1 to 4
@@ -371,3 +372,41 @@ def test_a_folder_turned_read_only_after_the_checks_fails_the_batch_for_real(tmp
     after = json.loads(done.stdout.strip().splitlines()[-1])
     assert after["said"] == [str(tmp_path / "b" / "x.png"), errno.EACCES]
     assert after["files"] == {"a": {"x.png": "the earlier a"}, "b": {"x.png": "the earlier b", after["new"]: "new"}}
+
+
+# ------------------------------------------------------------------------------- leftovers of a killed process
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(child.stdout)
+
+
+def leftover(folder: Path, target: str, pid: int, age_s: float, kind: str = "partial", number: int = 0) -> Path:
+    path = folder / f".{target}.{pid}.{number}.{kind}"
+    path.write_bytes(b"half a file")
+    old = path.stat().st_mtime - age_s
+    os.utime(path, (old, old))
+    return path
+
+
+def test_the_next_write_removes_the_partial_files_a_killed_process_left_of_that_target(tmp_path):
+    dead = dead_pid()
+    stale = leftover(tmp_path, "a.png", dead, STALE_PARTIAL_S + 60)
+    kept = {
+        "written recently": leftover(tmp_path, "a.png", dead, 5, number=1),
+        "a live process's": leftover(tmp_path, "a.png", os.getppid(), STALE_PARTIAL_S + 60),
+        "another target's": leftover(tmp_path, "b.png", dead, STALE_PARTIAL_S + 60),
+        "a backup (the earlier file itself)": leftover(tmp_path, "a.png", dead, STALE_PARTIAL_S + 60, "backup"),
+    }
+    with atomic_outputs([tmp_path / "a.png"]) as (partial,):
+        partial.write_bytes(b"new")
+    assert (tmp_path / "a.png").read_bytes() == b"new" and not stale.exists()
+    assert [what for what, path in kept.items() if not path.exists()] == []
+
+
+def test_a_folder_that_cannot_be_listed_still_takes_the_write(tmp_path, monkeypatch):
+    def unlistable(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "scandir", unlistable)
+    assert remove_stale_partials(tmp_path / "a.png") == []

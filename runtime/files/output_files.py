@@ -5,7 +5,9 @@ folder) and renamed over the target only when complete. So a failure, a Ctrl-C o
 path at the same time never leaves a partial file or a mix of two runs; an existing file is replaced by a
 complete new one. A batch of files is replaced all or none: each file it replaces is kept under a hidden name
 (`.<name>.<pid>.<n>.backup`) until every rename has succeeded, and put back if one fails. Files get the usual
-permissions (0666 less the umask, 0644 mostly).
+permissions (0666 less the umask, 0644 mostly). A process killed outright (SIGKILL, the out-of-memory killer) cleans
+up nothing: the next write of the same target removes partial files that such a process left (its pid gone, the file
+untouched for STALE_PARTIAL_S); a backup it left is the earlier file itself and stays.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import itertools
 import os
 import re
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional, Sequence
@@ -54,6 +57,41 @@ def give_usual_mode(paths: Iterable[Path]) -> None:
 
 def safetensors_under(folder: Path) -> list[Path]:
     return sorted(Path(folder).rglob("*.safetensors"))
+
+
+STALE_PARTIAL_S = 15 * 60  # a partial file being written is touched far more often than this
+_PARTIAL_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.\d+\.partial$")
+
+
+def remove_stale_partials(target: Path, now: Optional[float] = None) -> list[Path]:
+    """Remove the partial files of `target` that a killed process left (module docstring); returns them."""
+    removed = []
+    try:
+        entries = list(os.scandir(target.parent))
+    except OSError:
+        return removed
+    now = time.time() if now is None else now
+    for entry in entries:
+        found = _PARTIAL_NAME.match(entry.name)
+        if found is None or found["name"] != target.name or int(found["pid"]) == os.getpid() \
+                or _process_alive(int(found["pid"])):
+            continue
+        with contextlib.suppress(OSError):
+            info = entry.stat(follow_symlinks=False)
+            if stat.S_ISREG(info.st_mode) and now - info.st_mtime >= STALE_PARTIAL_S:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError):  # another user's process (EPERM), or a pid no process can have: kept
+        return True
+    return True
 
 
 def partial_path(path: Path) -> Path:
@@ -101,6 +139,8 @@ def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
     The commit hook (set_commit_hook) runs just before the first rename: from there the batch replaces the targets
     (the CLI stops taking Ctrl-C as a cancel at that point, so a cancel never lands between two renames)."""
     targets = [Path(p) for p in paths]
+    for target in targets:
+        remove_stale_partials(target)
     partials = [partial_path(target) for target in targets]
     try:
         yield partials
