@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,7 @@ import torch
 from full_disk import REPO_ROOT, needs_namespaces
 
 from ernie_image.runtime.core.errors import ErnieImageError
+from ernie_image.runtime.files import output_files
 from ernie_image.runtime.files.output_files import (STALE_PARTIAL_S, OutputNotReplaced, atomic_outputs,
                                                      remove_stale_partials, write_error)
 from ernie_image.runtime.files.png_output import PngOutput, png_paths, save_png_outputs
@@ -246,8 +248,8 @@ def test_save_png_outputs_names_the_output_whose_rename_failed(tmp_path, monkeyp
     with pytest.raises(ErnieImageError) as caught:
         save_png_outputs(outputs)
     name, given = ("out", tmp_path / "x.png") if failing < 3 else ("compare", tmp_path / "c.png")
-    assert str(caught.value) == (f"{name} {given} cannot be written (Permission denied): give a path in a writable "
-                                 "folder")
+    assert str(caught.value) == (f"{name} {given}: {files[failing].name} cannot be written (Permission denied): give "
+                                 "a path in a writable folder")
     assert caught.value.settings == (name,)
     assert folder_files(tmp_path) == before
 
@@ -311,8 +313,9 @@ def test_a_target_mounted_on_its_own_fails_the_batch_for_real_leaving_every_file
                           env={**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     after = json.loads(done.stdout.strip().splitlines()[-1])
-    assert after["said"] == (f"out {folder / 'x.png'} cannot be written (Device or resource busy): give a path that "
-                             "is not a mount point (a file mounted on its own cannot be replaced)")
+    which = "" if count == 1 else f": x_{failing - 1}.png"  # a batch's line names its file that failed
+    assert after["said"] == (f"out {folder / 'x.png'}{which} cannot be written (Device or resource busy): give a path "
+                             "that is not a mount point (a file mounted on its own cannot be replaced)")
     assert after["files"] == {path.name: f"the earlier {path.name}" for path in png_paths(folder / "x.png", count)}
 
 
@@ -409,4 +412,57 @@ def test_a_folder_that_cannot_be_listed_still_takes_the_write(tmp_path, monkeypa
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr(os, "scandir", unlistable)
+    with atomic_outputs([tmp_path / "a.png"]) as (partial,):
+        partial.write_bytes(b"new")
+    assert (tmp_path / "a.png").read_bytes() == b"new"
+
+
+def test_a_link_or_folder_named_like_a_leftover_is_never_removed(tmp_path):
+    dead = dead_pid()
+    elsewhere = tmp_path / "elsewhere.png"
+    elsewhere.write_bytes(b"someone's file")
+    link = tmp_path / f".a.png.{dead}.0.partial"
+    link.symlink_to(elsewhere)
+    folder = tmp_path / f".a.png.{dead}.1.partial"
+    folder.mkdir()
+    old = elsewhere.stat().st_mtime - STALE_PARTIAL_S - 60
+    for path in (link, folder):
+        os.utime(path, (old, old), follow_symlinks=False)
     assert remove_stale_partials(tmp_path / "a.png") == []
+    assert link.is_symlink() and folder.is_dir() and elsewhere.read_bytes() == b"someone's file"
+
+
+# ------------------------------------------------------------------------------- names no one can plant
+def test_a_link_planted_at_the_hidden_name_is_never_written_through(tmp_path, monkeypatch):
+    """A name someone guessed and planted a link at is passed over: the file is written where nothing was."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    tokens = iter(["planted", "fresh"])
+    monkeypatch.setattr(output_files.secrets, "token_hex", lambda size: next(tokens))
+    (tmp_path / f".s.png.{os.getpid()}.planted.partial").symlink_to(victim)
+    with atomic_outputs([tmp_path / "s.png"]) as (partial,):
+        assert partial.name == f".s.png.{os.getpid()}.fresh.partial" and not partial.is_symlink()
+        partial.write_bytes(b"new")
+    assert victim.read_bytes() == b"precious" and (tmp_path / "s.png").read_bytes() == b"new"
+    assert not (tmp_path / "s.png").is_symlink()
+
+
+def test_hidden_names_differ_from_run_to_run(tmp_path):
+    names = set()
+    for _ in range(20):
+        with atomic_outputs([tmp_path / "a.png"]) as (partial,):
+            names.add(partial.name)
+            partial.write_bytes(b"x")
+    assert len(names) == 20
+
+
+@pytest.mark.parametrize("earlier_mode", [0o600, 0o640, 0o664])
+def test_a_replaced_file_keeps_its_permissions_and_a_new_one_gets_the_usual(tmp_path, earlier_mode):
+    earlier = tmp_path / "private.png"
+    earlier.write_bytes(b"old")
+    earlier.chmod(earlier_mode)
+    with atomic_outputs([earlier, tmp_path / "new.png"]) as partials:
+        for partial in partials:
+            partial.write_bytes(b"new")
+    assert stat.S_IMODE(earlier.stat().st_mode) == earlier_mode
+    assert stat.S_IMODE((tmp_path / "new.png").stat().st_mode) == output_files.new_file_mode()

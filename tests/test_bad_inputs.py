@@ -234,7 +234,8 @@ def test_a_failed_png_write_leaves_no_part_of_the_batch(tmp_path):
 
     (tmp_path / "img_1.png").mkdir()  # the second image cannot be written
     with pytest.raises(ErnieImageError,
-                       match=r"^out .*img\.png cannot be written \(Is a directory\): give a path in a writable folder$"):
+                       match=r"^out .*img\.png: img_1\.png cannot be written \(Is a directory\): give a path in a "
+                             r"writable folder$"):
         save_pngs(torch.rand(2, 16, 16, 3), tmp_path / "img.png", {})
     assert [p.name for p in tmp_path.iterdir()] == ["img_1.png"]
 

@@ -15,7 +15,9 @@ import torch.nn.functional as F
 from ernie_image.runtime.model.dit import DiTConfig, FeedForward
 from ernie_image.runtime.quant import QuantLinear, quantize_weight
 from ernie_image.runtime.quant.fp8 import native_fp8_supported, quantize_activation
-from ernie_image.runtime.quant.fp8_gated import _gelu_mul_quantize, gelu_mul_quantize, gelu_mul_quantize_reference
+from ernie_image.runtime.quant.fp8_gated import (_gelu_mul_quantize, default_warps, gelu_mul_quantize,
+                                                  gelu_mul_quantize_reference, launch)
+from ernie_image.runtime.quant.triton_loader import kernels_for
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -43,6 +45,28 @@ def codes(quantised: torch.Tensor) -> torch.Tensor:
     return quantised.view(torch.uint8).int()
 
 
+def kernel(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel itself, never the op's torch fallback (which would make a kernel test compare torch with
+    torch)."""
+    kernels = kernels_for("triton_fp8_kernels", gate.device)
+    assert kernels is not None, "the kernel module did not load"
+    return launch(kernels, gate, up)
+
+
+def with_non_finite(gate: torch.Tensor, up: torch.Tensor) -> None:
+    """NaN in a gate (row 4), inf in an up (row 5), -inf in a gate (row 6): torch's amax and clamp carry NaN."""
+    gate[4, 3], up[5, 6], gate[6, 5] = float("nan"), float("inf"), float("-inf")
+
+
+def assert_same_non_finite(hq: torch.Tensor, scale: torch.Tensor, expected_hq: torch.Tensor,
+                           expected_scale: torch.Tensor) -> None:
+    rows = [4, 5, 6]
+    assert torch.equal(scale[rows].isnan(), expected_scale[rows].isnan())
+    assert torch.equal(scale[rows].isinf(), expected_scale[rows].isinf())
+    assert torch.equal(hq[rows].float().isnan(), expected_hq[rows].float().isnan())
+    assert torch.equal(hq[rows].float().nan_to_num(0.5), expected_hq[rows].float().nan_to_num(0.5))
+
+
 def test_the_torch_form_is_the_products_per_row_quantisation() -> None:
     gate, up = gate_and_up(8, 96)
     hq, scale = gelu_mul_quantize_reference(gate, up)
@@ -57,19 +81,20 @@ def test_the_kernel_computes_the_torch_form_on_strided_halves(monkeypatch: pytes
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     gate, up = gate_and_up(12, width)
     assert gate.stride(0) == 2 * width  # halves of one tensor, as a fused gate/up GEMM leaves them
-    hq, scale = _gelu_mul_quantize(gate, up)
+    with_non_finite(gate, up)
+    hq, scale = kernel(gate, up)
     expected_hq, expected_scale = gelu_mul_quantize_reference(gate, up)
-    assert torch.equal(scale, expected_scale)
-    apart = (codes(hq) - codes(expected_hq)).abs()
-    assert apart.max() <= 1 and (apart > 0).float().mean() <= 1e-3, "beyond the interpreter's erf rounding"
+    finite = [0, 1, 2, 3, *range(7, 12)]
+    assert_the_torch_forms_codes(hq[finite], scale[finite], expected_hq[finite], expected_scale[finite])
     assert torch.equal(codes(hq[1:3]), codes(expected_hq[1:3]))  # zeros and negative zeros, sign for sign
+    assert_same_non_finite(hq, scale, expected_hq, expected_scale)
 
 
 @needs_triton
 def test_no_rows_gives_empty_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     gate = up = torch.zeros((0, 64), dtype=torch.bfloat16)
-    hq, scale = _gelu_mul_quantize(gate, up)
+    hq, scale = kernel(gate, up)
     assert hq.shape == (0, 64) and scale.shape == (0, 1)
 
 
@@ -110,6 +135,22 @@ def test_without_a_native_gemm_the_layer_is_called_on_the_product() -> None:
     assert torch.equal(layer.gelu_gated(gate, up), layer(up * F.gelu(gate)))
 
 
+def test_a_lora_on_the_fp8_down_projection_still_gets_the_product_and_adds_its_branch() -> None:
+    from ernie_image.runtime.lora.attach import LoraLinear
+
+    config = DiTConfig(hidden_size=64, num_attention_heads=2, num_layers=1, ffn_hidden_size=96, text_in_dim=64,
+                       rope_axes_dim=(8, 12, 12))
+    mlp = FeedForward(config).bfloat16()
+    base = fp8_layer(64, 96)
+    wrapped = LoraLinear(base, slices=1, out_features=64, in_features=96)
+    wrapped.lora_down = torch.randn((4, 96)).bfloat16()
+    wrapped.lora_up = torch.randn((1, 64, 4)).bfloat16()
+    mlp.linear_fc2 = wrapped
+    x = torch.randn((2, 5, 64)).bfloat16()
+    product = mlp.up_proj(x) * F.gelu(mlp.gate_proj(x))
+    assert torch.equal(mlp(x), wrapped(product)) and not torch.equal(mlp(x), base(product))
+
+
 def test_the_mlp_hands_its_fp8_down_projection_the_halves_and_a_plain_one_the_product() -> None:
     config = DiTConfig(hidden_size=64, num_attention_heads=2, num_layers=1, ffn_hidden_size=96, text_in_dim=64,
                        rope_axes_dim=(8, 12, 12))
@@ -127,11 +168,12 @@ def test_the_mlp_hands_its_fp8_down_projection_the_halves_and_a_plain_one_the_pr
 
 def assert_the_torch_forms_codes(hq: torch.Tensor, scale: torch.Tensor, expected_hq: torch.Tensor,
                                  expected_scale: torch.Tensor) -> None:
-    """The same scales; codes equal or one apart where gelu's erf rounds a product to the neighbouring bf16 value
-    (Triton's erf and PyTorch's CUDA one may differ in the last fp32 bit)."""
+    """The same scales; codes equal or one apart, in at most 0.1% of values (or one), where gelu's erf rounds a
+    product to the neighbouring bf16 value (Triton's erf and PyTorch's may differ in the last fp32 bit)."""
     assert torch.equal(scale, expected_scale)
     apart = (codes(hq) - codes(expected_hq)).abs()
-    assert apart.max() <= 1 and (apart > 0).float().mean() <= 1e-3, f"{int((apart > 0).sum())} codes differ"
+    differing = int((apart > 0).sum())
+    assert apart.max() <= 1 and differing <= max(1, apart.numel() // 1000), f"{differing} codes differ"
 
 
 @pytest.mark.gpu
@@ -139,7 +181,9 @@ def assert_the_torch_forms_codes(hq: torch.Tensor, scale: torch.Tensor, expected
 @pytest.mark.parametrize("rows, width", [(33, 96), (4352, 12288)])
 def test_on_the_gpu_the_kernel_computes_the_torch_form(rows: int, width: int) -> None:
     gate, up = gate_and_up(rows, width, "cuda")
-    assert_the_torch_forms_codes(*gelu_mul_quantize(gate, up), *gelu_mul_quantize_reference(gate, up))
+    assert_the_torch_forms_codes(*kernel(gate, up), *gelu_mul_quantize_reference(gate, up))
+    with_non_finite(gate, up)
+    assert_same_non_finite(*kernel(gate, up), *gelu_mul_quantize_reference(gate, up))
 
 
 @pytest.mark.gpu
@@ -187,5 +231,5 @@ def test_the_kernel_compiles_for_hopper_without_a_gpu() -> None:
     signature = {"gate": "*bf16", "up": "*bf16", "out": "*fp8e4nv", "scale": "*fp32", "gate_row_stride": "i64",
                  "up_row_stride": "i64", "n": "i32", "BLOCK": "constexpr"}
     source = ASTSource(fn=kernels.gelu_mul_quantize_kernel, signature=signature, constexprs={"BLOCK": 16384})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 16})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": default_warps(16384)})
     assert "cubin" in compiled.asm

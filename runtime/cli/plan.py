@@ -91,4 +91,5 @@ def step_cache_effect(cache: StepCacheConfig, job: Job, sizes: ModelSizes, devic
         decimals = next((d for d in range(1, 10) if gib_up(needed, d) != gib_up(needed_without, d)), 9)
         least = f"least budget {gib_up(needed, decimals)} GiB with it, {gib_up(needed_without, decimals)} GiB without"
     first, last = cache.blocks_in(sizes.dit.layers)
-    return f"step cache ({cache.label(f'F{first}B{last}')}): its residual tensors add {extra / 2**30:.2f} GiB to the DiT's work memory; {least}"
+    return (f"step cache ({cache.label(f'F{first}B{last}')}): its residual tensors add {extra / 2**30:.2f} GiB to the "
+            f"DiT's work memory; {least}")

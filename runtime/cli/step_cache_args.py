@@ -21,19 +21,22 @@ STEP_CACHE_HELP = (f"skip the DiT's middle blocks on steps where its first block
 
 
 class StepCacheOption(Option):
-    """--step-cache's text, two of which are compared by the settings they give (`threshold=0.1` and `=.1` alike);
-    a spec that does not parse is compared as text and refused by `check` with its own reason."""
+    """--step-cache's text, two of which are compared by the settings they run with (`threshold=0.1` and `=.1`,
+    `dbcache` and `dbcache:first_blocks=8` alike); a spec that does not parse is compared as text and refused by
+    `check` with its own reason."""
 
     def meaning(self, value: str) -> Any:
         try:
-            return parse_step_cache(value)
+            config = parse_step_cache(value)
         except InvalidInputError:
             return value
+        return config.metadata() if config is not None else None
 
 
 def add_step_cache_argument(parser: argparse.ArgumentParser, help_tail: str = "") -> None:
     """--step-cache METHOD[:key=value,...], given once (a second one would not add its settings to the first)."""
-    parser.add_argument("--step-cache", action=StepCacheOption, once=True, default=None, metavar="METHOD[:key=value,...]",
+    parser.add_argument("--step-cache", action=StepCacheOption, once=True, default=None,
+                        metavar="METHOD[:key=value,...]",
                         repeat_hint=", with all its settings after the method (e.g. dbcache:threshold=0.12,max_skips=2)",
                         help=STEP_CACHE_HELP + help_tail)
 

@@ -126,7 +126,8 @@ class StepCacheConfig:
 
 
 def fitted_blocks(layers: int, first: int, last: int) -> tuple[int, int]:
-    """(first, last) blocks asked for, cut to a DiT of `layers` blocks so one first and one middle block remain."""
+    """(first, last) blocks asked for, cut to a DiT of `layers` (>= 2) blocks so one first and one middle block
+    remain."""
     first = max(1, min(first, layers - 1))
     return first, max(0, min(last, layers - first - 1))
 

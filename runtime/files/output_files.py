@@ -1,21 +1,24 @@
 """Writing output files whole or not at all.
 
-Each file is written under a hidden name unique to this process (`.<name>.<pid>.<n>.partial`, in the target's
-folder) and renamed over the target only when complete. So a failure, a Ctrl-C or a second run writing the same
+Each file is written under a hidden name unique to this process and unguessable (`.<name>.<pid>.<random>.partial`,
+in the target's folder, made anew and never through a link someone left there) and renamed over the target only
+when complete. So a failure, a Ctrl-C or a second run writing the same
 path at the same time never leaves a partial file or a mix of two runs; an existing file is replaced by a
 complete new one. A batch of files is replaced all or none: each file it replaces is kept under a hidden name
-(`.<name>.<pid>.<n>.backup`) until every rename has succeeded, and put back if one fails. Files get the usual
-permissions (0666 less the umask, 0644 mostly). A process killed outright (SIGKILL, the out-of-memory killer) cleans
-up nothing: the next write of the same target removes partial files that such a process left (its pid gone, the file
-untouched for STALE_PARTIAL_S); a backup it left is the earlier file itself and stays.
+(`.<name>.<pid>.<random>.backup`) until every rename has succeeded, and put back if one fails. A new file gets the
+usual permissions (0666 less the umask, 0644 mostly); a file that replaces another keeps the other's. A process killed outright (SIGKILL, the out-of-memory killer) cleans
+up nothing: the next write of the same target removes partial files that such a process left (this user's, its pid
+gone, the file untouched for STALE_PARTIAL_S, so a writer in another PID namespace sharing the folder keeps its
+file); a backup it left is the earlier file itself and stays. Not on Windows, where no pid can be asked about
+safely (signal 0 there is a Ctrl-C event).
 """
 from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import os
 import re
+import secrets
 import stat
 import time
 from dataclasses import dataclass
@@ -25,7 +28,8 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 from ..core.errors import ErnieImageError
 from .uninterrupted import uninterrupted
 
-_counter = itertools.count()
+_NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOSE_ON_EXEC = getattr(os, "O_CLOEXEC", 0)
 FULL_DISK = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up"}
 FREE_SPACE_FIX = "free space on it, or give a path on another disk"
 # A rename over a file that is a mount point of its own (a file bind-mounted into a container) fails so.
@@ -60,12 +64,14 @@ def safetensors_under(folder: Path) -> list[Path]:
 
 
 STALE_PARTIAL_S = 15 * 60  # a partial file being written is touched far more often than this
-_PARTIAL_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.\d+\.partial$")
+_PARTIAL_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]+\.partial$")
 
 
 def remove_stale_partials(target: Path, now: Optional[float] = None) -> list[Path]:
     """Remove the partial files of `target` that a killed process left (module docstring); returns them."""
-    removed = []
+    removed: list[Path] = []
+    if os.name == "nt":
+        return removed
     try:
         entries = list(os.scandir(target.parent))
     except OSError:
@@ -78,7 +84,7 @@ def remove_stale_partials(target: Path, now: Optional[float] = None) -> list[Pat
             continue
         with contextlib.suppress(OSError):
             info = entry.stat(follow_symlinks=False)
-            if stat.S_ISREG(info.st_mode) and now - info.st_mtime >= STALE_PARTIAL_S:
+            if stat.S_ISREG(info.st_mode) and info.st_uid == os.getuid() and now - info.st_mtime >= STALE_PARTIAL_S:
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))
     return removed
@@ -94,8 +100,22 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def hidden_name(path: Path, kind: str) -> Path:
+    """A hidden name beside `path` for this process's `kind` ("partial", "backup") file: no one can plant a file
+    or a link there in advance."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.{kind}")
+
+
 def partial_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.{next(_counter)}.partial")
+    """A new, empty file of this process beside `path` (mode 0600 until it is complete), made where nothing was:
+    a writer opening it by name writes into this file, never through a link."""
+    while True:
+        partial = hidden_name(path, "partial")
+        try:
+            os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW | _CLOSE_ON_EXEC, 0o600))
+        except FileExistsError:  # the one case a random name meets: try another
+            continue
+        return partial
 
 
 _commit_hook: Optional[Callable[[], None]] = None  # the running CLI command's (see set_commit_hook)
@@ -141,12 +161,14 @@ def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
     targets = [Path(p) for p in paths]
     for target in targets:
         remove_stale_partials(target)
-    partials = [partial_path(target) for target in targets]
+    partials: list[Path] = []
     try:
+        for target in targets:
+            partials.append(partial_path(target))
         yield partials
         mode = new_file_mode()
-        for partial in partials:  # some writers (safetensors' save_file) make their file 0600, as a temp file
-            os.chmod(partial, mode)
+        for partial, target in zip(partials, targets):  # made 0600 until complete
+            os.chmod(partial, _mode_kept(target, mode))
         if _commit_hook is not None:
             _commit_hook()
     except BaseException:
@@ -154,6 +176,16 @@ def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
             _remove(partials)
         raise
     _replace_all([_Replacing(target, partial) for target, partial in zip(targets, partials)])
+
+
+def _mode_kept(target: Path, new_mode: int) -> int:
+    """The permissions a new file at `target` gets: those of the file it replaces (a private file stays private),
+    else `new_mode`."""
+    try:
+        info = os.lstat(target)
+    except OSError:
+        return new_mode
+    return stat.S_IMODE(info.st_mode) & 0o777 if stat.S_ISREG(info.st_mode) else new_mode
 
 
 def _replace_all(batch: list[_Replacing]) -> None:
@@ -182,7 +214,7 @@ def _keep_earlier(item: _Replacing) -> None:
             return
     except FileNotFoundError:
         return
-    item.backup = item.target.with_name(f".{item.target.name}.{os.getpid()}.{next(_counter)}.backup")
+    item.backup = hidden_name(item.target, "backup")
     try:
         os.link(item.target, item.backup, follow_symlinks=False)  # a symlink is kept as the link it is
     except OSError:  # no hard links here (FAT, some network mounts) or not allowed (protected_hardlinks)
@@ -240,15 +272,17 @@ def full_disk(error: BaseException) -> Optional[str]:
 
 def write_error(out: Path, error: BaseException, name: str = "out") -> ErnieImageError:
     """The one line for an output file that could not be written. It names the parameter `name` that gave `out`
-    (the CLI shows its flag, --out: cli/names.py); a full disk or quota is said so, as no other path in the same
-    folder would help."""
+    (the CLI shows its flag, --out: cli/names.py), and the file of its batch that failed where that is another
+    (x_1.png of --out x.png); a full disk or quota is said so, as no other path in the same folder would help."""
     full = full_disk(error)
+    target = getattr(error, "target", None)
+    subject = f"{name} {out}" if target is None or Path(target) == Path(out) else f"{name} {out}: {Path(target).name}"
     if full is not None:
-        line = f"{name} {out} cannot be written: {full}: {FREE_SPACE_FIX}"
+        line = f"{subject} cannot be written: {full}: {FREE_SPACE_FIX}"
     else:
         reason = getattr(error, "strerror", None) or str(error)
         fix = MOUNTED_FIX if error_number(error) in (errno.EBUSY, errno.EXDEV) else "give a path in a writable folder"
-        line = f"{name} {out} cannot be written ({reason}): {fix}"
+        line = f"{subject} cannot be written ({reason}): {fix}"
     kept = getattr(error, "kept", ())
     if kept:  # a rename back failed as well: the earlier file is not lost, only under a hidden name
         files = "the file it would replace is" if len(kept) == 1 else "the files it would replace are"

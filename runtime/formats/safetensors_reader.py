@@ -105,8 +105,9 @@ _PART_FOLDERS = ("transformer", "text_encoder", "vae", "pe")  # a diffusers fold
 
 
 def _named(path: Path) -> str:
-    """The file as messages name it: a diffusers folder's part with its folder (vae/ and transformer/ hold files of
-    one name), any other file by its name; never the machine's path."""
+    """The file as messages name it: with its folder where that is named as a diffusers folder's parts are (vae/ and
+    transformer/ hold files of one name; ComfyUI's models/vae/ reads the same), else by its name; never the
+    machine's path."""
     return f"{path.parent.name}/{path.name}" if path.parent.name in _PART_FOLDERS else path.name
 
 

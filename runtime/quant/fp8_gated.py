@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 
 
 def gelu_mul_quantize_reference(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 rows, fp32 [rows, 1] scales) of up * gelu(gate), both [rows, n] bf16: the torch form."""
-    return quantize_activation(up * F.gelu(gate), per_row=True)
+    """(e4m3 rows, fp32 [rows, 1] scales) of up * gelu(gate), both [rows, n] bf16: the torch form. Contiguous, as
+    the kernel's outputs (and the op's declared ones) are, whatever the inputs' strides."""
+    quantised, scale = quantize_activation(up * F.gelu(gate), per_row=True)
+    return quantised.contiguous(), scale.contiguous()
 
 
 def _kernel_takes(gate: torch.Tensor, up: torch.Tensor) -> bool:
@@ -50,17 +52,22 @@ def _gelu_mul_quantize(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tens
         return gelu_mul_quantize_reference(gate, up)
 
 
+def default_warps(block: int) -> int:
+    """Warps for a program holding `block` values of a row: one per 2048, 4 to 8. For the DiT's 12288-value rows 8
+    were the fastest on an H200 (0.212 ms a block at 4352 rows; 16 warps 0.247, 32 warps 0.232, 4 warps 0.332;
+    bench/fp8_step.py)."""
+    return max(4, min(8, block // 2048))
+
+
 def launch(kernels: object, gate: torch.Tensor, up: torch.Tensor, num_warps: int | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel on inputs it takes; `num_warps` (default: one per 2048 values of the row, 4 to 8) is for
-    benchmarks. For the DiT's 12288-value rows 8 warps were the fastest on an H200 (0.212 ms a block at 4352 rows,
-    16 warps 0.247, 32 warps 0.232, 4 warps 0.332; bench/fp8_step.py)."""
+    """The kernel on inputs it takes (`_kernel_takes`); `num_warps` (default: `default_warps`) is for benchmarks."""
     rows, n = gate.shape
     out = torch.empty((rows, n), dtype=torch.float8_e4m3fn, device=gate.device)
     scale = torch.empty((rows, 1), dtype=torch.float32, device=gate.device)
     if rows:
         block = 1 << (n - 1).bit_length()
-        warps = num_warps or max(4, min(8, block // 2048))
+        warps = num_warps or default_warps(block)
         with torch.cuda.device(gate.device) if gate.is_cuda else contextlib.nullcontext():
             kernels.gelu_mul_quantize_kernel[(rows,)](gate, up, out, scale, gate.stride(0), up.stride(0), n,
                                                       BLOCK=block, num_warps=warps)
@@ -69,7 +76,7 @@ def launch(kernels: object, gate: torch.Tensor, up: torch.Tensor, num_warps: int
 
 def _register() -> object:
     """The custom op; another copy of the pack in the process (an installed one beside ComfyUI's) may have
-    registered it already, with this same code: that one is used."""
+    registered it already: that copy's op is used, which computes the same where both copies are one version."""
     namespace, name = _OP_NAME.split("::")
     try:
         return getattr(getattr(torch.ops, namespace), name)

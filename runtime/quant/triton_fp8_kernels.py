@@ -31,21 +31,24 @@ def _bf16(value):
 
 @triton.jit
 def _e4m3(value):
-    """fp32 within +-448 -> e4m3, to nearest even. The interpreter's cast rounds ties up and flushes subnormals,
-    so there the value is first put on e4m3's grid with integer ops (3 mantissa bits) or, below 2^-6, on the
-    subnormals' 2^-9 steps (adding and taking away 1.5 * 2^14 rounds there); the cast of a grid value is exact."""
+    """fp32 within +-448, or NaN -> e4m3, to nearest even. The interpreter's cast rounds ties up, flushes subnormals
+    and saturates NaN, so there the value is first put on e4m3's grid with integer ops (3 mantissa bits) or, below
+    2^-6, on the subnormals' 2^-9 steps (adding and taking away 1.5 * 2^14 rounds there), whose cast is exact, and
+    NaN is written as its code."""
     if SOFTWARE_ROUNDING:
         bits = value.to(tl.uint32, bitcast=True)
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
         magnitude = (tl.abs(value) + 24576.0) - 24576.0
         subnormal = (magnitude.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
-        value = tl.where(tl.abs(value) >= 0.015625, normal, subnormal)
+        on_grid = tl.where(tl.abs(value) >= 0.015625, normal, subnormal).to(tl.float8e4nv)
+        nan = tl.full(value.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)  # the cast saturates NaN too
+        return tl.where(value != value, nan, on_grid)
     return value.to(tl.float8e4nv)
 
 
 @triton.jit
 def _larger(a, b):
-    return tl.maximum(a, b)
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -60,8 +63,11 @@ def gelu_mul_quantize_kernel(gate, up, out, scale, gate_row_stride, up_row_strid
     # Not tl.max: a jit function of triton's own, which the interpreter cannot run where triton was imported
     # before TRITON_INTERPRET was set.
     amax = tl.reduce(tl.where(mask, tl.abs(product), 0.0), 0, _larger)
-    row_scale = _bf16(tl.maximum(amax / E4M3_MAX, MIN_SCALE))
+    # NaN propagates as in torch's amax and clamp (Triton's min/max drop it by default): a non-finite product
+    # makes its row's scale NaN or inf and reaches the non-finite check downstream.
+    row_scale = _bf16(tl.maximum(amax / E4M3_MAX, MIN_SCALE, propagate_nan=tl.PropagateNan.ALL))
     quotient = _bf16(product / row_scale)
-    quotient = tl.minimum(tl.maximum(quotient, -E4M3_MAX), E4M3_MAX)
+    quotient = tl.minimum(tl.maximum(quotient, -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), E4M3_MAX,
+                          propagate_nan=tl.PropagateNan.ALL)
     tl.store(out + row * n + cols, _e4m3(quotient), mask=mask)
     tl.store(scale + row, row_scale)
