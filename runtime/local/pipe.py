@@ -21,6 +21,7 @@ from ..core.request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult
 from ..core.variant import (Variant, VariantChoice, decide_variant, name_notice, override_notice, set_by_user,
                             settings_notice)
 from ..formats import open_component
+from ..formats.scheduler_config import scheduler_notices
 from ..formats.sources import ModelSources
 from ..lora.stack import LoraStack
 from ..model.builders import require_vae_encoder
@@ -263,7 +264,8 @@ class LocalPipe:
     def _generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         self._phase = "setup"
         for notice in (override_notice(self.variant_choice), name_notice(self.variant_choice),
-                       settings_notice(self.variant_choice, request.settings_for, request.steps, request.cfg)):
+                       settings_notice(self.variant_choice, request.settings_for, request.steps, request.cfg),
+                       *scheduler_notices(self.sources.model_dir, request.shift)):
             if notice:
                 host.log(notice)
         if needs_encoding(request):

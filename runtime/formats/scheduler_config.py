@@ -1,0 +1,55 @@
+"""A diffusers folder's scheduler/scheduler_config.json, read for what it says against how the pack samples.
+
+The pack samples as ERNIE-Image's released scheduler does (FlowMatchEulerDiscreteScheduler with a static shift, Euler
+steps), the shift being a request setting (4.0 by default, the released value). diffusers samples with the folder's
+own config. Where that config says otherwise (another shift, dynamic shifting, other sigmas), a job says so in a
+notice instead of sampling otherwise in silence; the file is not needed, so one that cannot be read is a notice too.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from ..core.errors import ModelFileError, NamedLine, naming_line
+from .config_json import read_config
+
+LABEL = "scheduler/scheduler_config.json"
+RELEASED_SHIFT = 4.0
+# What the released config sets that the pack's sampler takes as given, with the released values.
+FIXED = {"use_dynamic_shifting": False, "use_karras_sigmas": False, "use_exponential_sigmas": False,
+         "use_beta_sigmas": False, "invert_sigmas": False, "shift_terminal": None, "stochastic_sampling": False,
+         "num_train_timesteps": 1000}
+_AS_RELEASED = "this pack samples as ERNIE-Image's released scheduler (a static shift, Euler steps)"
+
+
+def scheduler_notices(model_dir: Optional[Path], shift: float) -> list[NamedLine]:
+    """The notices for a job sampling with `shift` from the model folder `model_dir` (none where it has no
+    scheduler config, or one that agrees)."""
+    if model_dir is None:
+        return []
+    path = Path(model_dir) / "scheduler" / "scheduler_config.json"
+    if not path.is_file():
+        return []
+    try:
+        config = read_config(path)
+    except ModelFileError:
+        return [NamedLine(f"{LABEL} cannot be read as a JSON object (damaged or cut short); {_AS_RELEASED}, shift "
+                          f"{shift:g}")]
+    notices = []
+    said = config.get("shift", RELEASED_SHIFT)
+    if not _positive_number(said):
+        notices.append(naming_line(f"{LABEL} gives shift {said!r}, not a positive number; this run uses shift "
+                                   f"{shift:g}", "shift"))
+    elif float(said) != shift:
+        notices.append(naming_line(f"{LABEL} says shift {float(said):g}; this run uses shift {shift:g}: give shift "
+                                   f"{float(said):g} to sample as it says", "shift"))
+    others = [f"{key} {config[key]!r}" for key, released in FIXED.items() if key in config and config[key] != released]
+    if others:
+        notices.append(NamedLine(f"{LABEL} sets {', '.join(others)}, which {_AS_RELEASED} does not do: the images "
+                                 "follow the released scheduler"))
+    return notices
+
+
+def _positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0

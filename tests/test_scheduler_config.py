@@ -1,0 +1,89 @@
+"""A model folder's scheduler/scheduler_config.json (runtime/formats/scheduler_config.py): the pack samples as the
+released scheduler does, with the request's shift; where the folder's config says otherwise, or cannot be read, the
+job says so in a notice (diffusers would sample as the folder says) and still runs."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ernie_image.runtime.core.host import NullHost
+from ernie_image.runtime.core.request import GenerationRequest
+from ernie_image.runtime.formats.scheduler_config import LABEL, scheduler_notices
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def folder_with(tmp_path: Path, text: str | None) -> Path:
+    (tmp_path / "scheduler").mkdir(parents=True)
+    if text is not None:
+        (tmp_path / "scheduler" / "scheduler_config.json").write_text(text)
+    return tmp_path
+
+
+RELEASED = json.loads((Path(__file__).resolve().parent.parent / "runtime" / "formats" / "configs" / "ERNIE-Image"
+                       / "scheduler" / "config.json").read_text())
+
+
+@pytest.mark.parametrize("case", ["no folder given", "no scheduler folder", "no config file", "the released config",
+                                  "a config without shift"])
+def test_nothing_is_said_where_the_folder_agrees_or_says_nothing(tmp_path, case):
+    model_dir = {"no folder given": lambda: None, "no scheduler folder": lambda: tmp_path,
+                 "no config file": lambda: folder_with(tmp_path, None),
+                 "the released config": lambda: folder_with(tmp_path, json.dumps(RELEASED)),
+                 "a config without shift": lambda: folder_with(tmp_path, json.dumps({"num_train_timesteps": 1000})),
+                 }[case]()
+    assert scheduler_notices(model_dir, 4.0) == []
+
+
+@pytest.mark.parametrize("config, shift, said", [
+    ({"shift": 1.0}, 4.0, f"{LABEL} says shift 1; this run uses shift 4: give shift 1 to sample as it says"),
+    ({"shift": 4.0}, 3.0, f"{LABEL} says shift 4; this run uses shift 3: give shift 4 to sample as it says"),
+    ({"shift": "4"}, 4.0, f"{LABEL} gives shift '4', not a positive number; this run uses shift 4"),
+    ({"shift": -1}, 4.0, f"{LABEL} gives shift -1, not a positive number; this run uses shift 4"),
+])
+def test_another_shift_is_named_with_the_setting_that_follows_it(tmp_path, config, shift, said):
+    notices = scheduler_notices(folder_with(tmp_path, json.dumps({**RELEASED, **config})), shift)
+    assert notices == [said] and notices[0].settings == ("shift",)
+
+
+@pytest.mark.parametrize("key, value", [("use_dynamic_shifting", True), ("use_karras_sigmas", True),
+                                        ("use_beta_sigmas", True), ("invert_sigmas", True), ("shift_terminal", 0.1),
+                                        ("stochastic_sampling", True), ("num_train_timesteps", 500)])
+def test_a_sampler_option_the_pack_does_not_run_is_named(tmp_path, key, value):
+    notices = scheduler_notices(folder_with(tmp_path, json.dumps({**RELEASED, key: value})), 4.0)
+    assert len(notices) == 1 and f"sets {key} {value!r}," in notices[0]
+    assert notices[0].endswith("does not do: the images follow the released scheduler")
+
+
+@pytest.mark.parametrize("text", ["", '{"shift": 4.0, "base_sh', "[1, 2]", "\xff\xfe"])
+def test_a_config_that_cannot_be_read_is_a_notice_not_a_failure(tmp_path, text):
+    notices = scheduler_notices(folder_with(tmp_path, text), 4.0)
+    assert notices == [f"{LABEL} cannot be read as a JSON object (damaged or cut short); this pack samples as "
+                       "ERNIE-Image's released scheduler (a static shift, Euler steps), shift 4"]
+    assert str(tmp_path) not in notices[0]
+
+
+class Lines(NullHost):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def log(self, line: str) -> None:
+        self.lines.append(line)
+
+
+def test_a_job_on_a_folder_whose_scheduler_says_another_shift_says_so_and_runs(tiny_turbo_folder, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_turbo_folder, folder)
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps({**RELEASED, "shift": 1.0}))
+    pipe = LocalPipe.load(ModelSources(model_dir=folder), LoadOptions(device="cpu"))
+    host = Lines()
+    result = pipe.generate(GenerationRequest(prompt="a fox", width=256, height=256, steps=1), host)
+    assert result.images.shape[0] == 1
+    assert f"{LABEL} says shift 1; this run uses shift 4: give shift 1 to sample as it says" in host.lines
