@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import LoggingHost
 
-from ernie_image.runtime.core.host import NullHost
 from ernie_image.runtime.core.request import GenerationRequest
 from ernie_image.runtime.formats.scheduler_config import LABEL, scheduler_notices
 from ernie_image.runtime.formats.sources import ModelSources
@@ -69,21 +69,12 @@ def test_a_config_that_cannot_be_read_is_a_notice_not_a_failure(tmp_path, text):
     assert str(tmp_path) not in notices[0]
 
 
-class Lines(NullHost):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def log(self, line: str) -> None:
-        self.lines.append(line)
-
-
 def test_a_job_on_a_folder_whose_scheduler_says_another_shift_says_so_and_runs(tiny_turbo_folder, tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(tiny_turbo_folder, folder)
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps({**RELEASED, "shift": 1.0}))
     pipe = LocalPipe.load(ModelSources(model_dir=folder), LoadOptions(device="cpu"))
-    host = Lines()
+    host = LoggingHost()
     result = pipe.generate(GenerationRequest(prompt="a fox", width=256, height=256, steps=1), host)
     assert result.images.shape[0] == 1
-    assert f"{LABEL} says shift 1; this run uses shift 4: give shift 1 to sample as it says" in host.lines
+    assert f"{LABEL} says shift 1; this run uses shift 4: give shift 1 to sample as it says" in host.messages
