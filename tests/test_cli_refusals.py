@@ -138,6 +138,11 @@ class TestStepCacheSpecs:
         ("dbcache:forced=SCC", "step cache forced 'SCC' skips the first or the last step",
          "start and end it with C, e.g. forced=C"),
         ("dbcache:forced=CXC", "step cache forced 'CXC' is not a schedule", "give one letter per step, C computed"),
+        ("dbcache:forced=CSCC,threshold=0.5,max_skips=1",
+         "step cache forced decides which steps run, so threshold and max_skips would do nothing",
+         "give forced without them (e.g. dbcache:forced=CSCC), or leave out forced"),
+        ("fbcache:start=0.2,forced=CSC", "step cache forced decides which steps run, so start would do nothing",
+         "give forced without it (e.g. fbcache:forced=CSC), or leave out forced"),
     ]
 
     @pytest.mark.parametrize("spec, cause, fix", BAD)

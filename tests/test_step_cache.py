@@ -123,9 +123,14 @@ def test_every_setting_is_in_the_documented_settings_list():
 
 def test_specs_parse_and_print_back():
     assert parse_step_cache("off") is None
-    config = parse_step_cache("dbcache:threshold=0.12,max-skips=2,first_blocks=4,forced=cssc")
-    assert config == StepCacheConfig("dbcache", threshold=0.12, max_skips=2, first_blocks=4, forced="CSSC")
+    config = parse_step_cache("dbcache:threshold=0.12,max-skips=2,first_blocks=4")
+    assert config == StepCacheConfig("dbcache", threshold=0.12, max_skips=2, first_blocks=4)
     assert parse_step_cache(config.spec()) == config
+    forced = parse_step_cache("dbcache:first_blocks=4,forced=cssc")
+    assert forced == StepCacheConfig("dbcache", first_blocks=4, forced="CSSC")
+    assert parse_step_cache(forced.spec()) == forced
+    built = StepCacheConfig("dbcache", threshold=0.3, forced="CSSC")  # the library takes both; forced decides
+    assert built.spec() == "dbcache:forced=CSSC"
     assert parse_step_cache("fbcache").probe_blocks == 1 and parse_step_cache("fbcache").tail_blocks == 0
     assert BlockSplit.of(36, 8, 0) == BlockSplit(tuple(range(8)), tuple(range(8, 36)), ())
     assert BlockSplit.of(36, 4, 2).last == (34, 35) and BlockSplit.of(6, 8, 0).first == (0, 1, 2, 3, 4)

@@ -120,8 +120,9 @@ class StepCacheConfig:
     def spec(self) -> str:
         """The CLI form that gives this config again (`parse_step_cache`)."""
         default = StepCacheConfig(self.method)
-        changed = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
-                   if f.name != "method" and getattr(self, f.name) != getattr(default, f.name)]
+        unused = _FORCED_DECIDES if self.forced is not None else ()
+        changed = [f"{f.name}={getattr(self, f.name)}" for f in fields(self) if f.name != "method"
+                   and f.name not in unused and getattr(self, f.name) != getattr(default, f.name)]
         return self.method + (":" + ",".join(changed) if changed else "")
 
 
@@ -201,9 +202,17 @@ def parse_step_cache(text: str) -> Optional[StepCacheConfig]:
         if key in values:
             raise InvalidInputError(f"step cache setting {key} is given twice: give it once")
         values[key] = _setting_value(method, key, value)
+    decided = [key for key in _FORCED_DECIDES if key in values]
+    if "forced" in values and decided:
+        raise InvalidInputError(f"step cache forced decides which steps run, so {' and '.join(decided)} would do "
+                                f"nothing: give forced without {'it' if len(decided) == 1 else 'them'} (e.g. "
+                                f"{method}:forced={values['forced']}), or leave out forced").naming("forced", *decided)
     config = StepCacheConfig(method, **values)
     config.validate()
     return config
+
+
+_FORCED_DECIDES = ("threshold", "start", "end", "max_skips")  # what a forced schedule decides in their place
 
 
 def _setting_value(method: str, key: str, text: str) -> Any:

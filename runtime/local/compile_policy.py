@@ -1,8 +1,8 @@
 """When a LocalPipe compiles its DiT's blocks: at load (`compile=True`), never (`False`), or, by default ("auto"),
 once compiling has paid for itself.
 
-Compiled blocks make a DiT call faster (H200, 1024x1024, batch 1: bf16 131 against 151 ms uncompiled, FP8 91
-against 105 ms) but each process pays for the compile before its first compiled call: with warm inductor caches
+Compiled blocks make a DiT call faster (H200, 1024x1024, batch 1: bf16 131 against 151 ms uncompiled, FP8 93
+against 143 ms) but each process pays for the compile before its first compiled call: with warm inductor caches
 about 2.4 s (bf16) and 3.7 s (FP8), with empty ones 7-16 s (docs/performance.md#the-first-image-after-a-restart).
 A user who makes a handful of Turbo images per restart never earns that back. "auto" is the ski-rental rule: run
 uncompiled while what the uncompiled calls have cost beyond compiled ones, plus what the job about to run would cost,
@@ -22,17 +22,15 @@ from typing import Optional, Union
 
 CompileChoice = Union[bool, str]  # True, False or "auto"
 
-# Compiled call time / uncompiled call time, by DiT weight format (H200; bf16: bench/eager_graphs.py,
-# bench/cold_start.py; FP8, projections stacked, the MLP's input quantised in one pass: bench/fp8_step.py, 90.6
-# against 105.4 ms in one run).
-COMPILED_CALL_RATIO = {"bf16": 0.87, "fp8": 0.86}
+# Compiled call time / uncompiled call time, by DiT weight format (H200, bench/eager_graphs.py, bench/cold_start.py).
+COMPILED_CALL_RATIO = {"bf16": 0.87, "fp8": 0.65}
 # A process's compile of the blocks, seconds (H200, 16 cores, bench/cold_start.py): with inductor's caches holding
 # them already (model/compile_marks.py), and from empty caches.
 COMPILE_SECONDS = {"bf16": 2.4, "fp8": 3.7}
 COLD_COMPILE_SECONDS = {"bf16": 7.0, "fp8": 16.0}
 # Uncompiled seconds per DiT call and image-token row before the pipe has measured its own (H200: 151 ms bf16 for
-# one 1024x1024 row of 4096 image tokens; FP8 105 ms).
-UNCOMPILED_CALL_ROW_TOKEN_S = {"bf16": 0.151 / 4096, "fp8": 0.105 / 4096}
+# one 1024x1024 row of 4096 image tokens; FP8 143 ms).
+UNCOMPILED_CALL_ROW_TOKEN_S = {"bf16": 0.151 / 4096, "fp8": 0.143 / 4096}
 LATENT_PIXELS = 16  # an image token is 16x16 pixels (the VAE's 8x, then 2x2 patches)
 OTHER_FORMAT = "bf16"  # GGUF, NVFP4, fp16, fp32: priced as bf16
 

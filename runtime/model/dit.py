@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..quant.fuse import fuse_packed
 from . import fused_kernels
 from .arithmetic import Arithmetic, ArithmeticName
 
@@ -117,7 +116,7 @@ class Attention(nn.Module):
         self.to_qkv: Optional[nn.Linear] = None  # set by fuse_projections(): one GEMM instead of three
 
     def fuse_projections(self) -> bool:
-        fused = _fuse_linears([self.to_q, self.to_k, self.to_v], "to_qkv")
+        fused = _fuse_linears([self.to_q, self.to_k, self.to_v])
         if fused is None:
             return False
         self.to_qkv = fused
@@ -239,7 +238,7 @@ class FeedForward(nn.Module):
         self.gate_up: Optional[nn.Linear] = None  # set by fuse_projections()
 
     def fuse_projections(self) -> bool:
-        fused = _fuse_linears([self.gate_proj, self.up_proj], "gate_up")
+        fused = _fuse_linears([self.gate_proj, self.up_proj])
         if fused is None:
             return False
         self.gate_up = fused
@@ -263,11 +262,10 @@ class FeedForward(nn.Module):
         return gelu_gated(gate, up) if gelu_gated is not None else self.linear_fc2(up * F.gelu(gate))
 
 
-def _fuse_linears(linears: list[nn.Module], name: str) -> Optional[nn.Module]:
-    """Stack bias-free Linears sharing an input into one: plain Linears, or packed FP8 ones (quant/fuse.py); None
-    for any other mix."""
+def _fuse_linears(linears: list[nn.Module]) -> Optional[nn.Linear]:
+    """Stack bias-free Linears sharing an input into one; None when any of them is not a plain Linear."""
     if any(type(linear) is not nn.Linear or linear.bias is not None for linear in linears):
-        return fuse_packed(linears, name)
+        return None
     weight = torch.cat([linear.weight.detach() for linear in linears], dim=0)
     with torch.device("meta"):
         fused = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
