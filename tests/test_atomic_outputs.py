@@ -447,22 +447,42 @@ def test_a_link_planted_at_the_hidden_name_is_never_written_through(tmp_path, mo
     assert not (tmp_path / "s.png").is_symlink()
 
 
-def test_hidden_names_differ_from_run_to_run(tmp_path):
-    names = set()
-    for _ in range(20):
-        with atomic_outputs([tmp_path / "a.png"]) as (partial,):
-            names.add(partial.name)
-            partial.write_bytes(b"x")
-    assert len(names) == 20
+@pytest.mark.parametrize("swap", ["a link to another file", "a folder"])
+def test_a_partial_swapped_while_written_fails_the_output_and_is_never_renamed_into_place(tmp_path, swap):
+    """Someone who can write to the folder replaces the partial file while a writer has it by name: the check
+    before the rename finds no file of this user there; the target stays as it was. (Someone else's file is
+    refused by its owner, which this test, run as one user, cannot make.)"""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    victim.chmod(0o600)
+    target = tmp_path / "s.png"
+    target.write_bytes(b"the earlier s.png")
+    with pytest.raises(OutputNotReplaced) as caught:
+        with atomic_outputs([target]) as (partial,):
+            partial.unlink()
+            if swap == "a folder":
+                partial.mkdir()
+            else:
+                partial.symlink_to(victim)
+    assert "was replaced by another while it was written" in str(caught.value) and caught.value.target == target
+    assert target.read_bytes() == b"the earlier s.png" and not target.is_symlink()
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o600  # its mode is not touched either
+    planted = {path.name for path in tmp_path.iterdir()} - {"s.png", "victim"}
+    assert planted == (set() if swap != "a folder" else {partial.name})  # what someone else made there, kept
 
 
-@pytest.mark.parametrize("earlier_mode", [0o600, 0o640, 0o664])
-def test_a_replaced_file_keeps_its_permissions_and_a_new_one_gets_the_usual(tmp_path, earlier_mode):
+@pytest.mark.parametrize("umask, earlier_mode, expected", [
+    (0o022, 0o600, 0o600), (0o022, 0o640, 0o640), (0o022, 0o664, 0o644), (0o022, 0o755, 0o644),
+    (0o077, 0o666, 0o600), (0o002, 0o664, 0o664),
+])
+def test_a_replaced_file_is_never_more_open_than_it_was_or_than_the_umask_allows(tmp_path, monkeypatch, umask,
+                                                                                    earlier_mode, expected):
+    monkeypatch.setattr(output_files, "new_file_mode", lambda: 0o666 & ~umask)
     earlier = tmp_path / "private.png"
     earlier.write_bytes(b"old")
     earlier.chmod(earlier_mode)
     with atomic_outputs([earlier, tmp_path / "new.png"]) as partials:
         for partial in partials:
             partial.write_bytes(b"new")
-    assert stat.S_IMODE(earlier.stat().st_mode) == earlier_mode
-    assert stat.S_IMODE((tmp_path / "new.png").stat().st_mode) == output_files.new_file_mode()
+    assert stat.S_IMODE(earlier.stat().st_mode) == expected
+    assert stat.S_IMODE((tmp_path / "new.png").stat().st_mode) == 0o666 & ~umask

@@ -64,17 +64,29 @@ def test_a_sampler_option_the_pack_does_not_run_is_named(tmp_path, key, value):
 @pytest.mark.parametrize("text", ["", '{"shift": 4.0, "base_sh', "[1, 2]", "\xff\xfe"])
 def test_a_config_that_cannot_be_read_is_a_notice_not_a_failure(tmp_path, text):
     notices = scheduler_notices(folder_with(tmp_path, text), 4.0)
-    assert notices == [f"{LABEL} cannot be read as a JSON object (damaged or cut short); this pack samples as "
-                       "ERNIE-Image's released scheduler (a static shift, Euler steps), shift 4"]
+    assert notices == [f"{LABEL} cannot be read as a JSON object; this pack samples as ERNIE-Image's released "
+                       "scheduler (a static shift, Euler steps), shift 4"]
     assert str(tmp_path) not in notices[0]
 
 
-def test_a_job_on_a_folder_whose_scheduler_says_another_shift_says_so_and_runs(tiny_turbo_folder, tmp_path):
+def test_a_folder_that_cannot_be_listed_is_a_notice_too(tmp_path, monkeypatch):
+    folder = folder_with(tmp_path, json.dumps(RELEASED))
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    assert scheduler_notices(folder, 4.0)[0].startswith(f"{LABEL} cannot be read as a JSON object")
+
+
+def test_a_pipe_says_it_once_and_runs(tiny_turbo_folder, tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(tiny_turbo_folder, folder)
     (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps({**RELEASED, "shift": 1.0}))
     pipe = LocalPipe.load(ModelSources(model_dir=folder), LoadOptions(device="cpu"))
     host = LoggingHost()
-    result = pipe.generate(GenerationRequest(prompt="a fox", width=256, height=256, steps=1), host)
-    assert result.images.shape[0] == 1
-    assert f"{LABEL} says shift 1; this run uses shift 4: give shift 1 to sample as it says" in host.messages
+    for _ in range(2):
+        result = pipe.generate(GenerationRequest(prompt="a fox", width=256, height=256, steps=1), host)
+        assert result.images.shape[0] == 1
+    said = f"{LABEL} says shift 1; this run uses shift 4: give shift 1 to sample as it says"
+    assert host.messages.count(said) == 1

@@ -21,6 +21,7 @@ from ..core.errors import InvalidInputError
 from ..core.number_text import DECIMAL_RULE, decimal_from_text
 from ..core.request import SEED_MASK, validate_size
 from ..files.inputs_outputs import refuse_colliding_outputs, refuse_outputs_over_inputs
+from ..files.output_files import HIDDEN_NAME_EXTRA
 from ..files.uninterrupted import uninterrupted
 
 ArgCheck = Callable[[argparse.Namespace], None]
@@ -134,7 +135,7 @@ def _check_writable_folder(folder: Path, path: Path, option: str) -> None:
                                     "path") from None
         raise InvalidInputError(f"{option} {path} cannot be written: {_why_unwritable(folder, error)}: pick a "
                                 "writable folder") from None
-    if len(os.fsencode(path.name)) + len(".partial.") + 24 > _name_max(folder):
+    if len(os.fsencode(path.name)) + len("_63") + HIDDEN_NAME_EXTRA > _name_max(folder):  # a batch's last name
         raise InvalidInputError(f"{option} {path} cannot be used: File name too long: pick a shorter output path")
 
 

@@ -1,12 +1,13 @@
 """Writing output files whole or not at all.
 
 Each file is written under a hidden name unique to this process and unguessable (`.<name>.<pid>.<random>.partial`,
-in the target's folder, made anew and never through a link someone left there) and renamed over the target only
-when complete. So a failure, a Ctrl-C or a second run writing the same
+in the target's folder, made anew where nothing was, so never through a link someone left there), checked to be still
+a file of this user and not a link, and renamed over the target only when complete. So a failure, a Ctrl-C or a second run writing the same
 path at the same time never leaves a partial file or a mix of two runs; an existing file is replaced by a
 complete new one. A batch of files is replaced all or none: each file it replaces is kept under a hidden name
 (`.<name>.<pid>.<random>.backup`) until every rename has succeeded, and put back if one fails. A new file gets the
-usual permissions (0666 less the umask, 0644 mostly); a file that replaces another keeps the other's. A process killed outright (SIGKILL, the out-of-memory killer) cleans
+usual permissions (0666 less the umask, 0644 mostly); a file that replaces one of this user's is no more open than
+that one was. A process killed outright (SIGKILL, the out-of-memory killer) cleans
 up nothing: the next write of the same target removes partial files that such a process left (this user's, its pid
 gone, the file untouched for STALE_PARTIAL_S, so a writer in another PID namespace sharing the folder keeps its
 file); a backup it left is the earlier file itself and stays. Not on Windows, where no pid can be asked about
@@ -100,22 +101,53 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+_TOKEN_BYTES = 6
+# The characters a hidden name adds to its target's: ".", ".<pid>" (Linux pids have at most 7 digits),
+# ".<token>" and ".partial" (the longer kind).
+HIDDEN_NAME_EXTRA = 1 + 8 + 1 + 2 * _TOKEN_BYTES + len(".partial")
+
+
 def hidden_name(path: Path, kind: str) -> Path:
     """A hidden name beside `path` for this process's `kind` ("partial", "backup") file: no one can plant a file
     or a link there in advance."""
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.{kind}")
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(_TOKEN_BYTES)}.{kind}")
 
 
-def partial_path(path: Path) -> Path:
-    """A new, empty file of this process beside `path` (mode 0600 until it is complete), made where nothing was:
-    a writer opening it by name writes into this file, never through a link."""
+def _new_partial(target: Path) -> Path:
+    """A new, empty file of this process beside `target` (mode 0600 until it is complete), made where nothing was."""
     while True:
-        partial = hidden_name(path, "partial")
+        path = hidden_name(target, "partial")
         try:
-            os.close(os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW | _CLOSE_ON_EXEC, 0o600))
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW | _CLOSE_ON_EXEC, 0o600))
         except FileExistsError:  # the one case a random name meets: try another
             continue
-        return partial
+        return path
+
+
+def _seal(partial: Path, mode: int) -> None:
+    """Give the complete partial file its mode, once sure the name holds a file of this user, not a link: in a folder
+    others may write to, the file could have been swapped for a link or someone else's file while a writer had it
+    by name; then the output fails here instead of being renamed into place. (Not the same inode: some writers,
+    safetensors' among them, put a new file at the name themselves.)"""
+    replaced = OSError(errno.EEXIST, "the file being written was replaced by another while it was written",
+                       str(partial))
+    try:
+        fd = os.open(partial, os.O_RDONLY | _NO_FOLLOW | _CLOSE_ON_EXEC)
+    except OSError as error:
+        if error.errno == errno.ELOOP:  # a link now stands at the name
+            raise replaced from None
+        raise
+    try:
+        info = os.fstat(fd)
+        ours = not hasattr(os, "getuid") or info.st_uid == os.getuid()
+        if not stat.S_ISREG(info.st_mode) or not ours:
+            raise replaced
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, mode)
+        else:  # Windows: no links to follow here
+            os.chmod(partial, mode)
+    finally:
+        os.close(fd)
 
 
 _commit_hook: Optional[Callable[[], None]] = None  # the running CLI command's (see set_commit_hook)
@@ -164,11 +196,17 @@ def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
     partials: list[Path] = []
     try:
         for target in targets:
-            partials.append(partial_path(target))
+            try:
+                partials.append(_new_partial(target))
+            except OSError as error:  # named by its target, as a failed rename is
+                raise OutputNotReplaced(target, error) from None
         yield partials
         mode = new_file_mode()
         for partial, target in zip(partials, targets):  # made 0600 until complete
-            os.chmod(partial, _mode_kept(target, mode))
+            try:
+                _seal(partial, _mode_kept(target, mode))
+            except OSError as error:
+                raise OutputNotReplaced(target, error) from None
         if _commit_hook is not None:
             _commit_hook()
     except BaseException:
@@ -179,13 +217,14 @@ def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
 
 
 def _mode_kept(target: Path, new_mode: int) -> int:
-    """The permissions a new file at `target` gets: those of the file it replaces (a private file stays private),
-    else `new_mode`."""
+    """The permissions a new file at `target` gets: `new_mode` (the umask's), narrowed to those of this user's file
+    it replaces (a private file stays private; none is ever widened)."""
     try:
         info = os.lstat(target)
     except OSError:
         return new_mode
-    return stat.S_IMODE(info.st_mode) & 0o777 if stat.S_ISREG(info.st_mode) else new_mode
+    own = not hasattr(os, "getuid") or info.st_uid == os.getuid()
+    return stat.S_IMODE(info.st_mode) & new_mode if stat.S_ISREG(info.st_mode) and own else new_mode
 
 
 def _replace_all(batch: list[_Replacing]) -> None:

@@ -29,13 +29,12 @@ def scheduler_notices(model_dir: Optional[Path], shift: float) -> list[NamedLine
     if model_dir is None:
         return []
     path = Path(model_dir) / "scheduler" / "scheduler_config.json"
-    if not path.is_file():
-        return []
     try:
+        if not path.is_file():
+            return []
         config = read_config(path)
-    except ModelFileError:
-        return [NamedLine(f"{LABEL} cannot be read as a JSON object (damaged or cut short); {_AS_RELEASED}, shift "
-                          f"{shift:g}")]
+    except (OSError, ModelFileError):  # unreadable, damaged or cut short: the file is not needed
+        return [NamedLine(f"{LABEL} cannot be read as a JSON object; {_AS_RELEASED}, shift {shift:g}")]
     notices = []
     said = config.get("shift", RELEASED_SHIFT)
     if not _positive_number(said):

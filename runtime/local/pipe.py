@@ -78,6 +78,7 @@ class LocalPipe:
         self.last_run: dict[str, Any] = {}  # the info of the last finished job (timings, device-memory peak)
         self.last_step_cache = None  # step_cache.session.StepCacheReport of the last sampling run, if it had one
         self._running = threading.RLock()
+        self._said: set[str] = set()  # notices given once a pipe (its views share it)
 
     @classmethod
     def load(cls, sources: ModelSources, options: Optional[LoadOptions] = None, loras=None) -> "LocalPipe":
@@ -264,9 +265,12 @@ class LocalPipe:
     def _generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         self._phase = "setup"
         for notice in (override_notice(self.variant_choice), name_notice(self.variant_choice),
-                       settings_notice(self.variant_choice, request.settings_for, request.steps, request.cfg),
-                       *scheduler_notices(self.sources.model_dir, request.shift)):
+                       settings_notice(self.variant_choice, request.settings_for, request.steps, request.cfg)):
             if notice:
+                host.log(notice)
+        for notice in scheduler_notices(self.sources.model_dir, request.shift):
+            if notice not in self._said:  # once a pipe: a folder's scheduler config does not change between jobs
+                self._said.add(notice)
                 host.log(notice)
         if needs_encoding(request):
             require_vae_encoder(open_component(self.sources.component("vae"), "vae"))
