@@ -486,3 +486,24 @@ def test_a_replaced_file_is_never_more_open_than_it_was_or_than_the_umask_allows
             partial.write_bytes(b"new")
     assert stat.S_IMODE(earlier.stat().st_mode) == expected
     assert stat.S_IMODE((tmp_path / "new.png").stat().st_mode) == 0o666 & ~umask
+
+
+def test_a_png_is_never_written_through_a_link_swapped_in_after_its_file_was_made(tmp_path, monkeypatch):
+    """The PNG writer opens the partial file without following links: a link someone put at its name between
+    its making and the write is refused before a byte goes anywhere."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    made = output_files._new_partial
+
+    def made_then_swapped(target):
+        partial = made(target)
+        partial.unlink()
+        partial.symlink_to(victim)
+        return partial
+
+    monkeypatch.setattr(output_files, "_new_partial", made_then_swapped)
+    with pytest.raises(ErnieImageError, match=r"^out .*x\.png cannot be written \(Too many levels of symbolic links\): "
+                                              r"someone else changed the folder while it was written"):
+        save_png_outputs([PngOutput(images(1), tmp_path / "x.png", {}, "out")])
+    assert victim.read_bytes() == b"precious"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["victim"]

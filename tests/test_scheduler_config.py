@@ -4,6 +4,7 @@ job says so in a notice (diffusers would sample as the folder says) and still ru
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -57,16 +58,28 @@ def test_another_shift_is_named_with_the_setting_that_follows_it(tmp_path, confi
                                         ("stochastic_sampling", True), ("num_train_timesteps", 500)])
 def test_a_sampler_option_the_pack_does_not_run_is_named(tmp_path, key, value):
     notices = scheduler_notices(folder_with(tmp_path, json.dumps({**RELEASED, key: value})), 4.0)
-    assert len(notices) == 1 and f"sets {key} {value!r}," in notices[0]
-    assert notices[0].endswith("does not do: the images follow the released scheduler")
+    assert notices == [f"{LABEL} sets {key} {value!r}; this pack samples as ERNIE-Image's released scheduler (a static "
+                       "shift, Euler steps), without them"]
 
 
 @pytest.mark.parametrize("text", ["", '{"shift": 4.0, "base_sh', "[1, 2]", "\xff\xfe"])
 def test_a_config_that_cannot_be_read_is_a_notice_not_a_failure(tmp_path, text):
     notices = scheduler_notices(folder_with(tmp_path, text), 4.0)
-    assert notices == [f"{LABEL} cannot be read as a JSON object; this pack samples as ERNIE-Image's released "
-                       "scheduler (a static shift, Euler steps), shift 4"]
+    assert notices == [f"{LABEL} cannot be read (not a readable JSON object); this pack samples as ERNIE-Image's "
+                       "released scheduler (a static shift, Euler steps), shift 4"]
     assert str(tmp_path) not in notices[0]
+
+
+@pytest.mark.parametrize("kind, why", [("a folder", "not a file"), ("a FIFO", "not a file"),
+                                       ("a link to nothing", "a link to nothing")])
+def test_something_other_than_a_file_is_said_and_never_read(tmp_path, kind, why):
+    """A FIFO is never opened: a read would wait for a writer for ever."""
+    folder = folder_with(tmp_path, None)
+    path = folder / "scheduler" / "scheduler_config.json"
+    {"a folder": path.mkdir, "a FIFO": lambda: os.mkfifo(path),
+     "a link to nothing": lambda: path.symlink_to(tmp_path / "gone")}[kind]()
+    assert scheduler_notices(folder, 4.0) == [f"{LABEL} cannot be read ({why}); this pack samples as ERNIE-Image's "
+                                              "released scheduler (a static shift, Euler steps), shift 4"]
 
 
 def test_a_folder_that_cannot_be_listed_is_a_notice_too(tmp_path, monkeypatch):
@@ -75,8 +88,8 @@ def test_a_folder_that_cannot_be_listed_is_a_notice_too(tmp_path, monkeypatch):
     def denied(self):
         raise PermissionError(13, "Permission denied", str(self))
 
-    monkeypatch.setattr(Path, "is_file", denied)
-    assert scheduler_notices(folder, 4.0)[0].startswith(f"{LABEL} cannot be read as a JSON object")
+    monkeypatch.setattr(Path, "stat", denied)
+    assert scheduler_notices(folder, 4.0)[0].startswith(f"{LABEL} cannot be read (Permission denied)")
 
 
 def test_a_pipe_says_it_once_and_runs(tiny_turbo_folder, tmp_path):

@@ -24,7 +24,7 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import BinaryIO, Callable, Iterable, Iterator, Optional, Sequence
 
 from ..core.errors import ErnieImageError
 from .uninterrupted import uninterrupted
@@ -33,6 +33,8 @@ _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOSE_ON_EXEC = getattr(os, "O_CLOEXEC", 0)
 FULL_DISK = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up"}
 FREE_SPACE_FIX = "free space on it, or give a path on another disk"
+# The file being written was swapped for a link or another's file (_seal, opened_partial).
+TAMPERED_FIX = "someone else changed the folder while it was written: give a path in a folder only you can change"
 # A rename over a file that is a mount point of its own (a file bind-mounted into a container) fails so.
 MOUNTED_FIX = "give a path that is not a mount point (a file mounted on its own cannot be replaced)"
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' and tokenizers' writers carry errno
@@ -122,6 +124,16 @@ def _new_partial(target: Path) -> Path:
         except FileExistsError:  # the one case a random name meets: try another
             continue
         return path
+
+
+@contextlib.contextmanager
+def opened_partial(partial: Path) -> Iterator[BinaryIO]:
+    """The partial file opened for writing without following a link: a link swapped in at its name since it was
+    made is refused (ELOOP) before a byte is written, and a swap after the open leaves the writes in this file.
+    Writers that take a file object (PIL) use this; those that take only a name (safetensors, gguf) cannot."""
+    fd = os.open(partial, os.O_WRONLY | os.O_TRUNC | _NO_FOLLOW | _CLOSE_ON_EXEC)
+    with os.fdopen(fd, "wb") as handle:
+        yield handle
 
 
 def _seal(partial: Path, mode: int) -> None:
@@ -320,7 +332,9 @@ def write_error(out: Path, error: BaseException, name: str = "out") -> ErnieImag
         line = f"{subject} cannot be written: {full}: {FREE_SPACE_FIX}"
     else:
         reason = getattr(error, "strerror", None) or str(error)
-        fix = MOUNTED_FIX if error_number(error) in (errno.EBUSY, errno.EXDEV) else "give a path in a writable folder"
+        number = error_number(error)
+        fix = MOUNTED_FIX if number in (errno.EBUSY, errno.EXDEV) else TAMPERED_FIX if number in (
+            errno.ELOOP, errno.EEXIST) else "give a path in a writable folder"
         line = f"{subject} cannot be written ({reason}): {fix}"
     kept = getattr(error, "kept", ())
     if kept:  # a rename back failed as well: the earlier file is not lost, only under a hidden name

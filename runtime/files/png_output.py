@@ -12,7 +12,7 @@ import torch
 from ..core.errors import InvalidInputError
 from ..core.pipe import short_repr
 from .file_kind import not_a_regular_file
-from .output_files import OutputNotReplaced, atomic_outputs, write_error
+from .output_files import OutputNotReplaced, atomic_outputs, opened_partial, write_error
 
 METADATA_KEY = "ernie-image"
 
@@ -64,7 +64,8 @@ def save_png_outputs(outputs: Sequence[PngOutput]) -> list[list[Path]]:
                 info = PngInfo()
                 info.add_text(METADATA_KEY, text)
                 pixels = (writing.images[index].clamp(0, 1) * 255).round().to("cpu").byte().numpy()
-                Image.fromarray(pixels, mode="RGB").save(partial, format="PNG", pnginfo=info)
+                with opened_partial(partial) as handle:
+                    Image.fromarray(pixels, mode="RGB").save(handle, format="PNG", pnginfo=info)
     except OutputNotReplaced as error:  # a rename after every file was written: name the output it was for
         failed = next(output for output, group in zip(outputs, paths) if error.target in group)
         raise write_error(failed.out, error, failed.name) from None

@@ -8,6 +8,7 @@ notice instead of sampling otherwise in silence; the file is not needed, so one 
 from __future__ import annotations
 
 import math
+import stat
 from pathlib import Path
 from typing import Any, Optional
 
@@ -30,11 +31,17 @@ def scheduler_notices(model_dir: Optional[Path], shift: float) -> list[NamedLine
         return []
     path = Path(model_dir) / "scheduler" / "scheduler_config.json"
     try:
-        if not path.is_file():
-            return []
+        kind = path.stat().st_mode  # follows a link
+    except FileNotFoundError:
+        return [_unreadable("a link to nothing", shift)] if path.is_symlink() else []
+    except OSError as error:
+        return [_unreadable(error.strerror or "cannot be looked at", shift)]
+    if not stat.S_ISREG(kind):  # a folder, or a FIFO a read would wait on for ever
+        return [_unreadable("not a file", shift)]
+    try:
         config = read_config(path)
-    except (OSError, ModelFileError):  # unreadable, damaged or cut short: the file is not needed
-        return [NamedLine(f"{LABEL} cannot be read as a JSON object; {_AS_RELEASED}, shift {shift:g}")]
+    except ModelFileError:  # unreadable, empty, damaged or cut short: the file is not needed
+        return [_unreadable("not a readable JSON object", shift)]
     notices = []
     said = config.get("shift", RELEASED_SHIFT)
     if not _positive_number(said):
@@ -45,9 +52,12 @@ def scheduler_notices(model_dir: Optional[Path], shift: float) -> list[NamedLine
                                    f"{float(said):g} to sample as it says", "shift"))
     others = [f"{key} {config[key]!r}" for key, released in FIXED.items() if key in config and config[key] != released]
     if others:
-        notices.append(NamedLine(f"{LABEL} sets {', '.join(others)}, which {_AS_RELEASED} does not do: the images "
-                                 "follow the released scheduler"))
+        notices.append(NamedLine(f"{LABEL} sets {', '.join(others)}; {_AS_RELEASED}, without them"))
     return notices
+
+
+def _unreadable(why: str, shift: float) -> NamedLine:
+    return NamedLine(f"{LABEL} cannot be read ({why}); {_AS_RELEASED}, shift {shift:g}")
 
 
 def _positive_number(value: Any) -> bool:
