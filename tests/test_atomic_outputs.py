@@ -507,3 +507,18 @@ def test_a_png_is_never_written_through_a_link_swapped_in_after_its_file_was_mad
         save_png_outputs([PngOutput(images(1), tmp_path / "x.png", {}, "out")])
     assert victim.read_bytes() == b"precious"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["victim"]
+
+
+def test_a_fifo_swapped_in_at_the_partials_name_fails_at_once_instead_of_waiting_for_ever(tmp_path, monkeypatch):
+    made = output_files._new_partial
+
+    def made_then_swapped(target):
+        partial = made(target)
+        partial.unlink()
+        os.mkfifo(partial)
+        return partial
+
+    monkeypatch.setattr(output_files, "_new_partial", made_then_swapped)
+    with pytest.raises(ErnieImageError, match=r"^out .*x\.png cannot be written"):
+        save_png_outputs([PngOutput(images(1), tmp_path / "x.png", {}, "out")])
+    assert not (tmp_path / "x.png").exists()

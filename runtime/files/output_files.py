@@ -1,17 +1,17 @@
 """Writing output files whole or not at all.
 
 Each file is written under a hidden name unique to this process and unguessable (`.<name>.<pid>.<random>.partial`,
-in the target's folder, made anew where nothing was, so never through a link someone left there), checked to be still
-a file of this user and not a link, and renamed over the target only when complete. So a failure, a Ctrl-C or a second run writing the same
-path at the same time never leaves a partial file or a mix of two runs; an existing file is replaced by a
-complete new one. A batch of files is replaced all or none: each file it replaces is kept under a hidden name
-(`.<name>.<pid>.<random>.backup`) until every rename has succeeded, and put back if one fails. A new file gets the
-usual permissions (0666 less the umask, 0644 mostly); a file that replaces one of this user's is no more open than
-that one was. A process killed outright (SIGKILL, the out-of-memory killer) cleans
-up nothing: the next write of the same target removes partial files that such a process left (this user's, its pid
-gone, the file untouched for STALE_PARTIAL_S, so a writer in another PID namespace sharing the folder keeps its
-file); a backup it left is the earlier file itself and stays. Not on Windows, where no pid can be asked about
-safely (signal 0 there is a Ctrl-C event).
+in the target's folder, made anew where nothing was, so never through a link someone left there), checked to be
+still a file of this user and not a link, and renamed over the target only when complete. So a failure, a Ctrl-C or
+a second run writing the same path at the same time never leaves a partial file or a mix of two runs; an existing
+file is replaced by a complete new one. A batch of files is replaced all or none: each file it replaces is kept
+under a hidden name (`.<name>.<pid>.<random>.backup`) until every rename has succeeded, and put back if one fails.
+A new file gets the usual permissions (0666 less the umask, 0644 mostly); a file that replaces one of this user's
+is no more open than that one was. A process killed outright (SIGKILL, the out-of-memory killer) cleans up nothing:
+the next write of the same target removes partial files that such a process left (this user's, its pid gone, the
+file untouched for STALE_PARTIAL_S, so a writer in another PID namespace sharing the folder keeps its file); a
+backup it left is the earlier file itself and stays. Not on Windows, where no pid can be asked about safely
+(signal 0 there is a Ctrl-C event).
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from ..core.errors import ErnieImageError
 from .uninterrupted import uninterrupted
 
 _NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NO_WAIT = getattr(os, "O_NONBLOCK", 0)
 _CLOSE_ON_EXEC = getattr(os, "O_CLOEXEC", 0)
 FULL_DISK = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is used up"}
 FREE_SPACE_FIX = "free space on it, or give a path on another disk"
@@ -131,7 +132,9 @@ def opened_partial(partial: Path) -> Iterator[BinaryIO]:
     """The partial file opened for writing without following a link: a link swapped in at its name since it was
     made is refused (ELOOP) before a byte is written, and a swap after the open leaves the writes in this file.
     Writers that take a file object (PIL) use this; those that take only a name (safetensors, gguf) cannot."""
-    fd = os.open(partial, os.O_WRONLY | os.O_TRUNC | _NO_FOLLOW | _CLOSE_ON_EXEC)
+    fd = os.open(partial, os.O_WRONLY | os.O_TRUNC | _NO_FOLLOW | _CLOSE_ON_EXEC | _NO_WAIT)
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)  # opened without waiting (a FIFO swapped in fails at once), written as usual
     with os.fdopen(fd, "wb") as handle:
         yield handle
 
@@ -144,7 +147,7 @@ def _seal(partial: Path, mode: int) -> None:
     replaced = OSError(errno.EEXIST, "the file being written was replaced by another while it was written",
                        str(partial))
     try:
-        fd = os.open(partial, os.O_RDONLY | _NO_FOLLOW | _CLOSE_ON_EXEC)
+        fd = os.open(partial, os.O_RDONLY | _NO_FOLLOW | _CLOSE_ON_EXEC | _NO_WAIT)  # a FIFO: no wait for a writer
     except OSError as error:
         if error.errno == errno.ELOOP:  # a link now stands at the name
             raise replaced from None
