@@ -32,6 +32,13 @@ def _python(tmp_path: Path, temporary: Path, *argv: str, code: str = "") -> subp
     return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
 
 
+def _printed(tmp_path: Path, temporary: Path, lines: list[str]) -> list[str]:
+    """What a fresh Python prints running `lines` (as _python runs it), split into words; it must exit 0."""
+    done = _python(tmp_path, temporary, code="".join(f"{line}\n" for line in lines))
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
 @pytest.fixture
 def temporary(tmp_path) -> Path:
     folder = tmp_path / "temporary"
@@ -61,17 +68,14 @@ class TestEagerCpuRuns:
 
 
 def test_asking_where_the_cache_folder_is_makes_nothing_and_agrees_with_torch(tmp_path, temporary):
-    code = (
-        "import sys\n"
-        "from ernie_image.runtime.model.compile_marks import inductor_cache_folder\n"
-        "folder = inductor_cache_folder()\n"
-        "print(folder.exists(), 'torch._dynamo' in sys.modules)\n"
-        "from torch._inductor.runtime.cache_dir_utils import default_cache_dir\n"
-        "print(str(folder) == default_cache_dir())\n"
-    )
-    done = _python(tmp_path, temporary, code=code)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", "False", "True"]
+    assert _printed(tmp_path, temporary, [
+        "import sys",
+        "from ernie_image.runtime.model.compile_marks import inductor_cache_folder",
+        "folder = inductor_cache_folder()",
+        "print(folder.exists(), 'torch._dynamo' in sys.modules)",
+        "from torch._inductor.runtime.cache_dir_utils import default_cache_dir",
+        "print(str(folder) == default_cache_dir())",
+    ]) == ["False", "False", "True"]
 
 
 @pytest.mark.parametrize("before", ["absent", "empty", "holding a file"])
@@ -146,14 +150,11 @@ def test_the_structural_check_catches_each_form_of_import(tmp_path, source, caug
 
 
 def test_the_libraries_module_imports_dynamo_before_a_model_class(tmp_path, temporary):
-    code = (
-        "import sys\n"
-        "from ernie_image.runtime.model import libraries\n"
-        "print('torch._dynamo' in sys.modules, 'diffusers' in sys.modules)\n"
-        "from ernie_image.runtime.model.libraries import AutoencoderKLFlux2\n"
-        "print('torch._dynamo' in sys.modules, AutoencoderKLFlux2.__module__.split('.')[0])\n"
-    )
-    done = _python(tmp_path, temporary, code=code)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["False", "False", "True", "diffusers"]
+    assert _printed(tmp_path, temporary, [
+        "import sys",
+        "from ernie_image.runtime.model import libraries",
+        "print('torch._dynamo' in sys.modules, 'diffusers' in sys.modules)",
+        "from ernie_image.runtime.model.libraries import AutoencoderKLFlux2",
+        "print('torch._dynamo' in sys.modules, AutoencoderKLFlux2.__module__.split('.')[0])",
+    ]) == ["False", "False", "True", "diffusers"]
     assert sorted(path.name for path in temporary.iterdir()) == []
