@@ -7,8 +7,9 @@ Each row of the schedule is a new Python process started the way a user starts o
 library's LocalPipe, or diffusers' ErnieImagePipeline.from_pretrained), reading the weights from files that are
 already in the page cache (the script reads every file once first), under the CUDA allocator the row names
 (PyTorch's default "native", or "cudaMallocAsync", which ComfyUI selects) and with its own inductor/Triton cache
-folders: `empty` starts from empty folders, `warm` reuses the folders the same row's `empty` run filled (a restart
-of a process that compiled the same graphs before). Each process makes `--images` images (3) and reports:
+folders: `empty` starts from empty folders, `warm` reuses the folders an `empty` run of the same allocator, pipeline,
+variant, format and PE filled, in whichever compile mode (a restart of a process that compiled the same graphs
+before: an `empty` row with `-compiled` fills them for a `warm` row that compiles only later). Each process makes `--images` images (3) and reports:
 
 - start+imports: from the parent's spawn to the child's imports done (Python start, torch, the pack);
 - open: LocalPipe.load (every file's header and config checked; the text encoder's and VAE's libraries,
@@ -289,7 +290,7 @@ def child(args) -> None:
 # -- the parent --------------------------------------------------------------------------------------------------
 
 def run_row(row: Row, args, cache_root: Path) -> dict:
-    caches = cache_root / f"{row.allocator}-{row.what}"
+    caches = cache_root / f"{row.allocator}-{row.what.removesuffix('-' + row.compile)}"  # one compile, any mode
     if row.caches == "empty":
         shutil.rmtree(caches, ignore_errors=True)
     caches.mkdir(parents=True, exist_ok=True)

@@ -183,6 +183,7 @@ def main() -> None:
     parser.add_argument("--fastest-warps", action="store_true",
                         help="run the steps with the one-pass kernel's fastest warp count in the sweep")
     parser.add_argument("--one-pass-only", action="store_true", help="only the fused one-pass step variants")
+    parser.add_argument("--uncompiled-only", action="store_true", help="only the uncompiled steps (and the profile)")
     args = parser.parse_args()
     allow_cache_size()
     report: dict = {"environment": environment(), "gemms": [], "steps": [], "floors": []}
@@ -211,17 +212,21 @@ def main() -> None:
             print(f"# floor {report['floors'][-1]}", flush=True)
         variants = (("fused projections, product quantised by the compiler", "two-pass"),
                     ("fused projections", "one-pass"), ("as loaded (quantised, then fused where it can)", "one-pass"))
-        for quantiser in ("two-pass", "one-pass"):  # uncompiled, before any compile
-            one_pass(fused, quantiser == "one-pass")
+        uncompiled = (("fused projections", fused, "two-pass"), ("fused projections", fused, "one-pass"),
+                      ("as loaded", unfused, "one-pass"))
+        for projections, model, quantiser in uncompiled:  # before any compile
+            one_pass(model, quantiser == "one-pass")
             for batch in args.batch:
                 args_b = inputs(batch)
-                out = fused(*args_b)
-                ms = cuda_time_ms(lambda: fused(*args_b), warmup=2, iters=5)
-                report["steps"].append({"model": f"uncompiled, fused projections, {quantiser} quantisation",
+                out = model(*args_b)
+                ms = cuda_time_ms(lambda: model(*args_b), warmup=2, iters=5)
+                report["steps"].append({"model": f"uncompiled, {projections}, {quantiser} quantisation",
                                         "batch": batch, "ms": round(ms, 2),
                                         "rel_l2_vs_bf16": round(relative_l2(out, references[batch]), 5)})
                 print(f"# step {report['steps'][-1]}", flush=True)
-        for label, quantiser in variants[1:2] if args.one_pass_only else variants:
+        if args.uncompiled_only:
+            variants = ()
+        for label, quantiser in variants[1:2] if args.one_pass_only and variants else variants:
             model = unfused if label.startswith("as loaded") else fused
             one_pass(model, quantiser == "one-pass")
             torch._dynamo.reset()

@@ -12,6 +12,13 @@ a single long job (Base: 100 DiT calls at CFG) compiles at once when it alone wo
 is the one from warm caches where inductor's cache holds the blocks already (model/compile_marks.py), else the one
 from empty caches: a first install runs uncompiled longer than a restart does.
 
+Where the blocks can compile on a thread beside the run (model/background_compile.py: a resident DiT, room in the
+plan for a second call's activations, no step cache, and a job whose DiT calls outlast the compile, as a Base job's
+do), the compile costs the caller what it slows the calls it overlaps (about 0.3 of its wall seconds), not its
+seconds. That is cheaper than compiling first from empty caches (FP8: ~6 s against 16 s), where the same rule then
+compiles a Base job's blocks at once, beside its first image; from warm caches it is not (~4 s against 3.7 s), and
+the compile is made before a job's calls.
+
 The estimate of a job's uncompiled time is per DiT call and image-token row, from the pipe's own uncompiled runs once
 it has one, else from the H200's figure (a slower GPU makes uncompiled calls dearer, so it compiles sooner).
 """
@@ -22,15 +29,23 @@ from typing import Optional, Union
 
 CompileChoice = Union[bool, str]  # True, False or "auto"
 
-# Compiled call time / uncompiled call time, by DiT weight format (H200, bench/eager_graphs.py, bench/cold_start.py).
-COMPILED_CALL_RATIO = {"bf16": 0.87, "fp8": 0.65}
+# Compiled call time / uncompiled call time, by DiT weight format (H200: bench/eager_graphs.py for bf16; FP8 with its
+# projections as loaded, bench/fp8_step.py: 90 against 120 ms at batch 1, 173 against 226 ms at batch 2).
+COMPILED_CALL_RATIO = {"bf16": 0.87, "fp8": 0.76}
 # A process's compile of the blocks, seconds (H200, 16 cores, bench/cold_start.py): with inductor's caches holding
 # them already (model/compile_marks.py), and from empty caches.
 COMPILE_SECONDS = {"bf16": 2.4, "fp8": 3.7}
 COLD_COMPILE_SECONDS = {"bf16": 7.0, "fp8": 16.0}
+# The same compile on a thread beside a Base job's uncompiled calls (H200, bench/cold_start.py, FP8, CFG's two text
+# lengths: a static and a dynamic-shape graph): its wall seconds, and what it cost the job beyond the uncompiled calls'
+# own extra, as a fraction of them (the calls it overlaps run slower; those of a second job, which run eagerly, more).
+# bf16 is scaled from FP8 by bench/background_compile.py's ratio of the two (one static graph, nothing else running).
+BACKGROUND_COMPILE_SECONDS = {"bf16": 16.4, "fp8": 13.4}
+COLD_BACKGROUND_COMPILE_SECONDS = {"bf16": 19.3, "fp8": 20.0}
+BACKGROUND_SLOWDOWN = 0.3
 # Uncompiled seconds per DiT call and image-token row before the pipe has measured its own (H200: 151 ms bf16 for
-# one 1024x1024 row of 4096 image tokens; FP8 143 ms).
-UNCOMPILED_CALL_ROW_TOKEN_S = {"bf16": 0.151 / 4096, "fp8": 0.143 / 4096}
+# one 1024x1024 row of 4096 image tokens; FP8 120 ms).
+UNCOMPILED_CALL_ROW_TOKEN_S = {"bf16": 0.151 / 4096, "fp8": 0.120 / 4096}
 LATENT_PIXELS = 16  # an image token is 16x16 pixels (the VAE's 8x, then 2x2 patches)
 OTHER_FORMAT = "bf16"  # GGUF, NVFP4, fp16, fp32: priced as bf16
 
@@ -60,6 +75,7 @@ class CompilePolicy:
         self.choice = choice
         self.set_format(weight_format)
         self.caches_warm = caches_warm  # whether inductor's caches hold the compile already (compile_marks.py)
+        self.in_background = False  # whether the compile would run on a thread beside the calls
         self.spent_s = 0.0  # what the uncompiled calls so far cost beyond compiled ones
         self._measured_row_token_s: Optional[float] = None
 
@@ -68,8 +84,29 @@ class CompilePolicy:
 
     @property
     def compile_s(self) -> float:
-        """What compiling costs this process: less where inductor's caches hold the blocks already."""
+        """What compiling costs this process: less where inductor's caches hold the blocks already, and only the
+        calls it slows where it runs in the background."""
+        return BACKGROUND_SLOWDOWN * self.background_s if self.in_background else self.foreground_s
+
+    @property
+    def foreground_s(self) -> float:
         return (COMPILE_SECONDS if self.caches_warm else COLD_COMPILE_SECONDS)[self.format]
+
+    def cheaper_in_background(self) -> bool:
+        """Whether the compile costs the caller less beside the calls than before them: from empty caches (FP8:
+        ~6 s against 16 s), not from warm ones (~4 s against 3.7 s)."""
+        return BACKGROUND_SLOWDOWN * self.background_s < self.foreground_s
+
+    @property
+    def background_s(self) -> float:
+        """The wall seconds of the compile beside the calls."""
+        return (BACKGROUND_COMPILE_SECONDS if self.caches_warm else COLD_BACKGROUND_COMPILE_SECONDS)[self.format]
+
+    def outlasts_a_background_compile(self, work: DitWork) -> bool:
+        """Whether `work`'s DiT calls, uncompiled, last as long as a compile beside them: then the compile overlaps
+        them (replayed graphs, which leave Python to the compile's thread) and not the Python-bound phases around
+        them (a prompt enhancer beside it ran two to three times slower)."""
+        return work.row_tokens * self.row_token_s >= self.background_s
 
     @property
     def row_token_s(self) -> float:

@@ -15,6 +15,7 @@ from ..core.errors import ModelFileError
 from ..core.host import Host
 from ..core.variant import Variant
 from ..formats.sources import ModelSources
+from ..model.background_compile import CompilingForward
 from ..model.builders import build_dit, build_text_tower, build_vae
 from ..model.compile import compile_available, compile_blocks, fuse_projections
 from ..model.compile_marks import caches_hold, mark_compiled
@@ -81,6 +82,8 @@ class PipeParts:
         self.enhancer: Any = None
         self.compile_policy = CompilePolicy(options.compile)
         self.compile_policy_decided = False  # "auto" decided to compile: this DiT and any rebuilt one are compiled
+        self.compile_wanted_in_background = False  # "auto" decided to compile beside the next run's calls
+        self.compiling: Optional[CompilingForward] = None  # the DiT forward while its blocks compile beside it
         self.compile_marked = False  # compile_marks.py knows this process compiled its blocks
 
     @property
@@ -104,9 +107,7 @@ class PipeParts:
         """Around a job's DiT calls: uncompiled ones are timed (the device drained at both ends) for the policy."""
         if self.compiles_dit:
             yield
-            if not self.compile_marked and self.device.type == "cuda":
-                mark_compiled(self.planned_dit_format(), self.device)  # a restart prices a warm-cache compile
-                self.compile_marked = True
+            self._mark_compiled()
             return
         synchronize = torch.cuda.synchronize if self.device.type == "cuda" else (lambda device: None)
         synchronize(self.device)
@@ -115,15 +116,44 @@ class PipeParts:
         synchronize(self.device)
         self.compile_policy.ran_uncompiled(work, time.perf_counter() - started)
 
-    def compile_if_it_pays(self, work: DitWork, host: Host) -> None:
-        """Before a job's DiT phase: compile the blocks now where the compile policy says it pays from here on (the
-        loaded DiT's captured graphs are dropped; its blocks compile on their next call)."""
+    def _mark_compiled(self) -> None:
+        if not self.compile_marked and self.device.type == "cuda":
+            mark_compiled(self.planned_dit_format(), self.device)  # a restart prices a warm-cache compile
+            self.compile_marked = True
+
+    def compile_fits_beside_the_run(self) -> bool:
+        """Whether the blocks can compile on a thread beside this job's DiT calls (model/background_compile.py) as far
+        as memory goes: a CUDA DiT with every block resident, and room in the plan for a second call's activations
+        beside the run."""
+        plan = self.memory.plan
+        if self.device.type != "cuda" or plan is None or plan.dit.streamed:
+            return False
+        return plan.budget - plan.phase_peaks.get("dit", plan.peak) >= plan.dit.workspace
+
+    def compile_if_it_pays(self, work: DitWork, host: Host, background: bool = True) -> None:
+        """Before a job's DiT phase: compile the blocks where the compile policy says it pays from here on, beside
+        the run's calls where they can (`background`: the run calls the DiT forward, as a step-cache run does not),
+        else now (the loaded DiT's captured graphs are dropped; its blocks compile on their next call). A run that
+        cannot switch to compiled blocks between its calls first lets a compile in flight end."""
+        if self.compiling is not None:
+            if not background:
+                self.compiling.wait_and_switch(host.check_cancel)
+            return
         if self.compiles_dit or not compile_available(self.device):
             return
         fmt = self.planned_dit_format()
         self.compile_policy.set_format(fmt)
         self.compile_policy.caches_warm = caches_hold(fmt, self.device)
+        policy = self.compile_policy
+        policy.in_background = (background and policy.cheaper_in_background()
+                                and policy.outlasts_a_background_compile(work) and self.compile_fits_beside_the_run())
         if not self.compile_policy.compile_before(work):
+            return
+        if self.compile_policy.in_background:
+            self.compile_wanted_in_background = True
+            host.log(f"compiling the DiT's blocks in the background: uncompiled runs have cost {policy.spent_s:.1f} s "
+                     "more than compiled ones would, and this job's would pay for compiling beside them "
+                     "(LoadOptions.compile='auto'); calls run uncompiled until it is done")
             return
         self.compile_policy_decided = True
         host.log(f"compiling the DiT's blocks: uncompiled runs have cost {self.compile_policy.spent_s:.1f} s more "
@@ -199,9 +229,33 @@ class PipeParts:
 
         forward = self.dit_forward
         if forward is None or getattr(forward, "dit", forward) is not dit:
+            self._stop_compiling()
             forward = graphed_dit(dit, self.options.cuda_graphs and not self.compiles_dit, self.device)
             self.dit_forward = forward
+        if self.compile_wanted_in_background and not self.compiles_dit:
+            self.compile_wanted_in_background = False
+            forward = self.compiling = CompilingForward(dit, forward, self._say, self._compiled_in_background)
+            self.dit_forward = forward
         return forward
+
+    def _say(self, message: str) -> None:
+        if self.memory.host is not None:
+            self.memory.host.log(message)
+
+    def _compiled_in_background(self, seconds: Optional[float]) -> None:
+        """The background compile's switch: the blocks are compiled in place (after a failed compile, they compile on
+        their next call), and this DiT and any rebuilt one stay compiled."""
+        self.compiling = None
+        self.compile_policy_decided = True
+        if seconds is not None:
+            self._say(f"the DiT's blocks compiled in the background in {seconds:.1f} s: calls run compiled from here on")
+            self._mark_compiled()
+
+    def _stop_compiling(self) -> None:
+        """The DiT the background compile serves is dropped or replaced: no switch, its thread ends on its own."""
+        if self.compiling is not None:
+            self.compiling.abandon()
+            self.compiling = None
 
     def _quant_on_load(self, component) -> str:
         """The format to quantise a bf16 DiT into while loading ("none" keeps the file's weights as they are)."""
@@ -293,6 +347,7 @@ class PipeParts:
             return
         if self.memory.dit is None:
             self.release_graphs()
+            self._stop_compiling()
             self.dit = self.dit_forward = None
         if self.memory.text is None:
             self.text_tower = None
@@ -304,4 +359,5 @@ class PipeParts:
     def drop(self) -> None:
         """Let go of every part but the tokenizer (no device memory, quick to keep)."""
         self.release_graphs()
+        self._stop_compiling()
         self.text_tower = self.dit = self.dit_forward = self.vae = self.vae_encoder = self.enhancer = None

@@ -76,6 +76,7 @@ class GraphCache:
         self._warmed: set[tuple] = set()
         self._pool: Optional[tuple] = None
         self._structure: Optional[tuple] = None  # the structure_key the graphs and warm-ups were made for
+        self.makes_graphs = True  # False: graphs made are replayed, a signature without one runs eagerly
 
     def eager_reason(self, x: Optional[torch.Tensor] = None) -> Optional[str]:
         """Why calls run eagerly now (None: they are replayed); `x`: the call's input, if known."""
@@ -94,6 +95,8 @@ class GraphCache:
             captured.graph.replay()
             self.replays += 1
             return captured.output.clone()  # the next replay overwrites the static output
+        if not self.makes_graphs:
+            return compute(*inputs)
         prepare()
         if key not in self._warmed:
             output = self._warm_up(compute, inputs)  # a run that fails is never captured

@@ -46,6 +46,10 @@ def _gelu_mul_quantize(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tens
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as err:  # e.g. a compile failure on an untested GPU or Triton: the torch form is the same
+        if gate.is_cuda and torch.cuda.is_current_stream_capturing():
+            # Under cudaMallocAsync a graph's own allocations have no address Triton can check before the graph
+            # runs: this graph holds the torch form, other calls keep the kernel.
+            return gelu_mul_quantize_reference(gate, up)
         _failed.add(gate.device.type)
         log.warning("the one-pass FP8 activation kernel failed (%s: %s); using the torch form from now on",
                     type(err).__name__, str(err)[:300])
