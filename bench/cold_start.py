@@ -9,7 +9,8 @@ already in the page cache (the script reads every file once first), under the CU
 (PyTorch's default "native", or "cudaMallocAsync", which ComfyUI selects) and with its own inductor/Triton cache
 folders: `empty` starts from empty folders, `warm` reuses the folders an `empty` run of the same allocator, pipeline,
 variant, format and PE filled, in whichever compile mode (a restart of a process that compiled the same graphs
-before: an `empty` row with `-compiled` fills them for a `warm` row that compiles only later). Each process makes `--images` images (3) and reports:
+before: an `empty` row with `-compiled` fills them for a `warm` row that compiles only later). Each process makes
+`--images` images (3) and reports:
 
 - start+imports: from the parent's spawn to the child's imports done (Python start, torch, the pack);
 - open: LocalPipe.load (every file's header and config checked; the text encoder's and VAE's libraries,

@@ -14,8 +14,9 @@ Its packages, in import order: each imports only itself and the packages above i
                Triton dequantising kernels, what each format does on the detected GPU
     formats/   weight files in every layout users have, ModelSources, config.json files and the released configs,
                the tokenizer (Tekken)
-    model/     the DiT (its arithmetic, chosen per model, and fused kernels), the VAE's halves, compile and whether
-               its caches hold it, CUDA graphs, building the parts from their files
+    model/     the DiT (its arithmetic, chosen per model, and fused kernels), the VAE's halves, compile (at once or on a
+               thread beside a run's calls) and whether its caches hold it, CUDA graphs, building the parts from
+               their files
     text/      the text encoder's embeddings; the prompt enhancer (its model, decoder, token sampling, FP8
                weights), local or on a chat endpoint
     sampling/  the flow-match schedule, the Euler sampler, image inputs (img2img, inpainting), previews

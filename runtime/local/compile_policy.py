@@ -1,8 +1,8 @@
 """When a LocalPipe compiles its DiT's blocks: at load (`compile=True`), never (`False`), or, by default ("auto"),
 once compiling has paid for itself.
 
-Compiled blocks make a DiT call faster (H200, 1024x1024, batch 1: bf16 131 against 151 ms uncompiled, FP8 93
-against 143 ms) but each process pays for the compile before its first compiled call: with warm inductor caches
+Compiled blocks make a DiT call faster (H200, 1024x1024, batch 1: bf16 131 against 151 ms uncompiled, FP8 90
+against 120 ms) but each process pays for the compile before its first compiled call: with warm inductor caches
 about 2.4 s (bf16) and 3.7 s (FP8), with empty ones 7-16 s (docs/performance.md#the-first-image-after-a-restart).
 A user who makes a handful of Turbo images per restart never earns that back. "auto" is the ski-rental rule: run
 uncompiled while what the uncompiled calls have cost beyond compiled ones, plus what the job about to run would cost,
@@ -13,11 +13,12 @@ is the one from warm caches where inductor's cache holds the blocks already (mod
 from empty caches: a first install runs uncompiled longer than a restart does.
 
 Where the blocks can compile on a thread beside the run (model/background_compile.py: a resident DiT, room in the
-plan for a second call's activations, no step cache, and a job whose DiT calls outlast the compile, as a Base job's
-do), the compile costs the caller what it slows the calls it overlaps (about 0.3 of its wall seconds), not its
-seconds. That is cheaper than compiling first from empty caches (FP8: ~6 s against 16 s), where the same rule then
-compiles a Base job's blocks at once, beside its first image; from warm caches it is not (~4 s against 3.7 s), and
-the compile is made before a job's calls.
+plan for a second call's activations, no step cache, and a job whose uncompiled DiT calls outlast the compile, so
+that it overlaps them and not the Python-bound phases around them), the compile costs the caller what it slows the
+calls it overlaps (about 0.3 of its wall seconds, measured inside a pipe), not its seconds. That is cheaper than
+compiling first from empty caches (FP8: ~6 s against 16 s), not from warm ones (~4 s against 3.7 s): a job that
+outlasts it (a batch of four Base images: 48 s of calls against a 20 s compile) then compiles beside its calls;
+one Base image (12 s) and any Turbo job compile first, when the rule says so.
 
 The estimate of a job's uncompiled time is per DiT call and image-token row, from the pipe's own uncompiled runs once
 it has one, else from the H200's figure (a slower GPU makes uncompiled calls dearer, so it compiles sooner).

@@ -248,7 +248,8 @@ class PipeParts:
         self.compiling = None
         self.compile_policy_decided = True
         if seconds is not None:
-            self._say(f"the DiT's blocks compiled in the background in {seconds:.1f} s: calls run compiled from here on")
+            self._say(f"the DiT's blocks compiled in the background in {seconds:.1f} s: calls run compiled from "
+                      "here on")
             self._mark_compiled()
 
     def _stop_compiling(self) -> None:
