@@ -115,6 +115,28 @@ def test_inputs_the_kernel_does_not_take_run_the_torch_form(monkeypatch: pytest.
     assert torch.equal(codes(hq), codes(expected_hq)) and torch.equal(scale, expected_scale)
 
 
+@needs_triton
+@pytest.mark.parametrize("capturing", [True, False])
+def test_a_kernel_failure_inside_a_graph_capture_leaves_the_kernel_on_for_other_calls(
+        monkeypatch: pytest.MonkeyPatch, capturing: bool) -> None:
+    """Under cudaMallocAsync Triton cannot check a capture's own allocations ("cpu tensor?"): that graph holds the
+    torch form; any other failure turns the kernel off on that device from then on."""
+    from ernie_image.runtime.quant import fp8_gated
+
+    def refuse(*args, **kwargs):
+        raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(fp8_gated, "_failed", set())
+    monkeypatch.setattr(fp8_gated, "launch", refuse)
+    monkeypatch.setattr(fp8_gated, "_in_a_capture", lambda tensor: capturing)
+    gate, up = gate_and_up(4, 64)
+    hq, scale = _gelu_mul_quantize(gate, up)
+    expected_hq, expected_scale = gelu_mul_quantize_reference(gate, up)
+    assert torch.equal(codes(hq), codes(expected_hq)) and torch.equal(scale, expected_scale)
+    assert fp8_gated._failed == (set() if capturing else {"cpu"})
+
+
 def test_a_compiled_caller_traces_the_op_whole() -> None:
     gate, up = gate_and_up(4, 64)
     compiled = torch.compile(lambda g, u: gelu_mul_quantize(g * 2, u), backend="aot_eager", fullgraph=True)

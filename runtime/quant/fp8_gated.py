@@ -46,7 +46,7 @@ def _gelu_mul_quantize(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tens
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as err:  # e.g. a compile failure on an untested GPU or Triton: the torch form is the same
-        if gate.is_cuda and torch.cuda.is_current_stream_capturing():
+        if _in_a_capture(gate):
             # Under cudaMallocAsync a graph's own allocations have no address Triton can check before the graph
             # runs: this graph holds the torch form, other calls keep the kernel.
             return gelu_mul_quantize_reference(gate, up)
@@ -54,6 +54,10 @@ def _gelu_mul_quantize(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tens
         log.warning("the one-pass FP8 activation kernel failed (%s: %s); using the torch form from now on",
                     type(err).__name__, str(err)[:300])
         return gelu_mul_quantize_reference(gate, up)
+
+
+def _in_a_capture(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def default_warps(block: int) -> int:
