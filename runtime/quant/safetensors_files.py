@@ -61,7 +61,8 @@ def _comfy_weight(layer: str, fmt: str, raw: dict[str, torch.Tensor], path: Path
     input_scale = raw.get(f"{layer}.input_scale")
     if fmt in ("float8_e4m3fn", "float8_e5m2"):
         return QuantizedWeight("fp8", _FP8_DTYPES[weight.dtype], weight, tuple(weight.shape),
-                               scale=raw.get(f"{layer}.weight_scale"), input_scale=input_scale)
+                               scale=_in_float32(raw.get(f"{layer}.weight_scale")),
+                               input_scale=_in_float32(input_scale))
     if fmt == "nvfp4":
         try:
             scale, scale_2 = raw[f"{layer}.weight_scale"], raw[f"{layer}.weight_scale_2"]
@@ -69,9 +70,14 @@ def _comfy_weight(layer: str, fmt: str, raw: dict[str, torch.Tensor], path: Path
             raise ModelFileError(f"{path.name}: nvfp4 layer {layer} lacks {err}; the file is incomplete") from err
         shape = (weight.shape[0], weight.shape[1] * 2)
         return QuantizedWeight("nvfp4", "nvfp4", weight, shape, scale=scale.view(torch.float8_e4m3fn),
-                               scale_2=scale_2.to(torch.float32), input_scale=input_scale)
+                               scale_2=_in_float32(scale_2), input_scale=_in_float32(input_scale))
     raise ModelFileError(f"{path.name}: layer {layer} uses comfy_quant format {fmt!r}, which this pack does not "
                          f"load (supported: float8_e4m3fn, float8_e5m2, nvfp4); use an fp8/nvfp4/GGUF file")
+
+
+def _in_float32(scale: torch.Tensor | None) -> torch.Tensor | None:
+    """A scale as the GEMMs take it, whatever float type the file stores it in."""
+    return None if scale is None else scale.to(torch.float32)
 
 
 def _detect_weight(layer: str, raw: dict[str, torch.Tensor], legacy_fp8: bool) -> QuantizedWeight | None:
@@ -83,13 +89,13 @@ def _detect_weight(layer: str, raw: dict[str, torch.Tensor], legacy_fp8: bool) -
         if scale is None:
             scale = raw.get(f"{layer}.weight_scale")
         return QuantizedWeight("fp8", _FP8_DTYPES[weight.dtype], weight, tuple(weight.shape),
-                               scale=None if scale is None else scale.to(torch.float32),
-                               input_scale=raw.get(f"{layer}.input_scale", raw.get(f"{layer}.scale_input")))
+                               scale=_in_float32(scale),
+                               input_scale=_in_float32(raw.get(f"{layer}.input_scale", raw.get(f"{layer}.scale_input"))))
     if weight.dtype == torch.uint8 and f"{layer}.weight_scale_2" in raw and f"{layer}.weight_scale" in raw:
         data, blocked = from_modelopt(weight, raw[f"{layer}.weight_scale"])
         return QuantizedWeight("nvfp4", "nvfp4", data, (weight.shape[0], weight.shape[1] * 2), scale=blocked,
-                               scale_2=raw[f"{layer}.weight_scale_2"].to(torch.float32),
-                               input_scale=raw.get(f"{layer}.input_scale"))
+                               scale_2=_in_float32(raw[f"{layer}.weight_scale_2"]),
+                               input_scale=_in_float32(raw.get(f"{layer}.input_scale")))
     return None
 
 
