@@ -226,7 +226,9 @@ def main() -> None:
                 print(f"# step {report['steps'][-1]}", flush=True)
         if args.uncompiled_only:
             variants = ()
-        for label, quantiser in variants[1:2] if args.one_pass_only and variants else variants:
+        elif args.one_pass_only:
+            variants = variants[1:2]
+        for label, quantiser in variants:
             model = unfused if label.startswith("as loaded") else fused
             one_pass(model, quantiser == "one-pass")
             torch._dynamo.reset()

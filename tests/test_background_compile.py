@@ -73,7 +73,7 @@ def start(forward: CompilingForward, inputs) -> None:
     """A signature's calls up to the one that hands it to the compile (the ones before make its CUDA graph)."""
     for _ in range(GRAPH_CALLS + 1):
         forward(*inputs)
-    assert forward.compile is not None
+    assert forward.block_compile is not None
 
 
 @pytest.fixture(autouse=True)
@@ -119,7 +119,7 @@ def test_calls_run_uncompiled_until_the_compile_is_done_then_switch_between_two_
     assert backend.entered.wait(30)  # the thread is tracing the twin (dynamo has handed it the graph)
     assert torch.equal(forward(*inputs), uncompiled_out) and not blocks_compiled(dit)
     backend.go.set()
-    assert forward.compile.idle.wait(30) and forward.compile.error is None
+    assert forward.block_compile.idle.wait(30) and forward.block_compile.error is None
     assert record.in_place == [] and record.compiled == []  # the switch waits for the next call
     assert torch.equal(forward(*inputs), compiled_out)
     assert record.in_place == [dit] and blocks_compiled(dit) and len(record.compiled) == 1 and record.compiled[0] > 0
@@ -155,7 +155,7 @@ def test_each_input_signature_is_compiled_before_the_switch():
     start(forward, short)
     forward(*long)  # a new signature while the compile runs: handed to it at once
     backend.go.set()
-    assert forward.compile.idle.wait(60) and forward.compile.error is None
+    assert forward.block_compile.idle.wait(60) and forward.block_compile.error is None
     assert backend.graphs == 2
     forward(*short)
     assert forward.switched and record.in_place == [dit]
@@ -169,7 +169,7 @@ def test_a_failed_compile_is_said_in_one_line_and_the_blocks_compile_in_the_fore
     inputs = step_inputs()
     start(forward, inputs)
     backend.go.set()
-    assert forward.compile.idle.wait(30)
+    assert forward.block_compile.idle.wait(30)
     forward(*inputs)
     assert record.compiled == [None] and record.in_place == [dit]
     assert len(record.said) == 1 and "\n" not in record.said[0]
@@ -210,13 +210,14 @@ def test_an_abandoned_forward_never_switches_and_a_forward_never_started_compile
     start(forward, inputs)
     forward.abandon()
     backend.go.set()
-    assert forward.compile.join(30)  # abandoning ends the thread after its call
+    assert forward.block_compile.join(30)  # abandoning ends the thread after its call
     assert torch.equal(forward(*inputs), expected) and record.in_place == [] and record.compiled == []
 
     unstarted = record.forward(random_dit("cpu", torch.float32), "eager")
     unstarted.wait_and_switch(NullHost().check_cancel)
     assert len(record.in_place) == 1 and record.compiled == [None]
-    assert "could not compile in the background (not started)" in record.said[-1]
+    assert record.said[-1] == ("the DiT's blocks had not started compiling in the background: they compile on their "
+                               "next call instead")
 
 
 @torch.inference_mode()
@@ -243,14 +244,14 @@ def test_a_signature_is_handed_over_after_its_graph_is_made_and_no_graph_is_made
     inputs = step_inputs()
     forward(*inputs)
     forward(*inputs)
-    assert forward.compile is None and graphs.made_while == [True, True]  # warm-up, capture
+    assert forward.block_compile is None and graphs.made_while == [True, True]  # warm-up, capture
     forward(*inputs)
-    assert forward.compile is not None and graphs.made_while == [True, True, False] and graphs.released == 0
+    assert forward.block_compile is not None and graphs.made_while == [True, True, False] and graphs.released == 0
     other = step_inputs(text_len=3)
     forward(*other)  # a new signature while the compile runs: handed at once, run without a new graph
     assert graphs.made_while[-1] is False and len(forward._handed) == 2
     backend.go.set()
-    assert forward.compile.idle.wait(60)
+    assert forward.block_compile.idle.wait(60)
     forward(*inputs)
     assert forward.switched and graphs.makes_graphs and graphs.released == 1 and len(graphs.made_while) == 4
 
@@ -284,10 +285,10 @@ def test_a_pipe_compiles_beside_its_run_at_once_when_that_pays_and_runs_compiled
     first = pipe.generate(request, host)
     assert any(m.startswith("compiling the DiT's blocks in the background") for m in host.messages)
     compiling = pipe.parts.compiling  # None where the compile was done before the run's last call
-    assert compiling is None or compiling.compile.idle.wait(120)
+    assert compiling is None or compiling.block_compile.idle.wait(120)
     second = pipe.generate(request, host)  # switched by now: before its first call at the latest
     assert pipe.parts.compiling is None and blocks_compiled(pipe.parts.dit) and foreground == []
-    assert any(m.startswith("the DiT's blocks compiled in the background in ") for m in host.messages)
+    assert any(m.startswith("the DiT's blocks compiled in the background (") for m in host.messages)
     assert "compiled" in pipe.describe()
     expected = reference.generate(request, NullHost()).images[0]
     for result in (first, second):
@@ -324,8 +325,99 @@ def test_a_step_cache_run_lets_a_compile_in_flight_end_and_switches_before_it_st
             backend.go.set()
             super().check_cancel()
 
-    pipe.generate(dataclasses.replace(request, step_cache=parse_step_cache("dbcache")), LetGo())
+    host = LetGo()
+    pipe.generate(dataclasses.replace(request, step_cache=parse_step_cache("dbcache")), host)
     assert pipe.parts.compiling is None and blocks_compiled(pipe.parts.dit)
+    assert "waiting for the DiT's blocks to finish compiling in the background: a step-cache run cannot switch to " \
+           "them between its calls" in host.messages
+
+
+@torch.inference_mode()
+def test_a_closed_compile_lets_go_of_the_calls_queued_behind_the_one_it_is_in():
+    dit = random_dit("cpu", torch.float32)
+    backend = GatedBackend()
+    compile = BlockCompile(dit.layers[0], backend)
+    for text_len in (5, 9):
+        x, ctx, _ = dit.prepare(*step_inputs(batch=1, text_len=text_len))
+        compile.add(x, ctx)
+    assert backend.entered.wait(30)
+    compile.close()
+    backend.go.set()
+    assert compile.join(60) and compile.idle.is_set() and compile.error is None
+    assert backend.graphs == 1  # the second signature was never traced
+
+
+def test_a_compile_whose_thread_cannot_start_says_why_and_is_idle(monkeypatch):
+    dit = random_dit("cpu", torch.float32)
+    compile = BlockCompile(dit.layers[0], "eager")
+
+    def refuse() -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(compile._thread, "start", refuse)
+    compile.add(torch.ones(1), None)
+    assert compile.idle.is_set() and compile.error == "RuntimeError: can't start new thread"
+
+
+@torch.inference_mode()
+def test_a_forward_whose_dit_changed_structure_since_the_twin_was_made_is_outdated():
+    """A LoRA put in or taken out while the compile runs: the graph being compiled is not the one the blocks run."""
+    dit = random_dit("cpu", torch.float32)
+    backend = GatedBackend()
+    forward = Recorder().forward(dit, backend)
+    assert not forward.outdated()  # nothing compiling yet
+    start(forward, step_inputs())
+    assert not forward.outdated()
+    dit.structure_version += 1
+    assert forward.outdated()
+    forward.abandon()
+    backend.go.set()
+    assert forward.block_compile.join(30)
+
+
+def test_a_pipe_lets_an_outdated_compile_go_and_runs_uncompiled(tiny_turbo_folder, monkeypatch):
+    import functools
+
+    from ernie_image.runtime.core.request import GenerationRequest
+    from ernie_image.runtime.local import compile_policy, parts
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
+
+    backend = GatedBackend()
+    monkeypatch.setattr(parts, "compile_available", lambda device: True)
+    monkeypatch.setattr(parts, "caches_hold", lambda weight_format, device: True)
+    monkeypatch.setattr(parts.PipeParts, "compile_fits_beside_the_run", lambda self: True)
+    monkeypatch.setattr(parts, "CompilingForward", functools.partial(CompilingForward, backend=backend,
+                                                                     compile_in_place=eager_blocks))
+    monkeypatch.setitem(compile_policy.BACKGROUND_COMPILE_SECONDS, "bf16", 1e-9)
+    pipe = LocalPipe.load(tiny_turbo_folder, LoadOptions(device="cpu", previews=False))
+    request = GenerationRequest(prompt="a fox", width=256, height=256, steps=GRAPH_CALLS + 2, seed=1)
+    pipe.generate(request, NullHost())
+    compiling = pipe.parts.compiling
+    assert compiling is not None and backend.entered.wait(60)
+    pipe.parts.dit.structure_version += 1  # as attaching a LoRA does (lora/attach.py)
+    host = NullHost()
+    pipe.generate(request, host)
+    assert compiling.abandoned and not compiling.switched and not blocks_compiled(pipe.parts.dit)
+    assert any(m.startswith("the DiT's LoRAs changed while its blocks compiled in the background") for m in
+               host.messages)
+    backend.go.set()
+    assert compiling.block_compile.join(60)
+
+
+def test_a_background_compile_wanted_is_forgotten_when_the_parts_are_dropped_or_the_policy_decides_again(
+        tiny_turbo_folder):
+    from ernie_image.runtime.local.compile_policy import DitWork
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
+
+    pipe = LocalPipe.load(tiny_turbo_folder, LoadOptions(device="cpu", previews=False))
+    pipe.parts.compile_wanted_in_background = True
+    pipe.parts.drop()
+    assert not pipe.parts.compile_wanted_in_background
+    pipe.parts.compile_wanted_in_background = True
+    pipe.parts.compile_if_it_pays(DitWork(calls=1, rows=1, tokens=1), NullHost())  # no compiler on the CPU
+    assert not pipe.parts.compile_wanted_in_background
 
 
 @pytest.mark.gpu
@@ -360,16 +452,16 @@ def test_on_the_gpu_inductor_compiles_beside_the_run_and_the_switch_compiles_not
     try:
         first = pipe.generate(request, host)
         policy, plan = pipe.parts.compile_policy, pipe.memory.plan
-        why = (host.messages, pipe.parts.compile_fits_beside_the_run(), policy.in_background, policy.spent_s,
-               policy.compile_s, plan and (plan.budget, plan.phase_peaks, plan.dit.workspace, plan.dit.streamed))
+        why = (host.messages, pipe.parts.compile_fits_beside_the_run(), policy.spent_s, policy.background_s,
+               plan and (plan.budget, plan.phase_peaks, plan.dit.workspace, plan.dit.streamed))
         assert any(m.startswith("compiling the DiT's blocks in the background") for m in host.messages), why
-        if pipe.parts.compiling is not None:
-            assert pipe.parts.compiling.compile.idle.wait(300)
+        assert pipe.parts.compiling is not None  # a tiny model's calls end long before Inductor does
+        assert pipe.parts.compiling.block_compile.idle.wait(300)
         graphs = compiled_graphs()
         second = pipe.generate(request, host)
         assert blocks_compiled(pipe.parts.dit) and pipe.parts.compiling is None
         assert not [m for m in host.messages if "could not compile" in m], host.messages
-        assert any(m.startswith("the DiT's blocks compiled in the background in ") for m in host.messages)
+        assert any(m.startswith("the DiT's blocks compiled in the background (") for m in host.messages)
         assert compiled_graphs() == graphs, host.messages  # the real blocks' first compiled calls were cache lookups
         assert "cuda" not in fp8_gated._failed  # the one-pass kernel ran in the compile's thread too
         for result in (first, second):

@@ -167,7 +167,7 @@ def test_before_its_dit_is_built_a_job_is_priced_in_the_format_loading_will_make
 ])
 def test_a_compile_from_empty_caches_is_priced_as_one(fmt, work, warm, jobs_uncompiled):
     policy = CompilePolicy("auto", fmt, caches_warm=warm)
-    assert policy.compile_s == (COMPILE_SECONDS if warm else COLD_COMPILE_SECONDS)[fmt]
+    assert policy.compile_s() == (COMPILE_SECONDS if warm else COLD_COMPILE_SECONDS)[fmt]
     uncompiled = 0
     while not policy.compile_before(work):
         policy.ran_uncompiled(work, reference_seconds(work, fmt))
@@ -213,21 +213,25 @@ def test_the_cache_folder_is_found_as_inductor_finds_it_and_left_as_it_is(tmp_pa
     assert not (tmp_path / "not-yet").exists()
 
 
-@pytest.mark.parametrize("fmt, beside, before", [("fp8", 0, 1), ("bf16", 0, 0)])
-def test_from_empty_caches_a_job_that_outlasts_the_compile_compiles_beside_its_calls_at_once(fmt, beside, before):
-    """Beside the calls the compile costs only what it slows them: a batch of four Base images pays for it at once."""
-    for in_background, expected in ((True, beside), (False, before)):
-        policy = CompilePolicy("auto", fmt, caches_warm=False)
-        assert policy.cheaper_in_background() and policy.outlasts_a_background_compile(BASE_BATCH_4)
-        policy.in_background = in_background
-        jobs = 0
-        while not policy.compile_before(BASE_BATCH_4):
-            policy.ran_uncompiled(BASE_BATCH_4, reference_seconds(BASE_BATCH_4, fmt))
-            jobs += 1
-        assert jobs == expected
-    background = CompilePolicy("auto", fmt, caches_warm=False)
-    background.in_background = True
-    assert background.compile_s == pytest.approx(BACKGROUND_SLOWDOWN * COLD_BACKGROUND_COMPILE_SECONDS[fmt])
+@pytest.mark.parametrize("fmt, at_once, first_only", [("fp8", "beside", None), ("bf16", "first", "first")])
+def test_from_empty_caches_a_job_that_outlasts_the_compile_compiles_beside_its_calls_where_that_pays(fmt, at_once,
+                                                                                                   first_only):
+    """Beside the calls the compile costs only what it slows them, but the calls it overlaps still run uncompiled:
+    a batch of four Base images in FP8 pays for it at once (48 s of calls against a 20 s compile); in bf16 compiling
+    first pays at once and beside would not yet. Where the pipe cannot compile beside, FP8 runs one job first."""
+    policy = CompilePolicy("auto", fmt, caches_warm=False)
+    assert policy.cheaper_in_background() and policy.outlasts_a_background_compile(BASE_BATCH_4)
+    assert policy.placement(BASE_BATCH_4, beside_possible=True) == at_once
+    assert policy.placement(BASE_BATCH_4, beside_possible=False) == first_only
+    assert policy.compile_s(beside=True) == pytest.approx(BACKGROUND_SLOWDOWN * COLD_BACKGROUND_COMPILE_SECONDS[fmt])
+    uncompiled = reference_seconds(BASE_BATCH_4, fmt)
+    assert policy.compile_before(BASE_BATCH_4, beside=True) == (
+        policy.extra_s(uncompiled - COLD_BACKGROUND_COMPILE_SECONDS[fmt]) >= policy.compile_s(beside=True))
+
+
+@pytest.mark.parametrize("choice, placed", [(True, "first"), (False, None)])
+def test_a_compile_asked_for_or_refused_is_never_placed_beside_the_calls(choice, placed):
+    assert CompilePolicy(choice, "fp8", caches_warm=False).placement(BASE_BATCH_4, beside_possible=True) == placed
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])

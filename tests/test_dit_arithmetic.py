@@ -24,6 +24,21 @@ def test_the_arithmetic_names_and_their_forms():
         Arithmetic.of("quick")
 
 
+def test_the_folded_forms_step_aside_only_where_dynamo_traces_the_call(monkeypatch):
+    """Inside a traced call the plain expressions are used; a compile on another thread (which raises the
+    process-wide `is_compiling` flag) leaves the calls running beside it on the folded forms."""
+    arithmetic = Arithmetic()
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    assert torch.compiler.is_compiling() and arithmetic.folds_casts()
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", False)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def traced(x: torch.Tensor) -> torch.Tensor:
+        return x + 1 if arithmetic.folds_casts() else x - 1
+
+    assert traced(torch.zeros(2)).tolist() == [-1.0, -1.0]
+
+
 def test_no_module_global_chooses_the_arithmetic():
     for name in ("FAST_EAGER_ON_CUDA", "_eager_kernels", "_fast_eager"):
         assert not hasattr(dit_module, name)

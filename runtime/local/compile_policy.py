@@ -69,6 +69,9 @@ class DitWork:
         return cls(request.steps, request.batch * (2 if uses_cfg else 1), tokens)
 
 
+Placement = Optional[str]  # "beside" the job's calls, "first" (before them) or None (not yet)
+
+
 class CompilePolicy:
     def __init__(self, choice: CompileChoice, weight_format: str = "bf16", caches_warm: bool = True) -> None:
         if not (isinstance(choice, bool) or choice == "auto"):
@@ -76,18 +79,16 @@ class CompilePolicy:
         self.choice = choice
         self.set_format(weight_format)
         self.caches_warm = caches_warm  # whether inductor's caches hold the compile already (compile_marks.py)
-        self.in_background = False  # whether the compile would run on a thread beside the calls
         self.spent_s = 0.0  # what the uncompiled calls so far cost beyond compiled ones
         self._measured_row_token_s: Optional[float] = None
 
     def set_format(self, weight_format: str) -> None:
         self.format = weight_format if weight_format in COMPILE_SECONDS else OTHER_FORMAT
 
-    @property
-    def compile_s(self) -> float:
+    def compile_s(self, beside: bool = False) -> float:
         """What compiling costs this process: less where inductor's caches hold the blocks already, and only the
-        calls it slows where it runs in the background."""
-        return BACKGROUND_SLOWDOWN * self.background_s if self.in_background else self.foreground_s
+        calls it slows where it runs `beside` a job's calls."""
+        return BACKGROUND_SLOWDOWN * self.background_s if beside else self.foreground_s
 
     @property
     def foreground_s(self) -> float:
@@ -96,7 +97,7 @@ class CompilePolicy:
     def cheaper_in_background(self) -> bool:
         """Whether the compile costs the caller less beside the calls than before them: from empty caches (FP8:
         ~6 s against 16 s), not from warm ones (~4 s against 3.7 s)."""
-        return BACKGROUND_SLOWDOWN * self.background_s < self.foreground_s
+        return self.compile_s(beside=True) < self.foreground_s
 
     @property
     def background_s(self) -> float:
@@ -107,7 +108,7 @@ class CompilePolicy:
         """Whether `work`'s DiT calls, uncompiled, last as long as a compile beside them: then the compile overlaps
         them (replayed graphs, which leave Python to the compile's thread) and not the Python-bound phases around
         them (a prompt enhancer beside it ran two to three times slower)."""
-        return work.row_tokens * self.row_token_s >= self.background_s
+        return self.uncompiled_s(work) >= self.background_s
 
     @property
     def row_token_s(self) -> float:
@@ -115,16 +116,33 @@ class CompilePolicy:
             return self._measured_row_token_s
         return UNCOMPILED_CALL_ROW_TOKEN_S[self.format]
 
+    def uncompiled_s(self, work: DitWork) -> float:
+        """`work`'s DiT calls, uncompiled, as estimated."""
+        return work.row_tokens * self.row_token_s
+
     def extra_s(self, uncompiled_s: float) -> float:
         """What `uncompiled_s` of uncompiled DiT calls cost beyond the same calls compiled."""
         return uncompiled_s * (1.0 - COMPILED_CALL_RATIO[self.format])
 
-    def compile_before(self, work: DitWork) -> bool:
-        """Whether to compile the blocks before a job doing `work` (decided by the pipe before its DiT phase)."""
+    def compile_before(self, work: DitWork, beside: bool = False) -> bool:
+        """Whether compiling the blocks for a job doing `work` pays (decided by the pipe before its DiT phase):
+        before its calls, or `beside` them, where the calls the compile overlaps still run uncompiled."""
         if self.choice != "auto":
             return bool(self.choice)
-        expected = self.extra_s(work.row_tokens * self.row_token_s)
-        return self.spent_s + expected >= self.compile_s
+        uncompiled = self.uncompiled_s(work)
+        compiled_part = max(0.0, uncompiled - self.background_s) if beside else uncompiled
+        return self.spent_s + self.extra_s(compiled_part) >= self.compile_s(beside)
+
+    def placement(self, work: DitWork, beside_possible: bool) -> Placement:
+        """Where the compile goes for a job doing `work`: beside its calls where that is possible (the pipe's
+        memory and graphs allow it), costs less than compiling first and pays within the job; else first, where
+        that pays; else nowhere yet."""
+        if self.choice != "auto":
+            return "first" if self.choice else None
+        if (beside_possible and self.cheaper_in_background() and self.outlasts_a_background_compile(work)
+                and self.compile_before(work, beside=True)):
+            return "beside"
+        return "first" if self.compile_before(work) else None
 
     def ran_uncompiled(self, work: DitWork, seconds: float) -> None:
         """A job's DiT calls ran uncompiled in `seconds`: count their extra cost, learn this device's speed."""

@@ -122,11 +122,14 @@ class PipeParts:
             self.compile_marked = True
 
     def compile_fits_beside_the_run(self) -> bool:
-        """Whether the blocks can compile on a thread beside this job's DiT calls (model/background_compile.py) as far
-        as memory goes: a CUDA DiT with every block resident, and room in the plan for a second call's activations
-        beside the run."""
+        """Whether the blocks can compile on a thread beside this job's DiT calls (model/background_compile.py): a
+        CUDA DiT with every block resident, room in the plan for a second call's activations beside the run, and
+        the calls replayed as CUDA graphs (an eager call launches its kernels from Python, which the compile's
+        thread holds). Memory is judged from the plan as the job starts, not again during the compile."""
         plan = self.memory.plan
-        if self.device.type != "cuda" or plan is None or plan.dit.streamed:
+        if self.device.type != "cuda" or plan is None or plan.dit.streamed or not self.options.cuda_graphs:
+            return False
+        if getattr(self.dit_forward, "disabled_reason", None):
             return False
         return plan.budget - plan.phase_peaks.get("dit", plan.peak) >= plan.dit.workspace
 
@@ -135,8 +138,11 @@ class PipeParts:
         the run's calls where they can (`background`: the run calls the DiT forward, as a step-cache run does not),
         else now (the loaded DiT's captured graphs are dropped; its blocks compile on their next call). A run that
         cannot switch to compiled blocks between its calls first lets a compile in flight end."""
+        self.compile_wanted_in_background = False
         if self.compiling is not None:
             if not background:
+                host.log("waiting for the DiT's blocks to finish compiling in the background: a step-cache run "
+                         "cannot switch to them between its calls")
                 self.compiling.wait_and_switch(host.check_cancel)
             return
         if self.compiles_dit or not compile_available(self.device):
@@ -145,18 +151,17 @@ class PipeParts:
         self.compile_policy.set_format(fmt)
         self.compile_policy.caches_warm = caches_hold(fmt, self.device)
         policy = self.compile_policy
-        policy.in_background = (background and policy.cheaper_in_background()
-                                and policy.outlasts_a_background_compile(work) and self.compile_fits_beside_the_run())
-        if not self.compile_policy.compile_before(work):
+        placement = policy.placement(work, background and self.compile_fits_beside_the_run())
+        if placement is None:
             return
-        if self.compile_policy.in_background:
+        if placement == "beside":
             self.compile_wanted_in_background = True
             host.log(f"compiling the DiT's blocks in the background: uncompiled runs have cost {policy.spent_s:.1f} s "
                      "more than compiled ones would, and this job's would pay for compiling beside them "
                      "(LoadOptions.compile='auto'); calls run uncompiled until it is done")
             return
         self.compile_policy_decided = True
-        host.log(f"compiling the DiT's blocks: uncompiled runs have cost {self.compile_policy.spent_s:.1f} s more "
+        host.log(f"compiling the DiT's blocks: uncompiled runs have cost {policy.spent_s:.1f} s more "
                  "than compiled ones would, about what compiling costs (LoadOptions.compile='auto')")
         if self.dit is not None:
             self.release_graphs()
@@ -228,6 +233,11 @@ class PipeParts:
         from ..model.dit_graphs import graphed_dit
 
         forward = self.dit_forward
+        if self.compiling is not None and self.compiling.outdated():
+            self._say("the DiT's LoRAs changed while its blocks compiled in the background: that compile is let go "
+                      "and its calls run uncompiled until the compile policy decides again")
+            self._stop_compiling()
+            forward = self.dit_forward
         if forward is None or getattr(forward, "dit", forward) is not dit:
             self._stop_compiling()
             forward = graphed_dit(dit, self.options.cuda_graphs and not self.compiles_dit, self.device)
@@ -244,18 +254,21 @@ class PipeParts:
 
     def _compiled_in_background(self, seconds: Optional[float]) -> None:
         """The background compile's switch: the blocks are compiled in place (after a failed compile, they compile on
-        their next call), and this DiT and any rebuilt one stay compiled."""
+        their next call), and this DiT and any rebuilt one stay compiled: its forward is the DiT itself, as at a load
+        with compile=True (a step cache then runs the compiled blocks, no graphs)."""
+        self.dit_forward = self.compiling.dit
         self.compiling = None
         self.compile_policy_decided = True
         if seconds is not None:
-            self._say(f"the DiT's blocks compiled in the background in {seconds:.1f} s: calls run compiled from "
-                      "here on")
+            self._say(f"the DiT's blocks compiled in the background ({seconds:.1f} s on its thread): calls run "
+                      "compiled from here on")
             self._mark_compiled()
 
     def _stop_compiling(self) -> None:
         """The DiT the background compile serves is dropped or replaced: no switch, its thread ends on its own."""
         if self.compiling is not None:
             self.compiling.abandon()
+            self.dit_forward = self.compiling.uncompiled
             self.compiling = None
 
     def _quant_on_load(self, component) -> str:
@@ -361,4 +374,5 @@ class PipeParts:
         """Let go of every part but the tokenizer (no device memory, quick to keep)."""
         self.release_graphs()
         self._stop_compiling()
+        self.compile_wanted_in_background = False
         self.text_tower = self.dit = self.dit_forward = self.vae = self.vae_encoder = self.enhancer = None

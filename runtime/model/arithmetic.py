@@ -55,9 +55,10 @@ class Arithmetic:
         return "custom"
 
     def folds_casts(self) -> bool:
-        """Whether to use the cast-folding `out=` forms: not while torch.compile traces, where the plain
-        expressions fuse better and `out=` would only get in the compiler's way."""
-        return self.folded_casts and not torch.compiler.is_compiling()
+        """Whether to use the cast-folding `out=` forms: not while dynamo traces this call, where the plain
+        expressions fuse better and `out=` would only get in the compiler's way. (`is_compiling()` is a
+        process-wide flag: a compile on another thread would turn the forms off for the calls running beside it.)"""
+        return self.folded_casts and not torch.compiler.is_dynamo_compiling()
 
     def fast_for(self, x: torch.Tensor) -> bool:
         """Whether the fewer-pass forms run on `x` (an activation): asked for, on one of their devices, uncompiled."""

@@ -22,9 +22,17 @@ process-wide, which would fail the compile's own syncs): a signature without a g
 (out of memory beside the run, say) is said once and the blocks compile in place, so the next call compiles in the
 foreground as LoadOptions.compile=True would.
 
-What the compile holds: the twin (the block's module objects; its weights are the block's own) until its thread
-ends, and each given call's tokens until that call is compiled. The switch and `abandon()` (the DiT unloaded or
-rebuilt) end the thread after the call it is in, since a compile cannot be interrupted.
+What the compile holds: the twin until its thread ends (the block's module objects, and through them the tensors
+the block held when the twin was made: its weights, and FP8's scale rows; a tensor the block replaces meanwhile
+stays alive until then), and each given call's tokens until that call is compiled. The switch and `abandon()` (the
+DiT unloaded or rebuilt) end the thread after the call it is in, since a compile cannot be interrupted; calls given
+but not yet begun are let go.
+
+PyTorch's sync debug mode is process-wide: a capture's warm-up elsewhere in the process (the prompt enhancer's
+graph decoding, built once per load, when a compile outlasts its job and runs on into the next job's enhancer) makes
+the compile's own syncs raise, and that compile fails as any failed compile does: said once, then compiled in the
+foreground. The captures themselves bar only their own thread's unsafe CUDA calls, so the compile does not break
+them.
 """
 from __future__ import annotations
 
@@ -67,7 +75,7 @@ class BlockCompile:
         self.idle = threading.Event()
         self.idle.set()
         self.error: Optional[str] = None
-        self.seconds = 0.0  # the calls' compile and run, summed
+        self.seconds = 0.0  # the calls' compiles and runs, summed (not the wall time since the first was given)
         self._backend = backend
         self._calls: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -89,7 +97,13 @@ class BlockCompile:
             self.idle.clear()
         self._calls.put((x, ctx))
         if self._thread.ident is None:
-            self._thread.start()
+            try:
+                self._thread.start()
+            except RuntimeError as error:  # e.g. no thread can be started: the caller compiles in the foreground
+                self.error = _first_line(error)
+                with self._lock:
+                    self._outstanding = 0
+                    self.idle.set()
 
     def close(self) -> None:
         """No more calls: the thread ends after the one it is in (a compile cannot be interrupted)."""
@@ -106,7 +120,7 @@ class BlockCompile:
                 return
             started = time.perf_counter()
             try:
-                if self.error is None:
+                if self.error is None and not self._closed:  # a closed compile's queued calls are let go
                     self._compile(twin, *call)
             except Exception as error:  # the caller says it and compiles in the foreground
                 self.error = _first_line(error)
@@ -120,7 +134,8 @@ class BlockCompile:
                         self.idle.set()
 
     def _compile(self, twin: nn.Module, x: torch.Tensor, ctx) -> None:
-        if x.is_cuda:  # a runtime call makes the device's context this thread's: Triton's launches need it
+        if x.is_cuda:  # the device and its context made this thread's: Triton's launches need them
+            torch.cuda.set_device(x.device)
             torch.cuda.synchronize(x.device)
         with torch.inference_mode():
             if twin._compiled_call_impl is None:
@@ -154,7 +169,8 @@ GRAPH_CALLS = 2  # a signature's first calls, which warm up and capture its CUDA
 class CompilingForward:
     """Callable like the DiT: `uncompiled` (the DiT or its dit_graphs.DiTGraphs) until the blocks' background compile
     is done, then the DiT with its blocks compiled. `say(message)` tells the user what happened; `compiled(seconds)`
-    is called once the real blocks are compiled (the compile's wall seconds, or None after a failed one)."""
+    is called once the real blocks are compiled (the seconds its calls took on the thread, summed; None after a failed
+    or unstarted one)."""
 
     def __init__(self, dit: nn.Module, uncompiled: Forward, say: Callable[[str], None],
                  compiled: Callable[[Optional[float]], None], backend: Union[str, Callable] = "inductor",
@@ -165,7 +181,8 @@ class CompilingForward:
         self._compiled = compiled
         self._backend = backend
         self._compile_in_place = compile_in_place  # the real blocks, as compile.compile_blocks compiles them
-        self.compile: Optional[BlockCompile] = None
+        self.block_compile: Optional[BlockCompile] = None
+        self._structure: Optional[int] = None  # dit.structure_version when the twin was made
         self._calls: dict[tuple, int] = {}  # DiT calls so far, by input signature
         self._handed: set[tuple] = set()  # the signatures given to the compile
         self.switched = False
@@ -178,19 +195,25 @@ class CompilingForward:
         signature = (tuple(latents.shape), latents.dtype, tuple(timestep.shape), tuple(text.shape),
                      tuple(int(n) for n in text_lens))
         calls = self._calls[signature] = self._calls.get(signature, 0) + 1
-        if self.compile is None:
+        if self.block_compile is None:
             if calls <= GRAPH_CALLS:
                 return self.uncompiled(latents, timestep, text, text_lens)
             self._graphs_made(False)
-            self.compile = BlockCompile(self.dit.layers[0], self._backend)
+            self._structure = getattr(self.dit, "structure_version", None)
+            self.block_compile = BlockCompile(self.dit.layers[0], self._backend)
         if signature not in self._handed:
             self._handed.add(signature)
             x, ctx, _ = self.dit.prepare(latents, timestep, text, text_lens)
-            self.compile.add(x, ctx)
-        elif self.compile.idle.is_set():
+            self.block_compile.add(x, ctx)
+        elif self.block_compile.idle.is_set():
             self.switch()
             return self.dit(latents, timestep, text, text_lens)
         return self.uncompiled(latents, timestep, text, text_lens)
+
+    def outdated(self) -> bool:
+        """Whether the DiT's structure changed (a LoRA put in or taken out) since the twin was made: the graph being
+        compiled is not the one the blocks would run, and switching would compile theirs in the foreground."""
+        return self.block_compile is not None and getattr(self.dit, "structure_version", None) != self._structure
 
     def switch(self) -> None:
         """Compile the real blocks in place now (a cache lookup after the twin's compile; a compile after a failed
@@ -199,32 +222,36 @@ class CompilingForward:
         if self.switched:
             return
         self.switched = True
-        failed = self.compile.error if self.compile is not None else "not started"
-        if self.compile is not None:
-            self.compile.close()
-        if failed:
-            self._say(f"the DiT's blocks could not compile in the background ({failed}): they compile on their "
-                      "next call instead")
+        block_compile = self.block_compile
+        if block_compile is None:
+            self._say("the DiT's blocks had not started compiling in the background: they compile on their next "
+                      "call instead")
+        else:
+            block_compile.close()
+            if block_compile.error:
+                self._say(f"the DiT's blocks could not compile in the background ({block_compile.error}): they "
+                          "compile on their next call instead")
         self.release_graphs()
         self._graphs_made(True)
         self._compile_in_place(self.dit)
-        self._compiled(None if failed else self.compile.seconds)
+        compiled_beside = block_compile is not None and not block_compile.error
+        self._compiled(block_compile.seconds if compiled_beside else None)
 
     def wait_and_switch(self, check_cancel: Callable[[], None], poll_s: float = 0.1) -> None:
         """Before a run that cannot switch between its calls: let the compile's calls end (cancel is checked every
         `poll_s`), then switch."""
         if self.switched or self.abandoned:
             return
-        if self.compile is not None:
-            while not self.compile.idle.wait(poll_s):
+        if self.block_compile is not None:
+            while not self.block_compile.idle.wait(poll_s):
                 check_cancel()
         self.switch()
 
     def abandon(self) -> None:
         """The DiT is unloaded or rebuilt: no switch happens (a compile in flight ends on its own)."""
         self.abandoned = True
-        if self.compile is not None:
-            self.compile.close()
+        if self.block_compile is not None:
+            self.block_compile.close()
         self.release_graphs()
         self._graphs_made(True)
 

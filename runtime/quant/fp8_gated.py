@@ -49,6 +49,8 @@ def _gelu_mul_quantize(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tens
         if _in_a_capture(gate):
             # Under cudaMallocAsync a graph's own allocations have no address Triton can check before the graph
             # runs: this graph holds the torch form, other calls keep the kernel.
+            log.debug("the one-pass FP8 activation kernel cannot run inside this graph capture (%s: %s); the graph "
+                      "holds the torch form", type(err).__name__, str(err)[:200])
             return gelu_mul_quantize_reference(gate, up)
         _failed.add(gate.device.type)
         log.warning("the one-pass FP8 activation kernel failed (%s: %s); using the torch form from now on",
