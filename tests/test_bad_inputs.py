@@ -64,6 +64,15 @@ def test_file_shorter_than_a_header(tmp_path):
     assert "tiny.safetensors is truncated inside its safetensors header (2 bytes)" in _error(tiny, "vae")
 
 
+@pytest.mark.parametrize("text", [b"hello\n", b"version https://git-lfs"[:7]])
+def test_a_short_file_whose_first_bytes_are_no_header_length_is_not_called_cut(tmp_path, text):
+    """A length cut short still reads as a small number; text (a note, a pointer stub) does not."""
+    note = tmp_path / "note.safetensors"
+    note.write_bytes(text)
+    assert "note.safetensors is not a safetensors file (its first bytes are not a safetensors header)" in _error(
+        note, "vae")
+
+
 def test_corrupt_header(comfy, tmp_path):
     data = bytearray(comfy.vae.read_bytes())
     data[8:20] = b"\x00garbage!!\xff\xfe"

@@ -638,6 +638,8 @@ def test_two_first_runs_at_once_share_the_demo_cache_and_the_out_and_leave_one_w
     (["--width", "300"], "error: --width 300 is not allowed: ERNIE-Image needs a multiple of 16 between 256 and "
                          "4096; use 304"),
     (["--height", "5000"], "error: --height 5000 is not allowed"),
+    (["--width", "300", "--height", "5000"], "error: --width 300 and --height 5000 are not allowed: ERNIE-Image needs "
+                                             "multiples of 16 between 256 and 4096; use 304x4096"),
     (["--quant", "int3"], "error: --quant 'int3' is not supported: use one of none, auto"),
     (["--device", "tpu"], "error: --device 'tpu' is not supported: use auto, cpu, cuda or cuda:N"),
     (["--denoise", "0.5"], "error: --denoise 0.5 needs --init-image"),

@@ -263,6 +263,11 @@ def test_threshold_zero_gives_the_uncached_image_bit_for_bit(base_pipe, uncached
                                                        "last_blocks": 0}
 
 
+def test_a_forced_schedule_is_recorded_without_the_settings_it_decides_in_place_of():
+    config = parse_step_cache(f"fbcache:forced={FORCED}")
+    assert config.metadata() == {"method": "fbcache", "first_blocks": 1, "last_blocks": 0, "forced": FORCED}
+
+
 @pytest.mark.parametrize("spec", [None, "dbcache:threshold=0,start=0,end=1,first_blocks=2", f"fbcache:forced={FORCED}"])
 def test_a_run_projects_its_text_once_per_call_group_whatever_the_steps(base_pipe, uncached, spec):
     dit = base_pipe.parts.load_dit()

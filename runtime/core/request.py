@@ -35,12 +35,21 @@ def nearest_valid_side(value: int) -> int:
 
 
 def validate_size(width: int, height: int) -> None:
-    for name, value in (("width", width), ("height", height)):
-        if value % SIDE_MULTIPLE or not MIN_SIDE <= value <= MAX_SIDE:
-            raise InvalidInputError(
-                f"{name} {value} is not allowed: ERNIE-Image needs a multiple of {SIDE_MULTIPLE} between "
-                f"{MIN_SIDE} and {MAX_SIDE}; use {nearest_valid_side(value)}"
-            ).naming(name)
+    """Refuse a side that is not a multiple of SIDE_MULTIPLE within the range, naming every such side."""
+    bad = [(name, value) for name, value in (("width", width), ("height", height))
+           if value % SIDE_MULTIPLE or not MIN_SIDE <= value <= MAX_SIDE]
+    if not bad:
+        return
+    if len(bad) == 1:
+        (name, value), = bad
+        raise InvalidInputError(
+            f"{name} {value} is not allowed: ERNIE-Image needs a multiple of {SIDE_MULTIPLE} between "
+            f"{MIN_SIDE} and {MAX_SIDE}; use {nearest_valid_side(value)}"
+        ).naming(name)
+    raise InvalidInputError(
+        f"width {width} and height {height} are not allowed: ERNIE-Image needs multiples of {SIDE_MULTIPLE} between "
+        f"{MIN_SIDE} and {MAX_SIDE}; use {nearest_valid_side(width)}x{nearest_valid_side(height)}"
+    ).naming("width", "height")
 
 
 _INT_FIELDS = ("width", "height", "steps", "seed", "batch", "pe_max_new_tokens")

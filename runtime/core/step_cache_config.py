@@ -87,10 +87,12 @@ class StepCacheConfig:
             _check_forced(self.forced, steps)
 
     def metadata(self) -> dict[str, Any]:
-        """The settings as a PNG records them (every field that decides which steps are computed)."""
-        record: dict[str, Any] = {"method": self.method, "threshold": self.threshold, "start": self.start,
-                                  "end": self.end, "max_skips": self.max_skips, "first_blocks": self.probe_blocks,
-                                  "last_blocks": self.tail_blocks}
+        """The settings as a PNG records them: every field that decides which steps are computed (a forced
+        schedule decides in place of the threshold, window and skip limit, which are left out)."""
+        record: dict[str, Any] = {"method": self.method}
+        if self.forced is None:
+            record.update(threshold=self.threshold, start=self.start, end=self.end, max_skips=self.max_skips)
+        record.update(first_blocks=self.probe_blocks, last_blocks=self.tail_blocks)
         if self.forced is not None:
             record["forced"] = self.forced
         return record

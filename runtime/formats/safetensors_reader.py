@@ -172,12 +172,12 @@ def _header_object(handle, path: Path, size: int, start: bytes) -> tuple[dict, i
     """The safetensors header's JSON object, read after its 8-byte length `start`, and where the data begins."""
     if not start:
         raise ModelFileError(empty_file(_named(path), "safetensors"))
-    if len(start) < 8:
-        raise ModelFileError(cut_in_header(_named(path), "safetensors", size))
-    header_len = int.from_bytes(start, "little")
+    header_len = int.from_bytes(start.ljust(8, b"\0"), "little")  # a cut-short length: its bytes so far
     if header_len > MAX_HEADER_BYTES:
         raise ModelFileError(f"{_named(path)} is not a safetensors file (its first bytes are not a safetensors "
                              f"header): pick the .safetensors file itself")
+    if len(start) < 8:
+        raise ModelFileError(cut_in_header(_named(path), "safetensors", size))
     if 8 + header_len > size:
         raise ModelFileError(cut_in_header(_named(path), "safetensors", size, 8 + header_len))
     try:

@@ -12,13 +12,14 @@ a single long job (Base: 100 DiT calls at CFG) compiles at once when it alone wo
 is the one from warm caches where inductor's cache holds the blocks already (model/compile_marks.py), else the one
 from empty caches: a first install runs uncompiled longer than a restart does.
 
-Where the blocks can compile on a thread beside the run (model/background_compile.py: a resident DiT, room in the
-plan for a second call's activations, no step cache, and a job whose uncompiled DiT calls outlast the compile, so
-that it overlaps them and not the Python-bound phases around them), the compile costs the caller what it slows the
-calls it overlaps (about 0.3 of its wall seconds, measured inside a pipe), not its seconds. That is cheaper than
-compiling first from empty caches (FP8: ~6 s against 16 s), not from warm ones (~4 s against 3.7 s): a job that
-outlasts it (a batch of four Base images: 48 s of calls against a 20 s compile) then compiles beside its calls;
-one Base image (12 s) and any Turbo job compile first, when the rule says so.
+Where the blocks can compile on a thread beside the run (model/background_compile.py: a resident DiT whose calls
+are replayed as CUDA graphs, room in the plan for a second call's activations, no step cache, and a job whose
+uncompiled DiT calls outlast the compile, so that it overlaps them and not the Python-bound phases around them),
+the compile costs the caller what it slows the calls it overlaps (about 0.3 of its wall seconds, measured inside a
+pipe), not its seconds, and only the calls after it run compiled. That is cheaper than compiling first from empty
+caches (FP8: ~6 s against 16 s), not from warm ones (~4 s against 3.7 s): a job that outlasts it and whose calls
+after it pay for it (a batch of four Base FP8 images: 48 s of calls, 28 s of them after a 20 s compile) compiles
+beside its calls; one Base image (12 s) and any Turbo job compile first, when the rule says so.
 
 The estimate of a job's uncompiled time is per DiT call and image-token row, from the pipe's own uncompiled runs once
 it has one, else from the H200's figure (a slower GPU makes uncompiled calls dearer, so it compiles sooner).
