@@ -271,6 +271,16 @@ def test_each_failed_rename_names_its_own_fix(tmp_path, number, fix):
     assert str(write_error(target, error)) == f"out {target} cannot be written{fix}"
 
 
+@pytest.mark.parametrize("left", [1, 2])
+def test_unfinished_files_that_could_not_be_removed_are_named_with_the_fix(tmp_path, left):
+    target = tmp_path / "x.png"
+    partials = [tmp_path / f".x.png.1.{n}.partial" for n in range(left)]
+    error = OutputNotReplaced(target, rename_error(errno.EACCES), left=partials)
+    files = (f"its unfinished file {partials[0]} could not be removed: delete it" if left == 1 else
+             f"its unfinished files {partials[0]}, {partials[1]} could not be removed: delete them")
+    assert str(write_error(target, error)).endswith(f"give a path in a writable folder; {files}")
+
+
 # -- for real ---------------------------------------------------------------------------------------------------------
 # Inside a private mount namespace: earlier files at each of argv[2] targets in argv[1], the one at index argv[3] made a
 # bind mount of its own, then save_pngs of that many images; prints the error and every file's bytes after.
@@ -335,7 +345,7 @@ _INTO_A_FOLDER_TURNED_READ_ONLY = textwrap.dedent("""
                 partial.write_bytes(b"new")
             os.chmod(root / "b", 0o555)
     except OutputNotReplaced as error:
-        said = [str(error.target), error.errno]
+        said = [str(error.target), error.errno, [str(path) for path in error.left]]
     finally:
         os.chmod(root / "b", 0o755)
     files = {name: {path.name: path.read_text() for path in sorted((root / name).iterdir())} for name in "ab"}
@@ -373,7 +383,7 @@ def test_a_folder_turned_read_only_after_the_checks_fails_the_batch_for_real(tmp
                           env={**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr
     after = json.loads(done.stdout.strip().splitlines()[-1])
-    assert after["said"] == [str(tmp_path / "b" / "x.png"), errno.EACCES]
+    assert after["said"] == [str(tmp_path / "b" / "x.png"), errno.EACCES, [str(tmp_path / "b" / after["new"])]]
     assert after["files"] == {"a": {"x.png": "the earlier a"}, "b": {"x.png": "the earlier b", after["new"]: "new"}}
 
 

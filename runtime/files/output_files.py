@@ -179,12 +179,14 @@ def set_commit_hook(hook: Optional[Callable[[], None]]) -> None:
 class OutputNotReplaced(OSError):
     """A complete new file could not be renamed over its target (`target`): errno and strerror are the rename's.
     Raised after every target of its batch was put back as it was and every partial and backup file removed (a
-    backup that could not be put back stays, named in `kept`)."""
+    backup that could not be put back stays, named in `kept`; a new file that could not be removed, in a folder
+    turned read-only say, stays, named in `left`)."""
 
-    def __init__(self, target: Path, error: OSError, kept: Sequence[Path] = ()) -> None:
+    def __init__(self, target: Path, error: OSError, kept: Sequence[Path] = (), left: Sequence[Path] = ()) -> None:
         super().__init__(error.errno, error.strerror or str(error), str(target))
         self.target = Path(target)
         self.kept = tuple(kept)  # earlier files that could not be put back, under their backup names
+        self.left = tuple(left)  # unfinished new files that could not be removed
 
 
 @dataclass
@@ -224,9 +226,11 @@ def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
                 raise OutputNotReplaced(target, error) from None
         if _commit_hook is not None:
             _commit_hook()
-    except BaseException:
+    except BaseException as error:
         with uninterrupted():  # a second Ctrl-C cannot stop it half way
-            _remove(partials)
+            left = _remove(partials)
+        if isinstance(error, OutputNotReplaced):
+            error.left = tuple(left)
         raise
     _replace_all([_Replacing(target, partial) for target, partial in zip(targets, partials)])
 
@@ -252,9 +256,9 @@ def _replace_all(batch: list[_Replacing]) -> None:
     except BaseException as error:
         with uninterrupted():  # a second Ctrl-C cannot stop it half way
             kept = [item.backup for item in reversed(batch) if not _put_back(item)]  # a path twice: last first
-            _remove([item.partial for item in batch])
+            left = _remove([item.partial for item in batch])
         if isinstance(error, OSError) and current is not None:
-            raise OutputNotReplaced(current.target, error, kept) from error
+            raise OutputNotReplaced(current.target, error, kept, left) from error
         raise
     with uninterrupted():
         _remove([item.backup for item in batch if item.backup is not None])
@@ -293,10 +297,15 @@ def _put_back(item: _Replacing) -> bool:
     return True
 
 
-def _remove(paths: Iterable[Path]) -> None:
+def _remove(paths: Iterable[Path]) -> list[Path]:
+    """Remove each file; those still there after trying."""
+    left = []
     for path in paths:
         with contextlib.suppress(OSError):
             path.unlink()
+        if os.path.lexists(path):
+            left.append(path)
+    return left
 
 
 @contextlib.contextmanager
@@ -343,4 +352,8 @@ def write_error(out: Path, error: BaseException, name: str = "out") -> ErnieImag
     if kept:  # a rename back failed as well: the earlier file is not lost, only under a hidden name
         files = "the file it would replace is" if len(kept) == 1 else "the files it would replace are"
         line += f"; {files} kept as {', '.join(str(path) for path in kept)}"
+    left = getattr(error, "left", ())
+    if left:  # in a folder that turned read-only: only its owner can remove them now
+        files, them = ("its unfinished file", "it") if len(left) == 1 else ("its unfinished files", "them")
+        line += f"; {files} {', '.join(str(path) for path in left)} could not be removed: delete {them}"
     return ErnieImageError(line).naming(name)
