@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -415,6 +416,24 @@ def test_the_next_write_removes_the_partial_files_a_killed_process_left_of_that_
         partial.write_bytes(b"new")
     assert (tmp_path / "a.png").read_bytes() == b"new" and not stale.exists()
     assert [what for what, path in kept.items() if not path.exists()] == []
+
+
+def test_a_partial_bearing_this_process_pid_that_it_is_not_writing_was_left_by_an_earlier_one(tmp_path,
+                                                                                              monkeypatch):
+    """A container's first process is pid 1 at every start: what a killed one left bears the next one's pid. Those
+    this process is writing are kept however old, as are young ones; the target given relative to the folder."""
+    monkeypatch.chdir(tmp_path)
+    earlier = leftover(tmp_path, "a.png", os.getpid(), STALE_PARTIAL_S + 60)
+    young = leftover(tmp_path, "a.png", os.getpid(), 5, number=1)
+    with atomic_outputs([Path("a.png")]) as (ours,):
+        old = time.time() - STALE_PARTIAL_S - 60
+        os.utime(ours, (old, old))
+        with atomic_outputs([Path("a.png")]) as (second,):
+            second.write_bytes(b"second")
+        assert ours.exists() and not earlier.exists() and young.exists()
+        ours.write_bytes(b"first")
+    assert (tmp_path / "a.png").read_bytes() == b"first"
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["a.png", young.name])
 
 
 def test_a_folder_that_cannot_be_listed_still_takes_the_write(tmp_path, monkeypatch):

@@ -9,8 +9,10 @@ under a hidden name (`.<name>.<pid>.<random>.backup`) until every rename has suc
 A new file gets the usual permissions (0666 less the umask, 0644 mostly); a file that replaces one of this user's
 is no more open than that one was. A process killed outright (SIGKILL, the out-of-memory killer) cleans up nothing:
 the next write of the same target removes partial files that such a process left (this user's, its pid gone, the
-file untouched for STALE_PARTIAL_S, so a writer in another PID namespace sharing the folder keeps its file); a
-backup it left is the earlier file itself and stays. Not on Windows, where no pid can be asked about safely
+file untouched for STALE_PARTIAL_S, so a writer in another PID namespace sharing the folder keeps its file); one
+bearing this process's own pid that this process is not writing was left by an earlier process with the same pid
+(a container's first process is pid 1 at every start) and goes by the same rule. A backup it left is the earlier
+file itself and stays. Not on Windows, where no pid can be asked about safely
 (signal 0 there is a Ctrl-C event).
 """
 from __future__ import annotations
@@ -69,6 +71,7 @@ def safetensors_under(folder: Path) -> list[Path]:
 
 STALE_PARTIAL_S = 15 * 60  # a partial file being written is touched far more often than this
 _PARTIAL_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]+\.partial$")
+_WRITING: set[str] = set()  # the paths of this process's partial files, from made until renamed or removed
 
 
 def remove_stale_partials(target: Path, now: Optional[float] = None) -> list[Path]:
@@ -83,8 +86,9 @@ def remove_stale_partials(target: Path, now: Optional[float] = None) -> list[Pat
     now = time.time() if now is None else now
     for entry in entries:
         found = _PARTIAL_NAME.match(entry.name)
-        if found is None or found["name"] != target.name or int(found["pid"]) == os.getpid() \
-                or _process_alive(int(found["pid"])):
+        if found is None or found["name"] != target.name or os.path.abspath(entry.path) in _WRITING:
+            continue
+        if int(found["pid"]) != os.getpid() and _process_alive(int(found["pid"])):
             continue
         with contextlib.suppress(OSError):
             info = entry.stat(follow_symlinks=False)
@@ -124,6 +128,7 @@ def _new_partial(target: Path) -> Path:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NO_FOLLOW | _CLOSE_ON_EXEC, 0o600))
         except FileExistsError:  # the one case a random name meets: try another
             continue
+        _WRITING.add(os.path.abspath(path))
         return path
 
 
@@ -212,27 +217,30 @@ def atomic_outputs(paths: Sequence[Path]) -> Iterator[list[Path]]:
         remove_stale_partials(target)
     partials: list[Path] = []
     try:
-        for target in targets:
-            try:
-                partials.append(_new_partial(target))
-            except OSError as error:  # named by its target, as a failed rename is
-                raise OutputNotReplaced(target, error) from None
-        yield partials
-        mode = new_file_mode()
-        for partial, target in zip(partials, targets):  # made 0600 until complete
-            try:
-                _seal(partial, _mode_kept(target, mode))
-            except OSError as error:
-                raise OutputNotReplaced(target, error) from None
-        if _commit_hook is not None:
-            _commit_hook()
-    except BaseException as error:
-        with uninterrupted():  # a second Ctrl-C cannot stop it half way
-            left = _remove(partials)
-        if isinstance(error, OutputNotReplaced):
-            error.left = tuple(left)
-        raise
-    _replace_all([_Replacing(target, partial) for target, partial in zip(targets, partials)])
+        try:
+            for target in targets:
+                try:
+                    partials.append(_new_partial(target))
+                except OSError as error:  # named by its target, as a failed rename is
+                    raise OutputNotReplaced(target, error) from None
+            yield partials
+            mode = new_file_mode()
+            for partial, target in zip(partials, targets):  # made 0600 until complete
+                try:
+                    _seal(partial, _mode_kept(target, mode))
+                except OSError as error:
+                    raise OutputNotReplaced(target, error) from None
+            if _commit_hook is not None:
+                _commit_hook()
+        except BaseException as error:
+            with uninterrupted():  # a second Ctrl-C cannot stop it half way
+                left = _remove(partials)
+            if isinstance(error, OutputNotReplaced):
+                error.left = tuple(left)
+            raise
+        _replace_all([_Replacing(target, partial) for target, partial in zip(targets, partials)])
+    finally:
+        _WRITING.difference_update(os.path.abspath(partial) for partial in partials)
 
 
 def _mode_kept(target: Path, new_mode: int) -> int:
