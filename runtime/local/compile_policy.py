@@ -1,8 +1,8 @@
 """When a LocalPipe compiles its DiT's blocks: at load (`compile=True`), never (`False`), or, by default ("auto"),
 once compiling has paid for itself.
 
-Compiled blocks make a DiT call faster (H200, 1024x1024, batch 1: bf16 131 against 151 ms uncompiled, FP8 90
-against 120 ms) but each process pays for the compile before its first compiled call: with warm inductor caches
+Compiled blocks make a DiT call faster (H200, 1024x1024, batch 1: bf16 131 against 151 ms uncompiled, FP8 88
+against 104 ms) but each process pays for the compile before its first compiled call: with warm inductor caches
 about 2.4 s (bf16) and 3.7 s (FP8), with empty ones 7-16 s (docs/performance.md#the-first-image-after-a-restart).
 A user who makes a handful of Turbo images per restart never earns that back. "auto" is the ski-rental rule: run
 uncompiled while what the uncompiled calls have cost beyond compiled ones, plus what the job about to run would cost,
@@ -16,10 +16,10 @@ Where the blocks can compile on a thread beside the run (model/background_compil
 are replayed as CUDA graphs, room in the plan for a second call's activations, no step cache, and a job whose
 uncompiled DiT calls outlast the compile, so that it overlaps them and not the Python-bound phases around them),
 the compile costs the caller what it slows the calls it overlaps (about 0.3 of its wall seconds, measured inside a
-pipe), not its seconds, and only the calls after it run compiled. That is cheaper than compiling first from empty
-caches (FP8: ~6 s against 16 s), not from warm ones (~4 s against 3.7 s): a job that outlasts it and whose calls
-after it pay for it (a batch of four Base FP8 images: 48 s of calls, 28 s of them after a 20 s compile) compiles
-beside its calls; one Base image (12 s) and any Turbo job compile first, when the rule says so.
+pipe), not its seconds, and the calls it overlaps still run uncompiled. That is cheaper than compiling first for
+FP8 from empty caches (~9 s against 16 s), not from warm ones (~6 s against 3.7 s) nor for bf16: a job that outlasts
+it and whose calls after it pay for it (a batch of eight Base FP8 images at 1024x1024: 83 s of calls, 63 s of them
+after a 20 s compile) compiles beside its calls; smaller jobs and Turbo compile first, when the rule says so.
 
 The estimate of a job's uncompiled time is per DiT call and image-token row, from the pipe's own uncompiled runs once
 it has one, else from the H200's figure (a slower GPU makes uncompiled calls dearer, so it compiles sooner).
@@ -31,9 +31,9 @@ from typing import Optional, Union
 
 CompileChoice = Union[bool, str]  # True, False or "auto"
 
-# Compiled call time / uncompiled call time, by DiT weight format (H200: bench/eager_graphs.py for bf16; FP8 with its
-# projections as loaded, bench/fp8_step.py: 90 against 120 ms at batch 1, 173 against 226 ms at batch 2).
-COMPILED_CALL_RATIO = {"bf16": 0.87, "fp8": 0.76}
+# Compiled call time / uncompiled call time, by DiT weight format (H200: bench/eager_graphs.py for bf16; FP8 with
+# q/k/v and gate/up stacked as a pipe loads them, bench/fp8_step.py: 88 against 104 ms at batch 1).
+COMPILED_CALL_RATIO = {"bf16": 0.87, "fp8": 0.85}
 # A process's compile of the blocks, seconds (H200, 16 cores, bench/cold_start.py): with inductor's caches holding
 # them already (model/compile_marks.py), and from empty caches.
 COMPILE_SECONDS = {"bf16": 2.4, "fp8": 3.7}
@@ -46,8 +46,8 @@ BACKGROUND_COMPILE_SECONDS = {"bf16": 16.4, "fp8": 13.4}
 COLD_BACKGROUND_COMPILE_SECONDS = {"bf16": 19.3, "fp8": 20.0}
 BACKGROUND_SLOWDOWN = 0.3
 # Uncompiled seconds per DiT call and image-token row before the pipe has measured its own (H200: 151 ms bf16 for
-# one 1024x1024 row of 4096 image tokens; FP8 120 ms).
-UNCOMPILED_CALL_ROW_TOKEN_S = {"bf16": 0.151 / 4096, "fp8": 0.120 / 4096}
+# one 1024x1024 row of 4096 image tokens; FP8 104 ms, its projections stacked).
+UNCOMPILED_CALL_ROW_TOKEN_S = {"bf16": 0.151 / 4096, "fp8": 0.104 / 4096}
 LATENT_PIXELS = 16  # an image token is 16x16 pixels (the VAE's 8x, then 2x2 patches)
 OTHER_FORMAT = "bf16"  # GGUF, NVFP4, fp16, fp32: priced as bf16
 
@@ -96,9 +96,10 @@ class CompilePolicy:
         return (COMPILE_SECONDS if self.caches_warm else COLD_COMPILE_SECONDS)[self.format]
 
     def cheaper_in_background(self) -> bool:
-        """Whether the compile costs the caller less beside the calls than before them: from empty caches (FP8:
-        ~6 s against 16 s), not from warm ones (~4 s against 3.7 s)."""
-        return self.compile_s(beside=True) < self.foreground_s
+        """Whether the compile costs the caller less beside the calls than before them: what it slows the calls it
+        overlaps, and what those calls, run uncompiled, cost beyond compiled ones. FP8 from empty caches: ~9 s
+        against 16 s; not from warm ones (~6 s against 3.7 s), nor bf16 (~8 s against 7 s from empty caches)."""
+        return self.compile_s(beside=True) + self.extra_s(self.background_s) < self.foreground_s
 
     @property
     def background_s(self) -> float:

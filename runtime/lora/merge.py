@@ -164,6 +164,16 @@ class _DeltaRows:
                 tensors = (adapter.w1.to(device) * (adapter.scale * c.strength), adapter.w2.to(device))
             self.parts.append((c.slice_index * self.width, adapter, tensors))
 
+    def covered(self) -> list[tuple[int, int]]:
+        """The row ranges some contribution reaches, in order, overlapping ones joined."""
+        ranges: list[tuple[int, int]] = []
+        for low, high in sorted((offset, offset + self.width) for offset, _, _ in self.parts):
+            if ranges and low <= ranges[-1][1]:
+                ranges[-1] = (ranges[-1][0], max(ranges[-1][1], high))
+            else:
+                ranges.append((low, high))
+        return ranges
+
     def add_to(self, acc: torch.Tensor, start: int) -> None:
         """acc (rows start.. of the weight, fp32) += the delta of those rows."""
         stop = start + acc.shape[0]
@@ -204,25 +214,27 @@ def _merge_fp8(layer: QuantLinear, contributions: list[Contribution], seed: int)
     deltas = _DeltaRows(contributions, out_features, data.device)
     step = _rows_per_chunk(in_features)
 
-    def merged(start: int) -> torch.Tensor:
-        rows = data[start: start + step]
-        acc = dequantize_fp8(rows, old_scale[start: start + rows.shape[0]] if per_row else old_scale.reshape(()),
+    def merged(start: int, stop: int) -> torch.Tensor:
+        acc = dequantize_fp8(data[start:stop], old_scale[start:stop] if per_row else old_scale.reshape(()),
                              torch.float32)
         deltas.add_to(acc, start)
         return acc
 
+    # With a scale per row, a row no contribution reaches keeps its codes and scale (a stacked q/k/v whose LoRA
+    # adapts q alone leaves k and v as they were); one scale for the tensor changes every row.
+    ranges = deltas.covered() if per_row else [(0, out_features)]
+    chunks = [(start, min(start + step, high)) for low, high in ranges for start in range(low, high, step)]
     if scale is None:
         new_scale = old_scale
     elif per_row:
-        new_scale = torch.empty_like(old_scale)
+        new_scale = old_scale.clone()
     else:
-        amax = max(float(merged(start).abs().amax()) for start in range(0, out_features, step))
+        amax = max(float(merged(start, stop).abs().amax()) for start, stop in chunks)
         new_scale = fp8_scale_for(torch.tensor([amax], device=data.device), data.dtype)
     generator = torch.Generator(device=data.device)
     generator.manual_seed(seed)
-    for start in range(0, out_features, step):
-        acc = merged(start)
-        stop = start + acc.shape[0]
+    for start, stop in chunks:
+        acc = merged(start, stop)
         if per_row:
             new_scale[start:stop] = fp8_scale_for(acc.abs().amax(dim=1), data.dtype)
             divisor = new_scale[start:stop].unsqueeze(1)

@@ -113,7 +113,7 @@ class Attention(nn.Module):
         self.norm_q = nn.RMSNorm(config.head_dim, eps=config.eps)
         self.norm_k = nn.RMSNorm(config.head_dim, eps=config.eps)
         self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=False)])
-        self.to_qkv: Optional[nn.Linear] = None  # set by fuse_projections(): one GEMM instead of three
+        self.to_qkv: Optional[nn.Module] = None  # set by fuse_projections(): one GEMM instead of three
 
     def fuse_projections(self) -> bool:
         fused = _fuse_linears([self.to_q, self.to_k, self.to_v])
@@ -235,7 +235,7 @@ class FeedForward(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.ffn_hidden_size, bias=False)
         self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
-        self.gate_up: Optional[nn.Linear] = None  # set by fuse_projections()
+        self.gate_up: Optional[nn.Module] = None  # set by fuse_projections()
 
     def fuse_projections(self) -> bool:
         fused = _fuse_linears([self.gate_proj, self.up_proj])
@@ -262,8 +262,12 @@ class FeedForward(nn.Module):
         return gelu_gated(gate, up) if gelu_gated is not None else self.linear_fc2(up * F.gelu(gate))
 
 
-def _fuse_linears(linears: list[nn.Module]) -> Optional[nn.Linear]:
-    """Stack bias-free Linears sharing an input into one; None when any of them is not a plain Linear."""
+def _fuse_linears(linears: list[nn.Module]) -> Optional[nn.Module]:
+    """Stack bias-free Linears sharing an input into one; a packed layer stacks where its format can (its
+    `stacked_with`); None when they cannot."""
+    stack = getattr(linears[0], "stacked_with", None)
+    if stack is not None:
+        return stack(linears[1:])
     if any(type(linear) is not nn.Linear or linear.bias is not None for linear in linears):
         return None
     weight = torch.cat([linear.weight.detach() for linear in linears], dim=0)

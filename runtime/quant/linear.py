@@ -23,7 +23,7 @@ off, for that layer and for good (one warning per distinct error); out-of-memory
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +118,24 @@ class QuantLinear(nn.Module):
             row = scale.to(torch.float32).reshape(1, -1).expand(1, self.out_features).contiguous()
             self.register_buffer("weight_scale_row", row, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(compute_dtype), requires_grad=False)
+
+    def stacked_with(self, others: Sequence["QuantLinear"]) -> "QuantLinear | None":
+        """One layer giving this layer's outputs, then each of `others`' (layers of the same input), in one GEMM:
+        where all are bias-free FP8 layers multiplying natively in bf16, their data stacked row-wise and each row
+        keeping its own layer's scale, so every output is the product the separate layer computes. None otherwise
+        (the caller keeps the separate layers)."""
+        layers = [self, *others]
+        if any(type(layer) is not QuantLinear or layer._native_format != "fp8" or layer.bias is not None
+               or layer.compute_dtype != torch.bfloat16 or layer.in_features != self.in_features
+               or layer.weight.dtype != self.weight.dtype or layer.weight.device != self.weight.device
+               for layer in layers):
+            return None
+        data = torch.cat([layer.weight for layer in layers])
+        scale = torch.cat([layer.weight_scale_row.reshape(-1) for layer in layers])
+        names = "+".join(layer.layer_name.rpartition(".")[2] for layer in layers)
+        prefix = self.layer_name.rpartition(".")[0]
+        return QuantLinear(QuantizedWeight("fp8", self.qtype, data, tuple(data.shape), scale=scale),
+                           compute_dtype=torch.bfloat16, name=f"{prefix}.{names}" if prefix else names)
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         # No per-layer values (like the layer name) go in: a compiled impl would recompile for each one.
