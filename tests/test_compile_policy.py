@@ -153,11 +153,17 @@ def test_the_pipe_asks_before_each_dit_phase_and_compiles_once_when_it_pays(tiny
     assert "DiT float32, compiled" in pipe.describe()
 
 
-@pytest.mark.parametrize("quant, expected", [("none", "bf16"), ("fp8", "fp8"), ("q8_0", "bf16")])
-def test_before_its_dit_is_built_a_job_is_priced_in_the_format_loading_will_make(tiny_turbo_folder, quant, expected):
-    """A Base job quantised to FP8 on load pays for the compile on its own; priced as bf16 it ran uncompiled and the
-    second image paid for the compile instead (seen on the H200)."""
-    pipe = LocalPipe.load(tiny_turbo_folder, LoadOptions(device="cpu", quant=quant))
+@pytest.mark.parametrize("quant, native_fp8, expected", [
+    ("none", True, "bf16"), ("fp8", True, "fp8"), ("fp8", False, "fp8 apart"), ("q8_0", True, "bf16")])
+def test_before_its_dit_is_built_a_job_is_priced_in_the_format_loading_will_make(tiny_turbo_folder, monkeypatch,
+                                                                                 quant, native_fp8, expected):
+    """Priced as bf16, a Base job quantised to FP8 on load ran uncompiled where it paid for the compile (seen on the
+    H200). FP8 is priced with its projections stacked where the device multiplies FP8 natively in bf16 (loading
+    stacks them there), else each apart."""
+    from ernie_image.runtime.local import parts
+
+    monkeypatch.setattr(parts, "native_fp8_supported", lambda device: native_fp8)
+    pipe = LocalPipe.load(tiny_turbo_folder, LoadOptions(device="cpu", quant=quant, dtype="bf16"))
     assert pipe.parts.dit is None and pipe.parts.planned_dit_format() == expected
 
 

@@ -67,8 +67,10 @@ def dit_weight_format(dit: torch.nn.Module) -> str:
     from ..quant.linear import QuantLinear
     from ..quant.qweight import format_label
 
-    packed = Counter(format_label(module.format, module.qtype) for module in dit.modules()
-                     if isinstance(module, QuantLinear))
+    packed: Counter[str] = Counter()  # weights by format, so that stacking layers does not reorder them
+    for module in dit.modules():
+        if isinstance(module, QuantLinear):
+            packed[format_label(module.format, module.qtype)] += module.out_features * module.in_features
     if packed:
         return "/".join(name for name, _ in packed.most_common())
     weight = next((p for p in dit.parameters() if p.is_floating_point()), None)

@@ -12,8 +12,8 @@ a single long job (Base: 100 DiT calls at CFG) compiles at once when it alone wo
 is the one from warm caches where inductor's cache holds the blocks already (model/compile_marks.py), else the one
 from empty caches: a first install runs uncompiled longer than a restart does.
 
-Where the blocks can compile on a thread beside the run (model/background_compile.py: a resident DiT whose calls
-are replayed as CUDA graphs, room in the plan for a second call's activations, no step cache, and a job whose
+Where the blocks can compile on a thread beside the run (model/background_compile.py: a resident DiT without LoRAs
+whose calls are replayed as CUDA graphs, room in the plan for a second call's activations, no step cache, a job whose
 uncompiled DiT calls outlast the compile, so that it overlaps them and not the Python-bound phases around them),
 the compile costs the caller what it slows the calls it overlaps (about 0.3 of its wall seconds, measured inside a
 pipe), not its seconds, and the calls it overlaps still run uncompiled. That is cheaper than compiling first for
@@ -33,21 +33,23 @@ CompileChoice = Union[bool, str]  # True, False or "auto"
 
 # Compiled call time / uncompiled call time, by DiT weight format (H200: bench/eager_graphs.py for bf16; FP8 with
 # q/k/v and gate/up stacked as a pipe loads them, bench/fp8_step.py: 88 against 104 ms at batch 1).
-COMPILED_CALL_RATIO = {"bf16": 0.87, "fp8": 0.85}
+# "fp8 apart": FP8 projections each their own GEMM (where the device does not multiply FP8 natively, or the pipe
+# is not bf16): 90 against 120 ms.
+COMPILED_CALL_RATIO = {"bf16": 0.87, "fp8": 0.85, "fp8 apart": 0.76}
 # A process's compile of the blocks, seconds (H200, 16 cores, bench/cold_start.py): with inductor's caches holding
 # them already (model/compile_marks.py), and from empty caches.
-COMPILE_SECONDS = {"bf16": 2.4, "fp8": 3.7}
-COLD_COMPILE_SECONDS = {"bf16": 7.0, "fp8": 16.0}
+COMPILE_SECONDS = {"bf16": 2.4, "fp8": 3.7, "fp8 apart": 3.7}
+COLD_COMPILE_SECONDS = {"bf16": 7.0, "fp8": 16.0, "fp8 apart": 16.0}
 # The same compile on a thread beside a Base job's uncompiled calls (H200, bench/cold_start.py, FP8, CFG's two text
 # lengths: a static and a dynamic-shape graph): its wall seconds, and what it cost the job beyond the uncompiled calls'
 # own extra, as a fraction of them (the calls it overlaps run slower; those of a second job, which run eagerly, more).
 # bf16 is scaled from FP8 by bench/background_compile.py's ratio of the two (one static graph, nothing else running).
-BACKGROUND_COMPILE_SECONDS = {"bf16": 16.4, "fp8": 13.4}
-COLD_BACKGROUND_COMPILE_SECONDS = {"bf16": 19.3, "fp8": 20.0}
+BACKGROUND_COMPILE_SECONDS = {"bf16": 16.4, "fp8": 13.4, "fp8 apart": 13.4}
+COLD_BACKGROUND_COMPILE_SECONDS = {"bf16": 19.3, "fp8": 20.0, "fp8 apart": 20.0}
 BACKGROUND_SLOWDOWN = 0.3
 # Uncompiled seconds per DiT call and image-token row before the pipe has measured its own (H200: 151 ms bf16 for
 # one 1024x1024 row of 4096 image tokens; FP8 104 ms, its projections stacked).
-UNCOMPILED_CALL_ROW_TOKEN_S = {"bf16": 0.151 / 4096, "fp8": 0.104 / 4096}
+UNCOMPILED_CALL_ROW_TOKEN_S = {"bf16": 0.151 / 4096, "fp8": 0.104 / 4096, "fp8 apart": 0.120 / 4096}
 LATENT_PIXELS = 16  # an image token is 16x16 pixels (the VAE's 8x, then 2x2 patches)
 OTHER_FORMAT = "bf16"  # GGUF, NVFP4, fp16, fp32: priced as bf16
 
@@ -146,9 +148,11 @@ class CompilePolicy:
             return "beside"
         return "first" if self.compile_before(work) else None
 
-    def ran_uncompiled(self, work: DitWork, seconds: float) -> None:
-        """A job's DiT calls ran uncompiled in `seconds`: count their extra cost, learn this device's speed."""
+    def ran_uncompiled(self, work: DitWork, seconds: float, learn: bool = True) -> None:
+        """A job's DiT calls ran uncompiled in `seconds`: count their extra cost, and (`learn`: nothing else slowed
+        them, as a compile beside them does) learn this device's speed."""
         if work.row_tokens <= 0 or seconds <= 0:
             return
         self.spent_s += self.extra_s(seconds)
-        self._measured_row_token_s = seconds / work.row_tokens
+        if learn:
+            self._measured_row_token_s = seconds / work.row_tokens

@@ -15,12 +15,13 @@ from ..core.errors import ModelFileError
 from ..core.host import Host
 from ..core.variant import Variant
 from ..formats.sources import ModelSources
-from ..model.background_compile import CompilingForward
+from ..model.background_compile import BlockCompile, CompilingForward
 from ..model.builders import build_dit, build_text_tower, build_vae
 from ..model.compile import compile_available, compile_blocks, fuse_projections
 from ..model.compile_marks import caches_hold, mark_compiled
 from ..model.fill import QUANT_ON_LOAD_FORMATS
 from ..offload.reserve import device_bytes_held
+from ..quant.fp8 import native_fp8_supported
 from .checks import dit_weight_format, file_weight_format, open_part
 from .compile_policy import CompilePolicy, DitWork
 from .loaded_files import LoadedFiles
@@ -84,6 +85,7 @@ class PipeParts:
         self.compile_policy_decided = False  # "auto" decided to compile: this DiT and any rebuilt one are compiled
         self.compile_wanted_in_background = False  # "auto" decided to compile beside the next run's calls
         self.compiling: Optional[CompilingForward] = None  # the DiT forward while its blocks compile beside it
+        self.compile_let_go: Optional[BlockCompile] = None  # a background compile let go: its thread ends on its own
         self.compile_marked = False  # compile_marks.py knows this process compiled its blocks
 
     @property
@@ -92,15 +94,27 @@ class PipeParts:
         policy, and possible here."""
         return (self.options.compile is True or self.compile_policy_decided) and compile_available(self.device)
 
+    @property
+    def stacks_fp8(self) -> bool:
+        """Whether loading stacks the DiT's FP8 q/k/v and gate/up (fuse_projections): where the device multiplies
+        FP8 natively in bf16."""
+        return native_fp8_supported(self.device) and self.dtype == torch.bfloat16
+
     def planned_dit_format(self) -> str:
         """The DiT's weight format as the compile policy prices it: what the loaded DiT holds, else what loading it
-        will make (a quantised file's own format, or the format a bf16 DiT is quantised into on load)."""
+        will make (a quantised file's own format, or the format a bf16 DiT is quantised into on load); FP8 as
+        "fp8" where its projections are stacked, "fp8 apart" where not."""
         if self.dit_weights:
-            return "fp8" if self.dit_weights.startswith("FP8") else "bf16"
-        choice = self.options.quant
-        if choice == "auto" and self.auto_quant is not None:
-            choice = self.auto_quant[0]
-        return "fp8" if choice == "fp8" else "bf16"
+            fp8 = self.dit_weights.startswith("FP8")
+            stacked = self.dit is None or getattr(self.dit.layers[0].self_attention, "to_qkv", None) is not None
+        else:
+            choice = self.options.quant
+            if choice == "auto" and self.auto_quant is not None:
+                choice = self.auto_quant[0]
+            fp8, stacked = choice == "fp8", self.stacks_fp8
+        if not fp8:
+            return "bf16"
+        return "fp8" if stacked and self.stacks_fp8 else "fp8 apart"
 
     @contextmanager
     def timed_if_uncompiled(self, work: DitWork) -> Iterator[None]:
@@ -111,10 +125,17 @@ class PipeParts:
             return
         synchronize = torch.cuda.synchronize if self.device.type == "cuda" else (lambda device: None)
         synchronize(self.device)
+        beside_a_compile = self.compile_thread_running()
         started = time.perf_counter()
         yield
         synchronize(self.device)
-        self.compile_policy.ran_uncompiled(work, time.perf_counter() - started)
+        self.compile_policy.ran_uncompiled(work, time.perf_counter() - started,
+                                           learn=not (beside_a_compile or self.compile_thread_running()))
+
+    def compile_thread_running(self) -> bool:
+        """Whether a background compile (this DiT's, or one let go that has not ended) may be running: calls beside
+        it are slower than this device's own speed."""
+        return self.compiling is not None or (self.compile_let_go is not None and not self.compile_let_go.join(0))
 
     def _mark_compiled(self) -> None:
         if not self.compile_marked and self.device.type == "cuda":
@@ -125,9 +146,13 @@ class PipeParts:
         """Whether the blocks can compile on a thread beside this job's DiT calls (model/background_compile.py): a
         CUDA DiT with every block resident, room in the plan for a second call's activations beside the run, and
         the calls replayed as CUDA graphs (an eager call launches its kernels from Python, which the compile's
-        thread holds). Memory is judged from the plan as the job starts, not again during the compile."""
+        thread holds), and no LoRA on them (a compile made for the blocks one LoRA wraps would meet the others' when
+        they switch, and compile again there). Memory is judged from the plan as the job starts, not again during
+        the compile."""
         plan = self.memory.plan
         if self.device.type != "cuda" or plan is None or plan.dit.streamed or not self.options.cuda_graphs:
+            return False
+        if getattr(self.dit, "lora_signature", ()):
             return False
         if getattr(self.dit_forward, "disabled_reason", None):
             return False
@@ -139,6 +164,9 @@ class PipeParts:
         else now (the loaded DiT's captured graphs are dropped; its blocks compile on their next call). A run that
         cannot switch to compiled blocks between its calls first lets a compile in flight end."""
         self.compile_wanted_in_background = False
+        if self.compiling is not None and self.compiling.outdated():
+            host.log("the DiT's LoRAs changed while its blocks compiled in the background: that compile is let go")
+            self._stop_compiling()
         if self.compiling is not None:
             if not background:
                 host.log("waiting for the DiT's blocks to finish compiling in the background: a step-cache run "
@@ -147,6 +175,8 @@ class PipeParts:
             return
         if self.compiles_dit or not compile_available(self.device):
             return
+        if self.compile_let_go is not None and not self.compile_let_go.join(0):
+            return  # its trace holds dynamo's lock: a compile now would wait for it; decided at the next job
         fmt = self.planned_dit_format()
         self.compile_policy.set_format(fmt)
         self.compile_policy.caches_warm = caches_hold(fmt, self.device)
@@ -167,6 +197,7 @@ class PipeParts:
             self.release_graphs()
             self.dit_forward = None
             compile_blocks(self.dit)
+            self._sync_loras()
 
     def release_graphs(self) -> None:
         """Give the DiT forward's CUDA graphs and their memory back (dit_graphs.DiTGraphs; nothing for a plain DiT)."""
@@ -216,16 +247,20 @@ class PipeParts:
             dit = build_dit(component, self.memory.build_device(), self.dtype, quant=self._quant_on_load(component),
                             quant_device=self.device, arithmetic=self.options.arithmetic)
             if self.device.type == "cuda":
-                fuse_projections(dit)
+                fuse_projections(dit, stack_packed=self.stacks_fp8)
             dit = self.memory.place_dit(_built(dit))
             if self.compiles_dit:
                 compile_blocks(dit)
             self.dit = dit
             self.dit_weights = dit_weight_format(dit)
-        # After placement: branches stay resident, never streamed; merge-mode LoRAs merge into the resident blocks.
+        self._sync_loras()
+        return self.dit
+
+    def _sync_loras(self) -> None:
+        """The job's LoRAs on the DiT. After placement: branches stay resident, never streamed; merge-mode LoRAs
+        merge into the resident blocks; compiled blocks take them in one structure."""
         streamed = self.memory.dit.plan.streamed if self.memory.dit is not None else ()
         self.lora.sync(self.dit, streamed, self.memory.host)
-        return self.dit
 
     def load_dit_forward(self, dit):
         """The DiT's forward as the sampler calls it: replayed as CUDA graphs where dit_graphs can (kept, with their
@@ -233,11 +268,6 @@ class PipeParts:
         from ..model.dit_graphs import graphed_dit
 
         forward = self.dit_forward
-        if self.compiling is not None and self.compiling.outdated():
-            self._say("the DiT's LoRAs changed while its blocks compiled in the background: that compile is let go "
-                      "and its calls run uncompiled until the compile policy decides again")
-            self._stop_compiling()
-            forward = self.dit_forward
         if forward is None or getattr(forward, "dit", forward) is not dit:
             self._stop_compiling()
             forward = graphed_dit(dit, self.options.cuda_graphs and not self.compiles_dit, self.device)
@@ -268,6 +298,7 @@ class PipeParts:
         """The DiT the background compile serves is dropped or replaced: no switch, its thread ends on its own."""
         if self.compiling is not None:
             self.compiling.abandon()
+            self.compile_let_go = self.compiling.block_compile
             self.dit_forward = self.compiling.uncompiled
             self.compiling = None
 

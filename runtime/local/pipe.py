@@ -187,8 +187,8 @@ class LocalPipe:
         self._phase = "dit"
         self.memory.set_host(host)
         work = DitWork.of(request, negative is not None)
+        dit = self.parts.load_dit()  # with the job's LoRAs: the compile decided below is for this structure
         self.parts.compile_if_it_pays(work, host, background=request.step_cache is None)
-        dit = self.parts.load_dit()
         rows = (negative + text) if negative is not None else text
         forward = self.parts.load_dit_forward(dit)
         self.last_step_cache = None

@@ -101,6 +101,8 @@ class BlockCompile:
                 self._thread.start()
             except RuntimeError as error:  # e.g. no thread can be started: the caller compiles in the foreground
                 self.error = _first_line(error)
+                while not self._calls.empty():  # the queued calls' tokens are let go
+                    self._calls.get_nowait()
                 with self._lock:
                     self._outstanding = 0
                     self.idle.set()
@@ -162,6 +164,15 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"[:300]
 
 
+def graph_structure(block: nn.Module) -> tuple:
+    """What a compiled block's graph depends on beyond its tensors' values: its modules' kinds and settings, and
+    the shapes and types of their tensors (a LoRA's rank, an FP8 layer's format)."""
+    return tuple((name, type(module).__name__, module.extra_repr(),
+                  tuple((key, tuple(t.shape), t.dtype) for key, t in (*module._parameters.items(),
+                                                                      *module._buffers.items()) if t is not None))
+                 for name, module in block.named_modules())
+
+
 Forward = Callable[..., torch.Tensor]
 GRAPH_CALLS = 2  # a signature's first calls, which warm up and capture its CUDA graph (graph_cache.py)
 
@@ -182,7 +193,7 @@ class CompilingForward:
         self._backend = backend
         self._compile_in_place = compile_in_place  # the real blocks, as compile.compile_blocks compiles them
         self.block_compile: Optional[BlockCompile] = None
-        self._structure: Optional[int] = None  # dit.structure_version when the twin was made
+        self._structure: Optional[tuple] = None  # graph_structure of the first block when the twin was made
         self._calls: dict[tuple, int] = {}  # DiT calls so far, by input signature
         self._handed: set[tuple] = set()  # the signatures given to the compile
         self.switched = False
@@ -199,7 +210,7 @@ class CompilingForward:
             if calls <= GRAPH_CALLS:
                 return self.uncompiled(latents, timestep, text, text_lens)
             self._graphs_made(False)
-            self._structure = getattr(self.dit, "structure_version", None)
+            self._structure = graph_structure(self.dit.layers[0])
             self.block_compile = BlockCompile(self.dit.layers[0], self._backend)
         if signature not in self._handed:
             self._handed.add(signature)
@@ -211,9 +222,10 @@ class CompilingForward:
         return self.uncompiled(latents, timestep, text, text_lens)
 
     def outdated(self) -> bool:
-        """Whether the DiT's structure changed (a LoRA put in or taken out) since the twin was made: the graph being
-        compiled is not the one the blocks would run, and switching would compile theirs in the foreground."""
-        return self.block_compile is not None and getattr(self.dit, "structure_version", None) != self._structure
+        """Whether the blocks' structure changed (a LoRA put in or taken out, not a strength changed in place) since
+        the twin was made: the graph being compiled is not the one the blocks would run, and switching would compile
+        theirs in the foreground."""
+        return self.block_compile is not None and graph_structure(self.dit.layers[0]) != self._structure
 
     def switch(self) -> None:
         """Compile the real blocks in place now (a cache lookup after the twin's compile; a compile after a failed

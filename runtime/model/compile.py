@@ -20,12 +20,14 @@ def compile_available(device: torch.device) -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def fuse_projections(dit: ErnieDiT) -> int:
-    """q/k/v into one GEMM and gate/up into one: larger GEMMs run closer to peak. Returns how many were fused."""
+def fuse_projections(dit: ErnieDiT, stack_packed: bool = True) -> int:
+    """q/k/v into one GEMM and gate/up into one: larger GEMMs run closer to peak. Packed layers stack where their
+    format can (QuantLinear.stacked_with) and `stack_packed` says the device multiplies them natively (dequantised
+    per call, a stacked layer only needs more memory at once). Returns how many were fused."""
     fused = 0
     for block in dit.layers:
-        fused += int(block.self_attention.fuse_projections())
-        fused += int(block.mlp.fuse_projections())
+        fused += int(block.self_attention.fuse_projections(stack_packed))
+        fused += int(block.mlp.fuse_projections(stack_packed))
     if fused:
         dit.structure_version += 1  # new modules and tensors: captured forwards (dit_graphs) are stale
     return fused

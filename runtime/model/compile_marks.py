@@ -40,8 +40,11 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
+BLOCKS_VERSION = 2  # raised when the blocks' compiled graph changes (2: FP8 projections stacked on load)
+
+
 def _key(weight_format: str, device: torch.device) -> str:
-    return f"{weight_format} | {device_name(device)} | torch {torch.__version__}"
+    return f"{weight_format} | {device_name(device)} | torch {torch.__version__} | blocks {BLOCKS_VERSION}"
 
 
 def _marks(folder: Path) -> dict:

@@ -115,8 +115,8 @@ class Attention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim, bias=False)])
         self.to_qkv: Optional[nn.Module] = None  # set by fuse_projections(): one GEMM instead of three
 
-    def fuse_projections(self) -> bool:
-        fused = _fuse_linears([self.to_q, self.to_k, self.to_v])
+    def fuse_projections(self, stack_packed: bool = True) -> bool:
+        fused = _fuse_linears([self.to_q, self.to_k, self.to_v], stack_packed)
         if fused is None:
             return False
         self.to_qkv = fused
@@ -237,8 +237,8 @@ class FeedForward(nn.Module):
         self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=False)
         self.gate_up: Optional[nn.Module] = None  # set by fuse_projections()
 
-    def fuse_projections(self) -> bool:
-        fused = _fuse_linears([self.gate_proj, self.up_proj])
+    def fuse_projections(self, stack_packed: bool = True) -> bool:
+        fused = _fuse_linears([self.gate_proj, self.up_proj], stack_packed)
         if fused is None:
             return False
         self.gate_up = fused
@@ -262,12 +262,12 @@ class FeedForward(nn.Module):
         return gelu_gated(gate, up) if gelu_gated is not None else self.linear_fc2(up * F.gelu(gate))
 
 
-def _fuse_linears(linears: list[nn.Module]) -> Optional[nn.Module]:
-    """Stack bias-free Linears sharing an input into one; a packed layer stacks where its format can (its
-    `stacked_with`); None when they cannot."""
+def _fuse_linears(linears: list[nn.Module], stack_packed: bool = True) -> Optional[nn.Module]:
+    """Stack bias-free Linears sharing an input into one; packed layers (`stack_packed`) where their format can
+    (their `stacked_with`); None when they cannot."""
     stack = getattr(linears[0], "stacked_with", None)
     if stack is not None:
-        return stack(linears[1:])
+        return stack(linears[1:]) if stack_packed else None
     if any(type(linear) is not nn.Linear or linear.bias is not None for linear in linears):
         return None
     weight = torch.cat([linear.weight.detach() for linear in linears], dim=0)
