@@ -102,6 +102,15 @@ def test_a_dit_whose_projections_are_fp8_stacks_them_and_computes_the_same_bits(
     assert torch.equal(stacked(*inputs), separate(*inputs))
 
 
+def test_where_the_device_does_not_multiply_fp8_natively_the_projections_stay_apart():
+    """Dequantised per call, a stacked layer would only need more memory at once (a pipe passes
+    stack_packed=native_fp8_supported(device) and a bf16 dtype)."""
+    dit = fp8_dit()
+    version = dit.structure_version
+    assert fuse_projections(dit, stack_packed=False) == 0 and dit.structure_version == version
+    assert dit.layers[0].self_attention.to_qkv is None and isinstance(dit.layers[0].mlp.up_proj, QuantLinear)
+
+
 def test_a_merged_lora_on_one_stacked_layer_leaves_the_others_rows_as_they_were():
     """Layers of one scale each (as FP8 files hold them), stacked: a scale per row. The rows of k and v keep their
     codes and scales when a LoRA adapts q alone; q's rows take the merge."""
