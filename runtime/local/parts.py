@@ -106,15 +106,16 @@ class PipeParts:
         "fp8" where its projections are stacked, "fp8 apart" where not."""
         if self.dit_weights:
             fp8 = self.dit_weights.startswith("FP8")
-            stacked = self.dit is None or getattr(self.dit.layers[0].self_attention, "to_qkv", None) is not None
         else:
             choice = self.options.quant
             if choice == "auto" and self.auto_quant is not None:
                 choice = self.auto_quant[0]
-            fp8, stacked = choice == "fp8", self.stacks_fp8
-        if not fp8:
-            return "bf16"
-        return "fp8" if stacked and self.stacks_fp8 else "fp8 apart"
+            fp8 = choice == "fp8"
+        if self.dit is not None:
+            stacked = getattr(self.dit.layers[0].self_attention, "to_qkv", None) is not None
+        else:
+            stacked = self.stacks_fp8
+        return "bf16" if not fp8 else "fp8" if stacked else "fp8 apart"
 
     @contextmanager
     def timed_if_uncompiled(self, work: DitWork) -> Iterator[None]:
