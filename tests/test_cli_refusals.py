@@ -123,7 +123,9 @@ class TestStepCacheSpecs:
         ("dbcache:speed=9", "step cache setting 'speed=9' is not known", "use key=value with a key of threshold"),
         ("dbcache:threshold", "step cache setting threshold needs a value", "give threshold=VALUE, e.g. "
                                                                             "dbcache:threshold=0.08"),
-        ("dbcache:threshold=0.1,threshold=0.2", "step cache setting threshold is given twice", "give it once"),
+        ("dbcache:threshold=0.1,threshold=0.2", "step cache setting threshold is given twice (0.1 and 0.2)",
+         "give it once"),
+        ("dbcache:forced=CSC,forced=CCC", "step cache setting forced is given twice (CSC and CCC)", "give it once"),
         ("dbcache:threshold=fast", "step cache threshold 'fast' is not a number",
          "give e.g. dbcache:threshold=0.08 (0..10; a plain decimal"),
         ("dbcache:max_skips=2.5", "step cache max_skips '2.5' is not a whole number",

@@ -121,6 +121,13 @@ def test_every_setting_is_in_the_documented_settings_list():
     assert [name for name in SETTINGS if f"`{name}`" not in settings_list] == []
 
 
+def test_a_setting_given_twice_with_one_value_is_that_setting():
+    """As a repeated CLI option: the same value twice, however written, is harmless (two values are refused,
+    tests/test_cli_refusals.py)."""
+    assert parse_step_cache("dbcache:threshold=0.1,threshold=.10") == StepCacheConfig("dbcache", threshold=0.1)
+    assert parse_step_cache("dbcache:forced=csc,forced=CSC") == StepCacheConfig("dbcache", forced="CSC")
+
+
 def test_specs_parse_and_print_back():
     assert parse_step_cache("off") is None
     config = parse_step_cache("dbcache:threshold=0.12,max-skips=2,first_blocks=4")

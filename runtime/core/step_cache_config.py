@@ -177,7 +177,8 @@ _RANGES = {"threshold": f"0..{MAX_THRESHOLD:g}", "start": "0..1", "end": "0..1",
 
 def parse_step_cache(text: str) -> Optional[StepCacheConfig]:
     """`METHOD[:key=value,...]` (the CLI's --step-cache), e.g. `dbcache`, `fbcache:threshold=0.12`,
-    `dbcache:first_blocks=4,max_skips=2`; `off` gives None. Checked in full (one-line InvalidInputError naming the
+    `dbcache:first_blocks=4,max_skips=2`; `off` gives None. A setting given twice with two values is refused (the
+    same value twice is harmless, as the CLI's repeated options are). Checked in full (one-line InvalidInputError naming the
     form to give). Numbers are plain decimals (number_text): `1_0`, `nan`, `inf` are refused, not read as numbers."""
     if not isinstance(text, str):
         raise InvalidInputError(f"step cache {text!r} is not text: give METHOD[:key=value,...]")
@@ -201,9 +202,11 @@ def parse_step_cache(text: str) -> Optional[StepCacheConfig]:
         if key not in _FIELD_TYPES:
             raise InvalidInputError(f"step cache setting {item!r} is not known: use key=value with a key of "
                                     f"{', '.join(_FIELD_TYPES)}")
-        if key in values:
-            raise InvalidInputError(f"step cache setting {key} is given twice: give it once")
-        values[key] = _setting_value(method, key, value)
+        number = _setting_value(method, key, value)
+        if key in values and values[key] != number:  # the same value twice is harmless, as for a repeated option
+            raise InvalidInputError(f"step cache setting {key} is given twice ({values[key]} and {number}): give it "
+                                    "once")
+        values[key] = number
     decided = [key for key in _FORCED_DECIDES if key in values]
     if "forced" in values and decided:
         raise InvalidInputError(f"step cache forced decides which steps run, so {' and '.join(decided)} would do "
