@@ -310,6 +310,38 @@ def test_the_summary_and_the_metadata_hold_the_settings_the_run_used(capsys, tmp
     assert (settings["width"], settings["height"], settings["steps"], settings["cfg"]) == (256, 272, 8, 1.0)
 
 
+@pytest.mark.parametrize("before", ["absent", "present"])
+def test_an_output_another_command_wrote_during_the_run_is_replaced_with_a_notice(capsys, tmp_path, tiny_turbo_folder,
+                                                                                   monkeypatch, before):
+    """Two commands given one --out: the one ending last wins, and says it replaced the other's file; a file that was
+    there before the run is replaced as usual, without the notice."""
+    from ernie_image.runtime.files.png_output import read_png_settings
+    from ernie_image.runtime.local.pipe import LocalPipe
+
+    out = tmp_path / "x.png"
+    if before == "present":
+        out.write_bytes(b"an earlier image")
+    generate = LocalPipe.generate
+
+    def another_command_writes_out(self, request, host):
+        result = generate(self, request, host)
+        out.write_bytes(b"another command's image")
+        return result
+
+    monkeypatch.setattr(LocalPipe, "generate", another_command_writes_out)
+    argv = ["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256", "--steps", "1",
+            "--out", str(out)]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"{out} changed while this command ran (another command writing the same output?): this command's files " \
+           "replace it; give each command its own output to keep both" in err, err
+    assert read_png_settings(out)["steps"] == 1  # this run's image
+
+    monkeypatch.setattr(LocalPipe, "generate", generate)
+    assert main(argv) == 0
+    assert "changed while this command ran" not in capsys.readouterr().err
+
+
 def test_the_plan_printed_after_a_run_is_the_plan_of_the_job_that_ran(capsys, tmp_path, tiny_turbo_folder):
     """With a budget (the planner runs, on the CPU too) the run's own size and batch, not a default 1024x1024 job."""
     assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--budget", "4", "--width", "256", "--height",

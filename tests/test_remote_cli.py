@@ -58,6 +58,27 @@ def test_generate_on_a_fleet_writes_the_batch_with_the_turbo_defaults_of_the_ser
         assert image.size == (256, 320)
 
 
+def test_an_output_another_command_wrote_during_the_run_is_replaced_with_a_notice(capsys, tmp_path, monkeypatch):
+    from ernie_image.runtime.remote.backend import RemotePipe
+
+    out = tmp_path / "fox.png"
+    generate = RemotePipe.generate
+
+    def another_command_writes_out(self, request, host):
+        result = generate(self, request, host)
+        out.write_bytes(b"another command's image")
+        return result
+
+    monkeypatch.setattr(RemotePipe, "generate", another_command_writes_out)
+    with FakeSglang(service_time_s=0.01) as server:
+        code = main(["generate", "--server", server.url, "--prompt", "a fox", "--width", "256", "--height", "256",
+                     "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"{out} changed while this command ran (another command writing the same output?)" in err, err
+    assert png_settings(out)["backend"] == "remote"
+
+
 def test_a_base_model_gets_the_base_defaults_and_given_values_win(capsys, tmp_path):
     with FakeSglang(model_id="baidu/ERNIE-Image") as server:
         assert main(["generate", "--server", server.url, "--width", "256", "--height", "256",

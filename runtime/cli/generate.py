@@ -116,7 +116,8 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
         return generate_on_servers(args, remote, ConsoleHost(interrupts))
     from ..core.request import GenerationRequest
     from ..demo.cached_model import load_demo_pipe
-    from ..files.png_output import PngOutput, save_png_outputs
+    from ..files.outputs_seen import OutputsSeen
+    from ..files.png_output import PngOutput, png_paths, save_png_outputs
     from ..formats.sources import ModelSources
     from ..local.options import LoadOptions
     from ..local.pipe import LocalPipe
@@ -149,6 +150,8 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
     for notice in (unused_pe_notice(args), cpu_budget_notice(args)):
         if notice:
             host.log(notice)
+    seen = OutputsSeen(png_paths(args.out, request.batch) + (
+        png_paths(args.step_cache_compare, request.batch) if args.step_cache_compare is not None else []))
     started = time.perf_counter()
     result = pipe.generate(request, host)
     elapsed = time.perf_counter() - started
@@ -160,6 +163,9 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
     outputs = [PngOutput(result.images, args.out, settings)]
     if args.step_cache_compare is not None:  # the uncached twin, side by side
         outputs.append(comparison_output(pipe, request, result, host, args.step_cache_compare))
+    notice = seen.notice()
+    if notice:
+        host.log(notice)
     written = save_png_outputs(outputs)  # every file of the command, or none
     paths = written[0]
     for path in (path for group in written for path in group):

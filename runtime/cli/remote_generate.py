@@ -42,7 +42,8 @@ def _servers_that_made(images: list[dict]) -> str:
 
 
 def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host) -> int:
-    from ..files.png_output import save_pngs
+    from ..files.outputs_seen import OutputsSeen
+    from ..files.png_output import png_paths, save_pngs
 
     from .remote_args import key_destinations
 
@@ -57,6 +58,7 @@ def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host) 
         defaults = VARIANT_DEFAULTS[variant or "base"]
         request = _request(args, int(defaults["steps"]) if args.steps is None else args.steps,
                            defaults["cfg"] if args.cfg is None else args.cfg)
+        seen = OutputsSeen(png_paths(args.out, request.batch))
         started = time.perf_counter()
         result = pipe.generate(request, host)
         elapsed = time.perf_counter() - started
@@ -64,6 +66,9 @@ def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host) 
         settings = {**request.metadata(), "variant": served, "model": result.info["model"],
                     "prompts_used": result.prompts_used, "backend": "remote",
                     "servers": [image["server"] for image in result.info["images"]]}
+        notice = seen.notice()
+        if notice:
+            host.log(notice)
         paths = save_pngs(result.images, args.out, settings)
     finally:
         pipe.release()
