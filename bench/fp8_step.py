@@ -7,10 +7,12 @@ In one process, on one random full-size DiT:
    row-wise scales (what runtime/quant/fp8.py runs), FP8 with one scale per tensor, and the compiled per-row
    activation quantisation alone; and gelu(gate) * up quantised, compiled and by the one-pass kernel;
 2. the floor: the step's FP8 GEMMs (row-wise) and bf16 attentions back to back, nothing else;
-3. the compiled FP8 step, projections fused before quantising and as a pipe that quantises first (q/k/v and
-   gate/up as separate layers), median ms and relative L2 against bf16: the MLP's product quantised in one pass
-   (runtime/quant/fp8_gated.py) and, for comparison, by the compiler; the fused one also replayed as one CUDA graph;
-4. a profile of the compiled fused FP8 step at batch 1: GPU time by kernel kind and the 25 costliest kernels.
+3. the FP8 step uncompiled and compiled, median ms and relative L2 against bf16: as a pipe loads it (quantised,
+   then q/k/v and gate/up stacked with each row keeping its layer's scale), each projection apart, and fused before
+   quantising (one scale for the stack); the MLP's product quantised in one pass (runtime/quant/fp8_gated.py) and,
+   for comparison, by the compiler; the pipe's form also replayed as one CUDA graph;
+4. profiles of the pipe's compiled step at batch 1, launched and replayed as a graph: GPU time by kernel kind, the
+   idle time between kernels and the 25 costliest kernels.
 Writes DIR/fp8_step.json.
 """
 from __future__ import annotations
@@ -115,10 +117,12 @@ def one_pass(model: torch.nn.Module, on: bool) -> None:
             block.mlp.linear_fc2.gelu_gated = None
 
 
-def graph_row(model: torch.nn.Module, label: str, reference: torch.Tensor) -> dict:
+def graph_row(model: torch.nn.Module, label: str, reference: torch.Tensor
+              ) -> tuple[torch.cuda.CUDAGraph | None, dict]:
     """The compiled batch-1 step replayed as one CUDA graph: what the host's launch gaps cost the step."""
     static = inputs(1)
     row = {"model": f"{label}, one CUDA graph", "batch": 1}
+    graph = None
     try:
         model(*static)
         torch.cuda.synchronize()
@@ -129,8 +133,9 @@ def graph_row(model: torch.nn.Module, label: str, reference: torch.Tensor) -> di
                    rel_l2_vs_bf16=round(relative_l2(out, reference), 5))
     except Exception as error:  # reported as the row
         row["error"] = f"{type(error).__name__}: {error}"[:200]
+        graph = None
     print(f"# step {row}", flush=True)
-    return row
+    return graph, row
 
 
 def kernel_kind(name: str) -> str:
@@ -211,9 +216,10 @@ def main() -> None:
             ms = cuda_time_ms(floor_run(fused, batch), warmup=2, iters=5)
             report["floors"].append({"batch": batch, "what": "FP8 GEMMs (row-wise) + bf16 attention", "ms": round(ms, 2)})
             print(f"# floor {report['floors'][-1]}", flush=True)
-        variants = (("fused projections, product quantised by the compiler", "two-pass"),
-                    ("fused projections", "one-pass"), ("as loaded (quantised, then fused where it can)", "one-pass"))
-        uncompiled = (("fused projections", fused, "two-pass"), ("fused projections", fused, "one-pass"),
+        variants = (("as loaded", as_loaded, "one-pass"),
+                    ("fused before quantising, product quantised by the compiler", fused, "two-pass"),
+                    ("fused before quantising", fused, "one-pass"))
+        uncompiled = (("fused before quantising", fused, "two-pass"), ("fused before quantising", fused, "one-pass"),
                       ("as loaded", as_loaded, "one-pass"), ("each projection apart", apart, "one-pass"))
         for projections, model, quantiser in uncompiled:  # before any compile
             one_pass(model, quantiser == "one-pass")
@@ -228,9 +234,8 @@ def main() -> None:
         if args.uncompiled_only:
             variants = ()
         elif args.one_pass_only:
-            variants = variants[1:2]
-        for label, quantiser in variants:
-            model = as_loaded if label.startswith("as loaded") else fused
+            variants = variants[:1]
+        for label, model, quantiser in variants:
             one_pass(model, quantiser == "one-pass")
             torch._dynamo.reset()
             compile_blocks(model)
@@ -238,19 +243,25 @@ def main() -> None:
                 args_b = inputs(batch)
                 out = model(*args_b)
                 ms = cuda_time_ms(lambda: model(*args_b), warmup=3, iters=10)
-                report["steps"].append({"model": label, "batch": batch, "ms": round(ms, 2),
+                report["steps"].append({"model": f"{label}, {quantiser} quantisation", "batch": batch,
+                                        "ms": round(ms, 2),
                                         "rel_l2_vs_bf16": round(relative_l2(out, references[batch]), 5)})
                 print(f"# step {report['steps'][-1]}", flush=True)
-            if label == "fused projections":
-                report["steps"].append(graph_row(model, label, references[1]))
+            if model is as_loaded:
+                graph, row = graph_row(model, label, references[1])
+                report["steps"].append(row)
+                report["profile_b1_as_loaded_graph"] = profile(graph.replay) if graph is not None else None
+        one_pass(as_loaded, True)
         args_1 = inputs(1)
-        report["profile_b1_fused"] = profile(lambda: fused(*args_1))
+        report["profile_b1_as_loaded"] = profile(lambda: as_loaded(*args_1))
     print(table(report["floors"], ["batch", "what", "ms"]))
     print(table(report["steps"], ["model", "batch", "ms", "rel_l2_vs_bf16", "error"]))
-    prof = report["profile_b1_fused"]
-    print(f"profile b1: {prof['by_kind']} span {prof['span_ms']} ms, idle {prof['idle_ms']} ms")
-    for row in prof["top_kernels"]:
-        print(f"{row['ms']:9.3f} ms {row['count']:5d}x {row['kernel']}")
+    for key in ("profile_b1_as_loaded", "profile_b1_as_loaded_graph"):
+        prof = report.get(key)
+        if prof:
+            print(f"{key}: {prof['by_kind']} span {prof['span_ms']} ms, idle {prof['idle_ms']} ms")
+            for row in prof["top_kernels"]:
+                print(f"{row['ms']:9.3f} ms {row['count']:5d}x {row['kernel']}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fp8_step.json").write_text(json.dumps(report, indent=1))
