@@ -76,6 +76,33 @@ def test_inputs_that_are_not_a_regular_file_or_folder_are_one_line(capsys, tmp_p
     assert _files(tmp_path) == before  # the FIFO was not opened (that would block), nothing was written
 
 
+@pytest.mark.parametrize("character", ["\n", "\r", "\t", "\x1b", "\x07", "\x7f", "\x9b"],
+                         ids=["line feed", "carriage return", "tab", "escape", "bell", "delete", "C1 CSI"])
+def test_a_control_character_in_a_name_is_shown_escaped_and_refused_in_an_output(capsys, tmp_path, character):
+    """A name holding a control character cannot recolour the terminal or print a line of its own: an error quoting
+    it shows it escaped, and an output name holding one is refused (the command prints the paths it wrote, one a
+    line)."""
+    folder = tmp_path / f"no{character}such[31mRED"
+    line = _cli(capsys, "generate", "--model-dir", str(folder), "--out", str(tmp_path / "x.png"))
+    assert line.startswith("error: --model-dir ") and "does not exist" in line, line
+    assert all(ord(c) >= 0x20 and not 0x7F <= ord(c) < 0xA0 for c in line), repr(line)
+    line = _cli(capsys, "generate", "--out", str(tmp_path / f"x{character}y.png"))
+    assert line.startswith("error: --out ") and "holds a control character" in line, line
+    assert "give a name without one" in line
+    assert all(ord(c) >= 0x20 and not 0x7F <= ord(c) < 0xA0 for c in line), repr(line)
+    assert _files(tmp_path) == []
+
+
+def test_a_notice_quoting_a_name_shows_its_control_characters_escaped():
+    import io
+
+    from ernie_image.runtime.cli.console import Console, ConsoleHost
+
+    stream = io.StringIO()
+    ConsoleHost(console=Console(stream)).log("replaced a\x1b[2Jb\nc")
+    assert stream.getvalue() == "replaced a\\x1b[2Jb\\nc\n"
+
+
 def _fifo(path: Path) -> Path:
     os.mkfifo(path)
     return path

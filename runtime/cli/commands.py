@@ -10,7 +10,7 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from ..core.errors import Cancelled, ErnieImageError
-from .console import STDERR
+from .console import STDERR, one_terminal_line
 from .generate import main_generate
 from .interrupts import Interrupts
 from .names import cli_message
@@ -72,10 +72,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         STDERR.line("cancelled")
         return interrupts.exit_code
     except ErnieImageError as error:
-        # The CLI's flags for the settings the message names; a line break inside (a file name holding one) is
-        # shown escaped, so the error stays one line and a name cannot print lines of its own.
+        # The CLI's flags for the settings the message names; a control character inside (a file name holding a
+        # line break or an escape sequence) is shown escaped, so the error stays one line of plain text.
         STDERR.end_progress()
-        STDERR.line("error: " + cli_message(error).replace("\r", "\\r").replace("\n", "\\n"))
+        STDERR.line("error: " + one_terminal_line(cli_message(error)))
         return 2
     except SystemExit as leaving:  # argparse's --help (exit 0); its errors are InvalidInputError
         return int(leaving.code or 0)

@@ -115,6 +115,17 @@ class Console:
         self.stream.flush()
 
 
+# C0 and C1 control characters and DEL, shown escaped: a name holding an escape sequence or a line break (a file
+# name, a URL, a server's answer quoted in a message) cannot recolour the terminal or print lines of its own.
+_SHOWN_ESCAPED = {code: f"\\x{code:02x}" for code in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
+_SHOWN_ESCAPED.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+
+
+def one_terminal_line(text: str) -> str:
+    """`text` with every control character escaped, so that it shows as one line of plain text."""
+    return text.translate(_SHOWN_ESCAPED)
+
+
 def _columns(stream: TextIO) -> int:
     try:
         return os.get_terminal_size(stream.fileno()).columns
@@ -140,7 +151,8 @@ class ConsoleHost(NullHost):
         self.console.progress(value, total)
 
     def log(self, message: str) -> None:
-        self.console.line(cli_words(message, named_settings(message)))  # the settings a notice names, as flags
+        # The settings a notice names, as flags; a name inside it shown as plain text.
+        self.console.line(one_terminal_line(cli_words(message, named_settings(message))))
 
     def check_cancel(self) -> None:
         if self.interrupts is not None:

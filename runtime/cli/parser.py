@@ -108,6 +108,10 @@ class OutputPath(Option):
     def read(self, text: str) -> Path:
         if not text.strip():
             raise InvalidInputError(f"{self.flag} is empty: give a .{str(self.metavar).lower()} path")
+        if any(ord(character) < 0x20 or 0x7F <= ord(character) < 0xA0 for character in text):
+            # The command prints the paths it wrote, one a line: a name holding a line break would read as two.
+            raise InvalidInputError(f"{self.flag} {text!r} holds a control character (a line break, a tab, an "
+                                    "escape): give a name without one")
         return Path(text)
 
     def meaning(self, value: Path) -> str:
