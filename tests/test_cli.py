@@ -29,7 +29,8 @@ PROGRESS_LINE = re.compile(r"(sampling|prompt enhancer)[^:]*: (step|token) \d+/\
 def _cli(capsys, *argv: str) -> str:
     """Run `ernie-image` in-process; return its one-line error after checking the exit code and the form."""
     assert main(list(argv)) == 2
-    lines = [line for line in capsys.readouterr().err.strip().splitlines() if not PROGRESS_LINE.match(line)]
+    lines = [line for line in capsys.readouterr().err.strip().splitlines()
+             if not PROGRESS_LINE.match(line) and not line.startswith("no --prompt given: the example prompt")]
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
     return lines[0]
 
@@ -428,6 +429,17 @@ def test_the_python_api_tells_its_host_of_a_negative_prompt_at_cfg_1(tiny_turbo_
     assert [m for m in host.messages if "negative prompt" in m] == [
         "the negative prompt has no effect at CFG 1 (only above CFG 1, e.g. ERNIE-Image's 4.0): raise CFG for it to "
         "act, or leave it out"]
+
+
+def test_a_left_out_prompt_runs_the_example_prompt_with_a_notice(capsys, tmp_path, tiny_turbo_folder):
+    from ernie_image.runtime.files.png_output import read_png_settings
+
+    out = tmp_path / "x.png"
+    assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256", "--steps",
+                 "1", "--out", str(out)]) == 0
+    assert "no --prompt given: the example prompt 'a red fox in fresh snow, morning light' is used" in \
+        capsys.readouterr().err
+    assert read_png_settings(out)["prompt"] == "a red fox in fresh snow, morning light"
 
 
 def test_an_empty_prompt_runs_with_a_notice(capsys, tmp_path, tiny_turbo_folder):

@@ -304,7 +304,13 @@ def test_a_dit_smaller_than_the_blocks_asked_for_runs_what_it_can_with_a_notice(
     host = LogHost()
     result = base_pipe.generate(cached(dataclasses.replace(BASE, batch=1, steps=3), "dbcache:forced=CSC"), host)
     assert "F8B0 leaves no block to skip in this 6-block DiT: runs as F5B0" in host.lines[0]
-    assert result.info["step_cache"]["blocks_run"] == "F5B0 of 6"
+    record = result.info["step_cache"]
+    assert record["blocks_run"] == "F5B0 of 6"
+    # The record says what ran, and what was asked for beside it: nothing in it contradicts the run.
+    assert (record["first_blocks"], record["last_blocks"], record["blocks_asked"]) == (5, 0, "F8B0")
+    fitting = base_pipe.generate(cached(dataclasses.replace(BASE, batch=1, steps=3),
+                                        "dbcache:forced=CSC,first_blocks=2"), NullHost())
+    assert "blocks_asked" not in fitting.info["step_cache"]
 
 
 @pytest.mark.parametrize("what", ["img2img", "inpaint", "turbo-cfg1"])

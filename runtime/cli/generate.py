@@ -27,6 +27,10 @@ ArgCheck = Callable[[argparse.Namespace], None]
 FEATURE_CHECKS: tuple[ArgCheck, ...] = (step_cache_check,)
 
 
+EXAMPLE_PROMPT = "a red fox in fresh snow, morning light"
+EXAMPLE_PROMPT_NOTICE = f"no --prompt given: the example prompt {EXAMPLE_PROMPT!r} is used"
+
+
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     from ..core.request import SEED_MASK
     from ..local.options import DTYPE_CHOICES, QUANT_CHOICES
@@ -45,10 +49,10 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", choices=["auto", "base", "turbo"], default="auto",
                         help="auto (default): what the DiT file records, its diffusers config, else its name; the run "
                              "line says which decided")
-    parser.add_argument("--prompt", action=Option, once=True, default="a red fox in fresh snow, morning light",
+    parser.add_argument("--prompt", action=Option, once=True, default=None,
                         repeat_hint=" (--batch N makes N images of it)",
                         help="up to 2048 tokens reach the model (a longer prompt is cut, with a notice); an empty "
-                             "prompt is allowed, with a notice")
+                             f"prompt is allowed, with a notice; left out: {EXAMPLE_PROMPT!r}, with a notice")
     parser.add_argument("--negative", action=Option, once=True, default="")
     parser.add_argument("--width", action=WholeNumber, example="1024", default=None,
                         help="multiple of 16 in 256..4096 (default 1024; demo 256)")
@@ -71,8 +75,8 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="quantise a bf16 DiT on load (a DiT file that is already quantised runs in its own format: "
                              "leave --quant out for it)")
     parser.add_argument("--out", action=OutputPath, once=True, metavar="PNG", default=Path("ernie.png"),
-                        help="output PNG in an existing folder (batch: name_0.png, ...); an existing file is "
-                             "replaced once the new one is complete")
+                        help="output PNG in an existing folder (default: ernie.png in the current folder; batch: "
+                             "name_0.png, ...); an existing file is replaced once the new one is complete")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +102,9 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
     from .step_cache_args import comparison_output, step_cache_of
 
     args = build_parser().parse_args(argv)
+    example_prompt = args.prompt is None
+    if example_prompt:
+        args.prompt = EXAMPLE_PROMPT
     args.variant = None if args.variant == "auto" else args.variant
     from .checks import (DEMO_VARIANT, check_generate_args, cpu_budget_notice, default_side, parse_budget, unused_pe_notice,
                          uses_demo_model)
@@ -113,7 +120,10 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
         from .remote_generate import generate_on_servers
 
         interrupts = interrupts or Interrupts()
-        return generate_on_servers(args, remote, ConsoleHost(interrupts))
+        host = ConsoleHost(interrupts)
+        if example_prompt:
+            host.log(EXAMPLE_PROMPT_NOTICE)
+        return generate_on_servers(args, remote, host)
     from ..core.request import GenerationRequest
     from ..demo.cached_model import load_demo_pipe
     from ..files.outputs_seen import OutputsSeen
@@ -147,7 +157,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
                                tokenizer=args.tokenizer, pe=args.pe, variant=args.variant)
         pipe = LocalPipe.load(sources, options, loras=loras)  # reads the LoRA files and headers, not the weights
         pipe.check_request(request)  # a schedule or budget the variant the files name refuses: before any weight
-    for notice in (unused_pe_notice(args), cpu_budget_notice(args)):
+    for notice in (EXAMPLE_PROMPT_NOTICE if example_prompt else None, unused_pe_notice(args), cpu_budget_notice(args)):
         if notice:
             host.log(notice)
     seen = OutputsSeen(png_paths(args.out, request.batch) + (

@@ -102,7 +102,13 @@ class StepCacheReport:
 
     def info(self) -> dict[str, Any]:
         """For GenerationResult.info (and the CLI's PNG settings)."""
-        return {"step_cache": {**self.config.metadata(), "steps_computed": self.computed,
+        record = self.config.metadata()
+        if self.layers:  # the blocks that ran, where the DiT had fewer than asked for (its notice said so)
+            first, last = self.config.blocks_in(self.layers)
+            if (first, last) != (record["first_blocks"], record["last_blocks"]):
+                asked = f"F{record['first_blocks']}B{record['last_blocks']}"
+                record.update(first_blocks=first, last_blocks=last, blocks_asked=asked)
+        return {"step_cache": {**record, "steps_computed": self.computed,
                                "steps_skipped": self.skipped, "schedule": self.schedule,
                                "blocks_run": f"{self.blocks} of {self.layers}",
                                "changes": {str(step): round(change, 5) for step, change in self.changes.items()},
