@@ -336,6 +336,7 @@ def test_the_summary_and_the_metadata_hold_the_settings_the_run_used(capsys, tmp
     assert "1 image(s) 256x272, 8 steps, CFG 1, seed 0 in" in err, err  # Turbo's defaults, the size given
     settings = read_png_settings(out)
     assert (settings["width"], settings["height"], settings["steps"], settings["cfg"]) == (256, 272, 8, 1.0)
+    assert (settings["dit_weights"], settings["dtype"]) == ("float32", "float32"), settings  # what made the pixels
 
 
 @pytest.mark.parametrize("before", ["absent", "present"])

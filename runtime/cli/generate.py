@@ -167,6 +167,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
     elapsed = time.perf_counter() - started
     used = result.request or request
     settings = {**used.metadata(), "variant": pipe.variant, "prompts_used": result.prompts_used, "demo_model": demo,
+                "dit_weights": pipe.dit_weights, "dtype": str(pipe.dtype).removeprefix("torch."),
                 **({"loras": loras.metadata()} if loras else {}),
                 **({"step_cache": result.info["step_cache"]} if "step_cache" in result.info else {})}
     host.check_cancel()  # a Ctrl-C that landed while the last step ran: nothing is written
