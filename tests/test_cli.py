@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -339,6 +340,20 @@ def test_the_summary_and_the_metadata_hold_the_settings_the_run_used(capsys, tmp
     assert (settings["dit_weights"], settings["dtype"]) == ("float32", "float32"), settings  # what made the pixels
 
 
+def another_command_writes_while_it_generates(out: Path, pipe_class: type, monkeypatch) -> Callable:
+    """`pipe_class.generate` made to write `out` as another command would, once the images are made; returns the
+    original."""
+    generate = pipe_class.generate
+
+    def generate_then_another_command_writes(self, request, host):
+        result = generate(self, request, host)
+        out.write_bytes(b"another command's image")
+        return result
+
+    monkeypatch.setattr(pipe_class, "generate", generate_then_another_command_writes)
+    return generate
+
+
 @pytest.mark.parametrize("before", ["absent", "present"])
 def test_an_output_another_command_wrote_during_the_run_is_replaced_with_a_notice(capsys, tmp_path, tiny_turbo_folder,
                                                                                    monkeypatch, before):
@@ -350,14 +365,7 @@ def test_an_output_another_command_wrote_during_the_run_is_replaced_with_a_notic
     out = tmp_path / "x.png"
     if before == "present":
         out.write_bytes(b"an earlier image")
-    generate = LocalPipe.generate
-
-    def another_command_writes_out(self, request, host):
-        result = generate(self, request, host)
-        out.write_bytes(b"another command's image")
-        return result
-
-    monkeypatch.setattr(LocalPipe, "generate", another_command_writes_out)
+    generate = another_command_writes_while_it_generates(out, LocalPipe, monkeypatch)
     argv = ["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256", "--steps", "1",
             "--out", str(out)]
     assert main(argv) == 0

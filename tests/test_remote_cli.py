@@ -21,7 +21,7 @@ from ernie_image.runtime.cli.parser import OneLineParser
 from ernie_image.runtime.cli.remote_args import add_remote_arguments, remote_pipe_from_args
 
 from fake_sglang import FakeSglang, dead_url
-from test_cli import _Run, _env
+from test_cli import _Run, _env, another_command_writes_while_it_generates
 from test_enhancer_remote import ChatServer
 from waiting import PROMPTLY_S
 
@@ -63,14 +63,7 @@ def test_an_output_another_command_wrote_during_the_run_is_replaced_with_a_notic
     from ernie_image.runtime.remote.backend import RemotePipe
 
     out = tmp_path / "fox.png"
-    generate = RemotePipe.generate
-
-    def another_command_writes_out(self, request, host):
-        result = generate(self, request, host)
-        out.write_bytes(b"another command's image")
-        return result
-
-    monkeypatch.setattr(RemotePipe, "generate", another_command_writes_out)
+    another_command_writes_while_it_generates(out, RemotePipe, monkeypatch)
     with FakeSglang(service_time_s=0.01) as server:
         code = main(["generate", "--server", server.url, "--prompt", "a fox", "--width", "256", "--height", "256",
                      "--out", str(out)])
