@@ -101,8 +101,8 @@ def test_a_notice_quoting_a_name_shows_its_control_characters_escaped():
     from ernie_image.runtime.cli.console import Console, ConsoleHost
 
     stream = io.StringIO()
-    ConsoleHost(console=Console(stream)).log("replaced a\x1b[2Jb\nc")
-    assert stream.getvalue() == "replaced a\\x1b[2Jb\\nc\n"
+    ConsoleHost(console=Console(stream)).log("replaced a\x1b[2Jb\rc\x9bd\na table's next line")
+    assert stream.getvalue() == "replaced a\\x1b[2Jb\\rc\\x9bd\na table's next line\n"
 
 
 def _fifo(path: Path) -> Path:

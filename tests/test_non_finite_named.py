@@ -3,7 +3,6 @@ encoder is not blamed on the DiT, and NaN in the VAE names the VAE. `quantize` r
 tensor, and keeps an fp32 DiT's unpacked matrices in fp32."""
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
@@ -13,15 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from ernie_image.runtime.cli.commands import main
 
-
-PROGRESS_LINE = re.compile(r"(sampling|prompt enhancer)[^:]*: (step|token) \d+/\d+ ")
-
-
-def _cli(capsys, *argv: str) -> str:
-    assert main(list(argv)) == 2
-    lines = [line for line in capsys.readouterr().err.strip().splitlines() if not PROGRESS_LINE.match(line)]
-    assert len(lines) == 1 and lines[0].startswith("error: "), lines
-    return lines[0]
+from test_cli import _cli
 
 
 def _with_nan(folder: Path, component: str, key: str) -> Path:

@@ -121,9 +121,17 @@ _SHOWN_ESCAPED = {code: f"\\x{code:02x}" for code in (*range(0x20), 0x7F, *range
 _SHOWN_ESCAPED.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
 
 
+_SHOWN_ESCAPED_BUT_LINE_FEEDS = {code: shown for code, shown in _SHOWN_ESCAPED.items() if code != ord("\n")}
+
+
 def one_terminal_line(text: str) -> str:
     """`text` with every control character escaped, so that it shows as one line of plain text."""
     return text.translate(_SHOWN_ESCAPED)
+
+
+def plain_terminal_lines(text: str) -> str:
+    """`text` with every control character but its line feeds escaped (a notice may hold a table)."""
+    return text.translate(_SHOWN_ESCAPED_BUT_LINE_FEEDS)
 
 
 def _columns(stream: TextIO) -> int:
@@ -151,8 +159,8 @@ class ConsoleHost(NullHost):
         self.console.progress(value, total)
 
     def log(self, message: str) -> None:
-        # The settings a notice names, as flags; a name inside it shown as plain text.
-        self.console.line(one_terminal_line(cli_words(message, named_settings(message))))
+        # The settings a notice names, as flags; an escape sequence inside it shown as plain text.
+        self.console.line(plain_terminal_lines(cli_words(message, named_settings(message))))
 
     def check_cancel(self) -> None:
         if self.interrupts is not None:
