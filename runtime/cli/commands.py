@@ -10,10 +10,11 @@ import sys
 from typing import Callable, Optional, Sequence
 
 from ..core.errors import Cancelled, ErnieImageError
-from .console import STDERR, one_terminal_line
+from .console import STDERR
 from .generate import main_generate
 from .interrupts import Interrupts
 from .names import cli_message
+from .terminal_text import one_terminal_line
 
 CANCELLED_EXIT_CODES = (130, 143)  # 128 + SIGINT, 128 + SIGTERM
 

@@ -18,6 +18,7 @@ from typing import Any, NoReturn, Optional, Sequence, Union
 
 from ..core.errors import InvalidInputError
 from ..core.number_text import DECIMAL_RULE, WHOLE_RULE, decimal_from_text, whole_from_text
+from .terminal_text import holds_control_character
 
 SHOWN_CHARACTERS = 40  # of a value a refusal quotes in full (a prompt may be long)
 
@@ -108,7 +109,7 @@ class OutputPath(Option):
     def read(self, text: str) -> Path:
         if not text.strip():
             raise InvalidInputError(f"{self.flag} is empty: give a .{str(self.metavar).lower()} path")
-        if any(ord(character) < 0x20 or 0x7F <= ord(character) < 0xA0 for character in text):
+        if holds_control_character(text):
             # The command prints the paths it wrote, one a line: a name holding a line break would read as two.
             raise InvalidInputError(f"{self.flag} {text!r} holds a control character (a line break, a tab, an "
                                     "escape): give a name without one")

@@ -178,8 +178,8 @@ _RANGES = {"threshold": f"0..{MAX_THRESHOLD:g}", "start": "0..1", "end": "0..1",
 def parse_step_cache(text: str) -> Optional[StepCacheConfig]:
     """`METHOD[:key=value,...]` (the CLI's --step-cache), e.g. `dbcache`, `fbcache:threshold=0.12`,
     `dbcache:first_blocks=4,max_skips=2`; `off` gives None. A setting given twice with two values is refused (the
-    same value twice is harmless, as the CLI's repeated options are). Checked in full (one-line InvalidInputError naming the
-    form to give). Numbers are plain decimals (number_text): `1_0`, `nan`, `inf` are refused, not read as numbers."""
+    same value twice is harmless, as the CLI's repeated options are). Checked in full (one-line InvalidInputError
+    naming the form to give). Numbers are plain decimals (number_text): `1_0`, `nan`, `inf` are refused, not read as numbers."""
     if not isinstance(text, str):
         raise InvalidInputError(f"step cache {text!r} is not text: give METHOD[:key=value,...]")
     method, _, rest = text.strip().partition(":")
