@@ -78,8 +78,9 @@ def test_inputs_that_are_not_a_regular_file_or_folder_are_one_line(capsys, tmp_p
     assert _files(tmp_path) == before  # the FIFO was not opened (that would block), nothing was written
 
 
-@pytest.mark.parametrize("character", ["\n", "\r", "\t", "\x1b", "\x07", "\x7f", "\x9b"],
-                         ids=["line feed", "carriage return", "tab", "escape", "bell", "delete", "C1 CSI"])
+@pytest.mark.parametrize("character", ["\n", "\r", "\t", "\x1b", "\x07", "\x7f", "\x9b", "\u202e", "\u2066"],
+                         ids=["line feed", "carriage return", "tab", "escape", "bell", "delete", "C1 CSI",
+                              "right-to-left override", "left-to-right isolate"])
 def test_a_control_character_in_a_name_is_shown_escaped_and_refused_in_an_output(capsys, tmp_path, character):
     """A name holding a control character cannot recolour the terminal or print a line of its own: an error quoting
     it shows it escaped, and an output name holding one is refused (the command prints the paths it wrote, one a
@@ -87,10 +88,12 @@ def test_a_control_character_in_a_name_is_shown_escaped_and_refused_in_an_output
     folder = tmp_path / f"no{character}such[31mRED"
     line = _cli(capsys, "generate", "--model-dir", str(folder), "--out", str(tmp_path / "x.png"))
     assert line.startswith("error: --model-dir ") and "does not exist" in line, line
+    assert character not in line
     assert all(ord(c) >= 0x20 and not 0x7F <= ord(c) < 0xA0 for c in line), repr(line)
     line = _cli(capsys, "generate", "--out", str(tmp_path / f"x{character}y.png"))
     assert line.startswith("error: --out ") and "holds a control character" in line, line
     assert "give a name without one" in line
+    assert character not in line
     assert all(ord(c) >= 0x20 and not 0x7F <= ord(c) < 0xA0 for c in line), repr(line)
     assert _files(tmp_path) == []
 

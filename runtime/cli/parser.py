@@ -112,7 +112,7 @@ class OutputPath(Option):
         if holds_control_character(text):
             # The command prints the paths it wrote, one a line: a name holding a line break would read as two.
             raise InvalidInputError(f"{self.flag} {text!r} holds a control character (a line break, a tab, an "
-                                    "escape): give a name without one")
+                                    "escape, a direction override): give a name without one")
         return Path(text)
 
     def meaning(self, value: Path) -> str:

@@ -2,10 +2,14 @@
 escaped."""
 from __future__ import annotations
 
-# C0 and C1 control characters and DEL, shown escaped: a name holding an escape sequence or a line break (a file
-# name, a URL, a server's answer quoted in a message) cannot recolour the terminal or print lines of its own.
+# C0 and C1 control characters, DEL and direction controls, shown escaped: a name holding an escape sequence or a
+# line break (a file name, a URL, a server's answer quoted in a message) cannot recolour the terminal, print lines of
+# its own or turn the rest of its line around.
 _SHOWN_ESCAPED = {code: f"\\x{code:02x}" for code in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
 _SHOWN_ESCAPED.update({ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+# Unicode's direction marks and overrides, which make a terminal show the rest of a line in another order.
+_SHOWN_ESCAPED.update({code: f"\\u{code:04x}" for code in (0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F),
+                                                           *range(0x2066, 0x206A))})
 
 
 _SHOWN_ESCAPED_BUT_LINE_FEEDS = {code: shown for code, shown in _SHOWN_ESCAPED.items() if code != ord("\n")}
