@@ -11,6 +11,15 @@ def _interrupt_while_importing(number: int, frame) -> None:
     raise KeyboardInterrupt
 
 
+def _leave_cancelled(code: int) -> None:
+    """Exit with `code` (130 or 143) as promised. A `-m` run that handled a Ctrl-C was seen, under load, to end by
+    SIGINT after printing "cancelled" (CPython re-raises SIGINT at exit once it marks a KeyboardInterrupt
+    unhandled), whether the Ctrl-C came during the imports or during the run; the run's files are already gone."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 for _number in (signal.SIGINT, signal.SIGTERM):
     signal.signal(_number, _interrupt_while_importing)
 try:
@@ -20,7 +29,7 @@ except BaseException:
     if not _signals_while_importing:
         raise
     print("\ncancelled", file=sys.stderr)
-    raise SystemExit(128 + _signals_while_importing[0]) from None
+    _leave_cancelled(128 + _signals_while_importing[0])
 
 try:
     code = main()
@@ -31,10 +40,5 @@ except KeyboardInterrupt:
     print("\ncancelled", file=sys.stderr)
     code = 128 + _signals_while_importing[0]
 if code in CANCELLED_EXIT_CODES:
-    # A `-m` run that handled a Ctrl-C was seen, under load, to end by SIGINT after printing "cancelled" (CPython
-    # re-raises SIGINT at exit once it marks a KeyboardInterrupt unhandled). Leave with the promised code; the
-    # run's files are already gone.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    _leave_cancelled(code)
 raise SystemExit(code)
