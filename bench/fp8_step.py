@@ -9,8 +9,10 @@ In one process, on one random full-size DiT:
 2. the floor: the step's FP8 GEMMs (row-wise) and bf16 attentions back to back, nothing else;
 3. the FP8 step uncompiled and compiled, median ms and relative L2 against bf16: as a pipe loads it (quantised,
    then q/k/v and gate/up stacked with each row keeping its layer's scale), each projection apart, and fused before
-   quantising (one scale for the stack); the MLP's product quantised in one pass (runtime/quant/fp8_gated.py) and,
-   for comparison, by the compiler; the pipe's form also replayed as one CUDA graph;
+   quantising (one scale for the stack); every activation quantised by its kernel ("one-pass": the MLP's product,
+   runtime/quant/fp8_gated.py, the adaLN-fed inputs, fp8_modulated.py, the rest, fp8_rows.py), only the MLP's
+   product by its kernel ("gelu-only"), or none ("two-pass": the compiler's); the pipe's form also replayed as one
+   CUDA graph;
 4. profiles of the pipe's compiled step at batch 1, launched and replayed as a graph: GPU time by kernel kind, the
    idle time between kernels and the 25 costliest kernels.
 Writes DIR/fp8_step.json.
@@ -33,7 +35,8 @@ from speed import SEQ, build_ours, inputs  # noqa: E402
 
 from ernie_image.runtime.model.compile import allow_cache_size, compile_blocks, fuse_projections  # noqa: E402
 from ernie_image.runtime.quant.fp8 import quantize_activation, quantize_fp8  # noqa: E402
-from ernie_image.runtime.quant import fp8_gated  # noqa: E402
+from ernie_image.runtime.quant import fp8_gated, fp8_matmul  # noqa: E402
+from ernie_image.runtime.quant.fp8_rows import quantize_rows, quantize_rows_reference  # noqa: E402
 from ernie_image.runtime.quant.fp8_gated import gelu_mul_quantize, gelu_mul_quantize_reference  # noqa: E402
 from ernie_image.runtime.quant.triton_loader import kernels_for  # noqa: E402
 
@@ -107,14 +110,21 @@ def floor_run(fp8: torch.nn.Module, batch: int) -> Callable[[], None]:
     return run
 
 
-def one_pass(model: torch.nn.Module, on: bool) -> None:
+def one_pass(model: torch.nn.Module, on: bool, adaln: bool = True) -> None:
     """The MLP's product quantised by the one-pass kernel (on) or as the torch form (an instance attribute None
-    hides the layer's one-pass input)."""
+    hides the layer's one-pass input); the adaLN-fed projections' inputs and the other activations quantised by
+    their kernels too (on and `adaln`) or by the torch forms."""
     for block in model.layers:
-        if on:
-            block.mlp.linear_fc2.__dict__.pop("gelu_gated", None)
-        else:
-            block.mlp.linear_fc2.gelu_gated = None
+        for layer, method, wanted in ((block.mlp.linear_fc2, "gelu_gated", on),
+                                      (block.self_attention.to_qkv, "norm_modulated", on and adaln),
+                                      (block.mlp.gate_up, "norm_modulated", on and adaln)):
+            if layer is None:
+                continue
+            if wanted:
+                layer.__dict__.pop(method, None)
+            else:
+                setattr(layer, method, None)
+    fp8_matmul.quantize_rows = quantize_rows if on and adaln else quantize_rows_reference
 
 
 def graph_row(model: torch.nn.Module, label: str, reference: torch.Tensor
@@ -138,13 +148,16 @@ def graph_row(model: torch.nn.Module, label: str, reference: torch.Tensor
     return graph, row
 
 
+OUR_TRITON_KERNELS = {"gelu_mul_quantize_kernel", "rms_modulate_quantize_kernel", "row_quantize_kernel"}
+
+
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
     if any(w in lowered for w in ("flash", "fmha", "attention", "sdpa")):
         return "attention"
     if any(w in lowered for w in ("gemm", "cublas", "cutlass", "xmma", "nvjet", "f8f8bf16")):
         return "gemm"
-    if lowered.startswith("triton"):
+    if lowered.startswith("triton") or lowered in OUR_TRITON_KERNELS:
         return "fused (triton)"
     return "other"
 
@@ -220,9 +233,10 @@ def main() -> None:
                     ("fused before quantising, product quantised by the compiler", fused, "two-pass"),
                     ("fused before quantising", fused, "one-pass"))
         uncompiled = (("fused before quantising", fused, "two-pass"), ("fused before quantising", fused, "one-pass"),
-                      ("as loaded", as_loaded, "one-pass"), ("each projection apart", apart, "one-pass"))
+                      ("as loaded", as_loaded, "one-pass"), ("as loaded", as_loaded, "gelu-only"),
+                      ("each projection apart", apart, "one-pass"))
         for projections, model, quantiser in uncompiled:  # before any compile
-            one_pass(model, quantiser == "one-pass")
+            one_pass(model, quantiser != "two-pass", adaln=quantiser == "one-pass")
             for batch in args.batch:
                 args_b = inputs(batch)
                 out = model(*args_b)
@@ -234,9 +248,9 @@ def main() -> None:
         if args.uncompiled_only:
             variants = ()
         elif args.one_pass_only:
-            variants = variants[:1]
+            variants = variants[:1] + (("as loaded", as_loaded, "gelu-only"),)
         for label, model, quantiser in variants:
-            one_pass(model, quantiser == "one-pass")
+            one_pass(model, quantiser != "two-pass", adaln=quantiser == "one-pass")
             torch._dynamo.reset()
             compile_blocks(model)
             for batch in args.batch:
@@ -247,7 +261,7 @@ def main() -> None:
                                         "ms": round(ms, 2),
                                         "rel_l2_vs_bf16": round(relative_l2(out, references[batch]), 5)})
                 print(f"# step {report['steps'][-1]}", flush=True)
-            if model is as_loaded:
+            if model is as_loaded and quantiser == "one-pass":
                 graph, row = graph_row(model, label, references[1])
                 report["steps"].append(row)
                 report["profile_b1_as_loaded_graph"] = profile(graph.replay) if graph is not None else None

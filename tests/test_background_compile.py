@@ -469,7 +469,7 @@ def test_on_the_gpu_inductor_compiles_beside_the_run_and_the_switch_compiles_not
     from ernie_image.runtime.local.options import LoadOptions
     from ernie_image.runtime.local.pipe import LocalPipe
     from ernie_image.runtime.quant.gpu_support import cuda_capability
-    from ernie_image.runtime.quant import fp8_gated
+    from ernie_image.runtime.quant import fp8_kernel_call
     from small_dits import compiled_graphs
 
     if quant == "fp8" and cuda_capability(torch.device("cuda")) < (8, 9):
@@ -499,7 +499,7 @@ def test_on_the_gpu_inductor_compiles_beside_the_run_and_the_switch_compiles_not
         assert not [m for m in host.messages if "could not compile" in m], host.messages
         assert any(m.startswith("the DiT's blocks compiled in the background (") for m in host.messages)
         assert compiled_graphs() == graphs, host.messages  # the real blocks' first compiled calls were cache lookups
-        assert "cuda" not in fp8_gated._failed  # the one-pass kernel ran in the compile's thread too
+        assert "cuda" not in fp8_kernel_call._failed  # the FP8 activation kernels ran in the compile's thread too
         for result in (first, second):
             assert (result.images[0].float() - expected.float()).abs().mean().item() < 0.02
     finally:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ernie_image.runtime.model import dit as dit_module, fused_kernels
+from ernie_image.runtime.model import adaln, dit as dit_module, fused_kernels
 from ernie_image.runtime.model.compile import fuse_projections
 from ernie_image.runtime.model.dit import RopeTables, _positions
 from reference_models import DIT_CONFIG, random_dit, relative_error
@@ -59,7 +59,7 @@ def test_the_adaln_kernel_with_the_weight_folded_into_the_scale_is_norm_then_mod
     shift = (0.5 * torch.randn((2, 1, 512), generator=generator, device="cuda")).to(torch.bfloat16)
     norm = dit_module.RMSNorm(512, 1e-6).to("cuda", torch.bfloat16)
     norm.weight.copy_(weight)
-    got = dit_module._norm_modulate(norm, x, 1 + scale.float(), shift.float(), scale, shift)
+    got = adaln.norm_modulate(norm, x, 1 + scale.float(), shift.float(), scale, shift)
     xf = x.float()
     want = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6) * weight.float() * (1 + scale.float()) \
         + shift.float()

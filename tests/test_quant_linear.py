@@ -15,7 +15,7 @@ from ernie_image.runtime.core.errors import InvalidInputError
 from ernie_image.runtime.formats.quantized_file import load_quantized_state_dict
 from ernie_image.runtime.quant import (QuantLinear, linear as linear_module, load_quantized_into, quantize_linears,
                                        quantize_state_dict, quantize_weight, write_quantized_file)
-from ernie_image.runtime.quant.fp8 import fp8_linear_native
+from ernie_image.runtime.quant.fp8_matmul import fp8_linear_native
 from ernie_image.runtime.quant.gpu_support import DIT_WEIGHT_BYTES, DeviceInfo, choose_auto, format_reasons
 from ernie_image.runtime.quant.linear import native_kernel_accepts
 from ernie_image.runtime.quant.nvfp4 import (E2M1_VALUES, from_blocked, quantize_nvfp4, to_blocked,

@@ -9,6 +9,9 @@ loads with `load_state_dict`. The maths is the reference's; what differs is how 
 - RoPE tables are cached per (image grid, text lengths);
 - the text's projection can be made once for a run (`project_text`, the sampler does) instead of every step;
 - the block loop goes through `block_runner`, the hook the offloader uses to stream weights in;
+- a block hands its adaLN output to the projections it feeds as the factors it is made of (adaln.py's
+  NormModulated): FP8 projections make their e4m3 input from them in one kernel, the MLP's adding the attention's
+  gated residual there too; every other layer gets the tensor;
 - uncompiled, the casts around the fp32 modulation are folded into the arithmetic kernels (`out=` a bf16 tensor:
   the kernel computes in fp32 and rounds once on store, exactly as `.float()` ... `.to(bf16)` does), which halves
   the memory traffic of everything between the GEMMs with bit-identical results; compiled blocks keep the plain
@@ -39,9 +42,8 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import fused_kernels
+from .adaln import FAST, NormModulated, Residual, RMSNorm, gated_residual
 from .arithmetic import Arithmetic, ArithmeticName
-
-FAST = Arithmetic()
 
 
 @dataclass(frozen=True)
@@ -83,26 +85,6 @@ class DiTConfig:
         return self.hidden_size // self.num_attention_heads
 
 
-class RMSNorm(nn.Module):
-    """diffusers' RMSNorm, same rounding: normalise in fp32, cast to the weight's dtype, then scale."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor, arithmetic: Arithmetic = FAST) -> torch.Tensor:
-        low_precision = self.weight.dtype in (torch.float16, torch.bfloat16)
-        variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        if low_precision and arithmetic.folds_casts():
-            normed = torch.mul(x, torch.rsqrt(variance + self.eps), out=torch.empty_like(x, dtype=self.weight.dtype))
-            return normed.mul_(self.weight)
-        x = x * torch.rsqrt(variance + self.eps)
-        if low_precision:
-            x = x.to(self.weight.dtype)
-        return x * self.weight
-
-
 class Attention(nn.Module):
     def __init__(self, config: DiTConfig) -> None:
         super().__init__()
@@ -123,14 +105,16 @@ class Attention(nn.Module):
         del self.to_q, self.to_k, self.to_v
         return True
 
-    def forward(self, x: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
-        if ctx.arithmetic.fast_for(x):
+    def forward(self, x: torch.Tensor | NormModulated, ctx: "StepContext") -> torch.Tensor:
+        """`x`: the input of q, k and v, or the adaLN output that makes it (which an FP8 projection may take)."""
+        x = NormModulated.of(x)
+        if ctx.arithmetic.fast_for(x.source):
             return self._fast_forward(x, ctx)
         rope = ctx.rope
         if self.to_qkv is not None:
-            q, k, v = self.to_qkv(x).chunk(3, dim=-1)
+            q, k, v = x.into(self.to_qkv).chunk(3, dim=-1)
         else:
-            q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+            q, k, v = x.into(self.to_q), x.into(self.to_k), x.into(self.to_v)
         q = self.norm_q(q.unflatten(-1, (self.heads, -1)))
         k = self.norm_k(k.unflatten(-1, (self.heads, -1)))
         v = v.unflatten(-1, (self.heads, -1))
@@ -140,19 +124,19 @@ class Attention(nn.Module):
         )
         return self.to_out[0](out.transpose(1, 2).flatten(2, 3))
 
-    def _fast_forward(self, x: torch.Tensor, ctx: "StepContext") -> torch.Tensor:
+    def _fast_forward(self, x: NormModulated, ctx: "StepContext") -> torch.Tensor:
         """q and k normalised and rotated together (one pass each for both), their norm weights folded into the
         RoPE tables."""
         batch, length, _ = x.shape
         rope, key_mask = ctx.rope, ctx.key_mask
-        if rope.rotation is not None and ctx.arithmetic.kitchen_rope and fused_kernels.rope_serves(x):
+        if rope.rotation is not None and ctx.arithmetic.kitchen_rope and fused_kernels.rope_serves(x.source):
             return self._kitchen_forward(x, rope, key_mask)
         if self.to_qkv is not None:
-            qkv = self.to_qkv(x).unflatten(-1, (3, self.heads, -1))  # [B, S, 3, H, hd]
+            qkv = x.into(self.to_qkv).unflatten(-1, (3, self.heads, -1))  # [B, S, 3, H, hd]
             q_k, v = qkv[:, :, :2], qkv[:, :, 2]
         else:
-            q_k = torch.stack((self.to_q(x), self.to_k(x)), dim=2).unflatten(-1, (self.heads, -1))
-            v = self.to_v(x).unflatten(-1, (self.heads, -1))
+            q_k = torch.stack((x.into(self.to_q), x.into(self.to_k)), dim=2).unflatten(-1, (self.heads, -1))
+            v = x.into(self.to_v).unflatten(-1, (self.heads, -1))
         normed = _rms_normalize_short_rows(q_k, self.norm_q.eps)
         rotated = rope.apply_weighted(normed, self._laid_out_norm_weights(ctx, normed))
         out = F.scaled_dot_product_attention(
@@ -160,14 +144,16 @@ class Attention(nn.Module):
         )
         return self.to_out[0](out.transpose(1, 2).reshape(batch, length, -1))
 
-    def _kitchen_forward(self, x: torch.Tensor, rope: "RopeTables", key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def _kitchen_forward(self, x: NormModulated, rope: "RopeTables", key_mask: Optional[torch.Tensor]
+                         ) -> torch.Tensor:
         """q and k normalised and rotated by comfy-kitchen's fused kernel, one pass each (fused_kernels.py)."""
         batch, length, _ = x.shape
         if self.to_qkv is not None:
-            qkv = self.to_qkv(x).unflatten(-1, (3, self.heads, -1))  # [B, S, 3, H, hd]
+            qkv = x.into(self.to_qkv).unflatten(-1, (3, self.heads, -1))  # [B, S, 3, H, hd]
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         else:
-            q, k, v = (projection(x).unflatten(-1, (self.heads, -1)) for projection in (self.to_q, self.to_k, self.to_v))
+            q, k, v = (x.into(projection).unflatten(-1, (self.heads, -1))
+                       for projection in (self.to_q, self.to_k, self.to_v))
         q, k = fused_kernels.rms_rope(q, k, rope.rotation, self.norm_q.weight, self.norm_k.weight, self.norm_q.eps)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              attn_mask=key_mask)
@@ -245,17 +231,20 @@ class FeedForward(nn.Module):
         del self.gate_proj, self.up_proj
         return True
 
-    def forward(self, x: torch.Tensor, arithmetic: Arithmetic = FAST) -> torch.Tensor:
-        if self.gate_up is not None and type(self.gate_up) is nn.Linear and arithmetic.fast_for(x):
+    def forward(self, x: torch.Tensor | NormModulated, arithmetic: Arithmetic = FAST) -> torch.Tensor:
+        """`x`: the input of gate and up, or the adaLN output that makes it (which an FP8 projection may take)."""
+        x = NormModulated.of(x)
+        if self.gate_up is not None and type(self.gate_up) is nn.Linear and arithmetic.fast_for(x.source):
             # The stacked weight's halves as two GEMMs (as fast as one here): contiguous outputs let gelu and the
             # product run vectorised, twice as fast as on the strided halves of one output.
             width = self.gate_up.weight.shape[0] // 2
-            gate, up = F.linear(x, self.gate_up.weight[:width]), F.linear(x, self.gate_up.weight[width:])
+            made = x.tensor()
+            gate, up = F.linear(made, self.gate_up.weight[:width]), F.linear(made, self.gate_up.weight[width:])
             return self.linear_fc2(F.gelu(gate).mul_(up))
         if self.gate_up is not None:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            gate, up = x.into(self.gate_up).chunk(2, dim=-1)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            gate, up = x.into(self.gate_proj), x.into(self.up_proj)
         # A packed layer may take the product's factors and quantise them in one pass (quant/fp8_gated.py). Only the
         # layer's own class offers it: a LoRA wrapper (lora/attach.py) has no such method and gets the product.
         gelu_gated = getattr(self.linear_fc2, "gelu_gated", None)
@@ -279,39 +268,6 @@ def _fuse_linears(linears: list[nn.Module], stack_packed: bool = True) -> Option
     return fused
 
 
-def _norm_modulate(norm: RMSNorm, x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor,
-                   scale_raw: torch.Tensor, shift_raw: torch.Tensor, arithmetic: Arithmetic = FAST) -> torch.Tensor:
-    """_modulate(norm(x), ...). The fast path keeps every operand in x's dtype (mixed-dtype kernels take PyTorch's
-    slow casting path): norm and weight in one kernel, then (normed * scale + shift) + normed, with the raw `scale`
-    and `shift` whose fp32 forms are exact; or comfy-kitchen's one-pass kernel with the weight in the scale."""
-    if arithmetic.fast_for(x) and norm.weight.dtype == x.dtype:
-        # comfy-kitchen, one pass: rms(x) * (w (1 + scale)) + shift = rms(x) * (1 + scale') + shift
-        if arithmetic.kitchen_adaln and fused_kernels.adaln_serves(x):
-            folded_scale = torch.mul(norm.weight, one_plus_scale).sub_(1).to(x.dtype)  # fp32 until then: small
-            return fused_kernels.rms_adaln(x, folded_scale, shift_raw, norm.eps)
-        normed = F.rms_norm(x, (x.shape[-1],), weight=norm.weight, eps=norm.eps)
-        return torch.addcmul(shift_raw, normed, scale_raw).add_(normed)
-    return _modulate(norm(x, arithmetic), one_plus_scale, shift, arithmetic)
-
-
-def _modulate(x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor,
-              arithmetic: Arithmetic = FAST) -> torch.Tensor:
-    """(x.float() * one_plus_scale + shift).to(x.dtype); the fp32 factors are [B, 1, D]."""
-    if arithmetic.folds_casts():
-        return torch.add(torch.mul(x, one_plus_scale), shift, out=torch.empty_like(x))
-    return (x.float() * one_plus_scale + shift).to(x.dtype)
-
-
-def _gated_residual(x: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
-                    gate_raw: Optional[torch.Tensor] = None, arithmetic: Arithmetic = FAST) -> torch.Tensor:
-    """x + (gate * update.float()).to(x.dtype), the gate fp32 [B, 1, D] (`gate_raw`: the same in x's dtype)."""
-    if gate_raw is not None and arithmetic.fast_for(x):
-        return torch.addcmul(x, update, gate_raw)
-    if arithmetic.folds_casts():
-        return torch.mul(gate, update, out=torch.empty_like(update, dtype=x.dtype)).add_(x)
-    return x + (gate * update.float()).to(x.dtype)
-
-
 class Block(nn.Module):
     def __init__(self, config: DiTConfig) -> None:
         super().__init__()
@@ -324,13 +280,15 @@ class Block(nn.Module):
         shift_msa, one_plus_scale_msa, gate_msa, shift_mlp, one_plus_scale_mlp, gate_mlp = ctx.modulation
         raw_shift_msa, raw_scale_msa, raw_gate_msa, raw_shift_mlp, raw_scale_mlp, raw_gate_mlp = ctx.raw_modulation
         arithmetic = ctx.arithmetic
-        attn_in = _norm_modulate(self.adaLN_sa_ln, x, one_plus_scale_msa, shift_msa, raw_scale_msa, raw_shift_msa,
-                                 arithmetic)
-        attn = self.self_attention(attn_in, ctx)
-        x = _gated_residual(x, gate_msa, attn, raw_gate_msa, arithmetic)
-        mlp_in = _norm_modulate(self.adaLN_mlp_ln, x, one_plus_scale_mlp, shift_mlp, raw_scale_mlp, raw_shift_mlp,
+        attn_in = NormModulated(self.adaLN_sa_ln, x, one_plus_scale_msa, shift_msa, raw_scale_msa, raw_shift_msa,
                                 arithmetic)
-        return _gated_residual(x, gate_mlp, self.mlp(mlp_in, arithmetic), raw_gate_mlp, arithmetic)
+        attn = self.self_attention(attn_in, ctx)
+        # The MLP's input is normalised from x after the attention's gated residual, which a projection taking the
+        # factors adds in its own kernel.
+        mlp_in = NormModulated(self.adaLN_mlp_ln, x, one_plus_scale_mlp, shift_mlp, raw_scale_mlp, raw_shift_mlp,
+                               arithmetic, Residual(attn, gate_msa, raw_gate_msa))
+        update = self.mlp(mlp_in, arithmetic)
+        return gated_residual(mlp_in.source, gate_mlp, update, raw_gate_mlp, arithmetic)
 
 
 class RopeTables:
@@ -366,7 +324,7 @@ class RopeTables:
     def apply_weighted(self, normed: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """apply(normed * weight) for normed [B, S, 2, H, hd] (q, k) and their norm weights as qk_norm_weights
         gives them, folded into the tables: out = n * (w cos) and, half by half, += n_other_half * (w_other_half
-        signed_sin); every operand in normed's dtype (see _norm_modulate). A block's weighted tables are one product
+        signed_sin); every operand in normed's dtype (see adaln.norm_modulate). A block's weighted tables are one product
         with the tables of this shape."""
         half = normed.shape[-1] // 2
         tables = self.cos_sin * weights  # [B, S, 2, 2, 1, hd]

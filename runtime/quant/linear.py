@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8 import fp8_linear_native, native_fp8_supported
-from .fp8_gated import fp8_gelu_gated_native
+from .fp8 import native_fp8_supported
+from .fp8_matmul import fp8_gelu_gated_native, fp8_linear_native, fp8_norm_modulated_native
 from .nvfp4 import native_fp4_supported, nvfp4_linear_native
 from .qweight import QuantizedWeight, dequantize_packed
 from .triton_dequant import dequantize_triton, has_triton_kernel
@@ -195,6 +195,19 @@ class QuantLinear(nn.Module):
             if y is not None:
                 return y
         return self(up * F.gelu(gate))
+
+    def norm_modulated(self, x: torch.Tensor, norm_weight: torch.Tensor, one_plus_scale: torch.Tensor,
+                       shift: torch.Tensor, eps: float, residual: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(self(modulate(RMSNorm(x))), x) (model/adaln.py), x first x + gate * update where `residual` is
+        (update, gate), where this layer multiplies natively in FP8: one kernel makes its e4m3 input from x, the
+        norm's bf16 weight and the fp32 [B, 1, D] factors (fp8_modulated.py). None where it does not (the caller
+        makes the input and calls the layer)."""
+        if self._native_format != "fp8" or x.dim() != 3 or norm_weight.dtype != torch.bfloat16:
+            return None
+        return self._run_native(x, lambda: fp8_norm_modulated_native(x, norm_weight, one_plus_scale, shift, eps,
+                                                                     residual, self.weight, self.weight_scale_row,
+                                                                     self.bias))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._native(x)

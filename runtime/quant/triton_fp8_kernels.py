@@ -52,22 +52,94 @@ def _larger(a, b):
 
 
 @triton.jit
+def _plus(a, b):
+    return a + b
+
+
+@triton.jit
+def _gelu_product(g, u):
+    """bf16(u * bf16(gelu(g))) in fp32, gelu the exact (erf) form as F.gelu's default."""
+    gelu = _bf16(0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)))
+    return _bf16(u * gelu)
+
+
+@triton.jit
+def _row_scale(amax):
+    """The row's bf16 scale from its absolute maximum. NaN propagates as in torch's amax and clamp (Triton's
+    min/max drop it by default): a non-finite value makes its row's scale NaN or inf and reaches the non-finite
+    check downstream."""
+    return _bf16(tl.maximum(amax / E4M3_MAX, MIN_SCALE, propagate_nan=tl.PropagateNan.ALL))
+
+
+@triton.jit
+def _quantised(values, row_scale):
+    """values (bf16 held in fp32) / row_scale, rounded to bf16, clamped to +-448, in e4m3."""
+    quotient = _bf16(values / row_scale)
+    quotient = tl.minimum(tl.maximum(quotient, -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), E4M3_MAX,
+                          propagate_nan=tl.PropagateNan.ALL)
+    return _e4m3(quotient)
+
+
+@triton.jit
+def _absmax(values, mask, axis: tl.constexpr = 0):
+    # Not tl.max: a jit function of triton's own, which the interpreter cannot run where triton was imported
+    # before TRITON_INTERPRET was set.
+    return tl.reduce(tl.where(mask, tl.abs(values), 0.0), axis, _larger)
+
+
+@triton.jit
 def gelu_mul_quantize_kernel(gate, up, out, scale, gate_row_stride, up_row_stride, n, BLOCK: tl.constexpr):
+    """One program a row, the whole row in registers."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     g = tl.load(gate + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    gelu = _bf16(0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)))
-    product = _bf16(u * gelu)
-    # Not tl.max: a jit function of triton's own, which the interpreter cannot run where triton was imported
-    # before TRITON_INTERPRET was set.
-    amax = tl.reduce(tl.where(mask, tl.abs(product), 0.0), 0, _larger)
-    # NaN propagates as in torch's amax and clamp (Triton's min/max drop it by default): a non-finite product
-    # makes its row's scale NaN or inf and reaches the non-finite check downstream.
-    row_scale = _bf16(tl.maximum(amax / E4M3_MAX, MIN_SCALE, propagate_nan=tl.PropagateNan.ALL))
-    quotient = _bf16(product / row_scale)
-    quotient = tl.minimum(tl.maximum(quotient, -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL), E4M3_MAX,
-                          propagate_nan=tl.PropagateNan.ALL)
-    tl.store(out + row * n + cols, _e4m3(quotient), mask=mask)
+    product = _gelu_product(g, u)
+    row_scale = _row_scale(_absmax(product, mask))
+    tl.store(out + row * n + cols, _quantised(product, row_scale), mask=mask)
     tl.store(scale + row, row_scale)
+
+
+@triton.jit
+def rms_modulate_quantize_kernel(x, update, gate, x_out, weight, one_plus_scale, shift, out, scale, rows,
+                                 rows_per_batch, n, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                                 RESIDUAL: tl.constexpr):
+    """A block's adaLN input in e4m3, ROWS rows a program, x's rows contiguous: RMSNorm as RMSNorm.forward rounds
+    it (fp32 normalised, bf16, times the bf16 weight, bf16), modulated as `modulate` (fp32 x * (1 + scale) +
+    shift, bf16), then quantised per row as quantize_activation. `one_plus_scale` and `shift` are fp32
+    [batches, n], a batch every `rows_per_batch` rows. RESIDUAL: x is first x + bf16(gate * update) (bf16 update,
+    fp32 gate [batches, n]: the gated residual's plain form), written to x_out."""
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    row = first + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (row < rows) & (cols < n)
+    batch_offset = (row // rows_per_batch) * n + cols
+    values = tl.load(x + row * n + cols, mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL:
+        gated = _bf16(tl.load(gate + batch_offset, mask=mask, other=0.0)
+                      * tl.load(update + row * n + cols, mask=mask, other=0.0).to(tl.float32))
+        values = _bf16(values + gated)
+        tl.store(x_out + row * n + cols, values.to(tl.bfloat16), mask=mask)
+    mean_square = tl.reduce(values * values, 1, _plus)[:, None] / n
+    normed = _bf16(values * tl.math.rsqrt(mean_square + eps))
+    normed = _bf16(normed * tl.load(weight + cols, mask=cols < n, other=0.0).to(tl.float32))
+    factor = tl.load(one_plus_scale + batch_offset, mask=mask, other=0.0)
+    offset = tl.load(shift + batch_offset, mask=mask, other=0.0)
+    modulated = _bf16(normed * factor + offset)
+    row_scale = _row_scale(_absmax(modulated, mask, 1))[:, None]
+    tl.store(out + row * n + cols, _quantised(modulated, row_scale), mask=mask)
+    tl.store(scale + row, row_scale, mask=row < rows)
+
+
+@triton.jit
+def row_quantize_kernel(x, out, scale, x_row_stride, rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """quantize_activation(x, per_row=True) for bf16 rows, ROWS rows a program."""
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    row = first + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK)[None, :]
+    mask = (row < rows) & (cols < n)
+    values = tl.load(x + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    row_scale = _row_scale(_absmax(values, mask, 1))[:, None]
+    tl.store(out + row * n + cols, _quantised(values, row_scale), mask=mask)
+    tl.store(scale + row, row_scale, mask=row < rows)

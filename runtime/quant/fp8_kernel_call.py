@@ -1,0 +1,85 @@
+"""How the FP8 activation kernels (triton_fp8_kernels.py) are called: as custom ops, each with its torch form
+beside it, which runs where the kernel cannot (no Triton, a CPU tensor without the interpreter, an input the
+kernel does not take) and computes what the kernel computes.
+
+A custom op is opaque to torch.compile, so a compiled block calls the kernel as it is. A kernel failure (a compile
+failure on an untested GPU or Triton) turns the kernels off on that device type for good, with one warning; inside
+a CUDA-graph capture it only makes that graph hold the torch form (see `kernel_or_torch_form`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from types import ModuleType
+from typing import Callable, TypeVar
+
+import torch
+
+from .triton_loader import kernels_for
+
+Result = TypeVar("Result")
+_failed: set[str] = set()  # device types where a kernel failed once: the torch forms run there from then on
+log = logging.getLogger(__name__)
+
+
+def kernel_or_torch_form(what: str, device: torch.device, kernel_takes: bool,
+                         launch: Callable[[ModuleType], Result], torch_form: Callable[[], Result]) -> Result:
+    """`launch(kernels)` where the kernel `what` can run on `device` and takes the input (`kernel_takes`), else
+    `torch_form()`."""
+    usable = kernel_takes and device.type not in _failed
+    kernels = kernels_for("triton_fp8_kernels", device) if usable else None
+    if kernels is None:
+        return torch_form()
+    try:
+        return launch(kernels)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as err:  # the torch form computes the same
+        if _in_a_capture(device):
+            # Under cudaMallocAsync a graph's own allocations have no address Triton can check before the graph
+            # runs: this graph holds the torch form, other calls keep the kernel.
+            log.debug("the FP8 %s kernel cannot run inside this graph capture (%s: %s); the graph holds the torch "
+                      "form", what, type(err).__name__, str(err)[:200])
+            return torch_form()
+        _failed.add(device.type)
+        log.warning("the FP8 %s kernel failed (%s: %s); using the torch forms from now on", what,
+                    type(err).__name__, str(err)[:300])
+        return torch_form()
+
+
+def _in_a_capture(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def on_device(device: torch.device):
+    """The context a launch runs in: Triton launches on the current CUDA device, which must be the tensors'."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def registered_op(name: str, schema: str, impl: Callable, fake: Callable) -> object:
+    """The custom op `name` ("namespace::op"), registered with `impl` and its fake (shapes only); where another
+    copy of the pack in the process (an installed one beside ComfyUI's) registered it already, that copy's op,
+    which computes the same where both copies are one version."""
+    namespace, op_name = name.split("::")
+    try:
+        return getattr(getattr(torch.ops, namespace), op_name)
+    except (AttributeError, RuntimeError):
+        pass
+    op = torch.library.custom_op(name, mutates_args=(), schema=schema)(impl)
+    op.register_fake(fake)
+    return op
+
+
+def quantised_like(rows: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty e4m3 [rows, n] values and fp32 [rows, 1] scales: what every kernel writes."""
+    return (torch.empty((rows, n), dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((rows, 1), dtype=torch.float32, device=device))
+
+
+def power_of_two_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def triton_cdiv(count: int, per_program: int) -> int:
+    """Programs for `count` rows at `per_program` rows each."""
+    return -(-count // per_program)
