@@ -136,6 +136,31 @@ def test_the_ops_shapes_without_running_it_are_the_torch_forms(name: str) -> Non
     assert [(t.shape, t.dtype, t.stride()) for t in got] == [(t.shape, t.dtype, t.stride()) for t in expected]
 
 
+@each_op
+@pytest.mark.parametrize("capturing", [False, True])
+def test_inside_a_graph_capture_the_kernel_is_given_its_tensors_addresses(monkeypatch: pytest.MonkeyPatch, name: str,
+                                                                          capturing: bool) -> None:
+    """Triton asks the driver about a tensor's address before a launch, which fails for memory a capture under
+    cudaMallocAsync allocated itself; an integer address it takes as it is."""
+    kernel_op = OPS[name]
+    asked = []
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(fp8_kernel_call, "_failed", set())
+    monkeypatch.setattr(fp8_kernel_call, "_in_a_capture", lambda device: capturing)
+    monkeypatch.setattr(kernel_op.module, "launch", lambda *args, addresses=False, **kwargs: asked.append(addresses)
+                        or kernel_op.reference(*kernel_op.inputs()))
+    kernel_op.impl(*kernel_op.inputs())
+    assert asked == [capturing]
+
+
+def test_a_tensor_given_by_its_address_must_be_16_byte_aligned() -> None:
+    whole = torch.zeros(64, dtype=torch.bfloat16)
+    assert fp8_kernel_call.as_arguments((whole, whole[8:]), addresses=True) == (whole.data_ptr(), whole.data_ptr() + 16)
+    assert fp8_kernel_call.as_arguments((whole,), addresses=False)[0] is whole
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        fp8_kernel_call.as_arguments((whole[1:],), addresses=True)
+
+
 SIGNATURES = {  # each kernel's arguments as the launches pass them, at the DiT's widths
     "gelu_mul_quantize_kernel": ({"gate": "*bf16", "up": "*bf16", "out": "*fp8e4nv", "scale": "*fp32",
                                   "gate_row_stride": "i64", "up_row_stride": "i64", "n": "i32", "BLOCK": "constexpr"},
@@ -155,8 +180,10 @@ SIGNATURES = {  # each kernel's arguments as the launches pass them, at the DiT'
 
 @needs_triton
 @pytest.mark.parametrize("kernel", list(SIGNATURES))
-def test_each_kernel_compiles_for_hopper_without_a_gpu(kernel: str) -> None:
-    """Triton's front end and ptxas accept the kernel for SM 9.0 (what a GPU would compile on first use)."""
+@pytest.mark.parametrize("addresses", [False, True], ids=["tensors", "addresses"])
+def test_each_kernel_compiles_for_hopper_without_a_gpu(kernel: str, addresses: bool) -> None:
+    """Triton's front end and ptxas accept the kernel for SM 9.0 (what a GPU would compile on first use), given
+    tensors or their addresses; given addresses its loads stay vectorised."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -166,6 +193,12 @@ def test_each_kernel_compiles_for_hopper_without_a_gpu(kernel: str) -> None:
     kernels = kernels_for("triton_fp8_kernels", torch.device("cuda"))
     assert kernels is not None
     signature, constexprs, warps = SIGNATURES[kernel]
-    source = ASTSource(fn=getattr(kernels, kernel), signature=signature, constexprs=constexprs)
+    if addresses:
+        signature = {name: "i64" if kind.startswith("*") else kind for name, kind in signature.items()}
+    signature = {**signature, "ADDRESSES": "constexpr"}
+    aligned = {(index,): [["tt.divisibility", 16]] for index, kind in enumerate(signature.values()) if kind != "constexpr"}
+    source = ASTSource(fn=getattr(kernels, kernel), signature=signature, constexprs={**constexprs, "ADDRESSES": addresses},
+                       attrs=aligned)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     assert "cubin" in compiled.asm
+    assert ".v4." in compiled.asm["ptx"] or ".v2." in compiled.asm["ptx"], "no vectorised load or store"

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from .fp8 import quantize_activation
-from .fp8_kernel_call import kernel_or_torch_form, on_device, power_of_two_at_least, quantised_like, registered_op
+from .fp8_kernel_call import (as_arguments, kernel_or_torch_form, on_device, power_of_two_at_least, quantised_like,
+                              registered_op)
 
 _MAX_ROW = 1 << 15  # the one-pass form holds a row in registers: the DiT's 12288 fits with room
 
@@ -33,7 +34,7 @@ def _kernel_takes(gate: torch.Tensor, up: torch.Tensor) -> bool:
 
 def _gelu_mul_quantize(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return kernel_or_torch_form("gelu-product", gate.device, _kernel_takes(gate, up),
-                                lambda kernels: launch(kernels, gate, up),
+                                lambda kernels, addresses: launch(kernels, gate, up, addresses=addresses),
                                 lambda: gelu_mul_quantize_reference(gate, up))
 
 
@@ -44,16 +45,18 @@ def default_warps(block: int) -> int:
     return max(4, min(8, block // 2048))
 
 
-def launch(kernels: ModuleType, gate: torch.Tensor, up: torch.Tensor, num_warps: int | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel on inputs it takes (`_kernel_takes`); `num_warps` (default: `default_warps`) is for benchmarks."""
+def launch(kernels: ModuleType, gate: torch.Tensor, up: torch.Tensor, num_warps: int | None = None,
+           addresses: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on inputs it takes (`_kernel_takes`), given their `addresses` or not (fp8_kernel_call.py);
+    `num_warps` (default: `default_warps`) is for benchmarks."""
     rows, n = gate.shape
     out, scale = quantised_like(rows, n, gate.device)
     if rows:
         block = power_of_two_at_least(n)
         with on_device(gate.device):
-            kernels.gelu_mul_quantize_kernel[(rows,)](gate, up, out, scale, gate.stride(0), up.stride(0), n,
-                                                      BLOCK=block, num_warps=num_warps or default_warps(block))
+            kernels.gelu_mul_quantize_kernel[(rows,)](*as_arguments((gate, up, out, scale), addresses), gate.stride(0),
+                                                      up.stride(0), n, BLOCK=block, ADDRESSES=addresses,
+                                                      num_warps=num_warps or default_warps(block))
     return out, scale
 
 

@@ -2,9 +2,11 @@
 beside it, which runs where the kernel cannot (no Triton, a CPU tensor without the interpreter, an input the
 kernel does not take) and computes what the kernel computes.
 
-A custom op is opaque to torch.compile, so a compiled block calls the kernel as it is. A kernel failure (a compile
-failure on an untested GPU or Triton) turns the kernels off on that device type for good, with one warning; inside
-a CUDA-graph capture it only makes that graph hold the torch form (see `kernel_or_torch_form`).
+A custom op is opaque to torch.compile, so a compiled block calls the kernel as it is. Inside a CUDA-graph capture
+the kernels are given their tensors' addresses (`as_arguments`), which Triton takes without asking the driver about
+them: under cudaMallocAsync the memory a capture allocates is mapped only when the graph runs. A kernel failure (a
+compile failure on an untested GPU or Triton) turns the kernels off on that device type for good, with one warning;
+inside a capture it only makes that graph hold the torch form.
 """
 from __future__ import annotations
 
@@ -23,21 +25,21 @@ log = logging.getLogger(__name__)
 
 
 def kernel_or_torch_form(what: str, device: torch.device, kernel_takes: bool,
-                         launch: Callable[[ModuleType], Result], torch_form: Callable[[], Result]) -> Result:
-    """`launch(kernels)` where the kernel `what` can run on `device` and takes the input (`kernel_takes`), else
-    `torch_form()`."""
+                         launch: Callable[[ModuleType, bool], Result], torch_form: Callable[[], Result]) -> Result:
+    """`launch(kernels, addresses)` where the kernel `what` can run on `device` and takes the input
+    (`kernel_takes`), else `torch_form()`; `addresses`: inside a CUDA-graph capture, give the kernel its tensors'
+    addresses (`as_arguments`)."""
     usable = kernel_takes and device.type not in _failed
     kernels = kernels_for("triton_fp8_kernels", device) if usable else None
     if kernels is None:
         return torch_form()
+    capturing = _in_a_capture(device)
     try:
-        return launch(kernels)
+        return launch(kernels, capturing)
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as err:  # the torch form computes the same
-        if _in_a_capture(device):
-            # Under cudaMallocAsync a graph's own allocations have no address Triton can check before the graph
-            # runs: this graph holds the torch form, other calls keep the kernel.
+        if capturing:  # e.g. a tensor not 16-byte aligned: this graph holds the torch form, other calls the kernel
             log.debug("the FP8 %s kernel cannot run inside this graph capture (%s: %s); the graph holds the torch "
                       "form", what, type(err).__name__, str(err)[:200])
             return torch_form()
@@ -49,6 +51,17 @@ def kernel_or_torch_form(what: str, device: torch.device, kernel_takes: bool,
 
 def _in_a_capture(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def as_arguments(tensors: tuple[torch.Tensor, ...], addresses: bool) -> tuple:
+    """The tensors as a kernel's arguments: themselves, or (`addresses`) their integer addresses, which the kernels'
+    ADDRESSES form takes as 16-byte aligned pointers (ValueError where one is not)."""
+    if not addresses:
+        return tensors
+    for tensor in tensors:
+        if tensor.data_ptr() % 16:
+            raise ValueError("a tensor given by its address is not 16-byte aligned")
+    return tuple(tensor.data_ptr() for tensor in tensors)
 
 
 def on_device(device: torch.device):

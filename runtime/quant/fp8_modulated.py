@@ -16,8 +16,8 @@ from types import ModuleType
 import torch
 
 from .fp8 import quantize_activation
-from .fp8_kernel_call import (kernel_or_torch_form, on_device, power_of_two_at_least, quantised_like, registered_op,
-                              triton_cdiv)
+from .fp8_kernel_call import (as_arguments, kernel_or_torch_form, on_device, power_of_two_at_least, quantised_like,
+                              registered_op, triton_cdiv)
 
 _MAX_ROW = 1 << 14  # a row is held in registers
 
@@ -55,7 +55,7 @@ def _norm_modulate_quantize(x: torch.Tensor, weight: torch.Tensor, one_plus_scal
                             shift: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     return kernel_or_torch_form(
         "adaLN", x.device, x.dim() == 3 and _kernel_takes(x, weight, one_plus_scale, shift),
-        lambda kernels: launch(kernels, x, weight, one_plus_scale, shift, eps),
+        lambda kernels, addresses: launch(kernels, x, weight, one_plus_scale, shift, eps, addresses=addresses),
         lambda: norm_modulate_quantize_reference(x, weight, one_plus_scale, shift, eps))
 
 
@@ -66,7 +66,9 @@ def _residual_norm_modulate_quantize(x: torch.Tensor, update: torch.Tensor, gate
         and update.dtype == x.dtype and update.is_contiguous() and gate.shape == one_plus_scale.shape \
         and gate.dtype == torch.float32 and gate.is_contiguous() and update.device == gate.device == x.device
     return kernel_or_torch_form(
-        "adaLN", x.device, takes, lambda kernels: launch(kernels, x, weight, one_plus_scale, shift, eps, (update, gate)),
+        "adaLN", x.device, takes,
+        lambda kernels, addresses: launch(kernels, x, weight, one_plus_scale, shift, eps, (update, gate),
+                                          addresses=addresses),
         lambda: residual_norm_modulate_quantize_reference(x, update, gate, weight, one_plus_scale, shift, eps))
 
 
@@ -79,10 +81,11 @@ def default_warps(block: int, residual: bool = False) -> int:
 
 def launch(kernels: ModuleType, x: torch.Tensor, weight: torch.Tensor, one_plus_scale: torch.Tensor,
            shift: torch.Tensor, eps: float, residual: tuple[torch.Tensor, torch.Tensor] | None = None,
-           num_warps: int | None = None, rows_per_program: int = 1
+           num_warps: int | None = None, rows_per_program: int = 1, addresses: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel on inputs it takes (`_kernel_takes`): (e4m3 rows, scales), and with `residual` (update, gate),
-    x + bf16(gate * update) first. The launch settings are for benchmarks."""
+    (x + bf16(gate * update), e4m3 rows, scales). The inputs are given by their `addresses` or not
+    (fp8_kernel_call.py); the launch settings are for benchmarks."""
     batch, length, width = x.shape
     rows = batch * length
     out, scale = quantised_like(rows, width, x.device)
@@ -92,9 +95,9 @@ def launch(kernels: ModuleType, x: torch.Tensor, weight: torch.Tensor, one_plus_
         block = power_of_two_at_least(width)
         with on_device(x.device):
             kernels.rms_modulate_quantize_kernel[(triton_cdiv(rows, rows_per_program),)](
-                x, update, gate, x_out, weight, one_plus_scale, shift, out, scale, rows, length, width, eps,
-                BLOCK=block, ROWS=rows_per_program, RESIDUAL=residual is not None,
-                num_warps=num_warps or default_warps(block, residual is not None))
+                *as_arguments((x, update, gate, x_out, weight, one_plus_scale, shift, out, scale), addresses), rows,
+                length, width, eps, BLOCK=block, ROWS=rows_per_program, RESIDUAL=residual is not None,
+                ADDRESSES=addresses, num_warps=num_warps or default_warps(block, residual is not None))
     return (out, scale) if residual is None else (x_out, out, scale)
 
 

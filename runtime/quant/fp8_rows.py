@@ -8,8 +8,8 @@ from types import ModuleType
 import torch
 
 from .fp8 import quantize_activation
-from .fp8_kernel_call import (kernel_or_torch_form, on_device, power_of_two_at_least, quantised_like, registered_op,
-                              triton_cdiv)
+from .fp8_kernel_call import (as_arguments, kernel_or_torch_form, on_device, power_of_two_at_least, quantised_like,
+                              registered_op, triton_cdiv)
 
 _MAX_ROW = 1 << 14  # a row is held in registers
 
@@ -25,7 +25,7 @@ def _kernel_takes(x: torch.Tensor) -> bool:
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return kernel_or_torch_form("row quantisation", x.device, _kernel_takes(x), lambda kernels: launch(kernels, x),
+    return kernel_or_torch_form("row quantisation", x.device, _kernel_takes(x), lambda kernels, addresses: launch(kernels, x, addresses=addresses),
                                 lambda: quantize_rows_reference(x))
 
 
@@ -36,17 +36,18 @@ def default_warps(block: int) -> int:
     return max(4, min(16, block // 256))
 
 
-def launch(kernels: ModuleType, x: torch.Tensor, num_warps: int | None = None, rows_per_program: int = 1
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel on an input it takes (`_kernel_takes`); the launch settings are for benchmarks."""
+def launch(kernels: ModuleType, x: torch.Tensor, num_warps: int | None = None, rows_per_program: int = 1,
+           addresses: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on an input it takes (`_kernel_takes`), given by its `addresses` or not (fp8_kernel_call.py); the
+    launch settings are for benchmarks."""
     rows, n = x.shape
     out, scale = quantised_like(rows, n, x.device)
     if rows:
         block = power_of_two_at_least(n)
         with on_device(x.device):
             kernels.row_quantize_kernel[(triton_cdiv(rows, rows_per_program),)](
-                x, out, scale, x.stride(0), rows, n, BLOCK=block, ROWS=rows_per_program,
-                num_warps=num_warps or default_warps(block))
+                *as_arguments((x, out, scale), addresses), x.stride(0), rows, n, BLOCK=block, ROWS=rows_per_program,
+                ADDRESSES=addresses, num_warps=num_warps or default_warps(block))
     return out, scale
 
 

@@ -1,9 +1,14 @@
-"""Triton kernel: the MLP's gelu(gate) * up quantised to e4m3 per row, in one pass (loaded by triton_loader).
+"""Triton kernels: FP8 activations quantised to e4m3 per row, each read once (loaded by triton_loader): the MLP's
+gelu(gate) * up, a block's adaLN input (with the gated residual before it, or without), any bf16 activation.
 
-One program a row: it reads the row's gate and up halves once, holds the product in registers, takes its absolute
-maximum and writes the e4m3 row and its scale. Every step rounds where the torch form (fp8_gated.py's reference)
-rounds: gelu to bf16, the product to bf16, the scale to bf16, the quotient to bf16, then e4m3 (round to nearest
-even after the clamp). GELU is the exact (erf) form, as F.gelu's default.
+A program holds a row (or a few) in registers, takes its absolute maximum and writes the e4m3 row and its scale.
+Every step rounds where the torch forms (fp8_gated.py, fp8_modulated.py, fp8_rows.py) round: each bf16 result to
+bf16, the scale to bf16, the quotient to bf16, then e4m3 (round to nearest even after the clamp). GELU is the exact
+(erf) form, as F.gelu's default.
+
+ADDRESSES: the tensors are given as their integer addresses, 16-byte aligned, not as tensors. Triton checks a
+tensor's address with the driver before a launch, which fails for memory a CUDA graph being captured under
+cudaMallocAsync allocated itself (it is mapped only when the graph runs); an integer is taken as it is.
 """
 from __future__ import annotations
 
@@ -44,6 +49,12 @@ def _e4m3(value):
         nan = tl.full(value.shape, 0x7F, tl.uint8).to(tl.float8e4nv, bitcast=True)  # the cast saturates NaN too
         return tl.where(value != value, nan, on_grid)
     return value.to(tl.float8e4nv)
+
+
+@triton.jit
+def _at(address, dtype: tl.constexpr):
+    """An integer address as a pointer to `dtype` values, 16-byte aligned (which keeps loads and stores vectorised)."""
+    return tl.multiple_of(address.to(tl.pointer_type(dtype)), 16)
 
 
 @triton.jit
@@ -88,8 +99,12 @@ def _absmax(values, mask, axis: tl.constexpr = 0):
 
 
 @triton.jit
-def gelu_mul_quantize_kernel(gate, up, out, scale, gate_row_stride, up_row_stride, n, BLOCK: tl.constexpr):
+def gelu_mul_quantize_kernel(gate, up, out, scale, gate_row_stride, up_row_stride, n, BLOCK: tl.constexpr,
+                             ADDRESSES: tl.constexpr = False):
     """One program a row, the whole row in registers."""
+    if ADDRESSES:
+        gate, up, out, scale = _at(gate, tl.bfloat16), _at(up, tl.bfloat16), _at(out, tl.float8e4nv), \
+            _at(scale, tl.float32)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -104,12 +119,18 @@ def gelu_mul_quantize_kernel(gate, up, out, scale, gate_row_stride, up_row_strid
 @triton.jit
 def rms_modulate_quantize_kernel(x, update, gate, x_out, weight, one_plus_scale, shift, out, scale, rows,
                                  rows_per_batch, n, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                                 RESIDUAL: tl.constexpr):
+                                 RESIDUAL: tl.constexpr, ADDRESSES: tl.constexpr = False):
     """A block's adaLN input in e4m3, ROWS rows a program, x's rows contiguous: RMSNorm as RMSNorm.forward rounds
     it (fp32 normalised, bf16, times the bf16 weight, bf16), modulated as `modulate` (fp32 x * (1 + scale) +
     shift, bf16), then quantised per row as quantize_activation. `one_plus_scale` and `shift` are fp32
     [batches, n], a batch every `rows_per_batch` rows. RESIDUAL: x is first x + bf16(gate * update) (bf16 update,
     fp32 gate [batches, n]: the gated residual's plain form), written to x_out."""
+    if ADDRESSES:
+        x, update, gate, x_out = _at(x, tl.bfloat16), _at(update, tl.bfloat16), _at(gate, tl.float32), \
+            _at(x_out, tl.bfloat16)
+        weight, one_plus_scale, shift = _at(weight, tl.bfloat16), _at(one_plus_scale, tl.float32), \
+            _at(shift, tl.float32)
+        out, scale = _at(out, tl.float8e4nv), _at(scale, tl.float32)
     first = tl.program_id(0).to(tl.int64) * ROWS
     row = first + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
@@ -133,8 +154,11 @@ def rms_modulate_quantize_kernel(x, update, gate, x_out, weight, one_plus_scale,
 
 
 @triton.jit
-def row_quantize_kernel(x, out, scale, x_row_stride, rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+def row_quantize_kernel(x, out, scale, x_row_stride, rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                        ADDRESSES: tl.constexpr = False):
     """quantize_activation(x, per_row=True) for bf16 rows, ROWS rows a program."""
+    if ADDRESSES:
+        x, out, scale = _at(x, tl.bfloat16), _at(out, tl.float8e4nv), _at(scale, tl.float32)
     first = tl.program_id(0).to(tl.int64) * ROWS
     row = first + tl.arange(0, ROWS)[:, None]
     cols = tl.arange(0, BLOCK)[None, :]
