@@ -202,3 +202,28 @@ def test_each_kernel_compiles_for_hopper_without_a_gpu(kernel: str, addresses: b
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     assert "cubin" in compiled.asm
     assert ".v4." in compiled.asm["ptx"] or ".v2." in compiled.asm["ptx"], "no vectorised load or store"
+
+
+needs_fp8_gpu = pytest.mark.skipif(
+    not (HAS_TRITON and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+    reason="needs a CUDA GPU with FP8 (SM >= 8.9) and triton")
+
+
+@pytest.mark.gpu
+@needs_fp8_gpu
+@each_op
+def test_on_the_gpu_a_cuda_graph_holds_the_kernel_itself_under_either_allocator(monkeypatch: pytest.MonkeyPatch,
+                                                                                name: str) -> None:
+    """The GPU suite runs under the default allocator and under cudaMallocAsync, whose captures allocate memory that
+    Triton cannot check: the kernel is given its tensors' addresses and the replay computes what it computes."""
+    kernel_op = OPS[name]
+    inputs = tuple(value.cuda() if isinstance(value, torch.Tensor) else value for value in kernel_op.inputs())
+    eager = kernel_op.op(*inputs)
+    monkeypatch.setattr(kernel_op.module, kernel_op.reference.__name__,
+                        lambda *args, **kwargs: pytest.fail("the graph holds the torch form"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernel_op.op(*inputs)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_same(captured, eager)
