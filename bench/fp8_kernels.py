@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from common import environment, import_package, table
+from common import cuda_time_ms, environment, import_package, table
 
 import_package()
 
@@ -38,19 +38,11 @@ HIDDEN, FFN = 4096, 12288
 
 
 def per_call_ms(run: Callable[[], object], calls: int = 20, repeats: int = 10) -> float:
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    """The median of `repeats` timings of `calls` back-to-back calls, per call."""
+    def back_to_back() -> None:
         for _ in range(calls):
             run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return sorted(times)[len(times) // 2]
+    return cuda_time_ms(back_to_back, warmup=1, iters=repeats) / calls
 
 
 def same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> str:

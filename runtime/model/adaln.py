@@ -113,6 +113,11 @@ class NormModulated:
         return self._source
 
     @property
+    def given(self) -> torch.Tensor:
+        """x as given, before a pending residual: of the input's device, dtype and shape, without adding it."""
+        return self._before_residual
+
+    @property
     def shape(self) -> torch.Size:
         return self._before_residual.shape
 

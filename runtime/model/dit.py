@@ -108,7 +108,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor | NormModulated, ctx: "StepContext") -> torch.Tensor:
         """`x`: the input of q, k and v, or the adaLN output that makes it (which an FP8 projection may take)."""
         x = NormModulated.of(x)
-        if ctx.arithmetic.fast_for(x.source):
+        if ctx.arithmetic.fast_for(x.given):
             return self._fast_forward(x, ctx)
         rope = ctx.rope
         if self.to_qkv is not None:
@@ -129,7 +129,7 @@ class Attention(nn.Module):
         RoPE tables."""
         batch, length, _ = x.shape
         rope, key_mask = ctx.rope, ctx.key_mask
-        if rope.rotation is not None and ctx.arithmetic.kitchen_rope and fused_kernels.rope_serves(x.source):
+        if rope.rotation is not None and ctx.arithmetic.kitchen_rope and fused_kernels.rope_serves(x.given):
             return self._kitchen_forward(x, rope, key_mask)
         if self.to_qkv is not None:
             qkv = x.into(self.to_qkv).unflatten(-1, (3, self.heads, -1))  # [B, S, 3, H, hd]
@@ -234,7 +234,7 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor | NormModulated, arithmetic: Arithmetic = FAST) -> torch.Tensor:
         """`x`: the input of gate and up, or the adaLN output that makes it (which an FP8 projection may take)."""
         x = NormModulated.of(x)
-        if self.gate_up is not None and type(self.gate_up) is nn.Linear and arithmetic.fast_for(x.source):
+        if self.gate_up is not None and type(self.gate_up) is nn.Linear and arithmetic.fast_for(x.given):
             # The stacked weight's halves as two GEMMs (as fast as one here): contiguous outputs let gelu and the
             # product run vectorised, twice as fast as on the strided halves of one output.
             width = self.gate_up.weight.shape[0] // 2
