@@ -138,19 +138,27 @@ def test_the_ops_shapes_without_running_it_are_the_torch_forms(name: str) -> Non
 
 @each_op
 @pytest.mark.parametrize("capturing", [False, True])
-def test_inside_a_graph_capture_the_kernel_is_given_its_tensors_addresses(monkeypatch: pytest.MonkeyPatch, name: str,
-                                                                          capturing: bool) -> None:
+def test_inside_a_graph_capture_a_refused_launch_is_made_again_with_the_tensors_addresses(
+        monkeypatch: pytest.MonkeyPatch, name: str, capturing: bool) -> None:
     """Triton asks the driver about a tensor's address before a launch, which fails for memory a capture under
-    cudaMallocAsync allocated itself; an integer address it takes as it is."""
+    cudaMallocAsync allocated itself; an integer address it takes as it is. Outside a capture a refusal is a
+    failure (the torch forms from then on)."""
     kernel_op = OPS[name]
     asked = []
+
+    def refuse_tensors(*args, addresses=False, **kwargs):
+        asked.append(addresses)
+        if not addresses:
+            raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
+        return kernel_op.reference(*kernel_op.inputs())
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(fp8_kernel_call, "_failed", set())
     monkeypatch.setattr(fp8_kernel_call, "_in_a_capture", lambda device: capturing)
-    monkeypatch.setattr(kernel_op.module, "launch", lambda *args, addresses=False, **kwargs: asked.append(addresses)
-                        or kernel_op.reference(*kernel_op.inputs()))
+    monkeypatch.setattr(kernel_op.module, "launch", refuse_tensors)
     kernel_op.impl(*kernel_op.inputs())
-    assert asked == [capturing]
+    assert asked == ([False, True] if capturing else [False])
+    assert fp8_kernel_call._failed == (set() if capturing else {"cpu"})
 
 
 def test_a_tensor_given_by_its_address_must_be_16_byte_aligned() -> None:

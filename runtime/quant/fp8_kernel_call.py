@@ -2,11 +2,12 @@
 beside it, which runs where the kernel cannot (no Triton, a CPU tensor without the interpreter, an input the
 kernel does not take) and computes what the kernel computes.
 
-A custom op is opaque to torch.compile, so a compiled block calls the kernel as it is. Inside a CUDA-graph capture
-the kernels are given their tensors' addresses (`as_arguments`), which Triton takes without asking the driver about
-them: under cudaMallocAsync the memory a capture allocates is mapped only when the graph runs. A kernel failure (a
-compile failure on an untested GPU or Triton) turns the kernels off on that device type for good, with one warning;
-inside a capture it only makes that graph hold the torch form.
+A custom op is opaque to torch.compile, so a compiled block calls the kernel as it is. Triton asks the driver about
+each tensor's address before a launch, which fails inside a CUDA-graph capture under cudaMallocAsync (the memory the
+capture allocates is mapped only when the graph runs): there the launch is made again with the tensors' integer
+addresses (`as_arguments`), which Triton takes as they are. A kernel failure (a compile failure on an untested GPU
+or Triton) turns the kernels off on that device type for good, with one warning; inside a capture it only makes
+that graph hold the torch form.
 """
 from __future__ import annotations
 
@@ -27,25 +28,38 @@ log = logging.getLogger(__name__)
 def kernel_or_torch_form(what: str, device: torch.device, kernel_takes: bool,
                          launch: Callable[[ModuleType, bool], Result], torch_form: Callable[[], Result]) -> Result:
     """`launch(kernels, addresses)` where the kernel `what` can run on `device` and takes the input
-    (`kernel_takes`), else `torch_form()`; `addresses`: inside a CUDA-graph capture, give the kernel its tensors'
-    addresses (`as_arguments`)."""
+    (`kernel_takes`), else `torch_form()`. Inside a CUDA-graph capture a launch Triton refuses is made again with
+    the tensors' addresses (`as_arguments`), and only then left to the torch form."""
     usable = kernel_takes and device.type not in _failed
     kernels = kernels_for("triton_fp8_kernels", device) if usable else None
     if kernels is None:
         return torch_form()
-    capturing = _in_a_capture(device)
     try:
-        return launch(kernels, capturing)
+        return launch(kernels, False)
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as err:  # the torch form computes the same
-        if capturing:  # e.g. a tensor not 16-byte aligned: this graph holds the torch form, other calls the kernel
-            log.debug("the FP8 %s kernel cannot run inside this graph capture (%s: %s); the graph holds the torch "
-                      "form", what, type(err).__name__, str(err)[:200])
-            return torch_form()
+        if _in_a_capture(device):
+            return _in_the_capture(what, kernels, launch, torch_form, err)
         _failed.add(device.type)
         log.warning("the FP8 %s kernel failed (%s: %s); using the torch forms from now on", what,
                     type(err).__name__, str(err)[:300])
+        return torch_form()
+
+
+def _in_the_capture(what: str, kernels: ModuleType, launch: Callable[[ModuleType, bool], Result],
+                    torch_form: Callable[[], Result], refused: Exception) -> Result:
+    """Under cudaMallocAsync Triton cannot check the memory a capture allocates (it is mapped only when the graph
+    runs): the kernel is given the addresses; where that fails too (a tensor not 16-byte aligned), this graph holds
+    the torch form and other calls keep the kernel."""
+    try:
+        return launch(kernels, True)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as err:
+        log.debug("the FP8 %s kernel cannot run inside this graph capture (%s: %s; given addresses, %s: %s); the "
+                  "graph holds the torch form", what, type(refused).__name__, str(refused)[:200],
+                  type(err).__name__, str(err)[:200])
         return torch_form()
 
 
