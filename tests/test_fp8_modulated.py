@@ -60,15 +60,20 @@ def kernel(x: torch.Tensor, norm: RMSNorm, one_plus_scale: torch.Tensor, shift: 
 
 def assert_near_the_torch_form(got: tuple[torch.Tensor, torch.Tensor],
                                expected: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Scales equal or one bf16 step apart, codes equal or one apart, in at most 0.1% of values (or one)."""
+    """Scales equal or one bf16 step apart; values differing in at most 0.1% of places (or one), each by at most one
+    e4m3 step of its size or, near zero, 2^-6 of the row's scale: where normed * (1 + scale) + shift nearly cancels,
+    the kernel's fused multiply-add and the torch form's two roundings can land two codes apart."""
     scale, expected_scale = got[1], expected[1]
     assert torch.equal(scale.isnan(), expected_scale.isnan())
     finite = ~expected_scale.isnan().flatten()
     ratio = (scale[finite] / expected_scale[finite]).flatten()
     assert bool(((ratio - 1).abs() <= 2 ** -7).all()), "a scale more than one bf16 step from the torch form's"
-    apart = (codes(got[0][finite]) - codes(expected[0][finite])).abs()
+    values, expected_values = got[0][finite].float(), expected[0][finite].float()  # in units of the row's scale
+    apart = (values - expected_values).abs()
+    allowed = torch.maximum(expected_values.abs() / 8, torch.full_like(expected_values, 2 ** -6)) * 1.01
     differing = int((apart > 0).sum())
-    assert apart.max() <= 1 and differing <= max(1, apart.numel() // 1000), f"{differing} codes differ"
+    assert bool((apart <= allowed).all()), f"a value {float((apart - allowed).max()):g} beyond its bound"
+    assert differing <= max(1, apart.numel() // 1000), f"{differing} values differ"
 
 
 def test_the_torch_form_is_the_blocks_adaln_then_the_per_row_quantisation() -> None:
