@@ -4,8 +4,9 @@ per-row quantisation, as model/adaln.py and fp8.quantize_activation compute them
 adaLN output, made once (model/adaln.py's NormModulated).
 
 The kernel sums the mean of squares in another order than torch does, which can move a normalised value to the
-neighbouring bf16 value, and so a code one apart, rarely; on the CPU it runs in Triton's interpreter
-(TRITON_INTERPRET=1)."""
+neighbouring bf16 value, and so a code one apart, rarely; compiled for a GPU it also fuses the modulation's multiply
+and add, which where they nearly cancel can land two codes apart near zero. On the CPU it runs in Triton's
+interpreter (TRITON_INTERPRET=1)."""
 from __future__ import annotations
 
 import importlib.util

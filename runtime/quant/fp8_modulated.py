@@ -5,9 +5,9 @@ gated residual and writes the new residual stream.
 The torch form is the gated residual (x + bf16(gate * update)), RMSNorm (normalised in fp32, rounded to bf16,
 times the bf16 weight), the modulation (fp32 x * (1 + scale) + shift, rounded to bf16), then the per-row
 quantisation: model/adaln.py's plain expressions and fp8.quantize_activation. Compiled, it is looped reductions
-that read the residual stream more than once; the kernel reads it once. Its one difference from the torch form is
-the order in which the mean of squares is summed, which can move a normalised value to the neighbouring bf16
-value, rarely.
+that read the residual stream more than once; the kernel reads it once. It differs from the torch form in the order
+the mean of squares is summed, which can move a normalised value to the neighbouring bf16 value, rarely, and on a
+GPU in the modulation's fused multiply-add, which can move a value that nearly cancels by a code or two near zero.
 """
 from __future__ import annotations
 
