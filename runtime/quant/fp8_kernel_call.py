@@ -105,8 +105,3 @@ def quantised_like(rows: int, n: int, device: torch.device) -> tuple[torch.Tenso
 
 def power_of_two_at_least(n: int) -> int:
     return 1 << (n - 1).bit_length()
-
-
-def triton_cdiv(count: int, per_program: int) -> int:
-    """Programs for `count` rows at `per_program` rows each."""
-    return -(-count // per_program)

@@ -17,7 +17,8 @@ import torch
 
 from .fp8 import quantize_activation
 from .fp8_kernel_call import (as_arguments, kernel_or_torch_form, on_device, power_of_two_at_least, quantised_like,
-                              registered_op, triton_cdiv)
+                              registered_op)
+from .triton_loader import cdiv
 
 _MAX_ROW = 1 << 14  # a row is held in registers
 
@@ -94,7 +95,7 @@ def launch(kernels: ModuleType, x: torch.Tensor, weight: torch.Tensor, one_plus_
     if rows:
         block = power_of_two_at_least(width)
         with on_device(x.device):
-            kernels.rms_modulate_quantize_kernel[(triton_cdiv(rows, rows_per_program),)](
+            kernels.rms_modulate_quantize_kernel[(cdiv(rows, rows_per_program),)](
                 *as_arguments((x, update, gate, x_out, weight, one_plus_scale, shift, out, scale), addresses), rows,
                 length, width, eps, BLOCK=block, ROWS=rows_per_program, RESIDUAL=residual is not None,
                 ADDRESSES=addresses, num_warps=num_warps or default_warps(block, residual is not None))

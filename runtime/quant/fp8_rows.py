@@ -9,7 +9,8 @@ import torch
 
 from .fp8 import quantize_activation
 from .fp8_kernel_call import (as_arguments, kernel_or_torch_form, on_device, power_of_two_at_least, quantised_like,
-                              registered_op, triton_cdiv)
+                              registered_op)
+from .triton_loader import cdiv
 
 _MAX_ROW = 1 << 14  # a row is held in registers
 
@@ -45,7 +46,7 @@ def launch(kernels: ModuleType, x: torch.Tensor, num_warps: int | None = None, r
     if rows:
         block = power_of_two_at_least(n)
         with on_device(x.device):
-            kernels.row_quantize_kernel[(triton_cdiv(rows, rows_per_program),)](
+            kernels.row_quantize_kernel[(cdiv(rows, rows_per_program),)](
                 *as_arguments((x, out, scale), addresses), x.stride(0), rows, n, BLOCK=block, ROWS=rows_per_program,
                 ADDRESSES=addresses, num_warps=num_warps or default_warps(block))
     return out, scale

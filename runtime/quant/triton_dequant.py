@@ -16,7 +16,7 @@ import torch
 
 from .gguf_blocks import BLOCK_GEOMETRY
 from .nvfp4 import BLOCK as NVFP4_BLOCK, _roundup
-from .triton_loader import kernels_for
+from .triton_loader import cdiv, kernels_for
 
 # GGML type -> kernel name in triton_kernels.py.
 GGUF_KERNELS = {"Q8_0": "q8_0_kernel", "Q4_0": "q4_0_kernel", "Q4_1": "q4_1_kernel", "Q5_0": "q5_0_kernel",
@@ -80,7 +80,7 @@ def _launch_gguf(kernels: ModuleType, qtype: str, shape: tuple[int, ...], data: 
     if n_blocks == 0:
         return out
     blocks_per_program = max(1, tile // block_size)
-    grid = (_cdiv(n_blocks, blocks_per_program),)
+    grid = (cdiv(n_blocks, blocks_per_program),)
     getattr(kernels, GGUF_KERNELS[qtype])[grid](data.contiguous(), out, n_blocks, BLOCKS=blocks_per_program,
                                                 num_warps=_num_warps(tile))
     return out
@@ -98,7 +98,7 @@ def _launch_nvfp4(kernels: ModuleType, shape: tuple[int, ...], data: torch.Tenso
         return out
     tile_cols = min(NVFP4_TILE_COLS, tile)
     tile_rows = max(1, tile // tile_cols)
-    grid = (_cdiv(rows, tile_rows), _cdiv(cols, tile_cols))
+    grid = (cdiv(rows, tile_rows), cdiv(cols, tile_cols))
     scale_bytes = scale.contiguous().view(torch.uint8)
     tensor_scale = scale_2.to(device=data.device, dtype=torch.float32).reshape(1)
     kernels.nvfp4_kernel[grid](data.contiguous(), scale_bytes, tensor_scale, out, rows, cols, scale_cols,
@@ -106,5 +106,3 @@ def _launch_nvfp4(kernels: ModuleType, shape: tuple[int, ...], data: torch.Tenso
     return out
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)

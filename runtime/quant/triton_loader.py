@@ -60,3 +60,8 @@ def _load(stem: str, interpret: bool) -> ModuleType | None:
             os.environ.pop("TRITON_INTERPRET", None)
         else:
             os.environ["TRITON_INTERPRET"] = previous
+
+
+def cdiv(count: int, per_program: int) -> int:
+    """Programs for `count` items at `per_program` each (a launch grid's size), as triton.cdiv."""
+    return -(-count // per_program)
