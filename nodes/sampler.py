@@ -10,6 +10,7 @@ from ..runtime.core.request import (
     MIN_SIDE,
     RESOLUTION_PRESETS,
     SEED_MASK,
+    SHIFT_RANGE,
     SIDE_MULTIPLE,
     VARIANT_DEFAULTS,
     GenerationRequest,
@@ -149,7 +150,7 @@ class ErnieImageSampler:
                 ),
                 "seed": seed_input("Noise seed; the same seed gives the same image on any device."),
                 "batch_size": ("INT", {"default": 1, "min": 1, "max": MAX_BATCH, "tooltip": "Images per run."}),
-                "shift": ("FLOAT", {"default": 4.0, "min": 0.01, "max": 100.0, "step": 0.1, "tooltip": "Flow-matching timestep shift (Baidu's value is 4.0)."}),
+                "shift": ("FLOAT", {"default": 4.0, "min": SHIFT_RANGE[0], "max": SHIFT_RANGE[1], "step": 0.1, "tooltip": "Flow-matching timestep shift (Baidu's value is 4.0)."}),
                 "use_pe": (
                     "BOOLEAN",
                     {"default": True, "label_on": "enhance prompt", "label_off": "prompt as written",

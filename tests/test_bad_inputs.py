@@ -196,7 +196,9 @@ def _cli(capsys, *argv: str) -> str:
     ("--cfg", "101", "--cfg 101.0 is not allowed: use 0..100"),
     ("--shift", "nan", "--shift 'nan' is not a number"),
     ("--shift", "inf", "--shift 'inf' is not a number"),
-    ("--shift", "0", "--shift 0.0 is not allowed: use a positive value"),
+    ("--shift", "0", "--shift 0.0 is not allowed: use 0.01..100"),
+    ("--shift", "1e-30", "--shift 1e-30 is not allowed: use 0.01..100"),  # ran into NaN latents blamed on the weights
+    ("--shift", "1e300", "--shift 1e+300 is not allowed: use 0.01..100"),  # ran silently
     ("--seed", str(2**64), "seed 18446744073709551616 is not allowed: use 0..9223372036854775807"),  # traceback
     ("--seed", "-1", "seed -1 is not allowed"),
     ("--budget", "abc", "--budget 'abc' is not a number of GiB"),  # traceback
@@ -252,6 +254,8 @@ def test_a_failed_png_write_leaves_no_part_of_the_batch(tmp_path):
 @pytest.mark.parametrize("field,value,expected", [
     ("cfg", float("nan"), "cfg nan is not allowed"),
     ("shift", float("inf"), "shift inf is not allowed"),
+    ("shift", 1e-30, "shift 1e-30 is not allowed: use 0.01..100"),
+    ("shift", 1000.0, "shift 1000.0 is not allowed: use 0.01..100"),
     ("seed", 2**64, "seed 18446744073709551616 is not allowed"),
     ("seed", -5, "seed -5 is not allowed"),
     ("steps", 2.5, "steps 2.5 is not allowed: give a whole number"),  # was a TypeError deep in torch.linspace

@@ -98,6 +98,19 @@ def test_a_bad_spec_is_one_line(spec, error):
         parse_step_cache(spec)
 
 
+@pytest.mark.parametrize("spec", ["dbcache:", "dbcache:,,", "fbcache: ,", "dbcache:threshold=0.1,", "dbcache:,max_skips=2"])
+def test_an_empty_setting_is_refused_rather_than_read_as_the_defaults(spec):
+    with pytest.raises(InvalidInputError, match=r"has an empty setting: give \w+ alone, or settings between the "
+                                                r"commas \(e\.g\. \w+:threshold=[0-9.]+\)$") as refused:
+        parse_step_cache(spec)
+    assert isinstance(parse_step_cache(str(refused.value).rsplit(" ", 1)[1].rstrip(")")), StepCacheConfig)
+
+
+def test_method_and_setting_names_are_read_in_either_case():
+    assert parse_step_cache("DBCACHE:Threshold=0.1,MAX_SKIPS=2") == StepCacheConfig("dbcache", threshold=0.1,
+                                                                                     max_skips=2)
+
+
 SETTINGS = [field.name for field in dataclasses.fields(StepCacheConfig) if field.name != "method"]
 
 

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Literal, Optional
 
 from ..core.errors import InvalidInputError
 from ..core.number_text import DECIMAL_RULE, decimal_from_text
-from ..core.request import SEED_MASK, validate_size
+from ..core.request import SEED_MASK, SHIFT_RANGE, validate_size
 from ..files.inputs_outputs import refuse_colliding_outputs, refuse_outputs_over_inputs
 from ..files.output_files import HIDDEN_NAME_EXTRA
 from ..files.uninterrupted import uninterrupted
@@ -261,8 +261,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
         check_int_range(args.steps, "--steps", 1, 1000, " (50 for ERNIE-Image, 8 for Turbo)")
     if args.cfg is not None:
         check_number_range(args.cfg, "--cfg", 0, 100, " (4.0 for ERNIE-Image, 1.0 for Turbo)")
-    if not math.isfinite(args.shift) or args.shift <= 0:
-        raise InvalidInputError(f"--shift {args.shift} is not allowed: use a positive value (4.0 is Baidu's)")
+    check_number_range(args.shift, "--shift", *SHIFT_RANGE, " (4.0 is Baidu's)")
     check_seed(args.seed)
     check_int_range(args.batch, "--batch", 1, 64)
 

@@ -106,6 +106,7 @@ def _image_size_problem(width: int, height: int, what: str) -> Optional[str]:
 
 
 MAX_BATCH = 64  # images one run makes at most
+SHIFT_RANGE = (0.01, 100.0)  # the flow-matching shift; beyond it the timesteps collapse to 0 or 1 (ComfyUI's range)
 
 
 def _check_batch(count: int, batch: int, setting: str) -> None:
@@ -267,9 +268,9 @@ class GenerationRequest:
         if self.cfg is not None and (not math.isfinite(self.cfg) or self.cfg < 0 or self.cfg > 100):
             raise InvalidInputError(f"cfg {self.cfg} is not allowed: use 0..100 (4.0 for ERNIE-Image, 1.0 for Turbo)"
                                     ).naming("cfg")
-        if not math.isfinite(self.shift) or self.shift <= 0:
-            raise InvalidInputError(f"shift {self.shift} is not allowed: use a positive value (4.0 is Baidu's)"
-                                    ).naming("shift")
+        if not math.isfinite(self.shift) or not SHIFT_RANGE[0] <= self.shift <= SHIFT_RANGE[1]:
+            raise InvalidInputError(f"shift {self.shift} is not allowed: use {SHIFT_RANGE[0]:g}..{SHIFT_RANGE[1]:g} "
+                                    "(4.0 is Baidu's)").naming("shift")
         if self.prompts is not None and len(self.prompts) != self.batch:
             raise InvalidInputError(f"{len(self.prompts)} prompts given for batch {self.batch}: give one per image")
         if self.step_cache is not None:

@@ -182,7 +182,7 @@ def parse_step_cache(text: str) -> Optional[StepCacheConfig]:
     naming the form to give). Numbers are plain decimals (number_text): `1_0`, `nan`, `inf` are refused, not read as numbers."""
     if not isinstance(text, str):
         raise InvalidInputError(f"step cache {text!r} is not text: give METHOD[:key=value,...]")
-    method, _, rest = text.strip().partition(":")
+    method, sep, rest = text.strip().partition(":")
     method = method.strip().lower()
     if method == OFF:
         if rest.strip():
@@ -193,9 +193,13 @@ def parse_step_cache(text: str) -> Optional[StepCacheConfig]:
         raise InvalidInputError(f"step cache method {method!r} is not known: use {', '.join(METHODS)} or {OFF}, "
                                 "optionally followed by :key=value,... (e.g. dbcache:threshold=0.12)")
     values: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
+    items = [part.strip() for part in rest.split(",")]
+    if sep and not all(items):
+        raise InvalidInputError(f"step cache {text.strip()!r} has an empty setting: give {method} alone, or settings "
+                                f"between the commas (e.g. {method}:threshold={_example_value(method, 'threshold')})")
+    for item in filter(None, items):
         key, _, value = (piece.strip() for piece in item.partition("="))
-        key = key.replace("-", "_")
+        key = key.replace("-", "_").lower()  # as the method's name: either case
         if key in _FIELD_TYPES and not value:
             example = f"{method}:{key}={_example_value(method, key)}"
             raise InvalidInputError(f"step cache setting {key} needs a value: give {key}=VALUE, e.g. {example}")
