@@ -200,15 +200,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--fastest-warps", action="store_true",
                         help="run the steps with the one-pass kernel's fastest warp count in the sweep")
-    parser.add_argument("--one-pass-only", action="store_true", help="only the fused one-pass step variants")
+    parser.add_argument("--one-pass-only", action="store_true",
+                        help="only the compiled one-pass steps: as loaded and each projection apart")
     parser.add_argument("--uncompiled-only", action="store_true", help="only the uncompiled steps (and the profile)")
+    parser.add_argument("--no-gemms", action="store_true", help="leave out the per-shape GEMM rows")
     args = parser.parse_args()
     allow_cache_size()
     report: dict = {"environment": environment(), "gemms": [], "steps": [], "floors": []}
     with torch.inference_mode():
-        for batch in args.batch:
+        for batch in [] if args.no_gemms else args.batch:
             report["gemms"] += gemm_rows(batch)
-        print(table(report["gemms"], ["batch", "shape", "form", "ms", "TFLOP/s"]), flush=True)
+        if report["gemms"]:
+            print(table(report["gemms"], ["batch", "shape", "form", "ms", "TFLOP/s"]), flush=True)
         if args.fastest_warps:
             sweep = [r for r in report["gemms"] if r["form"].startswith("one-pass kernel, ")]
             best = min(sweep, key=lambda r: r["ms"])
@@ -248,7 +251,7 @@ def main() -> None:
         if args.uncompiled_only:
             variants = ()
         elif args.one_pass_only:
-            variants = variants[:1] + (("as loaded", as_loaded, "gelu-only"),)
+            variants = variants[:1] + (("each projection apart", apart, "one-pass"),)
         for label, model, quantiser in variants:
             one_pass(model, quantiser != "two-pass", adaln=quantiser == "one-pass")
             torch._dynamo.reset()

@@ -24,6 +24,7 @@ TURBO = DitWork(calls=8, rows=1, tokens=4096)  # 1024x1024, CFG 1
 BASE = DitWork(calls=50, rows=2, tokens=4096)  # 1024x1024, CFG 4: both branches in each call
 BASE_BATCH_4 = DitWork(calls=50, rows=8, tokens=4096)
 BASE_BATCH_8 = DitWork(calls=50, rows=16, tokens=4096)
+LARGEST = DitWork(calls=50, rows=4, tokens=9216)  # the largest job the random sessions below make
 
 
 def reference_seconds(work: DitWork, fmt: str, slower: float = 1.0) -> float:
@@ -39,9 +40,9 @@ def test_true_and_false_mean_always_and_never(choice, expected):
 
 
 @pytest.mark.parametrize("fmt, work, jobs_uncompiled", [
-    ("fp8", BASE, 2),  # one Base job uncompiled costs ~1.6 s more: two of them, then compiled
+    ("fp8", BASE, 8),  # one Base job uncompiled costs ~0.45 s more: eight of them, then compiled
     ("bf16", BASE, 1),
-    ("fp8", TURBO, 29),  # a Turbo image saves ~0.13 s compiled: twenty-nine uncompiled first
+    ("fp8", TURBO, 102),  # a Turbo image saves ~0.04 s compiled: a hundred and two uncompiled first
     ("bf16", TURBO, 15),
 ])
 def test_auto_runs_uncompiled_until_the_next_job_would_pay_for_the_compile(fmt, work, jobs_uncompiled):
@@ -50,7 +51,7 @@ def test_auto_runs_uncompiled_until_the_next_job_would_pay_for_the_compile(fmt, 
     while not policy.compile_before(work):
         policy.ran_uncompiled(work, reference_seconds(work, fmt))
         uncompiled += 1
-        assert uncompiled < 100
+        assert uncompiled < 1000
     assert uncompiled == jobs_uncompiled
     assert policy.spent_s < COMPILE_SECONDS[fmt]
 
@@ -83,8 +84,9 @@ def test_whatever_the_jobs_a_job_runs_uncompiled_only_while_its_estimate_keeps_t
                 break
             assert policy.spent_s + estimate < COMPILE_SECONDS[fmt]
             policy.ran_uncompiled(work, reference_seconds(work, fmt, slower))
-        # Once the device's speed is learnt (from the first job on), the estimates are exact: below one compile.
-        assert policy.spent_s < COMPILE_SECONDS[fmt] + policy.extra_s(reference_seconds(BASE, fmt, 4.0) * 9216 / 4096)
+        # Once the device's speed is learnt (from the first job on), the estimates are exact: below one compile and
+        # what the first job, estimated at the H200's speed, cost beyond its estimate (at most the largest job's).
+        assert policy.spent_s < COMPILE_SECONDS[fmt] + policy.extra_s(reference_seconds(LARGEST, fmt, 4.0))
 
 
 def test_what_counts_is_the_uncompiled_time_beyond_the_compiled_one():
@@ -168,8 +170,8 @@ def test_before_its_dit_is_built_a_job_is_priced_in_the_format_loading_will_make
 
 
 @pytest.mark.parametrize("fmt, work, warm, jobs_uncompiled", [
-    ("fp8", BASE, True, 2),  # a restart: the compile mostly loads from inductor's cache, two Base jobs first
-    ("fp8", BASE, False, 10),  # a first install: the compile from empty caches costs ~16 s, ten Base jobs first
+    ("fp8", BASE, True, 8),  # a restart: the compile mostly loads from inductor's cache, eight Base jobs first
+    ("fp8", BASE, False, 35),  # a first install: the compile from empty caches costs ~16 s, 35 Base jobs first
     ("bf16", TURBO, False, 44),
 ])
 def test_a_compile_from_empty_caches_is_priced_as_one(fmt, work, warm, jobs_uncompiled):
@@ -220,14 +222,15 @@ def test_the_cache_folder_is_found_as_inductor_finds_it_and_left_as_it_is(tmp_pa
     assert not (tmp_path / "not-yet").exists()
 
 
-@pytest.mark.parametrize("fmt, beside_cheaper, at_once, first_only", [("fp8", True, "beside", None),
+@pytest.mark.parametrize("fmt, beside_cheaper, at_once, first_only", [("fp8", True, None, None),
                                                                        ("bf16", False, "first", "first")])
-def test_from_empty_caches_a_job_that_outlasts_the_compile_compiles_beside_its_calls_where_that_is_cheaper(
+def test_from_empty_caches_a_job_that_outlasts_the_compile_compiles_where_that_pays_at_once(
         fmt, beside_cheaper, at_once, first_only):
     """Beside the calls the compile costs what it slows them, and the calls it overlaps still run uncompiled: for
-    FP8 from empty caches that is cheaper than compiling first, and a batch of eight Base images (83 s of calls, 63 s
-    of them after a 20 s compile) pays for it at once, where compiling first would wait for a second batch. For
-    bf16 compiling first is cheaper, and the same batch pays for that at once."""
+    FP8 from empty caches that is cheaper than compiling first, but a batch of eight Base images (72 s of calls, 52 s
+    of them after a 20 s compile) saves 2.6 s compiled, less than the 6 s the compile slows its calls (FP8's
+    uncompiled calls are within 5% of the compiled ones): it runs uncompiled. For bf16 compiling first is cheaper,
+    and the same batch pays for that at once."""
     policy = CompilePolicy("auto", fmt, caches_warm=False)
     assert policy.outlasts_a_background_compile(BASE_BATCH_8)
     assert policy.cheaper_in_background() is beside_cheaper
@@ -240,8 +243,8 @@ def test_from_empty_caches_a_job_that_outlasts_the_compile_compiles_beside_its_c
 
 
 def test_beside_the_calls_the_compile_must_be_paid_for_by_the_calls_after_it():
-    """A batch of four Base FP8 images outlasts the compile, but its 22 s of calls after it save less than the 6 s
-    the compile slows the others: no compile yet, beside or first."""
+    """A batch of four Base FP8 images outlasts the compile, but its 16 s of calls after it save 0.8 s, less than the
+    6 s the compile slows the others: no compile yet, beside or first."""
     policy = CompilePolicy("auto", "fp8", caches_warm=False)
     assert policy.outlasts_a_background_compile(BASE_BATCH_4) and policy.cheaper_in_background()
     assert not policy.compile_before(BASE_BATCH_4, beside=True)

@@ -1,8 +1,8 @@
 """When a LocalPipe compiles its DiT's blocks: at load (`compile=True`), never (`False`), or, by default ("auto"),
 once compiling has paid for itself.
 
-Compiled blocks make a DiT call faster (H200, 1024x1024, batch 1: bf16 131 against 151 ms uncompiled, FP8 88
-against 104 ms) but each process pays for the compile before its first compiled call: with warm inductor caches
+Compiled blocks make a DiT call faster (H200, 1024x1024, batch 1: bf16 131 against 151 ms uncompiled, FP8 86-87
+against 90-92 ms, every FP8 activation quantised by its own kernel either way) but each process pays for the compile before its first compiled call: with warm inductor caches
 about 2.4 s (bf16) and 3.7 s (FP8), with empty ones 7-16 s (docs/performance.md#the-first-image-after-a-restart).
 A user who makes a handful of Turbo images per restart never earns that back. "auto" is the ski-rental rule: run
 uncompiled while what the uncompiled calls have cost beyond compiled ones, plus what the job about to run would cost,
@@ -17,9 +17,11 @@ whose calls are replayed as CUDA graphs, room in the plan for a second call's ac
 uncompiled DiT calls outlast the compile, so that it overlaps them and not the Python-bound phases around them),
 the compile costs the caller what it slows the calls it overlaps (about 0.3 of its wall seconds, measured inside a
 pipe), not its seconds, and the calls it overlaps still run uncompiled. That is cheaper than compiling first for
-FP8 from empty caches (~9 s against 16 s), not from warm ones (~6 s against 3.7 s) nor for bf16: a job that outlasts
-it and whose calls after it pay for it (a batch of eight Base FP8 images at 1024x1024: 83 s of calls, 63 s of them
-after a 20 s compile) compiles beside its calls; smaller jobs and Turbo compile first, when the rule says so.
+FP8 from empty caches (~6 s against 16 s), not from warm ones (~4 s against 3.7 s) nor for bf16: a job that outlasts
+it and whose calls after it pay for it compiles beside its calls; smaller jobs and Turbo compile first, when the rule
+says so. Since FP8's uncompiled calls are within 5% of its compiled ones, an FP8 pipe compiles late either way: after
+8 Base jobs at 1024x1024 with warm caches, 35 with empty ones, and a batch of eight Base images (72 s of calls, 52 s
+of them after the compile) saves 2.6 s, less than the 6 s the compile beside it costs.
 
 The estimate of a job's uncompiled time is per DiT call and image-token row, from the pipe's own uncompiled runs once
 it has one, else from the H200's figure (a slower GPU makes uncompiled calls dearer, so it compiles sooner).
@@ -32,10 +34,11 @@ from typing import Optional, Union
 CompileChoice = Union[bool, str]  # True, False or "auto"
 
 # Compiled call time / uncompiled call time, by DiT weight format (H200: bench/eager_graphs.py for bf16; FP8 with
-# q/k/v and gate/up stacked as a pipe loads them, bench/fp8_step.py: 88 against 104 ms at batch 1).
+# q/k/v and gate/up stacked as a pipe loads them, bench/fp8_step.py, three runs on 2026-12-03 with every activation
+# quantised by its kernel: 86.4-87.2 against 90.2-91.8 ms at batch 1).
 # "fp8 apart": FP8 projections each their own GEMM (where the device does not multiply FP8 natively, or the pipe
-# is not bf16): 90 against 120 ms.
-COMPILED_CALL_RATIO = {"bf16": 0.87, "fp8": 0.85, "fp8 apart": 0.76}
+# is not bf16): 90.4 against 94.0 ms.
+COMPILED_CALL_RATIO = {"bf16": 0.87, "fp8": 0.95, "fp8 apart": 0.96}
 # A process's compile of the blocks, seconds (H200, 16 cores, bench/cold_start.py): with inductor's caches holding
 # them already (model/compile_marks.py), and from empty caches.
 COMPILE_SECONDS = {"bf16": 2.4, "fp8": 3.7, "fp8 apart": 3.7}
@@ -48,8 +51,8 @@ BACKGROUND_COMPILE_SECONDS = {"bf16": 16.4, "fp8": 13.4, "fp8 apart": 13.4}
 COLD_BACKGROUND_COMPILE_SECONDS = {"bf16": 19.3, "fp8": 20.0, "fp8 apart": 20.0}
 BACKGROUND_SLOWDOWN = 0.3
 # Uncompiled seconds per DiT call and image-token row before the pipe has measured its own (H200: 151 ms bf16 for
-# one 1024x1024 row of 4096 image tokens; FP8 104 ms, its projections stacked).
-UNCOMPILED_CALL_ROW_TOKEN_S = {"bf16": 0.151 / 4096, "fp8": 0.104 / 4096, "fp8 apart": 0.120 / 4096}
+# one 1024x1024 row of 4096 image tokens; FP8 90 ms, its projections stacked, 94 ms apart).
+UNCOMPILED_CALL_ROW_TOKEN_S = {"bf16": 0.151 / 4096, "fp8": 0.090 / 4096, "fp8 apart": 0.094 / 4096}
 LATENT_PIXELS = 16  # an image token is 16x16 pixels (the VAE's 8x, then 2x2 patches)
 OTHER_FORMAT = "bf16"  # GGUF, NVFP4, fp16, fp32: priced as bf16
 
