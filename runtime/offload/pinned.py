@@ -19,11 +19,9 @@ import weakref
 
 import torch
 
+from ..core.rounding import power_of_two_at_least
+
 log = logging.getLogger(__name__)
-
-
-def _power_of_two_ceil(value: int) -> int:
-    return 1 << max(value - 1, 0).bit_length()
 
 
 class HostSlab:
@@ -55,7 +53,7 @@ class HostSlab:
             self.data = raw
             return
         del raw
-        self.pinned_bytes = _power_of_two_ceil(self.nbytes)
+        self.pinned_bytes = power_of_two_at_least(self.nbytes)
 
     def free(self) -> None:
         finalizer = getattr(self, "_finalizer", None)

@@ -13,9 +13,9 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from ..core.rounding import power_of_two_at_least
 from .fp8 import quantize_activation
-from .fp8_kernel_call import (as_arguments, kernel_or_torch_form, on_device, power_of_two_at_least, quantised_like,
-                              registered_op)
+from .fp8_kernel_call import as_arguments, kernel_or_torch_form, on_device, quantised_like, registered_op
 
 _MAX_ROW = 1 << 15  # the one-pass form holds a row in registers: the DiT's 12288 fits with room
 

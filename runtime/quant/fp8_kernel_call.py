@@ -101,7 +101,3 @@ def quantised_like(rows: int, n: int, device: torch.device) -> tuple[torch.Tenso
     """Empty e4m3 [rows, n] values and fp32 [rows, 1] scales: what every kernel writes."""
     return (torch.empty((rows, n), dtype=torch.float8_e4m3fn, device=device),
             torch.empty((rows, 1), dtype=torch.float32, device=device))
-
-
-def power_of_two_at_least(n: int) -> int:
-    return 1 << (n - 1).bit_length()

@@ -15,9 +15,9 @@ from types import ModuleType
 
 import torch
 
+from ..core.rounding import power_of_two_at_least
 from .fp8 import quantize_activation
-from .fp8_kernel_call import (as_arguments, kernel_or_torch_form, on_device, power_of_two_at_least, quantised_like,
-                              registered_op)
+from .fp8_kernel_call import as_arguments, kernel_or_torch_form, on_device, quantised_like, registered_op
 from .triton_loader import cdiv
 
 _MAX_ROW = 1 << 14  # a row is held in registers
