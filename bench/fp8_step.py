@@ -112,18 +112,17 @@ def floor_run(fp8: torch.nn.Module, batch: int) -> Callable[[], None]:
 
 def one_pass(model: torch.nn.Module, on: bool, adaln: bool = True) -> None:
     """The MLP's product quantised by the one-pass kernel (on) or as the torch form (an instance attribute None
-    hides the layer's one-pass input); the adaLN-fed projections' inputs and the other activations quantised by
+    hides the layer's `from_factors`); the adaLN-fed projections' inputs and the other activations quantised by
     their kernels too (on and `adaln`) or by the torch forms."""
     for block in model.layers:
-        for layer, method, wanted in ((block.mlp.linear_fc2, "gelu_gated", on),
-                                      (block.self_attention.to_qkv, "norm_modulated", on and adaln),
-                                      (block.mlp.gate_up, "norm_modulated", on and adaln)):
+        for layer, wanted in ((block.mlp.linear_fc2, on), (block.self_attention.to_qkv, on and adaln),
+                              (block.mlp.gate_up, on and adaln)):
             if layer is None:
                 continue
             if wanted:
-                layer.__dict__.pop(method, None)
+                layer.__dict__.pop("from_factors", None)
             else:
-                setattr(layer, method, None)
+                layer.from_factors = None
     fp8_matmul.quantize_rows = quantize_rows if on and adaln else quantize_rows_reference
 
 

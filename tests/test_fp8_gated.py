@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ernie_image.runtime.model.dit import DiTConfig, FeedForward
+from ernie_image.runtime.model.layer_inputs import GeluGated
 from ernie_image.runtime.quant import QuantLinear, quantize_weight
 from ernie_image.runtime.quant.fp8 import native_fp8_supported, quantize_activation
 from ernie_image.runtime.quant.fp8_gated import (_gelu_mul_quantize, default_warps, gelu_mul_quantize,
@@ -129,10 +130,11 @@ def fp8_layer(out_features: int, in_features: int, device: str = "cpu") -> Quant
     return QuantLinear(quantize_weight(weight, "fp8")).to(device)
 
 
-def test_without_a_native_gemm_the_layer_is_called_on_the_product() -> None:
+def test_without_a_native_gemm_the_layer_declines_the_factors_and_is_called_on_the_product() -> None:
     layer = fp8_layer(32, 64)
     gate, up = gate_and_up(6, 64)
-    assert torch.equal(layer.gelu_gated(gate, up), layer(up * F.gelu(gate)))
+    assert layer.from_factors(GeluGated(gate, up)) is None
+    assert torch.equal(GeluGated(gate, up).into(layer), layer(up * F.gelu(gate)))
 
 
 def test_a_lora_on_the_fp8_down_projection_still_gets_the_product_and_adds_its_branch() -> None:
@@ -160,10 +162,11 @@ def test_the_mlp_hands_its_fp8_down_projection_the_halves_and_a_plain_one_the_pr
     assert torch.equal(mlp(x), mlp.linear_fc2(up * F.gelu(gate)))
     seen = []
     mlp.linear_fc2 = fp8_layer(64, 96)
-    plain_gelu_gated = mlp.linear_fc2.gelu_gated
-    mlp.linear_fc2.gelu_gated = lambda g, u: seen.append((g, u)) or plain_gelu_gated(g, u)
+    plain_from_factors = mlp.linear_fc2.from_factors
+    mlp.linear_fc2.from_factors = lambda factors: seen.append(factors) or plain_from_factors(factors)
     assert torch.equal(mlp(x), mlp.linear_fc2(up * F.gelu(gate)))
-    assert len(seen) == 1 and torch.equal(seen[0][0], gate) and torch.equal(seen[0][1], up)
+    assert len(seen) == 1 and isinstance(seen[0], GeluGated)
+    assert torch.equal(seen[0].gate, gate) and torch.equal(seen[0].up, up)
 
 
 def assert_the_torch_forms_codes(hq: torch.Tensor, scale: torch.Tensor, expected_hq: torch.Tensor,
@@ -195,9 +198,10 @@ def test_on_the_gpu_the_layer_multiplies_the_quantised_product() -> None:
     hq, h_scale = gelu_mul_quantize(gate.reshape(80, 384), up.reshape(80, 384))
     expected = torch._scaled_mm(hq, layer.weight.t(), scale_a=h_scale, scale_b=layer.weight_scale_row,
                                 out_dtype=torch.bfloat16, use_fast_accum=True).reshape(2, 40, 256)
-    assert torch.equal(layer.gelu_gated(gate, up), expected)
+    got = GeluGated(gate, up).into(layer)
+    assert torch.equal(got, expected)
     exact = (up.float() * F.gelu(gate.float())) @ (layer.dequantized_weight(torch.float32).t())
-    assert relative_error(layer.gelu_gated(gate, up), exact) <= 0.06  # FP8's error
+    assert relative_error(got, exact) <= 0.06  # FP8's error
 
 
 @pytest.mark.gpu

@@ -172,19 +172,20 @@ class Recording(nn.Linear):
 
 
 class TakesFactors(Recording):
-    """A layer offering `norm_modulated`, as an FP8 QuantLinear does; `answer` False: it declines (None)."""
+    """A layer offering `from_factors`, as an FP8 QuantLinear does: it asks the factors for their e4m3 rows, and
+    answers 7s from them; None where there are none or it declines (`answer` False)."""
 
     def __init__(self, width: int, answer: bool = True) -> None:
         super().__init__(width)
         self.answer = answer
-        self.factors: list[tuple] = []
+        self.rows: list = []
 
-    def norm_modulated(self, x, norm_weight, one_plus_scale, shift, eps, residual=None):
-        self.factors.append((x, norm_weight, one_plus_scale, shift, eps, residual))
+    def from_factors(self, factors):
         if not self.answer:
             return None
-        after = x if residual is None else x + (residual[1] * residual[0].float()).to(x.dtype)
-        return torch.full((*x.shape[:-1], 8), 7.0, dtype=x.dtype), after
+        rows = factors.e4m3_rows()
+        self.rows.append(rows)
+        return None if rows is None else torch.full((*factors.lead, 8), 7.0, dtype=factors.given.dtype)
 
 
 def adaln_output(arithmetic: Arithmetic = Arithmetic(), with_residual: bool = False
@@ -210,47 +211,47 @@ def test_layers_without_the_factors_method_get_the_adaln_output_made_once(with_r
     assert all(layer.inputs[0] is layers[0].inputs[0] for layer in layers)  # one tensor for all three
 
 
-def test_a_layer_offering_the_factors_method_is_handed_the_residual_stream_and_the_factors() -> None:
+def test_a_layer_taking_factors_gets_the_adaln_outputs_quantised_rows() -> None:
     given, _ = adaln_output()
     layer = TakesFactors(64)
     assert bool((given.into(layer) == 7).all()) and not layer.inputs
-    x, norm_weight, one_plus_scale, shift, eps, residual = layer.factors[0]
-    assert x is given.source and norm_weight is given.norm.weight and one_plus_scale is given.one_plus_scale
-    assert shift is given.shift and eps == given.norm.eps and residual is None
+    quantised, scales = layer.rows[0]
+    expected = norm_modulate_quantize(given.source, given.norm.weight, given.one_plus_scale, given.shift,
+                                      given.norm.eps)
+    assert torch.equal(quantised.view(torch.uint8), expected[0].view(torch.uint8)) and torch.equal(scales, expected[1])
 
 
 def test_a_layer_taking_the_factors_adds_a_pending_residual_and_its_result_is_the_residual_stream() -> None:
     given, _ = adaln_output(with_residual=True)
-    before = given._before_residual
+    before, residual = given._before_residual, given._residual
     first, second = TakesFactors(64), TakesFactors(64)
     given.into(first)
-    x, *_, residual = first.factors[0]
-    assert x is before and residual == (given._residual.update, given._residual.gate)
     after = given.source
-    assert torch.equal(after, before + (residual[1] * residual[0].float()).to(before.dtype))
-    given.into(second)  # the residual is added once: the next layer gets the stream after it
-    assert second.factors[0][0] is after and second.factors[0][5] is None
+    assert torch.equal(after, before + (residual.gate * residual.update.float()).to(before.dtype))
+    given.into(second)  # the residual is added once: the next layer's rows are the stream's after it
+    expected = norm_modulate_quantize(after, given.norm.weight, given.one_plus_scale, given.shift, given.norm.eps)
+    assert given.source is after and torch.equal(second.rows[0][1], expected[1])
 
 
 @pytest.mark.parametrize("arithmetic", ["exact", "plain"])
-def test_the_exact_arithmetics_never_hand_the_factors(arithmetic: str) -> None:
+def test_under_the_exact_arithmetics_the_factors_make_no_rows_and_the_layer_gets_the_tensor(arithmetic: str) -> None:
     """The kernel's sum order is not the reference's: "exact" and "plain" keep the reference's numbers."""
     given, made = adaln_output(Arithmetic.of(arithmetic))
     layer = TakesFactors(64)
-    assert torch.equal(given.into(layer), layer(made)) and not layer.factors
+    assert torch.equal(given.into(layer), layer(made)) and layer.rows == [None]
 
 
 def test_a_layer_declining_the_factors_gets_the_adaln_output() -> None:
     given, made = adaln_output()
     layer = TakesFactors(64, answer=False)
-    assert torch.equal(given.into(layer), layer(made)) and len(layer.factors) == 1
+    assert torch.equal(given.into(layer), layer(made)) and not layer.rows
 
 
 def test_an_fp8_layer_without_a_native_gemm_declines_and_gets_the_adaln_output() -> None:
     given, made = adaln_output()
     weight = torch.randn((32, 64), generator=torch.Generator().manual_seed(4)) / 8
     layer = QuantLinear(quantize_weight(weight, "fp8"))
-    assert layer.norm_modulated(given.source, given.norm.weight, given.one_plus_scale, given.shift, 1e-6) is None
+    assert layer.from_factors(given) is None
     assert torch.equal(given.into(layer), layer(made))
 
 
@@ -258,7 +259,7 @@ def test_a_tensor_given_as_the_input_goes_to_every_layer_as_it_is() -> None:
     x = torch.randn((1, 3, 64)).bfloat16()
     layer = TakesFactors(64)
     given = NormModulated.of(x)
-    assert torch.equal(given.into(layer), layer(x)) and not layer.factors and given.shape == x.shape
+    assert torch.equal(given.into(layer), layer(x)) and layer.rows == [None] and given.shape == x.shape
 
 
 @pytest.mark.gpu
@@ -280,8 +281,9 @@ def test_on_the_gpu_the_layer_multiplies_the_quantised_adaln_output() -> None:
     xq, x_scale = norm_modulate_quantize(x, norm.weight, one_plus_scale, shift, norm.eps)
     expected = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale_row,
                                 out_dtype=torch.bfloat16, use_fast_accum=True).reshape(2, 40, 384)
-    got, stream = layer.norm_modulated(x, norm.weight, one_plus_scale, shift, norm.eps)
-    assert torch.equal(got, expected) and stream is x
+    given = NormModulated(norm, x, one_plus_scale, shift, arithmetic=Arithmetic())
+    got = given.into(layer)
+    assert torch.equal(got, expected) and given.source is x
     exact = modulate(norm(x, PLAIN), one_plus_scale, shift, PLAIN).float() @ layer.dequantized_weight(torch.float32).t()
     assert float((got.float() - exact).norm() / exact.norm()) <= 0.06  # FP8's error
 
@@ -327,10 +329,10 @@ def test_on_the_gpu_an_fp8_dit_takes_every_adaln_input_through_the_kernels_compi
     eager = dit(*inputs)
     assert len(launched) == 2 * len(dit.layers) and sum(r is not None for r in launched) == len(dit.layers)
     for block in dit.layers:  # the torch forms: the layers' factors methods hidden
-        block.self_attention.to_qkv.norm_modulated = block.mlp.gate_up.norm_modulated = None
+        block.self_attention.to_qkv.from_factors = block.mlp.gate_up.from_factors = None
     torch_forms = dit(*inputs)
     for block in dit.layers:
-        del block.self_attention.to_qkv.norm_modulated, block.mlp.gate_up.norm_modulated
+        del block.self_attention.to_qkv.from_factors, block.mlp.gate_up.from_factors
     compile_blocks(dit)
     dit(*inputs)  # the compile's own calls
     launched.clear()

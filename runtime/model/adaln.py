@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..quant.fp8_modulated import norm_modulate_quantize, residual_norm_modulate_quantize
 from . import fused_kernels
 from .arithmetic import Arithmetic
+from .layer_inputs import FactoredInput
 
 FAST = Arithmetic()
 
@@ -77,14 +79,14 @@ class Residual:
     gate_raw: Optional[torch.Tensor] = None  # the same in x's dtype
 
 
-class NormModulated:
+class NormModulated(FactoredInput):
     """A block's adaLN output, norm_modulate(norm, x, ...), for the layers it feeds: `into(layer)` is
     layer(norm_modulate(...)). With a `residual`, x is first x + gate * update, which is then `source`, the
     residual stream from here on.
 
-    Under the fast arithmetic a layer with a `norm_modulated` method (an FP8 QuantLinear multiplying natively: one
-    kernel from x, and the residual, to its e4m3 input, quant/fp8_modulated.py) is handed the factors instead;
-    every other layer gets the tensor, made once for all of them."""
+    Under the fast arithmetic its e4m3 rows come from one kernel reading x, and the residual
+    (quant/fp8_modulated.py), for a layer taking factors (layer_inputs.py); every other layer gets the tensor, made
+    once for all of them."""
 
     def __init__(self, norm: Optional[RMSNorm], x: torch.Tensor, one_plus_scale: Optional[torch.Tensor] = None,
                  shift: Optional[torch.Tensor] = None, scale_raw: Optional[torch.Tensor] = None,
@@ -127,14 +129,16 @@ class NormModulated:
                                          self.shift_raw, self.arithmetic)
         return self._tensor
 
-    def into(self, layer: nn.Module) -> torch.Tensor:
-        takes_factors = getattr(layer, "norm_modulated", None)
-        if takes_factors is not None and self.norm is not None and self.arithmetic.fast:
-            pending = self._residual if self._source is None else None
-            x = self._before_residual if pending is not None else self._source
-            given = takes_factors(x, self.norm.weight, self.one_plus_scale, self.shift, self.norm.eps,
-                                  None if pending is None else (pending.update, pending.gate))
-            if given is not None:
-                out, self._source = given
-                return out
-        return layer(self.tensor())
+    def e4m3_rows(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The kernel's rows under the fast arithmetic (its sums are not the reference's), adding a pending residual
+        there and keeping the new stream as `source`."""
+        norm = self.norm
+        if norm is None or not self.arithmetic.fast or norm.weight.dtype != torch.bfloat16 \
+                or self._before_residual.dim() != 3:
+            return None
+        if self._source is not None:
+            return norm_modulate_quantize(self._source, norm.weight, self.one_plus_scale, self.shift, norm.eps)
+        pending = self._residual
+        self._source, quantised, scales = residual_norm_modulate_quantize(
+            self._before_residual, pending.update, pending.gate, norm.weight, self.one_plus_scale, self.shift, norm.eps)
+        return quantised, scales

@@ -10,8 +10,9 @@ loads with `load_state_dict`. The maths is the reference's; what differs is how 
 - the text's projection can be made once for a run (`project_text`, the sampler does) instead of every step;
 - the block loop goes through `block_runner`, the hook the offloader uses to stream weights in;
 - a block hands its adaLN output to the projections it feeds as the factors it is made of (adaln.py's
-  NormModulated): FP8 projections make their e4m3 input from them in one kernel, the MLP's adding the attention's
-  gated residual there too; every other layer gets the tensor;
+  NormModulated), and the MLP its gelu(gate) * up (layer_inputs.py's GeluGated): FP8 projections make their e4m3
+  input from them in one kernel, the MLP's input adding the attention's gated residual there too; every other
+  layer gets the tensor;
 - uncompiled, the casts around the fp32 modulation are folded into the arithmetic kernels (`out=` a bf16 tensor:
   the kernel computes in fp32 and rounds once on store, exactly as `.float()` ... `.to(bf16)` does), which halves
   the memory traffic of everything between the GEMMs with bit-identical results; compiled blocks keep the plain
@@ -44,6 +45,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from . import fused_kernels
 from .adaln import FAST, NormModulated, Residual, RMSNorm, gated_residual
 from .arithmetic import Arithmetic, ArithmeticName
+from .layer_inputs import GeluGated
 
 
 @dataclass(frozen=True)
@@ -245,10 +247,7 @@ class FeedForward(nn.Module):
             gate, up = x.into(self.gate_up).chunk(2, dim=-1)
         else:
             gate, up = x.into(self.gate_proj), x.into(self.up_proj)
-        # A packed layer may take the product's factors and quantise them in one pass (quant/fp8_gated.py). Only the
-        # layer's own class offers it: a LoRA wrapper (lora/attach.py) has no such method and gets the product.
-        gelu_gated = getattr(self.linear_fc2, "gelu_gated", None)
-        return gelu_gated(gate, up) if gelu_gated is not None else self.linear_fc2(up * F.gelu(gate))
+        return GeluGated(gate, up).into(self.linear_fc2)
 
 
 def _fuse_linears(linears: list[nn.Module], stack_packed: bool = True) -> Optional[nn.Module]:

@@ -23,14 +23,14 @@ off, for that layer and for good (one warning per distinct error); out-of-memory
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .fp8 import native_fp8_supported
-from .fp8_matmul import fp8_gelu_gated_native, fp8_linear_native, fp8_norm_modulated_native
+from .fp8_matmul import fp8_linear_native, fp8_rows_native
 from .nvfp4 import native_fp4_supported, nvfp4_linear_native
 from .qweight import QuantizedWeight, dequantize_packed
 from .triton_dequant import dequantize_triton, has_triton_kernel
@@ -54,6 +54,22 @@ def native_kernel_accepts(x: torch.Tensor, native_format: str | None, in_feature
     dtype_ok = x.dtype == torch.bfloat16 or (x.dtype == torch.float16 and native_format == "fp8" and per_tensor_fp8)
     return native_format in NATIVE_FORMATS and dtype_ok and x.dim() >= 1 and x.shape[-1] == in_features \
         and x.numel() > 0
+
+
+class E4m3Factors(Protocol):
+    """A layer's input as the factors it is made of, which can quantise themselves to e4m3 rows in one kernel
+    (model/layer_inputs.py's FactoredInput)."""
+
+    @property
+    def given(self) -> torch.Tensor:
+        """A tensor of the input's device, dtype and width: what decides whether a layer takes it."""
+
+    @property
+    def lead(self) -> torch.Size:
+        """The input's shape before its last dimension."""
+
+    def e4m3_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The input's e4m3 rows [rows, width] and fp32 [rows, 1] scales, or None where it has no kernel for them."""
 
 
 # Optional replacement for dequantize_packed, e.g. a torch.compile'd one (see `enable_compiled_dequant`).
@@ -165,14 +181,19 @@ class QuantLinear(nn.Module):
 
     def _run_native(self, x: torch.Tensor, multiply: Callable[[], torch.Tensor]) -> torch.Tensor | None:
         """`multiply()` where this layer's native GEMM takes `x` on its device, else None."""
+        return self._guarded(x, multiply) if self._native_takes(x) else None
+
+    def _native_takes(self, x: torch.Tensor) -> bool:
         if self._native_failed or not native_kernel_accepts(x, self._native_format, self.in_features,
                                                              self._per_tensor_fp8) \
                 or self.weight.device != x.device:
-            return None
+            return False
         # The *_supported checks are False off CUDA and below the SM the kernel needs.
         supported = native_fp8_supported if self._native_format == "fp8" else native_fp4_supported
-        if not supported(x.device):
-            return None
+        return supported(x.device)
+
+    def _guarded(self, x: torch.Tensor, multiply: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        """`multiply()`, or None after the kernel rejected the input (this layer dequantises from then on)."""
         try:
             return multiply()
         except torch.cuda.OutOfMemoryError:  # says nothing about the kernel; dequantising would need more memory
@@ -186,28 +207,17 @@ class QuantLinear(nn.Module):
                             self.layer_name or "QuantLinear", self.format, tuple(x.shape), type(err).__name__, err)
         return None
 
-    def gelu_gated(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """self(up * gelu(gate)). A layer multiplying natively in FP8 quantises the product in one pass
-        (fp8_gated.py); every other case computes the product and calls the layer."""
-        if self._native_format == "fp8" and gate.shape == up.shape and gate.dtype == up.dtype == torch.bfloat16:
-            y = self._run_native(gate, lambda: fp8_gelu_gated_native(gate, up, self.weight, self.weight_scale_row,
-                                                                     self.bias))
-            if y is not None:
-                return y
-        return self(up * F.gelu(gate))
-
-    def norm_modulated(self, x: torch.Tensor, norm_weight: torch.Tensor, one_plus_scale: torch.Tensor,
-                       shift: torch.Tensor, eps: float, residual: tuple[torch.Tensor, torch.Tensor] | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(self(modulate(RMSNorm(x))), x) (model/adaln.py), x first x + gate * update where `residual` is
-        (update, gate), where this layer multiplies natively in FP8: one kernel makes its e4m3 input from x, the
-        norm's bf16 weight and the fp32 [B, 1, D] factors (fp8_modulated.py). None where it does not (the caller
-        makes the input and calls the layer)."""
-        if self._native_format != "fp8" or x.dim() != 3 or norm_weight.dtype != torch.bfloat16:
+    def from_factors(self, factors: E4m3Factors) -> torch.Tensor | None:
+        """self(factors.tensor()) as one FP8 GEMM of the e4m3 rows the factors make in one kernel of their own
+        (model/layer_inputs.py), where this layer multiplies natively in FP8 and they can; None where not (the
+        caller calls the layer on the tensor)."""
+        if self._native_format != "fp8" or not self._native_takes(factors.given):
             return None
-        return self._run_native(x, lambda: fp8_norm_modulated_native(x, norm_weight, one_plus_scale, shift, eps,
-                                                                     residual, self.weight, self.weight_scale_row,
-                                                                     self.bias))
+        rows = factors.e4m3_rows()
+        if rows is None:
+            return None
+        return self._guarded(factors.given, lambda: fp8_rows_native(*rows, self.weight, self.weight_scale_row,
+                                                                    self.bias, factors.lead))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._native(x)
