@@ -2,8 +2,9 @@
 once compiling has paid for itself.
 
 Compiled blocks make a DiT call faster (H200, 1024x1024, batch 1: bf16 131 against 151 ms uncompiled, FP8 86-87
-against 90-92 ms, every FP8 activation quantised by its own kernel either way) but each process pays for the compile before its first compiled call: with warm inductor caches
-about 2.4 s (bf16) and 3.7 s (FP8), with empty ones 7-16 s (docs/performance.md#the-first-image-after-a-restart).
+against 90-92 ms, every FP8 activation quantised by its own kernel either way) but each process pays for the
+compile before its first compiled call: with warm inductor caches about 2.4 s (bf16) and 3.7 s (FP8), with empty
+ones 7-16 s (docs/performance.md#the-first-image-after-a-restart).
 A user who makes a handful of Turbo images per restart never earns that back. "auto" is the ski-rental rule: run
 uncompiled while what the uncompiled calls have cost beyond compiled ones, plus what the job about to run would cost,
 stays below the compile's cost; compile before the first job where it no longer does. Whatever the number of jobs,
