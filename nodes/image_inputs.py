@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..runtime.core.errors import InvalidInputError
-from ..runtime.core.request import MAX_MASK_PIXELS
+from ..runtime.core.request import DENOISE_RANGE, MAX_MASK_PIXELS
 
 LOAD_IMAGE_EMPTY_MASK = (64, 64)  # what core Load Image gives as MASK for an image without alpha
 
@@ -25,7 +25,7 @@ def image_input_types() -> dict[str, Any]:
                                          "noise_mask on it (Set Latent Noise Mask) inpaints."}),
         "mask": ("MASK", {"tooltip": "Inpainting: 1 (white) = repaint, 0 = keep; the image's size (Load Image's "
                                      "MASK output, painted in its mask editor)."}),
-        "denoise": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 1.0, "step": 0.01, "tooltip":
+        "denoise": ("FLOAT", {"default": 1.0, "min": DENOISE_RANGE[0], "max": DENOISE_RANGE[1], "step": 0.01, "tooltip":
                               "How much of the image to redraw (ComfyUI KSampler's denoise): the last `steps` of a "
                               "schedule of steps/denoise steps run. 1.0 redraws everything; 0.3-0.5 refines."}),
         "mask_grow": (pixels[0], {**pixels[1], "tooltip": "Grow the mask by this many pixels before use."}),

@@ -407,13 +407,24 @@ def test_the_cli_refuses_a_bad_dtype_in_one_line(capsys, tiny_folder, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
-@pytest.mark.parametrize("device", ["cuda", "cuda:3"])
+@pytest.mark.parametrize("device", ["cuda", "cuda:3", "cuda:" + "9" * 20])
 def test_a_cuda_device_asked_for_without_one_is_the_users_input_not_a_model_file(device):
     from ernie_image.runtime.local.options import resolve_device
 
     with pytest.raises(InvalidInputError, match=rf"device {device} was asked for but PyTorch sees no CUDA GPU: "
                                                 r"choose cpu"):
         resolve_device(device)
+
+
+@pytest.mark.parametrize("index", ["1", "9" * 20])  # 20 digits: past what torch.device can parse
+def test_a_gpu_index_the_machine_lacks_names_the_gpus_it_has(monkeypatch, index):
+    from ernie_image.runtime.local.options import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(InvalidInputError, match=rf"^device cuda:{index} was asked for but PyTorch sees 1 CUDA GPU\(s\): "
+                                                r"choose cuda:0$"):
+        resolve_device(f"cuda:{index}")
 
 
 def test_the_cli_refuses_a_budget_beyond_any_device_in_its_own_words(tmp_path):

@@ -227,15 +227,35 @@ class TestNumberForms:
     @pytest.mark.parametrize("command, option", DECIMAL_OPTIONS + [("generate", "--budget"), ("plan", "--budget")])
     def test_a_number_past_floats_range_is_too_large(self, run, command, option, text):
         budget = () if option == "--budget" else self._budget(command)
-        assert_refused(run(command, f"{option}={text}", *budget), f"{option} {text!r} is too large",
+        assert_refused(run(command, f"{option}={text}", *budget), f"{option} {_quoted(text)} is too large",
                        f"give a number within the range {option} allows")
 
     @pytest.mark.parametrize("setting", ["threshold", "start", "end"])
     @pytest.mark.parametrize("text", TOO_LARGE)
     def test_a_step_cache_number_past_floats_range_is_too_large(self, run, setting, text):
         outcome = run("generate", "--step-cache", f"dbcache:{setting}={text}")
-        assert_refused(outcome, f"step cache {setting} {text!r} is too large", "give a number within the range")
+        assert_refused(outcome, f"step cache {setting} {_quoted(text)} is too large", "give a number within the range")
         assert " inf" not in outcome.line
+
+    @pytest.mark.parametrize("text", ["9" * 41, "-" + "1" * 5000, "0" * 60 + "7" * 41])  # int() stops at 4300
+    @pytest.mark.parametrize("command, option", WHOLE_OPTIONS)
+    def test_a_whole_number_of_more_digits_than_any_range_is_too_large_in_one_short_line(self, run, command, option,
+                                                                                          text):
+        line = assert_refused(run(command, f"{option}={text}", *self._budget(command)), f"{option} ",
+                              f"is too large: give a number within the range {option} allows")
+        assert len(line) < 200, line
+
+    @pytest.mark.parametrize("setting", ["max_skips", "first_blocks", "last_blocks"])
+    def test_a_step_cache_whole_number_of_5000_digits_is_too_large(self, run, setting):
+        line = assert_refused(run("generate", "--step-cache", f"dbcache:{setting}={'1' * 5000}"),
+                              f"step cache {setting} {_quoted('1' * 5000)} is too large", "give a number within the "
+                              "range")
+        assert len(line) < 200, line
+
+    def test_a_decimal_past_floats_range_in_5000_digits_is_quoted_shortly(self, run):
+        line = assert_refused(run("generate", "--cfg", "9" * 5000), f"--cfg {_quoted('9' * 5000)} is too large",
+                              "give a number within the range --cfg allows")
+        assert len(line) < 200, line
 
     @pytest.mark.parametrize("option", ["--connect-timeout", "--read-timeout", "--wait-for-servers"])
     @pytest.mark.parametrize("text", ["1_0", "nan", "inf", " 5"])
@@ -367,6 +387,25 @@ class TestRepeatedOptions:
                               f"{option} is given twice {values} and the command takes one", fix)
         if option in self.KEY_OPTIONS:  # a key pasted where its variable's name or file belongs is never printed
             assert first not in line.split(option, 1)[1] and second not in line.split(option, 1)[1], line
+
+    @pytest.mark.parametrize("option, first, second", [("--dit", "a", "b"),
+                                                       ("--out", "{out}/a.safetensors", "{out}/b.safetensors")])
+    def test_quantize_refuses_a_second_dit_or_output_rather_than_keeping_the_last(self, run, outputs, option, first,
+                                                                                  second):
+        first, second = (value.format(out=outputs) for value in (first, second))
+        assert_refused(run("quantize", "--format", "fp8", option, first, option, second),
+                       f"{option} is given twice ({_quoted(first)} and {_quoted(second)}) and the command takes one",
+                       "give it once")
+
+    @pytest.mark.parametrize("name", ["a\tb.safetensors", "a\nb.gguf", "\x1b[31mred.gguf"])
+    def test_quantize_refuses_an_output_name_with_a_control_character(self, run, outputs, name):
+        assert_refused(run("quantize", "--dit", "d", "--format", "fp8", "--out", str(outputs / name)),
+                       "holds a control character", "give a name without one")
+        assert list(outputs.iterdir()) == []
+
+    def test_quantize_refuses_an_empty_output_naming_the_files_it_writes(self, run):
+        assert_refused(run("quantize", "--dit", "d", "--format", "fp8", "--out="), "--out is empty",
+                       "give a .safetensors (fp8, nvfp4) or .gguf (q8_0, q4_k) path")
 
     def test_a_long_value_is_quoted_without_its_middle(self, run):
         long_prompt = "a fox " * 100 + "at dawn"

@@ -48,7 +48,8 @@ IMAGE = torch.rand(1, 256, 256, 3)
     (dict(init_image=torch.rand(70, 256, 256, 3)),  # more than a batch can be: no batch size to suggest
      "init_image holds 70 images but the run makes 1: give one (used for every image) or 1 (a batch takes up to 64 "
      "images)"),
-    (dict(init_image=IMAGE, denoise=float("nan")), "denoise nan is not allowed: use a value in (0, 1]"),
+    (dict(init_image=IMAGE, denoise=float("nan")), "denoise nan is not allowed: use 0.01..1"),
+    (dict(init_image=IMAGE, denoise=1e-300), "denoise 1e-300 is not allowed: use 0.01..1"),  # an endless schedule
     (dict(init_image=IMAGE, denoise=0.0), "denoise 0.0 is not allowed"),
     (dict(init_image=IMAGE, denoise=1.5), "denoise 1.5 is not allowed"),
     (dict(init_image=IMAGE, denoise=-0.2), "denoise -0.2 is not allowed"),
@@ -140,6 +141,7 @@ def files(tmp_path) -> dict[str, Path]:
     (["--init-image", "{rgb}", "--denoise", "nan"], "error: --denoise 'nan' is not a number: give a plain decimal"),
     (["--init-image", "{rgb}", "--denoise", "0"], "error: --denoise 0.0 is not allowed"),
     (["--init-image", "{rgb}", "--denoise", "1.01"], "error: --denoise 1.01 is not allowed"),
+    (["--init-image", "{rgb}", "--denoise", "1e-9"], "error: --denoise 1e-09 is not allowed: use 0.01..1"),
     (["--denoise", "0.5"], "error: --denoise 0.5 needs --init-image: give the image to start from, or leave --denoise out"),
     (["--init-image", "{sixteen}"], "is a 16-bit image (mode I;16): ERNIE-Image reads 8-bit images: save it as 8-bit RGB"),
     (["--init-image", "{alpha}"], "has transparent pixels (alpha): flatten it"),

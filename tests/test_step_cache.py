@@ -98,6 +98,17 @@ def test_a_bad_spec_is_one_line(spec, error):
         parse_step_cache(spec)
 
 
+def test_off_with_an_empty_setting_is_refused_as_a_method_with_one_is() -> None:
+    with pytest.raises(InvalidInputError, match=r"^step cache 'off:' has an empty setting: give off alone$"):
+        parse_step_cache("off:")
+
+
+def test_a_forced_schedule_that_is_not_one_is_named_before_the_settings_it_would_override() -> None:
+    """The conflict's fix shows the schedule given: a bad one is refused first, so the example shown runs."""
+    with pytest.raises(InvalidInputError, match=r"forced 'X' is not a schedule"):
+        parse_step_cache("dbcache:forced=x,threshold=5")
+
+
 @pytest.mark.parametrize("spec", ["dbcache:", "dbcache:,,", "fbcache: ,", "dbcache:threshold=0.1,", "dbcache:,max_skips=2"])
 def test_an_empty_setting_is_refused_rather_than_read_as_the_defaults(spec):
     with pytest.raises(InvalidInputError, match=r"has an empty setting: give \w+ alone, or settings between the "

@@ -16,7 +16,7 @@ def add_image_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init-image", action=PathOption, once=True,
                         help="start from this image (img2img); its size is the output size")
     parser.add_argument("--denoise", action=DecimalNumber, example="0.6", default=1.0,
-                        help="how much of the image to redraw, in (0, 1]: 1.0 redraws everything (default)")
+                        help="how much of the image to redraw, 0.01..1: 1.0 redraws everything (default)")
     parser.add_argument("--mask", action=PathOption, once=True,
                         help="inpainting mask, same size as --init-image: white = repaint")
     parser.add_argument("--mask-grow", action=WholeNumber, example="8", default=0,

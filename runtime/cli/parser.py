@@ -16,11 +16,10 @@ import os
 from pathlib import Path
 from typing import Any, NoReturn, Optional, Sequence, Union
 
-from ..core.errors import InvalidInputError
+from ..core.errors import InvalidInputError, quoted_shortly
 from ..core.number_text import DECIMAL_RULE, WHOLE_RULE, decimal_from_text, whole_from_text
 from .terminal_text import holds_control_character
 
-SHOWN_CHARACTERS = 40  # of a value a refusal quotes in full (a prompt may be long)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -82,7 +81,7 @@ class Option(argparse.Action):
         meaning = self.meaning(value)
         earlier = parser.given_once.get(self.dest)
         if earlier is not None and earlier[0] != meaning:
-            values = "with two values" if self.quiet else f"({_shown(earlier[1])} and {_shown(text)})"
+            values = "with two values" if self.quiet else f"({quoted_shortly(earlier[1])} and {quoted_shortly(text)})"
             raise InvalidInputError(f"{self.flag} is given twice {values} and the command takes one: give it "
                                     f"once{self.repeat_hint}")
         parser.given_once[self.dest] = (meaning, text)
@@ -104,11 +103,15 @@ class PathOption(Option):
 
 class OutputPath(Option):
     """A path option that stores a Path and refuses an empty value (`--out=`), which Path would read as `.`.
-    `metavar` names what to give, e.g. "PNG" ("--out is empty: give a .png path")."""
+    `metavar` names what to give, e.g. "PNG" ("--out is empty: give a .png path"), unless `what` says it."""
+
+    def __init__(self, *args: Any, what: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.what = what or f"a .{str(self.metavar).lower()} path"
 
     def read(self, text: str) -> Path:
         if not text.strip():
-            raise InvalidInputError(f"{self.flag} is empty: give a .{str(self.metavar).lower()} path")
+            raise InvalidInputError(f"{self.flag} is empty: give {self.what}")
         if holds_control_character(text):
             # The command prints the paths it wrote, one a line: a name holding a line break would read as two.
             raise InvalidInputError(f"{self.flag} {text!r} holds a control character (a line break, a tab, an "
@@ -123,7 +126,7 @@ class WholeNumber(Option):
     """A whole number in plain digits (a sign allowed); the range is the command's check."""
 
     def read(self, text: str) -> int:
-        number = whole_from_text(text)
+        number = whole_from_text(text, self.flag)
         if number is None:
             raise InvalidInputError(f"{self.flag} {text!r} is not a whole number: give {WHOLE_RULE}, e.g. "
                                     f"{self.flag} {self.example or 1}")
@@ -139,12 +142,3 @@ class DecimalNumber(Option):
             raise InvalidInputError(f"{self.flag} {text!r} is not a number: give a plain decimal, e.g. "
                                     f"{self.flag} {self.example or 1.0} ({DECIMAL_RULE})")
         return number
-
-
-
-def _shown(text: str) -> str:
-    """`text` quoted, a long one with its middle left out (the ends tell two paths or prompts apart)."""
-    if len(text) <= SHOWN_CHARACTERS:
-        return repr(text)
-    half = SHOWN_CHARACTERS // 2
-    return repr(text[:half] + "..." + text[-half:])

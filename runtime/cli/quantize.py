@@ -28,7 +28,7 @@ from ..quant.writer import (WRITE_FORMATS, file_suffix, quantized_layer_counts, 
                             write_quantized_file)
 from .checks import check_input_path, check_output_file
 from .names import cli_message, cli_words
-from .parser import OneLineParser
+from .parser import OneLineParser, OutputPath, PathOption
 
 
 def _source_files(source: Path) -> list[Path]:
@@ -102,11 +102,13 @@ def read_bf16_dit(source: str | Path, files: list[Path] | None = None) -> dict[s
 def _parser() -> OneLineParser:
     parser = OneLineParser(prog="ernie-image quantize",
                            description="Write a quantised copy of the ERNIE-Image DiT, from its bf16 weights.")
-    parser.add_argument("--dit", required=True, type=Path,
+    # A second, different --dit or --out is refused, not taken as the last one (parser.py says why).
+    parser.add_argument("--dit", required=True, action=PathOption, once=True,
                         help="bf16 DiT: transformer folder or single .safetensors file (not an FP8/NVFP4/GGUF file)")
     parser.add_argument("--format", required=True, choices=WRITE_FORMATS,
                         help="fp8 and nvfp4: ComfyUI comfy_quant .safetensors; q8_0 and q4_k: GGUF .gguf")
-    parser.add_argument("--out", required=True, type=Path,
+    parser.add_argument("--out", required=True, action=OutputPath, once=True, metavar="FILE",
+                        what="a .safetensors (fp8, nvfp4) or .gguf (q8_0, q4_k) path",
                         help="output file in an existing folder (.safetensors for fp8/nvfp4, .gguf for q8_0/q4_k); "
                              "an existing file is replaced once the new one is complete, as generate does")
     parser.add_argument("--variant", choices=("auto", "base", "turbo"), default="auto",

@@ -67,6 +67,17 @@ def named_settings(text: object) -> tuple[str, ...]:
     return tuple(getattr(text, "settings", ())) if isinstance(text, (ErnieImageError, NamedLine)) else ()
 
 
+SHOWN_CHARACTERS = 40  # of a value a refusal quotes in full (a prompt or a number may be long)
+
+
+def quoted_shortly(text: str) -> str:
+    """`text` quoted, a long one with its middle left out (the ends tell two paths or prompts apart)."""
+    if len(text) <= SHOWN_CHARACTERS:
+        return repr(text)
+    half = SHOWN_CHARACTERS // 2
+    return repr(text[:half] + "..." + text[-half:])
+
+
 def one_line(error: BaseException, limit: int = 200) -> str:
     """`Type: message` of an unexpected error, whitespace collapsed and cut: the detail a one-line message quotes."""
     return " ".join(f"{type(error).__name__}: {error}".split())[:limit]

@@ -10,7 +10,7 @@ import math
 import re
 from typing import Optional
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, quoted_shortly
 
 # The forms accepted, as refusals say them.
 WHOLE_RULE = "digits only"
@@ -20,9 +20,17 @@ _WHOLE = re.compile(r"[+-]?[0-9]+")
 _DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 
-def whole_from_text(text: str) -> Optional[int]:
-    """`text` as a whole number when it is one in plain digits (a sign allowed), else None."""
-    return int(text) if isinstance(text, str) and _WHOLE.fullmatch(text) else None
+_MOST_DIGITS = 40  # more digits than any setting's range allows (and past int()'s 4300, an error of its own)
+
+
+def whole_from_text(text: str, name: str = "the number") -> Optional[int]:
+    """`text` as a whole number when it is one in plain digits (a sign allowed), else None. One of more than 40
+    digits is refused as too large, quoting `text` under `name` (the option or setting it was typed for)."""
+    if not isinstance(text, str) or not _WHOLE.fullmatch(text):
+        return None
+    if len(text.lstrip("+-").lstrip("0")) > _MOST_DIGITS:
+        raise InvalidInputError(f"{name} {quoted_shortly(text)} is too large: give a number within the range {name} allows")
+    return int(text)
 
 
 def decimal_from_text(text: str, name: str = "the number") -> Optional[float]:
@@ -33,5 +41,5 @@ def decimal_from_text(text: str, name: str = "the number") -> Optional[float]:
         return None
     number = float(text)
     if not math.isfinite(number):
-        raise InvalidInputError(f"{name} {text!r} is too large: give a number within the range {name} allows")
+        raise InvalidInputError(f"{name} {quoted_shortly(text)} is too large: give a number within the range {name} allows")
     return number + 0.0  # -0.0 + 0.0 is 0.0

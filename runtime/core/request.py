@@ -106,6 +106,8 @@ def _image_size_problem(width: int, height: int, what: str) -> Optional[str]:
 
 
 MAX_BATCH = 64  # images one run makes at most
+# denoise: the last `steps` of a schedule of int(steps / denoise) steps, which a tiny denoise makes endless
+DENOISE_RANGE = (0.01, 1.0)
 SHIFT_RANGE = (0.01, 100.0)  # the flow-matching shift; beyond it the timesteps collapse to 0 or 1 (ComfyUI's range)
 
 
@@ -192,10 +194,10 @@ def _check_mask(request: "GenerationRequest", width: int, height: int) -> None:
 def _check_image_inputs(request: "GenerationRequest") -> None:
     """denoise, init image / latent, mask: each bad input named in one line, before any weights are read."""
     denoise = request.denoise
-    if isinstance(denoise, bool) or not isinstance(denoise, (int, float)) or not 0 < denoise <= 1:
-        # NaN fails the range test too.
-        raise InvalidInputError(f"denoise {denoise!r} is not allowed: use a value in (0, 1] (1.0 redraws everything)"
-                                ).naming("denoise")
+    if isinstance(denoise, bool) or not isinstance(denoise, (int, float)) \
+            or not DENOISE_RANGE[0] <= denoise <= DENOISE_RANGE[1]:  # NaN fails the range test too
+        raise InvalidInputError(f"denoise {denoise!r} is not allowed: use {DENOISE_RANGE[0]:g}..{DENOISE_RANGE[1]:g} "
+                                "(1.0 redraws everything)").naming("denoise")
     if request.init_image is not None and request.init_latents is not None:
         raise InvalidInputError("both init_image and init_latents were given: give one of them"
                                 ).naming("init_image", "init_latents")

@@ -188,6 +188,8 @@ def parse_step_cache(text: str) -> Optional[StepCacheConfig]:
         if rest.strip():
             raise InvalidInputError(f"step cache {OFF} takes no settings, but {rest.strip()!r} follows it: give "
                                     f"{OFF} alone, or a method with its settings (e.g. dbcache:threshold=0.12)")
+        if sep:  # as a method's empty settings are
+            raise InvalidInputError(f"step cache {text.strip()!r} has an empty setting: give {OFF} alone")
         return None
     if method not in METHODS:
         raise InvalidInputError(f"step cache method {method!r} is not known: use {', '.join(METHODS)} or {OFF}, "
@@ -213,6 +215,7 @@ def parse_step_cache(text: str) -> Optional[StepCacheConfig]:
         values[key] = number
     decided = [key for key in _FORCED_DECIDES if key in values]
     if "forced" in values and decided:
+        StepCacheConfig(method, forced=values["forced"]).validate()  # a bad schedule first: the fix below shows it
         raise InvalidInputError(f"step cache forced decides which steps run, so {' and '.join(decided)} would do "
                                 f"nothing: give forced without {'it' if len(decided) == 1 else 'them'} (e.g. "
                                 f"{method}:forced={values['forced']}), or leave out forced").naming("forced", *decided)
@@ -229,7 +232,8 @@ def _setting_value(method: str, key: str, text: str) -> Any:
     kind = _FIELD_TYPES[key]
     if kind is str:
         return text.upper()
-    number = whole_from_text(text) if kind is int else decimal_from_text(text, f"step cache {key}")
+    named = f"step cache {key}"
+    number = whole_from_text(text, named) if kind is int else decimal_from_text(text, named)
     if number is None:
         what, form = ("a whole number", WHOLE_RULE) if kind is int else ("a number", f"a plain decimal: {DECIMAL_RULE}")
         raise InvalidInputError(f"step cache {key} {text!r} is not {what}: give e.g. "

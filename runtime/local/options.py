@@ -106,16 +106,17 @@ def check_budget_gb(budget: Any, shown: Optional[str] = None) -> None:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    kind, _, index = name.partition(":")
+    if kind == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError(f"device {name} was asked for but PyTorch sees no CUDA GPU: choose cpu"
                                 ).naming("device")
-    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+    # The index compared as a Python int first: torch.device cannot parse one past 64 bits.
+    if kind == "cuda" and index.isdigit() and int(index) >= torch.cuda.device_count():
         count = torch.cuda.device_count()
         raise InvalidInputError(f"device {name} was asked for but PyTorch sees {count} CUDA GPU(s): choose "
                                 f"{' or '.join(f'cuda:{index}' for index in range(min(count, 4)))}"
                                 f"{' or another' if count > 4 else ''}").naming("device")
-    return device
+    return torch.device(name)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
