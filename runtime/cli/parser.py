@@ -21,7 +21,6 @@ from ..core.number_text import DECIMAL_RULE, WHOLE_RULE, decimal_from_text, whol
 from .terminal_text import holds_control_character
 
 
-
 class OneLineParser(argparse.ArgumentParser):
     """argparse, with its usage errors raised as InvalidInputError (the CLI prints `error: ...` and exits 2)."""
 

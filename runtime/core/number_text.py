@@ -29,7 +29,7 @@ def whole_from_text(text: str, name: str = "the number") -> Optional[int]:
     if not isinstance(text, str) or not _WHOLE.fullmatch(text):
         return None
     if len(text.lstrip("+-").lstrip("0")) > _MOST_DIGITS:
-        raise InvalidInputError(f"{name} {quoted_shortly(text)} is too large: give a number within the range {name} allows")
+        raise _too_large(name, text)
     return int(text)
 
 
@@ -41,5 +41,9 @@ def decimal_from_text(text: str, name: str = "the number") -> Optional[float]:
         return None
     number = float(text)
     if not math.isfinite(number):
-        raise InvalidInputError(f"{name} {quoted_shortly(text)} is too large: give a number within the range {name} allows")
+        raise _too_large(name, text)
     return number + 0.0  # -0.0 + 0.0 is 0.0
+
+
+def _too_large(name: str, text: str) -> InvalidInputError:
+    return InvalidInputError(f"{name} {quoted_shortly(text)} is too large: give a number within the range {name} allows")

@@ -26,7 +26,8 @@ def _kernel_takes(x: torch.Tensor) -> bool:
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return kernel_or_torch_form("row quantisation", x.device, _kernel_takes(x), lambda kernels, addresses: launch(kernels, x, addresses=addresses),
+    return kernel_or_torch_form("row quantisation", x.device, _kernel_takes(x),
+                                lambda kernels, addresses: launch(kernels, x, addresses=addresses),
                                 lambda: quantize_rows_reference(x))
 
 

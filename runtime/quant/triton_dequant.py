@@ -104,5 +104,3 @@ def _launch_nvfp4(kernels: ModuleType, shape: tuple[int, ...], data: torch.Tenso
     kernels.nvfp4_kernel[grid](data.contiguous(), scale_bytes, tensor_scale, out, rows, cols, scale_cols,
                                ROWS=tile_rows, COLS=tile_cols, num_warps=_num_warps(tile))
     return out
-
-
