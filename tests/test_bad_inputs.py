@@ -333,7 +333,9 @@ def test_quantize_refuses_a_damaged_source_and_an_output_it_cannot_write(capsys,
     source = tmp_path / "dit.safetensors"
     save_file({"x_embedder.proj.weight": torch.zeros(4, 4)}, str(source))
     for out, expected in [
-        (tmp_path / "q.safetensors", "does not end in .gguf, the file type q8_0 is written as"),  # wrote GGUF bytes
+        (tmp_path / "q.safetensors", "q.safetensors is not a .gguf file name: give e.g. --out"),  # wrote GGUF bytes
+        (tmp_path / ".gguf", ".gguf is not a .gguf file name: give e.g. --out ernie-image-q8_0.gguf"),  # no stem
+        (tmp_path / ("a" * 300 + ".gguf"), "File name too long"),  # was an OSError traceback
         (tmp_path / "missing" / "q.gguf", "does not exist: create it first"),  # was a FileNotFoundError traceback
     ]:
         assert expected in _cli(capsys, "quantize", "--dit", str(source), "--format", "q8_0", "--out", str(out))
@@ -414,6 +416,14 @@ def test_a_cuda_device_asked_for_without_one_is_the_users_input_not_a_model_file
     with pytest.raises(InvalidInputError, match=rf"device {device} was asked for but PyTorch sees no CUDA GPU: "
                                                 r"choose cpu"):
         resolve_device(device)
+
+
+@pytest.mark.parametrize("device", ["cuda:", "cuda:\u0663", "cuda:+0", "cuda:0x1", "cuda:-1", "gpu"])
+def test_a_device_string_torch_cannot_read_is_refused_as_the_setting_not_as_a_missing_gpu(device):
+    from ernie_image.runtime.local.options import LoadOptions
+
+    with pytest.raises(InvalidInputError, match=r"is not supported: use auto, cpu, cuda or cuda:N$"):
+        LoadOptions(device=device).validate()
 
 
 @pytest.mark.parametrize("index", ["1", "9" * 20])  # 20 digits: past what torch.device can parse

@@ -108,8 +108,9 @@ def check_output_file(path: Path, option: str, suffixes: Iterable[str], example:
         raise InvalidInputError(f"{option} {path} is a folder: give a file name inside it, e.g. "
                                 f"{option} {path / (example + suffixes[0])}")
     if path.suffix.lower() not in suffixes:
+        stem = path.stem if not path.stem.startswith(".") else example  # `.gguf` is a hidden name, no suffix
         raise InvalidInputError(f"{option} {path} is not a {' or '.join(suffixes)} file name: give e.g. "
-                                f"{option} {path.stem or example}{suffixes[0]}")
+                                f"{option} {stem or example}{suffixes[0]}")
     if info is not None and not stat.S_ISREG(info.st_mode):
         raise InvalidInputError(f"{option} {path} is not a regular file (a device, pipe or socket): pick another "
                                 "output path")

@@ -136,11 +136,7 @@ def kept_dtypes(state: dict[str, torch.Tensor], fmt: str) -> str:
 def main_quantize(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        suffix = file_suffix(args.format)
-        # a folder is named as one (check_output_file) before its name is judged as a file's
-        if not args.out.is_dir() and args.out.suffix.lower() != suffix:  # ComfyUI(-GGUF) pick a loader by the name
-            raise InvalidInputError(f"--out {args.out.name} does not end in {suffix}, the file type {args.format} "
-                                    f"is written as: give e.g. --out {args.out.stem}{suffix}")
+        # ComfyUI(-GGUF) picks a loader by the name's suffix; a folder is named as one before the name is judged
         check_output_file(args.out, "--out", (file_suffix(args.format),), f"ernie-image-{args.format}")  # first
         check_input_path(args.dit, "--dit", "file or folder")
         refuse_output_over_input(args.out, args.dit)

@@ -68,8 +68,9 @@ class LoadOptions:
         if not (isinstance(self.compile, bool) or self.compile == "auto"):
             raise InvalidInputError(f"compile {self.compile!r} is not supported: use True, False or 'auto'"
                                     ).naming("compile")
-        kind, _, index = self.device.partition(":")
-        if self.device not in ("auto", "cpu") and not (kind == "cuda" and (not index or index.isdigit())):
+        kind, colon, index = self.device.partition(":")
+        plain_index = index.isascii() and index.isdigit()  # str.isdigit() takes any script's digits, torch does not
+        if self.device not in ("auto", "cpu") and not (kind == "cuda" and (not colon or plain_index)):
             raise InvalidInputError(f"device {self.device!r} is not supported: use auto, cpu, cuda or cuda:N"
                                     ).naming("device")
         from ..text.pe_quant import PE_QUANT_FORMATS
@@ -111,7 +112,7 @@ def resolve_device(name: str) -> torch.device:
         raise InvalidInputError(f"device {name} was asked for but PyTorch sees no CUDA GPU: choose cpu"
                                 ).naming("device")
     # The index compared as a Python int first: torch.device cannot parse one past 64 bits.
-    if kind == "cuda" and index.isdigit() and int(index) >= torch.cuda.device_count():
+    if kind == "cuda" and index.isascii() and index.isdigit() and int(index) >= torch.cuda.device_count():
         count = torch.cuda.device_count()
         raise InvalidInputError(f"device {name} was asked for but PyTorch sees {count} CUDA GPU(s): choose "
                                 f"{' or '.join(f'cuda:{index}' for index in range(min(count, 4)))}"

@@ -42,11 +42,7 @@ def _fill_module(module: torch.nn.Module, component, device: torch.device, dtype
     loaded: dict[str, torch.Tensor] = {}
     for key, target in expected.items():
         tensor = component.tensor(key)
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ModelFileError(
-                f"{component.path}: tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}: "
-                f"the file does not match the ERNIE-Image {component.kind} configuration"
-            )
+        _refuse_another_shape(component, key, tensor, target)
         if not tensor.is_floating_point():
             want = tensor.dtype
         else:
@@ -67,8 +63,9 @@ def _build_quantized(module: torch.nn.Module, component, device: torch.device, d
     from ..quant.writer import quantize_weight, should_quantize
 
     linear_weights = {f"{name}.weight" for name, child in module.named_modules() if isinstance(child, torch.nn.Linear)}
+    expected = module.state_dict(keep_vars=True)
     state: dict[str, object] = {}
-    for key in module.state_dict(keep_vars=True):
+    for key in expected:
         if key not in component.keys:
             raise ModelFileError(f"{component.path} has no tensor {key!r}: the file is not a complete ERNIE-Image "
                                  f"{component.kind}")
@@ -87,9 +84,18 @@ def _build_quantized(module: torch.nn.Module, component, device: torch.device, d
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise ModelFileError(f"{component.path}: {key} is quantised but is not a Linear weight here")
+        _refuse_another_shape(component, key, value, expected[key])  # the tensors kept in high precision
         plain[key] = value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
     module.load_state_dict(plain, strict=False, assign=True)
     return module.eval().requires_grad_(False)
+
+
+def _refuse_another_shape(component, key: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ModelFileError(
+            f"{component.path}: tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}: "
+            f"the file does not match the ERNIE-Image {component.kind} configuration"
+        )
 
 
 def _moved(packed, device: torch.device):
