@@ -52,7 +52,7 @@ class Browser:
             [self.binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
              "--no-first-run", "--remote-debugging-port=0", f"--user-data-dir={self.profile.name}",
              "--window-size=1600,1000", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self._environment())
         port = await self._debugging_port()
         self.session = aiohttp.ClientSession()
         async with self.session.get(f"http://127.0.0.1:{port}/json/list") as answer:
@@ -82,6 +82,13 @@ class Browser:
             if not Path(self.profile.name).exists():
                 break
             await asyncio.sleep(0.25)
+
+    def _environment(self) -> dict[str, str]:
+        """Chromium's own temporary folders (its singleton socket's, left behind when it is stopped) go inside the
+        profile, which is removed on exit, not into the machine's /tmp."""
+        scratch = Path(self.profile.name) / "tmp"
+        scratch.mkdir()
+        return {**os.environ, "TMPDIR": str(scratch)}
 
     async def _debugging_port(self) -> int:
         """Chromium writes the port it picked (for --remote-debugging-port=0) into its profile folder."""
