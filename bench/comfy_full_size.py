@@ -2,7 +2,8 @@
 models/ folder, under the file names the example workflows expect:
 
     diffusion_models/ernie-image-turbo.safetensors      the DiT (bf16, `model.diffusion_model.` names)
-    diffusion_models/ernie-image.safetensors            the same tensors (a hard link): detected as the base model
+    diffusion_models/ernie-image.safetensors            the same file (a hard link): its metadata says Turbo, so
+                                                        a run of it as Base sets the Loader's variant to base
     diffusion_models/ernie-image-turbo-UD-Q4_K_M.gguf   that DiT in GGUF Q4_K blocks (quantised on the GPU)
     text_encoders/ministral-3-3b.safetensors             Ministral-3B text model, lm_head, embedded Tekken tokenizer
     text_encoders/ernie-image-prompt-enhancer.safetensors  the PE (Ministral3ForCausalLM, head tied)
@@ -65,7 +66,7 @@ def write_models(models: Path) -> dict[str, str]:
         paths[key] = str(target)
     base = models / NAMES["base_dit"]
     base.unlink(missing_ok=True)
-    os.link(models / NAMES["dit"], base)  # same tensors; "turbo" not in the name: the Loader detects base
+    os.link(models / NAMES["dit"], base)  # not a second 15 GB file; the metadata it shares says Turbo
     paths["base_dit"] = str(base)
     state = {name: tensor.cuda() for name, tensor in read_bf16_dit(models / NAMES["dit"]).items()}
     packed = quantize_state_dict(state, "q4_k")  # on the GPU: minutes faster than on the host
