@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..runtime.core.errors import InvalidInputError
-from ..runtime.core.request import SEED_MASK
+from ..runtime.core.request import MAX_NEW_TOKENS_RANGE, SEED_MASK, TEMPERATURE_RANGE
 from .comfy_names import speaks_comfy
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
 from .host import NoteHost, cancel_as_comfy_interrupt
@@ -12,7 +12,6 @@ from .live_pipes import generation_lock
 from .remote import LEGACY_HIDDEN, chat_endpoint, pe_endpoint_inputs, refuse_url_credentials
 from .sampler import resolve_size, seed_input, size_inputs
 
-MAX_NEW_TOKENS = 8192
 NO_ENHANCER = ("no prompt enhancer to run: connect a Loader whose model has a PE (prompt_enhancer file or a "
                "diffusers folder with pe/), or set pe_url to an OpenAI-compatible chat server serving the PE")
 
@@ -53,11 +52,11 @@ class ErnieImagePromptEnhancer:
                               "width and height below. Match the Sampler's."),
                 "seed": seed_input("Sampling seed of the PE: the same seed gives the same revised prompt. Use the "
                                    "Sampler's seed to get the revision its own use_pe would make."),
-                "temperature": ("FLOAT", {"default": 0.6, "min": 0.0, "max": 5.0, "step": 0.05,
+                "temperature": ("FLOAT", {"default": 0.6, "min": TEMPERATURE_RANGE[0], "max": TEMPERATURE_RANGE[1], "step": 0.05,
                                           "tooltip": "PE sampling temperature (Baidu's 0.6; 0 is greedy)."}),
                 "top_p": ("FLOAT", {"default": 0.95, "min": 0.01, "max": 1.0, "step": 0.01,
                                     "tooltip": "PE nucleus sampling (Baidu's 0.95)."}),
-                "max_new_tokens": ("INT", {"default": 512, "min": 1, "max": MAX_NEW_TOKENS,
+                "max_new_tokens": ("INT", {"default": 512, "min": MAX_NEW_TOKENS_RANGE[0], "max": MAX_NEW_TOKENS_RANGE[1],
                                            "tooltip": "Cap on the revised prompt's length in tokens."}),
             },
             "optional": {

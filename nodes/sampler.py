@@ -6,12 +6,15 @@ from typing import Any, Optional
 
 from ..runtime.core.errors import InvalidInputError
 from ..runtime.core.request import (
+    BATCH_RANGE,
+    CFG_RANGE,
     MAX_SIDE,
     MIN_SIDE,
     RESOLUTION_PRESETS,
     SEED_MASK,
     SHIFT_RANGE,
     SIDE_MULTIPLE,
+    STEPS_RANGE,
     VARIANT_DEFAULTS,
     GenerationRequest,
     GenerationResult,
@@ -24,7 +27,6 @@ from .image_inputs import image_input_fields, image_input_types
 from .live_pipes import generation_lock
 
 CUSTOM_RESOLUTION = "custom"
-MAX_BATCH = 64
 
 
 def _aspect_label(width: int, height: int) -> str:
@@ -142,14 +144,14 @@ class ErnieImageSampler:
         required.update(
             {
                 **size_inputs("Baidu's seven ~1 MP sizes; 'custom' uses width and height below."),
-                "steps": ("INT", {"default": int(defaults["steps"]), "min": 1, "max": 1000, "tooltip": "Denoising steps: 50 for ERNIE-Image, 8 for Turbo."}),
+                "steps": ("INT", {"default": int(defaults["steps"]), "min": STEPS_RANGE[0], "max": STEPS_RANGE[1], "tooltip": "Denoising steps: 50 for ERNIE-Image, 8 for Turbo."}),
                 "cfg": (
                     "FLOAT",
-                    {"default": defaults["cfg"], "min": 0.0, "max": 100.0, "step": 0.1, "round": 0.01,
+                    {"default": defaults["cfg"], "min": CFG_RANGE[0], "max": CFG_RANGE[1], "step": 0.1, "round": 0.01,
                      "tooltip": "Classifier-free guidance: 4.0 for ERNIE-Image, 1.0 (off, twice as fast) for Turbo."},
                 ),
                 "seed": seed_input("Noise seed; the same seed gives the same image on any device."),
-                "batch_size": ("INT", {"default": 1, "min": 1, "max": MAX_BATCH, "tooltip": "Images per run."}),
+                "batch_size": ("INT", {"default": 1, "min": BATCH_RANGE[0], "max": BATCH_RANGE[1], "tooltip": "Images per run."}),
                 "shift": ("FLOAT", {"default": 4.0, "min": SHIFT_RANGE[0], "max": SHIFT_RANGE[1], "step": 0.1, "tooltip": "Flow-matching timestep shift (Baidu's value is 4.0)."}),
                 "use_pe": (
                     "BOOLEAN",

@@ -337,7 +337,7 @@ def test_the_summary_and_the_metadata_hold_the_settings_the_run_used(capsys, tmp
     assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "272",
                  "--out", str(out)]) == 0
     err = capsys.readouterr().err
-    assert "1 image(s) 256x272, 8 steps, CFG 1, seed 0 in" in err, err  # Turbo's defaults, the size given
+    assert "1 image 256x272, 8 steps, CFG 1, seed 0 in" in err, err  # Turbo's defaults, the size given
     settings = read_png_settings(out)
     assert (settings["width"], settings["height"], settings["steps"], settings["cfg"]) == (256, 272, 8, 1.0)
     assert (settings["dit_weights"], settings["dtype"]) == ("float32", "float32"), settings  # what made the pixels
@@ -468,6 +468,17 @@ def test_a_damaged_demo_cache_names_its_folder_and_the_fix(capsys, tmp_path, emp
     vae.write_bytes(vae.read_bytes()[:-1000])  # a disk that filled up, an interrupted copy
     line = _cli(capsys, "generate", "--steps", "1", "--out", str(tmp_path / "b.png"))
     assert f"the demo model in {folder} is damaged" in line and "delete that folder and run again" in line, line
+
+
+@pytest.mark.parametrize("images, steps, said", [(1, 1, "1 image 256x256, 1 step, CFG 1, seed 0 in 0.50 s"),
+                                                 (2, 2, "2 images 256x256, 2 steps, CFG 1, seed 0 in 0.50 s"),
+                                                 (1, 8, "1 image 256x256, 8 steps, CFG 1, seed 0 in 0.50 s")])
+def test_the_run_line_counts_images_and_steps_in_words_that_read_right(images, steps, said):
+    from ernie_image.runtime.cli.generate import run_line
+    from ernie_image.runtime.core.request import GenerationRequest
+
+    used = GenerationRequest(prompt="a fox", width=256, height=256, steps=steps, cfg=1.0, batch=images)
+    assert run_line(images, used, 0.5) == said
 
 
 # ---------------------------------------------------------------------------------------------- help
@@ -837,3 +848,31 @@ def test_quantize_refuses_an_out_inside_the_dit_folder(capsys, tmp_path, bf16_di
     assert line == ("error: --out fp8.safetensors is inside the --dit folder transformer: a quantised file there "
                     "would stop the folder loading as the bf16 model; write it elsewhere")
     assert not (folder / "fp8.safetensors").exists()
+
+
+def test_quantize_refuses_an_out_inside_the_dit_folder_reached_through_a_link_to_it(capsys, tmp_path, bf16_dit):
+    import shutil
+
+    folder = tmp_path / "transformer"
+    shutil.copytree(bf16_dit, folder)
+    (tmp_path / "linked").symlink_to(folder)
+    line = _cli(capsys, "quantize", "--dit", str(folder), "--format", "fp8",
+                "--out", str(tmp_path / "linked" / "fp8.safetensors"))
+    assert line == ("error: --out fp8.safetensors is inside the --dit folder transformer: a quantised file there "
+                    "would stop the folder loading as the bf16 model; write it elsewhere")
+    assert _files(folder) == ["config.json", "diffusion_pytorch_model.safetensors"]
+
+
+def test_quantize_replaces_a_link_at_out_into_the_dit_folder_and_leaves_the_folder_as_it_was(capsys, tmp_path,
+                                                                                             bf16_dit):
+    """The written file takes the link's place (a link at --out is replaced, never followed): the folder is not
+    where it goes, so the output is not refused as inside it."""
+    import shutil
+
+    folder = tmp_path / "transformer"
+    shutil.copytree(bf16_dit, folder)
+    out = tmp_path / "fp8.safetensors"
+    out.symlink_to(folder / "fp8.safetensors")
+    assert _quantize(capsys, "--dit", str(folder), "--format", "fp8", "--out", str(out))[0] == 0
+    assert out.is_file() and not out.is_symlink()
+    assert _files(folder) == ["config.json", "diffusion_pytorch_model.safetensors"]

@@ -17,6 +17,12 @@ from pathlib import Path
 import pytest
 
 from ernie_image.runtime.cli.commands import main
+from ernie_image.runtime.cli.plan import PCIE_GBPS_RANGE
+from ernie_image.runtime.core.number_text import range_text
+from ernie_image.runtime.core.request import (BATCH_RANGE, CFG_RANGE, DENOISE_RANGE, MASK_PIXELS_RANGE,
+                                              MAX_NEW_TOKENS_RANGE, SEED_RANGE, SHIFT_RANGE, SIDE_RANGE, STEPS_RANGE,
+                                              TEMPERATURE_RANGE, TOP_P_RULE)
+from ernie_image.runtime.text.encoder import TOKENS_RANGE
 
 PROGRESS = ("sampling: ", "prompt enhancer: ")
 
@@ -199,7 +205,7 @@ class TestNumberForms:
     @pytest.mark.parametrize("text", ODD)
     @pytest.mark.parametrize("command, option", WHOLE_OPTIONS)
     def test_whole_number_options(self, run, command, option, text):
-        assert_refused(run(command, f"{option}={text}", *self._budget(command)),
+        assert_refused(run(command, f"{option}={text}", *self._needed(command)),
                        f"{option} {text!r} is not a whole number", f"give digits only, e.g. {option} ")
 
     @pytest.mark.parametrize("text", [t for t in ODD if t not in ("1e", "")] + ["1.5", "2e3"])
@@ -209,7 +215,7 @@ class TestNumberForms:
     @pytest.mark.parametrize("text", ODD)
     @pytest.mark.parametrize("command, option", DECIMAL_OPTIONS)
     def test_decimal_options(self, run, command, option, text):
-        assert_refused(run(command, f"{option}={text}", *self._budget(command)),
+        assert_refused(run(command, f"{option}={text}", *self._needed(command)),
                        f"{option} {text!r} is not a number", f"give a plain decimal, e.g. {option} ")
 
     @pytest.mark.parametrize("command", ["generate", "plan"])
@@ -220,15 +226,61 @@ class TestNumberForms:
                        "spaces, "
                        "nan or inf), or auto")
 
-    # float() reads these as inf or -inf: the refusal quotes what was typed, not "inf".
+    ENHANCE_WHOLE = [("enhance", "--width"), ("enhance", "--height"), ("enhance", "--seed"),
+                     ("enhance", "--max-new-tokens")]
+    ENHANCE_DECIMAL = [("enhance", "--temperature")]
+    # The range each number option takes, as its help and its refusals say it: the constants the checks use.
+    RANGES = {("generate", "--width"): SIDE_RANGE, ("generate", "--height"): SIDE_RANGE,
+              ("generate", "--steps"): STEPS_RANGE, ("generate", "--cfg"): CFG_RANGE,
+              ("generate", "--shift"): SHIFT_RANGE, ("generate", "--seed"): SEED_RANGE,
+              ("generate", "--batch"): BATCH_RANGE, ("generate", "--denoise"): DENOISE_RANGE,
+              ("generate", "--mask-grow"): MASK_PIXELS_RANGE, ("generate", "--mask-feather"): MASK_PIXELS_RANGE,
+              ("plan", "--width"): SIDE_RANGE, ("plan", "--height"): SIDE_RANGE, ("plan", "--batch"): BATCH_RANGE,
+              ("plan", "--cfg"): CFG_RANGE, ("plan", "--text-tokens"): TOKENS_RANGE,
+              ("plan", "--pcie-gbps"): PCIE_GBPS_RANGE,
+              ("enhance", "--width"): SIDE_RANGE, ("enhance", "--height"): SIDE_RANGE,
+              ("enhance", "--seed"): SEED_RANGE, ("enhance", "--temperature"): TEMPERATURE_RANGE,
+              ("enhance", "--max-new-tokens"): MAX_NEW_TOKENS_RANGE}
+    OPEN_RANGES = {("enhance", "--top-p"): TOP_P_RULE}  # open at 0: no LOW..HIGH, so said in words
+
+    @pytest.mark.parametrize("command", ["generate", "plan", "enhance"])
+    def test_every_number_option_has_a_range(self, command):
+        assert set(_number_options(command)) == {option for named, option in [*self.RANGES, *self.OPEN_RANGES]
+                                                 if named == command}
+
+    @pytest.mark.parametrize("command, option", list(RANGES) + list(OPEN_RANGES))
+    def test_each_states_its_range_in_its_help(self, command, option):
+        allowed = self.RANGES.get((command, option))
+        assert (self.OPEN_RANGES.get((command, option)) or range_text(allowed)) in _help_of(command, option)
+
+    def test_the_shift_says_its_default_is_baidus(self):
+        assert _help_of("generate", "--shift").endswith(f"{range_text(SHIFT_RANGE)} (default 4.0, Baidu's)")
+
+    # float() reads these as inf or -inf: the refusal quotes what was typed, not "inf", and the option's range.
     TOO_LARGE = ["1e400", "-1e999", "+" + "9" * 400]
 
     @pytest.mark.parametrize("text", TOO_LARGE)
-    @pytest.mark.parametrize("command, option", DECIMAL_OPTIONS + [("generate", "--budget"), ("plan", "--budget")])
-    def test_a_number_past_floats_range_is_too_large(self, run, command, option, text):
-        budget = () if option == "--budget" else self._budget(command)
-        assert_refused(run(command, f"{option}={text}", *budget), f"{option} {_quoted(text)} is too large",
-                       f"give a number within the range {option} allows")
+    @pytest.mark.parametrize("command, option", DECIMAL_OPTIONS + ENHANCE_DECIMAL)
+    def test_a_number_past_floats_range_is_refused_quoting_it_with_the_options_range(self, run, command, option,
+                                                                                     text):
+        outcome = run(command, f"{option}={text}", *self._needed(command))
+        assert_refused(outcome, f"{option} {_quoted(text)} is not allowed",
+                       f"use {range_text(self.RANGES[command, option])}")
+        assert " inf" not in outcome.line
+
+    @pytest.mark.parametrize("command", ["generate", "plan"])
+    @pytest.mark.parametrize("text", TOO_LARGE)
+    def test_a_budget_past_floats_range_is_refused_as_any_budget_out_of_range(self, run, command, text):
+        assert_refused(run(command, f"--budget={text}"), f"--budget {_quoted(text)} is not a positive number of GiB "
+                       "up to 1e+06", "give the GiB the pipe may use, or auto")
+
+    @pytest.mark.parametrize("option, least", [("--connect-timeout", "more than 0"), ("--read-timeout", "more than 0"),
+                                               ("--wait-for-servers", "0 or more")])
+    @pytest.mark.parametrize("text", TOO_LARGE)
+    def test_a_server_timeout_past_floats_range_is_refused_as_any_timeout_out_of_range(self, run, option, least,
+                                                                                       text):
+        assert_refused(run("generate", "--server", "http://127.0.0.1:9", f"{option}={text}"),
+                       f"{option} {_quoted(text)} is not allowed", f"give a finite number of seconds, {least}")
 
     @pytest.mark.parametrize("setting", ["threshold", "start", "end"])
     @pytest.mark.parametrize("text", TOO_LARGE)
@@ -237,12 +289,44 @@ class TestNumberForms:
         assert_refused(outcome, f"step cache {setting} {_quoted(text)} is too large", "give a number within the range")
         assert " inf" not in outcome.line
 
+    # float() reads these as 0 (or -0): a range without 0 would refuse "0.0", which nobody typed.
+    TOO_CLOSE_TO_0 = ["1e-400", "-2.5e-999", "0." + "0" * 400 + "1"]
+    RANGE_WITHOUT_0 = [("generate", "--shift"), ("generate", "--denoise"), ("plan", "--pcie-gbps")]
+    RANGE_WITH_0 = [("generate", "--cfg"), ("plan", "--cfg"), ("enhance", "--temperature")]
+
+    def test_these_are_the_decimal_options_whose_range_has_no_0_and_those_whose_range_holds_it(self):
+        assert sorted(self.RANGE_WITHOUT_0 + self.RANGE_WITH_0) == sorted(self.DECIMAL_OPTIONS + self.ENHANCE_DECIMAL)
+        assert all(self.RANGES[key][0] > 0 for key in self.RANGE_WITHOUT_0)
+        assert all(self.RANGES[key][0] <= 0 <= self.RANGES[key][1] for key in self.RANGE_WITH_0)
+
+    @pytest.mark.parametrize("text", TOO_CLOSE_TO_0)
+    @pytest.mark.parametrize("command, option", RANGE_WITHOUT_0)
+    def test_a_number_too_close_to_0_for_float_is_refused_quoting_it_where_the_range_has_no_0(self, run, command,
+                                                                                              option, text):
+        line = assert_refused(run(command, f"{option}={text}", *self._needed(command)),
+                              f"{option} {_quoted(text)} is not allowed",
+                              f"use {range_text(self.RANGES[command, option])}")
+        assert f"{option} 0.0 " not in line
+
+    @pytest.mark.parametrize("text", TOO_CLOSE_TO_0)
+    @pytest.mark.parametrize("command, option", RANGE_WITH_0)
+    def test_a_number_too_close_to_0_for_float_reads_as_0_where_the_range_holds_0(self, command, option, text):
+        args = _parser(command).parse_args([*self._needed(command), f"{option}={text}"])
+        assert str(getattr(args, option[2:].replace("-", "_"))) == "0.0"  # never -0.0
+
+    @pytest.mark.parametrize("setting", ["threshold", "start"])
+    def test_a_step_cache_number_too_close_to_0_for_float_reads_as_0_which_its_range_holds(self, setting):
+        from ernie_image.runtime.core.step_cache_config import parse_step_cache
+
+        assert str(getattr(parse_step_cache(f"dbcache:{setting}=1e-400"), setting)) == "0.0"
+
     @pytest.mark.parametrize("text", ["9" * 41, "-" + "1" * 5000, "0" * 60 + "7" * 41])  # int() stops at 4300
-    @pytest.mark.parametrize("command, option", WHOLE_OPTIONS)
-    def test_a_whole_number_of_more_digits_than_any_range_is_too_large_in_one_short_line(self, run, command, option,
-                                                                                          text):
-        line = assert_refused(run(command, f"{option}={text}", *self._budget(command)), f"{option} ",
-                              f"is too large: give a number within the range {option} allows")
+    @pytest.mark.parametrize("command, option", WHOLE_OPTIONS + ENHANCE_WHOLE)
+    def test_a_whole_number_of_more_digits_than_any_range_is_refused_with_the_range_in_one_short_line(
+            self, run, command, option, text):
+        line = assert_refused(run(command, f"{option}={text}", *self._needed(command)),
+                              f"{option} {_quoted(text)} is not allowed",
+                              f"use {range_text(self.RANGES[command, option])}")
         assert len(line) < 200, line
 
     @pytest.mark.parametrize("setting", ["max_skips", "first_blocks", "last_blocks"])
@@ -253,8 +337,8 @@ class TestNumberForms:
         assert len(line) < 200, line
 
     def test_a_decimal_past_floats_range_in_5000_digits_is_quoted_shortly(self, run):
-        line = assert_refused(run("generate", "--cfg", "9" * 5000), f"--cfg {_quoted('9' * 5000)} is too large",
-                              "give a number within the range --cfg allows")
+        line = assert_refused(run("generate", "--cfg", "9" * 5000), f"--cfg {_quoted('9' * 5000)} is not allowed",
+                              f"use {range_text(CFG_RANGE)}")
         assert len(line) < 200, line
 
     @pytest.mark.parametrize("option", ["--connect-timeout", "--read-timeout", "--wait-for-servers"])
@@ -277,8 +361,9 @@ class TestNumberForms:
         assert read == value and str(read) == str(value)  # -0 reads as 0: a message never shows "-0"
 
     @staticmethod
-    def _budget(command: str) -> tuple[str, ...]:
-        return ("--budget", "12") if command == "plan" else ()
+    def _needed(command: str) -> tuple[str, ...]:
+        """What `command` needs besides the option tested: plan a budget, enhance a prompt."""
+        return {"plan": ("--budget", "12"), "enhance": ("--prompt", "a fox")}.get(command, ())
 
 
 class TestEnhanceNumbers:
@@ -487,6 +572,24 @@ def _parser(command: str):
     from ernie_image.runtime.cli import enhance, generate, plan
 
     return {"generate": generate.build_parser, "plan": plan.build_parser, "enhance": enhance._parser}[command]()
+
+
+def _number_options(command: str) -> list[str]:
+    from ernie_image.runtime.cli.parser import NumberOption
+
+    return [action.option_strings[0] for action in _parser(command)._actions if isinstance(action, NumberOption)]
+
+
+def _help_of(command: str, option: str) -> str:
+    """The lines `ernie-image COMMAND --help` gives `option` (its name, its metavar, its help), joined in one."""
+    lines = _parser(command).format_help().splitlines()
+    start = next(index for index, line in enumerate(lines) if line.split()[:1] == [option])
+    said = [lines[start]]
+    for line in lines[start + 1:]:
+        if not line.startswith(" " * 4):  # the next option, or the next group
+            break
+        said.append(line)
+    return " ".join(" ".join(said).split())
 
 
 # ------------------------------------------------------------------------------------------- prompt enhancer files

@@ -59,6 +59,16 @@ def test_generate_on_a_fleet_writes_the_batch_with_the_turbo_defaults_of_the_ser
         assert image.size == (256, 320)
 
 
+@pytest.mark.parametrize("batch, said", [("1", "1 image 256x256 in "), ("2", "2 images 256x256 in ")])
+def test_the_run_line_counts_the_images_in_words_that_read_right(capsys, tmp_path, batch, said):
+    with FakeSglang() as server:
+        code = main(["generate", "--server", server.url, "--prompt", "a fox", "--width", "256", "--height", "256",
+                     "--batch", batch, "--out", str(tmp_path / "fox.png")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert any(line.startswith(said) for line in err.splitlines()), err
+
+
 def test_an_output_another_command_wrote_during_the_run_is_replaced_with_a_notice(capsys, tmp_path, monkeypatch):
     from ernie_image.runtime.remote.backend import RemotePipe
 
@@ -89,7 +99,8 @@ def test_a_base_model_gets_the_base_defaults_and_given_values_win(capsys, tmp_pa
     (["--read-timeout", "0"], "--read-timeout 0 is not allowed"),
     (["--read-timeout", "-5"], "--read-timeout -5 is not allowed"),
     (["--connect-timeout", "inf"], "--connect-timeout 'inf' is not a number of seconds"),
-    (["--connect-timeout", "1e999"], "--connect-timeout '1e999' is too large: give a number within the range"),
+    (["--connect-timeout", "1e999"], "--connect-timeout '1e999' is not allowed: give a finite number of seconds, "
+                                     "more than 0"),
     (["--connect-timeout", "soon"], "--connect-timeout 'soon' is not a number of seconds"),
     (["--wait-for-servers", "-1"], "--wait-for-servers -1 is not allowed: give a finite number of seconds, 0 or more"),
     (["--width", "1000"], "width 1000 is not allowed: ERNIE-Image needs a multiple of 16 between 256 and 4096; "
@@ -242,7 +253,7 @@ def test_a_dead_fleet_fails_in_one_line_naming_each_server(capsys, tmp_path):
     ("--connect-timeout", "0", "--connect-timeout 0 is not allowed"),
     ("--connect-timeout", "-1", "--connect-timeout -1 is not allowed"),
     ("--read-timeout", "0", "--read-timeout 0 is not allowed"),
-    ("--read-timeout", "1e999", "--read-timeout '1e999' is too large"),
+    ("--read-timeout", "1e999", "--read-timeout '1e999' is not allowed"),
 ])
 def test_check_remote_refuses_timeouts_that_cannot_work(capsys, flag, value, said):
     assert main(["check-remote", "http://127.0.0.1:1", flag, value]) == 2

@@ -202,13 +202,13 @@ def test_quantize_refuses_a_source_that_does_not_say_its_variant_until_variant_i
 
 # ------------------------------------------------------------------------------------------- the run line says it
 def _generate(capsys, sources: ModelSources, out: Path, *extra: str) -> str:
-    """The CLI's run line ("1 image(s) 256x256, ...; ERNIE-Image ...") for a one-step 256x256 run of `sources`."""
+    """The CLI's run line ("1 image 256x256, 1 step, ...; ERNIE-Image ...") for a one-step 256x256 run of `sources`."""
     code = main(["generate", "--dit", str(sources.dit), "--text-encoder", str(sources.text_encoder), "--vae",
                  str(sources.vae), "--prompt", "a fox", "--width", "256", "--height", "256", "--steps", "1",
                  "--device", "cpu", "--out", str(out), *extra])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 0, err
-    return next(line for line in err if line.startswith("1 image(s) 256x256"))
+    return next(line for line in err if line.startswith("1 image 256x256, 1 step, "))
 
 
 def test_the_cli_run_line_says_the_variant_and_how_it_was_decided(capsys, tmp_path, turbo):
@@ -364,7 +364,7 @@ def test_a_folder_named_one_variant_whose_config_says_the_other_runs_as_the_conf
     assert err.count(_name_notice(folder, "--variant")) == 1, err
     _, variant = MISNAMED[folder]
     label = "Turbo" if variant == "turbo" else "Base"
-    run_line = next(line for line in err if line.startswith("1 image(s) 256x256"))
+    run_line = next(line for line in err if line.startswith("1 image 256x256, "))
     assert f"; ERNIE-Image {label}, from the transformer config; on cpu" in run_line
     assert ("CFG 1," if variant == "turbo" else "CFG 4,") in run_line  # the config's variant's defaults
 

@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Iterable, Literal, Optional
 
-from ..core.errors import InvalidInputError
-from ..core.number_text import DECIMAL_RULE, decimal_from_text
-from ..core.request import SEED_MASK, SHIFT_RANGE, validate_size
+from ..core.errors import InvalidInputError, quoted_shortly
+from ..core.number_text import DECIMAL_RULE, decimal_from_text, not_allowed
+from ..core.request import BATCH_RANGE, CFG_RANGE, SEED_RANGE, SHIFT_RANGE, STEPS_RANGE, validate_size
 from ..files.inputs_outputs import refuse_colliding_outputs, refuse_outputs_over_inputs
 from ..files.output_files import HIDDEN_NAME_EXTRA
 from ..files.uninterrupted import uninterrupted
@@ -32,18 +32,17 @@ PathKind = Literal["file", "folder", "file or folder"]
 
 def check_seed(seed: int, option: str = "--seed") -> None:
     """Seeds are 0..2^63-1 everywhere (the noise generator, the prompt enhancer, SGLang and chat servers)."""
-    if not 0 <= seed <= SEED_MASK:
-        raise InvalidInputError(f"{option} {seed} is not allowed: use 0..{SEED_MASK}")
+    check_int_range(seed, option, *SEED_RANGE)
 
 
 def check_int_range(value: int, option: str, low: int, high: int, hint: str = "") -> None:
     if not low <= value <= high:
-        raise InvalidInputError(f"{option} {value} is not allowed: use {low}..{high}{hint}")
+        raise not_allowed(option, str(value), (low, high), hint)
 
 
 def check_number_range(value: float, option: str, low: float, high: float, hint: str = "") -> None:
     if not math.isfinite(value) or not low <= value <= high:  # NaN passes no comparison: named here
-        raise InvalidInputError(f"{option} {value} is not allowed: use {low:g}..{high:g}{hint}")
+        raise not_allowed(option, str(value), (low, high), hint)
 
 
 def parse_budget(text: str) -> Optional[float]:
@@ -54,11 +53,15 @@ def parse_budget(text: str) -> Optional[float]:
 
     if text == "auto":
         return None
-    value = decimal_from_text(text, "--budget")
+    shown = text
+    try:
+        value = decimal_from_text(text, "--budget")
+    except InvalidInputError:  # past float's range (`1e999`): refused below as any budget out of range is
+        value, shown = math.inf, quoted_shortly(text)
     if value is None:
         raise InvalidInputError(f"--budget {text!r} is not a number of GiB: give e.g. --budget 12 ({DECIMAL_RULE}), "
                                 "or auto")
-    check_budget_gb(value, shown=text)
+    check_budget_gb(value, shown=shown)
     return value
 
 
@@ -259,12 +262,12 @@ def _check_numbers(args: argparse.Namespace) -> None:
     side = default_side(args)
     validate_size(side if args.width is None else args.width, side if args.height is None else args.height)
     if args.steps is not None:
-        check_int_range(args.steps, "--steps", 1, 1000, " (50 for ERNIE-Image, 8 for Turbo)")
+        check_int_range(args.steps, "--steps", *STEPS_RANGE, " (50 for ERNIE-Image, 8 for Turbo)")
     if args.cfg is not None:
-        check_number_range(args.cfg, "--cfg", 0, 100, " (4.0 for ERNIE-Image, 1.0 for Turbo)")
+        check_number_range(args.cfg, "--cfg", *CFG_RANGE, " (4.0 for ERNIE-Image, 1.0 for Turbo)")
     check_number_range(args.shift, "--shift", *SHIFT_RANGE, " (4.0 is Baidu's)")
     check_seed(args.seed)
-    check_int_range(args.batch, "--batch", 1, 64)
+    check_int_range(args.batch, "--batch", *BATCH_RANGE)
 
 
 def _check_prompts(args: argparse.Namespace) -> None:

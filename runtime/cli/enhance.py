@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Sequence
 
 from ..core.errors import InvalidInputError
-from ..core.request import SEED_MASK, validate_size
+from ..core.number_text import range_text
+from ..core.request import (MAX_NEW_TOKENS_RANGE, SEED_RANGE, SIDE_MULTIPLE, SIDE_RANGE, TEMPERATURE_RANGE,
+                            TOP_P_RULE, validate_size)
 from ..formats.sources import ModelSources
 from ..local.options import LoadOptions, resolve_device, resolve_dtype
 from ..net.settings import checked_seconds
@@ -36,13 +38,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pe-timeout", default=None, metavar="S",
                         help="seconds to wait for the server's revised prompt (default 120)")
     parser.add_argument("--prompt", required=True)
-    parser.add_argument("--width", action=WholeNumber, example="1024", default=1024)
-    parser.add_argument("--height", action=WholeNumber, example="1024", default=1024)
-    parser.add_argument("--seed", action=WholeNumber, once=True, example="7", default=0,
-                        repeat_hint=" (run the command once per seed)", help=f"0..{SEED_MASK}, as generate's --seed")
-    parser.add_argument("--temperature", action=DecimalNumber, example="0.6", default=0.6)
-    parser.add_argument("--top-p", action=DecimalNumber, example="0.95", default=0.95)
-    parser.add_argument("--max-new-tokens", action=WholeNumber, example="512", default=512)
+    side = f"a multiple of {SIDE_MULTIPLE} in {range_text(SIDE_RANGE)} (default %(default)s)"
+    parser.add_argument("--width", action=WholeNumber, example="1024", default=1024, allowed=SIDE_RANGE,
+                        help=f"the width of the image the prompt is revised for: {side}")
+    parser.add_argument("--height", action=WholeNumber, example="1024", default=1024, allowed=SIDE_RANGE,
+                        help=f"its height: {side}")
+    parser.add_argument("--seed", action=WholeNumber, once=True, example="7", default=0, allowed=SEED_RANGE,
+                        repeat_hint=" (run the command once per seed)",
+                        help=f"{range_text(SEED_RANGE)}, as generate's --seed")
+    parser.add_argument("--temperature", action=DecimalNumber, example="0.6", default=0.6, allowed=TEMPERATURE_RANGE,
+                        help=f"{range_text(TEMPERATURE_RANGE)} (default %(default)s, Baidu's; 0 is greedy)")
+    # No `allowed`: top-p's range is open at 0, which no LOW..HIGH says; validate_sampling refuses it in TOP_P_RULE.
+    parser.add_argument("--top-p", action=DecimalNumber, example="0.95", default=0.95,
+                        help=f"{TOP_P_RULE} (default %(default)s, Baidu's)")
+    parser.add_argument("--max-new-tokens", action=WholeNumber, example="512", default=512,
+                        allowed=MAX_NEW_TOKENS_RANGE,
+                        help=f"tokens the revised prompt may take at most, {range_text(MAX_NEW_TOKENS_RANGE)} "
+                             "(default %(default)s)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     parser.add_argument("--quiet", action="store_true", help="no timing line on stderr")

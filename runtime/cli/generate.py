@@ -5,14 +5,19 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from ..core.errors import InvalidInputError
+from ..core.number_text import range_text
+from ..core.phrases import counted
 from .console import ConsoleHost
 from .interrupts import Interrupts
 from .names import cli_words
 from .parser import DecimalNumber, OneLineParser, Option, OutputPath, PathOption, WholeNumber
 from .step_cache_args import check as step_cache_check
+
+if TYPE_CHECKING:
+    from ..core.request import GenerationRequest
 
 DEMO_NOTICE = (
     "no model given: using a tiny random ERNIE-Image model built in code at {path}. "
@@ -32,8 +37,10 @@ EXAMPLE_PROMPT_NOTICE = f"no --prompt given: the example prompt {EXAMPLE_PROMPT!
 
 
 def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..core.request import SEED_MASK
+    from ..core.request import (BATCH_RANGE, CFG_RANGE, SEED_RANGE, SHIFT_RANGE, SIDE_MULTIPLE, SIDE_RANGE,
+                                STEPS_RANGE)
     from ..local.options import DTYPE_CHOICES, QUANT_CHOICES
+    from .checks import DEMO_SIDE, REAL_SIDE
 
     # A second, different file for one part, prompt, seed or output is refused (parser.py says why); the settings
     # a later value may override (sizes, steps, CFG, budget, device...) keep argparse's last-one-wins.
@@ -54,17 +61,21 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="up to 2048 tokens reach the model (a longer prompt is cut, with a notice); an empty "
                              f"prompt is allowed, with a notice; left out: {EXAMPLE_PROMPT!r}, with a notice")
     parser.add_argument("--negative", action=Option, once=True, default="")
-    parser.add_argument("--width", action=WholeNumber, example="1024", default=None,
-                        help="multiple of 16 in 256..4096 (default 1024; demo 256)")
-    parser.add_argument("--height", action=WholeNumber, example="1024", default=None, help="as --width")
-    parser.add_argument("--steps", action=WholeNumber, example="8", default=None,
-                        help="1..1000 (default: 50 base, 8 turbo)")
-    parser.add_argument("--cfg", action=DecimalNumber, example="4.0", default=None,
-                        help="0..100 (default: 4.0 base, 1.0 turbo)")
-    parser.add_argument("--shift", action=DecimalNumber, example="4.0", default=4.0)
-    parser.add_argument("--seed", action=WholeNumber, once=True, example="7", default=0,
-                        repeat_hint=" (run the command once per seed)", help=f"0..{SEED_MASK}")
-    parser.add_argument("--batch", action=WholeNumber, example="4", default=1, help="1..64")
+    side = f"multiple of {SIDE_MULTIPLE} in {range_text(SIDE_RANGE)}"
+    parser.add_argument("--width", action=WholeNumber, example="1024", default=None, allowed=SIDE_RANGE,
+                        help=f"{side} (default {REAL_SIDE}; demo {DEMO_SIDE})")
+    parser.add_argument("--height", action=WholeNumber, example="1024", default=None, allowed=SIDE_RANGE,
+                        help=f"{side} (default as --width)")
+    parser.add_argument("--steps", action=WholeNumber, example="8", default=None, allowed=STEPS_RANGE,
+                        help=f"{range_text(STEPS_RANGE)} (default: 50 base, 8 turbo)")
+    parser.add_argument("--cfg", action=DecimalNumber, example="4.0", default=None, allowed=CFG_RANGE,
+                        help=f"{range_text(CFG_RANGE)} (default: 4.0 base, 1.0 turbo)")
+    parser.add_argument("--shift", action=DecimalNumber, example="4.0", default=4.0, allowed=SHIFT_RANGE,
+                        help=f"flow-matching timestep shift, {range_text(SHIFT_RANGE)} (default %(default)s, Baidu's)")
+    parser.add_argument("--seed", action=WholeNumber, once=True, example="7", default=0, allowed=SEED_RANGE,
+                        repeat_hint=" (run the command once per seed)", help=range_text(SEED_RANGE))
+    parser.add_argument("--batch", action=WholeNumber, example="4", default=1, allowed=BATCH_RANGE,
+                        help=f"images to make, {range_text(BATCH_RANGE)}")
     parser.add_argument("--use-pe", action="store_true", help="rewrite the prompt with the prompt enhancer first")
     parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help="auto: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -182,9 +193,14 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
     for path in (path for group in written for path in group):
         print(path)
     described = cli_words(pipe.describe(used), pipe.variant_choice.settings)  # the plan of this job, not a default one
-    host.log(f"{len(paths)} image(s) {used.width}x{used.height}, {used.steps} steps, CFG {used.cfg:g}, seed "
-             f"{used.seed} in {elapsed:.2f} s; {described}")
+    host.log(f"{run_line(len(paths), used, elapsed)}; {described}")
     return 0
+
+
+def run_line(images: int, used: GenerationRequest, seconds: float) -> str:
+    """What a local run made, with the settings it used: "1 image 256x256, 1 step, CFG 1, seed 0 in 2.00 s"."""
+    return (f"{counted(images, 'image')} {used.width}x{used.height}, {counted(used.steps, 'step')}, CFG "
+            f"{used.cfg:g}, seed {used.seed} in {seconds:.2f} s")
 
 
 def _refuse_local_only_inputs(args: argparse.Namespace, image_in: dict) -> None:

@@ -3,11 +3,11 @@ files read and checked into GenerationRequest fields before any weights are read
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
 from ..core.errors import InvalidInputError
-from ..core.request import GenerationRequest
+from ..core.number_text import range_text
+from ..core.request import DENOISE_RANGE, MASK_PIXELS_RANGE, GenerationRequest
 from ..files.image_files import read_image, read_mask
 from .parser import DecimalNumber, PathOption, WholeNumber
 
@@ -15,14 +15,15 @@ from .parser import DecimalNumber, PathOption, WholeNumber
 def add_image_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init-image", action=PathOption, once=True,
                         help="start from this image (img2img); its size is the output size")
-    parser.add_argument("--denoise", action=DecimalNumber, example="0.6", default=1.0,
-                        help="how much of the image to redraw, 0.01..1: 1.0 redraws everything (default)")
+    parser.add_argument("--denoise", action=DecimalNumber, example="0.6", default=1.0, allowed=DENOISE_RANGE,
+                        help=f"how much of the image to redraw, {range_text(DENOISE_RANGE)}: 1.0 redraws everything "
+                             "(default)")
     parser.add_argument("--mask", action=PathOption, once=True,
                         help="inpainting mask, same size as --init-image: white = repaint")
-    parser.add_argument("--mask-grow", action=WholeNumber, example="8", default=0,
-                        help="grow the mask by this many pixels")
-    parser.add_argument("--mask-feather", action=WholeNumber, example="8", default=0,
-                        help="soften the mask's edge over this many pixels")
+    parser.add_argument("--mask-grow", action=WholeNumber, example="8", default=0, allowed=MASK_PIXELS_RANGE,
+                        help=f"grow the mask by this many pixels, {range_text(MASK_PIXELS_RANGE)}")
+    parser.add_argument("--mask-feather", action=WholeNumber, example="8", default=0, allowed=MASK_PIXELS_RANGE,
+                        help=f"soften the mask's edge over this many pixels, {range_text(MASK_PIXELS_RANGE)}")
     parser.add_argument("--no-composite", action="store_true",
                         help="keep the sampler's pixels outside the mask (default: the original's, exactly)")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Optional, Sequence, Union
 
 from ..core.errors import InvalidInputError, quoted_shortly
-from ..core.number_text import DECIMAL_RULE, WHOLE_RULE, decimal_from_text, whole_from_text
+from ..core.number_text import DECIMAL_RULE, WHOLE_RULE, Range, decimal_from_text, whole_from_text
 from .terminal_text import holds_control_character
 
 
@@ -121,22 +121,32 @@ class OutputPath(Option):
         return _path_meaning(value)
 
 
-class WholeNumber(Option):
+class NumberOption(Option):
+    """An option whose value is a number. `allowed`: the range (low, high) the command's check holds it to; a number
+    past what Python reads (`1e999`, 41 digits; `1e-400` where the range has no 0) is refused quoting what was typed,
+    with that range, in the check's words. Without it, such a number is refused as too large."""
+
+    def __init__(self, *args: Any, allowed: Optional[Range] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.allowed = allowed
+
+
+class WholeNumber(NumberOption):
     """A whole number in plain digits (a sign allowed); the range is the command's check."""
 
     def read(self, text: str) -> int:
-        number = whole_from_text(text, self.flag)
+        number = whole_from_text(text, self.flag, self.allowed)
         if number is None:
             raise InvalidInputError(f"{self.flag} {text!r} is not a whole number: give {WHOLE_RULE}, e.g. "
                                     f"{self.flag} {self.example or 1}")
         return number
 
 
-class DecimalNumber(Option):
+class DecimalNumber(NumberOption):
     """A number in plain decimal form (core/number_text); the range is the command's check."""
 
     def read(self, text: str) -> float:
-        number = decimal_from_text(text, self.flag)
+        number = decimal_from_text(text, self.flag, self.allowed)
         if number is None:
             raise InvalidInputError(f"{self.flag} {text!r} is not a number: give a plain decimal, e.g. "
                                     f"{self.flag} {self.example or 1.0} ({DECIMAL_RULE})")

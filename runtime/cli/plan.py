@@ -7,6 +7,7 @@ import sys
 from typing import Sequence
 
 from ..core.errors import ErnieImageError
+from ..core.number_text import range_text
 from ..core.step_cache_config import StepCacheConfig
 from ..offload.planner import PCIE_GBPS, budget_bytes, gib_up, least_budget, plan_memory
 from ..offload.sizes import FORMAT_BYTES, ModelSizes
@@ -15,41 +16,51 @@ from .parser import DecimalNumber, OneLineParser, WholeNumber
 from .step_cache_args import add_step_cache_argument, step_cache_of
 
 
+PCIE_GBPS_RANGE = (0.1, 1000.0)  # --pcie-gbps, in GB/s
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from ..core.request import BATCH_RANGE, CFG_RANGE, SIDE_MULTIPLE, SIDE_RANGE
+    from ..text.encoder import TOKENS_RANGE
+
     parser = OneLineParser(prog="ernie-image plan",
                            description="Show how ERNIE-Image is placed in a VRAM budget (no GPU needed).")
     parser.add_argument("--budget", default="auto",
                         help="VRAM budget in GiB (1024 MiB, as nvidia-smi counts), or 'auto' (this machine's GPU)")
-    parser.add_argument("--width", action=WholeNumber, example="1024", default=1024)
-    parser.add_argument("--height", action=WholeNumber, example="1024", default=1024)
-    parser.add_argument("--batch", action=WholeNumber, example="2", default=1)
-    parser.add_argument("--cfg", action=DecimalNumber, example="4.0", default=1.0,
-                        help="CFG > 1 runs the DiT on a doubled batch")
+    side = f"multiple of {SIDE_MULTIPLE} in {range_text(SIDE_RANGE)} (default %(default)s)"
+    parser.add_argument("--width", action=WholeNumber, example="1024", default=1024, allowed=SIDE_RANGE, help=side)
+    parser.add_argument("--height", action=WholeNumber, example="1024", default=1024, allowed=SIDE_RANGE, help=side)
+    parser.add_argument("--batch", action=WholeNumber, example="2", default=1, allowed=BATCH_RANGE,
+                        help=f"images per run, {range_text(BATCH_RANGE)} (default %(default)s)")
+    parser.add_argument("--cfg", action=DecimalNumber, example="4.0", default=1.0, allowed=CFG_RANGE,
+                        help=f"{range_text(CFG_RANGE)} (default %(default)s); CFG > 1 runs the DiT on a doubled batch")
     parser.add_argument("--format", default="bf16", choices=sorted(FORMAT_BYTES), help="DiT weight format")
     parser.add_argument("--variant", default="turbo", choices=("base", "turbo"))
-    parser.add_argument("--text-tokens", action=WholeNumber, example="256", default=256,
-                        help="padded prompt length the DiT sees")
+    parser.add_argument("--text-tokens", action=WholeNumber, example="256", default=256, allowed=TOKENS_RANGE,
+                        help=f"padded prompt length the DiT sees, {range_text(TOKENS_RANGE)} (default %(default)s)")
     parser.add_argument("--pe", action="store_true", help="include the local prompt enhancer")
     parser.add_argument("--pcie-gbps", action=DecimalNumber, example="25", default=PCIE_GBPS,
-                        help="host-to-GPU copy speed for the estimate")
+                        allowed=PCIE_GBPS_RANGE,
+                        help=f"host-to-GPU copy speed for the estimate, {range_text(PCIE_GBPS_RANGE)} GB/s "
+                             "(default %(default)s)")
     add_step_cache_argument(parser, " (as generate's; the plan counts its residuals, and a forced schedule's "
                                     "length is checked by generate, which knows the steps)")
     return parser
 
 
 def main_plan(argv: Sequence[str]) -> int:
-    from ..core.request import validate_size
-    from ..text.encoder import MAX_TOKENS
+    from ..core.request import BATCH_RANGE, CFG_RANGE, validate_size
+    from ..text.encoder import TOKENS_RANGE
     from .checks import check_int_range, check_number_range, parse_budget
 
     try:
         args = build_parser().parse_args(list(argv))
         validate_size(args.width, args.height)
-        check_int_range(args.batch, "--batch", 1, 64)
-        check_number_range(args.cfg, "--cfg", 0, 100, " (4.0 for ERNIE-Image, 1.0 for Turbo; above 1 the DiT runs a "
-                                                      "doubled batch)")
-        check_int_range(args.text_tokens, "--text-tokens", 1, MAX_TOKENS, " (the text encoder's limit)")
-        check_number_range(args.pcie_gbps, "--pcie-gbps", 0.1, 1000, " (GB/s; PCIe 4.0 x16 is about 25)")
+        check_int_range(args.batch, "--batch", *BATCH_RANGE)
+        check_number_range(args.cfg, "--cfg", *CFG_RANGE, " (4.0 for ERNIE-Image, 1.0 for Turbo; above 1 the DiT "
+                                                         "runs a doubled batch)")
+        check_int_range(args.text_tokens, "--text-tokens", *TOKENS_RANGE, " (the text encoder's limit)")
+        check_number_range(args.pcie_gbps, "--pcie-gbps", *PCIE_GBPS_RANGE, " (GB/s; PCIe 4.0 x16 is about 25)")
         budget_gb = parse_budget(args.budget)  # generate's check and words
         cache = step_cache_of(args)
         device = None

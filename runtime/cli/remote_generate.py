@@ -6,6 +6,7 @@ import argparse
 import time
 
 from ..core.host import Host
+from ..core.phrases import counted
 from ..core.request import VARIANT_DEFAULTS, GenerationRequest
 from ..net.credentials import Credentials
 from ..remote.backend import RemotePipe
@@ -75,6 +76,6 @@ def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host) 
     for path in paths:
         print(path)
     host.log(result.info["summary"])
-    host.log(f"{len(paths)} image(s) {request.width}x{request.height} in {elapsed:.2f} s by {result.info['model']} "
-             f"on {_servers_that_made(result.info['images'])}")
+    host.log(f"{counted(len(paths), 'image')} {request.width}x{request.height} in {elapsed:.2f} s by "
+             f"{result.info['model']} on {_servers_that_made(result.info['images'])}")
     return 0

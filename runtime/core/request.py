@@ -9,13 +9,16 @@ from typing import Any, Optional
 import torch
 
 from .errors import InvalidInputError
+from .number_text import not_allowed
 from .step_cache_config import StepCacheConfig
 from .variant import VARIANT_DEFAULTS
 
 MIN_SIDE = 256
 MAX_SIDE = 4096
 SIDE_MULTIPLE = 16
+SIDE_RANGE = (MIN_SIDE, MAX_SIDE)  # a side is also a multiple of SIDE_MULTIPLE
 SEED_MASK = (1 << 63) - 1
+SEED_RANGE = (0, SEED_MASK)
 
 # Baidu's ~1 MP presets (width, height).
 RESOLUTION_PRESETS: tuple[tuple[int, int], ...] = (
@@ -86,6 +89,7 @@ def _check_texts(request: "GenerationRequest") -> None:
 
 
 MAX_MASK_PIXELS = 1024  # mask_grow / mask_feather limit
+MASK_PIXELS_RANGE = (0, MAX_MASK_PIXELS)
 # Words of the image checks a front end may say its own way (named by errors.naming: ComfyUI adds its nodes).
 RESIZE_IT = "resize or crop it"
 MASK_OF_ITS_SIZE = "a mask of the image's size"
@@ -106,9 +110,16 @@ def _image_size_problem(width: int, height: int, what: str) -> Optional[str]:
 
 
 MAX_BATCH = 64  # images one run makes at most
+BATCH_RANGE = (1, MAX_BATCH)
+STEPS_RANGE = (1, 1000)
+CFG_RANGE = (0.0, 100.0)
 # denoise: the last `steps` of a schedule of int(steps / denoise) steps, which a tiny denoise makes endless
 DENOISE_RANGE = (0.01, 1.0)
 SHIFT_RANGE = (0.01, 100.0)  # the flow-matching shift; beyond it the timesteps collapse to 0 or 1 (ComfyUI's range)
+# the prompt enhancer's sampling
+TEMPERATURE_RANGE = (0.0, 5.0)
+TOP_P_RULE = "a value in (0, 1]"  # open at 0, so no LOW..HIGH range
+MAX_NEW_TOKENS_RANGE = (1, 8192)
 
 
 def _check_batch(count: int, batch: int, setting: str) -> None:
@@ -188,7 +199,7 @@ def _check_mask(request: "GenerationRequest", width: int, height: int) -> None:
     for name in ("mask_grow", "mask_feather"):
         value = getattr(request, name)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_MASK_PIXELS:
-            raise InvalidInputError(f"{name} {value!r} is not allowed: use 0..{MAX_MASK_PIXELS} pixels").naming(name)
+            raise not_allowed(name, repr(value), MASK_PIXELS_RANGE, " pixels").naming(name)
 
 
 def _check_image_inputs(request: "GenerationRequest") -> None:
@@ -196,8 +207,7 @@ def _check_image_inputs(request: "GenerationRequest") -> None:
     denoise = request.denoise
     if isinstance(denoise, bool) or not isinstance(denoise, (int, float)) \
             or not DENOISE_RANGE[0] <= denoise <= DENOISE_RANGE[1]:  # NaN fails the range test too
-        raise InvalidInputError(f"denoise {denoise!r} is not allowed: use {DENOISE_RANGE[0]:g}..{DENOISE_RANGE[1]:g} "
-                                "(1.0 redraws everything)").naming("denoise")
+        raise not_allowed("denoise", repr(denoise), DENOISE_RANGE, " (1.0 redraws everything)").naming("denoise")
     if request.init_image is not None and request.init_latents is not None:
         raise InvalidInputError("both init_image and init_latents were given: give one of them"
                                 ).naming("init_image", "init_latents")
@@ -260,19 +270,17 @@ class GenerationRequest:
                                     ).naming("settings_for")
         _check_image_inputs(self)  # first: a bad image's size is named as the image's, not as width/height
         validate_size(self.width, self.height)
-        if self.steps is not None and not 1 <= self.steps <= 1000:
-            raise InvalidInputError(f"steps {self.steps} is not allowed: use 1..1000 (50 for ERNIE-Image, 8 for Turbo)"
-                                    ).naming("steps")
+        if self.steps is not None and not STEPS_RANGE[0] <= self.steps <= STEPS_RANGE[1]:
+            raise not_allowed("steps", str(self.steps), STEPS_RANGE, " (50 for ERNIE-Image, 8 for Turbo)"
+                              ).naming("steps")
         if not 1 <= self.batch <= MAX_BATCH:
-            raise InvalidInputError(f"batch {self.batch} is not allowed: use 1..{MAX_BATCH}").naming("batch")
+            raise not_allowed("batch", str(self.batch), BATCH_RANGE).naming("batch")
         if not 0 <= self.seed <= SEED_MASK:
-            raise InvalidInputError(f"seed {self.seed} is not allowed: use 0..{SEED_MASK}").naming("seed")
-        if self.cfg is not None and (not math.isfinite(self.cfg) or self.cfg < 0 or self.cfg > 100):
-            raise InvalidInputError(f"cfg {self.cfg} is not allowed: use 0..100 (4.0 for ERNIE-Image, 1.0 for Turbo)"
-                                    ).naming("cfg")
+            raise not_allowed("seed", str(self.seed), SEED_RANGE).naming("seed")
+        if self.cfg is not None and (not math.isfinite(self.cfg) or not CFG_RANGE[0] <= self.cfg <= CFG_RANGE[1]):
+            raise not_allowed("cfg", str(self.cfg), CFG_RANGE, " (4.0 for ERNIE-Image, 1.0 for Turbo)").naming("cfg")
         if not math.isfinite(self.shift) or not SHIFT_RANGE[0] <= self.shift <= SHIFT_RANGE[1]:
-            raise InvalidInputError(f"shift {self.shift} is not allowed: use {SHIFT_RANGE[0]:g}..{SHIFT_RANGE[1]:g} "
-                                    "(4.0 is Baidu's)").naming("shift")
+            raise not_allowed("shift", str(self.shift), SHIFT_RANGE, " (4.0 is Baidu's)").naming("shift")
         if self.prompts is not None and len(self.prompts) != self.batch:
             raise InvalidInputError(f"{len(self.prompts)} prompts given for batch {self.batch}: give one per image")
         if self.step_cache is not None:

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from .errors import InvalidInputError
 from .number_text import DECIMAL_RULE, WHOLE_RULE, decimal_from_text, whole_from_text
+from .phrases import counted
 
 METHODS = ("dbcache", "fbcache")
 OFF = "off"
@@ -158,14 +159,10 @@ def _check_forced(forced: Any, steps: Optional[int]) -> None:
                                 f"computed, so start and end it with {COMPUTE}, e.g. forced={example}"
                                 ).naming("forced")
     if steps is not None and len(forced) != steps:
-        raise InvalidInputError(f"step cache forced schedule has {_count(len(forced), 'letter')} for a run of "
-                                f"{_count(steps, 'step')}: give {_count(steps, 'letter')}, one per step ({COMPUTE} "
+        raise InvalidInputError(f"step cache forced schedule has {counted(len(forced), 'letter')} for a run of "
+                                f"{counted(steps, 'step')}: give {counted(steps, 'letter')}, one per step ({COMPUTE} "
                                 f"computed, {SKIP} skipped, the first and the last {COMPUTE}), or run "
-                                f"{_count(len(forced), 'step')}").naming("forced")
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'' if number == 1 else 's'}"
+                                f"{counted(len(forced), 'step')}").naming("forced")
 
 
 _FIELD_TYPES = {"threshold": float, "start": float, "end": float, "max_skips": int, "first_blocks": int,

@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass
 from typing import Optional
 
-from ..core.errors import InvalidInputError
+from ..core.errors import InvalidInputError, quoted_shortly
 from ..core.number_text import DECIMAL_RULE, decimal_from_text
 from .credentials import Credential, Credentials
 
@@ -23,18 +23,19 @@ def checked_seconds(value: object, label: str, *, allow_zero: bool = False) -> f
     """A number of seconds a user gave (a timeout, a wait): finite and positive (or zero where `allow_zero`).
     Text is read as a plain decimal only (core/number_text: `1_0`, `nan`, ` 30 ` are refused). InvalidInputError,
     one line, naming `label` (a widget or a CLI flag), otherwise."""
+    shown = str(value)[:20]
     try:
         seconds = decimal_from_text(value, label) if isinstance(value, str) else float(value)  # type: ignore[arg-type]
         if seconds is None:
             raise ValueError(value)
-    except InvalidInputError:
-        raise
+    except InvalidInputError:  # past float's range (`1e999`): refused below as any number out of range is
+        seconds, shown = math.inf, quoted_shortly(str(value))
     except (TypeError, ValueError):
         raise InvalidInputError(f"{label} {str(value)[:20]!r} is not a number of seconds: give e.g. 30 "
                                 f"({DECIMAL_RULE})") from None
     if isinstance(value, bool) or not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
         least = "0 or more" if allow_zero else "more than 0"
-        raise InvalidInputError(f"{label} {str(value)[:20]} is not allowed: give a finite number of seconds, {least}")
+        raise InvalidInputError(f"{label} {shown} is not allowed: give a finite number of seconds, {least}")
     return seconds
 
 

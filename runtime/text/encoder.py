@@ -6,6 +6,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 MAX_TOKENS = 2048
+TOKENS_RANGE = (1, MAX_TOKENS)  # the tokens a padded prompt may hold
 
 
 def token_ids(tokenizer, prompt: str) -> list[int]:

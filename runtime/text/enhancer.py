@@ -14,6 +14,8 @@ import torch
 
 from ..core.errors import InvalidInputError
 from ..core.host import Host, NullHost, show_progress_phase
+from ..core.number_text import not_allowed
+from ..core.request import MAX_NEW_TOKENS_RANGE, TEMPERATURE_RANGE, TOP_P_RULE
 from ..core.variant import Variant
 from ..formats.sources import ModelSources
 from .pe_model import PeWeights, build_pe_model, default_top_k, load_pe_tokenizer, locate_pe, open_pe_component
@@ -57,12 +59,12 @@ class RevisedPrompts:
 
 
 def validate_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
-    if not 0.0 <= temperature <= 5.0:
-        raise InvalidInputError(f"PE temperature {temperature} is not allowed: use 0..5 (0.6 is Baidu's; 0 is greedy)")
+    if not TEMPERATURE_RANGE[0] <= temperature <= TEMPERATURE_RANGE[1]:
+        raise not_allowed("PE temperature", str(temperature), TEMPERATURE_RANGE, " (0.6 is Baidu's; 0 is greedy)")
     if not 0.0 < top_p <= 1.0:
-        raise InvalidInputError(f"PE top_p {top_p} is not allowed: use a value in (0, 1] (0.95 is Baidu's)")
-    if not 1 <= max_new_tokens <= 8192:
-        raise InvalidInputError(f"PE max new tokens {max_new_tokens} is not allowed: use 1..8192 (default 512)")
+        raise InvalidInputError(f"PE top_p {top_p} is not allowed: use {TOP_P_RULE} (0.95 is Baidu's)")
+    if not MAX_NEW_TOKENS_RANGE[0] <= max_new_tokens <= MAX_NEW_TOKENS_RANGE[1]:
+        raise not_allowed("PE max new tokens", str(max_new_tokens), MAX_NEW_TOKENS_RANGE, " (default 512)")
 
 
 class LocalEnhancer:
