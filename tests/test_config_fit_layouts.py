@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from ernie_image.runtime.cli.commands import main
 from ernie_image.runtime.demo.tiny import build_tiny_model
+from ernie_image.runtime.model.tensor_fit import PRESENCE_FIELDS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 UP, DOWN = "UpDecoderBlock2D", "DownEncoderBlock2D"
@@ -364,6 +365,126 @@ def test_a_tied_prompt_enhancer_file_holding_a_head_in_another_shape_is_refused(
                     "for which it makes no place (its tie_word_embeddings true is the likely cause): fix it or "
                     "re-download it")
     assert dit_steps == [] and not (tmp_path / "x.png").exists()
+
+
+# -------------------------------------------------------------------------- quantize holds its source to the same fit
+def _comfy_dit_without_config(sources: dict[str, Path], root: Path) -> Model:
+    """Comfy-Org's files as downloaded: the DiT alone in diffusion_models/, its config inferred from its shapes."""
+    files = Path(shutil.copytree(sources["comfy"], root / "comfy"))
+    vae = files / "vae" / "flux2-vae-tiny.safetensors"
+    dit = files / "diffusion_models" / "ernie-image-turbo-tiny.safetensors"
+    text_encoder = files / "text_encoders" / "ministral-3-3b-tiny.safetensors"
+    return Model(("--dit", str(dit), "--text-encoder", str(text_encoder), "--vae", str(vae)),
+                 {"vae": ConfigAt(vae, True)})
+
+
+BF16_LAYOUTS: dict[str, Callable[[dict[str, Path], Path], Model]] = {
+    "diffusers folder": _diffusers_folder,
+    "comfy single file beside a config.json": _comfy_single_files,
+    "comfy single file without a config": _comfy_dit_without_config,
+}
+
+
+def _bf16_dit(model: Model) -> Path:
+    """What `quantize --dit` is given for the model's DiT: the --dit file, else the model's transformer folder."""
+    argv = list(model.argv)
+    return Path(argv[argv.index("--dit") + 1]) if "--dit" in argv else model.configs["dit"].path.parent
+
+
+Change = Callable[[dict[str, torch.Tensor], str], None]
+
+
+def _damaged(model: Model, change: Change) -> Model:
+    """The model with its DiT file saved again after `change(tensors, prefix)`, `prefix` the file's own key prefix
+    (Comfy-Org's files name every tensor under one), its metadata kept."""
+    dit = _bf16_dit(model)
+    weights = dit / "diffusion_pytorch_model.safetensors" if dit.is_dir() else dit
+    with safe_open(str(weights), "pt") as handle:
+        tensors, metadata = {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata()
+    embedder = next(key for key in tensors if key.endswith("x_embedder.proj.weight"))
+    change(tensors, embedder.removesuffix("x_embedder.proj.weight"))
+    save_file(tensors, str(weights), metadata=metadata)
+    return model
+
+
+UP_PROJ = "layers.0.mlp.up_proj.weight"  # [128, 64] in the tiny DiT
+EXTRA = "layers.0.mlp.extra.weight"  # no ERNIE-Image DiT has it
+
+
+def _one_row_cut(tensors: dict[str, torch.Tensor], prefix: str) -> None:
+    tensors[prefix + UP_PROJ] = tensors[prefix + UP_PROJ][:-1]
+
+
+def _left_out(tensors: dict[str, torch.Tensor], prefix: str) -> None:
+    del tensors[prefix + UP_PROJ]
+
+
+def _one_added(tensors: dict[str, torch.Tensor], prefix: str) -> None:
+    tensors[prefix + EXTRA] = torch.zeros(4)
+
+
+TENSOR_DAMAGE: dict[str, tuple[Change, str]] = {  # (the change, what the refusal says)
+    "a tensor in another shape": (_one_row_cut, f"it makes {UP_PROJ} [128, 64] but the weights hold [127, 64]"),
+    "a tensor missing": (_left_out, f"it makes {UP_PROJ}, which the weights lack"),
+    "an unknown tensor": (_one_added, f"the weights hold {EXTRA}, for which it makes no place"),
+}
+# A file without a config is held to the config its shapes show, which makes no claim on tensors beyond it: generate
+# loads such a file, so quantize writes it.
+TENSOR_CASES = [pytest.param(layout, damage, id=f"{layout}: {damage}") for layout in BF16_LAYOUTS
+                for damage in TENSOR_DAMAGE
+                if (layout, damage) != ("comfy single file without a config", "an unknown tensor")]
+
+
+def _quantize_refused(capsys, tmp_path: Path, model: Model) -> str:
+    """quantize's one line for `model`'s DiT, checking that it left nothing where it was asked to write."""
+    out = tmp_path / "quantized-out"
+    out.mkdir()
+    line = _refused(capsys, ["quantize", "--dit", str(_bf16_dit(model)), "--format", "fp8",
+                             "--out", str(out / "ernie-image-fp8.safetensors")])
+    assert list(out.iterdir()) == []  # no output, no partial file
+    return line
+
+
+class TestQuantizeRefusesWhatGenerateRefusesOfABf16Dit:
+    """In generate's words and before writing anything, rather than writing a quantised file generate refuses."""
+
+    @pytest.mark.parametrize("layout, damage", TENSOR_CASES)
+    def test_a_tensor_the_config_does_not_make_as_the_file_holds_it(self, capsys, tmp_path, sources, dit_steps,
+                                                                     layout, damage):
+        change, says = TENSOR_DAMAGE[damage]
+        model = _damaged(BF16_LAYOUTS[layout](sources, tmp_path), change)
+        line = _refused(capsys, _generate(model, tmp_path / "x.png"))
+        assert " does not fit the weights: " in line and says in line, line
+        assert _quantize_refused(capsys, tmp_path, model) == line
+        assert dit_steps == []
+
+    @pytest.mark.parametrize("layout", ["diffusers folder", "comfy single file beside a config.json"])
+    @pytest.mark.parametrize("field, value, says", DIT_MISFITS,
+                             ids=[f"{field} {json.dumps(value)}" for field, value, _ in DIT_MISFITS])
+    def test_a_config_that_does_not_fit_the_weights(self, capsys, tmp_path, sources, layout, field, value, says):
+        model = BF16_LAYOUTS[layout](sources, tmp_path)
+        model.configs["dit"].change(field, value)
+        line = _refused(capsys, _generate(model, tmp_path / "x.png"))
+        assert says in line, line
+        assert _quantize_refused(capsys, tmp_path, model) == line
+
+    def test_an_unknown_tensor_beside_no_config_is_written_and_the_written_file_loads(self, capsys, tmp_path, sources):
+        change, _ = TENSOR_DAMAGE["an unknown tensor"]
+        model = _damaged(_comfy_dit_without_config(sources, tmp_path), change)
+        out = tmp_path / "ernie-image-turbo-fp8.safetensors"
+        assert main(["quantize", "--dit", str(_bf16_dit(model)), "--format", "fp8", "--out", str(out)]) == 0
+        argv = list(model.argv)
+        argv[argv.index("--dit") + 1] = str(out)
+        assert main(_generate(Model(tuple(argv), model.configs), tmp_path / "x.png")) == 0
+
+
+@pytest.mark.parametrize("layout", BF16_LAYOUTS)
+def test_a_tensor_in_another_shape_is_not_blamed_on_a_field_that_decides_which_tensors_exist(capsys, tmp_path, sources,
+                                                                                            layout):
+    """A layer's tensor cut by a row: the layer count (num_layers) makes layers, not their shapes."""
+    model = _damaged(BF16_LAYOUTS[layout](sources, tmp_path), _one_row_cut)
+    line = _refused(capsys, _generate(model, tmp_path / "x.png"))
+    assert "[127, 64]" in line and not any(field in line for field in PRESENCE_FIELDS), line
 
 
 # ------------------------------------------------------------------------------------------- as a separate process

@@ -100,6 +100,37 @@ def test_quantize_refuses_an_out_linked_to_a_file_of_the_dit_folder(capsys, tmp_
                     "that input; give another --out")
 
 
+# Every way an --out can name the DiT's weight file, given the transformer folder and that file: each is the input,
+# and is refused as that, not as a new file inside the --dit folder.
+SAME_FILE_NAMES = {
+    "the file itself": lambda folder, weights: weights,
+    "a symbolic link to it": lambda folder, weights: _symlink(folder.parent / "fp8.safetensors", weights),
+    "a hard link to it": lambda folder, weights: _hard_link(folder.parent / "fp8.safetensors", weights),
+    "its path spelled through ..": lambda folder, weights: folder / ".." / folder.name / weights.name,
+    "its name in a link to the folder": lambda folder, weights: (_symlink(folder.parent / "linked", folder)
+                                                                 / weights.name),
+}
+
+
+@pytest.mark.parametrize("given", ["the transformer folder", "the weight file"])
+@pytest.mark.parametrize("name", SAME_FILE_NAMES)
+def test_quantize_refuses_every_name_of_the_dit_weights_as_the_input_it_is(capsys, tmp_path, name, given):
+    from safetensors.torch import save_file
+    import torch
+
+    folder = tmp_path / "transformer"
+    folder.mkdir()
+    weights = folder / "diffusion_pytorch_model.safetensors"
+    save_file({"x": torch.zeros(2)}, str(weights))
+    out = SAME_FILE_NAMES[name](folder, weights)
+    dit = folder if given == "the transformer folder" else weights
+    before = _contents(tmp_path)
+    line = _cli(capsys, "quantize", "--dit", str(dit), "--format", "fp8", "--out", str(out))
+    reads = f"{weights}, a file of the --dit folder {folder}" if dit == folder else f"the file --dit {weights} reads"
+    assert line == f"error: --out {out} is {reads}: writing it would replace that input; give another --out"
+    assert _contents(tmp_path) == before  # nothing written, replaced or left behind
+
+
 # ---- every output, not only --out: --step-cache-compare writes a PNG (a batch of them) too -----------------------
 
 def _model_folder(root: Path) -> Path:
@@ -200,6 +231,11 @@ def _white_mask(path: Path) -> Path:
 
 def _symlink(link: Path, target: Path) -> Path:
     link.symlink_to(target)
+    return link
+
+
+def _hard_link(link: Path, target: Path) -> Path:
+    link.hardlink_to(target)
     return link
 
 

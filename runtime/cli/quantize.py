@@ -2,9 +2,11 @@
 
 The output path is checked first, then the input (a bf16 DiT; FP8/NVFP4 and GGUF files are refused from their
 headers) and its variant (base or Turbo: `--variant`, else what the input's metadata, config or name says; an input
-that says nothing is refused), then what can be packed is counted (nothing packable is an error), then the file is
-written whole or not at all, recording the variant. The report says how many weight matrices went into which
-format, and which variant was recorded and how it was decided.
+that says nothing is refused), then its tensors against its config as `generate` holds them at load (a tensor
+missing, in another shape or with no place in the model is refused, not written into a file generate would refuse),
+then what can be packed is counted (nothing packable is an error), then the file is written whole or not at all,
+recording the variant. The report says how many weight matrices went into which format, and which variant was
+recorded and how it was decided.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ from ..core.weight_dtypes import refuse_non_floating
 from ..core.variant import (VARIANT_SETTING, VariantChoice, checked_variant_option, decide_variant, name_notice,
                             override_notice)
 from ..files.inputs_outputs import refuse_outputs_over_inputs
-from ..formats.component_file import QUANT_MARKERS, open_component
+from ..formats.component_file import QUANT_MARKERS, ComponentFile, open_component
 from ..formats.safetensors_reader import is_gguf, open_safetensors
+from ..model.builders import check_config_builds
 from ..quant.gguf_files import DIT_MARKER_KEYS, strip_dit_prefix
 from ..quant.safetensors_files import read_safetensors_file
 from ..quant.writer import (WRITE_FORMATS, file_suffix, quantized_layer_counts, refuse_unpackable, should_quantize,
@@ -69,10 +72,12 @@ def bf16_dit_files(source: str | Path) -> list[Path]:
     return files
 
 
-def source_variant(source: Path, asked: str | None) -> VariantChoice:
+def source_variant(source: Path, asked: str | None, component: ComponentFile | None = None) -> VariantChoice:
     """The variant the written file records: `--variant`, else what the bf16 source says (its metadata, config or
-    name; runtime/core/variant.py); a source that says nothing is refused rather than recorded as the base model."""
-    choice = decide_variant(open_component(source, "dit"), checked_variant_option(asked))
+    name; runtime/core/variant.py); a source that says nothing is refused rather than recorded as the base model.
+    `component`: the source opened, when the caller has it already."""
+    component = open_component(source, "dit") if component is None else component
+    choice = decide_variant(component, checked_variant_option(asked))
     if choice.source == "default":
         raise InvalidInputError(
             f"--dit {source.name} does not say whether it is ERNIE-Image or ERNIE-Image-Turbo (its metadata records "
@@ -80,6 +85,13 @@ def source_variant(source: Path, asked: str | None) -> VariantChoice:
             f"both variants'): set {VARIANT_SETTING} to base or turbo, which the written file records"
         ).naming(VARIANT_SETTING)
     return choice
+
+
+def refuse_unfit_source(component: ComponentFile, variant: VariantChoice) -> None:
+    """The source's tensors held against its config (its names and shapes only) as `generate` holds a bf16 DiT at
+    load (model/builders.check_config_builds), in the same words: a tensor missing, in another shape or with no place
+    in the model is refused here, before anything is written, not in the quantised file when generate loads it."""
+    check_config_builds(component, "dit", variant.variant)
 
 
 def read_bf16_dit(source: str | Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
@@ -119,12 +131,14 @@ def _parser() -> OneLineParser:
 
 
 def refuse_output_over_input(out: Path, dit: Path) -> None:
-    """--out naming a file --dit reads would replace the bf16 weights (refuse_outputs_over_inputs); one inside the
-    --dit folder would make the folder two models."""
-    if dit.is_dir() and out.resolve().is_relative_to(dit.resolve()):
+    """--out naming a file --dit reads (the file itself, a link to it, its path spelled otherwise) would replace the
+    bf16 weights: refused first, as generate refuses an output onto an input (refuse_outputs_over_inputs), so that
+    this is the reason given. A new file inside the --dit folder would make the folder two models."""
+    refuse_outputs_over_inputs([("--dit", dit)], [("--out", out, out)])
+    # Where the writer puts the file: a link to a folder is followed, a link at the name itself is replaced.
+    if dit.is_dir() and out.parent.resolve().is_relative_to(dit.resolve()):
         raise InvalidInputError(f"--out {out.name} is inside the --dit folder {dit.name}: a quantised file there would "
                                 f"stop the folder loading as the bf16 model; write it elsewhere")
-    refuse_outputs_over_inputs([("--dit", dit)], [("--out", out, out)])
 
 
 def kept_dtypes(state: dict[str, torch.Tensor], fmt: str) -> str:
@@ -141,7 +155,9 @@ def main_quantize(argv: list[str] | None = None) -> int:
         check_input_path(args.dit, "--dit", "file or folder")
         refuse_output_over_input(args.out, args.dit)
         files = bf16_dit_files(args.dit)
-        variant = source_variant(args.dit, args.variant)  # before any weight is read
+        component = open_component(args.dit, "dit")  # headers only: no weight is read until the checks pass
+        variant = source_variant(args.dit, args.variant, component)
+        refuse_unfit_source(component, variant)
         for notice in (override_notice(variant), name_notice(variant)):  # what the written file records, told
             if notice:
                 print(cli_words(notice, notice.settings), file=sys.stderr)

@@ -70,6 +70,7 @@ def _build_quantized(module: torch.nn.Module, component, device: torch.device, d
             raise ModelFileError(f"{component.path} has no tensor {key!r}: the file is not a complete ERNIE-Image "
                                  f"{component.kind}")
         value = component.tensor(key)
+        _refuse_another_shape(component, key, value, expected[key])  # a packed weight by the shape it unpacks to
         if isinstance(value, QuantizedWeight) and key not in linear_weights:
             value = value.dequantize(dtype, key)  # e.g. a quantised embedding table: used by lookup, not matmul
         elif (quant in QUANT_ON_LOAD_FORMATS and key in linear_weights and isinstance(value, torch.Tensor)
@@ -84,17 +85,18 @@ def _build_quantized(module: torch.nn.Module, component, device: torch.device, d
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             raise ModelFileError(f"{component.path}: {key} is quantised but is not a Linear weight here")
-        _refuse_another_shape(component, key, value, expected[key])  # the tensors kept in high precision
         plain[key] = value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
     module.load_state_dict(plain, strict=False, assign=True)
     return module.eval().requires_grad_(False)
 
 
-def _refuse_another_shape(component, key: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
+def _refuse_another_shape(component, key: str, tensor, target: torch.Tensor) -> None:
+    """`tensor`: a torch.Tensor, or a QuantizedWeight (its `shape` is the one it unpacks to)."""
     if tuple(tensor.shape) != tuple(target.shape):
         raise ModelFileError(
             f"{component.path}: tensor {key} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}: "
-            f"the file does not match the ERNIE-Image {component.kind} configuration"
+            f"the file does not match the ERNIE-Image {component.kind} configuration; re-download it, or write it "
+            "again from sound weights"
         )
 
 

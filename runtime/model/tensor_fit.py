@@ -44,6 +44,11 @@ LIKELY_FIELDS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
 }
 LIKELY_FIELDS["pe"] = ((r"^lm_head\.", ("tie_word_embeddings",)), *LIKELY_FIELDS["text_encoder"])
 
+# Fields that decide whether tensors exist, not their shapes: a likely cause of a tensor missing or unplaced only.
+PRESENCE_FIELDS = frozenset({"use_post_quant_conv", "use_quant_conv", "mid_block_add_attention", "down_block_types",
+                             "up_block_types", "qk_layernorm", "num_layers", "num_hidden_layers",
+                             "tie_word_embeddings"})
+
 SHOWN_KEYS = 3
 
 
@@ -55,13 +60,15 @@ def _section(component, kind: str) -> tuple[dict, str]:
     return config, ""
 
 
-def _likely_field(component, kind: str, keys: list[str]) -> str:
+def _likely_field(component, kind: str, keys: list[str], shapes_only: bool = False) -> str:
     """' (its FIELD VALUE is the likely cause)' for the first of `keys` a field of the part's config explains: the
-    fields the config gives, else the first one, left at its default."""
+    fields the config gives, else the first one, left at its default. `shapes_only`: for a tensor in another shape,
+    which no field in PRESENCE_FIELDS explains."""
     section, prefix = _section(component, kind)
     for key in keys:
-        for pattern, fields in LIKELY_FIELDS.get(kind, ()):
-            if re.search(pattern, key):
+        for pattern, all_fields in LIKELY_FIELDS.get(kind, ()):
+            fields = tuple(field for field in all_fields if not (shapes_only and field in PRESENCE_FIELDS))
+            if fields and re.search(pattern, key):
                 given = [f"{prefix}{field} {_json(section[field])}" for field in fields
                          if section.get(field) is not None]
                 if not given:
@@ -115,7 +122,7 @@ def check_built_tensors(component, kind: str, made: Mapping[str, Shape],
         held = _file_shape(component, key) if key in keys else None
         if held is not None and held != tuple(shape):
             raise ModelFileError(f"{origin} does not fit the weights: it makes {key} {list(shape)} but the weights "
-                                 f"hold {list(held)}{_likely_field(component, kind, [key])}: {fix}")
+                                 f"hold {list(held)}{_likely_field(component, kind, [key], shapes_only=True)}: {fix}")
 
 
 def shapes_of(module) -> dict[str, Shape]:
