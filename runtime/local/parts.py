@@ -4,6 +4,7 @@ what they hold on the device and in host memory is counted here."""
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional
@@ -16,11 +17,12 @@ from ..core.host import Host
 from ..core.variant import Variant
 from ..formats.sources import ModelSources
 from ..model.background_compile import BlockCompile, CompilingForward
-from ..model.builders import build_dit, build_text_tower, build_vae
+from ..model.builders import build_dit, build_text_tower, build_vae, dit_config_for
 from ..model.compile import compile_available, compile_blocks, fuse_projections
 from ..model.compile_marks import caches_hold, mark_compiled
 from ..model.fill import QUANT_ON_LOAD_FORMATS
 from ..offload.reserve import device_bytes_held
+from ..quant import fp8_kernel_warmup
 from ..quant.fp8 import native_fp8_supported
 from .checks import dit_weight_format, file_weight_format, open_part
 from .compile_policy import CompilePolicy, DitWork
@@ -245,8 +247,10 @@ class PipeParts:
         self.files.check(("dit",))
         if self.dit is None:
             component = self._open("dit")
-            dit = build_dit(component, self.memory.build_device(), self.dtype, quant=self._quant_on_load(component),
-                            quant_device=self.device, arithmetic=self.options.arithmetic)
+            quant = self._quant_on_load(component)
+            kernels_compiling = self._compile_fp8_kernels_ahead(component)
+            dit = build_dit(component, self.memory.build_device(), self.dtype, quant=quant, quant_device=self.device,
+                            arithmetic=self.options.arithmetic)
             if self.device.type == "cuda":
                 fuse_projections(dit, stack_packed=self.stacks_fp8)
             dit = self.memory.place_dit(_built(dit))
@@ -254,8 +258,18 @@ class PipeParts:
                 compile_blocks(dit)
             self.dit = dit
             self.dit_weights = dit_weight_format(dit)
+            if kernels_compiling is not None:
+                kernels_compiling.join()  # before the first call: its launches (and captures) find them compiled
         self._sync_loras()
         return self.dit
+
+    def _compile_fp8_kernels_ahead(self, component) -> Optional[threading.Thread]:
+        """For a DiT that will multiply FP8 natively: its activation kernels compiling on a thread beside its load
+        (quant/fp8_kernel_warmup.py), else None."""
+        if not (self.stacks_fp8 and self.planned_dit_format() == "fp8"):
+            return None
+        config = dit_config_for(component)
+        return fp8_kernel_warmup.start(self.device, config.hidden_size, config.ffn_hidden_size)
 
     def _sync_loras(self) -> None:
         """The job's LoRAs on the DiT. After placement: branches stay resident, never streamed; merge-mode LoRAs

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from ..core.rounding import power_of_two_at_least
 from .fp8 import quantize_activation
-from .fp8_kernel_call import as_arguments, kernel_or_torch_form, on_device, quantised_like, registered_op
+from .fp8_kernel_call import (as_arguments, kernel_or_torch_form, on_device, placeholders, quantised_like,
+                              registered_op)
 
 _MAX_ROW = 1 << 15  # the one-pass form holds a row in registers: the DiT's 12288 fits with room
 
@@ -52,12 +53,22 @@ def launch(kernels: ModuleType, gate: torch.Tensor, up: torch.Tensor, num_warps:
     rows, n = gate.shape
     out, scale = quantised_like(rows, n, gate.device)
     if rows:
-        block = power_of_two_at_least(n)
         with on_device(gate.device):
             kernels.gelu_mul_quantize_kernel[(rows,)](*as_arguments((gate, up, out, scale), addresses), gate.stride(0),
-                                                      up.stride(0), n, BLOCK=block, ADDRESSES=addresses,
-                                                      num_warps=num_warps or default_warps(block))
+                                                      up.stride(0), n, **_settings(n, addresses, num_warps))
     return out, scale
+
+
+def _settings(n: int, addresses: bool, num_warps: int | None = None) -> dict:
+    block = power_of_two_at_least(n)
+    return dict(BLOCK=block, ADDRESSES=addresses, num_warps=num_warps or default_warps(block))
+
+
+def compile_ahead(kernels: ModuleType, n: int, addresses: bool) -> None:
+    """The kernel compiled for `launch` on rows of `n` values given as tensors or by their `addresses`, not run."""
+    kernels.gelu_mul_quantize_kernel.warmup(
+        *placeholders((torch.bfloat16, torch.bfloat16, torch.float8_e4m3fn, torch.float32), addresses), 2 * n, 2 * n,
+        n, grid=(1,), **_settings(n, addresses))
 
 
 def _shapes(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,8 +30,7 @@ def kernel_or_torch_form(what: str, device: torch.device, kernel_takes: bool,
     """`launch(kernels, addresses)` where the kernel `what` can run on `device` and takes the input
     (`kernel_takes`), else `torch_form()`. Inside a CUDA-graph capture a launch Triton refuses is made again with
     the tensors' addresses (`as_arguments`), and only then left to the torch form."""
-    usable = kernel_takes and device.type not in _failed
-    kernels = kernels_for("triton_fp8_kernels", device) if usable else None
+    kernels = kernels_usable(device) if kernel_takes else None
     if kernels is None:
         return torch_form()
     try:
@@ -45,6 +44,11 @@ def kernel_or_torch_form(what: str, device: torch.device, kernel_takes: bool,
         log.warning("the FP8 %s kernel failed (%s: %s); using the torch forms from now on", what,
                     type(err).__name__, str(err)[:300])
         return torch_form()
+
+
+def kernels_usable(device: torch.device) -> ModuleType | None:
+    """The kernels module for tensors on `device`, or None where Triton cannot run them or a kernel failed there."""
+    return None if device.type in _failed else kernels_for("triton_fp8_kernels", device)
 
 
 def _in_the_capture(what: str, kernels: ModuleType, launch: Callable[[ModuleType, bool], Result],
@@ -76,6 +80,15 @@ def as_arguments(tensors: tuple[torch.Tensor, ...], addresses: bool) -> tuple:
         if tensor.data_ptr() % 16:
             raise ValueError("a tensor given by its address is not 16-byte aligned")
     return tuple(tensor.data_ptr() for tensor in tensors)
+
+
+_AN_ALIGNED_ADDRESS = 1 << 40  # 16-byte aligned and past 32 bits, as a device address is: the same specialisation
+
+
+def placeholders(dtypes: tuple[torch.dtype, ...], addresses: bool) -> tuple:
+    """What `as_arguments` gives for 16-byte aligned tensors of `dtypes`, as Triton's `warmup` (a compile without a
+    launch) takes them: the dtypes themselves, or addresses of the kind the ADDRESSES form is given."""
+    return tuple(_AN_ALIGNED_ADDRESS for _ in dtypes) if addresses else dtypes
 
 
 def on_device(device: torch.device):

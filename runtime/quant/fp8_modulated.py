@@ -17,7 +17,8 @@ import torch
 
 from ..core.rounding import power_of_two_at_least
 from .fp8 import quantize_activation
-from .fp8_kernel_call import as_arguments, kernel_or_torch_form, on_device, quantised_like, registered_op
+from .fp8_kernel_call import (as_arguments, kernel_or_torch_form, on_device, placeholders, quantised_like,
+                              registered_op)
 from .triton_loader import cdiv
 
 _MAX_ROW = 1 << 14  # a row is held in registers
@@ -93,13 +94,29 @@ def launch(kernels: ModuleType, x: torch.Tensor, weight: torch.Tensor, one_plus_
     update, gate = residual if residual is not None else (x, one_plus_scale)
     x_out = torch.empty_like(x) if residual is not None else x
     if rows:
-        block = power_of_two_at_least(width)
         with on_device(x.device):
             kernels.rms_modulate_quantize_kernel[(cdiv(rows, rows_per_program),)](
                 *as_arguments((x, update, gate, x_out, weight, one_plus_scale, shift, out, scale), addresses), rows,
-                length, width, eps, BLOCK=block, ROWS=rows_per_program, RESIDUAL=residual is not None,
-                ADDRESSES=addresses, num_warps=num_warps or default_warps(block, residual is not None))
+                length, width, eps, **_settings(width, residual is not None, addresses, num_warps, rows_per_program))
     return (out, scale) if residual is None else (x_out, out, scale)
+
+
+def _settings(width: int, residual: bool, addresses: bool, num_warps: int | None = None,
+              rows_per_program: int = 1) -> dict:
+    block = power_of_two_at_least(width)
+    return dict(BLOCK=block, ROWS=rows_per_program, RESIDUAL=residual, ADDRESSES=addresses,
+                num_warps=num_warps or default_warps(block, residual))
+
+
+_ARGUMENT_DTYPES = (torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16, torch.float32,
+                    torch.float32, torch.float8_e4m3fn, torch.float32)  # as `launch` passes its tensors
+
+
+def compile_ahead(kernels: ModuleType, width: int, residual: bool, addresses: bool) -> None:
+    """The kernel compiled for `launch` on rows of `width` values, with the `residual` or without, given as tensors
+    or by their `addresses`, not run (the row counts are not specialised on: any count takes this form)."""
+    kernels.rms_modulate_quantize_kernel.warmup(*placeholders(_ARGUMENT_DTYPES, addresses), 16, 16, width, 1e-6,
+                                                grid=(1,), **_settings(width, residual, addresses))
 
 
 def _shapes(x: torch.Tensor, weight: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor,

@@ -9,7 +9,8 @@ import torch
 
 from ..core.rounding import power_of_two_at_least
 from .fp8 import quantize_activation
-from .fp8_kernel_call import as_arguments, kernel_or_torch_form, on_device, quantised_like, registered_op
+from .fp8_kernel_call import (as_arguments, kernel_or_torch_form, on_device, placeholders, quantised_like,
+                              registered_op)
 from .triton_loader import cdiv
 
 _MAX_ROW = 1 << 14  # a row is held in registers
@@ -45,12 +46,23 @@ def launch(kernels: ModuleType, x: torch.Tensor, num_warps: int | None = None, r
     rows, n = x.shape
     out, scale = quantised_like(rows, n, x.device)
     if rows:
-        block = power_of_two_at_least(n)
         with on_device(x.device):
             kernels.row_quantize_kernel[(cdiv(rows, rows_per_program),)](
-                *as_arguments((x, out, scale), addresses), x.stride(0), rows, n, BLOCK=block, ROWS=rows_per_program,
-                ADDRESSES=addresses, num_warps=num_warps or default_warps(block))
+                *as_arguments((x, out, scale), addresses), x.stride(0), rows, n,
+                **_settings(n, addresses, num_warps, rows_per_program))
     return out, scale
+
+
+def _settings(n: int, addresses: bool, num_warps: int | None = None, rows_per_program: int = 1) -> dict:
+    block = power_of_two_at_least(n)
+    return dict(BLOCK=block, ROWS=rows_per_program, ADDRESSES=addresses, num_warps=num_warps or default_warps(block))
+
+
+def compile_ahead(kernels: ModuleType, n: int, addresses: bool) -> None:
+    """The kernel compiled for `launch` on contiguous rows of `n` values given as tensors or by their `addresses`,
+    not run (the row count is not specialised on)."""
+    kernels.row_quantize_kernel.warmup(*placeholders((torch.bfloat16, torch.float8_e4m3fn, torch.float32), addresses),
+                                       n, 16, n, grid=(1,), **_settings(n, addresses))
 
 
 def _shapes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -116,7 +116,7 @@ def gelu_mul_quantize_kernel(gate, up, out, scale, gate_row_stride, up_row_strid
     tl.store(scale + row, row_scale)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "rows_per_batch"])  # one compiled form whatever the token count
 def rms_modulate_quantize_kernel(x, update, gate, x_out, weight, one_plus_scale, shift, out, scale, rows,
                                  rows_per_batch, n, eps, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                                  RESIDUAL: tl.constexpr, ADDRESSES: tl.constexpr = False):
@@ -153,7 +153,7 @@ def rms_modulate_quantize_kernel(x, update, gate, x_out, weight, one_plus_scale,
     tl.store(scale + row, row_scale, mask=row < rows)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])
 def row_quantize_kernel(x, out, scale, x_row_stride, rows, n, BLOCK: tl.constexpr, ROWS: tl.constexpr,
                         ADDRESSES: tl.constexpr = False):
     """quantize_activation(x, per_row=True) for bf16 rows, ROWS rows a program."""
