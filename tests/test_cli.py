@@ -154,6 +154,13 @@ def test_numbers_out_of_range_are_refused_in_one_line(capsys, tmp_path, empty_ca
     assert not empty_cache.exists()
 
 
+def test_enhance_on_a_folder_without_an_enhancer_names_the_three_ways_to_give_one(capsys, tmp_path):
+    """Not "turn the prompt enhancer off", the library's fix for a run that could go without it: this command is it."""
+    line = _cli(capsys, "enhance", "--model-dir", str(tmp_path), "--prompt", "x")
+    assert line.startswith(f"error: no prompt enhancer in --model-dir {tmp_path}: give a diffusers folder with pe/"), line
+    assert "(--pe FILE)" in line and "(--pe-url URL)" in line and " off" not in line, line
+
+
 def test_plan_refuses_a_copy_speed_of_zero_and_a_negative_token_count(capsys):
     assert "--pcie-gbps 0.0 is not allowed" in _cli(capsys, "plan", "--budget", "12", "--pcie-gbps", "0")  # was a
     assert "--text-tokens -5 is not allowed" in _cli(capsys, "plan", "--budget", "12", "--text-tokens", "-5")  # traceback
@@ -284,7 +291,7 @@ def test_quantize_checks_the_output_before_reading_the_input(capsys, tmp_path):
     assert "no-folder does not exist: create it first" in line
     assert "cannot be written: /proc" in _cli(capsys, "quantize", "--dit", str(tmp_path / "missing"),
                                                "--format", "fp8", "--out", "/proc/q.safetensors")
-    assert "is a folder" in _cli(capsys, "quantize", "--dit", str(tmp_path), "--format", "q8_0",
+    assert "is a folder" in _cli(capsys, "quantize", "--dit", str(tmp_path / "missing"), "--format", "q8_0",
                                  "--out", str(_folder(tmp_path / "q.gguf")))
 
 
@@ -839,15 +846,36 @@ def test_an_empty_out_says_it_is_empty(capsys, tmp_path, empty_cache, value):
     assert not empty_cache.exists()
 
 
-def test_quantize_refuses_an_out_inside_the_dit_folder(capsys, tmp_path, bf16_dit):
+@pytest.mark.parametrize("dit", ["the folder", "its weights file"])
+@pytest.mark.parametrize("out, named", [("fp8.safetensors", "fp8.safetensors"), ("", "transformer")],
+                         ids=["a new file there", "the folder itself"])
+def test_quantize_refuses_an_out_inside_the_model_folder_dit_loads_from(capsys, tmp_path, bf16_dit, dit, out, named):
+    """Whether --dit names a diffusers transformer folder or the weights file in it (beside its config.json), a
+    quantised file written there would make the folder two models; a folder given as --out is refused as that, not
+    sent to a file name inside it."""
     import shutil
 
     folder = tmp_path / "transformer"
     shutil.copytree(bf16_dit, folder)
-    line = _cli(capsys, "quantize", "--dit", str(folder), "--format", "fp8", "--out", str(folder / "fp8.safetensors"))
-    assert line == ("error: --out fp8.safetensors is inside the --dit folder transformer: a quantised file there "
+    source = folder if dit == "the folder" else folder / "diffusion_pytorch_model.safetensors"
+    line = _cli(capsys, "quantize", "--dit", str(source), "--format", "fp8", "--out", str(folder / out))
+    assert line == (f"error: --out {named} is inside the --dit folder transformer: a quantised file there "
                     "would stop the folder loading as the bf16 model; write it elsewhere")
-    assert not (folder / "fp8.safetensors").exists()
+    assert _files(folder) == ["config.json", "diffusion_pytorch_model.safetensors"]
+
+
+def test_quantize_writes_beside_a_single_file_dit_in_a_folder_that_is_no_model(capsys, tmp_path, bf16_dit):
+    """ComfyUI's diffusion_models/ holds single files and no config.json: the quantised file goes beside the bf16
+    one, as users keep them."""
+    import shutil
+
+    models = tmp_path / "diffusion_models"
+    models.mkdir()
+    source = models / "ernie-image-turbo.safetensors"
+    shutil.copy(bf16_dit / "diffusion_pytorch_model.safetensors", source)
+    code, _, _ = _quantize(capsys, "--dit", str(source), "--format", "fp8", "--variant", "turbo",
+                        "--out", str(models / "ernie-image-turbo-fp8.safetensors"))
+    assert code == 0 and (models / "ernie-image-turbo-fp8.safetensors").is_file()
 
 
 def test_quantize_refuses_an_out_inside_the_dit_folder_reached_through_a_link_to_it(capsys, tmp_path, bf16_dit):

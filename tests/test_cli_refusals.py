@@ -329,6 +329,13 @@ class TestNumberForms:
                               f"use {range_text(self.RANGES[command, option])}")
         assert len(line) < 200, line
 
+    @pytest.mark.parametrize("text, number", [("0" * 5000 + "8", 8), ("-" + "0" * 5000 + "3", -3), ("+" + "0" * 41, 0)])
+    @pytest.mark.parametrize("command, option", WHOLE_OPTIONS + ENHANCE_WHOLE)
+    def test_leading_zeros_are_not_digits_however_many(self, command, option, text, number):
+        """int() refuses more than 4300 digits, leading zeros counted: they are dropped before it reads the number."""
+        args = _parser(command).parse_args([*self._needed(command), f"{option}={text}"])
+        assert getattr(args, option[2:].replace("-", "_")) == number
+
     @pytest.mark.parametrize("setting", ["max_skips", "first_blocks", "last_blocks"])
     def test_a_step_cache_whole_number_of_5000_digits_is_too_large(self, run, setting):
         line = assert_refused(run("generate", "--step-cache", f"dbcache:{setting}={'1' * 5000}"),
@@ -569,9 +576,10 @@ def _quoted(value: str) -> str:
 
 
 def _parser(command: str):
-    from ernie_image.runtime.cli import enhance, generate, plan
+    from ernie_image.runtime.cli import enhance, generate, plan, quantize
 
-    return {"generate": generate.build_parser, "plan": plan.build_parser, "enhance": enhance._parser}[command]()
+    return {"generate": generate.build_parser, "plan": plan.build_parser, "enhance": enhance._parser,
+            "quantize": quantize._parser}[command]()
 
 
 def _number_options(command: str) -> list[str]:
@@ -753,3 +761,30 @@ def test_the_command_refuses_in_one_line_without_a_traceback(tmp_path, argv, cau
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: " + cause), done.stderr
     assert done.stdout == "" and list(work.iterdir()) == [] and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("value", ["", " "])
+@pytest.mark.parametrize("argv", [("generate", "--model-dir"), ("generate", "--dit"), ("generate", "--text-encoder"),
+                                  ("generate", "--vae"), ("generate", "--tokenizer"), ("generate", "--pe"),
+                                  ("generate", "--init-image"), ("generate", "--mask"),
+                                  ("quantize", "--format", "fp8", "--out", "q.safetensors", "--dit"),
+                                  ("enhance", "--prompt", "x", "--model-dir"), ("enhance", "--prompt", "x", "--pe")])
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(run, argv, value):
+    *command, option = argv
+    assert_refused(run(*command, f"{option}={value}"), f"{option} is empty", "give a path")
+
+
+@pytest.mark.parametrize("argv", [("generate", "--cfg", "-1e2"), ("generate", "--seed", "-5."), ("generate", "--cfg"),
+                                  ("plan", "--budget", "12", "--cfg", "-1e-3")])
+def test_an_option_left_without_its_value_says_how_to_give_one_that_starts_with_a_dash(run, argv):
+    """argparse reads `--cfg -1e2`'s value as another option; `--cfg=-1e2` is read as the value."""
+    option = next(arg for arg in reversed(argv) if arg.startswith("--"))
+    assert_refused(run(*argv), f"{option} needs a value", f"one that starts with '-' as {option}=VALUE")
+
+
+@pytest.mark.parametrize("command, suffix", [("generate", ".png"), ("quantize", ".safetensors")])
+def test_the_name_a_refusal_suggests_for_a_dash_is_one_the_parser_takes(run, command, suffix):
+    needed = ("--dit", "missing", "--format", "fp8") if command == "quantize" else ()
+    line = assert_refused(run(command, *needed, "--out", "-"), "--out - is not a", f"give e.g. --out=-{suffix}")
+    suggested = line.rsplit("give e.g. ", 1)[1]
+    assert str(getattr(_parser(command).parse_args([*needed, suggested]), "out")) == f"-{suffix}"

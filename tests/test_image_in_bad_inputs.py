@@ -154,6 +154,11 @@ def files(tmp_path) -> dict[str, Path]:
     (["--init-image", "{rgb}", "--mask", "{mask}", "--mask-grow", "-3"], "error: --mask-grow -3 is not allowed"),
     (["--init-image", "{rgb}", "--mask", "{mask}", "--mask-feather", "5000"], "error: --mask-feather 5000 is not allowed"),
     (["--init-image", "{rgb}", "--mask", "{rgb}"], "has coloured pixels: a mask is read from its grey level"),
+    # a value no run takes is named as that, not as needing the image or mask it would go with
+    (["--denoise=1.0000001"], "error: --denoise 1.0000001 is not allowed: use 0.01..1"),
+    (["--denoise", "0"], "error: --denoise 0.0 is not allowed: use 0.01..1"),
+    (["--mask-grow", "1025"], "error: --mask-grow 1025 is not allowed: use 0..1024 pixels"),
+    (["--mask-feather=-1"], "error: --mask-feather -1 is not allowed: use 0..1024 pixels"),
 ])
 def test_cli_refuses_bad_image_inputs_before_opening_the_model(capsys, tmp_path, files, argv, expected):
     names = {**{k: str(v) for k, v in files.items()}, "missing": str(tmp_path / "missing.png")}

@@ -176,3 +176,11 @@ def test_plan_says_the_blocks_a_step_cache_runs_as_generate_does(capsys, spec, n
     assert code == 0
     assert (note in out) if note else ("leaves no block" not in out), out
     assert f"step cache (dbcache {runs}," in out
+
+
+@pytest.mark.parametrize("variant, cfg, dit_batch", [("base", 4, 2), ("turbo", 1, 1)])
+def test_the_plan_runs_each_model_at_the_cfg_generate_runs_it_at_by_default(capsys, variant, cfg, dit_batch):
+    """Base runs at CFG 4, a doubled DiT batch: its plan is that job's, not Turbo's CFG 1."""
+    code, out, err = run(capsys, "plan", "--budget", "12", "--variant", variant)
+    assert code == 0 and err == "", err
+    assert f", CFG {cfg} (DiT batch {dit_batch}, " in out.splitlines()[0], out

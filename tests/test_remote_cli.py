@@ -140,7 +140,9 @@ def test_a_v1_base_url_names_the_url_to_give(capsys, tmp_path):
 def test_server_options_without_a_server_are_refused(capsys, tmp_path, flag, value):
     argv = ["generate", "--out", str(tmp_path / "x.png"), flag] + ([value] if value is not None else [])
     assert main(argv) == 2
-    assert f"{flag} is for SGLang servers: give one with --server URL" in one_line_error(capsys)
+    line = one_line_error(capsys)
+    assert f"{flag} is for SGLang servers: give one with --server URL" in line
+    assert ("--pe-api-key-env" in line) == flag.startswith("--api-key"), line  # the PE's key options for keys only
 
 
 def test_the_options_reach_the_pipe():

@@ -112,8 +112,9 @@ def check_output_file(path: Path, option: str, suffixes: Iterable[str], example:
                                 f"{option} {path / (example + suffixes[0])}")
     if path.suffix.lower() not in suffixes:
         stem = path.stem if not path.stem.startswith(".") else example  # `.gguf` is a hidden name, no suffix
-        raise InvalidInputError(f"{option} {path} is not a {' or '.join(suffixes)} file name: give e.g. "
-                                f"{option} {stem or example}{suffixes[0]}")
+        name = f"{stem or example}{suffixes[0]}"
+        given = f"{option}={name}" if name.startswith("-") else f"{option} {name}"  # argparse takes `-x` for an option
+        raise InvalidInputError(f"{option} {path} is not a {' or '.join(suffixes)} file name: give e.g. {given}")
     if info is not None and not stat.S_ISREG(info.st_mode):
         raise InvalidInputError(f"{option} {path} is not a regular file (a device, pipe or socket): pick another "
                                 "output path")

@@ -18,7 +18,7 @@ from ..text.enhancer import LocalEnhancer, revise_prompts, validate_sampling
 from ..text.remote_enhancer import ChatEndpoint, revise_prompts_remote
 from .checks import check_input_path, check_seed
 from .console import ConsoleHost
-from .parser import DecimalNumber, OneLineParser, WholeNumber
+from .parser import DecimalNumber, OneLineParser, PathOption, WholeNumber
 from .remote_args import cli_credentials
 
 
@@ -27,8 +27,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="ernie-image enhance",
         description="Print the prompt enhancer's revised prompt (only that, on stdout).",
     )
-    parser.add_argument("--model-dir", type=Path, help="diffusers ERNIE-Image folder with pe/ and pe_tokenizer/")
-    parser.add_argument("--pe", type=Path, help="prompt-enhancer file (ernie-image-prompt-enhancer.safetensors) or folder")
+    parser.add_argument("--model-dir", action=PathOption, help="diffusers ERNIE-Image folder with pe/ and pe_tokenizer/")
+    parser.add_argument("--pe", action=PathOption, help="prompt-enhancer file (ernie-image-prompt-enhancer.safetensors) or folder")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer folder, when the PE file embeds none")
     parser.add_argument("--text-encoder", type=Path, help="text-encoder file whose embedded tokenizer the PE may share")
     parser.add_argument("--pe-url", help="OpenAI-compatible server serving the PE (vLLM, SGLang), e.g. http://host:8000")
@@ -96,6 +96,10 @@ def main_enhance(argv: Sequence[str]) -> int:
             raise InvalidInputError("no prompt enhancer given: pass --model-dir, --pe FILE or --pe-url URL")
         sources = ModelSources(model_dir=args.model_dir, pe=args.pe, tokenizer=args.tokenizer,
                                text_encoder=args.text_encoder)
+        if not sources.has_pe():  # the library's words would offer turning the enhancer off: this command is it
+            raise InvalidInputError(f"no prompt enhancer in --model-dir {args.model_dir}: give a diffusers folder "
+                                    "with pe/ and pe_tokenizer/, the ernie-image-prompt-enhancer.safetensors file "
+                                    "(--pe FILE), or a chat server serving it (--pe-url URL)")
         device = resolve_device(args.device)
         enhancer = LocalEnhancer.load(sources, device, resolve_dtype(args.dtype, device), host=host)
         try:

@@ -65,7 +65,7 @@ def _add_generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", action=WholeNumber, example="1024", default=None, allowed=SIDE_RANGE,
                         help=f"{side} (default {REAL_SIDE}; demo {DEMO_SIDE})")
     parser.add_argument("--height", action=WholeNumber, example="1024", default=None, allowed=SIDE_RANGE,
-                        help=f"{side} (default as --width)")
+                        help=f"{side} (default {REAL_SIDE}; demo {DEMO_SIDE})")
     parser.add_argument("--steps", action=WholeNumber, example="8", default=None, allowed=STEPS_RANGE,
                         help=f"{range_text(STEPS_RANGE)} (default: 50 base, 8 turbo)")
     parser.add_argument("--cfg", action=DecimalNumber, example="4.0", default=None, allowed=CFG_RANGE,

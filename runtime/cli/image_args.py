@@ -9,6 +9,7 @@ from ..core.errors import InvalidInputError
 from ..core.number_text import range_text
 from ..core.request import DENOISE_RANGE, MASK_PIXELS_RANGE, GenerationRequest
 from ..files.image_files import read_image, read_mask
+from .checks import check_int_range, check_number_range
 from .parser import DecimalNumber, PathOption, WholeNumber
 
 
@@ -34,6 +35,7 @@ def image_fields(args: argparse.Namespace) -> dict[str, Any]:
     With --init-image the image decides the size: args.width and args.height become its own unless given (then
     the request refuses a size that differs).
     """
+    _check_ranges(args)  # a value no run takes is named as that, before what it needs beside it
     if args.init_image is None and args.mask is not None:
         raise InvalidInputError("--mask needs --init-image: give the image to repaint")
     if args.init_image is None and args.denoise != 1.0:
@@ -54,6 +56,12 @@ def image_fields(args: argparse.Namespace) -> dict[str, Any]:
     if args.mask is not None:
         fields["mask"] = read_mask(args.mask, "mask")
     return fields
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    check_number_range(args.denoise, "--denoise", *DENOISE_RANGE, " (1.0 redraws everything)")
+    check_int_range(args.mask_grow, "--mask-grow", *MASK_PIXELS_RANGE, " pixels")
+    check_int_range(args.mask_feather, "--mask-feather", *MASK_PIXELS_RANGE, " pixels")
 
 
 def check_image_fields(fields: dict[str, Any], args: argparse.Namespace) -> None:

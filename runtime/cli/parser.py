@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 from typing import Any, NoReturn, Optional, Sequence, Union
 
@@ -37,6 +38,10 @@ class OneLineParser(argparse.ArgumentParser):
             self.given_once = {}
 
     def error(self, message: str) -> NoReturn:
+        missing = re.fullmatch(r"argument (--[\w-]+)(?:/\S+)?: expected one argument", message)
+        if missing:  # argparse takes `--cfg -1e2`'s value for an option: `--cfg=-1e2` is read as the value
+            flag = missing.group(1)
+            message = f"{flag} needs a value: give one after it (one that starts with '-' as {flag}=VALUE)"
         raise InvalidInputError(f"{message}: see '{self.prog} --help'")
 
 
@@ -93,7 +98,11 @@ def _path_meaning(path: Path) -> str:
 
 
 class PathOption(Option):
+    """A path option that stores a Path and refuses an empty value, which Path would read as the current folder."""
+
     def read(self, text: str) -> Path:
+        if not text.strip():
+            raise InvalidInputError(f"{self.flag} is empty: give a path")
         return Path(text)
 
     def meaning(self, value: Path) -> str:

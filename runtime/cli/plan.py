@@ -32,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--height", action=WholeNumber, example="1024", default=1024, allowed=SIDE_RANGE, help=side)
     parser.add_argument("--batch", action=WholeNumber, example="2", default=1, allowed=BATCH_RANGE,
                         help=f"images per run, {range_text(BATCH_RANGE)} (default %(default)s)")
-    parser.add_argument("--cfg", action=DecimalNumber, example="4.0", default=1.0, allowed=CFG_RANGE,
-                        help=f"{range_text(CFG_RANGE)} (default %(default)s); CFG > 1 runs the DiT on a doubled batch")
+    parser.add_argument("--cfg", action=DecimalNumber, example="4.0", default=None, allowed=CFG_RANGE,
+                        help=f"{range_text(CFG_RANGE)} (default: 4.0 base, 1.0 turbo); CFG > 1 runs the DiT on a "
+                             "doubled batch")
     parser.add_argument("--format", default="bf16", choices=sorted(FORMAT_BYTES), help="DiT weight format")
     parser.add_argument("--variant", default="turbo", choices=("base", "turbo"))
     parser.add_argument("--text-tokens", action=WholeNumber, example="256", default=256, allowed=TOKENS_RANGE,
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main_plan(argv: Sequence[str]) -> int:
-    from ..core.request import BATCH_RANGE, CFG_RANGE, validate_size
+    from ..core.request import BATCH_RANGE, CFG_RANGE, VARIANT_DEFAULTS, validate_size
     from ..text.encoder import TOKENS_RANGE
     from .checks import check_int_range, check_number_range, parse_budget
 
@@ -57,6 +58,8 @@ def main_plan(argv: Sequence[str]) -> int:
         args = build_parser().parse_args(list(argv))
         validate_size(args.width, args.height)
         check_int_range(args.batch, "--batch", *BATCH_RANGE)
+        if args.cfg is None:
+            args.cfg = VARIANT_DEFAULTS[args.variant]["cfg"]  # as generate runs each model by default
         check_number_range(args.cfg, "--cfg", *CFG_RANGE, " (4.0 for ERNIE-Image, 1.0 for Turbo; above 1 the DiT "
                                                          "runs a doubled batch)")
         check_int_range(args.text_tokens, "--text-tokens", *TOKENS_RANGE, " (the text encoder's limit)")

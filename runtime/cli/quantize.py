@@ -11,6 +11,7 @@ recorded and how it was decided.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -130,15 +131,30 @@ def _parser() -> OneLineParser:
     return parser
 
 
+def model_folder(dit: Path) -> Path | None:
+    """The folder that loads as a model with --dit's weights: --dit itself when it is a folder, else a weights file's
+    folder where it holds their config.json (a diffusers component folder; ComfyUI's model folders hold none)."""
+    if os.path.isdir(dit):  # os.path's tests read a name too long for the system as absent; Path's raise
+        return dit
+    return dit.parent if os.path.isfile(dit.parent / "config.json") else None
+
+
+def refuse_output_in_model_folder(out: Path, dit: Path) -> None:
+    """A new file inside the folder --dit loads from would make that folder two models. `out` is judged where the
+    writer puts the file: a link to a folder is followed, a link at the name itself is replaced."""
+    folder = model_folder(dit)
+    where = out if os.path.isdir(out) else out.parent
+    if folder is not None and where.resolve().is_relative_to(folder.resolve()):
+        raise InvalidInputError(f"--out {out.name or out} is inside the --dit folder {folder.name}: a quantised file "
+                                f"there would stop the folder loading as the bf16 model; write it elsewhere")
+
+
 def refuse_output_over_input(out: Path, dit: Path) -> None:
     """--out naming a file --dit reads (the file itself, a link to it, its path spelled otherwise) would replace the
     bf16 weights: refused first, as generate refuses an output onto an input (refuse_outputs_over_inputs), so that
-    this is the reason given. A new file inside the --dit folder would make the folder two models."""
+    this is the reason given; then a new file inside the folder --dit loads from."""
     refuse_outputs_over_inputs([("--dit", dit)], [("--out", out, out)])
-    # Where the writer puts the file: a link to a folder is followed, a link at the name itself is replaced.
-    if dit.is_dir() and out.parent.resolve().is_relative_to(dit.resolve()):
-        raise InvalidInputError(f"--out {out.name} is inside the --dit folder {dit.name}: a quantised file there would "
-                                f"stop the folder loading as the bf16 model; write it elsewhere")
+    refuse_output_in_model_folder(out, dit)
 
 
 def kept_dtypes(state: dict[str, torch.Tensor], fmt: str) -> str:
@@ -150,8 +166,10 @@ def kept_dtypes(state: dict[str, torch.Tensor], fmt: str) -> str:
 def main_quantize(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        if os.path.isdir(args.out):  # not "give a file name inside it" where inside is the model folder
+            refuse_output_in_model_folder(args.out, args.dit)
         # ComfyUI(-GGUF) picks a loader by the name's suffix; a folder is named as one before the name is judged
-        check_output_file(args.out, "--out", (file_suffix(args.format),), f"ernie-image-{args.format}")  # first
+        check_output_file(args.out, "--out", (file_suffix(args.format),), f"ernie-image-{args.format}")
         check_input_path(args.dit, "--dit", "file or folder")
         refuse_output_over_input(args.out, args.dit)
         files = bf16_dit_files(args.dit)

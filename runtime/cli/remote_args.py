@@ -130,8 +130,9 @@ def remote_pipe_from_args(args: argparse.Namespace) -> Optional["RemotePipe"]:
                                           ("--api-key-env", args.api_key_env),
                                           ("--api-key-file", args.api_key_file)) if value]
         if given:
-            raise InvalidInputError(f"{given[0]} is for SGLang servers: give one with --server URL "
-                                    f"(the PE chat server's key options are --pe-api-key-env/--pe-api-key-file)")
+            keys = " (the PE chat server's key options are --pe-api-key-env/--pe-api-key-file)" \
+                if given[0].startswith("--api-key") else ""
+            raise InvalidInputError(f"{given[0]} is for SGLang servers: give one with --server URL{keys}")
         return None
     local = [name for name, unset in LOCAL_ONLY.items() if getattr(args, name, unset) != unset]
     if local:

@@ -41,9 +41,10 @@ def whole_from_text(text: str, name: str = "the number", allowed: Optional[Range
     where given, else as too large."""
     if not isinstance(text, str) or not _WHOLE.fullmatch(text):
         return None
-    if len(text.lstrip("+-").lstrip("0")) > _MOST_DIGITS:
+    sign, digits = text[:len(text) - len(text.lstrip("+-"))], text.lstrip("+-").lstrip("0")
+    if len(digits) > _MOST_DIGITS:
         raise _too_large(name, text, allowed)
-    return int(text)
+    return int(sign + (digits or "0"))  # leading zeros left out: int() counts them against its 4300 digits
 
 
 def decimal_from_text(text: str, name: str = "the number", allowed: Optional[Range] = None) -> Optional[float]:
