@@ -182,3 +182,17 @@ def test_cli_reports_bad_input_in_one_line_with_exit_code_2(capsys, argv, expect
     assert main_plan(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+
+
+@pytest.mark.parametrize("job, fmt, offered, not_offered", [
+    (Job(1024, 1024), "q4_k", ["raise the budget", "lower the size"], ["batch", "smaller weight format"]),
+    (Job(256, 256), "nvfp4", ["raise the budget"], ["lower the", "smaller weight format"]),
+    (Job(512, 512, batch=2), "bf16", ["lower the size or the batch", "a smaller weight format (q4_k, nvfp4)"], []),
+    (Job(1024, 1024), "q8_0", ["a smaller weight format (q4_k, nvfp4)"], []),
+])
+def test_a_budget_too_small_offers_only_the_fixes_that_lower_this_jobs_minimum(job, fmt, offered, not_offered):
+    """Not a smaller weight format than the one in use, nor a batch of one, nor a size at the least one."""
+    with pytest.raises(MemoryBudgetError) as refused:
+        plan_memory(int(0.5 * GiB), job, ModelSizes.released("turbo", fmt))
+    fixes = str(refused.value).rsplit(" GiB: ", 1)[1]
+    assert all(fix in fixes for fix in offered) and not any(fix in fixes for fix in not_offered), fixes

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from ..core.errors import MemoryBudgetError
+from ..core.request import MIN_SIDE
 from ..model.vae_decode import vae_tile
-from .sizes import ModelSizes
+from .sizes import FORMAT_BYTES, ModelSizes
 from .workspace import Job, dit_workspace, pe_workspace, text_workspace, vae_encode_workspace, vae_workspace
 
 GiB = 1024**3
@@ -256,8 +257,19 @@ def _too_small(budget: int, job: Job, sizes: ModelSizes, device_type: str, slots
             f"(step_cache)").naming("vram_budget_gb", "step_cache")
     return MemoryBudgetError(
         f"{what} needs at least {gib_up(needed)} GiB of VRAM with everything streamed; the budget is "
-        f"{gib_shown(budget)} GiB: raise the budget, lower the size or batch, or use a smaller weight format (q4_k, "
-        f"nvfp4)")
+        f"{gib_shown(budget)} GiB: {', or '.join(_fixes(job, sizes))}")
+
+
+_SMALL_FORMATS = ("q4_k", "nvfp4")  # the smallest weight formats a user is offered
+
+
+def _fixes(job: Job, sizes: ModelSizes) -> list[str]:
+    """What can lower the least budget for this job: only what is not already as low as it goes."""
+    lower = [what for what, possible in (("the size", max(job.width, job.height) > MIN_SIDE),
+                                          ("the batch", job.batch > 1)) if possible]
+    smaller = [fmt for fmt in _SMALL_FORMATS if FORMAT_BYTES[fmt] < FORMAT_BYTES.get(sizes.dit_format, 2.0)]
+    return ["raise the budget", *([f"lower {' or '.join(lower)}"] if lower else []),
+            *([f"use a smaller weight format ({', '.join(smaller)})"] if smaller else [])]
 
 
 def plan_memory(budget: Optional[int], job: Job, sizes: ModelSizes, device_type: str = "cuda",
