@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ernie_image.runtime.cli.commands import main
+from ernie_image.runtime.core.errors import ModelFileError
 from ernie_image.runtime.demo.tiny import build_tiny_model
 from ernie_image.runtime.model.tensor_fit import PRESENCE_FIELDS
 
@@ -424,9 +425,13 @@ def _one_added(tensors: dict[str, torch.Tensor], prefix: str) -> None:
 
 
 TENSOR_DAMAGE: dict[str, tuple[Change, str]] = {  # (the change, what the refusal says)
-    "a tensor in another shape": (_one_row_cut, f"it makes {UP_PROJ} [128, 64] but the weights hold [127, 64]"),
-    "a tensor missing": (_left_out, f"it makes {UP_PROJ}, which the weights lack"),
-    "an unknown tensor": (_one_added, f"the weights hold {EXTRA}, for which it makes no place"),
+    "a tensor in another shape": (_one_row_cut, f" does not fit the weights: it makes {UP_PROJ} [128, 64] but the "
+                                                f"weights hold [127, 64]"),
+    # The other layer holds its up_proj: the file lost the tensor, the config is not to blame.
+    "a tensor missing": (_left_out, f" lacks {UP_PROJ}, which the config makes and the weights' other layers hold: "
+                                    f"the file is damaged or was not fully downloaded: download it again"),
+    "an unknown tensor": (_one_added, f" does not fit the weights: the weights hold {EXTRA}, for which it makes no "
+                                      f"place: "),
 }
 # A file without a config is held to the config its shapes show, which makes no claim on tensors beyond it: generate
 # loads such a file, so quantize writes it.
@@ -454,7 +459,7 @@ class TestQuantizeRefusesWhatGenerateRefusesOfABf16Dit:
         change, says = TENSOR_DAMAGE[damage]
         model = _damaged(BF16_LAYOUTS[layout](sources, tmp_path), change)
         line = _refused(capsys, _generate(model, tmp_path / "x.png"))
-        assert " does not fit the weights: " in line and says in line, line
+        assert says in line, line
         assert _quantize_refused(capsys, tmp_path, model) == line
         assert dit_steps == []
 
@@ -485,6 +490,80 @@ def test_a_tensor_in_another_shape_is_not_blamed_on_a_field_that_decides_which_t
     model = _damaged(BF16_LAYOUTS[layout](sources, tmp_path), _one_row_cut)
     line = _refused(capsys, _generate(model, tmp_path / "x.png"))
     assert "[127, 64]" in line and not any(field in line for field in PRESENCE_FIELDS), line
+
+
+# ------------------------------------------------------------------------------- a layer's tensor the weights lost
+LOST_FROM_A_LAYER = {  # (the part, the tensors the weights lost): in each, another layer still holds them
+    "one DiT tensor": ("dit", ("layers.1.self_attention.to_v.weight",)),
+    "two DiT tensors of two layers": ("dit", ("layers.0.mlp.up_proj.weight", "layers.1.self_attention.to_k.weight")),
+    "one text encoder tensor": ("text_encoder", ("layers.1.mlp.up_proj.weight",)),
+    "a text encoder attention tensor": ("text_encoder", ("layers.1.self_attn.q_proj.weight",)),
+}
+PREFIXED_BY = {"dit": "x_embedder.proj.weight", "text_encoder": "embed_tokens.weight"}  # a tensor every file holds
+
+
+def _part_weights(model: Model, part: str) -> Path:
+    """The weight file of `part` ("dit" or "text_encoder") the model's arguments give."""
+    argv = list(model.argv)
+    if part == "dit":
+        dit = _bf16_dit(model)
+        return dit / "diffusion_pytorch_model.safetensors" if dit.is_dir() else dit
+    if "--text-encoder" in argv:
+        return Path(argv[argv.index("--text-encoder") + 1])
+    return Path(argv[argv.index("--model-dir") + 1]) / "text_encoder" / "model.safetensors"
+
+
+def _without(weights: Path, part: str, lost: tuple[str, ...]) -> None:
+    """`weights` saved again without the tensors `lost` (canonical names: under the file's own prefix)."""
+    with safe_open(str(weights), "pt") as handle:
+        tensors, metadata = {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata()
+    prefix = next(key for key in tensors if key.endswith(PREFIXED_BY[part])).removesuffix(PREFIXED_BY[part])
+    save_file({key: tensor for key, tensor in tensors.items() if key.removeprefix(prefix) not in lost}, str(weights),
+              metadata=metadata)
+
+
+@pytest.mark.parametrize("layout", ["diffusers folder", "comfy single files"])
+@pytest.mark.parametrize("lost", LOST_FROM_A_LAYER)
+def test_a_tensor_lost_from_a_layer_the_weights_hold_is_the_files_damage_not_the_layer_counts(
+        capsys, tmp_path, sources, dit_steps, layout, lost):
+    """The layer count makes whole layers: neither it nor any other field is named for a tensor missing from a layer
+    the weights hold, and the file is named, not the config."""
+    part, keys = LOST_FROM_A_LAYER[lost]
+    model = LAYOUTS[layout](sources, tmp_path)
+    weights = _part_weights(model, part)
+    _without(weights, part, keys)
+    line = _refused(capsys, _generate(model, tmp_path / "x.png"))
+    assert line == (f"error: {weights} lacks {', '.join(keys)}, which the config makes and the weights' other layers "
+                    f"hold: the file is damaged or was not fully downloaded: download it again")
+    assert dit_steps == [] and not (tmp_path / "x.png").exists()
+
+
+def _dit_held_against(sources: dict[str, Path], root: Path, num_layers: int) -> tuple[Any, dict]:
+    """The tiny DiT folder (2 layers) and what a config of `num_layers` makes, held against each other directly:
+    loading, config_fit refuses the count first, in its own words."""
+    from ernie_image.runtime.formats import open_component
+    from ernie_image.runtime.model.builders import dit_on_meta
+    from ernie_image.runtime.model.tensor_fit import shapes_of
+
+    model = _diffusers_folder(sources, root)
+    model.configs["dit"].change("num_layers", num_layers)
+    component = open_component(model.configs["dit"].path.parent, "dit")
+    return component, shapes_of(dit_on_meta(component))
+
+
+@pytest.mark.parametrize("num_layers, says", [
+    (3, "it makes layers.2.adaLN_mlp_ln.weight, layers.2.adaLN_sa_ln.weight, layers.2.mlp.gate_proj.weight "
+        "(11 tensors in all), which the weights lack (its num_layers 3 is the likely cause)"),
+    (1, "the weights hold layers.1.adaLN_mlp_ln.weight, layers.1.adaLN_sa_ln.weight, layers.1.mlp.gate_proj.weight "
+        "(11 tensors in all), for which it makes no place (its num_layers 1 is the likely cause)"),
+], ids=["a layer more than the weights hold", "a layer fewer"])
+def test_whole_layers_the_config_counts_otherwise_are_blamed_on_its_layer_count(tmp_path, sources, num_layers, says):
+    from ernie_image.runtime.model.tensor_fit import check_built_tensors
+
+    component, made = _dit_held_against(sources, tmp_path, num_layers)
+    with pytest.raises(ModelFileError) as refused:
+        check_built_tensors(component, "dit", made)
+    assert str(refused.value) == f"{component.config_file} does not fit the weights: {says}: fix it or re-download it"
 
 
 # ------------------------------------------------------------------------------------------- as a separate process

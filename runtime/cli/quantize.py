@@ -23,7 +23,8 @@ from ..core.weight_dtypes import refuse_non_floating
 from ..core.variant import (VARIANT_SETTING, VariantChoice, checked_variant_option, decide_variant, name_notice,
                             override_notice)
 from ..files.inputs_outputs import refuse_outputs_over_inputs
-from ..formats.component_file import QUANT_MARKERS, ComponentFile, open_component
+from ..formats.component_file import QUANT_MARKERS, WHAT_TO_PICK, ComponentFile, open_component
+from ..formats.folder_files import open_weights
 from ..formats.safetensors_reader import is_gguf, open_safetensors
 from ..model.builders import check_config_builds
 from ..quant.gguf_files import DIT_MARKER_KEYS, strip_dit_prefix
@@ -100,9 +101,11 @@ def read_bf16_dit(source: str | Path, files: list[Path] | None = None) -> dict[s
     bf16_dit_files, when the caller has them already."""
     source = Path(source)
     files = bf16_dit_files(source) if files is None else files
+    owner = open_weights(source, WHAT_TO_PICK["dit"]).owner  # each tensor's file: as generate reads the folder
     state: dict[str, torch.Tensor] = {}
     for file in files:
         tensors, _ = read_safetensors_file(file)
+        tensors = {key: tensor for key, tensor in tensors.items() if key in owner and owner[key].path == file}
         refuse_non_floating(tensors, file)  # the DiT holds no integer tensor: one would not quantise, nor load
         state.update((strip_dit_prefix(key), tensor) for key, tensor in tensors.items())
     missing = [k for k in DIT_MARKER_KEYS if k not in state]

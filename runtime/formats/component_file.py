@@ -6,9 +6,9 @@ Canonical key spaces:
   plus `lm_head.weight` for the PE where the file holds one (read only when the PE's head is not tied);
 - "vae": diffusers' AutoencoderKLFlux2 names.
 
-Layouts read: a diffusers folder (sharded or not), a single safetensors file (Comfy-Org's files: the DiT with or
-without `model.diffusion_model.`, the text encoder in Hugging Face `model.layers.N` names, the VAE in BFL's or
-diffusers' names), and quantised files (GGUF, comfy_quant / scaled-fp8 safetensors), which are handed to
+Layouts read: a diffusers folder (sharded or not: folder_files.py), a single safetensors file (Comfy-Org's files:
+the DiT with or without `model.diffusion_model.`, the text encoder in Hugging Face `model.layers.N` names, the VAE in
+BFL's or diffusers' names), and quantised files (GGUF, comfy_quant / scaled-fp8 safetensors), which are handed to
 runtime/quant. What a file is comes from its keys and shapes (detect.py), never from its name.
 """
 from __future__ import annotations
@@ -26,7 +26,8 @@ from ..files.identity import FileIdentity
 from .config_json import origin_of, read_config
 from .config_values import check_config_values
 from .detect import Identity, identify, sample_keys, text_model_role
-from .safetensors_reader import SafetensorsFile, is_gguf, open_safetensors
+from .folder_files import open_weights
+from .safetensors_reader import SafetensorsFile, is_gguf
 from .sources import component_folder
 from .vae_keys import bfl_to_diffusers, config_from_shapes, num_up_blocks_bfl
 
@@ -99,11 +100,8 @@ def open_component(path: Path, kind: Kind) -> ComponentFile:
         raise ModelFileError(f"{LABELS[kind]} not found: {path} does not exist: check the path, or {WHAT_TO_PICK[kind]}")
     if path.is_file() and is_gguf(path):
         return _open_quantized(path, kind, "gguf")
-    readers = [open_safetensors(file) for file in _safetensors_files(path, kind)]
-    owner: dict[str, SafetensorsFile] = {}
-    for reader in readers:
-        for key in reader.keys():
-            owner[key] = reader
+    opened = open_weights(path, WHAT_TO_PICK[kind])
+    readers, owner = opened.readers, opened.owner
     shapes = {key: reader.shape(key) for key, reader in owner.items()}
     metadata: dict[str, str] = {}
     for reader in readers:
@@ -119,7 +117,7 @@ def open_component(path: Path, kind: Kind) -> ComponentFile:
     if kind == "vae" and config is None:
         config = config_from_shapes(_decoder_shapes(loaders), _released_vae_config())
     layout = "diffusers-folder" if path.is_dir() else ("single-file-bfl" if bfl else "single-file")
-    files = tuple(reader.identity for reader in readers) + _identities(config_file)
+    files = tuple(reader.identity for reader in readers) + _identities(*opened.indexes, config_file)
     return ComponentFile(kind=kind, layout=layout, path=path, config=config, keys=sorted(loaders),
                          _loaders=loaders, metadata=metadata, _releasers=releasers, config_file=config_file,
                          files=files, _stored=stored)
@@ -141,20 +139,6 @@ def _check_text_role(identity: Identity, kind: str, path: Path, shapes: dict) ->
         f"{path.name} is the ERNIE-Image text encoder (Ministral-3B with a vision tower or its own lm_head), not the "
         f"prompt enhancer: give it as the text encoder (text_encoder), and {WHAT_TO_PICK[kind]}"
     ).naming("text_encoder")
-
-
-def _safetensors_files(path: Path, kind: str) -> list[Path]:
-    if path.is_file():
-        return [path]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        names = sorted(p.name for p in path.iterdir())
-        found = ", ".join(names[:8]) or "nothing"
-        if any(n.endswith((".bin", ".pt", ".ckpt", ".pth")) for n in names):
-            raise ModelFileError(f"{path} holds only PyTorch pickle weights ({found}), which this pack never loads: "
-                                 f"use the .safetensors release")
-        raise ModelFileError(f"{path} holds no .safetensors weights (found {found}): {WHAT_TO_PICK[kind]}")
-    return files
 
 
 def _is_quantized(owner: dict[str, SafetensorsFile], metadata: dict[str, str]) -> bool:
@@ -291,8 +275,8 @@ def _open_quantized(path: Path, kind: str, layout: str, metadata: Optional[dict[
                          files=(identity, *_identities(config_file)))
 
 
-def _identities(config_file: Optional[Path]) -> tuple[FileIdentity, ...]:
-    return (FileIdentity.of(config_file),) if config_file is not None else ()
+def _identities(*files: Optional[Path]) -> tuple[FileIdentity, ...]:
+    return tuple(FileIdentity.of(file) for file in files if file is not None)
 
 
 def _read_config(path: Path, kind: str, metadata: dict[str, str]) -> tuple[Optional[dict], Optional[Path]]:

@@ -6,15 +6,18 @@ first use, for the VAE after a whole sampling run), a tensor the file holds that
 (never read: the picture would come from another model than the file's), and a tensor in another shape. Names are
 compared after the readers' own renames (formats/component_file.py: BFL VAE keys, prefixes), so every layout is
 held to the same rule. Each refusal is one line naming the config, the first few tensors, the config field most
-likely responsible where one is, and the fix. Only names and shapes are read: no weight.
+likely responsible where one is, and the fix; tensors missing only where the weights' other layers hold them are the
+file's damage, and the file is named instead. Only names and shapes are read: no weight.
 """
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable, Mapping, Optional
+from pathlib import Path
+from typing import Any, Callable, Container, Iterable, Mapping, Optional
 
 from ..core.errors import ModelFileError
+from ..files.cut_files import REDOWNLOAD
 from ..formats.config_json import config_origin
 from ..formats.detect import sample_keys
 from .config_fit import given_config
@@ -44,10 +47,14 @@ LIKELY_FIELDS: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
 }
 LIKELY_FIELDS["pe"] = ((r"^lm_head\.", ("tie_word_embeddings",)), *LIKELY_FIELDS["text_encoder"])
 
-# Fields that decide whether tensors exist, not their shapes: a likely cause of a tensor missing or unplaced only.
+# Fields that decide whether tensors exist, not their shapes: the only likely causes of a tensor missing or unplaced.
 PRESENCE_FIELDS = frozenset({"use_post_quant_conv", "use_quant_conv", "mid_block_add_attention", "down_block_types",
                              "up_block_types", "qk_layernorm", "num_layers", "num_hidden_layers",
                              "tie_word_embeddings"})
+
+# Fields that make whole layers, counted: the likely cause only of layers missing from the top or made for none.
+LAYER_COUNTS = frozenset({"num_layers", "num_hidden_layers"})
+LAYER = re.compile(r"^layers\.(\d+)\.")
 
 SHOWN_KEYS = 3
 
@@ -60,14 +67,17 @@ def _section(component, kind: str) -> tuple[dict, str]:
     return config, ""
 
 
-def _likely_field(component, kind: str, keys: list[str], shapes_only: bool = False) -> str:
+def _likely_field(component, kind: str, keys: list[str], shapes_only: bool = False,
+                  counted: Container[str] = ()) -> str:
     """' (its FIELD VALUE is the likely cause)' for the first of `keys` a field of the part's config explains: the
-    fields the config gives, else the first one, left at its default. `shapes_only`: for a tensor in another shape,
-    which no field in PRESENCE_FIELDS explains."""
+    fields the config gives, else the first one, left at its default. A tensor missing or unplaced is explained only
+    by a field in PRESENCE_FIELDS, and by a layer count only where it is `counted` (_counted_layers); a tensor in
+    another shape (`shapes_only`) only by another field."""
     section, prefix = _section(component, kind)
     for key in keys:
         for pattern, all_fields in LIKELY_FIELDS.get(kind, ()):
-            fields = tuple(field for field in all_fields if not (shapes_only and field in PRESENCE_FIELDS))
+            fields = tuple(field for field in all_fields if (field in PRESENCE_FIELDS) != shapes_only
+                           and (field not in LAYER_COUNTS or key in counted))
             if fields and re.search(pattern, key):
                 given = [f"{prefix}{field} {_json(section[field])}" for field in fields
                          if section.get(field) is not None]
@@ -75,6 +85,42 @@ def _likely_field(component, kind: str, keys: list[str], shapes_only: bool = Fal
                     return f" (its {prefix}{fields[0]}, left at the default, is the likely cause)"
                 return f" (its {' or '.join(given)} is the likely cause)"
     return ""
+
+
+def _layer(key: str) -> Optional[int]:
+    match = LAYER.match(key)
+    return int(match[1]) if match else None
+
+
+def _counted_layers(lacking: set[str], unplaced: set[str], made: Iterable[str], held: Iterable[str]) -> set[str]:
+    """The tensors of `lacking` and `unplaced` a layer count explains: of layers above the last one the weights hold,
+    and of layers the config makes none of. A tensor missing from a layer the weights hold (or below one) is not the
+    count's doing, nor is one the config leaves out of a layer it makes."""
+    top = max((index for index in map(_layer, held) if index is not None), default=-1)
+    made_layers = {_layer(key) for key in made}
+    return ({key for key in lacking if (index := _layer(key)) is not None and index > top}
+            | {key for key in unplaced if _layer(key) is not None and _layer(key) not in made_layers})
+
+
+def _gaps(lacking: set[str], held: set[str]) -> bool:
+    """Every tensor of `lacking` is one the weights hold in another layer (`layers.1.x` missing, `layers.0.x` there):
+    the weights lost it, whatever the config says."""
+    kinds = {LAYER.sub("layers.N.", key) for key in held if LAYER.match(key)}
+    return all(LAYER.match(key) and LAYER.sub("layers.N.", key) in kinds for key in lacking)
+
+
+def _lacking_file(component, lacking: set[str]) -> Path:
+    """The file `lacking` is missing from: the one holding the rest of their layers, else the part's one file; the
+    part's folder where those are in several files."""
+    layers = tuple(match[0] for match in map(LAYER.match, lacking) if match)
+    near = [key for key in component.keys if key.startswith(layers)] or component.keys
+    files = {Path(_stored_in(component, key)) for key in near}
+    return files.pop() if len(files) == 1 else Path(component.path)
+
+
+def _stored_in(component, key: str) -> Path:
+    stored_as = getattr(component, "stored_as", None)
+    return stored_as(key)[0] if stored_as is not None else component.path
 
 
 def _json(value: Any) -> str:
@@ -114,7 +160,11 @@ def check_built_tensors(component, kind: str, made: Mapping[str, Shape],
             what.append(f"it makes {_listed(lacking)}, which the weights lack")
         if unplaced:
             what.append(f"the weights hold {_listed(unplaced)}, for which it makes no place")
-        likely = _likely_field(component, kind, sorted(lacking) + sorted(unplaced))
+        likely = _likely_field(component, kind, sorted(lacking) + sorted(unplaced),
+                               counted=_counted_layers(lacking, unplaced, made, keys))
+        if lacking and not unplaced and not likely and _gaps(lacking, keys):
+            raise ModelFileError(f"{_lacking_file(component, lacking)} lacks {_listed(lacking)}, which the "
+                                 f"config makes and the weights' other layers hold: {REDOWNLOAD}")
         raise ModelFileError(f"{origin} does not fit the weights: {'; '.join(what)}{likely}: {fix}")
     if component.quantized:
         return  # packed files keep their own layouts: their fill checks them

@@ -1,0 +1,136 @@
+"""A weight path's .safetensors files opened (headers only), and which of them each tensor is read from.
+
+A file is its own. A folder (a diffusers or transformers component: one file or several shards) is read as its index
+(`*.safetensors.index.json`, whose `weight_map` names each tensor's file) says, as diffusers and transformers read
+it: only the files the index names, each tensor from the file it names. A folder without an index is read whole, and
+a tensor held by two of its files is refused: which copy won would depend on the files' names (an all-zero copy
+left beside the weights would be read without a word).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from ..core.errors import ModelFileError, one_line
+from .detect import sample_keys
+from .safetensors_reader import SafetensorsFile, open_safetensors
+
+INDEX_SUFFIX = ".safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".ckpt", ".pth")
+
+
+@dataclass(frozen=True)
+class OpenWeights:
+    readers: tuple[SafetensorsFile, ...]  # every weight file opened, in reading order
+    owner: dict[str, SafetensorsFile]  # each tensor (its name as stored) -> the file it is read from
+    indexes: tuple[Path, ...]  # the index files that placed the tensors (none: a file, or a folder without one)
+
+
+def open_weights(path: Path, pick: str) -> OpenWeights:
+    """`path`'s weight files opened and each tensor's file (module docstring); `pick`: what a folder holding no
+    .safetensors file is told to give instead."""
+    if path.is_file():
+        reader = open_safetensors(path)
+        return OpenWeights((reader,), dict.fromkeys(reader.keys(), reader), ())
+    indexes = tuple(sorted(path.glob("*" + INDEX_SUFFIX)))
+    if indexes:
+        return _indexed(path, indexes)
+    readers = tuple(open_safetensors(file) for file in _weight_files(path, pick))
+    return OpenWeights(readers, _sole_owners(path, readers, {}), ())
+
+
+def _weight_files(folder: Path, pick: str) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    names = sorted(found.name for found in folder.iterdir())
+    found = ", ".join(names[:8]) or "nothing"
+    if any(name.endswith(PICKLE_SUFFIXES) for name in names):
+        raise ModelFileError(f"{folder} holds only PyTorch pickle weights ({found}), which this pack never loads: "
+                             f"use the .safetensors release")
+    raise ModelFileError(f"{folder} holds no .safetensors weights (found {found}): {pick}")
+
+
+def _indexed(folder: Path, indexes: tuple[Path, ...]) -> OpenWeights:
+    placed = _weight_map(folder, indexes)
+    shards = {name: index for name, index in placed.values()}  # each file named -> an index naming it
+    readers = {name: open_safetensors(_shard(folder, index, name)) for name, index in sorted(shards.items())}
+    owner = _sole_owners(folder, tuple(readers.values()), placed)  # tensors the index leaves out
+    for key, (name, index) in placed.items():
+        if key not in readers[name]:
+            raise ModelFileError(f"{_shown(folder, index)} places {key} in {name}, which does not hold it: the "
+                                 f"folder is incomplete or mixed: download it again")
+        owner[key] = readers[name]
+    return OpenWeights(tuple(readers.values()), owner, indexes)
+
+
+def _weight_map(folder: Path, indexes: tuple[Path, ...]) -> dict[str, tuple[str, Path]]:
+    """Each tensor -> (its file's name, the index naming it), every index merged; two indexes placing one tensor in
+    two files are refused."""
+    placed: dict[str, tuple[str, Path]] = {}
+    for index in indexes:
+        for key, name in _read_weight_map(folder, index).items():
+            other, _ = placed.setdefault(key, (name, index))
+            if other != name:
+                raise ModelFileError(f"{folder.name}/ holds two indexes that place {key} in two files ({other}, "
+                                     f"{name}): keep the one index the folder was downloaded with")
+    if not placed:
+        raise ModelFileError(f"{_shown(folder, indexes[0])} names no weight file: download the folder again")
+    return placed
+
+
+def _read_weight_map(folder: Path, index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+            raise ValueError("its weight_map is not an object of file names")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        raise ModelFileError(f"{_shown(folder, index)} is not a readable safetensors index ({one_line(error)}): "
+                             f"download it again") from None
+    return weight_map
+
+
+def _shard(folder: Path, index: Path, name: str) -> Path:
+    """The file an index names: a file in the folder itself, never a path out of it."""
+    if Path(name).name != name or not (folder / name).is_file():
+        raise ModelFileError(f"{_shown(folder, index)} names {name!r}, which is not a file in {folder.name}/: the "
+                             f"download is incomplete: download the folder again")
+    return folder / name
+
+
+def _sole_owners(folder: Path, readers: tuple[SafetensorsFile, ...], placed: Mapping[str, object]
+                 ) -> dict[str, SafetensorsFile]:
+    """Each tensor `placed` leaves out -> the one file holding it; a tensor two files hold is refused (no weight has
+    been read yet)."""
+    owner: dict[str, SafetensorsFile] = {}
+    twice: dict[str, tuple[SafetensorsFile, SafetensorsFile]] = {}
+    for reader in readers:
+        for key in reader.keys():
+            if key in placed:
+                continue
+            if key in owner:
+                twice.setdefault(key, (owner[key], reader))
+            owner.setdefault(key, reader)
+    if twice:
+        raise _held_twice(folder, twice, bool(placed))
+    return owner
+
+
+def _held_twice(folder: Path, twice: dict[str, tuple[SafetensorsFile, SafetensorsFile]], indexed: bool
+                ) -> ModelFileError:
+    key = sample_keys(twice, 1)
+    first, second = (reader.path.name for reader in twice[key])
+    more = f" (and {len(twice) - 1} more tensors)" if len(twice) > 1 else ""
+    if indexed:
+        unsettled, fix = "its index does not place it", "remove the stray file, or download the folder's index again"
+    else:
+        unsettled = f"no *{INDEX_SUFFIX} says which to read"
+        fix = "remove the stray file, or, for a sharded folder, download its index again"
+    return ModelFileError(f"{folder.name}/ holds {key}{more} in two files, {first} and {second}, and {unsettled}: "
+                          f"{fix}")
+
+
+def _shown(folder: Path, index: Path) -> str:
+    return f"{folder.name}/{index.name}"

@@ -1,0 +1,258 @@
+"""A model part's folder (a diffusers folder's transformer/, text_encoder/, vae/) is read as its index places its
+tensors, else each tensor from the one file that holds it.
+
+A tensor held by two files of a folder without an index (an all-zero copy left beside the weights, whatever its name
+sorts as) is refused by generate, quantize, the library and the ComfyUI Loader in one line naming the tensor, both
+files and the fix, before any weight is read. Where the folder has an index (`*.safetensors.index.json`), the index
+decides: each tensor is read from the file it names, and a file it does not name is not read. An index that names
+a file not there, places a tensor in a file not holding it, or cannot be read is refused in one line.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from comfy_folders import fake_folder_paths
+from ernie_image.nodes.loader import ErnieImageLoader
+from ernie_image.runtime.cli.commands import main
+from ernie_image.runtime.core.errors import ModelFileError
+from ernie_image.runtime.formats import open_component
+from ernie_image.runtime.formats.safetensors_reader import SafetensorsFile
+from ernie_image.runtime.formats.sources import ModelSources
+from ernie_image.runtime.local.options import LoadOptions
+from ernie_image.runtime.local.pipe import LocalPipe
+
+WEIGHTS = {"transformer": "diffusion_pytorch_model.safetensors", "text_encoder": "model.safetensors",
+           "vae": "diffusion_pytorch_model.safetensors"}
+INDEX = {"transformer": "diffusion_pytorch_model.safetensors.index.json",
+         "text_encoder": "model.safetensors.index.json", "vae": "diffusion_pytorch_model.safetensors.index.json"}
+NO_INDEX = "no *.safetensors.index.json says which to read: remove the stray file, or, for a sharded folder, " \
+           "download its index again"
+
+
+@pytest.fixture
+def model(tmp_path, tiny_turbo_folder) -> Path:
+    """A copy of the tiny Turbo diffusers folder where ComfyUI's Loader finds it (models/diffusers/)."""
+    return Path(shutil.copytree(tiny_turbo_folder, tmp_path / "models" / "diffusers" / "ERNIE-Image-Turbo"))
+
+
+@pytest.fixture
+def weights_read(monkeypatch) -> list[str]:
+    """Every tensor read from a mapped weight file."""
+    read: list[str] = []
+    tensor = SafetensorsFile.tensor
+
+    def recorded(self, key):
+        read.append(key)
+        return tensor(self, key)
+
+    monkeypatch.setattr(SafetensorsFile, "tensor", recorded)
+    return read
+
+
+def _stored(part_folder: Path, name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(part_folder / name))
+
+
+def _zero_copy(part_folder: Path, name: str, keys: Callable[[list[str]], list[str]] = lambda keys: keys) -> None:
+    """`name` beside the part's weights: an all-zero copy of the tensors `keys` picks, under their stored names."""
+    tensors = _stored(part_folder, WEIGHTS[part_folder.name])
+    save_file({key: torch.zeros_like(tensors[key]) for key in keys(sorted(tensors))}, str(part_folder / name))
+
+
+def _index(part_folder: Path, placed: dict[str, str]) -> None:
+    (part_folder / INDEX[part_folder.name]).write_text(json.dumps({"metadata": {}, "weight_map": placed}))
+
+
+def _placed_in(part_folder: Path, name: str) -> dict[str, str]:
+    with safe_open(str(part_folder / name), "pt") as handle:
+        return dict.fromkeys(handle.keys(), name)
+
+
+def _generate(model: Path, out: Path, *more: str) -> list[str]:
+    return ["generate", "--model-dir", str(model), "--prompt", "a fox", "--width", "256", "--height", "256",
+            "--steps", "1", "--seed", "3", "--device", "cpu", "--out", str(out), *more]
+
+
+def _refused(capsys, argv: list[str]) -> str:
+    """The CLI's one line for a refusal: exit code 2, nothing else on stderr."""
+    assert main(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0].removeprefix("error: ")
+
+
+def _pixels(path: Path) -> bytes:
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.tobytes()
+
+
+# ------------------------------------------------------------------------------ a tensor two files of a folder hold
+@pytest.mark.parametrize("stray", ["zzz.safetensors", "aaa.safetensors"], ids=["sorting after", "sorting before"])
+@pytest.mark.parametrize("part", list(WEIGHTS))
+def test_an_all_zero_copy_beside_a_parts_weights_is_refused_before_any_weight_is_read(
+        capsys, tmp_path, model, weights_read, dit_steps, part, stray):
+    _zero_copy(model / part, stray)
+    first, second = sorted([WEIGHTS[part], stray])
+    line = _refused(capsys, _generate(model, tmp_path / "x.png"))
+    assert line.startswith(f"{part}/ holds ") and f" more tensors) in two files, {first} and {second}, and " \
+                                                 f"{NO_INDEX}" in line, line
+    assert str(tmp_path) not in line  # the folder by its name, as the files are
+    assert weights_read == [] and dit_steps == [] and not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("part", list(WEIGHTS))
+def test_one_tensor_two_files_hold_is_named_with_both_files_by_every_front_end(
+        capsys, tmp_path, model, weights_read, monkeypatch, part):
+    key = sorted(_stored(model / part, WEIGHTS[part]))[-1]  # as the file names it
+    _zero_copy(model / part, "zzz.safetensors", lambda keys: [key])
+    says = f"{part}/ holds {key} in two files, {WEIGHTS[part]} and zzz.safetensors, and {NO_INDEX}"
+    assert _refused(capsys, _generate(model, tmp_path / "x.png")) == says
+    with pytest.raises(ModelFileError) as library:
+        LocalPipe.load(ModelSources(model_dir=model), LoadOptions(device="cpu"))
+    monkeypatch.setitem(sys.modules, "folder_paths", fake_folder_paths(model.parent.parent))
+    with pytest.raises(ModelFileError) as loader:
+        ErnieImageLoader().load(diffusers_folder=model.name, diffusion_model="(none)", text_encoder="(none)",
+                                vae="(none)", prompt_enhancer="(none)", variant="auto", vram_budget_gb=0.0,
+                                keep_loaded=False)
+    assert str(library.value) == str(loader.value) == says
+    assert weights_read == []
+
+
+def test_quantize_refuses_a_transformer_folder_holding_a_tensor_twice_before_writing(capsys, tmp_path, model):
+    _zero_copy(model / "transformer", "zzz.safetensors")
+    out = tmp_path / "quantized" / "ernie-image-turbo-fp8.safetensors"
+    out.parent.mkdir()
+    line = _refused(capsys, ["quantize", "--dit", str(model / "transformer"), "--format", "fp8", "--out", str(out)])
+    assert line.startswith("transformer/ holds ") and line.endswith(
+        f"in two files, diffusion_pytorch_model.safetensors and zzz.safetensors, and {NO_INDEX}"), line
+    assert list(out.parent.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------- shards, with and without
+def _sharded(part_folder: Path, twice: tuple[str, ...] = ()) -> dict[str, str]:
+    """The part's weights split into two shards (the tensors `twice` in both, the second's copy zeros); where each
+    tensor's first copy is."""
+    tensors = _stored(part_folder, WEIGHTS[part_folder.name])
+    (part_folder / WEIGHTS[part_folder.name]).unlink()
+    keys = sorted(tensors)
+    names = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    save_file({key: tensors[key] for key in keys[::2]}, str(part_folder / names[0]))
+    save_file({key: tensors[key] if key not in twice else torch.zeros_like(tensors[key])
+               for key in (*keys[1::2], *twice)}, str(part_folder / names[1]))
+    return {key: names[index % 2] for index, key in enumerate(keys)}
+
+
+@pytest.fixture
+def picture(tmp_path, tiny_turbo_folder) -> bytes:
+    """The tiny model's picture, as its released files make it."""
+    out = tmp_path / "released.png"
+    assert main(_generate(tiny_turbo_folder, out)) == 0
+    return _pixels(out)
+
+
+KINDS = {"transformer": "dit", "text_encoder": "text_encoder", "vae": "vae"}
+
+
+def _read_as_released(model: Path, released: Path, part: str) -> bool:
+    """Every tensor of the part, as read from `model`, is the released file's (shards' tensors sit elsewhere in their
+    files, so a picture may differ in its last bit: the CPU's matrix kernels follow the data's alignment)."""
+    read, expected = (open_component(folder / part, KINDS[part]) for folder in (model, released))
+    return read.keys == expected.keys and all(torch.equal(read.tensor(key), expected.tensor(key))
+                                              for key in expected.keys)
+
+
+@pytest.mark.parametrize("part", ["transformer", "text_encoder"])
+def test_shards_without_an_index_load_each_tensor_from_the_one_shard_holding_it(tmp_path, model, tiny_turbo_folder,
+                                                                                 part):
+    _sharded(model / part)
+    assert main(_generate(model, tmp_path / "x.png")) == 0
+    assert _read_as_released(model, tiny_turbo_folder, part)
+
+
+@pytest.mark.parametrize("part", ["transformer", "text_encoder"])
+def test_an_index_decides_which_shard_a_tensor_two_shards_hold_is_read_from(tmp_path, model, tiny_turbo_folder, part):
+    folder = model / part
+    first = sorted(_stored(folder, WEIGHTS[part]))[0]  # in the first shard, and as zeros in the second
+    _index(folder, _sharded(folder, twice=(first,)))
+    assert main(_generate(model, tmp_path / "x.png")) == 0
+    assert _read_as_released(model, tiny_turbo_folder, part)
+
+
+@pytest.mark.parametrize("stray", [lambda folder: _zero_copy(folder, "zzz.safetensors"),
+                                   lambda folder: (folder / "zzz.safetensors").write_bytes(b"not weights")],
+                         ids=["an all-zero copy", "not a weight file at all"])
+def test_a_file_the_index_does_not_name_is_not_read(tmp_path, model, picture, stray):
+    folder = model / "transformer"
+    _index(folder, _placed_in(folder, WEIGHTS["transformer"]))
+    stray(folder)
+    assert main(_generate(model, tmp_path / "x.png")) == 0
+    assert _pixels(tmp_path / "x.png") == picture
+
+
+def test_quantize_reads_each_tensor_from_the_file_the_index_names(tmp_path, model):
+    folder = model / "transformer"
+    written = []
+    for name, stray in (("released", False), ("with a stray copy", True)):
+        if stray:
+            _index(folder, _placed_in(folder, WEIGHTS["transformer"]))
+            _zero_copy(folder, "zzz.safetensors")
+        out = tmp_path / name / "ernie-image-turbo-fp8.safetensors"
+        out.parent.mkdir()
+        assert main(["quantize", "--dit", str(folder), "--format", "fp8", "--out", str(out)]) == 0
+        written.append(load_file(str(out)))
+    assert written[0].keys() == written[1].keys()
+    assert all(torch.equal(written[0][key], written[1][key]) for key in written[0])
+
+
+def _missing_shard(folder: Path) -> str:
+    placed = _placed_in(folder, WEIGHTS[folder.name])
+    _index(folder, {**placed, "extra.weight": "model-00002-of-00002.safetensors"})
+    return (f"{folder.name}/{INDEX[folder.name]} names 'model-00002-of-00002.safetensors', which is not a file in "
+            f"{folder.name}/: the download is incomplete: download the folder again")
+
+
+def _misplaced(folder: Path) -> str:
+    placed = _placed_in(folder, WEIGHTS[folder.name])
+    key = sorted(placed)[0]
+    _zero_copy(folder, "other.safetensors", lambda keys: keys[1:2])
+    _index(folder, {**placed, key: "other.safetensors"})
+    return (f"{folder.name}/{INDEX[folder.name]} places {key} in other.safetensors, which does not hold it: the folder "
+            f"is incomplete or mixed: download it again")
+
+
+def _unreadable(folder: Path) -> str:
+    (folder / INDEX[folder.name]).write_text('{"weight_map": ')
+    return f"{folder.name}/{INDEX[folder.name]} is not a readable safetensors index ("
+
+
+def _left_out_twice(folder: Path) -> str:
+    key = sorted(_stored(folder, WEIGHTS[folder.name]))[0]
+    placed = _sharded(folder, twice=(key,))
+    del placed[key]
+    _index(folder, placed)
+    return (f"{folder.name}/ holds {key} in two files, model-00001-of-00002.safetensors and "
+            f"model-00002-of-00002.safetensors, and its index does not place it: remove the stray file, or download "
+            f"the folder's index again")
+
+
+@pytest.mark.parametrize("fault", [_missing_shard, _misplaced, _unreadable, _left_out_twice],
+                         ids=["naming a file not there", "placing a tensor in a file not holding it", "unreadable",
+                              "leaving out a tensor two shards hold"])
+@pytest.mark.parametrize("part", ["transformer", "vae"])
+def test_an_index_that_does_not_place_the_tensors_is_refused_in_one_line(capsys, tmp_path, model, weights_read, part,
+                                                                         fault):
+    says = fault(model / part)
+    line = _refused(capsys, _generate(model, tmp_path / "x.png"))
+    assert line.startswith(says), line
+    assert weights_read == [] and not (tmp_path / "x.png").exists()
