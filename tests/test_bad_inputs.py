@@ -64,13 +64,21 @@ def test_file_shorter_than_a_header(tmp_path):
     assert "tiny.safetensors is truncated inside its safetensors header (2 bytes)" in _error(tiny, "vae")
 
 
-@pytest.mark.parametrize("text", [b"hello\n", b"version https://git-lfs"[:7]])
-def test_a_short_file_whose_first_bytes_are_no_header_length_is_not_called_cut(tmp_path, text):
-    """A length cut short still reads as a small number; text (a note, a pointer stub) does not."""
+@pytest.mark.parametrize("text", [b"hello\n", b"version https://git-lfs"[:7], (1 << 62).to_bytes(8, "little") + b"x"])
+def test_a_file_whose_first_bytes_are_no_header_length_is_not_called_cut(tmp_path, text):
+    """A length cut short still reads as a small number; text (a note, a pointer stub) or a length no header has
+    does not. The fix is the file's, not "pick the .safetensors file itself": it is one, by its name."""
     note = tmp_path / "note.safetensors"
     note.write_bytes(text)
-    assert "note.safetensors is not a safetensors file (its first bytes are not a safetensors header)" in _error(
-        note, "vae")
+    message = _error(note, "vae")
+    assert "note.safetensors is not a safetensors file (its first bytes are not a safetensors header)" in message
+    assert message.endswith("download it again"), message
+
+
+@pytest.mark.parametrize("kind", ["dit", "text_encoder", "vae"])
+def test_a_file_holding_no_tensors_says_so(tmp_path, kind):
+    message = _error(_write(tmp_path / "empty.safetensors", {}), kind)
+    assert message.startswith("empty.safetensors is not an ") and ": it holds no tensors at all: " in message, message
 
 
 def test_corrupt_header(comfy, tmp_path):

@@ -788,3 +788,11 @@ def test_the_name_a_refusal_suggests_for_a_dash_is_one_the_parser_takes(run, com
     line = assert_refused(run(command, *needed, "--out", "-"), "--out - is not a", f"give e.g. --out=-{suffix}")
     suggested = line.rsplit("give e.g. ", 1)[1]
     assert str(getattr(_parser(command).parse_args([*needed, suggested]), "out")) == f"-{suffix}"
+
+
+@pytest.mark.parametrize("argv", [("generate",), ("quantize", "--dit", "missing", "--format", "fp8")])
+def test_an_output_name_ending_in_a_slash_is_no_file_name(run, argv, tmp_path):
+    """Path() drops a trailing '/': `--out shot.png/` would write the file `shot.png`."""
+    out = f"{tmp_path}/shot{'.png' if argv[0] == 'generate' else '.safetensors'}/"
+    assert_refused(run(*argv, "--out", out), f"--out {out} ends in '/', as a folder's name does, and is no folder",
+                   "without the '/'")

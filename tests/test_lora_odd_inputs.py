@@ -148,7 +148,8 @@ def test_a_text_file_given_as_a_lora_is_named_as_a_lora(tmp_path):
     path = tmp_path / "notes.safetensors"
     path.write_text("just some notes")
     with pytest.raises(ModelFileError, match=r"^LoRA notes.safetensors is not a safetensors file \(its first bytes "
-                                             r"are not a safetensors header\): pick the \.safetensors file itself$"):
+                                             r"are not a safetensors header\): it is damaged, or another kind of file "
+                                             r"under that name: download it again$"):
         check_lora_file(path)
 
 

@@ -120,6 +120,9 @@ class OutputPath(Option):
     def read(self, text: str) -> Path:
         if not text.strip():
             raise InvalidInputError(f"{self.flag} is empty: give {self.what}")
+        if text.endswith("/") and not os.path.isdir(text):  # Path() drops the '/': a file would take the name
+            raise InvalidInputError(f"{self.flag} {text} ends in '/', as a folder's name does, and is no folder: "
+                                    f"give {self.what} without the '/'")
         if holds_control_character(text):
             # The command prints the paths it wrote, one a line: a name holding a line break would read as two.
             raise InvalidInputError(f"{self.flag} {text!r} holds a control character (a line break, a tab, an "

@@ -154,6 +154,8 @@ def _check_kind(identity: Identity, kind: str, path: Path, shapes: dict) -> None
     if identity.kind == wanted:
         _check_text_role(identity, kind, path, shapes)
         return
+    if not shapes:
+        raise ModelFileError(f"{path.name} is not an {LABELS[kind]}: it holds no tensors at all: {WHAT_TO_PICK[kind]}")
     found = f"found keys like {sample_keys(shapes)}"
     if identity.kind is not None:
         details = "" if identity.kind == "dit" else identity.description + "; "

@@ -175,7 +175,7 @@ def _header_object(handle, path: Path, size: int, start: bytes) -> tuple[dict, i
     header_len = int.from_bytes(start.ljust(8, b"\0"), "little")  # a cut-short length: its bytes so far
     if header_len > MAX_HEADER_BYTES:
         raise ModelFileError(f"{_named(path)} is not a safetensors file (its first bytes are not a safetensors "
-                             f"header): pick the .safetensors file itself")
+                             f"header): it is damaged, or another kind of file under that name: download it again")
     if len(start) < 8:
         raise ModelFileError(cut_in_header(_named(path), "safetensors", size))
     if 8 + header_len > size:
