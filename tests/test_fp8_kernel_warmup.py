@@ -121,7 +121,7 @@ class TestEachFormCompiledAheadIsTheFormALaunchOfAnyTokenCountUses:
         assert _recorded(lambda kernels: fp8_rows.compile_ahead(kernels, HIDDEN, addresses)) == launched
 
 
-def test_the_address_forms_are_compiled_ahead_only_where_captures_launch_them() -> None:
+def test_the_address_forms_double_the_forms_compiled_ahead() -> None:
     assert len(fp8_kernel_warmup.kernel_forms(HIDDEN, FFN, addresses=False)) == 4
     assert len(fp8_kernel_warmup.kernel_forms(HIDDEN, FFN, addresses=True)) == 8
 

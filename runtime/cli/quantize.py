@@ -89,13 +89,6 @@ def source_variant(source: Path, asked: str | None, component: ComponentFile | N
     return choice
 
 
-def refuse_unfit_source(component: ComponentFile, variant: VariantChoice) -> None:
-    """The source's tensors held against its config (its names and shapes only) as `generate` holds a bf16 DiT at
-    load (model/builders.check_config_builds), in the same words: a tensor missing, in another shape or with no place
-    in the model is refused here, before anything is written, not in the quantised file when generate loads it."""
-    check_config_builds(component, "dit", variant.variant)
-
-
 def read_bf16_dit(source: str | Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
     """A diffusers transformer folder or single bf16 DiT file -> {diffusers key: tensor}. `files`: its
     bf16_dit_files, when the caller has them already."""
@@ -178,7 +171,7 @@ def main_quantize(argv: list[str] | None = None) -> int:
         files = bf16_dit_files(args.dit)
         component = open_component(args.dit, "dit")  # headers only: no weight is read until the checks pass
         variant = source_variant(args.dit, args.variant, component)
-        refuse_unfit_source(component, variant)
+        check_config_builds(component, "dit", variant.variant)  # generate's load-time refusal, before any write
         for notice in (override_notice(variant), name_notice(variant)):  # what the written file records, told
             if notice:
                 print(cli_words(notice, notice.settings), file=sys.stderr)
