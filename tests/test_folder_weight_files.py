@@ -200,13 +200,17 @@ def test_a_file_the_index_does_not_name_is_not_read(tmp_path, model, picture, st
     assert _pixels(tmp_path / "x.png") == picture
 
 
-def test_quantize_reads_each_tensor_from_the_file_the_index_names(tmp_path, model):
+@pytest.mark.parametrize("stray", [lambda folder: _zero_copy(folder, "zzz.safetensors"),
+                                   lambda folder: (folder / "junk.safetensors").write_text("hello")],
+                         ids=["a zero copy", "no weights at all"])
+def test_quantize_reads_each_tensor_from_the_file_the_index_names(tmp_path, model, stray):
+    """As generate does: a file the index does not name is neither read nor judged."""
     folder = model / "transformer"
     written = []
-    for name, stray in (("released", False), ("with a stray copy", True)):
-        if stray:
+    for name, strayed in (("released", False), ("with a stray file", True)):
+        if strayed:
             _index(folder, _placed_in(folder, WEIGHTS["transformer"]))
-            _zero_copy(folder, "zzz.safetensors")
+            stray(folder)
         out = tmp_path / name / "ernie-image-turbo-fp8.safetensors"
         out.parent.mkdir()
         assert main(["quantize", "--dit", str(folder), "--format", "fp8", "--out", str(out)]) == 0

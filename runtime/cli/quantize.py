@@ -37,12 +37,8 @@ from .parser import OneLineParser, OutputPath, PathOption
 
 
 def _source_files(source: Path) -> list[Path]:
-    if source.is_dir():
-        files = sorted(source.glob("*.safetensors"))
-        if not files:
-            raise ModelFileError(f"{source} holds no .safetensors files: point --dit at the transformer folder "
-                                 f"or a single diffusion-model file")
-        return files
+    if source.is_dir():  # the files generate reads: the ones its index names, or every one where it has none
+        return [reader.path for reader in open_weights(source, WHAT_TO_PICK["dit"]).readers]
     if not source.is_file():
         raise ModelFileError(f"--dit {source} does not exist: check the path")
     if is_gguf(source):
