@@ -189,9 +189,16 @@ def test_an_index_decides_which_shard_a_tensor_two_shards_hold_is_read_from(tmp_
     assert _read_as_released(model, tiny_turbo_folder, part)
 
 
+def _lora_beside(folder: Path) -> None:
+    """A LoRA file left in the folder: tensors of other names, none of this model's."""
+    key = next(key for key in sorted(_stored(folder, WEIGHTS[folder.name])) if key.endswith("linear_fc2.weight"))
+    save_file({key.replace(".weight", ".lora_A.weight"): torch.ones(2, 8)}, str(folder / "my_lora.safetensors"))
+
+
 @pytest.mark.parametrize("stray", [lambda folder: _zero_copy(folder, "zzz.safetensors"),
-                                   lambda folder: (folder / "zzz.safetensors").write_bytes(b"not weights")],
-                         ids=["an all-zero copy", "not a weight file at all"])
+                                   lambda folder: (folder / "zzz.safetensors").write_bytes(b"not weights"),
+                                   _lora_beside],
+                         ids=["an all-zero copy", "not a weight file at all", "a LoRA"])
 def test_a_file_the_index_does_not_name_is_not_read(tmp_path, model, picture, stray):
     folder = model / "transformer"
     _index(folder, _placed_in(folder, WEIGHTS["transformer"]))
@@ -235,9 +242,42 @@ def _misplaced(folder: Path) -> str:
             f"is incomplete or mixed: download it again")
 
 
-def _unreadable(folder: Path) -> str:
+def _not_json(folder: Path) -> str:
     (folder / INDEX[folder.name]).write_text('{"weight_map": ')
-    return f"{folder.name}/{INDEX[folder.name]} is not a readable safetensors index ("
+    return f"{folder.name}/{INDEX[folder.name]} is not a safetensors index (not UTF-8 JSON): download it again"
+
+
+def _no_weight_map(folder: Path) -> str:
+    (folder / INDEX[folder.name]).write_text("[1, 2]")
+    return f"{folder.name}/{INDEX[folder.name]} is not a safetensors index (it holds no weight_map): download it again"
+
+
+def _weight_map_a_list(folder: Path) -> str:
+    placed = _placed_in(folder, WEIGHTS[folder.name])
+    (folder / INDEX[folder.name]).write_text(json.dumps({"weight_map": [list(item) for item in placed.items()]}))
+    return (f"{folder.name}/{INDEX[folder.name]} is not a safetensors index (it has a weight_map that is not an object "
+            f"of file names): download it again")
+
+
+def _path_out_of_the_folder(folder: Path) -> str:
+    placed = _placed_in(folder, WEIGHTS[folder.name])
+    shutil.copy(folder / WEIGHTS[folder.name], folder.parent / "elsewhere.safetensors")
+    _index(folder, {**placed, sorted(placed)[0]: "../elsewhere.safetensors"})
+    return (f"{folder.name}/{INDEX[folder.name]} names '../elsewhere.safetensors', a path where an index names a file "
+            f"beside it in {folder.name}/: download the folder's index again")
+
+
+def _naming_itself(folder: Path) -> str:
+    placed = _placed_in(folder, WEIGHTS[folder.name])
+    _index(folder, {**placed, sorted(placed)[0]: INDEX[folder.name]})
+    return (f"{folder.name}/{INDEX[folder.name]} names '{INDEX[folder.name]}' as a weight file, which is no "
+            f".safetensors file: download the folder's index again")
+
+
+def _shard_left_out(folder: Path) -> str:
+    placed = _sharded(folder)
+    _index(folder, {key: name for key, name in placed.items() if name == "model-00001-of-00002.safetensors"})
+    return (f"{folder.name}/{INDEX[folder.name]} leaves out model-00002-of-00002.safetensors, which holds ")
 
 
 def _left_out_twice(folder: Path) -> str:
@@ -250,13 +290,16 @@ def _left_out_twice(folder: Path) -> str:
             f"the folder's index again")
 
 
-@pytest.mark.parametrize("fault", [_missing_shard, _misplaced, _unreadable, _left_out_twice],
-                         ids=["naming a file not there", "placing a tensor in a file not holding it", "unreadable",
-                              "leaving out a tensor two shards hold"])
+@pytest.mark.parametrize("fault", [_missing_shard, _misplaced, _not_json, _no_weight_map, _weight_map_a_list,
+                                   _path_out_of_the_folder, _naming_itself, _shard_left_out, _left_out_twice],
+                         ids=["naming a file not there", "placing a tensor in a file not holding it", "not JSON",
+                              "no weight_map", "a weight_map that is a list", "naming a path out of the folder",
+                              "naming itself", "leaving out a shard", "leaving out a tensor two shards hold"])
 @pytest.mark.parametrize("part", ["transformer", "vae"])
 def test_an_index_that_does_not_place_the_tensors_is_refused_in_one_line(capsys, tmp_path, model, weights_read, part,
                                                                          fault):
     says = fault(model / part)
     line = _refused(capsys, _generate(model, tmp_path / "x.png"))
     assert line.startswith(says), line
+    assert "Error" not in line  # the cause in words, not an exception's name
     assert weights_read == [] and not (tmp_path / "x.png").exists()

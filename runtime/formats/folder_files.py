@@ -2,18 +2,21 @@
 
 A file is its own. A folder (a diffusers or transformers component: one file or several shards) is read as its index
 (`*.safetensors.index.json`, whose `weight_map` names each tensor's file) says, as diffusers and transformers read
-it: only the files the index names, each tensor from the file it names. A folder without an index is read whole, and
+it: only the files the index names, each tensor from the file it names (a file it leaves out that holds more of the
+model's tensors is refused: the index is out of date with its shards). A folder without an index is read whole, and
 a tensor held by two of its files is refused: which copy won would depend on the files' names (an all-zero copy
 left beside the weights would be read without a word).
 """
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from ..core.errors import ModelFileError, one_line
+from ..core.errors import ModelFileError
+from ..core.phrases import counted
 from .detect import sample_keys
 from .safetensors_reader import SafetensorsFile, open_safetensors
 
@@ -63,7 +66,37 @@ def _indexed(folder: Path, indexes: tuple[Path, ...]) -> OpenWeights:
             raise ModelFileError(f"{_shown(folder, index)} places {key} in {name}, which does not hold it: the "
                                  f"folder is incomplete or mixed: download it again")
         owner[key] = readers[name]
+    _refuse_files_left_out(folder, indexes, set(readers), owner)
     return OpenWeights(tuple(readers.values()), owner, indexes)
+
+
+def _refuse_files_left_out(folder: Path, indexes: tuple[Path, ...], named: set[str],
+                           owner: Mapping[str, SafetensorsFile]) -> None:
+    """A .safetensors file beside the index that it does not name is not read, as diffusers does not read it; one
+    holding more of this model's tensors (in the groups the named files' tensors are in: another layer's, another
+    decoder block's), which no named file holds, is an index out of date with its shards, refused here rather than
+    blamed later on the config or the layout. A stray file of anything else (a LoRA, an old single-file copy, a file
+    that is not safetensors) stays unread."""
+    groups = {_group(key) for key in owner}
+    for file in sorted(folder.glob("*.safetensors")):
+        if file.name in named:
+            continue
+        try:
+            keys = open_safetensors(file).keys()
+        except ModelFileError:
+            continue
+        missing = {key: None for key in keys
+                   if key not in owner and _group(key) in groups and "lora" not in key.lower()}
+        if missing:
+            index = _shown(folder, indexes[0]) if len(indexes) == 1 else f"{folder.name}/'s indexes"
+            raise ModelFileError(f"{index} leaves out {file.name}, which holds {counted(len(missing), 'more tensor')} "
+                                 f"of this model ({sample_keys(missing, 2)}): download the folder's index again")
+
+
+def _group(key: str) -> str:
+    """The first two parts of a tensor's name, numbers masked: layers.7.mlp.w and layers.9.attn.w are one group,
+    as are decoder.up_blocks.0.conv.w and decoder.up_blocks.2.norm.w."""
+    return ".".join("#" if part.isdigit() else part for part in key.split(".")[:2])
 
 
 def _weight_map(folder: Path, indexes: tuple[Path, ...]) -> dict[str, tuple[str, Path]]:
@@ -82,19 +115,32 @@ def _weight_map(folder: Path, indexes: tuple[Path, ...]) -> dict[str, tuple[str,
 
 
 def _read_weight_map(folder: Path, index: Path) -> dict[str, str]:
+    shown = _shown(folder, index)
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
-            raise ValueError("its weight_map is not an object of file names")
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
-        raise ModelFileError(f"{_shown(folder, index)} is not a readable safetensors index ({one_line(error)}): "
-                             f"download it again") from None
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except PermissionError:
+        raise ModelFileError(f"{shown} cannot be read (permission denied): fix the file's permissions") from None
+    except OSError as error:
+        raise ModelFileError(f"{shown} cannot be read ({os.strerror(error.errno) if error.errno else error}): check "
+                             f"the disk and the path") from None
+    except (UnicodeDecodeError, ValueError):
+        raise ModelFileError(f"{shown} is not a safetensors index (not UTF-8 JSON): download it again") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+        held = "holds no weight_map" if weight_map is None else "has a weight_map that is not an object of file names"
+        raise ModelFileError(f"{shown} is not a safetensors index (it {held}): download it again")
     return weight_map
 
 
 def _shard(folder: Path, index: Path, name: str) -> Path:
-    """The file an index names: a file in the folder itself, never a path out of it."""
-    if Path(name).name != name or not (folder / name).is_file():
+    """The file an index names: a .safetensors file in the folder itself, never a path out of it."""
+    if Path(name).name != name or name in (".", ".."):
+        raise ModelFileError(f"{_shown(folder, index)} names {name!r}, a path where an index names a file beside it in "
+                             f"{folder.name}/: download the folder's index again")
+    if not name.endswith(".safetensors"):
+        raise ModelFileError(f"{_shown(folder, index)} names {name!r} as a weight file, which is no .safetensors "
+                             f"file: download the folder's index again")
+    if not (folder / name).is_file():
         raise ModelFileError(f"{_shown(folder, index)} names {name!r}, which is not a file in {folder.name}/: the "
                              f"download is incomplete: download the folder again")
     return folder / name
