@@ -847,9 +847,10 @@ def test_an_empty_out_says_it_is_empty(capsys, tmp_path, empty_cache, value):
 
 
 @pytest.mark.parametrize("dit", ["the folder", "its weights file"])
-@pytest.mark.parametrize("out, named", [("fp8.safetensors", "fp8.safetensors"), ("", "transformer")],
+@pytest.mark.parametrize("out, place", [("fp8.safetensors", "is inside the --dit folder {folder}"),
+                                        ("", "is the --dit folder")],
                          ids=["a new file there", "the folder itself"])
-def test_quantize_refuses_an_out_inside_the_model_folder_dit_loads_from(capsys, tmp_path, bf16_dit, dit, out, named):
+def test_quantize_refuses_an_out_inside_the_model_folder_dit_loads_from(capsys, tmp_path, bf16_dit, dit, out, place):
     """Whether --dit names a diffusers transformer folder or the weights file in it (beside its config.json), a
     quantised file written there would make the folder two models; a folder given as --out is refused as that, not
     sent to a file name inside it."""
@@ -859,8 +860,8 @@ def test_quantize_refuses_an_out_inside_the_model_folder_dit_loads_from(capsys, 
     shutil.copytree(bf16_dit, folder)
     source = folder if dit == "the folder" else folder / "diffusion_pytorch_model.safetensors"
     line = _cli(capsys, "quantize", "--dit", str(source), "--format", "fp8", "--out", str(folder / out))
-    assert line == (f"error: --out {named} is inside the --dit folder transformer: a quantised file there "
-                    "would stop the folder loading as the bf16 model; write it elsewhere")
+    assert line == (f"error: --out {folder / out} {place.format(folder=folder)}: a quantised file there would stop the "
+                    "folder loading as the bf16 model; write it elsewhere")
     assert _files(folder) == ["config.json", "diffusion_pytorch_model.safetensors"]
 
 
@@ -886,8 +887,8 @@ def test_quantize_refuses_an_out_inside_the_dit_folder_reached_through_a_link_to
     (tmp_path / "linked").symlink_to(folder)
     line = _cli(capsys, "quantize", "--dit", str(folder), "--format", "fp8",
                 "--out", str(tmp_path / "linked" / "fp8.safetensors"))
-    assert line == ("error: --out fp8.safetensors is inside the --dit folder transformer: a quantised file there "
-                    "would stop the folder loading as the bf16 model; write it elsewhere")
+    assert line == (f"error: --out {tmp_path / 'linked' / 'fp8.safetensors'} is inside the --dit folder {folder}: a "
+                    "quantised file there would stop the folder loading as the bf16 model; write it elsewhere")
     assert _files(folder) == ["config.json", "diffusion_pytorch_model.safetensors"]
 
 

@@ -136,9 +136,11 @@ def refuse_output_in_model_folder(out: Path, dit: Path) -> None:
     writer puts the file: a link to a folder is followed, a link at the name itself is replaced."""
     folder = model_folder(dit)
     where = out if os.path.isdir(out) else out.parent
-    if folder is not None and where.resolve().is_relative_to(folder.resolve()):
-        raise InvalidInputError(f"--out {out.name or out} is inside the --dit folder {folder.name}: a quantised file "
-                                f"there would stop the folder loading as the bf16 model; write it elsewhere")
+    if folder is None or not where.resolve().is_relative_to(folder.resolve()):
+        return
+    place = "is the --dit folder" if out.resolve() == folder.resolve() else f"is inside the --dit folder {folder}"
+    raise InvalidInputError(f"--out {out} {place}: a quantised file there would stop the folder loading as the bf16 "
+                            f"model; write it elsewhere")
 
 
 def refuse_output_over_input(out: Path, dit: Path) -> None:
