@@ -304,6 +304,8 @@ def test_a_dit_file_inside_a_diffusers_folder_is_told_by_the_config_beside_it(tm
     assert first_line(folder_files(folder)).startswith(f"ERNIE-Image {label}, from the transformer config;")
     alone = ModelSources(model_dir=folder, dit=folder / "transformer" / "diffusion_pytorch_model.safetensors")
     assert first_line(alone).startswith(f"ERNIE-Image {label}, from the transformer config;")
+    defaults = "defaults 8 steps, CFG 1;" if variant == "turbo" else "defaults 50 steps, CFG 4;"
+    assert defaults in first_line(alone)  # as the run line and the options write them
 
 
 def test_quantize_reads_the_config_beside_a_dit_file_inside_a_diffusers_folder(capsys, tmp_path, tiny_turbo_folder):

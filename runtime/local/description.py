@@ -33,7 +33,7 @@ def describe_pipe(pipe: Any, request: Optional[GenerationRequest] = None) -> Nam
     lines = [
         f"ERNIE-Image {pipe.variant_choice.text()}; on {pipe.device} in "
         f"{str(pipe.dtype).replace('torch.', '')}; defaults {int(defaults['steps'])} steps, "
-        f"CFG {defaults['cfg']}; DiT {weights}{dit_mode(pipe)}"
+        f"CFG {defaults['cfg']:g}; DiT {weights}{dit_mode(pipe)}"
     ]
     if pipe.quant_reason:
         lines.append(pipe.quant_reason)
