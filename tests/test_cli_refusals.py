@@ -197,7 +197,7 @@ class TestNumberForms:
 
     WHOLE_OPTIONS = [("generate", "--width"), ("generate", "--height"), ("generate", "--steps"),
                      ("generate", "--seed"), ("generate", "--batch"), ("generate", "--mask-grow"),
-                     ("generate", "--mask-feather"), ("plan", "--width"), ("plan", "--batch"),
+                     ("generate", "--mask-feather"), ("plan", "--width"), ("plan", "--height"), ("plan", "--batch"),
                      ("plan", "--text-tokens")]
     DECIMAL_OPTIONS = [("generate", "--cfg"), ("generate", "--shift"), ("generate", "--denoise"), ("plan", "--cfg"),
                        ("plan", "--pcie-gbps")]
@@ -366,6 +366,17 @@ class TestNumberForms:
         _add_generate_arguments(parser)
         read = getattr(parser.parse_args(list(argv)), argv[0][2:])
         assert read == value and str(read) == str(value)  # -0 reads as 0: a message never shows "-0"
+
+    @pytest.mark.parametrize("command, option", list(RANGES) + list(OPEN_RANGES))
+    def test_a_value_past_the_top_of_its_range_is_refused_naming_the_option_and_the_value_as_typed(self, run, command,
+                                                                                                   option):
+        """Whichever check refuses it (the parser's, the request's, the PE's sampling), the line names the flag, not
+        a Python name, and the number as it was typed."""
+        high = self.RANGES.get((command, option), (0, 1))[1]
+        whole = (command, option) in self.WHOLE_OPTIONS + self.ENHANCE_WHOLE
+        text = str(int(high) + 1) if whole else f"{high + 0.5:g}"
+        line = run(command, f"{option}={text}", *self._needed(command)).line
+        assert line.startswith(f"error: {option} {text} is not allowed"), line
 
     @staticmethod
     def _needed(command: str) -> tuple[str, ...]:

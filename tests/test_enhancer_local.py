@@ -148,13 +148,15 @@ def test_min_new_tokens_masks_eos_until_reached(enhancer):
     assert len(held.token_ids) >= 3 and first not in held.token_ids[:3]
 
 
-def test_bad_settings_are_refused_with_the_fix(enhancer):
-    with pytest.raises(InvalidInputError, match="top_p"):
-        enhancer.settings(0.6, 0.0, 512)
-    with pytest.raises(InvalidInputError, match="temperature"):
-        enhancer.settings(-1.0, 0.95, 512)
-    with pytest.raises(InvalidInputError, match="max new tokens"):
-        enhancer.settings(0.6, 0.95, 0)
+def test_bad_settings_are_refused_with_the_fix_under_the_requests_names(enhancer):
+    """GenerationRequest's names (pe_top_p, ...), recorded for the front ends to word as theirs."""
+    for settings, name, fix in (((0.6, 0.0, 512), "pe_top_p 0 ", "use a value in (0, 1]"),
+                                ((-1.0, 0.95, 512), "pe_temperature -1 ", "use 0..5"),
+                                ((0.6, 0.95, 0), "pe_max_new_tokens 0 ", "use 1..8192")):
+        with pytest.raises(InvalidInputError) as refused:
+            enhancer.settings(*settings)
+        assert str(refused.value).startswith(name + "is not allowed: " + fix)
+        assert refused.value.settings == (name.split()[0],)
 
 
 def test_missing_pe_is_a_clear_error(tmp_path):

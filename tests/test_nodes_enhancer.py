@@ -176,3 +176,14 @@ def test_bad_endpoint_settings_are_refused_before_anything_is_sent(keys_file_of_
         with pytest.raises(InvalidInputError, match="temperature"):
             enhance(pe_url=server.url, temperature=9.0)
     assert server.models_asked == 0 and not server.headers
+
+
+@pytest.mark.parametrize("widget, value, shown", [("temperature", 7.0, "7"), ("top_p", 1.5, "1.5"),
+                                                  ("max_new_tokens", 9000, "9000")])
+def test_a_sampling_setting_out_of_range_is_named_as_the_widget_before_anything_is_sent(widget, value, shown) -> None:
+    """ComfyUI checks a widget's bounds for the graph; a workflow sent to the API is checked by the pack, in the
+    node's words."""
+    with ChatServer() as server:
+        with pytest.raises(InvalidInputError, match=rf"^the Prompt Enhancer's {widget} {shown} is not allowed: use "):
+            enhance(pe_url=server.url, **{widget: value})
+        assert server.received == [] and server.models_asked == 0

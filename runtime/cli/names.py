@@ -51,6 +51,9 @@ FLAGS: dict[str, str] = {
     AUTO_BUDGET: "auto (free VRAM minus a reserve)",
     "step_cache": "--step-cache",
     "pe_endpoint": "--pe-url",
+    "pe_temperature": "--temperature",
+    "pe_top_p": "--top-p",
+    "pe_max_new_tokens": "--max-new-tokens",
     "format": "--format",
     KEYS_FILE: f"{KEYS_FILE} (or --api-key-env / --api-key-file; --pe-api-key-env / --pe-api-key-file for a PE URL)",
     **{own_settings(variant): f"--steps {int(own['steps'])} --cfg {own['cfg']:g}"

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..core.errors import InvalidInputError
+from ..core.errors import InvalidInputError, naming_line
 from ..core.host import Host, NullHost, show_progress_phase
 from ..core.number_text import not_allowed
 from ..core.request import MAX_NEW_TOKENS_RANGE, TEMPERATURE_RANGE, TOP_P_RULE
@@ -59,12 +59,16 @@ class RevisedPrompts:
 
 
 def validate_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
+    """The PE's sampling settings, refused under GenerationRequest's names for them (which front ends re-word)."""
     if not TEMPERATURE_RANGE[0] <= temperature <= TEMPERATURE_RANGE[1]:
-        raise not_allowed("PE temperature", str(temperature), TEMPERATURE_RANGE, " (0.6 is Baidu's; 0 is greedy)")
+        raise not_allowed("pe_temperature", f"{temperature:g}", TEMPERATURE_RANGE,
+                          " (0.6 is Baidu's; 0 is greedy)").naming("pe_temperature")
     if not 0.0 < top_p <= 1.0:
-        raise InvalidInputError(f"PE top_p {top_p} is not allowed: use {TOP_P_RULE} (0.95 is Baidu's)")
+        raise InvalidInputError(f"pe_top_p {top_p:g} is not allowed: use {TOP_P_RULE} (0.95 is Baidu's)"
+                                ).naming("pe_top_p")
     if not MAX_NEW_TOKENS_RANGE[0] <= max_new_tokens <= MAX_NEW_TOKENS_RANGE[1]:
-        raise not_allowed("PE max new tokens", str(max_new_tokens), MAX_NEW_TOKENS_RANGE, " (default 512)")
+        raise not_allowed("pe_max_new_tokens", str(max_new_tokens), MAX_NEW_TOKENS_RANGE,
+                          " (default 512)").naming("pe_max_new_tokens")
 
 
 class LocalEnhancer:
@@ -138,8 +142,8 @@ class LocalEnhancer:
             host.log("prompt enhancer returned an empty prompt: the original prompt is used")
             return Revision(prompt, prompt, len(sampled.token_ids), sampled.seconds, "original")
         if truncated:
-            host.log(f"prompt enhancer stopped at the {settings.max_new_tokens}-token cap: the revised prompt may "
-                     f"end mid-sentence; raise the PE max new tokens")
+            host.log(naming_line(f"prompt enhancer stopped at the {settings.max_new_tokens}-token cap: the revised "
+                                 f"prompt may end mid-sentence; raise pe_max_new_tokens", "pe_max_new_tokens"))
         return Revision(prompt, revised, len(sampled.token_ids), sampled.seconds, "local", truncated)
 
     def to_device(self) -> None:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from ..core.errors import RemoteError
+from ..core.errors import RemoteError, naming_line
 from ..core.host import Host, NullHost, show_status
 from ..core.request import SEED_MASK
 from ..net.client import HttpClient
@@ -191,8 +191,9 @@ async def _revise_all(endpoint: ChatEndpoint, prompts: Sequence[str], width: int
                 revisions.append(Revision(prompt, prompt, tokens or 0, seconds, "original"))
                 continue
             if truncated:
-                notes.append(f"remote prompt enhancer stopped at the {max_new_tokens}-token cap: the revised "
-                             f"prompt may end mid-sentence; raise the PE max new tokens")
+                notes.append(naming_line(f"remote prompt enhancer stopped at the {max_new_tokens}-token cap: the "
+                                         f"revised prompt may end mid-sentence; raise pe_max_new_tokens",
+                                         "pe_max_new_tokens"))
             revisions.append(Revision(prompt, revised, tokens or 0, seconds, "remote", truncated))
         return revisions
     finally:
