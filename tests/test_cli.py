@@ -364,18 +364,50 @@ def another_command_writes_while_it_generates(out: Path, pipe_class: type, monke
     return generate
 
 
+def another_command_writes_while_its_pngs_are_written(out: Path, monkeypatch) -> Callable[[], None]:
+    """The PNG encoder made to write `out` as another command would, while it writes this command's first file;
+    returns what puts the encoder back."""
+    from PIL import Image
+
+    save = Image.Image.save
+    written = []
+
+    def save_while_another_command_writes(image, handle, *args, **kwargs):
+        save(image, handle, *args, **kwargs)
+        if not written:
+            out.write_bytes(b"another command's image")
+            written.append(out)
+
+    monkeypatch.setattr(Image.Image, "save", save_while_another_command_writes)
+    return lambda: monkeypatch.setattr(Image.Image, "save", save)
+
+
+def another_command_writes(when: str, out: Path, pipe_class: type, monkeypatch) -> Callable[[], None]:
+    """`out` written as another command would `when` this one has made its images or writes them; returns what
+    stops it."""
+    if when == "while its PNGs are written":
+        return another_command_writes_while_its_pngs_are_written(out, monkeypatch)
+    generate = another_command_writes_while_it_generates(out, pipe_class, monkeypatch)
+    return lambda: monkeypatch.setattr(pipe_class, "generate", generate)
+
+
+ANOTHER_COMMAND_WRITES = ["once the images are made", "while its PNGs are written"]
+
+
+@pytest.mark.parametrize("when", ANOTHER_COMMAND_WRITES)
 @pytest.mark.parametrize("before", ["absent", "present"])
 def test_an_output_another_command_wrote_during_the_run_is_replaced_with_a_notice(capsys, tmp_path, tiny_turbo_folder,
-                                                                                   monkeypatch, before):
-    """Two commands given one --out: the one ending last wins, and says it replaced the other's file; a file that was
-    there before the run is replaced as usual, without the notice."""
+                                                                                   monkeypatch, before, when):
+    """Two commands given one --out: the one ending last wins, and says it replaced the other's file, also where the
+    other ended while this one wrote its PNGs; a file that was there before the run is replaced as usual, without
+    the notice."""
     from ernie_image.runtime.files.png_output import read_png_settings
     from ernie_image.runtime.local.pipe import LocalPipe
 
     out = tmp_path / "x.png"
     if before == "present":
         out.write_bytes(b"an earlier image")
-    generate = another_command_writes_while_it_generates(out, LocalPipe, monkeypatch)
+    stop = another_command_writes(when, out, LocalPipe, monkeypatch)
     argv = ["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256", "--steps", "1",
             "--out", str(out)]
     assert main(argv) == 0
@@ -384,7 +416,7 @@ def test_an_output_another_command_wrote_during_the_run_is_replaced_with_a_notic
            "replace it; give each command its own output to keep both" in err, err
     assert read_png_settings(out)["steps"] == 1  # this run's image
 
-    monkeypatch.setattr(LocalPipe, "generate", generate)
+    stop()
     assert main(argv) == 0
     assert "changed while this command ran" not in capsys.readouterr().err
 

@@ -21,7 +21,7 @@ from ernie_image.runtime.cli.parser import OneLineParser
 from ernie_image.runtime.cli.remote_args import add_remote_arguments, remote_pipe_from_args
 
 from fake_sglang import FakeSglang, dead_url
-from test_cli import _Run, _env, another_command_writes_while_it_generates
+from test_cli import ANOTHER_COMMAND_WRITES, _Run, _env, another_command_writes
 from test_enhancer_remote import ChatServer
 from waiting import PROMPTLY_S
 
@@ -69,11 +69,12 @@ def test_the_run_line_counts_the_images_in_words_that_read_right(capsys, tmp_pat
     assert any(line.startswith(said) for line in err.splitlines()), err
 
 
-def test_an_output_another_command_wrote_during_the_run_is_replaced_with_a_notice(capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("when", ANOTHER_COMMAND_WRITES)
+def test_an_output_another_command_wrote_during_the_run_is_replaced_with_a_notice(capsys, tmp_path, monkeypatch, when):
     from ernie_image.runtime.remote.backend import RemotePipe
 
     out = tmp_path / "fox.png"
-    another_command_writes_while_it_generates(out, RemotePipe, monkeypatch)
+    another_command_writes(when, out, RemotePipe, monkeypatch)
     with FakeSglang(service_time_s=0.01) as server:
         code = main(["generate", "--server", server.url, "--prompt", "a fox", "--width", "256", "--height", "256",
                      "--out", str(out)])

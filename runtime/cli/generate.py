@@ -185,10 +185,7 @@ def main_generate(argv: Sequence[str], interrupts: Optional["Interrupts"] = None
     outputs = [PngOutput(result.images, args.out, settings)]
     if args.step_cache_compare is not None:  # the uncached twin, side by side
         outputs.append(comparison_output(pipe, request, result, host, args.step_cache_compare))
-    notice = seen.notice()
-    if notice:
-        host.log(notice)
-    written = save_png_outputs(outputs)  # every file of the command, or none
+    written = save_png_outputs(outputs, lambda: seen.say_changed(host.log))  # every file of the command, or none
     paths = written[0]
     for path in (path for group in written for path in group):
         print(path)

@@ -67,10 +67,7 @@ def generate_on_servers(args: argparse.Namespace, pipe: RemotePipe, host: Host) 
         settings = {**request.metadata(), "variant": served, "model": result.info["model"],
                     "prompts_used": result.prompts_used, "backend": "remote",
                     "servers": [image["server"] for image in result.info["images"]]}
-        notice = seen.notice()
-        if notice:
-            host.log(notice)
-        paths = save_pngs(result.images, args.out, settings)
+        paths = save_pngs(result.images, args.out, settings, lambda: seen.say_changed(host.log))
     finally:
         pipe.release()
     for path in paths:

@@ -5,7 +5,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -35,18 +35,21 @@ class PngOutput:
     name: str = "out"
 
 
-def save_pngs(images: torch.Tensor, out: Path, settings: Mapping[str, Any]) -> list[Path]:
+def save_pngs(images: torch.Tensor, out: Path, settings: Mapping[str, Any],
+              before_replacing: Optional[Callable[[], None]] = None) -> list[Path]:
     """Write images [B, H, W, 3] in 0..1 as PNGs (see png_paths) with `settings` (+ batch_index) as metadata.
 
     The batch is written whole or not at all: a failure or Ctrl-C leaves no file of it behind and the files it
-    would replace as they were (see atomic_outputs for when a cancel stops applying). Settings must hold no secrets; they are readable
-    by anyone who has the image (read_png_settings)."""
-    return save_png_outputs([PngOutput(images, Path(out), settings)])[0]
+    would replace as they were (see atomic_outputs for when a cancel stops applying). Settings must hold no secrets;
+    they are readable by anyone who has the image (read_png_settings). `before_replacing`: see save_png_outputs."""
+    return save_png_outputs([PngOutput(images, Path(out), settings)], before_replacing)[0]
 
 
-def save_png_outputs(outputs: Sequence[PngOutput]) -> list[list[Path]]:
+def save_png_outputs(outputs: Sequence[PngOutput], before_replacing: Optional[Callable[[], None]] = None
+                     ) -> list[list[Path]]:
     """Write several outputs' PNGs as one batch (save_pngs): every file of every output or none. Returns each
-    output's paths, in order."""
+    output's paths, in order. `before_replacing` runs once every file is written, just before they replace their
+    targets: what it finds there (another command's file: outputs_seen.py) is what they replace."""
     from PIL import Image
     from PIL.PngImagePlugin import PngInfo
 
@@ -66,6 +69,8 @@ def save_png_outputs(outputs: Sequence[PngOutput]) -> list[list[Path]]:
                 pixels = (writing.images[index].clamp(0, 1) * 255).round().to("cpu").byte().numpy()
                 with opened_partial(partial) as handle:
                     Image.fromarray(pixels, mode="RGB").save(handle, format="PNG", pnginfo=info)
+            if before_replacing is not None:
+                before_replacing()
     except OutputNotReplaced as error:  # a rename after every file was written: name the output it was for
         failed = next(output for output, group in zip(outputs, paths) if error.target in group)
         raise write_error(failed.out, error, failed.name) from None
