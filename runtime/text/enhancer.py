@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..core.errors import InvalidInputError, naming_line
+from ..core.errors import InvalidInputError
 from ..core.host import Host, NullHost, show_progress_phase
 from ..core.number_text import not_allowed
 from ..core.request import MAX_NEW_TOKENS_RANGE, TEMPERATURE_RANGE, TOP_P_RULE
@@ -56,6 +56,11 @@ class RevisedPrompts:
             "pe_tokens": tokens,
             "pe_tokens_per_s": round(tokens / seconds, 1) if seconds > 0 else 0.0,
         }
+
+
+# Where the revision stopped at its token cap. Not worded as a setting: generate and the Sampler's use_pe take the
+# default cap, which only the enhance command and the Prompt Enhancer node set (max_new_tokens in both).
+CAPPED = "the revised prompt may end mid-sentence (a higher max_new_tokens lets it finish)"
 
 
 def validate_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
@@ -142,8 +147,7 @@ class LocalEnhancer:
             host.log("prompt enhancer returned an empty prompt: the original prompt is used")
             return Revision(prompt, prompt, len(sampled.token_ids), sampled.seconds, "original")
         if truncated:
-            host.log(naming_line(f"prompt enhancer stopped at the {settings.max_new_tokens}-token cap: the revised "
-                                 f"prompt may end mid-sentence; raise pe_max_new_tokens", "pe_max_new_tokens"))
+            host.log(f"prompt enhancer stopped at the {settings.max_new_tokens}-token cap: {CAPPED}")
         return Revision(prompt, revised, len(sampled.token_ids), sampled.seconds, "local", truncated)
 
     def to_device(self) -> None:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from ..core.errors import RemoteError, naming_line
+from ..core.errors import RemoteError
 from ..core.host import Host, NullHost, show_status
 from ..core.request import SEED_MASK
 from ..net.client import HttpClient
@@ -25,7 +25,7 @@ from ..net.errors import BadResponse, ConnectionLost, ServerFailed, ServerReject
 from ..net.loop_thread import run_sync
 from ..net.settings import READ_TIMEOUT, HttpSettings
 from ..net.urls import shown_url
-from .enhancer import RevisedPrompts, Revision, validate_sampling
+from .enhancer import CAPPED, RevisedPrompts, Revision, validate_sampling
 from .pe_prompt import chat_messages
 
 CHAT_PATH = "/v1/chat/completions"
@@ -191,9 +191,7 @@ async def _revise_all(endpoint: ChatEndpoint, prompts: Sequence[str], width: int
                 revisions.append(Revision(prompt, prompt, tokens or 0, seconds, "original"))
                 continue
             if truncated:
-                notes.append(naming_line(f"remote prompt enhancer stopped at the {max_new_tokens}-token cap: the "
-                                         f"revised prompt may end mid-sentence; raise pe_max_new_tokens",
-                                         "pe_max_new_tokens"))
+                notes.append(f"remote prompt enhancer stopped at the {max_new_tokens}-token cap: {CAPPED}")
             revisions.append(Revision(prompt, revised, tokens or 0, seconds, "remote", truncated))
         return revisions
     finally:
