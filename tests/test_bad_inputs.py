@@ -103,6 +103,41 @@ def test_pickle_checkpoints_are_refused(tmp_path):
     assert "pickle" in message and "never loads" in message
 
 
+def _opening_as(tensors: dict[str, torch.Tensor], magic: bytes) -> bytes:
+    """A safetensors file of `tensors` whose first bytes (its header's length) are `magic`: metadata padded until
+    the length's low bytes spell it."""
+    from safetensors.torch import save
+
+    length = int.from_bytes(save(tensors, metadata={"note": ""})[:8], "little")
+    wanted = int.from_bytes(magic, "little")
+    missing = (wanted - length) % (1 << 8 * len(magic))
+    for pad in range(max(0, missing - 16), missing + 16):
+        data = save(tensors, metadata={"note": "x" * pad})
+        if data.startswith(magic):
+            return data
+    raise AssertionError(f"no padding gives a header length starting {magic!r}")
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_a_safetensors_file_whose_header_length_starts_like_a_pickle_is_read_as_safetensors(comfy, tmp_path,
+                                                                                             protocol):
+    """A header length of 0x..0480 starts with the bytes of pickle protocol 4: about one file in 2,000. The header's
+    "{" after the length tells it apart, for model files and LoRAs alike."""
+    from safetensors.torch import load_file
+
+    from ernie_image.runtime.lora.files import read_lora_tensors
+
+    magic = bytes((0x80, protocol))
+    dit = tmp_path / "ernie-image.safetensors"
+    dit.write_bytes(_opening_as(load_file(str(comfy.dit)), magic))
+    assert open_component(dit, "dit").keys == open_component(comfy.dit, "dit").keys
+    lora = tmp_path / "lora.safetensors"
+    pair = {"layers.0.self_attention.to_q.lora_A.weight": torch.ones(2, 8),
+            "layers.0.self_attention.to_q.lora_B.weight": torch.ones(8, 2)}
+    lora.write_bytes(_opening_as(pair, magic))
+    assert sorted(read_lora_tensors(lora).tensors) == sorted(pair)
+
+
 def test_flux_transformer_where_a_dit_is_expected(tmp_path):
     path = _write(tmp_path / "flux1-dev.safetensors", {
         "double_blocks.0.img_attn.qkv.weight": (6, 2), "double_blocks.0.img_attn.proj.weight": (2, 2),

@@ -33,6 +33,14 @@ for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 GGUF_MAGIC = b"GGUF"
 PICKLE_MAGICS = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+SAFETENSORS_OPENING = 9  # bytes that tell a safetensors file: its header's length (8) and the header's "{"
+
+
+def is_pickle(opening: bytes) -> bool:
+    """Whether a file's first SAFETENSORS_OPENING bytes are a pickle's (a zip archive's, or protocol 2-5's). A
+    safetensors file's first 8 bytes are its header's length, which can begin with the same bytes (a length of
+    0x...0480 reads as protocol 4): its header's "{" after them tells it apart."""
+    return any(opening.startswith(magic) for magic in PICKLE_MAGICS) and opening[8:9] != b"{"
 
 
 @dataclass(frozen=True)
@@ -122,10 +130,12 @@ def is_gguf(path: Path) -> bool:
 
 
 def _read_header(handle, path: Path, size: int) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    start = handle.read(8)
+    opening = handle.read(SAFETENSORS_OPENING)
+    start = opening[:8]
+    handle.seek(len(start))
     if start.startswith(GGUF_MAGIC):
         raise ModelFileError(f"{_named(path)} is a GGUF file, not safetensors: load it through the GGUF path")
-    if any(start.startswith(magic) for magic in PICKLE_MAGICS):
+    if is_pickle(opening):
         raise ModelFileError(
             f"{_named(path)} is a PyTorch pickle checkpoint, which this pack never loads (pickles can run code): "
             f"use the .safetensors release of the model"

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from ..core.errors import ModelFileError
-from ..formats.safetensors_reader import PICKLE_MAGICS, open_safetensors
+from ..formats.safetensors_reader import SAFETENSORS_OPENING, is_pickle, open_safetensors
 from .adapters import peft_alphas
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".pkl", ".pickle")
@@ -50,8 +50,8 @@ def file_stamp(path: Path) -> FileStamp:
 def refuse_pickle(path: Path) -> None:
     """A pickle by its magic bytes, whatever its name says (a .pt renamed .safetensors)."""
     with open(path, "rb") as handle:
-        start = handle.read(8)
-    if any(start.startswith(magic) for magic in PICKLE_MAGICS):
+        opening = handle.read(SAFETENSORS_OPENING)
+    if is_pickle(opening):
         raise ModelFileError(f"LoRA {path.name} is a PyTorch pickle, whatever its name says, which is never loaded "
                              f"(pickles can run code): convert the LoRA to .safetensors or get its .safetensors "
                              f"release")
