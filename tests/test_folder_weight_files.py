@@ -139,6 +139,26 @@ def test_quantize_refuses_a_transformer_folder_holding_a_tensor_twice_before_wri
     assert list(out.parent.iterdir()) == []
 
 
+@pytest.mark.parametrize("part, stored, prefix", [
+    ("transformer", "", "model.diffusion_model."), ("transformer", "", "diffusion_model."),
+    ("text_encoder", "language_model.model.", "model."), ("vae", "", "vae."), ("vae", "", "first_stage_model.")])
+def test_a_prefixed_copy_beside_a_parts_weights_is_refused_naming_both_files(capsys, tmp_path, model, weights_read,
+                                                                             part, stored, prefix):
+    """A copy under another checkpoint prefix (a ComfyUI file left in the folder) does not collide with the
+    weights' own names, yet names the same tensors: which copy was read would depend on the order prefixes are
+    tried."""
+    folder = model / part
+    tensors = _stored(folder, WEIGHTS[part])
+    save_file({prefix + key.removeprefix(stored): torch.zeros_like(value) for key, value in tensors.items()},
+              str(folder / "comfy_copy.safetensors"))
+    line = _refused(capsys, _generate(model, tmp_path / "x.png"))
+    assert line.startswith(f"{part} holds its weights twice, as "), line
+    copy, weights = f"as {prefix}", f"as {stored}"  # each tensor as stored in its file, the files named
+    assert copy in line and weights in line and " in comfy_copy.safetensors" in line and f" in {WEIGHTS[part]}" in line
+    assert line.endswith(": remove the stray copy, or keep the one file with the model"), line
+    assert weights_read == [] and not (tmp_path / "x.png").exists()
+
+
 # --------------------------------------------------------------------------------------- shards, with and without
 def _sharded(part_folder: Path, twice: tuple[str, ...] = ()) -> dict[str, str]:
     """The part's weights split into two shards (the tensors `twice` in both, the second's copy zeros); where each

@@ -25,7 +25,7 @@ from ..core.errors import ErnieImageError, ModelFileError, one_line
 from ..files.identity import FileIdentity
 from .config_json import origin_of, read_config
 from .config_values import check_config_values
-from .detect import Identity, identify, sample_keys, text_model_role
+from .detect import Identity, copies, identify, sample_keys, text_model_role
 from .folder_files import open_weights
 from .safetensors_reader import SafetensorsFile, is_gguf
 from .sources import component_folder
@@ -112,6 +112,7 @@ def open_component(path: Path, kind: Kind) -> ComponentFile:
         return _open_quantized(path, kind, "quantized-safetensors", metadata)
     identity = identify(shapes)
     _check_kind(identity, kind, path, shapes)
+    _refuse_two_copies(path, identity, owner)
     loaders, bfl, releasers, stored = _canonical_loaders(kind, identity, owner)
     config, config_file = _read_config(path, kind, metadata)
     if kind == "vae" and config is None:
@@ -176,6 +177,19 @@ def _view(reader: SafetensorsFile, raw_key: str, reshape=None) -> Loader:
     if reshape is None:
         return lambda: reader.tensor(raw_key)
     return lambda: reshape(reader.tensor(raw_key))
+
+
+def _refuse_two_copies(path: Path, identity: Identity, owner: dict[str, SafetensorsFile]) -> None:
+    """The model's weights held twice under two prefixes (a ComfyUI-prefixed copy left beside a diffusers folder's
+    weights) are refused: which copy was read would depend on which prefix is tried first."""
+    found = copies({key: () for key in owner}, identity)
+    if len(found) < 2:
+        return
+    probe = next(key[len(found[0]):] for key in owner
+                 if key.startswith(found[0]) and found[1] + key[len(found[0]):] in owner)
+    where = [f"{prefix + probe} in {owner[prefix + probe].path.name}" for prefix in found[:2]]
+    raise ModelFileError(f"{path.name} holds its weights twice, as {where[0]} and as {where[1]}: remove the stray "
+                         f"copy, or keep the one file with the model")
 
 
 def _canonical_loaders(kind: str, identity: Identity, owner: dict[str, SafetensorsFile]

@@ -122,6 +122,15 @@ def identify(keys: Shapes) -> Identity:
     return Identity(None, "", "", "of an unknown layout")
 
 
+def copies(keys: Shapes, identity: Identity) -> list[str]:
+    """Every prefix under which `keys` hold the probes of the family `identity` was found as (the DiT's, a text
+    model's, a VAE's): one for a model, two where its weights are there twice (a prefixed copy beside them)."""
+    for prefixes, probes in ((DIT_PREFIXES, DIT_PROBES), (TEXT_PREFIXES, (TEXT_PROBE,)), (VAE_PREFIXES, (VAE_PROBE,))):
+        if all(identity.prefix + probe in keys for probe in probes):
+            return [prefix for prefix in prefixes if all(prefix + probe in keys for probe in probes)]
+    return [identity.prefix]
+
+
 def sample_keys(keys, count: int = 3) -> str:
     """A few representative names for a message: the first layer's rather than 100 near-identical ones."""
     ordered = sorted(keys, key=lambda k: (bool(re.search(r"\.([1-9]\d*)\.", k)), k))
