@@ -897,6 +897,43 @@ def test_quantize_refuses_an_out_inside_the_model_folder_dit_loads_from(capsys, 
     assert _files(folder) == ["config.json", "diffusion_pytorch_model.safetensors"]
 
 
+@pytest.mark.parametrize("part, name", [("text_encoder", "model.safetensors"), ("vae", "fp8.safetensors"),
+                                        ("tokenizer", "fp8.safetensors")])
+def test_quantize_refuses_an_out_inside_another_part_of_the_model(capsys, tmp_path, tiny_turbo_folder, part, name):
+    """The text encoder's folder beside the transformer is a model folder too: a quantised DiT there would replace
+    its weights (model.safetensors) or join them."""
+    import shutil
+
+    model = Path(shutil.copytree(tiny_turbo_folder, tmp_path / "model"))
+    before = {path: path.read_bytes() for path in (model / part).iterdir()}
+    out = model / part / name
+    line = _cli(capsys, "quantize", "--dit", str(model / "transformer"), "--format", "fp8", "--out", str(out))
+    assert line == (f"error: --out {out} is inside the model folder {model / part}: a quantised file there would "
+                    "replace or join the files of the model it holds; write it elsewhere")
+    assert {path: path.read_bytes() for path in (model / part).iterdir()} == before
+
+
+@pytest.mark.parametrize("part, held", [("text_encoder/model.safetensors", "a Mistral-style text model"),
+                                        ("vae/diffusion_pytorch_model.safetensors", "the FLUX.2 VAE")])
+def test_quantize_refuses_to_replace_another_models_file(capsys, tmp_path, tiny_turbo_folder, part, held):
+    """ComfyUI's model folders hold single files of every kind: an --out naming a text encoder's or a VAE's file
+    would lose it. An earlier quantised DiT at --out is replaced, as any output is."""
+    import shutil
+
+    other = tmp_path / "ernie-image-other.safetensors"
+    shutil.copy(tiny_turbo_folder / part, other)
+    line = _cli(capsys, "quantize", "--dit", str(tiny_turbo_folder / "transformer"), "--format", "fp8", "--out",
+                str(other))
+    assert line.startswith(f"error: --out {other} holds {held}") and line.endswith(
+        ": the quantised DiT would replace it; give another name"), line
+    assert other.read_bytes() == (tiny_turbo_folder / part).read_bytes()
+    earlier = tmp_path / "ernie-image-fp8.safetensors"
+    for _ in range(2):
+        code, _, err = _quantize(capsys, "--dit", str(tiny_turbo_folder / "transformer"), "--format", "fp8", "--out",
+                                 str(earlier))
+        assert code == 0, err
+
+
 def test_quantize_writes_beside_a_single_file_dit_in_a_folder_that_is_no_model(capsys, tmp_path, bf16_dit):
     """ComfyUI's diffusion_models/ holds single files and no config.json: the quantised file goes beside the bf16
     one, as users keep them."""

@@ -24,6 +24,7 @@ from ..core.variant import (VARIANT_SETTING, VariantChoice, checked_variant_opti
                             override_notice)
 from ..files.inputs_outputs import refuse_outputs_over_inputs
 from ..formats.component_file import QUANT_MARKERS, WHAT_TO_PICK, ComponentFile, open_component
+from ..formats.detect import identify
 from ..formats.folder_files import open_weights
 from ..formats.safetensors_reader import is_gguf, open_safetensors
 from ..model.builders import check_config_builds
@@ -131,16 +132,45 @@ def model_folder(dit: Path) -> Path | None:
     return dit.parent if os.path.isfile(dit.parent / "config.json") else None
 
 
+def holding_model(folder: Path) -> Path | None:
+    """The model part `folder` is: itself where it holds a config.json (a component folder) or where its parent holds
+    a model_index.json (a part of a diffusers model: text_encoder/, tokenizer/, ...); None for others, a folder of
+    single files (ComfyUI's model folders) or a diffusers model's own folder, whose loose files no loader reads."""
+    if os.path.isfile(folder / "config.json") or os.path.isfile(folder.parent / "model_index.json"):
+        return folder
+    return None
+
+
 def refuse_output_in_model_folder(out: Path, dit: Path) -> None:
-    """A new file inside the folder --dit loads from would make that folder two models. `out` is judged where the
-    writer puts the file: a link to a folder is followed, a link at the name itself is replaced."""
+    """A new file inside the folder --dit loads from would make that folder two models, and one inside any other
+    model's folder (the text encoder's beside it, say) would replace or join that model's files. `out` is judged
+    where the writer puts the file: a link to a folder is followed, a link at the name itself is replaced."""
     folder = model_folder(dit)
     where = out if os.path.isdir(out) else out.parent
-    if folder is None or not where.resolve().is_relative_to(folder.resolve()):
+    if folder is not None and where.resolve().is_relative_to(folder.resolve()):
+        place = "is the --dit folder" if out.resolve() == folder.resolve() else f"is inside the --dit folder {folder}"
+        raise InvalidInputError(f"--out {out} {place}: a quantised file there would stop the folder loading as the "
+                                f"bf16 model; write it elsewhere")
+    other = holding_model(where)
+    if other is not None:
+        raise InvalidInputError(f"--out {out} is inside the model folder {other}: a quantised file there would "
+                                f"replace or join the files of the model it holds; write it elsewhere")
+
+
+def refuse_replacing_another_model(out: Path) -> None:
+    """An existing --out holding another model's weights (a text encoder's or a VAE's file in ComfyUI's folders)
+    would be lost: refused. An earlier quantised or bf16 DiT, or a file whose contents are no model, is replaced as
+    any output is."""
+    if not os.path.isfile(out) or is_gguf(out):
         return
-    place = "is the --dit folder" if out.resolve() == folder.resolve() else f"is inside the --dit folder {folder}"
-    raise InvalidInputError(f"--out {out} {place}: a quantised file there would stop the folder loading as the bf16 "
-                            f"model; write it elsewhere")
+    try:
+        reader = open_safetensors(out)
+        identity = identify({key: reader.shape(key) for key in reader.keys()})
+    except ModelFileError:
+        return
+    if identity.kind != "dit" and identity != identify({}):
+        raise InvalidInputError(f"--out {out} holds {identity.description}: the quantised DiT would replace it; give "
+                                f"another name")
 
 
 def refuse_output_over_input(out: Path, dit: Path) -> None:
@@ -149,6 +179,7 @@ def refuse_output_over_input(out: Path, dit: Path) -> None:
     this is the reason given; then a new file inside the folder --dit loads from."""
     refuse_outputs_over_inputs([("--dit", dit)], [("--out", out, out)])
     refuse_output_in_model_folder(out, dit)
+    refuse_replacing_another_model(out)
 
 
 def kept_dtypes(state: dict[str, torch.Tensor], fmt: str) -> str:
