@@ -22,7 +22,7 @@ Behaviours a fleet meets (each counted: `generations` is every POST received, `r
 - hostile answers: "trickle" answers 200 and then one byte every `trickle_every_s`, forever (`trickling` is set
   as the first byte goes out); "gzip" answers gzip-compressed (Content-Encoding: gzip) whatever the client asked
   for, "gzip_bomb" 256 MiB of zeros gzip-compressed (256 KiB on the wire); "big" 2 MiB of JSON; "500_huge" a 500
-  whose body is 64 MiB. Each works on generation, and as "health:..." / "models:..." on those endpoints;
+  whose body is 64 MiB; "nested" (200) and "500_nested" (500) JSON nested 100,000 deep. Each works on generation, and as "health:..." / "models:..." on those endpoints;
 - ignores output_format: `faults=["jpeg"]` / `["webp"]` answers that format whatever was asked;
 - loading: `warmup_s` (/health answers 503, POSTs are held until ready, as SGLang does);
 - misbehaving images: `image_b64` answers that image (any PNG: 16-bit, with alpha, ...) to every generation,
@@ -300,7 +300,7 @@ class FakeSglang:
         if self.every_post is not None:
             fault = self.every_post
         if fault in ("503", "429", "408", "reset", "garbage", "huge", "hang", "500_json", "400_echo_auth", "trickle",
-                     "gzip", "gzip_bomb", "big", "500_huge"):
+                     "gzip", "gzip_bomb", "big", "500_huge", "nested", "500_nested"):
             return await self._apply_fault(fault, request)
         if not isinstance(body, dict):
             return web.json_response({"detail": [{"type": "model_attributes_type", "loc": ["body"],
@@ -449,6 +449,9 @@ class FakeSglang:
             body = gzip_bomb() if fault == "gzip_bomb" else gzip.compress(json.dumps({"status": "ok"}).encode())
             return web.Response(status=200, body=body, headers={"Content-Type": "application/json",
                                                                  "Content-Encoding": "gzip"})
+        if fault in ("nested", "500_nested"):  # valid JSON nested deeper than Python's json reads
+            return web.Response(status=500 if fault == "500_nested" else 200, body=b"[" * 100_000 + b"]" * 100_000,
+                                content_type="application/json")
         if fault == "big":
             return web.Response(status=200, body=b'{"status": "ok", "padding": "' + b"x" * (2 << 20) + b'"}',
                                 content_type="application/json")

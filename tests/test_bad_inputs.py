@@ -89,6 +89,14 @@ def test_corrupt_header(comfy, tmp_path):
     assert "corrupt safetensors header" in _error(bad, "vae")
 
 
+def test_a_header_nested_deeper_than_json_is_read_is_a_corrupt_header(tmp_path):
+    header = b"[" * 100_000 + b"]" * 100_000
+    bad = tmp_path / "nested.safetensors"
+    bad.write_bytes(len(header).to_bytes(8, "little") + header)
+    assert _error(bad, "vae") == ("nested.safetensors has a corrupt safetensors header (nested deeper than JSON is "
+                                  "read): the file is damaged or was not fully downloaded: download it again")
+
+
 def test_not_a_safetensors_file_at_all(tmp_path):
     text = tmp_path / "notes.safetensors"
     text.write_text("these are not weights, just a text file that is long enough")

@@ -267,6 +267,11 @@ def _not_json(folder: Path) -> str:
     return f"{folder.name}/{INDEX[folder.name]} is not a safetensors index (not UTF-8 JSON): download it again"
 
 
+def _nested_too_deep(folder: Path) -> str:
+    (folder / INDEX[folder.name]).write_text("[" * 100_000 + "]" * 100_000)
+    return f"{folder.name}/{INDEX[folder.name]} is not a safetensors index (not UTF-8 JSON): download it again"
+
+
 def _no_weight_map(folder: Path) -> str:
     (folder / INDEX[folder.name]).write_text("[1, 2]")
     return f"{folder.name}/{INDEX[folder.name]} is not a safetensors index (it holds no weight_map): download it again"
@@ -310,11 +315,13 @@ def _left_out_twice(folder: Path) -> str:
             f"the folder's index again")
 
 
-@pytest.mark.parametrize("fault", [_missing_shard, _misplaced, _not_json, _no_weight_map, _weight_map_a_list,
-                                   _path_out_of_the_folder, _naming_itself, _shard_left_out, _left_out_twice],
+@pytest.mark.parametrize("fault", [_missing_shard, _misplaced, _not_json, _nested_too_deep, _no_weight_map,
+                                   _weight_map_a_list, _path_out_of_the_folder, _naming_itself, _shard_left_out,
+                                   _left_out_twice],
                          ids=["naming a file not there", "placing a tensor in a file not holding it", "not JSON",
-                              "no weight_map", "a weight_map that is a list", "naming a path out of the folder",
-                              "naming itself", "leaving out a shard", "leaving out a tensor two shards hold"])
+                              "nested deeper than JSON is read", "no weight_map", "a weight_map that is a list",
+                              "naming a path out of the folder", "naming itself", "leaving out a shard",
+                              "leaving out a tensor two shards hold"])
 @pytest.mark.parametrize("part", ["transformer", "vae"])
 def test_an_index_that_does_not_place_the_tensors_is_refused_in_one_line(capsys, tmp_path, model, weights_read, part,
                                                                          fault):

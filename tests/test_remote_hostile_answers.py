@@ -145,6 +145,27 @@ def test_a_short_json_answer_over_1_mib_is_refused(endpoint):
         f"expected; refused: is this the server's URL? (a server answering this much is misbehaving)")
 
 
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_json_nested_deeper_than_python_reads_is_no_json_answer(endpoint):
+    """Valid JSON 100,000 arrays deep: json's parser gives up with a RecursionError, which is an answer that is not
+    JSON, said in one line, not a traceback."""
+    prefix, method, path, body = ENDPOINTS[endpoint]
+    with FakeSglang(faults=[prefix + "nested"]) as server:
+        with pytest.raises(BadResponse) as caught:
+            call(client_of(server), method, path, body, **small(endpoint))
+    assert one_line(caught.value).startswith(f"{server.url} answered {method} {server.url}{path} with something "
+                                             "that is not JSON")
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_an_error_answer_nested_deeper_than_python_reads_is_named_by_its_status(endpoint):
+    prefix, method, path, body = ENDPOINTS[endpoint]
+    with FakeSglang(faults=[prefix + "500_nested"]) as server:
+        with pytest.raises(ServerFailed) as caught:
+            call(client_of(server), method, path, body, **small(endpoint))
+    assert caught.value.status == 500 and one_line(caught.value).startswith(server.url)
+
+
 def test_an_image_answer_keeps_its_own_larger_cap():
     with FakeSglang(faults=["big"]) as server:  # 2 MiB: over the short answers' cap, within an image's
         response = call(client_of(server), "POST", GEN, BODY)

@@ -123,7 +123,7 @@ def _read_weight_map(folder: Path, index: Path) -> dict[str, str]:
     except OSError as error:
         raise ModelFileError(f"{shown} cannot be read ({os.strerror(error.errno) if error.errno else error}): check "
                              f"the disk and the path") from None
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nesting deeper than json reads
         raise ModelFileError(f"{shown} is not a safetensors index (not UTF-8 JSON): download it again") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):

@@ -194,6 +194,9 @@ def _header_object(handle, path: Path, size: int, start: bytes) -> tuple[dict, i
         header = json.loads(handle.read(header_len).decode("utf-8"))
         if not isinstance(header, dict):
             raise ValueError("header is not a JSON object")
+    except RecursionError:
+        raise ModelFileError(f"{_named(path)} has a corrupt safetensors header (nested deeper than JSON is read): "
+                             f"{REDOWNLOAD}") from None
     except (UnicodeDecodeError, ValueError) as err:
         raise ModelFileError(f"{_named(path)} has a corrupt safetensors header ({err}): {REDOWNLOAD}") from None
     return header, 8 + header_len

@@ -50,7 +50,7 @@ def _key(weight_format: str, device: torch.device) -> str:
 def _marks(folder: Path) -> dict:
     try:
         marks = json.loads((folder / MARKS_FILE).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     return marks if isinstance(marks, dict) else {}
 

@@ -209,7 +209,7 @@ class HttpClient:
         if raw.strip():
             try:
                 data = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nested deeper than json reads
                 if status < 400:
                     snippet = without_secrets(raw[:60].decode("utf-8", errors="replace").replace("\n", " "),
                                               self.settings.credential)

@@ -36,7 +36,7 @@ def _message_in(text: str, content_type: str) -> Optional[str]:
     if "json" in content_type or text[:1] in "{[":
         try:
             data = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than json reads
             data = None
         if data is not None:
             return _message_from_json(data)
