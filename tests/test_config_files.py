@@ -112,6 +112,17 @@ def test_a_config_value_no_part_is_built_from_is_one_line_naming_it_before_any_w
     assert not out.exists()
 
 
+@pytest.mark.parametrize("component, field", [("transformer", "rope_axes_dim"), ("vae", "block_out_channels"),
+                                              ("transformer", "num_layers"), ("text_encoder", "vocab_size")])
+def test_a_long_value_is_shown_by_its_ends_in_a_short_line(capsys, tmp_path, model, component, field):
+    """A list of 100,000 numbers where a field wants three (or one number): the refusal shows its first and last
+    items, not 700 KB."""
+    _setting(field, list(range(100_000)))(model / component / "config.json")
+    line = _cli(capsys, "generate", "--model-dir", str(model), "--steps", "1", "--device", "cpu",
+                "--out", str(tmp_path / "x.png"))
+    assert len(line) < 400 and "[0, 1, 2, " in line and " ... " in line and ", 99999]" in line, line
+
+
 def test_a_bad_value_in_a_config_embedded_in_a_single_file_is_named_with_the_fix_re_export(tmp_path, monkeypatch):
     from safetensors import safe_open
     from safetensors.torch import save_file

@@ -78,6 +78,21 @@ def quoted_shortly(text: str) -> str:
     return repr(text[:half] + "..." + text[-half:])
 
 
+SHOWN_VALUE_CHARACTERS = 80  # of a value a file holds (a config's list), shown in full up to this
+
+
+def shown_shortly(shown: str) -> str:
+    """A value as a message writes it (a config's list, say), a long one with its middle left out: a config holding
+    100,000 numbers is refused in a line, not in 700 KB."""
+    if len(shown) <= SHOWN_VALUE_CHARACTERS:
+        return shown
+    half = (SHOWN_VALUE_CHARACTERS - 5) // 2
+    head, tail = shown[:half], shown[-half:]
+    head = head[:head.rfind(", ") + 1] if ", " in head else head  # whole items of a list, not half a number
+    tail = tail[tail.find(", ") + 2:] if ", " in tail else tail
+    return f"{head} ... {tail}"
+
+
 def one_line(error: BaseException, limit: int = 200) -> str:
     """`Type: message` of an unexpected error, whitespace collapsed and cut: the detail a one-line message quotes."""
     return " ".join(f"{type(error).__name__}: {error}".split())[:limit]

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..core.errors import ModelFileError
+from ..core.errors import ModelFileError, shown_shortly
 
 
 def _whole(value: Any) -> bool:
@@ -73,4 +73,4 @@ class Fault:
             return ModelFileError(f"{origin} has no {self.field}, which {self.reader} reads: it must be "
                                   f"{self.wanted}: {fix}")
         why = self.broken or f"is not {self.wanted}"
-        return ModelFileError(f"{origin} says {self.field} {json.dumps(self.value)}, which {why}: {fix}")
+        return ModelFileError(f"{origin} says {self.field} {shown_shortly(json.dumps(self.value))}, which {why}: {fix}")

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ..core.errors import ModelFileError
+from ..core.errors import ModelFileError, shown_shortly
 from ..core.variant import Variant
 from ..formats.config_json import config_origin, load_config
 from ..formats.detect import layer_count
@@ -182,7 +182,7 @@ PARTS: dict[str, Part] = {
 def _shown(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    return str(list(value)) if isinstance(value, (list, tuple)) else str(value)
+    return shown_shortly(str(list(value)) if isinstance(value, (list, tuple)) else str(value))
 
 
 def _shown_given(value: Any, seen: Seen) -> str:

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..core.errors import shown_shortly
 from . import fused_kernels
 from .adaln import FAST, NormModulated, Residual, RMSNorm, gated_residual
 from .arithmetic import Arithmetic, ArithmeticName
@@ -75,8 +76,8 @@ class DiTConfig:
             raise ValueError(f"patch_size {config.patch_size} is not supported: ERNIE-Image uses 1")
         if sum(config.rope_axes_dim) * config.num_attention_heads != config.hidden_size:
             head = config.hidden_size / config.num_attention_heads
-            raise ValueError(f"rope_axes_dim {list(config.rope_axes_dim)} sums to {sum(config.rope_axes_dim)}, but "
-                             f"hidden_size / num_attention_heads is {head:g}")
+            raise ValueError(f"rope_axes_dim {shown_shortly(str(list(config.rope_axes_dim)))} sums to "
+                             f"{sum(config.rope_axes_dim)}, but hidden_size / num_attention_heads is {head:g}")
         if not config.qk_layernorm:
             raise ValueError("qk_layernorm false is not supported: ERNIE-Image's transformer normalises q and k "
                              "(qk_layernorm true)")
