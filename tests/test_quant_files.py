@@ -216,3 +216,80 @@ def test_unknown_comfy_quant_format_is_named(tmp_path: Path) -> None:
     save_file(tensors, str(tmp_path / "int8.safetensors"))
     with pytest.raises(ModelFileError, match=r"to_q uses comfy_quant format 'int8_tensorwise'"):
         load_quantized_state_dict(tmp_path / "int8.safetensors")
+
+
+# ---- packed layers' scales, in the layouts not written by `ernie-image quantize` ---------------------------------
+# (tests/test_fp8_file_damage.py holds the comfy_quant files the pack writes to every class of damage, through the CLI)
+DAMAGED = "the file is damaged: quantise it again, or download it again"
+NEVER_MADE = "which quantising a weight never makes (scales are finite, never negative, never all 0)"
+
+
+def _legacy_scaled_fp8(drop: str = "") -> dict[str, torch.Tensor]:
+    """A legacy scaled-fp8 file's tensors (two FP8 layers with `scale_weight`), `drop` left out."""
+    layers = _plain_layers()
+    tensors = {"scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn), NORM_K: layers[NORM_K],
+               "final_linear.weight": layers["final_linear.weight"]}
+    for name, weight in ((TO_Q, layers[TO_Q]), (UP, layers[UP])):
+        tensors[name] = (weight / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors[name.replace(".weight", ".scale_weight")] = torch.tensor(0.01)
+    tensors.pop(drop, None)
+    return tensors
+
+
+def _modelopt_nvfp4(**changed: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A ModelOpt NVFP4 file's tensors (up_proj packed, plain [N, K/16] block scales), `changed` by suffix."""
+    layers = _plain_layers()
+    data, blocked, tensor_scale = quantize_nvfp4(layers[UP])
+    weight, scales = to_modelopt(data, blocked, (2 * HIDDEN, HIDDEN))
+    tensors = {NORM_K: layers[NORM_K], "final_linear.weight": layers["final_linear.weight"], TO_Q: layers[TO_Q],
+               UP: weight, "layers.0.mlp.up_proj.weight_scale": scales,
+               "layers.0.mlp.up_proj.weight_scale_2": tensor_scale}
+    tensors.update({f"layers.0.mlp.up_proj.{suffix}": value for suffix, value in changed.items()})
+    return tensors
+
+
+SCALE_DAMAGES = [
+    pytest.param(_legacy_scaled_fp8(drop="layers.0.mlp.up_proj.scale_weight"),
+                 "{file} lacks layers.0.mlp.up_proj.scale_weight, the weight scale of its FP8 layer "
+                 f"layers.0.mlp.up_proj (the file's other FP8 layers have theirs): {DAMAGED}",
+                 id="legacy fp8 one layer's scale missing"),
+    pytest.param({**_legacy_scaled_fp8(), "layers.0.self_attention.to_q.scale_weight": torch.full((2,), 0.01)},
+                 "{file}: layers.0.self_attention.to_q.scale_weight has shape [2], but the FP8 layer "
+                 f"layers.0.self_attention.to_q (weight [{HIDDEN}, {HIDDEN}]) takes one scale ([]) or one per output "
+                 f"row ([{HIDDEN}]): {DAMAGED}", id="legacy fp8 scale in another shape"),
+    pytest.param({**_legacy_scaled_fp8(), "layers.0.mlp.up_proj.scale_input": torch.tensor(float("nan"))},
+                 f"{{file}}: layers.0.mlp.up_proj.scale_input holds nan, {NEVER_MADE}: {DAMAGED}",
+                 id="legacy fp8 activation scale nan"),
+    pytest.param(_modelopt_nvfp4(weight_scale=torch.ones(2 * HIDDEN, HIDDEN // 8).to(torch.float8_e4m3fn)),
+                 f"{{file}}: layers.0.mlp.up_proj.weight_scale has shape [{2 * HIDDEN}, {HIDDEN // 8}], but the "
+                 f"NVFP4 layer layers.0.mlp.up_proj (weight [{2 * HIDDEN}, {HIDDEN // 2}], {HIDDEN} values a row) "
+                 f"takes block scales of shape [{2 * HIDDEN}, {HIDDEN // 16}]: {DAMAGED}",
+                 id="modelopt nvfp4 block scales"),
+    pytest.param(_modelopt_nvfp4(weight_scale_2=torch.tensor(-1.0)),
+                 f"{{file}}: layers.0.mlp.up_proj.weight_scale_2 holds -1, {NEVER_MADE}: {DAMAGED}",
+                 id="modelopt nvfp4 per-tensor scale negative"),
+    pytest.param(_modelopt_nvfp4(input_scale=torch.ones(HIDDEN)),
+                 "{file}: layers.0.mlp.up_proj.input_scale has shape [256], but the NVFP4 layer layers.0.mlp.up_proj "
+                 f"(weight [{2 * HIDDEN}, {HIDDEN // 2}], {HIDDEN} values a row) takes one activation scale ([]): "
+                 f"{DAMAGED}", id="modelopt nvfp4 activation scale"),
+]
+
+
+@pytest.mark.parametrize("tensors, says", SCALE_DAMAGES)
+def test_damaged_scales_of_legacy_and_modelopt_files_are_refused_in_one_line_when_read(tmp_path: Path, tensors,
+                                                                                       says: str) -> None:
+    path = tmp_path / "ernie-image-packed.safetensors"
+    save_file(tensors, str(path))
+    with pytest.raises(ModelFileError) as refused:
+        load_quantized_state_dict(path)
+    assert str(refused.value) == says.format(file=path)
+
+
+def test_fp8_weights_without_any_scale_still_load_as_unscaled(tmp_path: Path) -> None:
+    """ComfyUI's unscaled fp8 files hold no scale at all: not damage, a scale of 1."""
+    layers = _plain_layers()
+    fp8 = layers[TO_Q].to(torch.float8_e4m3fn)
+    save_file({NORM_K: layers[NORM_K], "final_linear.weight": layers["final_linear.weight"], TO_Q: fp8,
+               UP: layers[UP].to(torch.float8_e4m3fn)}, str(tmp_path / "ernie-fp8-unscaled.safetensors"))
+    q = load_quantized_state_dict(tmp_path / "ernie-fp8-unscaled.safetensors")[TO_Q]
+    assert q.format == "fp8" and q.scale is None and torch.equal(q.dequantize(torch.float32), fp8.float())

@@ -9,7 +9,9 @@ Recognised per layer (a layer = a `<name>.weight` key), by tensors and metadata,
     or fp8 `weight` + fp32 `weight_scale` (per tensor or per row).
   * Plain fp8 weights without a scale (ComfyUI's unscaled fp8 files).
 Everything else comes back as plain tensors. A packed layer's tensors in another type than its format holds (an
-integer weight, scale or comfy_quant entry) are refused in one line naming the file before any is read as packed.
+integer weight, scale or comfy_quant entry, an FP8 weight in the other float8 type than the file declares) are
+refused in one line naming the file before any is read as packed; so are scales missing, in another shape than
+their weight needs, or holding values no quantiser makes (packed_scales.py).
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from pathlib import Path
 import torch
 
 from ..core.errors import ModelFileError, one_line
-from ..core.weight_dtypes import wrong_dtypes
+from ..core.weight_dtypes import dtype_name, wrong_dtypes
 from .nvfp4 import from_modelopt
+from .packed_scales import refuse_damaged_scales
 from .qweight import QuantizedWeight
 
 _FP8_DTYPES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
@@ -64,10 +67,7 @@ def _comfy_weight(layer: str, fmt: str, raw: dict[str, torch.Tensor], path: Path
                                scale=_in_float32(raw.get(f"{layer}.weight_scale")),
                                input_scale=_in_float32(input_scale))
     if fmt == "nvfp4":
-        try:
-            scale, scale_2 = raw[f"{layer}.weight_scale"], raw[f"{layer}.weight_scale_2"]
-        except KeyError as err:
-            raise ModelFileError(f"{path.name}: nvfp4 layer {layer} lacks {err}; the file is incomplete") from err
+        scale, scale_2 = raw[f"{layer}.weight_scale"], raw[f"{layer}.weight_scale_2"]  # there: packed_scales.py
         shape = (weight.shape[0], weight.shape[1] * 2)
         return QuantizedWeight("nvfp4", "nvfp4", weight, shape, scale=scale.view(torch.float8_e4m3fn),
                                scale_2=_in_float32(scale_2), input_scale=_in_float32(input_scale))
@@ -105,6 +105,7 @@ FP8_WEIGHTS = "FP8 weights are float8_e4m3fn or float8_e5m2"
 NVFP4_WEIGHTS = "NVFP4 weights are uint8 (packed pairs)"
 NVFP4_BLOCK_SCALES = "NVFP4 block scales are float8_e4m3fn"
 SCALES = "scales are floating point"
+DECLARED = "the file's comfy_quant metadata says {}"  # an FP8 weight in the other float8 type
 _NVFP4_BLOCK_SCALE_DTYPES = (torch.float8_e4m3fn, torch.uint8)  # uint8: the same bytes, viewed as e4m3
 _SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale", ".scale_weight", ".scale_input")
 
@@ -137,6 +138,8 @@ def _packed_dtypes(raw: dict[str, torch.Tensor], formats: dict[str, str]) -> Wro
             continue
         if fmt in ("float8_e4m3fn", "float8_e5m2") and weight.dtype not in _FP8_DTYPES:
             wrong.setdefault(FP8_WEIGHTS, {})[f"{layer}.weight"] = weight.dtype
+        elif fmt in ("float8_e4m3fn", "float8_e5m2") and dtype_name(weight.dtype) != fmt:
+            wrong.setdefault(DECLARED.format(fmt), {})[f"{layer}.weight"] = weight.dtype
         elif fmt == "nvfp4" and weight.dtype != torch.uint8:
             wrong.setdefault(NVFP4_WEIGHTS, {})[f"{layer}.weight"] = weight.dtype
     for key, tensor in raw.items():
@@ -152,8 +155,9 @@ def _packed_dtypes(raw: dict[str, torch.Tensor], formats: dict[str, str]) -> Wro
 
 
 def _refuse(wrong: WrongDtypes, path: Path) -> None:
-    """One line for the first kind of tensor (in the order above) held in a type its layout never holds."""
-    for where in (COMFY_QUANT, FP8_WEIGHTS, NVFP4_WEIGHTS, NVFP4_BLOCK_SCALES, SCALES):
+    """One line for the first kind of tensor (in the order above, then FP8 weights against their declared types)
+    held in a type its layout never holds."""
+    for where in (COMFY_QUANT, FP8_WEIGHTS, NVFP4_WEIGHTS, NVFP4_BLOCK_SCALES, SCALES, *sorted(wrong)):
         if where in wrong:
             raise wrong_dtypes(path, wrong[where], where)
 
@@ -165,6 +169,7 @@ def load_quantized_safetensors(path: str | Path) -> dict[str, torch.Tensor | Qua
     formats = _layer_formats(raw, metadata, path)
     _refuse(_packed_dtypes(raw, formats), path)
     legacy_fp8 = "scaled_fp8" in raw
+    refuse_damaged_scales(raw, formats, legacy_fp8, path)
     state: dict[str, torch.Tensor | QuantizedWeight] = {}
     for key, tensor in raw.items():
         if key == "scaled_fp8" or key.endswith(_AUX_SUFFIXES):
