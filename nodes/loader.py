@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..runtime.core.errors import ErnieImageError, InvalidInputError, named_settings
-from ..runtime.core.variant import name_notice, override_notice
+from ..runtime.core.variant import files_notices
 from . import comfy_env
 from .comfy_env import GGUF_FOLDER_KEY, NONE_CHOICE
 from .comfy_names import comfy_words, speaks_comfy
@@ -141,10 +141,9 @@ class ErnieImageLoader:
         track(pipe)
         described = pipe.describe()  # the plan of a default 1024x1024 image: the Sampler checks its own size
         plan = comfy_words(described, named_settings(described))
-        # the widget set against what the file says; or the file's metadata or config against its name
-        for notice in (override_notice(pipe.variant_choice), name_notice(pipe.variant_choice)):
-            if notice:
-                plan = f"{plan}\n{comfy_words(notice, notice.settings)}"
+        # the widget set against what the file says; or the file's metadata or config against its name or each other
+        for notice in files_notices(pipe.variant_choice):
+            plan = f"{plan}\n{comfy_words(notice, notice.settings)}"
         if quant_config is not None and not pipe.quant_reason:  # the pipe says itself what 'auto' runs
             plan = f"{plan}\nquant: {quant_config.reason}"
         return shown_on_node(plan, pipe, plan)

@@ -415,3 +415,50 @@ def test_quantize_says_it_before_recording_the_config_s_variant(capsys, tmp_path
                                    "--format", "q8_0", "--out", str(out))
     assert code == 0 and err.splitlines() == [_name_notice("ERNIE-Image-Turbo", "--variant")], err
     assert printed.rstrip().endswith("; recorded as Base, from the transformer config")
+
+
+# ------------------------------------------------------------------------------------------- files that disagree
+CONFIG_NOTICE = ("the transformer config says {config} ({evidence}), but the file's metadata says {label} "
+                 "(ernie_image.variant {recorded}): it runs as {label}; set {setting} to turbo or base to choose")
+
+
+@pytest.mark.parametrize("variant, recorded", [("turbo", "base"), ("base", "turbo")])
+def test_metadata_and_a_config_that_disagree_run_as_the_metadata_says_with_a_notice(capsys, tmp_path, variant,
+                                                                                     recorded):
+    """The metadata decides (a quantised file records what it was made from); the config beside it saying the
+    other variant is told, in every front end's words, never passed over."""
+    from safetensors.torch import load_file, save_file
+
+    folder = build_tiny_model(tmp_path / "m", layout="diffusers", variant=variant).model_dir
+    weights = folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    save_file(load_file(str(weights)), str(weights), metadata={"ernie_image.variant": recorded})
+    err = _run_folder(capsys, folder, tmp_path / "x.png")
+    evidence = "it has use_lora and lora_rank" if variant == "turbo" else NO_LORA_FIELDS
+    label = "Turbo" if recorded == "turbo" else "Base"
+    notice = CONFIG_NOTICE.format(config="Turbo" if variant == "turbo" else "Base", evidence=evidence, label=label,
+                                  recorded=recorded, setting="--variant")
+    assert err.count(notice) == 1, err
+    assert any(f"; ERNIE-Image {label}, from the file's metadata; on cpu" in line for line in err), err
+    assert not any("the transformer config says" in line for line in _run_folder(
+        capsys, folder, tmp_path / "y.png", "--variant", recorded))  # the flag chose: no notice
+
+
+def test_a_folder_whose_files_record_two_variants_is_refused_naming_both(capsys, tmp_path, tiny_turbo_folder):
+    """Shards of a Base and of a Turbo download in one folder: the file read last decided, without a word."""
+    from safetensors.torch import load_file, save_file
+
+    folder = Path(shutil.copytree(tiny_turbo_folder, tmp_path / "m"))
+    part = folder / "transformer"
+    tensors = load_file(str(part / "diffusion_pytorch_model.safetensors"))
+    (part / "diffusion_pytorch_model.safetensors").unlink()
+    keys = sorted(tensors)
+    save_file({key: tensors[key] for key in keys[::2]}, str(part / "a.safetensors"),
+              metadata={"ernie_image.variant": "base"})
+    save_file({key: tensors[key] for key in keys[1::2]}, str(part / "b.safetensors"),
+              metadata={"ernie_image.variant": "turbo"})
+    assert main(["generate", "--model-dir", str(folder), "--steps", "1", "--device", "cpu", "--out",
+                 str(tmp_path / "x.png")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: transformer/ mixes two models' files: a.safetensors records ernie_image.variant base and "
+        "b.safetensors turbo: download the folder again")
+    assert not (tmp_path / "x.png").exists()

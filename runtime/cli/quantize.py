@@ -20,8 +20,8 @@ import torch
 from ..core.errors import ErnieImageError, InvalidInputError, ModelFileError
 from ..core.non_finite import refuse_non_finite_weights
 from ..core.weight_dtypes import refuse_non_floating
-from ..core.variant import (VARIANT_SETTING, VariantChoice, checked_variant_option, decide_variant, name_notice,
-                            override_notice)
+from ..core.variant import (VARIANT_SETTING, VariantChoice, checked_variant_option, decide_variant,
+                            files_notices)
 from ..files.inputs_outputs import refuse_outputs_over_inputs
 from ..formats.component_file import QUANT_MARKERS, WHAT_TO_PICK, ComponentFile, open_component
 from ..formats.detect import identify
@@ -201,9 +201,8 @@ def main_quantize(argv: list[str] | None = None) -> int:
         component = open_component(args.dit, "dit")  # headers only: no weight is read until the checks pass
         variant = source_variant(args.dit, args.variant, component)
         check_config_builds(component, "dit", variant.variant)  # generate's load-time refusal, before any write
-        for notice in (override_notice(variant), name_notice(variant)):  # what the written file records, told
-            if notice:
-                print(cli_words(notice, notice.settings), file=sys.stderr)
+        for notice in files_notices(variant):  # what the written file records, told
+            print(cli_words(notice, notice.settings), file=sys.stderr)
         state = read_bf16_dit(args.dit, files)
         refuse_non_finite_weights(state, f"--dit {args.dit}", "re-download them, then quantise again")
         counts = quantized_layer_counts(state, args.format)

@@ -55,6 +55,7 @@ class VariantChoice:
     overrides: Optional["VariantChoice"] = None  # set by the user against what the files say: what they say
     evidence: str = ""  # what in the files says it ("ernie_image.variant base", "it has no use_lora or lora_rank")
     name_says: Optional[NameSays] = None  # the name, where it says the other variant than the metadata or config
+    config_says: str = ""  # where the metadata decides and the config says the other variant: what in it says so
 
     @property
     def label(self) -> str:
@@ -100,6 +101,23 @@ def name_notice(choice: VariantChoice) -> Optional[NamedLine]:
                        "turbo or base to choose", VARIANT_SETTING)
 
 
+def config_notice(choice: VariantChoice) -> Optional[NamedLine]:
+    """The line for a file whose metadata says one variant and whose config the other ("the transformer config says
+    Turbo (it has use_lora), but the file's metadata says Base (...): it runs as Base; ..."); None when they agree,
+    or either is missing, or the user set the variant."""
+    if not choice.config_says:
+        return None
+    other = _label(_OTHER[choice.variant])
+    return naming_line(f"the transformer config says {other} ({choice.config_says}), but the file's metadata says "
+                       f"{choice.label} ({choice.evidence}): it runs as {choice.label}; set {VARIANT_SETTING} to "
+                       "turbo or base to choose", VARIANT_SETTING)
+
+
+def files_notices(choice: VariantChoice) -> list[NamedLine]:
+    """Every line for what the user set against the files, and for files that disagree among themselves."""
+    return [line for line in (override_notice(choice), name_notice(choice), config_notice(choice)) if line]
+
+
 def _label(variant: Variant) -> str:
     return "Turbo" if variant == "turbo" else "Base"
 
@@ -128,21 +146,28 @@ def decide_variant(dit, set_to: Optional[Variant] = None) -> VariantChoice:
 def _files_say(dit) -> VariantChoice:
     named = _name_says(Path(dit.path))
     recorded = dit.metadata.get(METADATA_KEY)
+    config_says = _config_says(dit.config) if dit.config is not None else None
     if recorded is not None:
         variant = _recorded_variant(recorded, dit.path)
+        other = config_says[1] if config_says is not None and config_says[0] != variant else ""
         return VariantChoice(variant, "metadata", "from the file's metadata", evidence=f"{METADATA_KEY} {recorded}",
-                             name_says=_other(named, variant))
-    if dit.config is not None:
-        held = [key for key in TURBO_CONFIG_KEYS if key in dit.config]
-        variant = "turbo" if held else "base"
-        evidence = (f"it has {' and '.join(held)}" if held else
-                    f"it has no {' or '.join(TURBO_CONFIG_KEYS)}, which Turbo's carries")
+                             name_says=_other(named, variant), config_says=other)
+    if config_says is not None:
+        variant, evidence = config_says
         return VariantChoice(variant, "config", "from the transformer config", evidence=evidence,
                              name_says=_other(named, variant))
     if named is not None:
         return VariantChoice(named.variant, "name", f"from the {named.what} name")
     return VariantChoice("base", "default", f"by default: nothing in the files says which (set {VARIANT_SETTING} "
                                             "if it is Turbo)")
+
+
+def _config_says(config: dict) -> tuple[Variant, str]:
+    """The variant a transformer config says, and what in it says so."""
+    held = [key for key in TURBO_CONFIG_KEYS if key in config]
+    if held:
+        return "turbo", f"it has {' and '.join(held)}"
+    return "base", f"it has no {' or '.join(TURBO_CONFIG_KEYS)}, which Turbo's carries"
 
 
 def _name_says(path: Path) -> Optional[NameSays]:

@@ -22,6 +22,7 @@ from typing import Callable, Literal, Optional
 import torch
 
 from ..core.errors import ErnieImageError, ModelFileError, one_line
+from ..core.variant import METADATA_KEY as VARIANT_METADATA_KEY
 from ..files.identity import FileIdentity
 from .config_json import origin_of, read_config
 from .config_values import check_config_values
@@ -103,6 +104,7 @@ def open_component(path: Path, kind: Kind) -> ComponentFile:
     opened = open_weights(path, WHAT_TO_PICK[kind])
     readers, owner = opened.readers, opened.owner
     shapes = {key: reader.shape(key) for key, reader in owner.items()}
+    _refuse_two_variants(path, readers)
     metadata: dict[str, str] = {}
     for reader in readers:
         metadata.update(reader.metadata)
@@ -177,6 +179,19 @@ def _view(reader: SafetensorsFile, raw_key: str, reshape=None) -> Loader:
     if reshape is None:
         return lambda: reader.tensor(raw_key)
     return lambda: reshape(reader.tensor(raw_key))
+
+
+def _refuse_two_variants(path: Path, readers: tuple[SafetensorsFile, ...]) -> None:
+    """A folder whose files record two variants (shards of a Base and of a Turbo download) is two models mixed:
+    refused, where the file read last had decided."""
+    first_saying: dict[str, str] = {}  # each variant recorded -> the first file recording it
+    for reader in readers:
+        if VARIANT_METADATA_KEY in reader.metadata:
+            first_saying.setdefault(reader.metadata[VARIANT_METADATA_KEY], reader.path.name)
+    if len(first_saying) > 1:
+        (said, first), (other, second) = list(first_saying.items())[:2]
+        raise ModelFileError(f"{path.name}/ mixes two models' files: {first} records {VARIANT_METADATA_KEY} {said} "
+                             f"and {second} {other}: download the folder again")
 
 
 def _refuse_two_copies(path: Path, identity: Identity, owner: dict[str, SafetensorsFile]) -> None:

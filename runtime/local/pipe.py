@@ -18,8 +18,7 @@ from ..core.host import Host, NullHost, wants_previews
 from ..core.non_finite import refuse_non_finite
 from ..core.pipe import check_generate_call
 from ..core.request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
-from ..core.variant import (Variant, VariantChoice, decide_variant, name_notice, override_notice, set_by_user,
-                            settings_notice)
+from ..core.variant import Variant, VariantChoice, decide_variant, files_notices, set_by_user, settings_notice
 from ..formats import open_component
 from ..formats.scheduler_config import scheduler_notices
 from ..formats.sources import ModelSources
@@ -264,7 +263,7 @@ class LocalPipe:
 
     def _generate(self, request: GenerationRequest, host: Host) -> GenerationResult:
         self._phase = "setup"
-        for notice in (override_notice(self.variant_choice), name_notice(self.variant_choice),
+        for notice in (*files_notices(self.variant_choice),
                        settings_notice(self.variant_choice, request.settings_for, request.steps, request.cfg)):
             if notice:
                 host.log(notice)
