@@ -17,6 +17,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Union
 
+import torch
+
 from ..core.errors import ModelFileError
 
 TEKKEN_KEY = "tekken_model"
@@ -49,16 +51,44 @@ def _symbol(token: bytes) -> str:
     return "".join(symbols[b] for b in token)
 
 
-def parse_tekken(data: Union[bytes, str]) -> tuple[dict[bytes, int], list[str], str]:
-    """tekken.json -> (byte string -> rank for the usable vocabulary, special tokens by id, split pattern)."""
+EMBEDDED = "the embedded Tekken tokenizer"
+MAX_SPECIALS = 100_000  # Mistral's tekken.json reserves 1000; more is a damaged count, not a vocabulary
+# What a damaged tekken.json raises while it is read: a wrong type, a missing entry, bad base64 (a ValueError).
+_TEKKEN_ERRORS = (ValueError, KeyError, TypeError, AttributeError, IndexError, OverflowError)
+
+
+def parse_tekken(data: Union[bytes, str], shown: str = EMBEDDED) -> tuple[dict[bytes, int], list[str], str]:
+    """tekken.json -> (byte string -> rank for the usable vocabulary, special tokens by id, split pattern).
+    A damaged one is one line naming it (`shown`)."""
     try:
-        spec = json.loads(data)
-        config = spec["config"]
-        entries = spec["vocab"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ModelFileError(f"the embedded Tekken tokenizer is unreadable ({err}): re-download the text-encoder file") from None
+        return _parse_tekken(data)
+    except RecursionError:
+        raise _unreadable(shown, "its JSON is nested too deep to read") from None
+    except _TEKKEN_ERRORS as error:
+        raise _unreadable(shown, _why(error)) from None
+
+
+def _unreadable(shown: str, why: str) -> ModelFileError:
+    fix = "re-download the text-encoder file" if shown == EMBEDDED else "the file is damaged: download it again"
+    return ModelFileError(f"{shown} is unreadable ({why}): {fix}")
+
+
+def _why(error: BaseException) -> str:
+    if isinstance(error, KeyError):
+        return f"it has no {error.args[0]!r} entry" if error.args else "an entry is missing"
+    return " ".join(str(error).split())[:160] or "an entry is not what tekken.json holds"
+
+
+def _parse_tekken(data: Union[bytes, str]) -> tuple[dict[bytes, int], list[str], str]:
+    spec = json.loads(data)
+    if not isinstance(spec, dict):
+        raise ValueError(f"it holds a JSON {type(spec).__name__}, not the object of a tekken.json")
+    config = spec["config"]
+    entries = spec["vocab"]
     specials_listed = spec.get("special_tokens") or []
     num_special = int(config.get("default_num_special_tokens", len(specials_listed)))
+    if not 0 <= num_special <= MAX_SPECIALS:
+        raise ValueError(f"default_num_special_tokens {num_special} is not a count of special tokens")
     vocab_size = config.get("default_vocab_size")
     usable = int(vocab_size) - num_special if vocab_size is not None else len(entries)
     specials = [f"<SPECIAL_{i}>" for i in range(num_special)]
@@ -85,11 +115,21 @@ def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[str, str]]:
     return [(_symbol(left), _symbol(right)) for *_, left, right in found]
 
 
-def tokenizer_from_tekken_json(data: Union[bytes, str], max_length: int = MAX_LENGTH):
+def tokenizer_from_tekken_json(data: Union[bytes, str], max_length: int = MAX_LENGTH, shown: str = EMBEDDED):
+    """The tokenizer a tekken.json describes; a damaged one is one line naming it (`shown`)."""
+    ranks, specials, pattern = parse_tekken(data, shown)
+    try:
+        return _fast_tokenizer(ranks, specials, pattern, max_length)
+    except MemoryError:
+        raise
+    except Exception as error:  # tokenizers refuses a bad split pattern or vocabulary as a bare Exception
+        raise _unreadable(shown, _why(error)) from None
+
+
+def _fast_tokenizer(ranks: dict[bytes, int], specials: list[str], pattern: str, max_length: int):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    ranks, specials, pattern = parse_tekken(data)
     offset = len(specials)
     vocab = {token: index for index, token in enumerate(specials)}
     for token, rank in ranks.items():
@@ -127,13 +167,17 @@ def read_tekken_bytes(path: Path) -> Optional[bytes]:
     reader = open_safetensors(path)
     if TEKKEN_KEY not in reader:
         return None
-    return reader.tensor(TEKKEN_KEY).numpy().tobytes()
+    tensor = reader.tensor(TEKKEN_KEY)
+    if tensor.dtype != torch.uint8:
+        raise _unreadable(f"the Tekken tokenizer embedded in {path}", f"its {TEKKEN_KEY} tensor holds "
+                          f"{str(tensor.dtype).removeprefix('torch.')} values, not the bytes of a tekken.json")
+    return tensor.contiguous().numpy().tobytes()
 
 
 def tokenizer_from_text_encoder_file(path: Path):
     """The tokenizer embedded in a text-encoder file (ComfyUI's ministral-3-3b), or None when there is none."""
     data = read_tekken_bytes(path)
-    return None if data is None else tokenizer_from_tekken_json(data)
+    return None if data is None else tokenizer_from_tekken_json(data, shown=f"the Tekken tokenizer embedded in {path}")
 
 
 def tekken_json_from_vocabulary(byte_tokens: list[bytes], specials: list[str], pattern: str = DEFAULT_PATTERN,

@@ -3,10 +3,11 @@ the text_encoder/ folder a text encoder was given from), an explicit tokenizer p
 or (ComfyUI single files) the Tekken tokenizer embedded in the text-encoder file as the uint8 tensor `tekken_model`."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from ..core.errors import ModelFileError, one_line
+from ..core.errors import ModelFileError
 from .sources import component_folder
 
 # The option of a tokenizer folder of its own, which a front end without one (ComfyUI's Loader) leaves out.
@@ -23,9 +24,17 @@ def diffusers_tokenizer_beside(text_encoder) -> Optional[Path]:
     return beside if beside.is_dir() else None
 
 
-def load_tokenizer(sources):
-    from transformers import AutoTokenizer
+class NoTokenizerFound(ModelFileError):
+    """None of the places a tokenizer may be holds one (a damaged one is a ModelFileError of its own)."""
 
+
+def load_tokenizer(sources):
+    """The text encoder's tokenizer: the one given (`tokenizer`), the model folder's tokenizer/, the one beside the
+    text encoder's folder, else the Tekken tokenizer its file embeds; where it came from is recorded for a refusal
+    of a tokenizer that does not fit the text encoder (tokenizer_fit.py)."""
+    from .tokenizer_fit import embedded_origin, folder_origin, given_origin, remember_origin
+
+    encoder = _text_encoder_shown(sources)
     candidates = []
     if sources.tokenizer is not None:
         candidates.append(sources.tokenizer)
@@ -37,11 +46,10 @@ def load_tokenizer(sources):
     for candidate in candidates:
         folder = candidate.parent if candidate.is_file() else candidate
         if (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists():
-            try:
-                return AutoTokenizer.from_pretrained(str(folder))
-            except (OSError, ValueError, TypeError, KeyError) as error:
-                raise ModelFileError(f"the tokenizer in {folder} cannot be read ({one_line(error)}): "
-                                     "download the model's tokenizer/ folder again") from None
+            tokenizer = read_tokenizer_folder(folder, "download the model's tokenizer/ folder again")
+            origin = (given_origin(candidate, encoder) if candidate == sources.tokenizer
+                      else folder_origin(folder, "tokenizer", encoder))
+            return remember_origin(tokenizer, origin)
         if candidate == sources.tokenizer:  # asked for explicitly: never fall back silently to another tokenizer
             raise ModelFileError(f"tokenizer {candidate} has no tokenizer.json or tokenizer_config.json: give the "
                                  "model's tokenizer/ folder (or its tokenizer.json), or leave the tokenizer out"
@@ -51,9 +59,72 @@ def load_tokenizer(sources):
 
         tokenizer = tokenizer_from_text_encoder_file(Path(sources.text_encoder))
         if tokenizer is not None:
-            return tokenizer
-    raise ModelFileError(
+            return remember_origin(tokenizer, embedded_origin(sources.text_encoder, encoder))
+    raise NoTokenizerFound(
         "no vocabulary for the text encoder found (a tokenizer.json, or one its file embeds): give a text encoder "
         f"file that embeds one (text_encoder: ministral-3-3b.safetensors), a diffusers folder with tokenizer/ "
         f"(model_dir){TOKENIZER_FOLDER}"
     ).naming(TOKENIZER_FOLDER, "text_encoder", "model_dir", "tokenizer")
+
+
+def _text_encoder_shown(sources) -> Optional[str]:
+    """The text encoder a tokenizer is found for, as a message names it (None: none given)."""
+    try:
+        return str(sources.component("text_encoder"))
+    except ModelFileError:
+        return None
+
+
+# The JSON files transformers reads from a tokenizer folder.
+TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.json",
+                  "chat_template.json")
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false",
+               type(None): "null"}
+
+
+def read_tokenizer_folder(folder: Path, fix: str) -> Any:
+    """transformers' tokenizer of `folder`; a folder it cannot read is one line naming the folder, the damaged file
+    where one is (JSON that does not parse, nested too deep, not an object, empty, not UTF-8), and `fix`."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except MemoryError:
+        raise
+    except Exception as error:  # tokenizers refuses a tokenizer.json as a bare Exception; JSON nested too deep
+        # is a RecursionError; transformers lets through the AttributeError of a JSON list where it wants an object
+        cause = damaged_json(folder) or _library_reason(error)
+        raise ModelFileError(f"the tokenizer in {folder} cannot be read ({cause}): {fix}") from None
+
+
+def damaged_json(folder: Path) -> Optional[str]:
+    """What is wrong with the first of the tokenizer JSON files in `folder` that is damaged (None: none is)."""
+    for name in TOKENIZER_JSON:
+        path = folder / name
+        if not path.exists():
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            return f"its {name} cannot be opened: {error.strerror or 'an I/O error'}"
+        if not data:
+            return f"its {name} is empty (0 bytes)"
+        try:
+            value = json.loads(data.decode("utf-8"))
+        except UnicodeDecodeError as error:
+            return f"its {name} is damaged: not UTF-8 text (byte {error.start})"
+        except RecursionError:
+            return f"its {name} is damaged: its JSON is nested too deep to read"
+        except ValueError as error:
+            return f"its {name} is damaged: not valid JSON ({error})"
+        if not isinstance(value, dict):
+            return f"its {name} is damaged: it holds {_JSON_KINDS.get(type(value), 'a value')}, not a JSON object"
+    return None
+
+
+def _library_reason(error: BaseException, limit: int = 160) -> str:
+    """The library's words for a failure, on one line and cut at a word (never its exception's class name)."""
+    text = " ".join(str(error).replace("`", "").split())
+    if len(text) > limit:
+        text = text[:limit].rsplit(" ", 1)[0] + " ..."
+    return f"the tokenizer library refused its files: {text}" if text else "the tokenizer library refused its files"

@@ -195,11 +195,25 @@ def build_adapter(name: str, path: str, parts: dict[str, torch.Tensor], shape: t
     return adapter
 
 
+# The layouts one layer's adapter may be in: parts of two of them in one layer are two adapters of that layer.
+LAYOUTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("lora_A/lora_B", ("lora_A.", "lora_B.")),
+    ("lora_down/lora_up", ("lora_down.", "lora_up.")),
+    ("LoKr (lokr_*)", ("lokr_",)),
+    ("LoHa (hada_*)", ("hada_",)),
+)
+
+
 def _adapter(name: str, path: str, parts: dict[str, torch.Tensor], peft: Optional[PeftAlphas]) -> Adapter:
     for part in parts:
         refusal = REFUSED_PARTS.get(part) or REFUSED_PARTS.get(part.removesuffix(".weight"))
         if refusal is not None:
             raise ModelFileError(f"LoRA {name} {refusal} (at {path})")
+    layouts = [layout for layout, starts in LAYOUTS if any(part.startswith(starts) for part in parts)]
+    if len(layouts) > 1:
+        how = "two trainers' layouts" if set(layouts[:2]) == {LAYOUTS[0][0], LAYOUTS[1][0]} else "two kinds of adapter"
+        raise ModelFileError(f"LoRA {name} holds two LoRAs for {path} ({layouts[0]} and {layouts[1]} keys, {how}): it "
+                             f"was merged from two files; use each LoRA's own file")
     if any(part.startswith("lokr_") for part in parts):
         return _lokr(name, path, parts)
     if any(part.startswith("hada_") for part in parts):
@@ -229,9 +243,6 @@ def _shape(adapter: Adapter) -> tuple[int, int]:
 
 
 def _lora(name: str, path: str, parts: dict[str, torch.Tensor], peft: Optional[PeftAlphas]) -> LowRank:
-    if {"lora_A.weight", "lora_B.weight"} & set(parts) and {"lora_down.weight", "lora_up.weight"} & set(parts):
-        raise ModelFileError(f"LoRA {name} holds two LoRAs for {path} (lora_A/lora_B and lora_down/lora_up keys, "
-                             f"two trainers' layouts): it was merged from two files; use each LoRA's own file")
     down_part = "lora_A.weight" if "lora_A.weight" in parts or "lora_B.weight" in parts else "lora_down.weight"
     up_part = "lora_B.weight" if down_part == "lora_A.weight" else "lora_up.weight"
     down, up = _need(name, path, parts, down_part, up_part)

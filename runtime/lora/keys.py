@@ -130,13 +130,16 @@ def _few(keys: list[str], count: int = 3) -> str:
 
 def map_keys(name: str, tensors: dict[str, torch.Tensor], targets: dict[str, tuple[int, int]]) -> MappedKeys:
     """Group `tensors` by DiT Linear. Refuses (ModelFileError, one line) a file that is not a LoRA, another model's
-    LoRA, and one whose keys name no DiT Linear; keys that name nothing among others are returned as `unmatched`."""
+    LoRA, one whose keys name no DiT Linear, and one where two keys give one layer the same part under two names
+    (prefixes, kohya's underscores, a part's spellings): keys that name nothing among others are returned as
+    `unmatched`."""
     kohya_names = {path.replace(".", "_"): path for path in targets}
     layers: dict[str, dict[str, torch.Tensor]] = {}
     styles: dict[str, int] = {}
     unmatched: list[str] = []
     text_encoder = 0
     adapter_keys = 0
+    named_by: dict[tuple[str, str], str] = {}  # (DiT Linear, canonical part) -> the first key that gave it
     for key, tensor in tensors.items():
         if key.startswith(TEXT_ENCODER_PREFIXES):
             text_encoder += 1
@@ -152,7 +155,12 @@ def map_keys(name: str, tensors: dict[str, torch.Tensor], targets: dict[str, tup
         if path is None or path not in targets:
             unmatched.append(key)
             continue
-        layers.setdefault(path, {})[_CANONICAL_PARTS.get(part, part)] = tensor
+        part = _CANONICAL_PARTS.get(part, part)
+        earlier = named_by.setdefault((path, part), key)
+        if earlier != key:
+            raise ModelFileError(f"LoRA {name} holds two LoRAs for {path} (keys {earlier} and {key}, its {part} under "
+                                 f"two names): it was merged from two files; use each LoRA's own file")
+        layers.setdefault(path, {})[part] = tensor
     keys = list(tensors)
     style = max(styles, key=styles.get) if styles else "unknown"
     if not layers:

@@ -5,6 +5,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from ..formats.tokenizer_fit import origin_of, refuse_ids_beyond, refuse_unfit
+
 MAX_TOKENS = 2048
 TOKENS_RANGE = (1, MAX_TOKENS)  # the tokens a padded prompt may hold
 
@@ -28,16 +30,29 @@ def cut_notice(prompt: str, tokens: int) -> str:
             "the words after that do not reach the image; shorten the prompt")
 
 
+def embedding_rows(tower) -> Optional[int]:
+    """The rows of a text model's token embedding (None where it holds no table: released)."""
+    weight = getattr(tower.embed_tokens, "weight", None)
+    return int(weight.shape[0]) if weight is not None and weight.dim() == 2 and weight.shape[0] else None
+
+
 @torch.no_grad()
 def encode_prompts(tokenizer, tower, prompts: Sequence[str],
                    log: Optional[Callable[[str], None]] = None) -> list[torch.Tensor]:
     """One [T_i, D] tensor per prompt. `tower` is the text model cut after the layer hidden_states[-2] reads.
 
+    A tokenizer with ids past the tower's embedding is refused before any prompt is encoded (tokenizer_fit.py).
     `log` is told of each prompt cut at MAX_TOKENS."""
     device = tower.embed_tokens.weight.device
+    rows = embedding_rows(tower)
+    encoder = origin_of(tokenizer).text_encoder
+    if rows is not None:
+        refuse_unfit(tokenizer, rows, "text encoder", encoder)
     embeddings = []
     for prompt in prompts:
         ids, tokens = encoder_token_ids(tokenizer, prompt)
+        if rows is not None:
+            refuse_ids_beyond(tokenizer, ids, prompt, rows, "text encoder", encoder)
         if tokens > MAX_TOKENS and log is not None:
             log(cut_notice(prompt, tokens))
         ids = torch.tensor([ids], device=device)

@@ -18,6 +18,8 @@ from ..core.number_text import not_allowed
 from ..core.request import MAX_NEW_TOKENS_RANGE, TEMPERATURE_RANGE, TOP_P_RULE
 from ..core.variant import Variant
 from ..formats.sources import ModelSources
+from ..formats.tokenizer_fit import refuse_ids_beyond, refuse_unfit
+from .encoder import embedding_rows
 from .pe_model import PeWeights, build_pe_model, default_top_k, load_pe_tokenizer, locate_pe, open_pe_component
 from .pe_prompt import prompt_token_ids, render_chat
 from .token_sampler import SamplingSettings, sample_tokens
@@ -91,6 +93,7 @@ class LocalEnhancer:
         # The decode step through torch.compile (Triton): set by the pipe from its compile option.
         self.compiled_decode = False
         self.top_k = default_top_k(located)
+        self.embedding_rows = embedding_rows(model.model)  # what input_ids must stay below
         eos = getattr(tokenizer, "eos_token_id", None)
         config_eos = getattr(model.config, "eos_token_id", None)
         ids = {eos} if eos is not None else set()
@@ -104,11 +107,13 @@ class LocalEnhancer:
         """`build_device`: where the weights are materialised when not on `device` (the host, for an offloader
         that places them itself). `quant` "fp8": the decoder layers' Linears are packed there once built
         (pe_quant.py); a memory plan made for bf16 weights then only over-provisions."""
-        from .pe_model import pe_config_for, pe_weight_bytes
+        from .pe_model import pe_config_for, pe_embedding_rows, pe_weight_bytes
 
         located = locate_pe(sources)
         tokenizer = load_pe_tokenizer(located, sources)
         component = open_pe_component(located)
+        refuse_unfit(tokenizer, pe_embedding_rows(component), "prompt enhancer", located.weights)
+        render_chat(tokenizer, "a cat", 1024, 1024)  # a chat template that does not render, before the build
         build_device = torch.device(build_device) if build_device is not None else device
         if host is not None and build_device.type == "cuda":
             host.make_room(pe_weight_bytes(pe_config_for(component, variant), dtype), build_device)
@@ -125,7 +130,10 @@ class LocalEnhancer:
                                 max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens)
 
     def input_ids(self, prompt: str, width: int, height: int) -> list[int]:
-        return prompt_token_ids(self.tokenizer, render_chat(self.tokenizer, prompt, width, height))
+        ids = prompt_token_ids(self.tokenizer, render_chat(self.tokenizer, prompt, width, height))
+        if self.embedding_rows is not None:
+            refuse_ids_beyond(self.tokenizer, ids, prompt, self.embedding_rows, "prompt enhancer", self.located.weights)
+        return ids
 
     def revise(self, prompt: str, width: int, height: int, seed: int, settings: SamplingSettings,
                host: Optional[Host] = None) -> Revision:

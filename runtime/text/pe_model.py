@@ -165,28 +165,32 @@ def load_pe_tokenizer(located: PeWeights, sources: ModelSources) -> Any:
 
     The last fallback is sound because the PE and the text encoder are both Ministral-3 3B with one vocabulary.
     """
-    from transformers import AutoTokenizer
+    from ..formats.tokenizer import read_tokenizer_folder
+    from ..formats.tokenizer_fit import embedded_origin, folder_origin, remember_origin
 
     if located.tokenizer_folder is not None:
-        return AutoTokenizer.from_pretrained(str(located.tokenizer_folder))
+        tokenizer = read_tokenizer_folder(located.tokenizer_folder, "download the model's pe_tokenizer/ folder again")
+        return remember_origin(tokenizer, folder_origin(located.tokenizer_folder, "pe_tokenizer"))
     if located.weights.is_file():
-        try:
-            from ..formats.tekken import tokenizer_from_text_encoder_file
-        except ImportError:
-            tokenizer_from_text_encoder_file = None
-        if tokenizer_from_text_encoder_file is not None:
-            tokenizer = tokenizer_from_text_encoder_file(located.weights)
-            if tokenizer is not None:
-                return tokenizer
-    from ..formats.tokenizer import load_tokenizer
+        from ..formats.tekken import tokenizer_from_text_encoder_file
+
+        tokenizer = tokenizer_from_text_encoder_file(located.weights)
+        if tokenizer is not None:
+            return remember_origin(tokenizer, embedded_origin(located.weights))
+    from ..formats.tokenizer import NoTokenizerFound, load_tokenizer
 
     try:
         return load_tokenizer(sources)
-    except ModelFileError:
+    except NoTokenizerFound:
         raise ModelFileError(
             f"no tokenizer for the prompt enhancer {located.weights}: it embeds none and no pe_tokenizer/ or text-"
             f"encoder tokenizer was given; pass the diffusers folder or the text-encoder file too"
         ) from None
+
+
+def pe_embedding_rows(component) -> int:
+    """The rows of the PE's token embedding, from its file's shapes (nothing is read)."""
+    return int(tuple(component.tensor("embed_tokens.weight").shape)[0])
 
 
 def open_pe_component(located: PeWeights):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from ..core.errors import InvalidInputError
+from ..core.errors import InvalidInputError, ModelFileError
 
 ERNIE_PE_SYSTEM_TEXT = (
     "你是一个专业的文生图 Prompt 增强助手。你将收到用户的简短图片描述及目标生成分辨率，请据此扩写为一段内容丰富、"
@@ -48,9 +48,26 @@ def render_chat(tokenizer: Any, prompt: str, width: int, height: int, chat_templ
     `add_generation_prompt=False` as in diffusers: the template's user turn already ends where the answer starts.
     """
     template = chat_template or getattr(tokenizer, "chat_template", None) or ERNIE_PE_CHAT_TEMPLATE
-    return tokenizer.apply_chat_template(
-        chat_messages(prompt, width, height), chat_template=template, tokenize=False, add_generation_prompt=False
-    )
+    messages = chat_messages(prompt, width, height)
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=False)
+    except MemoryError:
+        raise
+    except Exception as error:  # the template is code the tokenizer's folder brings: jinja2 raises what it may
+        raise unusable_template(tokenizer, error) from None
+
+
+def unusable_template(tokenizer: Any, error: BaseException) -> ModelFileError:
+    """A chat template that does not render, as one line naming the tokenizer it came with."""
+    from ..formats.tokenizer_fit import origin_of
+
+    reason = " ".join(str(error).split())[:160] or "it gave no reason"
+    line = getattr(error, "lineno", None)
+    where = f" at line {line}" if isinstance(line, int) else ""
+    origin = origin_of(tokenizer)
+    return ModelFileError(f"the chat template of {origin.shown} cannot be rendered ({reason}{where}): "
+                          f"{origin.fix.format(part='prompt enhancer')}").naming(*origin.settings)
 
 
 def prompt_token_ids(tokenizer: Any, text: str) -> list[int]:
