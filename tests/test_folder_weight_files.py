@@ -330,3 +330,43 @@ def test_an_index_that_does_not_place_the_tensors_is_refused_in_one_line(capsys,
     assert line.startswith(says), line
     assert "Error" not in line  # the cause in words, not an exception's name
     assert weights_read == [] and not (tmp_path / "x.png").exists()
+
+
+# ------------------------------------------------------------------------------------------- what else a folder holds
+@pytest.mark.parametrize("stray_from, into, described, role", [
+    ("vae", "transformer", "the FLUX.2 VAE (diffusers names)", "VAE"),
+    ("transformer", "text_encoder", "an ERNIE-Image transformer", "transformer (DiT)"),
+    ("transformer", "vae", "an ERNIE-Image transformer", "transformer (DiT)")])
+def test_another_parts_file_beside_a_parts_weights_is_named(capsys, tmp_path, model, weights_read, stray_from, into,
+                                                             described, role):
+    """Not blamed on the folder's config, nor the folder taken for the other part."""
+    shutil.copy(model / stray_from / WEIGHTS[stray_from], model / into / "extra.safetensors")
+    line = _refused(capsys, _generate(model, tmp_path / "x.png"))
+    assert line.startswith(f"{into}/ holds extra.safetensors, {described}, beside the ERNIE-Image "), line
+    assert line.endswith(f"'s weights: remove it, or give it as the {role}"), line
+    assert weights_read == []
+
+
+@pytest.mark.parametrize("companion", ["._diffusion_pytorch_model.safetensors",
+                                       "diffusion_pytorch_model.fp16.safetensors"],
+                         ids=["macOS's AppleDouble companion", "a diffusers variant copy"])
+def test_files_diffusers_never_reads_beside_the_weights_are_not_read(tmp_path, model, picture, companion):
+    """An AppleDouble file (`._name`, from a copy through exFAT) is no weights at all; a variant copy is read by
+    diffusers only when that variant is asked for. Neither is read, nor refused as a stray copy."""
+    folder = model / "vae"
+    if companion.startswith("._"):
+        (folder / companion).write_bytes(b"\x00\x05\x16\x07" + b"\x00" * 80)
+    else:
+        _zero_copy(folder, companion)
+    assert main(_generate(model, tmp_path / "x.png")) == 0
+    assert _pixels(tmp_path / "x.png") == picture
+
+
+def test_a_shard_missing_from_a_folder_without_an_index_is_named(capsys, tmp_path, model, weights_read):
+    folder = model / "transformer"
+    _sharded(folder)
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    line = _refused(capsys, _generate(model, tmp_path / "x.png"))
+    assert line == ("transformer/ holds 1 of the 2 shards of model and not model-00002-of-00002.safetensors: the "
+                    "download is incomplete: download the folder again")
+    assert weights_read == []

@@ -105,6 +105,7 @@ def open_component(path: Path, kind: Kind) -> ComponentFile:
     readers, owner = opened.readers, opened.owner
     shapes = {key: reader.shape(key) for key, reader in owner.items()}
     _refuse_two_variants(path, readers)
+    _refuse_other_parts(path, kind, readers)
     metadata: dict[str, str] = {}
     for reader in readers:
         metadata.update(reader.metadata)
@@ -179,6 +180,19 @@ def _view(reader: SafetensorsFile, raw_key: str, reshape=None) -> Loader:
     if reshape is None:
         return lambda: reader.tensor(raw_key)
     return lambda: reshape(reader.tensor(raw_key))
+
+
+def _refuse_other_parts(path: Path, kind: str, readers: tuple[SafetensorsFile, ...]) -> None:
+    """A file of another part among a folder's files (a VAE's left in transformer/) is named, rather than its
+    tensors blamed on the folder's config or the folder taken for that part."""
+    if len(readers) < 2:
+        return
+    wanted = "text_encoder" if kind == "pe" else kind
+    for reader in readers:
+        identity = identify({key: reader.shape(key) for key in reader.keys()})
+        if identity.kind is not None and identity.kind != wanted:
+            raise ModelFileError(f"{path.name}/ holds {reader.path.name}, {identity.description}, beside the "
+                                 f"{LABELS[kind]}'s weights: remove it, or give it as the {ROLE[identity.kind]}")
 
 
 def _refuse_two_variants(path: Path, readers: tuple[SafetensorsFile, ...]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -45,7 +46,14 @@ def open_weights(path: Path, pick: str) -> OpenWeights:
 
 
 def _weight_files(folder: Path, pick: str) -> list[Path]:
-    files = sorted(folder.glob("*.safetensors"))
+    """The .safetensors files a folder without an index is read from: all but macOS's AppleDouble companions
+    (`._name`, left by a copy through exFAT or a network share) and, beside the weights under their plain names,
+    diffusers' variant copies (`diffusion_pytorch_model.fp16.safetensors`), which diffusers reads only when a variant
+    is asked for. A shard whose siblings are not all there is refused by name."""
+    files = sorted(file for file in folder.glob("*.safetensors") if not file.name.startswith("._"))
+    plain = {match["stem"] for match in map(_SHARD_OR_PLAIN.fullmatch, (file.name for file in files)) if match}
+    files = [file for file in files if not _variant_copy(file.name, plain)]
+    _refuse_missing_shards(folder, files)
     if files:
         return files
     names = sorted(found.name for found in folder.iterdir())
@@ -54,6 +62,33 @@ def _weight_files(folder: Path, pick: str) -> list[Path]:
         raise ModelFileError(f"{folder} holds only PyTorch pickle weights ({found}), which this pack never loads: "
                              f"use the .safetensors release")
     raise ModelFileError(f"{folder} holds no .safetensors weights (found {found}): {pick}")
+
+
+_SHARD_OR_PLAIN = re.compile(r"(?P<stem>[^.]+?)(-\d{5}-of-\d{5})?\.safetensors")
+_VARIANT_COPY = re.compile(r"(?P<stem>[^.]+)\.[A-Za-z0-9_]+(-\d{5}-of-\d{5})?\.safetensors")
+_SHARD = re.compile(r"(?P<stem>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.safetensors")
+
+
+def _variant_copy(name: str, plain: set[str]) -> bool:
+    """`stem.VARIANT.safetensors` (or its shards) where the folder holds `stem` under its plain name."""
+    match = _VARIANT_COPY.fullmatch(name)
+    return match is not None and match["stem"] in plain
+
+
+def _refuse_missing_shards(folder: Path, files: list[Path]) -> None:
+    """Shards named `NAME-00001-of-00003.safetensors` whose siblings are not all there: an incomplete download."""
+    held: dict[tuple[str, int], set[int]] = {}
+    for file in files:
+        match = _SHARD.fullmatch(file.name)
+        if match:
+            held.setdefault((match["stem"], int(match["count"])), set()).add(int(match["number"]))
+    for (stem, count), numbers in sorted(held.items()):
+        missing = sorted(set(range(1, count + 1)) - numbers)
+        if missing:
+            first = f"{stem}-{missing[0]:05d}-of-{count:05d}.safetensors"
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ModelFileError(f"{folder.name}/ holds {len(numbers)} of the {count} shards of {stem} and not "
+                                 f"{first}{more}: the download is incomplete: download the folder again")
 
 
 def _indexed(folder: Path, indexes: tuple[Path, ...]) -> OpenWeights:
