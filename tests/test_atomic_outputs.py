@@ -436,6 +436,21 @@ def test_a_partial_bearing_this_process_pid_that_it_is_not_writing_was_left_by_a
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(["a.png", young.name])
 
 
+def test_a_long_names_hidden_names_are_cut_to_fit_and_its_leftovers_still_removed(tmp_path):
+    """A 250-byte target: its partial name is cut to the folder's longest name with a hash of the whole name, which
+    tells another long name cut alike apart; what a killed process left under it goes on the next write."""
+    target, alike = tmp_path / ("d" * 246 + ".png"), tmp_path / ("d" * 246 + ".jpg.png")
+    stem = output_files.hidden_stem(target)
+    assert len(os.fsencode(f".{stem}.{9_999_999}.{'0' * 12}.partial")) <= 255
+    assert stem != output_files.hidden_stem(alike)
+    stale = leftover(tmp_path, stem, dead_pid(), STALE_PARTIAL_S + 60)
+    other = leftover(tmp_path, output_files.hidden_stem(alike), dead_pid(), STALE_PARTIAL_S + 60)
+    with atomic_outputs([target]) as (partial,):
+        assert partial.name.startswith(f".{stem}.")
+        partial.write_bytes(b"new")
+    assert target.read_bytes() == b"new" and not stale.exists() and other.exists()
+
+
 def test_a_folder_that_cannot_be_listed_still_takes_the_write(tmp_path, monkeypatch):
     def unlistable(path):
         raise PermissionError(13, "Permission denied", str(path))

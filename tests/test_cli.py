@@ -126,11 +126,21 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(capsys, tmp
         "/sys/ernie.png": "/sys is the kernel's sysfs file system, which takes no files",
         str(tmp_path / "missing" / "x.png"): "the folder " + str(tmp_path / "missing") + " does not exist: create it",
         os.devnull: "is not a .png file name",
-        str(tmp_path / ("b" * 250 + ".png")): "File name too long",  # fits the name limit, not with a partial suffix
+        str(tmp_path / ("b" * 250 + ".png")): "File name too long",  # fits, but not a batch's "_63" name
     }
     for out, expected in cases.items():
         assert expected in _cli(capsys, "generate", "--out", out), out
     assert not empty_cache.exists()
+
+
+def test_an_output_name_as_long_as_the_file_system_takes_less_a_batchs_suffix_is_written(capsys, tmp_path,
+                                                                                          tiny_turbo_folder):
+    """The hidden name it is written under first is cut to fit, with a hash of the whole name: the output's own
+    name is not cut short by the hidden name's extra characters."""
+    out = tmp_path / ("c" * 248 + ".png")  # 252 bytes: room for "_63", none for ".<pid>.<token>.partial"
+    assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256", "--steps",
+                 "1", "--out", str(out)]) == 0, capsys.readouterr().err
+    assert _files(tmp_path) == [out.name]
 
 
 @pytest.mark.parametrize("argv, expected", [

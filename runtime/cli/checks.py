@@ -21,7 +21,6 @@ from ..core.errors import InvalidInputError, quoted_shortly
 from ..core.number_text import DECIMAL_RULE, decimal_from_text, not_allowed
 from ..core.request import BATCH_RANGE, CFG_RANGE, SEED_RANGE, SHIFT_RANGE, STEPS_RANGE, validate_size
 from ..files.inputs_outputs import refuse_colliding_outputs, refuse_outputs_over_inputs
-from ..files.output_files import HIDDEN_NAME_EXTRA
 from ..files.uninterrupted import uninterrupted
 
 ArgCheck = Callable[[argparse.Namespace], None]
@@ -140,7 +139,7 @@ def _check_writable_folder(folder: Path, path: Path, option: str) -> None:
                                     "path") from None
         raise InvalidInputError(f"{option} {path} cannot be written: {_why_unwritable(folder, error)}: pick a "
                                 "writable folder") from None
-    if len(os.fsencode(path.name)) + len("_63") + HIDDEN_NAME_EXTRA > _name_max(folder):  # a batch's last name
+    if len(os.fsencode(path.name)) + len("_63") > _name_max(folder):  # a batch's last name
         raise InvalidInputError(f"{option} {path} cannot be used: File name too long: pick a shorter output path")
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import secrets
@@ -84,9 +85,10 @@ def remove_stale_partials(target: Path, now: Optional[float] = None) -> list[Pat
     except OSError:
         return removed
     now = time.time() if now is None else now
+    stem = hidden_stem(target)
     for entry in entries:
         found = _PARTIAL_NAME.match(entry.name)
-        if found is None or found["name"] != target.name or os.path.abspath(entry.path) in _WRITING:
+        if found is None or found["name"] != stem or os.path.abspath(entry.path) in _WRITING:
             continue
         if int(found["pid"]) != os.getpid() and _process_alive(int(found["pid"])):
             continue
@@ -112,12 +114,33 @@ _TOKEN_BYTES = 6
 # The characters a hidden name adds to its target's: ".", ".<pid>" (Linux pids have at most 7 digits),
 # ".<token>" and ".partial" (the longer kind).
 HIDDEN_NAME_EXTRA = 1 + 8 + 1 + 2 * _TOKEN_BYTES + len(".partial")
+_CUT_MARK_BYTES = 1 + 16  # "~" and 16 hex digits of the whole name's hash, where a long name is cut
 
 
 def hidden_name(path: Path, kind: str) -> Path:
     """A hidden name beside `path` for this process's `kind` ("partial", "backup") file: no one can plant a file
     or a link there in advance."""
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(_TOKEN_BYTES)}.{kind}")
+    return path.with_name(f".{hidden_stem(path)}.{os.getpid()}.{secrets.token_hex(_TOKEN_BYTES)}.{kind}")
+
+
+def hidden_stem(path: Path) -> str:
+    """`path`'s name as its hidden names carry it: whole where they fit the folder's longest name, else cut to fit,
+    with a hash of the whole name that tells two names cut alike apart. So an output name may be as long as the
+    file system takes (255 bytes mostly), not that less the hidden name's extra characters."""
+    name = os.fsencode(path.name)
+    room = _name_max(path.parent) - HIDDEN_NAME_EXTRA
+    if len(name) <= room:
+        return path.name
+    digest = hashlib.sha256(name).hexdigest()[:_CUT_MARK_BYTES - 1]
+    return f"{os.fsdecode(name[:max(room - _CUT_MARK_BYTES, 1)])}~{digest}"
+
+
+def _name_max(folder: Path) -> int:
+    """The longest file name `folder`'s file system takes, in bytes (255 where it does not say)."""
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
 
 
 def _new_partial(target: Path) -> Path:
