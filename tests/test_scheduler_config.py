@@ -43,10 +43,10 @@ def test_nothing_is_said_where_the_folder_agrees_or_says_nothing(tmp_path, case)
 
 
 @pytest.mark.parametrize("config, shift, said", [
-    ({"shift": 1.0}, 4.0, f"{LABEL} says shift 1; this run uses shift 4: give shift 1 to sample as it says"),
-    ({"shift": 4.0}, 3.0, f"{LABEL} says shift 4; this run uses shift 3: give shift 4 to sample as it says"),
-    ({"shift": "4"}, 4.0, f"{LABEL} gives shift '4', not a positive number; this run uses shift 4"),
-    ({"shift": -1}, 4.0, f"{LABEL} gives shift -1, not a positive number; this run uses shift 4"),
+    ({"shift": 1.0}, 4.0, f"give shift 1 to sample as {LABEL} says (this run uses 4)"),
+    ({"shift": 4.0}, 3.0, f"give shift 4 to sample as {LABEL} says (this run uses 3)"),
+    ({"shift": "4"}, 4.0, f"this run uses shift 4: {LABEL} gives '4' for it, not a positive number"),
+    ({"shift": -1}, 4.0, f"this run uses shift 4: {LABEL} gives -1 for it, not a positive number"),
 ])
 def test_another_shift_is_named_with_the_setting_that_follows_it(tmp_path, config, shift, said):
     notices = scheduler_notices(folder_with(tmp_path, json.dumps({**RELEASED, **config})), shift)
@@ -101,5 +101,19 @@ def test_a_pipe_says_it_once_and_runs(tiny_turbo_folder, tmp_path):
     for _ in range(2):
         result = pipe.generate(GenerationRequest(prompt="a fox", width=256, height=256, steps=1), host)
         assert result.images.shape[0] == 1
-    said = f"{LABEL} says shift 1; this run uses shift 4: give shift 1 to sample as it says"
+    said = f"give shift 1 to sample as {LABEL} says (this run uses 4)"
     assert host.messages.count(said) == 1
+
+
+@pytest.mark.parametrize("said, notice", [
+    (1.0, f"give --shift 1 to sample as {LABEL} says (this run uses 4)"),
+    ("nan", f"this run uses --shift 4: {LABEL} gives 'nan' for it, not a positive number")])
+def test_the_cli_names_its_flag_where_the_notice_names_the_runs_shift_not_the_files_field(capsys, tiny_turbo_folder,
+                                                                                          tmp_path, said, notice):
+    from ernie_image.runtime.cli.commands import main
+
+    folder = Path(shutil.copytree(tiny_turbo_folder, tmp_path / "model"))
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps({**RELEASED, "shift": said}))
+    assert main(["generate", "--model-dir", str(folder), "--width", "256", "--height", "256", "--steps", "1",
+                 "--out", str(tmp_path / "x.png")]) == 0
+    assert notice in capsys.readouterr().err.splitlines()

@@ -44,12 +44,13 @@ def scheduler_notices(model_dir: Optional[Path], shift: float) -> list[NamedLine
         return [_unreadable("not a readable JSON object", shift)]
     notices = []
     said = config.get("shift", RELEASED_SHIFT)
+    # The run's setting named first: a front end words the first "shift" as its own (--shift), not the file's field.
     if not _positive_number(said):
-        notices.append(naming_line(f"{LABEL} gives shift {said!r}, not a positive number; this run uses shift "
-                                   f"{shift:g}", "shift"))
+        notices.append(naming_line(f"this run uses shift {shift:g}: {LABEL} gives {said!r} for it, not a positive "
+                                   "number", "shift"))
     elif float(said) != shift:
-        notices.append(naming_line(f"{LABEL} says shift {float(said):g}; this run uses shift {shift:g}: give shift "
-                                   f"{float(said):g} to sample as it says", "shift"))
+        notices.append(naming_line(f"give shift {float(said):g} to sample as {LABEL} says (this run uses "
+                                   f"{shift:g})", "shift"))
     others = [f"{key} {config[key]!r}" for key, released in FIXED.items() if key in config and config[key] != released]
     if others:
         notices.append(NamedLine(f"{LABEL} sets {', '.join(others)}; {_AS_RELEASED}, without them"))
