@@ -24,6 +24,14 @@ def _cut_short(config: Path) -> None:
     config.write_text(config.read_text()[:40])
 
 
+def _nested_too_deep(config: Path) -> None:
+    config.write_text("[" * 100_000 + "]" * 100_000)
+
+
+def _not_utf8(config: Path) -> None:
+    config.write_bytes(b'{"num_layers": "\xff"}')
+
+
 def _a_list(config: Path) -> None:
     config.write_text("[1, 2]")
 
@@ -39,15 +47,18 @@ def _wrong_type(key: str):
 
 
 DAMAGES = [
-    ("transformer", _cut_short, "is not valid JSON (JSONDecodeError: "),
+    ("transformer", _cut_short, "is not valid JSON (line "),
     ("transformer", _a_list, "holds a JSON list, not a config (a JSON object)"),
     ("transformer", _wrong_type("num_layers"), 'says num_layers "two", which is not a positive whole number'),
-    ("text_encoder", _cut_short, "is not valid JSON (JSONDecodeError: "),
+    ("text_encoder", _cut_short, "is not valid JSON (line "),
     ("text_encoder", _a_list, "holds a JSON list, not a config (a JSON object)"),
     ("text_encoder", _wrong_type("hidden_size"), 'says text_config.hidden_size "two", which is not a positive whole'),
-    ("vae", _cut_short, "is not valid JSON (JSONDecodeError: "),
+    ("vae", _cut_short, "is not valid JSON (line "),
     ("vae", _a_list, "holds a JSON list, not a config (a JSON object)"),
     ("vae", _wrong_type("layers_per_block"), 'says layers_per_block "two", which is not a positive whole number'),
+    ("transformer", _nested_too_deep, "is not valid JSON (nested deeper than JSON is read): the file is damaged: "
+                                      "re-download it"),
+    ("vae", _not_utf8, "is not valid JSON (not UTF-8 text at byte 16): the file is damaged: re-download it"),
 ]
 IDS = [f"{component} {damage.__name__.strip('_').replace('_', ' ')}" for component, damage, _ in DAMAGES]
 

@@ -38,9 +38,15 @@ def read_config(path: Path) -> dict[str, Any]:
     except OSError as error:
         raise ModelFileError(f"{path} cannot be read ({error.strerror or error}): check its permissions, or "
                              "re-download it") from None
-    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ModelFileError(f"{path} is not valid JSON ({one_line(error, 120)}): the file is damaged or cut short: "
+    except RecursionError:
+        raise ModelFileError(f"{path} is not valid JSON (nested deeper than JSON is read): the file is damaged: "
                              "re-download it") from None
+    except UnicodeDecodeError as error:
+        raise ModelFileError(f"{path} is not valid JSON (not UTF-8 text at byte {error.start}): the file is damaged: "
+                             "re-download it") from None
+    except json.JSONDecodeError as error:
+        raise ModelFileError(f"{path} is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}): the "
+                             "file is damaged or cut short: re-download it") from None
     if not isinstance(config, dict):
         raise ModelFileError(f"{path} holds a JSON {type(config).__name__}, not a config (a JSON object): the file "
                              "is damaged: re-download it")
