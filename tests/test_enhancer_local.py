@@ -159,6 +159,13 @@ def test_bad_settings_are_refused_with_the_fix_under_the_requests_names(enhancer
         assert refused.value.settings == (name.split()[0],)
 
 
+def test_another_parts_file_given_as_the_pe_is_named_as_that_before_a_tokenizer_is_sought(tiny_turbo_folder):
+    dit = tiny_turbo_folder / "transformer" / "diffusion_pytorch_model.safetensors"
+    with pytest.raises(ModelFileError, match="is not an ERNIE-Image prompt enhancer: it is the ERNIE-Image "
+                                             r"transformer \(DiT\)"):
+        LocalEnhancer.load(ModelSources(pe=dit), CPU, torch.float32)
+
+
 def test_missing_pe_is_a_clear_error(tmp_path):
     with pytest.raises(ModelFileError, match="no prompt enhancer"):
         LocalEnhancer.load(ModelSources(model_dir=tmp_path), CPU, torch.float32)

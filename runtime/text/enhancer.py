@@ -110,8 +110,8 @@ class LocalEnhancer:
         from .pe_model import pe_config_for, pe_embedding_rows, pe_weight_bytes
 
         located = locate_pe(sources)
+        component = open_pe_component(located)  # another part's file is named before a tokenizer is sought
         tokenizer = load_pe_tokenizer(located, sources)
-        component = open_pe_component(located)
         refuse_unfit(tokenizer, pe_embedding_rows(component), "prompt enhancer", located.weights)
         render_chat(tokenizer, "a cat", 1024, 1024)  # a chat template that does not render, before the build
         build_device = torch.device(build_device) if build_device is not None else device
@@ -124,7 +124,8 @@ class LocalEnhancer:
             quantize_pe_layers_(model, quant)
         return cls(model, tokenizer, located, device, dtype)
 
-    def settings(self, temperature: float, top_p: float, max_new_tokens: int, min_new_tokens: int = 0) -> SamplingSettings:
+    def settings(self, temperature: float, top_p: float, max_new_tokens: int,
+                 min_new_tokens: int = 0) -> SamplingSettings:
         validate_sampling(temperature, top_p, max_new_tokens)
         return SamplingSettings(temperature=temperature, top_p=top_p, top_k=self.top_k,
                                 max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens)
