@@ -180,6 +180,17 @@ def test_a_tokenizer_with_ids_past_the_text_encoders_embedding_is_refused_for_ev
     assert not (tmp_path / "x.png").exists()
 
 
+def test_the_text_encoders_tokenizer_is_judged_before_any_part_is_built(model, tmp_path, capsys, monkeypatch):
+    """Read and held against the text encoder's embedding from its file's shapes at the run's start: neither the
+    text encoder nor the DiT is built first."""
+    from ernie_image.runtime.local import parts
+
+    monkeypatch.setattr(parts, "build_text_tower", lambda *a, **k: pytest.fail("the text encoder was built"))
+    monkeypatch.setattr(parts, "build_dit", lambda *a, **k: pytest.fail("the DiT was built"))
+    _add_token(model / "tokenizer")
+    assert _refused(capsys, _generate(model, tmp_path / "x.png")).startswith(f"the tokenizer in {model / 'tokenizer'}")
+
+
 def test_another_models_tokenizer_given_explicitly_is_refused_naming_the_option(model, tmp_path, capsys):
     given = Path(shutil.copytree(model / "tokenizer", tmp_path / "other-tokenizer"))
     _add_token(given)

@@ -226,6 +226,15 @@ class PipeParts:
             self.tokenizer = load_tokenizer(self.sources)
         return self.tokenizer
 
+    def check_tokenizer(self) -> None:
+        """The tokenizer read, and held against the text encoder's embedding from its file's shapes (no weight is
+        read): one that cannot be read or gives ids past the embedding is refused before any phase runs."""
+        from ..formats.tokenizer_fit import refuse_unfit
+
+        tokenizer = self.load_tokenizer()
+        component = self._open("text_encoder")
+        refuse_unfit(tokenizer, int(component.tensor("embed_tokens.weight").shape[0]), "text encoder", component.path)
+
     def _open(self, kind: str):
         """The part's file opened again, refused where it is not the file the pipe first opened (loaded_files.py)."""
         component = open_part(self.sources, kind)

@@ -279,6 +279,7 @@ class LocalPipe:
         meter = JobMemoryMeter(self.device)
         meter.start(sum(self.device_bytes_held().values()))
         self._plan(request, host)  # MemoryBudgetError before any allocation
+        self.parts.check_tokenizer()
         started_encode = self._clock()
         original = self.encode_image(request)
         encoded_image = self._clock()
