@@ -32,6 +32,10 @@ def _not_utf8(config: Path) -> None:
     config.write_bytes(b'{"num_layers": "\xff"}')
 
 
+def _with_a_bom(config: Path) -> None:
+    config.write_bytes(b"\xef\xbb\xbf" + config.read_bytes())
+
+
 def _a_list(config: Path) -> None:
     config.write_text("[1, 2]")
 
@@ -59,6 +63,8 @@ DAMAGES = [
     ("transformer", _nested_too_deep, "is not valid JSON (nested deeper than JSON is read): the file is damaged: "
                                       "re-download it"),
     ("vae", _not_utf8, "is not valid JSON (not UTF-8 text at byte 16): the file is damaged: re-download it"),
+    ("text_encoder", _with_a_bom, "starts with a byte-order mark (an editor saved it as 'UTF-8 with BOM'): save it "
+                                  "as plain UTF-8, or re-download it"),
 ]
 IDS = [f"{component} {damage.__name__.strip('_').replace('_', ' ')}" for component, damage, _ in DAMAGES]
 

@@ -34,6 +34,9 @@ def read_config(path: Path) -> dict[str, Any]:
         data = path.read_bytes()
         if not data:
             raise ModelFileError(empty_file(str(path), "JSON"))
+        if data.startswith(b"\xef\xbb\xbf"):  # JSON has no byte-order mark, and diffusers' reader refuses one
+            raise ModelFileError(f"{path} starts with a byte-order mark (an editor saved it as 'UTF-8 with BOM'): "
+                                 "save it as plain UTF-8, or re-download it")
         config = json.loads(data.decode("utf-8"))
     except OSError as error:
         raise ModelFileError(f"{path} cannot be read ({error.strerror or error}): check its permissions, or "
