@@ -189,8 +189,8 @@ def gelu_persistent(gate, up, out, scale, gate_row_stride, up_row_stride, rows, 
     """gelu_mul_quantize_kernel's body for rows program_id, program_id + programs, ..."""
     cols = tl.arange(0, BLOCK)
     mask = cols < n
-    for index in tl.range(tl.program_id(0), rows, tl.num_programs(0), num_stages=STAGES):
-        row = tl.zeros([], dtype=tl.int64) + index
+    first, step = tl.program_id(0).to(tl.int64), tl.num_programs(0).to(tl.int64)
+    for row in tl.range(first, rows, step, num_stages=STAGES):
         product = _gelu_product(tl.load(gate + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32),
                                 tl.load(up + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32))
         row_scale = _row_scale(_absmax(product, mask))
