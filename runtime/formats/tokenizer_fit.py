@@ -84,21 +84,22 @@ def _rows(rows: int) -> str:
 def refuse_unfit(tokenizer: Any, rows: int, part: str, weights: Optional[object]) -> None:
     """One line when `tokenizer` has an id past the `rows` of the embedding of `part` (its `weights`, when known)."""
     largest = largest_token_id(tokenizer)
-    if largest < rows:
-        return
-    origin = origin_of(tokenizer)
-    raise ModelFileError(f"{origin.shown} does not fit {_model(part, weights)}: the tokenizer has token ids up to "
-                         f"{largest} but the {part}'s embedding has {_rows(rows)}: "
-                         f"{origin.fix.format(part=part)}").naming(*origin.settings)
+    if largest >= rows:
+        raise _refusal(tokenizer, part, f"does not fit {_model(part, weights)}: the tokenizer has token ids up to "
+                                        f"{largest} but the {part}'s embedding has {_rows(rows)}")
 
 
 def refuse_ids_beyond(tokenizer: Any, ids: Sequence[int], prompt: str, rows: int, part: str,
                       weights: Optional[object]) -> None:
     """One line when the ids of `prompt` hold one past the `rows` of the embedding of `part`."""
     beyond = max(ids, default=-1)
-    if beyond < rows:
-        return
+    if beyond >= rows:
+        raise _refusal(tokenizer, part, f"gives token id {beyond} for the prompt {quoted_shortly(prompt)} but "
+                                        f"{_model(part, weights)} has an embedding of {_rows(rows)}: the tokenizer "
+                                        "does not fit it")
+
+
+def _refusal(tokenizer: Any, part: str, says: str) -> ModelFileError:
+    """The tokenizer, as where it came from names it, `says`, then the fix for where it came from."""
     origin = origin_of(tokenizer)
-    raise ModelFileError(f"{origin.shown} gives token id {beyond} for the prompt {quoted_shortly(prompt)} but "
-                         f"{_model(part, weights)} has an embedding of {_rows(rows)}: the tokenizer does not fit it: "
-                         f"{origin.fix.format(part=part)}").naming(*origin.settings)
+    return ModelFileError(f"{origin.shown} {says}: {origin.fix.format(part=part)}").naming(*origin.settings)
