@@ -232,6 +232,8 @@ class PipeParts:
         from ..formats.tokenizer_fit import refuse_unfit
 
         tokenizer = self.load_tokenizer()
+        if self.text_tower is not None:  # built (or handed in built): encode_prompts holds it against the tower
+            return
         component = self._open("text_encoder")
         refuse_unfit(tokenizer, int(component.tensor("embed_tokens.weight").shape[0]), "text encoder", component.path)
 
