@@ -97,6 +97,18 @@ def test_a_header_nested_deeper_than_json_is_read_is_a_corrupt_header(tmp_path):
                                   "read): the file is damaged or was not fully downloaded: download it again")
 
 
+@pytest.mark.parametrize("header, why", [
+    (b'{"__metadata__": {"ernie_image.variant": "turbo"}, "__metadata__": {"ernie_image.variant": "base"}}',
+     "'__metadata__' appears twice, which the safetensors library refuses"),
+    (b'{"__metadata__": {"n": ' + b"9" * 5000 + b"}}", "a number of more digits than can be read")],
+    ids=["a key twice", "a 5000-digit number"])
+def test_a_header_json_cannot_hold_as_one_file_is_a_corrupt_header(tmp_path, header, why):
+    bad = tmp_path / "odd.safetensors"
+    bad.write_bytes(len(header).to_bytes(8, "little") + header)
+    assert _error(bad, "dit") == (f"odd.safetensors has a corrupt safetensors header ({why}): the file is damaged or "
+                                  "was not fully downloaded: download it again")
+
+
 def test_not_a_safetensors_file_at_all(tmp_path):
     text = tmp_path / "notes.safetensors"
     text.write_text("these are not weights, just a text file that is long enough")

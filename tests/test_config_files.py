@@ -32,6 +32,10 @@ def _not_utf8(config: Path) -> None:
     config.write_bytes(b'{"num_layers": "\xff"}')
 
 
+def _a_5000_digit_number(config: Path) -> None:
+    config.write_text('{"num_layers": ' + "9" * 5000 + "}")
+
+
 def _with_a_bom(config: Path) -> None:
     config.write_bytes(b"\xef\xbb\xbf" + config.read_bytes())
 
@@ -63,6 +67,8 @@ DAMAGES = [
     ("transformer", _nested_too_deep, "is not valid JSON (nested deeper than JSON is read): the file is damaged: "
                                       "re-download it"),
     ("vae", _not_utf8, "is not valid JSON (not UTF-8 text at byte 16): the file is damaged: re-download it"),
+    ("transformer", _a_5000_digit_number, "is not valid JSON (a number of more digits than can be read): the file "
+                                          "is damaged: re-download it"),
     ("text_encoder", _with_a_bom, "starts with a byte-order mark (an editor saved it as 'UTF-8 with BOM'): save it "
                                   "as plain UTF-8, or re-download it"),
 ]

@@ -9,9 +9,12 @@ a file not there, places a tensor in a file not holding it, or cannot be read is
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -264,12 +267,20 @@ def _misplaced(folder: Path) -> str:
 
 def _not_json(folder: Path) -> str:
     (folder / INDEX[folder.name]).write_text('{"weight_map": ')
-    return f"{folder.name}/{INDEX[folder.name]} is not a safetensors index (not UTF-8 JSON): download it again"
+    return (f"{folder.name}/{INDEX[folder.name]} is not a safetensors index (not JSON: line 1, column 16: Expecting "
+            "value): download it again")
 
 
 def _nested_too_deep(folder: Path) -> str:
     (folder / INDEX[folder.name]).write_text("[" * 100_000 + "]" * 100_000)
-    return f"{folder.name}/{INDEX[folder.name]} is not a safetensors index (not UTF-8 JSON): download it again"
+    return (f"{folder.name}/{INDEX[folder.name]} is not a safetensors index (not JSON: nested deeper than JSON is "
+            "read): download it again")
+
+
+def _a_5000_digit_number(folder: Path) -> str:
+    (folder / INDEX[folder.name]).write_text('{"metadata": {"total_size": ' + "9" * 5000 + '}, "weight_map": {}}')
+    return (f"{folder.name}/{INDEX[folder.name]} is not a safetensors index (not JSON: a number of more digits than "
+            "can be read): download it again")
 
 
 def _no_weight_map(folder: Path) -> str:
@@ -315,11 +326,12 @@ def _left_out_twice(folder: Path) -> str:
             f"the folder's index again")
 
 
-@pytest.mark.parametrize("fault", [_missing_shard, _misplaced, _not_json, _nested_too_deep, _no_weight_map,
+@pytest.mark.parametrize("fault", [_missing_shard, _misplaced, _not_json, _nested_too_deep, _a_5000_digit_number,
+                                   _no_weight_map,
                                    _weight_map_a_list, _path_out_of_the_folder, _naming_itself, _shard_left_out,
                                    _left_out_twice],
                          ids=["naming a file not there", "placing a tensor in a file not holding it", "not JSON",
-                              "nested deeper than JSON is read", "no weight_map", "a weight_map that is a list",
+                              "nested deeper than JSON is read", "a 5000-digit number", "no weight_map", "a weight_map that is a list",
                               "naming a path out of the folder", "naming itself", "leaving out a shard",
                               "leaving out a tensor two shards hold"])
 @pytest.mark.parametrize("part", ["transformer", "vae"])
@@ -370,3 +382,47 @@ def test_a_shard_missing_from_a_folder_without_an_index_is_named(capsys, tmp_pat
     assert line == ("transformer/ holds 1 of the 2 shards of model and not model-00002-of-00002.safetensors: the "
                     "download is incomplete: download the folder again")
     assert weights_read == []
+
+
+# ------------------------------------------------------------------------------------------- what no reader should open
+def _fifo(path: Path) -> Path:
+    if path.exists():
+        path.unlink()
+    os.mkfifo(path)
+    return path
+
+
+@contextlib.contextmanager
+def _unblocked_after(fifo: Path, seconds: float = 20.0):
+    """A reader blocked on `fifo` (the fault under test) is let go after `seconds`: a test that fails, not one that
+    hangs."""
+    done = threading.Event()
+
+    def release() -> None:
+        if not done.wait(seconds):
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    watchdog = threading.Thread(target=release, daemon=True)
+    watchdog.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watchdog.join()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes on this system")
+@pytest.mark.parametrize("where, named", [
+    ("transformer/diffusion_pytorch_model.safetensors", "transformer/diffusion_pytorch_model.safetensors"),
+    ("transformer/stray.safetensors", "transformer/stray.safetensors"),
+    ("transformer/config.json", "{model}/transformer/config.json"),
+    ("tokenizer/tokenizer.json", "the tokenizer in {model}/tokenizer: its tokenizer.json"),
+    ("vae/diffusion_pytorch_model.safetensors.index.json", "vae/diffusion_pytorch_model.safetensors.index.json")])
+def test_a_named_pipe_where_a_model_file_is_read_is_refused_without_waiting_on_it(capsys, tmp_path, model, where,
+                                                                                  named):
+    """A FIFO blocks a read until someone writes to it: a folder handed over with one would hang the run for ever."""
+    fifo = _fifo(model / where)
+    with _unblocked_after(fifo):
+        line = _refused(capsys, _generate(model, tmp_path / "x.png"))
+    assert line.startswith(f"{named.format(model=model)} is not a regular file (a pipe, device or socket): "), line

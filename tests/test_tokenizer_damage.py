@@ -67,14 +67,16 @@ def model_with_pe(tmp_path, tiny_turbo_with_pe) -> Path:
 # What a damaged JSON file holds, and the words for it after "its <file> ".
 DAMAGE: dict[str, tuple[Callable[[bytes], bytes], str]] = {
     "arrays nested 100000 deep": (lambda _: b"[" * 100000 + b"]" * 100000,
-                                  "is damaged: its JSON is nested too deep to read"),
+                                  "is damaged: not valid JSON (nested deeper than JSON is read)"),
     "objects nested 100000 deep": (lambda _: b'{"a":' * 100000 + b"1" + b"}" * 100000,
-                                   "is damaged: its JSON is nested too deep to read"),
+                                   "is damaged: not valid JSON (nested deeper than JSON is read)"),
     "cut short": (lambda data: data[: len(data) // 2], "is damaged: not valid JSON ("),
+    "a 5000-digit number": (lambda _: b'{"a": ' + b"9" * 5000 + b"}",
+                            "is damaged: not valid JSON (a number of more digits than can be read)"),
     "empty": (lambda _: b"", "is empty (0 bytes)"),
     "a JSON array": (lambda _: b"[1, 2]", "is damaged: it holds an array, not a JSON object"),
     "JSON null": (lambda _: b"null", "is damaged: it holds null, not a JSON object"),
-    "not UTF-8": (lambda _: b'\xff\xfe{"a": 1}', "is damaged: not UTF-8 text (byte 0)"),
+    "not UTF-8": (lambda _: b'\xff\xfe{"a": 1}', "is damaged: not valid JSON (not UTF-8 text at byte 0)"),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
@@ -104,8 +106,8 @@ def test_a_tokenizer_given_explicitly_that_is_damaged_is_named_as_well(model, tm
     given = Path(shutil.copytree(model / "tokenizer", tmp_path / "mine"))
     _damage(given, "tokenizer.json", "arrays nested 100000 deep")
     assert _refused(capsys, _generate(model, tmp_path / "x.png", "a fox", "--tokenizer", str(given))) == (
-        f"the tokenizer in {given} cannot be read (its tokenizer.json is damaged: its JSON is nested too deep to "
-        f"read): {FOLDER_FIX}")
+        f"the tokenizer in {given} cannot be read (its tokenizer.json is damaged: not valid JSON (nested deeper "
+        f"than JSON is read)): {FOLDER_FIX}")
 
 
 @pytest.mark.parametrize("damage", ["arrays nested 100000 deep", "cut short", "a JSON array"])

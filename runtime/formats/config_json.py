@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from ..core.errors import ErnieImageError, ModelFileError, one_line
+from ..core.json_text import JSON_ERRORS, json_fault
 from ..core.variant import Variant
 from ..files.cut_files import empty_file
+from ..files.file_kind import refuse_special_file
 
 CONFIG_ROOT = Path(__file__).parent / "configs"
 CONFIG_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError)
@@ -30,6 +32,7 @@ def _config_errors() -> tuple[type[BaseException], ...]:
 def read_config(path: Path) -> dict[str, Any]:
     """The JSON object in `path` (config.json, generation_config.json)."""
     path = Path(path)
+    refuse_special_file(path, str(path), "give the config.json file, or re-download it")
     try:
         data = path.read_bytes()
         if not data:
@@ -41,15 +44,10 @@ def read_config(path: Path) -> dict[str, Any]:
     except OSError as error:
         raise ModelFileError(f"{path} cannot be read ({error.strerror or error}): check its permissions, or "
                              "re-download it") from None
-    except RecursionError:
-        raise ModelFileError(f"{path} is not valid JSON (nested deeper than JSON is read): the file is damaged: "
+    except JSON_ERRORS as error:
+        cut = " or cut short" if isinstance(error, json.JSONDecodeError) else ""
+        raise ModelFileError(f"{path} is not valid JSON ({json_fault(error)}): the file is damaged{cut}: "
                              "re-download it") from None
-    except UnicodeDecodeError as error:
-        raise ModelFileError(f"{path} is not valid JSON (not UTF-8 text at byte {error.start}): the file is damaged: "
-                             "re-download it") from None
-    except json.JSONDecodeError as error:
-        raise ModelFileError(f"{path} is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}): the "
-                             "file is damaged or cut short: re-download it") from None
     if not isinstance(config, dict):
         raise ModelFileError(f"{path} holds a JSON {type(config).__name__}, not a config (a JSON object): the file "
                              "is damaged: re-download it")

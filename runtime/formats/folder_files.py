@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Mapping
 
 from ..core.errors import ModelFileError
+from ..core.json_text import JSON_ERRORS, json_fault
 from ..core.phrases import counted
+from ..files.file_kind import refuse_special_file
 from .detect import sample_keys
 from .safetensors_reader import SafetensorsFile, open_safetensors
 
@@ -151,6 +153,7 @@ def _weight_map(folder: Path, indexes: tuple[Path, ...]) -> dict[str, tuple[str,
 
 def _read_weight_map(folder: Path, index: Path) -> dict[str, str]:
     shown = _shown(folder, index)
+    refuse_special_file(index, shown, "remove it, or download the folder's index again")
     try:
         data = json.loads(index.read_text(encoding="utf-8"))
     except PermissionError:
@@ -158,8 +161,9 @@ def _read_weight_map(folder: Path, index: Path) -> dict[str, str]:
     except OSError as error:
         raise ModelFileError(f"{shown} cannot be read ({os.strerror(error.errno) if error.errno else error}): check "
                              f"the disk and the path") from None
-    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nesting deeper than json reads
-        raise ModelFileError(f"{shown} is not a safetensors index (not UTF-8 JSON): download it again") from None
+    except JSON_ERRORS as error:
+        raise ModelFileError(f"{shown} is not a safetensors index (not JSON: {json_fault(error)}): download it "
+                             "again") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
         held = "holds no weight_map" if weight_map is None else "has a weight_map that is not an object of file names"

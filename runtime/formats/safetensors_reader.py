@@ -18,7 +18,9 @@ from typing import Iterator, Optional
 import torch
 
 from ..core.errors import ModelFileError
+from ..core.json_text import JSON_ERRORS, json_fault
 from ..files.cut_files import REDOWNLOAD, cut_in_data, cut_in_header, empty_file
+from ..files.file_kind import refuse_special_file
 from ..files.identity import FileIdentity
 
 DTYPES: dict[str, torch.dtype] = {
@@ -191,15 +193,30 @@ def _header_object(handle, path: Path, size: int, start: bytes) -> tuple[dict, i
     if 8 + header_len > size:
         raise ModelFileError(cut_in_header(_named(path), "safetensors", size, 8 + header_len))
     try:
-        header = json.loads(handle.read(header_len).decode("utf-8"))
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except RecursionError:
-        raise ModelFileError(f"{_named(path)} has a corrupt safetensors header (nested deeper than JSON is read): "
+        header = json.loads(handle.read(header_len).decode("utf-8"), object_pairs_hook=_without_repeats)
+    except _Repeated as repeated:
+        raise ModelFileError(f"{_named(path)} has a corrupt safetensors header ({repeated} appears twice, which the "
+                             f"safetensors library refuses): {REDOWNLOAD}") from None
+    except JSON_ERRORS as err:
+        raise ModelFileError(f"{_named(path)} has a corrupt safetensors header ({json_fault(err)}): "
                              f"{REDOWNLOAD}") from None
-    except (UnicodeDecodeError, ValueError) as err:
-        raise ModelFileError(f"{_named(path)} has a corrupt safetensors header ({err}): {REDOWNLOAD}") from None
+    if not isinstance(header, dict):
+        raise ModelFileError(f"{_named(path)} has a corrupt safetensors header (it is not a JSON object): "
+                             f"{REDOWNLOAD}")
     return header, 8 + header_len
+
+
+class _Repeated(Exception):
+    """A key a JSON object of the header holds twice (which copy wins would be the parser's choice)."""
+
+
+def _without_repeats(pairs: list[tuple[str, object]]) -> dict:
+    held: dict = {}
+    for key, value in pairs:
+        if key in held:
+            raise _Repeated(repr(key)[:80])
+        held[key] = value
+    return held
 
 
 def _check_coverage(infos: dict[str, TensorInfo], data_start: int, size: int, path: Path) -> None:
@@ -218,6 +235,7 @@ def _check_coverage(infos: dict[str, TensorInfo], data_start: int, size: int, pa
 
 
 def open_safetensors(path: Path) -> SafetensorsFile:
+    refuse_special_file(Path(path), _named(Path(path)), "remove it, or give the .safetensors file")
     try:
         return SafetensorsFile(path)
     except PermissionError:

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..core.errors import ModelFileError
+from ..core.json_text import JSON_ERRORS, json_fault
+from ..files.file_kind import refuse_special_file
 from .sources import component_folder
 
 # The option of a tokenizer folder of its own, which a front end without one (ComfyUI's Loader) leaves out.
@@ -87,6 +89,8 @@ def read_tokenizer_folder(folder: Path, fix: str) -> Any:
     where one is (JSON that does not parse, nested too deep, not an object, empty, not UTF-8), and `fix`."""
     from transformers import AutoTokenizer
 
+    for entry in sorted(Path(folder).iterdir()):  # a FIFO among them would block transformers' read for ever
+        refuse_special_file(entry, f"the tokenizer in {folder}: its {entry.name}", f"remove it; {fix}")
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except MemoryError:
@@ -111,12 +115,8 @@ def damaged_json(folder: Path) -> Optional[str]:
             return f"its {name} is empty (0 bytes)"
         try:
             value = json.loads(data.decode("utf-8"))
-        except UnicodeDecodeError as error:
-            return f"its {name} is damaged: not UTF-8 text (byte {error.start})"
-        except RecursionError:
-            return f"its {name} is damaged: its JSON is nested too deep to read"
-        except ValueError as error:
-            return f"its {name} is damaged: not valid JSON ({error})"
+        except JSON_ERRORS as error:
+            return f"its {name} is damaged: not valid JSON ({json_fault(error)})"
         if not isinstance(value, dict):
             return f"its {name} is damaged: it holds {_JSON_KINDS.get(type(value), 'a value')}, not a JSON object"
     return None

@@ -1,0 +1,20 @@
+"""Why `json.loads` refused a text, in words a one-line refusal can quote (never an exception's name, never Python's
+own advice such as sys.set_int_max_str_digits)."""
+from __future__ import annotations
+
+import json
+
+# What json.loads raises on a text it cannot read: ValueError covers JSONDecodeError, UnicodeDecodeError and a
+# number of more digits than int() reads; RecursionError, arrays or objects nested deeper than the parser goes.
+JSON_ERRORS = (ValueError, RecursionError)
+
+
+def json_fault(error: BaseException) -> str:
+    """One of JSON_ERRORS in words: where the text stops being JSON, or what it holds that cannot be read."""
+    if isinstance(error, RecursionError):
+        return "nested deeper than JSON is read"
+    if isinstance(error, UnicodeDecodeError):
+        return f"not UTF-8 text at byte {error.start}"
+    if isinstance(error, json.JSONDecodeError):
+        return f"line {error.lineno}, column {error.colno}: {error.msg}"
+    return "a number of more digits than can be read"
