@@ -923,14 +923,28 @@ def test_quantize_refuses_an_out_inside_another_part_of_the_model(capsys, tmp_pa
     assert {path: path.read_bytes() for path in (model / part).iterdir()} == before
 
 
-@pytest.mark.parametrize("part, held", [("text_encoder/model.safetensors", "a Mistral-style text model"),
-                                        ("vae/diffusion_pytorch_model.safetensors", "the FLUX.2 VAE")])
+def _lora_file(path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    save_file({"diffusion_model.layers.0.mlp.linear_fc2.lora_A.weight": torch.ones(2, 8),
+               "diffusion_model.layers.0.mlp.linear_fc2.lora_B.weight": torch.ones(8, 2)}, str(path))
+    return path
+
+
+@pytest.mark.parametrize("part, held", [
+    ("text_encoder/model.safetensors", "a Mistral-style text model"),
+    ("vae/diffusion_pytorch_model.safetensors", "the FLUX.2 VAE"),
+    ("transformer/diffusion_pytorch_model.safetensors", "a DiT in full precision"),
+    ("a LoRA", "a LoRA")])
 def test_quantize_refuses_to_replace_another_models_file(capsys, tmp_path, tiny_turbo_folder, part, held):
-    """ComfyUI's model folders hold single files of every kind: an --out naming a text encoder's or a VAE's file
-    would lose it. An earlier quantised DiT at --out is replaced, as any output is."""
+    """ComfyUI's model folders hold single files of every kind: an --out naming a text encoder's, a VAE's or a
+    LoRA's file, or the bf16 DiT itself copied there (the original a quantised file is made from), would lose it. An
+    earlier quantised DiT at --out is replaced, as any output is."""
     import shutil
 
     other = tmp_path / "ernie-image-other.safetensors"
+    if part == "a LoRA":
+        part = str(_lora_file(tmp_path / "lora.safetensors"))
     shutil.copy(tiny_turbo_folder / part, other)
     line = _cli(capsys, "quantize", "--dit", str(tiny_turbo_folder / "transformer"), "--format", "fp8", "--out",
                 str(other))

@@ -158,9 +158,9 @@ def refuse_output_in_model_folder(out: Path, dit: Path) -> None:
 
 
 def refuse_replacing_another_model(out: Path) -> None:
-    """An existing --out holding another model's weights (a text encoder's or a VAE's file in ComfyUI's folders)
-    would be lost: refused. An earlier quantised or bf16 DiT, or a file whose contents are no model, is replaced as
-    any output is."""
+    """An existing --out holding weights that would be lost is refused: another model's (a text encoder's or a VAE's
+    file in ComfyUI's folders), a LoRA, or a DiT in full precision (the user's bf16 original, as likely the only
+    copy). An earlier quantised DiT, or a file whose contents are no model, is replaced as any output is."""
     if not os.path.isfile(out) or is_gguf(out):
         return
     try:
@@ -168,9 +168,21 @@ def refuse_replacing_another_model(out: Path) -> None:
         identity = identify({key: reader.shape(key) for key in reader.keys()})
     except ModelFileError:
         return
-    if identity.kind != "dit" and identity != identify({}):
-        raise InvalidInputError(f"--out {out} holds {identity.description}: the quantised DiT would replace it; give "
-                                f"another name")
+    held = None
+    if any("lora" in key.lower() for key in reader.keys()):
+        held = "a LoRA"
+    elif identity.kind == "dit" and not _packed(reader):
+        held = "a DiT in full precision (the weights a quantised file is made from)"
+    elif identity.kind != "dit" and identity != identify({}):
+        held = identity.description
+    if held is not None:
+        raise InvalidInputError(f"--out {out} holds {held}: the quantised DiT would replace it; give another name")
+
+
+def _packed(reader) -> bool:
+    """Whether a safetensors DiT file holds packed weights (an FP8 or NVFP4 file this command or ComfyUI wrote)."""
+    return any(key.endswith(QUANT_MARKERS) or reader.infos[key].dtype.startswith(("F8", "U8"))
+               for key in reader.keys())
 
 
 def refuse_output_over_input(out: Path, dit: Path) -> None:
