@@ -426,3 +426,17 @@ def test_a_named_pipe_where_a_model_file_is_read_is_refused_without_waiting_on_i
     with _unblocked_after(fifo):
         line = _refused(capsys, _generate(model, tmp_path / "x.png"))
     assert line.startswith(f"{named.format(model=model)} is not a regular file (a pipe, device or socket): "), line
+
+
+def test_a_variant_index_beside_the_plain_one_is_not_read(tmp_path, model, tiny_turbo_folder):
+    """A full snapshot of a diffusers repository that ships fp16 variants: its plain index and shards are read, as
+    diffusers reads them; the variant's index (and its zero shards here) are not."""
+    folder = model / "transformer"
+    _index(folder, _sharded(folder))
+    zeros = {key: torch.zeros_like(value) for key, value in load_file(str(tiny_turbo_folder / "transformer" /
+                                                                          WEIGHTS["transformer"])).items()}
+    save_file(zeros, str(folder / "diffusion_pytorch_model.fp16-00001-of-00001.safetensors"))
+    (folder / "diffusion_pytorch_model.fp16.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": dict.fromkeys(zeros, "diffusion_pytorch_model.fp16-00001-of-00001.safetensors")}))
+    assert main(_generate(model, tmp_path / "x.png")) == 0
+    assert _read_as_released(model, tiny_turbo_folder, "transformer")

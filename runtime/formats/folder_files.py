@@ -40,7 +40,7 @@ def open_weights(path: Path, pick: str) -> OpenWeights:
     if path.is_file():
         reader = open_safetensors(path)
         return OpenWeights((reader,), dict.fromkeys(reader.keys(), reader), ())
-    indexes = tuple(sorted(path.glob("*" + INDEX_SUFFIX)))
+    indexes = _plain_indexes(sorted(path.glob("*" + INDEX_SUFFIX)))
     if indexes:
         return _indexed(path, indexes)
     readers = tuple(open_safetensors(file) for file in _weight_files(path, pick))
@@ -69,6 +69,14 @@ def _weight_files(folder: Path, pick: str) -> list[Path]:
 _SHARD_OR_PLAIN = re.compile(r"(?P<stem>[^.]+?)(-\d{5}-of-\d{5})?\.safetensors")
 _VARIANT_COPY = re.compile(r"(?P<stem>[^.]+)\.[A-Za-z0-9_]+(-\d{5}-of-\d{5})?\.safetensors")
 _SHARD = re.compile(r"(?P<stem>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.safetensors")
+
+
+def _plain_indexes(indexes: list[Path]) -> tuple[Path, ...]:
+    """A folder's indexes but diffusers' variant indexes (`NAME.fp16.safetensors.index.json`) beside the plain one
+    (`NAME.safetensors.index.json`): diffusers reads a variant's only when that variant is asked for."""
+    plain = {index.name[:-len(INDEX_SUFFIX)] for index in indexes if "." not in index.name[:-len(INDEX_SUFFIX)]}
+    return tuple(index for index in indexes
+                 if not _variant_copy(index.name[:-len(INDEX_SUFFIX)] + ".safetensors", plain))
 
 
 def _variant_copy(name: str, plain: set[str]) -> bool:
