@@ -22,7 +22,8 @@ Behaviours a fleet meets (each counted: `generations` is every POST received, `r
 - hostile answers: "trickle" answers 200 and then one byte every `trickle_every_s`, forever (`trickling` is set
   as the first byte goes out); "gzip" answers gzip-compressed (Content-Encoding: gzip) whatever the client asked
   for, "gzip_bomb" 256 MiB of zeros gzip-compressed (256 KiB on the wire); "big" 2 MiB of JSON; "500_huge" a 500
-  whose body is 64 MiB; "nested" (200) and "500_nested" (500) JSON nested 100,000 deep. Each works on generation, and as "health:..." / "models:..." on those endpoints;
+  whose body is 64 MiB; "nested" (200) and "500_nested" (500) JSON nested 100,000 deep. Each works on generation,
+  and as "health:..." / "models:..." on those endpoints;
 - ignores output_format: `faults=["jpeg"]` / `["webp"]` answers that format whatever was asked;
 - loading: `warmup_s` (/health answers 503, POSTs are held until ready, as SGLang does);
 - misbehaving images: `image_b64` answers that image (any PNG: 16-bit, with alpha, ...) to every generation,

@@ -331,7 +331,8 @@ def _left_out_twice(folder: Path) -> str:
                                    _weight_map_a_list, _path_out_of_the_folder, _naming_itself, _shard_left_out,
                                    _left_out_twice],
                          ids=["naming a file not there", "placing a tensor in a file not holding it", "not JSON",
-                              "nested deeper than JSON is read", "a 5000-digit number", "no weight_map", "a weight_map that is a list",
+                              "nested deeper than JSON is read", "a 5000-digit number", "no weight_map",
+                              "a weight_map that is a list",
                               "naming a path out of the folder", "naming itself", "leaving out a shard",
                               "leaving out a tensor two shards hold"])
 @pytest.mark.parametrize("part", ["transformer", "vae"])
