@@ -26,6 +26,7 @@ from typing import Optional, Union
 import torch
 
 from ..core.errors import ModelFileError
+from ..core.json_text import JSON_ERRORS, json_fault
 
 
 @dataclass
@@ -102,12 +103,9 @@ def peft_alphas(metadata: dict[str, str], name: str = "") -> Optional[PeftAlphas
     label = f"LoRA {name}" if name else "LoRA"
     try:
         config = json.loads(raw)
-    except RecursionError:
-        raise ModelFileError(f"{label}: its metadata key lora_adapter_metadata is JSON nested too deeply to be LoRA "
-                             f"settings: the file is damaged; export the LoRA again") from None
-    except ValueError as error:
-        raise ModelFileError(f"{label}: its metadata key lora_adapter_metadata is not valid JSON ({error}): the file "
-                             f"is damaged; export the LoRA again") from None
+    except JSON_ERRORS as error:
+        raise ModelFileError(f"{label}: its metadata key lora_adapter_metadata is not valid JSON ({json_fault(error)}):"
+                             f" the file is damaged; export the LoRA again") from None
     if not isinstance(config, dict):
         raise ModelFileError(f"{label}: its metadata key lora_adapter_metadata is JSON {type(config).__name__}, not "
                              f"an object of LoRA settings: the file is damaged; export the LoRA again")
