@@ -262,3 +262,21 @@ def test_a_chat_template_that_does_not_render_is_refused_before_the_enhancer_is_
     assert _refused(capsys, _enhance(model_with_pe)) == (
         f"the chat template of the tokenizer in {model_with_pe / 'pe_tokenizer'} cannot be rendered ({why}): give "
         f"the tokenizer released with this prompt enhancer: {PE_FIX}")
+
+
+def test_a_pipe_judges_its_tokenizer_once_not_at_every_run(model, monkeypatch):
+    """The check opens the text encoder's file for its shapes: done for the pipe's first run, not again for each."""
+    from ernie_image.runtime.core.host import NullHost
+    from ernie_image.runtime.core.request import GenerationRequest
+    from ernie_image.runtime.formats import tokenizer_fit
+    from ernie_image.runtime.formats.sources import ModelSources
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
+
+    checks = []
+    refuse_unfit = tokenizer_fit.refuse_unfit
+    monkeypatch.setattr(tokenizer_fit, "refuse_unfit", lambda *args: checks.append(args[2]) or refuse_unfit(*args))
+    pipe = LocalPipe.load(ModelSources(model_dir=model), LoadOptions(device="cpu"))
+    for _ in range(2):
+        pipe.generate(GenerationRequest(prompt="a fox", width=256, height=256, steps=1), NullHost())
+    assert checks == ["text encoder"]

@@ -77,6 +77,7 @@ class PipeParts:
         self.quant_reason = ""  # what quant 'auto' runs, and why
         self.dit_weights = ""  # the DiT's weight format ("bf16", "FP8", "GGUF Q8_0", ...), once known
         self.tokenizer: Any = None
+        self.tokenizer_checked: Any = None  # the tokenizer check_tokenizer last found fitting its text encoder
         self.text_tower: Any = None
         self.dit: Any = None
         self.dit_forward: Any = None  # what the sampler calls: the DiT, or dit_graphs.DiTGraphs around it
@@ -232,10 +233,11 @@ class PipeParts:
         from ..formats.tokenizer_fit import refuse_unfit
 
         tokenizer = self.load_tokenizer()
-        if self.text_tower is not None:  # built (or handed in built): encode_prompts holds it against the tower
-            return
+        if self.text_tower is not None or self.tokenizer_checked is tokenizer:  # built: encode_prompts holds it
+            return                                                             # against the tower; or done before
         component = self._open("text_encoder")
         refuse_unfit(tokenizer, int(component.tensor("embed_tokens.weight").shape[0]), "text encoder", component.path)
+        self.tokenizer_checked = tokenizer
 
     def _open(self, kind: str):
         """The part's file opened again, refused where it is not the file the pipe first opened (loaded_files.py)."""
