@@ -314,21 +314,22 @@ def _folder(path: Path) -> Path:
 def test_quantize_and_generate_both_replace_an_existing_file_with_normal_permissions(capsys, tmp_path, bf16_dit,
                                                                                      tiny_turbo_folder, umask, mode):
     """Every format quantize writes and the PNGs get the mode a new file gets under the umask (safetensors' writer
-    made the fp8 and nvfp4 files 0600)."""
+    made the fp8 and nvfp4 files 0600). quantize replaces only an earlier quantised DiT: each is written twice."""
     old_umask = os.umask(umask)
     try:
         outs = [tmp_path / "q.gguf", tmp_path / "fp8.safetensors", tmp_path / "nvfp4.safetensors"]
         for out, fmt in zip(outs, ("q8_0", "fp8", "nvfp4")):
-            out.write_bytes(b"old")
-            assert _quantize(capsys, "--dit", str(bf16_dit), "--format", fmt, "--out", str(out))[0] == 0
+            for _ in range(2):
+                assert _quantize(capsys, "--dit", str(bf16_dit), "--format", fmt, "--out", str(out))[0] == 0
         png = tmp_path / "x.png"
         png.write_bytes(b"old")
         assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256",
                      "--steps", "1", "--out", str(png)]) == 0
     finally:
         os.umask(old_umask)
+    assert png.read_bytes() != b"old"
     for path in (*outs, png):
-        assert path.read_bytes() != b"old" and stat.S_IMODE(path.stat().st_mode) == mode, path
+        assert stat.S_IMODE(path.stat().st_mode) == mode, path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (*outs, png))  # no partial files
 
 
@@ -932,24 +933,33 @@ def _lora_file(path: Path) -> Path:
 
 
 @pytest.mark.parametrize("part, held", [
+    ("a file of other tensors", "no ERNIE-Image DiT"), ("notes named .safetensors", "no ERNIE-Image DiT this command"),
     ("text_encoder/model.safetensors", "a Mistral-style text model"),
     ("vae/diffusion_pytorch_model.safetensors", "the FLUX.2 VAE"),
     ("transformer/diffusion_pytorch_model.safetensors", "a DiT in full precision"),
     ("a LoRA", "a LoRA")])
 def test_quantize_refuses_to_replace_another_models_file(capsys, tmp_path, tiny_turbo_folder, part, held):
-    """ComfyUI's model folders hold single files of every kind: an --out naming a text encoder's, a VAE's or a
-    LoRA's file, or the bf16 DiT itself copied there (the original a quantised file is made from), would lose it. An
-    earlier quantised DiT at --out is replaced, as any output is."""
+    """ComfyUI's model folders hold single files of every kind: an --out naming anything but an earlier quantised DiT
+    (a text encoder's, a VAE's or a LoRA's file, the bf16 DiT itself, a file of no model) would lose it. An earlier
+    quantised DiT at --out is replaced, as any output is."""
     import shutil
 
     other = tmp_path / "ernie-image-other.safetensors"
     if part == "a LoRA":
         part = str(_lora_file(tmp_path / "lora.safetensors"))
+    elif part == "a file of other tensors":
+        from safetensors.torch import save_file
+
+        part = str(tmp_path / "foo.safetensors")
+        save_file({"foo": torch.ones(3, 3)}, part)
+    elif part == "notes named .safetensors":
+        part = str(tmp_path / "notes.txt")
+        Path(part).write_text("my notes")
     shutil.copy(tiny_turbo_folder / part, other)
     line = _cli(capsys, "quantize", "--dit", str(tiny_turbo_folder / "transformer"), "--format", "fp8", "--out",
                 str(other))
     assert line.startswith(f"error: --out {other} holds {held}") and line.endswith(
-        ": the quantised DiT would replace it; give another name"), line
+        ": the quantised DiT would replace it; give another name, or remove that file first"), line
     assert other.read_bytes() == (tiny_turbo_folder / part).read_bytes()
     earlier = tmp_path / "ernie-image-fp8.safetensors"
     for _ in range(2):

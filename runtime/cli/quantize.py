@@ -158,31 +158,31 @@ def refuse_output_in_model_folder(out: Path, dit: Path) -> None:
 
 
 def refuse_replacing_another_model(out: Path) -> None:
-    """An existing --out holding weights that would be lost is refused: another model's (a text encoder's or a VAE's
-    file in ComfyUI's folders), a LoRA, or a DiT in full precision (the user's bf16 original, as likely the only
-    copy). An earlier quantised DiT, or a file whose contents are no model, is replaced as any output is."""
-    if not os.path.isfile(out) or is_gguf(out):
+    """An existing --out is replaced only where it is a quantised ERNIE-Image DiT (an earlier run's output, FP8,
+    NVFP4 or GGUF): any other file would be lost without a word (the user's bf16 original, a LoRA, a text encoder's
+    or a VAE's file in ComfyUI's folders, another model's GGUF, a file that is no model at all)."""
+    if not os.path.isfile(out):
         return
-    try:
-        reader = open_safetensors(out)
-        identity = identify({key: reader.shape(key) for key in reader.keys()})
-    except ModelFileError:
-        return
-    held = None
-    if any("lora" in key.lower() for key in reader.keys()):
-        held = "a LoRA"
-    elif identity.kind == "dit" and not _packed(reader):
-        held = "a DiT in full precision (the weights a quantised file is made from)"
-    elif identity.kind != "dit" and identity != identify({}):
-        held = identity.description
+    held = _held_at(out)
     if held is not None:
-        raise InvalidInputError(f"--out {out} holds {held}: the quantised DiT would replace it; give another name")
+        raise InvalidInputError(f"--out {out} holds {held}: the quantised DiT would replace it; give another name, "
+                                f"or remove that file first")
 
 
-def _packed(reader) -> bool:
-    """Whether a safetensors DiT file holds packed weights (an FP8 or NVFP4 file this command or ComfyUI wrote)."""
-    return any(key.endswith(QUANT_MARKERS) or reader.infos[key].dtype.startswith(("F8", "U8"))
-               for key in reader.keys())
+def _held_at(out: Path) -> str | None:
+    """What an existing --out holds, in words, where it is not a quantised ERNIE-Image DiT; None where it is."""
+    try:
+        if not is_gguf(out):
+            reader = open_safetensors(out)
+            if any("lora" in key.lower() for key in reader.keys()):
+                return "a LoRA"
+            identity = identify({key: reader.shape(key) for key in reader.keys()})
+            if identity.kind != "dit":
+                return identity.description if identity != identify({}) else "no ERNIE-Image DiT"
+        component = open_component(out, "dit")
+    except ModelFileError:
+        return "no ERNIE-Image DiT this command could have written (it does not read as one)"
+    return None if component.quantized else "a DiT in full precision (the weights a quantised file is made from)"
 
 
 def refuse_output_over_input(out: Path, dit: Path) -> None:
