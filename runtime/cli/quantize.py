@@ -116,7 +116,8 @@ def _parser() -> OneLineParser:
     parser.add_argument("--out", required=True, action=OutputPath, once=True, metavar="FILE",
                         what="a .safetensors (fp8, nvfp4) or .gguf (q8_0, q4_k) path",
                         help="output file in an existing folder (.safetensors for fp8/nvfp4, .gguf for q8_0/q4_k); "
-                             "an existing file is replaced once the new one is complete, as generate does")
+                             "an earlier quantised DiT there is replaced once the new one is complete; any other "
+                             "file there is refused")
     parser.add_argument("--variant", choices=("auto", "base", "turbo"), default="auto",
                         help="the DiT's release, recorded in the file (auto: what the input's metadata, config or "
                              "name says)")
