@@ -7,10 +7,10 @@ Each rounds as the form it would replace, so that a candidate that is faster can
   32-48 KB of factors, so the shipped kernel at one row a program spends most of its reads on factors (from L2);
 - `qk_norm_rope`: q's and k's per-head RMSNorm with their weights and ERNIE's split-half RoPE, one program a token
   reading q and k once (the compiled block leaves this to inductor, whose kernel moves ~1.6 TB/s);
-- `gelu_three_chunks`: gelu(gate) * up quantised per row (fp8_gated.py), the 12288-value row as three
-  4096-value chunks (the shipped kernel pads it to 16384 lanes) with the products optionally held in bf16;
-- `gelu_persistent`: the shipped gelu kernel's body in a loop over rows, a program or two an SM, Triton's
-  pipelining (`num_stages`) loading the next row while one is computed.
+- `gelu_one_block`: gelu(gate) * up quantised per row (fp8_gated.py) as the shipped kernel did before it held a
+  row as three chunks: the 12288-value row as one block of 16384 lanes (kept to time the two against each other);
+- `gelu_persistent`: that kernel's body in a loop over rows, a program or two an SM, Triton's pipelining
+  (`num_stages`) loading the next row while one is computed.
 
 Loaded for CUDA tensors, or for CPU tensors under TRITON_INTERPRET=1 (set before this module is imported) to check
 their arithmetic without a GPU.
@@ -155,31 +155,15 @@ def qk_norm_rope_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 
 @triton.jit
-def _chunk_product(gate, up, row, gate_row_stride, up_row_stride, start, cols, n, KEEP_BF16: tl.constexpr):
-    mask = start + cols < n
-    product = _gelu_product(tl.load(gate + row * gate_row_stride + start + cols, mask=mask, other=0.0).to(tl.float32),
-                            tl.load(up + row * up_row_stride + start + cols, mask=mask, other=0.0).to(tl.float32))
-    if KEEP_BF16:
-        product = product.to(tl.bfloat16)  # exact: the product is already rounded to bf16
-    return product, mask
-
-
-@triton.jit
-def gelu_three_chunks(gate, up, out, scale, gate_row_stride, up_row_stride, n, CHUNK: tl.constexpr,
-                      KEEP_BF16: tl.constexpr):
-    """gelu_mul_quantize_kernel's arithmetic for rows of at most 3 * CHUNK values, one program a row."""
+def gelu_one_block(gate, up, out, scale, gate_row_stride, up_row_stride, n, BLOCK: tl.constexpr):
+    """The former gelu_mul_quantize_kernel: one program a row, the row as one power-of-two block."""
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, CHUNK)
-    first, first_mask = _chunk_product(gate, up, row, gate_row_stride, up_row_stride, 0, cols, n, KEEP_BF16)
-    second, second_mask = _chunk_product(gate, up, row, gate_row_stride, up_row_stride, CHUNK, cols, n, KEEP_BF16)
-    third, third_mask = _chunk_product(gate, up, row, gate_row_stride, up_row_stride, 2 * CHUNK, cols, n, KEEP_BF16)
-    largest = tl.maximum(tl.maximum(_absmax(first.to(tl.float32), first_mask),
-                                    _absmax(second.to(tl.float32), second_mask)),
-                         _absmax(third.to(tl.float32), third_mask))
-    row_scale = _row_scale(largest)
-    tl.store(out + row * n + cols, _quantised(first.to(tl.float32), row_scale), mask=first_mask)
-    tl.store(out + row * n + CHUNK + cols, _quantised(second.to(tl.float32), row_scale), mask=second_mask)
-    tl.store(out + row * n + 2 * CHUNK + cols, _quantised(third.to(tl.float32), row_scale), mask=third_mask)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    product = _gelu_product(tl.load(gate + row * gate_row_stride + cols, mask=mask, other=0.0).to(tl.float32),
+                            tl.load(up + row * up_row_stride + cols, mask=mask, other=0.0).to(tl.float32))
+    row_scale = _row_scale(_absmax(product, mask))
+    tl.store(out + row * n + cols, _quantised(product, row_scale), mask=mask)
     tl.store(scale + row, row_scale)
 
 
@@ -198,13 +182,11 @@ def gelu_persistent(gate, up, out, scale, gate_row_stride, up_row_stride, rows, 
         tl.store(scale + row, row_scale)
 
 
-def launch_gelu_three_chunks(gate: torch.Tensor, up: torch.Tensor, num_warps: int, keep_bf16: bool
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+def launch_gelu_one_block(gate: torch.Tensor, up: torch.Tensor, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, n = gate.shape
-    chunk = power_of_two_at_least(-(-n // 3))
     out, scale = quantised_like(rows, n, gate.device)
-    gelu_three_chunks[(rows,)](gate, up, out, scale, gate.stride(0), up.stride(0), n, CHUNK=chunk,
-                               KEEP_BF16=keep_bf16, num_warps=num_warps)
+    gelu_one_block[(rows,)](gate, up, out, scale, gate.stride(0), up.stride(0), n, BLOCK=power_of_two_at_least(n),
+                            num_warps=num_warps)
     return out, scale
 
 

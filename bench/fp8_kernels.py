@@ -11,7 +11,7 @@ Rows (batch x 4352 tokens, 1024x1024 with 256 text tokens):
 - a bf16 [rows, 4096] activation (the attention's output) quantised per row: the kernel (fp8_rows.py) by rows a
   program and warps, and the compiled torch form.
 With --candidates, also the candidate forms of bench/fp8_kernel_candidates.py: the adaLN kernel reading its
-factors once a program of 2-8 rows, gelu(gate) * up in three 4096-value chunks and as a persistent pipelined loop,
+factors once a program of 2-8 rows, gelu(gate) * up as one 16384-lane block and as a persistent pipelined loop,
 and q/k RMSNorm + RoPE in one Triton program a token against the compiled block's inductor kernel (alone, and
 with the attention after it).
 Each time is the median of 10 timings of 20 back-to-back calls; GB/s counts the bytes read once and written.
@@ -63,7 +63,7 @@ def gelu_rows(rows: int) -> list[dict]:
     compiled = torch.compile(gelu_mul_quantize_reference)
     forms: dict[str, Callable[[], object]] = {"compiled torch form": lambda: compiled(gate, up)}
     for warps in (8, 16):
-        forms[f"one pass, {warps} warps"] = lambda warps=warps: fp8_gated.launch(kernels, gate, up, warps)
+        forms[f"three chunks, {warps} warps"] = lambda warps=warps: fp8_gated.launch(kernels, gate, up, warps)
     return measured("gelu(gate)*up -> e4m3", rows, FFN, forms, moved, gelu_mul_quantize_reference(gate, up))
 
 
@@ -117,11 +117,10 @@ def candidate_rows(rows: int, batch: int) -> list[dict]:
     kernels = kernels_for("triton_fp8_kernels", torch.device("cuda"))
     result = []
     gate, up = torch.randn((rows, 2 * FFN), device="cuda").mul_(3).bfloat16().chunk(2, dim=-1)
-    forms: dict[str, Callable[[], object]] = {"shipped, one pass": lambda: fp8_gated.launch(kernels, gate, up)}
-    for keep in (False, True):
-        for warps in (4, 8, 16):
-            forms[f"three chunks{', bf16 held' if keep else ''}, {warps} warps"] = (
-                lambda warps=warps, keep=keep: candidates.launch_gelu_three_chunks(gate, up, warps, keep))
+    forms: dict[str, Callable[[], object]] = {"shipped, three chunks": lambda: fp8_gated.launch(kernels, gate, up)}
+    for warps in (8, 16):
+        forms[f"one 16384-lane block, {warps} warps"] = (
+            lambda warps=warps: candidates.launch_gelu_one_block(gate, up, warps))
     processors = torch.cuda.get_device_properties(0).multi_processor_count
     for per_processor in (1, 2):
         for stages in (1, 2):

@@ -5,7 +5,7 @@
 In one process, on one random full-size DiT:
 1. per block GEMM shape (fused and unfused projections) at M = batch x 4352 rows: bf16 `mm`, FP8 `_scaled_mm` with
    row-wise scales (what runtime/quant/fp8.py runs), FP8 with one scale per tensor, and the compiled per-row
-   activation quantisation alone; and gelu(gate) * up quantised, compiled and by the one-pass kernel;
+   activation quantisation alone; and gelu(gate) * up quantised, compiled and by the kernel (fp8_gated.py);
 2. the floor: the step's FP8 GEMMs (row-wise) and bf16 attentions back to back, nothing else;
 3. the FP8 step uncompiled and compiled, median ms and relative L2 against bf16: as a pipe loads it (quantised,
    then q/k/v and gate/up stacked with each row keeping its layer's scale), each projection apart, and fused before
@@ -74,14 +74,14 @@ def gemm_rows(batch: int) -> list[dict]:
     gate, up = torch.randn((m, 2 * 12288), device="cuda", dtype=torch.bfloat16).chunk(2, dim=-1)
     compiled_form = torch.compile(gelu_mul_quantize_reference)
     for form, run in (("gelu*up -> e4m3, compiled torch form", lambda: compiled_form(gate, up)),
-                      ("gelu*up -> e4m3, one-pass kernel", lambda: gelu_mul_quantize(gate, up))):
+                      ("gelu*up -> e4m3, kernel", lambda: gelu_mul_quantize(gate, up))):
         rows.append({"batch": batch, "shape": f"gate_up halves {m}x12288", "form": form,
                      "ms": round(cuda_time_ms(run, warmup=5, iters=30), 4), "TFLOP/s": ""})
         print(f"# {rows[-1]}", flush=True)
     kernels = kernels_for("triton_fp8_kernels", gate.device)
     for warps in (4, 8, 16, 32):
         run = lambda: fp8_gated.launch(kernels, gate, up, warps)  # noqa: E731
-        rows.append({"batch": batch, "shape": f"gate_up halves {m}x12288", "form": f"one-pass kernel, {warps} warps",
+        rows.append({"batch": batch, "shape": f"gate_up halves {m}x12288", "form": f"kernel, {warps} warps",
                      "ms": round(cuda_time_ms(run, warmup=5, iters=30), 4), "TFLOP/s": ""})
         print(f"# {rows[-1]}", flush=True)
     return rows
@@ -198,7 +198,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--fastest-warps", action="store_true",
-                        help="run the steps with the one-pass kernel's fastest warp count in the sweep")
+                        help="run the steps with the gelu kernel's fastest warp count in the sweep")
     parser.add_argument("--one-pass-only", action="store_true",
                         help="only the compiled one-pass steps: as loaded and each projection apart")
     parser.add_argument("--uncompiled-only", action="store_true", help="only the uncompiled steps (and the profile)")
@@ -212,7 +212,7 @@ def main() -> None:
         if report["gemms"]:
             print(table(report["gemms"], ["batch", "shape", "form", "ms", "TFLOP/s"]), flush=True)
         if args.fastest_warps:
-            sweep = [r for r in report["gemms"] if r["form"].startswith("one-pass kernel, ")]
+            sweep = [r for r in report["gemms"] if r["form"].startswith("kernel, ")]
             best = min(sweep, key=lambda r: r["ms"])
             report["steps_warps"] = int(best["form"].split(", ")[1].split()[0])
             fp8_gated.default_warps = lambda block: report["steps_warps"]

@@ -54,13 +54,12 @@ def test_the_adaln_kernel_reading_factors_once_a_program_computes_the_shipped_ke
                 fp8_modulated.launch(kernels, x, weight, one_plus_scale, shift, 1e-6, extra))
 
 
-@pytest.mark.parametrize("width", [300, 12])
+@pytest.mark.parametrize("width", [300, 12, 4096])
 def test_the_gelu_candidates_compute_the_shipped_kernels_codes(candidates, width):
     kernels = kernels_for("triton_fp8_kernels", torch.device("cpu"))
     gate, up = torch.randn((7, 2 * width), generator=torch.Generator().manual_seed(1)).mul_(3).bfloat16().chunk(2, -1)
     expected = fp8_gated.launch(kernels, gate, up)
-    for keep_bf16 in (False, True):
-        assert_same(candidates.launch_gelu_three_chunks(gate, up, 4, keep_bf16), expected)
+    assert_same(candidates.launch_gelu_one_block(gate, up, 4), expected)
     for programs in (1, 3, 16):
         assert_same(candidates.launch_gelu_persistent(gate, up, programs, 2, 4), expected)
 

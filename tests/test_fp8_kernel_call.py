@@ -171,8 +171,8 @@ def test_a_tensor_given_by_its_address_must_be_16_byte_aligned() -> None:
 
 SIGNATURES = {  # each kernel's arguments as the launches pass them, at the DiT's widths
     "gelu_mul_quantize_kernel": ({"gate": "*bf16", "up": "*bf16", "out": "*fp8e4nv", "scale": "*fp32",
-                                  "gate_row_stride": "i64", "up_row_stride": "i64", "n": "i32", "BLOCK": "constexpr"},
-                                 {"BLOCK": 16384}, fp8_gated.default_warps(16384)),
+                                  "gate_row_stride": "i64", "up_row_stride": "i64", "n": "i32", "CHUNK": "constexpr"},
+                                 {"CHUNK": 4096}, fp8_gated.default_warps(4096)),
     "rms_modulate_quantize_kernel": ({"x": "*bf16", "update": "*bf16", "gate": "*fp32", "x_out": "*bf16",
                                       "weight": "*bf16", "one_plus_scale": "*fp32", "shift": "*fp32",
                                       "out": "*fp8e4nv", "scale": "*fp32", "rows": "i32", "rows_per_batch": "i32",

@@ -3,7 +3,7 @@
 The native FP8 GEMM needs its activation in e4m3 with a scale per row, and the MLP's activation is gelu(gate) * up,
 12288 values a row. Left to torch.compile, the product, its row maximum and the quantisation are one looped
 reduction that reads the gate/up GEMM's output twice; on the H200 it took ~10% of the compiled FP8 step. The
-kernel (triton_fp8_kernels.py) reads it once from memory. `gelu_mul_quantize` is a custom op
+kernel (triton_fp8_kernels.py) reads it once from memory, a row held in registers as three chunks. `gelu_mul_quantize` is a custom op
 (fp8_kernel_call.py); its torch form computes what the kernel computes, rounding for rounding.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .fp8 import quantize_activation
 from .fp8_kernel_call import (as_arguments, kernel_or_torch_form, on_device, placeholders, quantised_like,
                               registered_op)
 
-_MAX_ROW = 1 << 15  # the one-pass form holds a row in registers: the DiT's 12288 fits with room
+_MAX_ROW = 1 << 15  # a row is held in registers: the DiT's 12288 fits with room
 
 
 def gelu_mul_quantize_reference(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,11 +39,11 @@ def _gelu_mul_quantize(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tens
                                 lambda: gelu_mul_quantize_reference(gate, up))
 
 
-def default_warps(block: int) -> int:
-    """Warps for a program holding `block` values of a row: one per 2048, 4 to 8. For the DiT's 12288-value rows 8
-    were the fastest on an H200 (0.212 ms a block at 4352 rows; 16 warps 0.247, 32 warps 0.232, 4 warps 0.332;
-    bench/fp8_step.py)."""
-    return max(4, min(8, block // 2048))
+def default_warps(chunk: int) -> int:
+    """Warps for a program holding a row as three chunks of `chunk` values: one per 512, 4 to 8. For the DiT's
+    12288-value rows (three of 4096) 8 were the fastest on an H200 (115.8 us at 4352 rows; 16 warps 117.8, 4 warps
+    144.9; the row as one 16384-lane block, the former kernel, 138.6; bench/fp8_kernels.py --candidates)."""
+    return max(4, min(8, chunk // 512))
 
 
 def launch(kernels: ModuleType, gate: torch.Tensor, up: torch.Tensor, num_warps: int | None = None,
@@ -60,8 +60,8 @@ def launch(kernels: ModuleType, gate: torch.Tensor, up: torch.Tensor, num_warps:
 
 
 def _settings(n: int, addresses: bool, num_warps: int | None = None) -> dict:
-    block = power_of_two_at_least(n)
-    return dict(BLOCK=block, ADDRESSES=addresses, num_warps=num_warps or default_warps(block))
+    chunk = power_of_two_at_least(-(-n // 3))
+    return dict(CHUNK=chunk, ADDRESSES=addresses, num_warps=num_warps or default_warps(chunk))
 
 
 def compile_ahead(kernels: ModuleType, n: int, addresses: bool) -> None:
