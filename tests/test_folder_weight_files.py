@@ -288,6 +288,16 @@ def _no_weight_map(folder: Path) -> str:
     return f"{folder.name}/{INDEX[folder.name]} is not a safetensors index (it holds no weight_map): download it again"
 
 
+def _a_key_placed_twice(folder: Path) -> str:
+    """Two files for one key in the index's text: json.loads would keep the last and say nothing."""
+    placed = _sharded(folder)
+    key = sorted(placed)[0]
+    weight_map = "{" + json.dumps(key) + ': "model-00002-of-00002.safetensors", ' + json.dumps(placed)[1:]
+    (folder / INDEX[folder.name]).write_text('{"weight_map": ' + weight_map + "}")
+    return (f"{folder.name}/{INDEX[folder.name]} is a damaged safetensors index (the key {key!r} appears twice in one "
+            f"object, so which value is meant is not known): download it again")
+
+
 def _weight_map_a_list(folder: Path) -> str:
     placed = _placed_in(folder, WEIGHTS[folder.name])
     (folder / INDEX[folder.name]).write_text(json.dumps({"weight_map": [list(item) for item in placed.items()]}))
@@ -327,11 +337,12 @@ def _left_out_twice(folder: Path) -> str:
 
 
 @pytest.mark.parametrize("fault", [_missing_shard, _misplaced, _not_json, _nested_too_deep, _a_5000_digit_number,
-                                   _no_weight_map,
+                                   _no_weight_map, _a_key_placed_twice,
                                    _weight_map_a_list, _path_out_of_the_folder, _naming_itself, _shard_left_out,
                                    _left_out_twice],
                          ids=["naming a file not there", "placing a tensor in a file not holding it", "not JSON",
                               "nested deeper than JSON is read", "a 5000-digit number", "no weight_map",
+                              "a key placed twice",
                               "a weight_map that is a list",
                               "naming a path out of the folder", "naming itself", "leaving out a shard",
                               "leaving out a tensor two shards hold"])

@@ -1,5 +1,6 @@
 """Why `json.loads` refused a text, in words a one-line refusal can quote (never an exception's name, never Python's
-own advice such as sys.set_int_max_str_digits)."""
+own advice such as sys.set_int_max_str_digits); and objects that hold a key twice, refused rather than read as their
+last copy."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,28 @@ def json_fault(error: BaseException) -> str:
     """One of JSON_ERRORS in words: where the text stops being JSON, or what it holds that cannot be read."""
     if isinstance(error, RecursionError):
         return "nested deeper than JSON is read"
+    if isinstance(error, RepeatedKey):
+        return f"the key {error} appears twice in one object, so which value is meant is not known"
     if isinstance(error, UnicodeDecodeError):
         return f"not UTF-8 text at byte {error.start}"
     if isinstance(error, json.JSONDecodeError):
         return f"line {error.lineno}, column {error.colno}: {error.msg}"
     return "a number of more digits than can be read"
+
+
+class RepeatedKey(ValueError):
+    """A key a JSON object holds twice (which copy is meant is not known; json.loads would keep the last)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(repr(key)[:80])
+        self.key = key
+
+
+def without_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads' object_pairs_hook that raises RepeatedKey at a key given twice in one object."""
+    held: dict = {}
+    for key, value in pairs:
+        if key in held:
+            raise RepeatedKey(key)
+        held[key] = value
+    return held

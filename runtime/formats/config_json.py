@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from ..core.errors import ErnieImageError, ModelFileError, one_line
-from ..core.json_text import JSON_ERRORS, json_fault
+from ..core.json_text import JSON_ERRORS, RepeatedKey, json_fault, without_repeated_keys
 from ..core.variant import Variant
 from ..files.cut_files import empty_file
 from ..files.file_kind import refuse_special_file
@@ -40,10 +40,13 @@ def read_config(path: Path) -> dict[str, Any]:
         if data.startswith(b"\xef\xbb\xbf"):  # JSON has no byte-order mark, and diffusers' reader refuses one
             raise ModelFileError(f"{path} starts with a byte-order mark (an editor saved it as 'UTF-8 with BOM'): "
                                  "save it as plain UTF-8, or re-download it")
-        config = json.loads(data.decode("utf-8"))
+        config = json.loads(data.decode("utf-8"), object_pairs_hook=without_repeated_keys)
     except OSError as error:
         raise ModelFileError(f"{path} cannot be read ({error.strerror or error}): check its permissions, or "
                              "re-download it") from None
+    except RepeatedKey as error:
+        raise ModelFileError(f"{path} is not a config that can be trusted ({json_fault(error)}): keep one of them, "
+                             "or re-download it") from None
     except JSON_ERRORS as error:
         cut = " or cut short" if isinstance(error, json.JSONDecodeError) else ""
         raise ModelFileError(f"{path} is not valid JSON ({json_fault(error)}): the file is damaged{cut}: "

@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..core.errors import ModelFileError
-from ..core.json_text import JSON_ERRORS, json_fault
+from ..core.json_text import JSON_ERRORS, RepeatedKey, json_fault, without_repeated_keys
 from ..files.cut_files import REDOWNLOAD, cut_in_data, cut_in_header, empty_file
 from ..files.file_kind import refuse_special_file
 from ..files.identity import FileIdentity
@@ -193,8 +193,8 @@ def _header_object(handle, path: Path, size: int, start: bytes) -> tuple[dict, i
     if 8 + header_len > size:
         raise ModelFileError(cut_in_header(_named(path), "safetensors", size, 8 + header_len))
     try:
-        header = json.loads(handle.read(header_len).decode("utf-8"), object_pairs_hook=_without_repeats)
-    except _Repeated as repeated:
+        header = json.loads(handle.read(header_len).decode("utf-8"), object_pairs_hook=without_repeated_keys)
+    except RepeatedKey as repeated:
         raise ModelFileError(f"{_named(path)} has a corrupt safetensors header ({repeated} appears twice, which the "
                              f"safetensors library refuses): {REDOWNLOAD}") from None
     except JSON_ERRORS as err:
@@ -204,19 +204,6 @@ def _header_object(handle, path: Path, size: int, start: bytes) -> tuple[dict, i
         raise ModelFileError(f"{_named(path)} has a corrupt safetensors header (it is not a JSON object): "
                              f"{REDOWNLOAD}")
     return header, 8 + header_len
-
-
-class _Repeated(Exception):
-    """A key a JSON object of the header holds twice (which copy wins would be the parser's choice)."""
-
-
-def _without_repeats(pairs: list[tuple[str, object]]) -> dict:
-    held: dict = {}
-    for key, value in pairs:
-        if key in held:
-            raise _Repeated(repr(key)[:80])
-        held[key] = value
-    return held
 
 
 def _check_coverage(infos: dict[str, TensorInfo], data_start: int, size: int, path: Path) -> None:
