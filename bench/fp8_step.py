@@ -15,6 +15,8 @@ In one process, on one random full-size DiT:
    CUDA graph;
 4. profiles of the pipe's compiled step at batch 1, launched and replayed as a graph: GPU time by kernel kind, the
    idle time between kernels and the 25 costliest kernels.
+With --gelu-ab, only the pipe's compiled step, in alternating rounds with the MLP's product quantised by the shipped
+kernel (a row as three chunks) and by the former one (a row as one 16384-lane block, bench/fp8_kernel_candidates.py).
 Writes DIR/fp8_step.json.
 """
 from __future__ import annotations
@@ -193,6 +195,37 @@ def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
+def gelu_ab(model: torch.nn.Module, batch: int, rounds: int) -> list[dict]:
+    """The compiled step's median ms per kernel form over `rounds` alternating rounds: the custom op's eager
+    implementation calls `fp8_gated.launch` at each call, so swapping it swaps the kernel inside the compiled
+    graphs."""
+    import fp8_kernel_candidates as candidates
+
+    shipped = fp8_gated.launch
+    forms = {"three chunks (shipped)": shipped,
+             "one 16384-lane block (former)": lambda kernels, gate, up, num_warps=None, addresses=False:
+             candidates.launch_gelu_one_block(gate, up, 8)}
+    args_b = inputs(batch)
+    times: dict[str, list[float]] = {form: [] for form in forms}
+    outputs: dict[str, torch.Tensor] = {}
+    try:
+        for _ in range(rounds):
+            for form, launch in forms.items():
+                fp8_gated.launch = launch
+                outputs[form] = model(*args_b)
+                times[form].append(cuda_time_ms(lambda: model(*args_b), warmup=2, iters=5))
+    finally:
+        fp8_gated.launch = shipped
+    first, second = outputs.values()
+    rows = [{"model": f"as loaded, compiled, gelu kernel: {form}", "batch": batch,
+             "ms": round(sorted(ms)[len(ms) // 2], 2), "rounds_ms": [round(t, 2) for t in ms]}
+            for form, ms in times.items()]
+    rows[0]["same_output_as_former"] = bool(torch.equal(first, second))
+    for row in rows:
+        print(f"# step {row}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
@@ -203,6 +236,8 @@ def main() -> None:
                         help="only the compiled one-pass steps: as loaded and each projection apart")
     parser.add_argument("--uncompiled-only", action="store_true", help="only the uncompiled steps (and the profile)")
     parser.add_argument("--no-gemms", action="store_true", help="leave out the per-shape GEMM rows")
+    parser.add_argument("--gelu-ab", type=int, default=0, metavar="ROUNDS",
+                        help="only the pipe's compiled step, the gelu kernel's two forms in alternating rounds")
     args = parser.parse_args()
     allow_cache_size()
     report: dict = {"environment": environment(), "gemms": [], "steps": [], "floors": []}
@@ -221,6 +256,18 @@ def main() -> None:
         ours = build_ours()
         as_loaded = quantised_copy(ours, "fp8")  # the order a pipe loads in: quantised, then stacked (per-row scales)
         fuse_projections(as_loaded)
+        if args.gelu_ab:
+            ours = None
+            torch.cuda.empty_cache()
+            report["floors"] = [{"batch": batch, "what": "FP8 GEMMs (row-wise) + bf16 attention",
+                                 "ms": round(cuda_time_ms(floor_run(as_loaded, batch), warmup=2, iters=5), 2)}
+                                for batch in args.batch]
+            one_pass(as_loaded, True)
+            compile_blocks(as_loaded)
+            for batch in args.batch:
+                report["steps"] += gelu_ab(as_loaded, batch, args.gelu_ab)
+            write(report, args.out)
+            return
         apart = quantised_copy(ours, "fp8")  # each projection its own GEMM
         fuse_projections(ours)
         fused = quantised_copy(ours, "fp8")
@@ -270,15 +317,19 @@ def main() -> None:
         one_pass(as_loaded, True)
         args_1 = inputs(1)
         report["profile_b1_as_loaded"] = profile(lambda: as_loaded(*args_1))
-    print(table(report["floors"], ["batch", "what", "ms"]))
-    print(table(report["steps"], ["model", "batch", "ms", "rel_l2_vs_bf16", "error"]))
     for key in ("profile_b1_as_loaded", "profile_b1_as_loaded_graph"):
         prof = report.get(key)
         if prof:
             print(f"{key}: {prof['by_kind']} span {prof['span_ms']} ms, idle {prof['idle_ms']} ms")
             for row in prof["top_kernels"]:
                 print(f"{row['ms']:9.3f} ms {row['count']:5d}x {row['kernel']}")
-    out = Path(args.out)
+    write(report, args.out)
+
+
+def write(report: dict, out_dir: str) -> None:
+    print(table(report["floors"], ["batch", "what", "ms"]))
+    print(table(report["steps"], ["model", "batch", "ms", "rel_l2_vs_bf16", "error"]))
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "fp8_step.json").write_text(json.dumps(report, indent=1))
 
