@@ -20,6 +20,7 @@ from typing import Callable, Iterable, Literal, Optional
 from ..core.errors import InvalidInputError, quoted_shortly
 from ..core.number_text import DECIMAL_RULE, decimal_from_text, not_allowed
 from ..core.request import BATCH_RANGE, CFG_RANGE, SEED_RANGE, SHIFT_RANGE, STEPS_RANGE, validate_size
+from ..files.file_kind import not_there
 from ..files.inputs_outputs import refuse_colliding_outputs, refuse_outputs_over_inputs
 from ..files.uninterrupted import uninterrupted
 
@@ -86,7 +87,7 @@ def check_input_path(path: Optional[Path], option: str, kind: PathKind) -> None:
         return
     info = _stat(path, option)
     if info is None:
-        raise InvalidInputError(f"{option} {path} does not exist: check the path")
+        raise InvalidInputError(f"{option} {path} {not_there(path)}")
     is_dir, is_file = stat.S_ISDIR(info.st_mode), stat.S_ISREG(info.st_mode)
     if kind == "folder" and not is_dir:
         raise InvalidInputError(f"{option} {path} is not a folder: give the folder itself")

@@ -22,6 +22,7 @@ from ..core.non_finite import refuse_non_finite_weights
 from ..core.weight_dtypes import refuse_non_floating
 from ..core.variant import (VARIANT_SETTING, VariantChoice, checked_variant_option, decide_variant,
                             files_notices)
+from ..files.file_kind import not_there
 from ..files.inputs_outputs import refuse_outputs_over_inputs
 from ..formats.component_file import QUANT_MARKERS, WHAT_TO_PICK, ComponentFile, open_component
 from ..formats.detect import identify
@@ -40,8 +41,8 @@ from .parser import OneLineParser, OutputPath, PathOption
 def _source_files(source: Path) -> list[Path]:
     if source.is_dir():  # the files generate reads: the ones its index names, or every one where it has none
         return [reader.path for reader in open_weights(source, WHAT_TO_PICK["dit"]).readers]
-    if not source.is_file():
-        raise ModelFileError(f"--dit {source} does not exist: check the path")
+    if not source.exists():
+        raise ModelFileError(f"--dit {source} {not_there(source)}")
     if is_gguf(source):
         raise InvalidInputError(f"--dit {source.name} is a GGUF file, already quantised: quantise from the bf16 DiT "
                                 "(the transformer folder or diffusion_models/ernie-image*.safetensors)")

@@ -24,7 +24,8 @@ import torch
 from ..core.errors import ErnieImageError, ModelFileError, one_line
 from ..core.variant import METADATA_KEY as VARIANT_METADATA_KEY
 from ..files.identity import FileIdentity
-from .config_json import origin_of, read_config
+from ..files.file_kind import not_there
+from .config_json import config_there, origin_of, read_config
 from .config_values import check_config_values
 from .detect import Identity, copies, identify, sample_keys, text_model_role
 from .folder_files import open_weights
@@ -98,7 +99,7 @@ class ComponentFile:
 def open_component(path: Path, kind: Kind) -> ComponentFile:
     path = Path(path)
     if not path.exists():
-        raise ModelFileError(f"{LABELS[kind]} not found: {path} does not exist: check the path, or {WHAT_TO_PICK[kind]}")
+        raise ModelFileError(f"{LABELS[kind]} not found: {path} {not_there(path)}, or {WHAT_TO_PICK[kind]}")
     if path.is_file() and is_gguf(path):
         return _open_quantized(path, kind, "gguf")
     opened = open_weights(path, WHAT_TO_PICK[kind])
@@ -336,7 +337,7 @@ def _find_config(path: Path, kind: str, metadata: dict[str, str]) -> tuple[Optio
     """The part's config and the config.json it came from: a folder's config.json, else one embedded in the file's
     metadata, else (a single file inside a diffusers component folder) the config.json beside the file when it is
     this part's config; (None, None) when there is none."""
-    if path.is_dir() and (path / "config.json").exists():
+    if path.is_dir() and config_there(path / "config.json"):
         return read_config(path / "config.json"), path / "config.json"
     if "config" in metadata:
         try:
@@ -347,6 +348,6 @@ def _find_config(path: Path, kind: str, metadata: dict[str, str]) -> tuple[Optio
             raise ModelFileError(f"{path.name} carries an unreadable 'config' in its metadata: re-export the file")
         return config, None
     folder = component_folder(path, kind)
-    if folder is not None and (folder / "config.json").is_file():
+    if folder is not None and config_there(folder / "config.json"):
         return read_config(folder / "config.json"), folder / "config.json"
     return None, None

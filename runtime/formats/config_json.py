@@ -13,7 +13,7 @@ from ..core.errors import ErnieImageError, ModelFileError, one_line
 from ..core.json_text import JSON_ERRORS, RepeatedKey, json_fault, without_repeated_keys
 from ..core.variant import Variant
 from ..files.cut_files import empty_file
-from ..files.file_kind import refuse_special_file
+from ..files.file_kind import is_there, refuse_special_file
 
 CONFIG_ROOT = Path(__file__).parent / "configs"
 CONFIG_ERRORS = (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError, OverflowError)
@@ -29,10 +29,19 @@ def _config_errors() -> tuple[type[BaseException], ...]:
     return (*CONFIG_ERRORS, StrictDataclassError)
 
 
+CONFIG_FIX = "give the config.json file, or re-download it"
+
+
+def config_there(path: Path) -> bool:
+    """Whether a config file (config.json, generation_config.json) is at `path` to be read: False only where nothing
+    is; a broken link (a download cut short into a cache of links) is refused, not taken for no config."""
+    return is_there(path, str(path), CONFIG_FIX)
+
+
 def read_config(path: Path) -> dict[str, Any]:
     """The JSON object in `path` (config.json, generation_config.json)."""
     path = Path(path)
-    refuse_special_file(path, str(path), "give the config.json file, or re-download it")
+    refuse_special_file(path, str(path), CONFIG_FIX)
     try:
         data = path.read_bytes()
         if not data:

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ..core.errors import ModelFileError
+from ..files.file_kind import not_there
 from ..quant.gguf_files import DIT_MARKER_KEYS, load_dit_gguf, strip_dit_prefix
 from ..quant.qweight import QuantizedWeight
 from ..quant.safetensors_files import load_quantized_safetensors
@@ -18,8 +19,8 @@ def load_quantized_state_dict(path: str | Path, component: str = "dit"
     """A DiT weight file (GGUF, comfy_quant / scaled-fp8 / ModelOpt safetensors, or plain safetensors) ->
     {diffusers DiT key: plain tensor | QuantizedWeight}. `component="any"` skips the ERNIE key check."""
     path = Path(path)
-    if not path.is_file():
-        raise ModelFileError(f"weight file {path} does not exist: check the path")
+    if not path.exists():
+        raise ModelFileError(f"weight file {path} {not_there(path)}")
     if is_gguf(path):
         return load_dit_gguf(path, require_dit=component == "dit")
     state = {strip_dit_prefix(key): value for key, value in load_quantized_safetensors(path).items()}

@@ -7,7 +7,8 @@ from typing import Optional
 
 from ..core.errors import ModelFileError
 from ..core.variant import Variant, checked_variant_option
-from .config_json import describes_part, read_config
+from ..files.file_kind import not_there
+from .config_json import config_there, describes_part, read_config
 
 # What a component is called where a message asks for its file, and the setting that takes that file.
 _FILE_WORDS = {"transformer": ("DiT", "dit"), "text_encoder": ("text encoder", "text_encoder"), "vae": ("VAE", "vae"),
@@ -38,18 +39,22 @@ class ModelSources:
         explicit = {"transformer": self.dit, "text_encoder": self.text_encoder, "vae": self.vae, "pe": self.pe}[name]
         if explicit is not None:
             if not explicit.exists():
-                raise ModelFileError(f"{name} file {explicit} does not exist: check the path")
+                raise ModelFileError(f"{name} file {explicit} {not_there(explicit)}")
             return explicit
         part, setting = _FILE_WORDS[name]
         if self.model_dir is None:
             raise ModelFileError(f"no {part} given: pass a diffusers folder (model_dir) or the {part} file ({setting})"
                                  ).naming("model_dir", setting)
         if not self.model_dir.is_dir():
+            if self.model_dir.is_symlink() and not self.model_dir.exists():
+                raise ModelFileError(f"model folder {self.model_dir} {not_there(self.model_dir)}")
             what = "is a file, not a folder" if self.model_dir.exists() else "does not exist"
             hint = ("give the diffusers ERNIE-Image folder, or the file as the component it holds" if
                     self.model_dir.exists() else "check the path")
             raise ModelFileError(f"model folder {self.model_dir} {what}: {hint}")
         folder = self.model_dir / name
+        if folder.is_symlink() and not folder.exists():
+            raise ModelFileError(f"{self.model_dir}'s {name}/ {not_there(folder)}")
         if not folder.is_dir():
             raise ModelFileError(
                 f"{self.model_dir} has no {name}/ folder: point model_dir at a diffusers ERNIE-Image folder "
@@ -69,4 +74,4 @@ def component_folder(path: Path, kind: str) -> Optional[Path]:
     if path.is_dir():
         return path
     config = path.parent / "config.json"
-    return path.parent if path.is_file() and config.is_file() and describes_part(read_config(config), kind) else None
+    return path.parent if path.is_file() and config_there(config) and describes_part(read_config(config), kind) else None

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from ..core.errors import ModelFileError
 from ..core.json_text import JSON_ERRORS, json_fault
-from ..files.file_kind import refuse_special_file
+from ..files.file_kind import is_there, not_there, refuse_special_file
 from .sources import component_folder
 
 # The option of a tokenizer folder of its own, which a front end without one (ComfyUI's Loader) leaves out.
@@ -46,8 +46,10 @@ def load_tokenizer(sources):
     if beside is not None:
         candidates.append(beside)
     for candidate in candidates:
+        if candidate.is_symlink() and not candidate.exists():
+            raise ModelFileError(f"tokenizer {candidate} {not_there(candidate)}").naming("tokenizer")
         folder = candidate.parent if candidate.is_file() else candidate
-        if (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists():
+        if holds_tokenizer(folder, "download the model's tokenizer/ folder again"):
             tokenizer = read_tokenizer_folder(folder, "download the model's tokenizer/ folder again")
             origin = (given_origin(candidate, encoder) if candidate == sources.tokenizer
                       else folder_origin(folder, "tokenizer", encoder))
@@ -82,6 +84,12 @@ TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tok
                   "chat_template.json")
 _JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true or false",
                type(None): "null"}
+
+
+def holds_tokenizer(folder: Path, fix: str) -> bool:
+    """Whether `folder` holds a transformers tokenizer (its tokenizer.json or tokenizer_config.json). A broken link
+    in their place (a download cut short into a cache of links) is refused with `fix`, not taken for no tokenizer."""
+    return any([is_there(folder / name, f"{folder / name}", fix) for name in ("tokenizer.json", "tokenizer_config.json")])
 
 
 def read_tokenizer_folder(folder: Path, fix: str) -> Any:

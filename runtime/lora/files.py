@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..core.errors import ModelFileError
+from ..files.file_kind import not_there
 from ..formats.safetensors_reader import SAFETENSORS_OPENING, is_pickle, open_safetensors
 from .adapters import peft_alphas
 
@@ -37,7 +38,7 @@ def file_stamp(path: Path) -> FileStamp:
         raise ModelFileError(f"LoRA {path.name} is a PyTorch pickle ({path.suffix}), which is never loaded (pickles "
                              f"can run code): use the LoRA's .safetensors file, or convert it to safetensors")
     if not path.exists():
-        raise ModelFileError(f"LoRA file {path} does not exist: check the path")
+        raise ModelFileError(f"LoRA file {path} {not_there(path)}")
     if path.is_dir():
         raise ModelFileError(f"LoRA {path} is a folder: give the .safetensors file inside it")
     found = path.stat()

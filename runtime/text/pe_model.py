@@ -21,8 +21,9 @@ import torch
 from ..core.errors import ModelFileError
 from ..core.variant import Variant
 from ..formats import open_component
-from ..formats.config_json import config_named, load_config, read_config
+from ..formats.config_json import config_named, config_there, load_config, read_config
 from ..formats.sources import ModelSources, component_folder
+from ..formats.tokenizer import holds_tokenizer
 from ..model.builders import rebuild_rotary_tables
 from ..model.config_fit import check_config_fits
 from ..model.dtype_fit import check_built_dtypes, floating_tensors
@@ -54,11 +55,11 @@ def locate_pe(sources: ModelSources) -> PeWeights:
     for candidate in ([folder.parent / "pe_tokenizer"] if folder is not None else []) + (
         [sources.model_dir / "pe_tokenizer"] if sources.model_dir is not None else []
     ):
-        if (candidate / "tokenizer.json").exists() or (candidate / "tokenizer_config.json").exists():
+        if holds_tokenizer(candidate, "download the model's pe_tokenizer/ folder again"):
             tokenizer_folder = candidate
             break
     generation_config = {}
-    if folder is not None and (folder / "generation_config.json").exists():
+    if folder is not None and config_there(folder / "generation_config.json"):
         generation_config = read_config(folder / "generation_config.json")
     return PeWeights(weights, tokenizer_folder, generation_config)
 
