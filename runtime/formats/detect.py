@@ -39,6 +39,16 @@ OTHER_FAMILIES: tuple[tuple[str, str], ...] = (
 )
 
 
+# A name part that only an adapter's tensors have: PEFT/kohya lora_A/lora_B/lora_down/lora_up (and diffusers' older
+# lora.down/lora.up), LyCORIS lokr_*/hada_*, DoRA's magnitude.
+_ADAPTER_PART = re.compile(r"(lora_(A|B|down|up)|lora|lokr_\w+|hada_\w+|dora_scale)$")
+
+
+def adapter_key(key: str) -> bool:
+    """Whether `key` names a LoRA/LyCORIS adapter's tensor (`layers.0.attn.to_q.lora_A.weight`), never a model's."""
+    return any(_ADAPTER_PART.match(part) for part in key.split("."))
+
+
 @dataclass(frozen=True)
 class Identity:
     kind: Optional[str]  # "dit", "text_encoder", "vae" (an ERNIE-Image component) or None

@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any, Callable, Container, Iterable, Mapping, Optional
 
 from ..core.errors import ModelFileError
+from ..core.phrases import counted
 from ..files.cut_files import REDOWNLOAD
+from ..formats.component_file import LABELS
 from ..formats.config_json import config_origin
-from ..formats.detect import sample_keys
+from ..formats.detect import adapter_key, sample_keys
 from .config_fit import given_config
 
 Shape = tuple[int, ...]
@@ -152,6 +154,7 @@ def check_built_tensors(component, kind: str, made: Mapping[str, Shape],
     origin, fix = config_origin(component)
     given = given_config(component) is not None
     keys = set(component.keys)
+    refuse_adapter_tensors(component, kind, keys)
     lacking = {key for key in made if key not in keys and not may_lack(key)}
     unplaced = {key for key in keys if key not in made and not may_hold(key)} if given else set()
     if lacking or unplaced:
@@ -173,6 +176,17 @@ def check_built_tensors(component, kind: str, made: Mapping[str, Shape],
         if held is not None and held != tuple(shape):
             raise ModelFileError(f"{origin} does not fit the weights: it makes {key} {list(shape)} but the weights "
                                  f"hold {list(held)}{_likely_field(component, kind, [key], shapes_only=True)}: {fix}")
+
+
+def refuse_adapter_tensors(component, kind: str, keys: Iterable[str]) -> None:
+    """A part's file holding a LoRA's tensors beside its weights (an adapter saved into the model, unmerged) is
+    refused, whatever its config: they would never be applied, and the picture would come without the LoRA."""
+    adapters = {key: None for key in keys if adapter_key(key)}
+    if adapters:
+        raise ModelFileError(f"{component.path.name} holds {counted(len(adapters), 'LoRA tensor')} "
+                             f"({sample_keys(adapters, 2)}) beside the {LABELS[kind]}'s weights, where a LoRA is never "
+                             "applied: load the LoRA from a file of its own, or merge it into the weights and save "
+                             "them without it")
 
 
 def shapes_of(module) -> dict[str, Shape]:
