@@ -144,6 +144,8 @@ class ErnieImageLoader:
         # the widget set against what the file says; or the file's metadata or config against its name or each other
         for notice in files_notices(pipe.variant_choice):
             plan = f"{plan}\n{comfy_words(notice, notice.settings)}"
+        for notice in pipe.file_notices:  # a file of a model folder that is not read
+            plan = f"{plan}\n{notice}"
         if quant_config is not None and not pipe.quant_reason:  # the pipe says itself what 'auto' runs
             plan = f"{plan}\nquant: {quant_config.reason}"
         return shown_on_node(plan, pipe, plan)

@@ -218,16 +218,42 @@ def _lora_beside(folder: Path) -> None:
     save_file({key.replace(".weight", ".lora_A.weight"): torch.ones(2, 8)}, str(folder / "my_lora.safetensors"))
 
 
-@pytest.mark.parametrize("stray", [lambda folder: _zero_copy(folder, "zzz.safetensors"),
-                                   lambda folder: (folder / "zzz.safetensors").write_bytes(b"not weights"),
-                                   _lora_beside],
-                         ids=["an all-zero copy", "not a weight file at all", "a LoRA"])
-def test_a_file_the_index_does_not_name_is_not_read(tmp_path, model, picture, stray):
+UNREAD = ("transformer/zzz.safetensors is not read: transformer/diffusion_pytorch_model.safetensors.index.json names "
+          "the files that are, as diffusers reads the folder; to run that file instead, give it as the part's file "
+          "itself")
+
+
+@pytest.mark.parametrize("stray, told", [
+    (lambda folder: _zero_copy(folder, "zzz.safetensors"), UNREAD),
+    (lambda folder: _complete_copy_beside_shards(folder), UNREAD),
+    (lambda folder: _zero_copy(folder, "diffusion_pytorch_model.fp16.safetensors"), None),
+    (lambda folder: (folder / "zzz.safetensors").write_bytes(b"not weights"), None),
+    (_lora_beside, UNREAD.replace("zzz", "my_lora"))],
+    ids=["a complete copy", "a complete copy beside shards", "a diffusers variant copy", "not a weight file at all",
+         "a LoRA"])
+def test_a_file_the_index_does_not_name_is_not_read_and_one_of_this_models_is_told_once(
+        capsys, tmp_path, model, picture, monkeypatch, stray, told):
+    """What diffusers reads, and no more; a file holding this model's tensors (the user may have meant it to be
+    read) is told in one line, once a pipe, not at every job."""
     folder = model / "transformer"
     _index(folder, _placed_in(folder, WEIGHTS["transformer"]))
     stray(folder)
+    pipe = LocalPipe.load(model, LoadOptions(device="cpu"))
+    assert pipe.file_notices == ((told,) if told else ())
     assert main(_generate(model, tmp_path / "x.png")) == 0
     assert _pixels(tmp_path / "x.png") == picture
+    said = [line for line in capsys.readouterr().err.splitlines() if "is not read" in line]
+    assert said == ([told] if told else [])
+    monkeypatch.setitem(sys.modules, "folder_paths", fake_folder_paths(model.parent.parent))
+    shown = ErnieImageLoader().load(diffusers_folder=model.name, diffusion_model="(none)", text_encoder="(none)",
+                                    vae="(none)", prompt_enhancer="(none)", variant="auto", vram_budget_gb=0.0,
+                                    keep_loaded=False)
+    assert ("is not read" in str(shown)) == bool(told) and (told or "") in str(shown)
+
+
+def _complete_copy_beside_shards(folder: Path) -> None:
+    _zero_copy(folder, "zzz.safetensors")
+    _index(folder, _sharded(folder))
 
 
 @pytest.mark.parametrize("stray", [lambda folder: _zero_copy(folder, "zzz.safetensors"),
@@ -429,7 +455,7 @@ def _unblocked_after(fifo: Path, seconds: float = 20.0):
     ("transformer/diffusion_pytorch_model.safetensors", "transformer/diffusion_pytorch_model.safetensors"),
     ("transformer/stray.safetensors", "transformer/stray.safetensors"),
     ("transformer/config.json", "{model}/transformer/config.json"),
-    ("tokenizer/tokenizer.json", "the tokenizer in {model}/tokenizer: its tokenizer.json"),
+    ("tokenizer/tokenizer.json", "{model}/tokenizer/tokenizer.json"),
     ("vae/diffusion_pytorch_model.safetensors.index.json", "vae/diffusion_pytorch_model.safetensors.index.json")])
 def test_a_named_pipe_where_a_model_file_is_read_is_refused_without_waiting_on_it(capsys, tmp_path, model, where,
                                                                                   named):

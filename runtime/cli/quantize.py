@@ -217,6 +217,8 @@ def main_quantize(argv: list[str] | None = None) -> int:
         check_config_builds(component, "dit", variant.variant)  # generate's load-time refusal, before any write
         for notice in files_notices(variant):  # what the written file records, told
             print(cli_words(notice, notice.settings), file=sys.stderr)
+        for notice in component.notices:  # a file of the folder left out of what is quantised
+            print(notice, file=sys.stderr)
         state = read_bf16_dit(args.dit, files)
         refuse_non_finite_weights(state, f"--dit {args.dit}", "re-download them, then quantise again")
         counts = quantized_layer_counts(state, args.format)

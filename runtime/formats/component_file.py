@@ -76,6 +76,7 @@ class ComponentFile:
     config_file: Optional[Path] = None  # the config.json `config` was read from (None: metadata, inferred or none)
     files: tuple[FileIdentity, ...] = ()  # every file read, as opened: weights and config.json (files/identity.py)
     _stored: dict[str, tuple[Path, str]] = field(repr=False, default_factory=dict)  # key -> (its file, its raw name)
+    notices: tuple[str, ...] = ()  # what reading the files decided that the user may not expect (a file not read)
 
     def stored_as(self, key: str) -> tuple[Path, str]:
         """Where `key` is stored, for a message: the weight file holding it (a folder's shard, else the file given)
@@ -125,7 +126,7 @@ def open_component(path: Path, kind: Kind) -> ComponentFile:
     files = tuple(reader.identity for reader in readers) + _identities(*opened.indexes, config_file)
     return ComponentFile(kind=kind, layout=layout, path=path, config=config, keys=sorted(loaders),
                          _loaders=loaders, metadata=metadata, _releasers=releasers, config_file=config_file,
-                         files=files, _stored=stored)
+                         files=files, _stored=stored, notices=opened.unread)
 
 
 def _check_text_role(identity: Identity, kind: str, path: Path, shapes: dict) -> None:

@@ -32,6 +32,7 @@ class OpenWeights:
     readers: tuple[SafetensorsFile, ...]  # every weight file opened, in reading order
     owner: dict[str, SafetensorsFile]  # each tensor (its name as stored) -> the file it is read from
     indexes: tuple[Path, ...]  # the index files that placed the tensors (none: a file, or a folder without one)
+    unread: tuple[str, ...] = ()  # a line for each file beside an index holding this model's tensors and not read
 
 
 def open_weights(path: Path, pick: str) -> OpenWeights:
@@ -111,20 +112,25 @@ def _indexed(folder: Path, indexes: tuple[Path, ...]) -> OpenWeights:
             raise ModelFileError(f"{_shown(folder, index)} places {key} in {name}, which does not hold it: the "
                                  f"folder is incomplete or mixed: download it again")
         owner[key] = readers[name]
-    _refuse_files_left_out(folder, indexes, set(readers), owner)
-    return OpenWeights(tuple(readers.values()), owner, indexes)
+    unread = _refuse_files_left_out(folder, indexes, set(readers), owner)
+    return OpenWeights(tuple(readers.values()), owner, indexes, unread)
 
 
 def _refuse_files_left_out(folder: Path, indexes: tuple[Path, ...], named: set[str],
-                           owner: Mapping[str, SafetensorsFile]) -> None:
+                           owner: Mapping[str, SafetensorsFile]) -> tuple[str, ...]:
     """A .safetensors file beside the index that it does not name is not read, as diffusers does not read it; one
     holding more of this model's tensors (in the groups the named files' tensors are in: another layer's, another
     decoder block's), which no named file holds, is an index out of date with its shards, refused here rather than
-    blamed later on the config or the layout. A stray file of anything else (a LoRA, an old single-file copy, a file
-    that is not safetensors) stays unread."""
+    blamed later on the config or the layout. One holding tensors of those groups that the named files hold too (a
+    complete single-file copy, a LoRA) is told in a line each (returned): the user may have meant it to be read. A
+    stray file of anything else (a file that is not safetensors, another model's, diffusers' variant copies such as
+    `diffusion_pytorch_model.fp16-00001-of-00002.safetensors`) stays unread without a word."""
     groups = {_group(key) for key in owner}
+    index = _shown(folder, indexes[0]) if len(indexes) == 1 else f"{folder.name}/'s indexes"
+    plain = {match["stem"] for match in map(_SHARD_OR_PLAIN.fullmatch, named) if match}
+    unread = []
     for file in sorted(folder.glob("*.safetensors")):
-        if file.name in named:
+        if file.name in named or file.name.startswith("._") or _variant_copy(file.name, plain):
             continue
         try:
             keys = open_safetensors(file).keys()
@@ -133,9 +139,12 @@ def _refuse_files_left_out(folder: Path, indexes: tuple[Path, ...], named: set[s
         missing = {key: None for key in keys
                    if key not in owner and _group(key) in groups and "lora" not in key.lower()}
         if missing:
-            index = _shown(folder, indexes[0]) if len(indexes) == 1 else f"{folder.name}/'s indexes"
             raise ModelFileError(f"{index} leaves out {file.name}, which holds {counted(len(missing), 'more tensor')} "
                                  f"of this model ({sample_keys(missing, 2)}): download the folder's index again")
+        if any(_group(key) in groups for key in keys):
+            unread.append(f"{folder.name}/{file.name} is not read: {index} names the files that are, as diffusers "
+                          f"reads the folder; to run that file instead, give it as the part's file itself")
+    return tuple(unread)
 
 
 def _group(key: str) -> str:

@@ -78,6 +78,7 @@ class LocalPipe:
         self.last_step_cache = None  # step_cache.session.StepCacheReport of the last sampling run, if it had one
         self._running = threading.RLock()
         self._said: set[str] = set()  # notices given once a pipe (its views share it)
+        self.file_notices: tuple[str, ...] = ()  # what reading the parts' files decided (a file left unread)
 
     @classmethod
     def load(cls, sources: ModelSources, options: Optional[LoadOptions] = None, loras=None) -> "LocalPipe":
@@ -103,6 +104,8 @@ class LocalPipe:
             pipe.files.opened(kind, component.files)
         if pe is not None:
             pipe.files.opened("pe", pe.files)
+        pipe.file_notices = tuple(line for component in (*opened.values(), pe) if component is not None
+                                  for line in component.notices)
         return pipe
 
     def with_loras(self, loras, mode: Optional[str] = None):
@@ -267,8 +270,8 @@ class LocalPipe:
                        settings_notice(self.variant_choice, request.settings_for, request.steps, request.cfg)):
             if notice:
                 host.log(notice)
-        for notice in scheduler_notices(self.sources.model_dir, request.shift):
-            if notice not in self._said:  # once a pipe: a folder's scheduler config does not change between jobs
+        for notice in (*self.file_notices, *scheduler_notices(self.sources.model_dir, request.shift)):
+            if notice not in self._said:  # once a pipe: its files do not change between jobs
                 self._said.add(notice)
                 host.log(notice)
         if needs_encoding(request):
