@@ -800,7 +800,7 @@ def test_the_python_api_keeps_its_field_names_and_the_cli_shows_flags_from_the_s
     from ernie_image.runtime.core.errors import InvalidInputError
     from ernie_image.runtime.core.request import GenerationRequest
 
-    image, mask = torch.zeros(1, 256, 256, 3), torch.zeros(1, 256, 256)
+    image, mask = torch.zeros(1, 256, 256, 3), torch.ones(1, 256, 256)
     with pytest.raises(InvalidInputError) as caught:
         GenerationRequest(prompt="", width=256, height=256, init_image=image, mask=mask, mask_grow=5000).validate()
     assert str(caught.value) == "mask_grow 5000 is not allowed: use 0..1024 pixels"

@@ -66,6 +66,13 @@ IMAGE = torch.rand(1, 256, 256, 3)
     (dict(init_image=IMAGE, mask=torch.ones(256, 256) * 2), "mask holds values outside 0..1"),
     (dict(init_image=IMAGE, mask=torch.ones(256, 256), mask_grow=-1), "mask_grow -1 is not allowed"),
     (dict(init_image=IMAGE, mask=torch.ones(256, 256), mask_feather=5000), "mask_feather 5000 is not allowed"),
+    (dict(init_image=IMAGE, mask=torch.zeros(1, 256, 256)),
+     "mask is all 0: it marks nothing to repaint, so the image would come back unchanged (Load Image's mask of a "
+     "picture without transparency is all 0): paint the area to repaint (1), or leave the mask out to redraw the "
+     "whole image"),
+    (dict(init_image=IMAGE, mask=torch.stack((torch.ones(256, 256), torch.zeros(256, 256))), batch=2),
+     "mask 1 of the batch's 2 is all 0: it marks nothing to repaint"),
+    (dict(init_latents=torch.rand(1, 128, 16, 16), mask=torch.zeros(1, 1, 16, 16)), "mask is all 0"),
 ])
 def test_request_refuses_a_bad_image_input_in_one_line(fields, expected):
     assert expected in _refused(**fields)
@@ -119,6 +126,7 @@ def files(tmp_path) -> dict[str, Path]:
         "odd": _png(tmp_path / "odd.png", np.zeros((250, 300, 3), np.uint8)),
         "mask_small": _png(tmp_path / "mask_small.png", np.full((240, 256), 255, np.uint8)),
         "mask": _png(tmp_path / "mask.png", np.full((256, 256), 255, np.uint8)),
+        "black": _png(tmp_path / "black.png", np.zeros((256, 256), np.uint8)),
         "sixteen": tmp_path / "sixteen.png",
         "alpha": _png(tmp_path / "alpha.png", np.dstack([rgb, np.full((256, 256), 128, np.uint8)])),
         "opaque": _png(tmp_path / "opaque.png", np.dstack([rgb, np.full((256, 256), 255, np.uint8)])),
@@ -154,6 +162,7 @@ def files(tmp_path) -> dict[str, Path]:
     (["--init-image", "{rgb}", "--mask", "{mask}", "--mask-grow", "-3"], "error: --mask-grow -3 is not allowed"),
     (["--init-image", "{rgb}", "--mask", "{mask}", "--mask-feather", "5000"], "error: --mask-feather 5000 is not allowed"),
     (["--init-image", "{rgb}", "--mask", "{rgb}"], "has coloured pixels: a mask is read from its grey level"),
+    (["--init-image", "{rgb}", "--mask", "{black}"], "error: --mask is all 0: it marks nothing to repaint"),
     # a value no run takes is named as that, not as needing the image or mask it would go with
     (["--denoise=1.0000001"], "error: --denoise 1.0000001 is not allowed: use 0.01..1"),
     (["--denoise", "0"], "error: --denoise 0.0 is not allowed: use 0.01..1"),

@@ -65,6 +65,7 @@ def test_a_mask_with_the_image_composites_onto_the_original(pipe):
 
 @pytest.mark.parametrize("changes, expected", [
     (dict(image=IMAGE, mask=torch.zeros(1, 64, 64)), "the mask is Load Image's empty 64x64 mask"),
+    (dict(image=IMAGE, mask=torch.zeros(1, 256, 320)), "the mask input is all 0: it marks nothing to repaint"),
     (dict(latent={"samples": torch.zeros(1, 4, 32, 40)}), "the latent input is an SD1.5/SDXL LATENT (4 channels)"),
     (dict(latent={"samples": torch.zeros(1, 16, 32, 40)}), "the latent input is a FLUX.1 / SD3 LATENT (16 channels)"),
     (dict(latent=torch.zeros(1, 128, 16, 20)), "the latent input is not a LATENT"),

@@ -196,10 +196,23 @@ def _check_mask(request: "GenerationRequest", width: int, height: int) -> None:
     if not bool(torch.isfinite(mask).all()) or float(mask.min()) < 0 or float(mask.max()) > 1:
         raise InvalidInputError("mask holds values outside 0..1 (or NaN): give a MASK in 0..1 (1 = repaint)")
     _check_batch(int(mask.shape[0]) if mask.ndim > 2 else 1, request.batch, "mask")
+    _refuse_empty_masks(mask)
     for name in ("mask_grow", "mask_feather"):
         value = getattr(request, name)
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_MASK_PIXELS:
             raise not_allowed(name, repr(value), MASK_PIXELS_RANGE, " pixels").naming(name)
+
+
+def _refuse_empty_masks(mask: torch.Tensor) -> None:
+    """A mask that marks nothing to repaint (all 0) would give the init image back after a whole run: it is most
+    often ComfyUI's Load Image mask of an image without transparency, connected by habit."""
+    per_image = mask.reshape(-1, mask.shape[-2] * mask.shape[-1]).amax(dim=1) if mask.numel() else mask.new_zeros(1)
+    empty = [index for index, largest in enumerate(per_image.tolist()) if largest == 0]
+    if empty:
+        which = "mask" if per_image.numel() == 1 else f"mask {empty[0]} of the batch's {per_image.numel()}"
+        raise InvalidInputError(f"{which} is all 0: it marks nothing to repaint, so the image would come back "
+                                "unchanged (Load Image's mask of a picture without transparency is all 0): paint the "
+                                "area to repaint (1), or leave the mask out to redraw the whole image").naming("mask")
 
 
 def _check_image_inputs(request: "GenerationRequest") -> None:
