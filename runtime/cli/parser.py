@@ -19,7 +19,7 @@ from typing import Any, NoReturn, Optional, Sequence, Union
 
 from ..core.errors import InvalidInputError, quoted_shortly
 from ..core.number_text import DECIMAL_RULE, WHOLE_RULE, Range, decimal_from_text, whole_from_text
-from .terminal_text import holds_control_character
+from .terminal_text import holds_control_character, one_terminal_line, undecodable_byte
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -123,6 +123,10 @@ class OutputPath(Option):
         if text.endswith("/") and not os.path.isdir(text):  # Path() drops the '/': a file would take the name
             raise InvalidInputError(f"{self.flag} {text} ends in '/', as a folder's name does, and is no folder: "
                                     f"give {self.what} without the '/'")
+        undecodable = undecodable_byte(text)
+        if undecodable:
+            raise InvalidInputError(f"{self.flag} {one_terminal_line(text)} holds the byte {undecodable}, which is not "
+                                    "UTF-8 text: give a name in UTF-8")
         if holds_control_character(text):
             # The command prints the paths it wrote, one a line: a name holding a line break would read as two.
             raise InvalidInputError(f"{self.flag} {text!r} holds a control character (a line break, a tab, an "

@@ -100,6 +100,12 @@ def read_tokenizer_folder(folder: Path, fix: str) -> Any:
     for entry in sorted(Path(folder).iterdir()):  # a FIFO among them would block transformers' read for ever
         refuse_special_file(entry, f"the tokenizer in {folder}: its {entry.name}", f"remove it; {fix}")
     try:
+        str(folder).encode("utf-8")
+    except UnicodeEncodeError:  # bytes of another encoding, kept by the file system API as lone surrogates
+        raise ModelFileError(f"the tokenizer in {folder} cannot be opened: its path holds bytes that are not UTF-8 "
+                             "text, which the tokenizer library cannot open: rename the folders on its path in "
+                             "UTF-8") from None
+    try:
         return AutoTokenizer.from_pretrained(str(folder))
     except MemoryError:
         raise
