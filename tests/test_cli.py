@@ -968,6 +968,20 @@ def test_quantize_refuses_to_replace_another_models_file(capsys, tmp_path, tiny_
         assert code == 0, err
 
 
+@pytest.mark.parametrize("first, then, told", [
+    ("nvfp4", "fp8", "holds an earlier NVFP4 DiT: the FP8 one replaces it"),
+    ("fp8", "nvfp4", "holds an earlier FP8 DiT: the NVFP4 one replaces it"),
+    ("fp8", "fp8", None), ("q8_0", "q8_0", None)], ids=["NVFP4 by FP8", "FP8 by NVFP4", "FP8 by FP8", "Q8_0 by Q8_0"])
+def test_quantize_says_when_it_replaces_an_earlier_quantised_dit_of_another_format(capsys, tmp_path, bf16_dit, first,
+                                                                                  then, told):
+    out = tmp_path / f"ernie-image.{'gguf' if first.startswith('q') else 'safetensors'}"
+    assert _quantize(capsys, "--dit", str(bf16_dit), "--format", first, "--out", str(out))[0] == 0
+    code, _, err = _quantize(capsys, "--dit", str(bf16_dit), "--format", then, "--out", str(out))
+    assert code == 0, err
+    said = [line for line in err.splitlines() if "replaces it" in line]
+    assert said == ([f"--out {out} {told}"] if told else [])
+
+
 def test_quantize_writes_beside_a_single_file_dit_in_a_folder_that_is_no_model(capsys, tmp_path, bf16_dit):
     """ComfyUI's diffusion_models/ holds single files and no config.json: the quantised file goes beside the bf16
     one, as users keep them."""

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -30,6 +32,7 @@ from ..formats.folder_files import open_weights
 from ..formats.safetensors_reader import is_gguf, open_safetensors
 from ..model.builders import check_config_builds
 from ..quant.gguf_files import DIT_MARKER_KEYS, strip_dit_prefix
+from ..quant.qweight import QuantizedWeight
 from ..quant.safetensors_files import read_safetensors_file
 from ..quant.writer import (WRITE_FORMATS, file_suffix, quantized_layer_counts, refuse_unpackable, should_quantize,
                             write_quantized_file)
@@ -159,16 +162,25 @@ def refuse_output_in_model_folder(out: Path, dit: Path) -> None:
                                 f"replace or join the files of the model it holds; write it elsewhere")
 
 
-def refuse_replacing_another_model(out: Path) -> None:
+def refuse_replacing_another_model(out: Path) -> Optional[str]:
     """An existing --out is replaced only where it is a quantised ERNIE-Image DiT (an earlier run's output, FP8,
     NVFP4 or GGUF): any other file would be lost without a word (the user's bf16 original, a LoRA, a text encoder's
-    or a VAE's file in ComfyUI's folders, another model's GGUF, a file that is no model at all)."""
+    or a VAE's file in ComfyUI's folders, another model's GGUF, a file that is no model at all). Returns the format
+    of the quantised DiT it holds ("NVFP4", "Q8_0"), None where there is no file."""
     if not os.path.isfile(out):
-        return
+        return None
     held = _held_at(out)
     if held is not None:
         raise InvalidInputError(f"--out {out} holds {held}: the quantised DiT would replace it; give another name, "
                                 f"or remove that file first")
+    return _packed_format(open_component(out, "dit"))
+
+
+def _packed_format(component: ComponentFile) -> str:
+    """The format most of a quantised DiT's packed weights are in, as --format names it, upper-case."""
+    formats = Counter(value.qtype if value.format == "gguf" else value.format
+                      for value in map(component.tensor, component.keys) if isinstance(value, QuantizedWeight))
+    return formats.most_common(1)[0][0].upper() if formats else "unpacked"
 
 
 def _held_at(out: Path) -> str | None:
@@ -187,13 +199,14 @@ def _held_at(out: Path) -> str | None:
     return None if component.quantized else "a DiT in full precision (the weights a quantised file is made from)"
 
 
-def refuse_output_over_input(out: Path, dit: Path) -> None:
+def refuse_output_over_input(out: Path, dit: Path) -> Optional[str]:
     """--out naming a file --dit reads (the file itself, a link to it, its path spelled otherwise) would replace the
     bf16 weights: refused first, as generate refuses an output onto an input (refuse_outputs_over_inputs), so that
-    this is the reason given; then a new file inside the folder --dit loads from."""
+    this is the reason given; then a new file inside the folder --dit loads from. Returns the format of the earlier
+    quantised DiT --out holds, which it replaces (None: no file there)."""
     refuse_outputs_over_inputs([("--dit", dit)], [("--out", out, out)])
     refuse_output_in_model_folder(out, dit)
-    refuse_replacing_another_model(out)
+    return refuse_replacing_another_model(out)
 
 
 def kept_dtypes(state: dict[str, torch.Tensor], fmt: str) -> str:
@@ -210,7 +223,7 @@ def main_quantize(argv: list[str] | None = None) -> int:
         # ComfyUI(-GGUF) picks a loader by the name's suffix; a folder is named as one before the name is judged
         check_output_file(args.out, "--out", (file_suffix(args.format),), f"ernie-image-{args.format}")
         check_input_path(args.dit, "--dit", "file or folder")
-        refuse_output_over_input(args.out, args.dit)
+        replaced = refuse_output_over_input(args.out, args.dit)
         files = bf16_dit_files(args.dit)
         component = open_component(args.dit, "dit")  # headers only: no weight is read until the checks pass
         variant = source_variant(args.dit, args.variant, component)
@@ -223,6 +236,9 @@ def main_quantize(argv: list[str] | None = None) -> int:
         refuse_non_finite_weights(state, f"--dit {args.dit}", "re-download them, then quantise again")
         counts = quantized_layer_counts(state, args.format)
         refuse_unpackable(counts, args.format, "format")
+        if replaced is not None and replaced != args.format.upper():
+            print(f"--out {args.out} holds an earlier {replaced} DiT: the {args.format.upper()} one replaces it",
+                  file=sys.stderr)
         out = write_quantized_file(state, args.format, args.out, variant=variant.variant)
     except ErnieImageError as err:
         print(f"error: {cli_message(err)}", file=sys.stderr)
