@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from ernie_image.runtime.cli.commands import main
 from ernie_image.runtime.core.request import SEED_MASK
+from ernie_image.runtime.files.png_output import png_paths
 
 from waiting import wait_until
 
@@ -126,21 +127,24 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(capsys, tmp
         "/sys/ernie.png": "/sys is the kernel's sysfs file system, which takes no files",
         str(tmp_path / "missing" / "x.png"): "the folder " + str(tmp_path / "missing") + " does not exist: create it",
         os.devnull: "is not a .png file name",
-        str(tmp_path / ("b" * 250 + ".png")): "File name too long",  # fits, but not a batch's "_63" name
+        str(tmp_path / ("b" * 252 + ".png")): "File name too long",  # 256 bytes
     }
     for out, expected in cases.items():
         assert expected in _cli(capsys, "generate", "--out", out), out
+    batch = tmp_path / ("b" * 250 + ".png")  # fits alone, but not as a batch's name_63.png
+    assert _cli(capsys, "generate", "--batch", "64", "--out", str(batch)) == (
+        f"error: --out {batch} cannot be used: File name too long (a batch's _63.png): pick a shorter output path")
     assert not empty_cache.exists()
 
 
-def test_an_output_name_as_long_as_the_file_system_takes_less_a_batchs_suffix_is_written(capsys, tmp_path,
-                                                                                          tiny_turbo_folder):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_an_output_name_as_long_as_the_file_system_takes_is_written(capsys, tmp_path, tiny_turbo_folder, batch):
     """The hidden name it is written under first is cut to fit, with a hash of the whole name: the output's own
-    name is not cut short by the hidden name's extra characters."""
-    out = tmp_path / ("c" * 248 + ".png")  # 252 bytes: room for "_63", none for ".<pid>.<token>.partial"
+    name is not cut short by the hidden name's extra characters, and a batch's names need only their own room."""
+    out = tmp_path / ("c" * (251 if batch == 1 else 249) + ".png")  # 255 bytes, or 253 + "_1"
     assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--width", "256", "--height", "256", "--steps",
-                 "1", "--out", str(out)]) == 0, capsys.readouterr().err
-    assert _files(tmp_path) == [out.name]
+                 "1", "--batch", str(batch), "--out", str(out)]) == 0, capsys.readouterr().err
+    assert _files(tmp_path) == [path.name for path in png_paths(out, batch)]
 
 
 @pytest.mark.parametrize("argv, expected", [

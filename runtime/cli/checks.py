@@ -22,6 +22,7 @@ from ..core.number_text import DECIMAL_RULE, decimal_from_text, not_allowed
 from ..core.request import BATCH_RANGE, CFG_RANGE, SEED_RANGE, SHIFT_RANGE, STEPS_RANGE, validate_size
 from ..files.file_kind import not_there
 from ..files.inputs_outputs import refuse_colliding_outputs, refuse_outputs_over_inputs
+from ..files.output_files import longest_name
 from ..files.uninterrupted import uninterrupted
 
 ArgCheck = Callable[[argparse.Namespace], None]
@@ -101,8 +102,10 @@ def check_input_path(path: Optional[Path], option: str, kind: PathKind) -> None:
         raise InvalidInputError(f"{option} {path} cannot be read (permission denied): check its permissions")
 
 
-def check_output_file(path: Path, option: str, suffixes: Iterable[str], example: str) -> Path:
-    """An output file: the right name, its folder exists and is writable, and it is not itself a folder.
+def check_output_file(path: Path, option: str, suffixes: Iterable[str], example: str,
+                      written: Iterable[Path] = ()) -> Path:
+    """An output file: the right name, its folder exists and is writable, and it is not itself a folder; `written`:
+    the names made from it (a batch's name_0.png ...; none: `path` itself), each short enough for the folder.
 
     An existing file is replaced only when the new one is complete (writers go through `atomic_output`)."""
     suffixes = tuple(suffixes)
@@ -124,11 +127,11 @@ def check_output_file(path: Path, option: str, suffixes: Iterable[str], example:
         raise InvalidInputError(f"{option} {path}: the folder {folder} does not exist: create it first")
     if not stat.S_ISDIR(folder_info.st_mode):
         raise InvalidInputError(f"{option} {path}: {folder} is a file, not a folder: pick another output path")
-    _check_writable_folder(folder, path, option)
+    _check_writable_folder(folder, path, option, tuple(written) or (path,))
     return path
 
 
-def _check_writable_folder(folder: Path, path: Path, option: str) -> None:
+def _check_writable_folder(folder: Path, path: Path, option: str, written: tuple[Path, ...]) -> None:
     """Create and remove a scratch file: the only test that holds for read-only mounts, ACLs and root alike. Made
     and removed uninterrupted, so a Ctrl-C at any moment leaves no scratch file behind."""
     try:
@@ -140,8 +143,11 @@ def _check_writable_folder(folder: Path, path: Path, option: str) -> None:
                                     "path") from None
         raise InvalidInputError(f"{option} {path} cannot be written: {_why_unwritable(folder, error)}: pick a "
                                 "writable folder") from None
-    if len(os.fsencode(path.name)) + len("_63") > _name_max(folder):  # a batch's last name
-        raise InvalidInputError(f"{option} {path} cannot be used: File name too long: pick a shorter output path")
+    longest = max(reversed(written), key=lambda name: len(os.fsencode(name.name)))  # of a tie, the last
+    if len(os.fsencode(longest.name)) > longest_name(folder):
+        made = "" if longest == path else f" (a batch's {longest.name[-len(longest.suffix) - 3:]})"
+        raise InvalidInputError(f"{option} {path} cannot be used: File name too long{made}: pick a shorter output "
+                                "path")
 
 
 # File systems of the kernel's own (its state as files): they take no new files, whatever the permissions say.
@@ -177,13 +183,6 @@ def _mount_of(folder: Path) -> tuple[str, str]:
         if inside and len(mount_point) >= len(best[0]):
             best = (mount_point, file_system)
     return best
-
-
-def _name_max(folder: Path) -> int:
-    try:
-        return os.pathconf(folder, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        return 255
 
 
 # ---- generate -------------------------------------------------------------------------------------------------
@@ -313,8 +312,10 @@ def _files_written(args: argparse.Namespace) -> list[tuple[str, Path, Path]]:
 
 def _check_outputs(args: argparse.Namespace) -> None:
     """Each output a writable .png name, none of its batch names a folder, and no two outputs one file."""
+    from ..files.png_output import png_paths
+
     for option, given, example in _outputs_given(args):
-        check_output_file(given, option, (".png",), example)
+        check_output_file(given, option, (".png",), example, png_paths(given, args.batch))
     for option, given, path in _files_written(args) if args.batch > 1 else ():  # name_0.png, name_1.png, ...
         if path.is_dir():
             raise InvalidInputError(f"{option} {given}: batch image {path} is a folder: pick another output name")

@@ -128,14 +128,14 @@ def hidden_stem(path: Path) -> str:
     with a hash of the whole name that tells two names cut alike apart. So an output name may be as long as the
     file system takes (255 bytes mostly), not that less the hidden name's extra characters."""
     name = os.fsencode(path.name)
-    room = _name_max(path.parent) - HIDDEN_NAME_EXTRA
+    room = longest_name(path.parent) - HIDDEN_NAME_EXTRA
     if len(name) <= room:
         return path.name
     digest = hashlib.sha256(name).hexdigest()[:_CUT_MARK_BYTES - 1]
     return f"{os.fsdecode(name[:max(room - _CUT_MARK_BYTES, 1)])}~{digest}"
 
 
-def _name_max(folder: Path) -> int:
+def longest_name(folder: Path) -> int:
     """The longest file name `folder`'s file system takes, in bytes (255 where it does not say)."""
     try:
         return os.pathconf(folder, "PC_NAME_MAX")
