@@ -21,6 +21,8 @@ def load_quantized_state_dict(path: str | Path, component: str = "dit"
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"weight file {path} {not_there(path)}")
+    if not path.is_file():
+        raise ModelFileError(f"weight file {path} is not a file: give the quantised .safetensors or .gguf file")
     if is_gguf(path):
         return load_dit_gguf(path, require_dit=component == "dit")
     state = {strip_dit_prefix(key): value for key, value in load_quantized_safetensors(path).items()}
