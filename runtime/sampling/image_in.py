@@ -42,11 +42,34 @@ def pixel_mask(request) -> Optional[torch.Tensor]:
     mask = request.mask.detach().to("cpu", torch.float32)
     mask = mask.reshape(-1, 1, mask.shape[-2], mask.shape[-1])
     if request.mask_grow > 0:
-        radius = request.mask_grow
-        mask = F.max_pool2d(mask, kernel_size=2 * radius + 1, stride=1, padding=radius)
+        mask = grown(mask, request.mask_grow)
     if request.mask_feather > 0:
         mask = gaussian_blur(mask, request.mask_feather)
     return mask.clamp(0, 1)
+
+
+def grown(mask: torch.Tensor, radius: int) -> torch.Tensor:
+    """The mask dilated by a (2 * radius + 1)-pixel square, as max_pool2d(kernel 2 * radius + 1, padding radius)
+    computes it for a mask in 0..1: each axis in turn, its window maxima built by doubling spans (a span of 2s is
+    the larger of two spans of s), so the work grows with log(radius), not with radius squared (max_pool2d took 11 s
+    for radius 64 on a 1024x1024 mask, and hours for 1024)."""
+    for dim in (-1, -2):
+        mask = _window_maxima(mask, radius, dim)
+    return mask
+
+
+def _window_maxima(x: torch.Tensor, radius: int, dim: int) -> torch.Tensor:
+    """Along `dim`, each value's maximum over [i - radius, i + radius], zeros past the edges (the values are >= 0,
+    and a window holds its own centre, so the zeros change no maximum)."""
+    length = 2 * radius + 1
+    x = F.pad(x, (radius, radius, 0, 0) if dim == -1 else (0, 0, radius, radius))
+    spanned, span = x, 1  # spanned[i]: the maximum over x[i : i + span]
+    while 2 * span <= length:
+        size = spanned.size(dim) - span
+        spanned = torch.maximum(spanned.narrow(dim, 0, size), spanned.narrow(dim, span, size))
+        span *= 2
+    size = x.size(dim) - length + 1
+    return torch.maximum(spanned.narrow(dim, 0, size), spanned.narrow(dim, length - span, size))
 
 
 def gaussian_blur(mask: torch.Tensor, radius: int) -> torch.Tensor:
