@@ -65,6 +65,8 @@ def files(tiny_turbo_folder, tmp_path_factory) -> dict[str, Path]:
         "alpha-pattern-nan": _with_metadata(folder / "alpha-pattern-nan.safetensors", shapes,
                                             '{"lora_alpha": 2, "alpha_pattern": {"to_q": NaN}}'),
         "bad-json": _with_metadata(folder / "bad-json.safetensors", shapes, '{"lora_alpha": 8,'),
+        "alpha-twice": _with_metadata(folder / "alpha-twice.safetensors", shapes,
+                                      '{"r": 4, "lora_alpha": 16, "lora_alpha": 4}'),
         "alpha-two": _layer(folder / "alpha-two.safetensors", lora_down__weight=down, lora_up__weight=up,
                             alpha=torch.tensor([2.0, 2.0])),
         "int32": _layer(folder / "int32.safetensors", lora_A__weight=down.to(torch.int32),
@@ -104,6 +106,9 @@ REFUSALS = [
     ("alpha-word", "lora_alpha 'loud' in its metadata key lora_adapter_metadata is not a finite number"),
     ("alpha-pattern-nan", "alpha_pattern['to_q'] nan in its metadata key lora_adapter_metadata is not a finite"),
     ("bad-json", "LoRA bad-json.safetensors: its metadata key lora_adapter_metadata is not valid JSON"),
+    ("alpha-twice", "LoRA alpha-twice.safetensors: its metadata key lora_adapter_metadata cannot be trusted (the key "
+                    "'lora_alpha' appears twice in one object, so which value is meant is not known): the file is "
+                    "damaged; export the LoRA again"),
     ("alpha-two", f"LoRA alpha-two.safetensors: layers.0.mlp.linear_fc2.alpha is a torch.float32 tensor of shape "
                   f"(2,), not one number: the file is damaged; export it again"),
     ("int32", "LoRA int32.safetensors: layers.0.mlp.linear_fc2.lora_A.weight holds torch.int32 values, not floating "

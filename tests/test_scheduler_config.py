@@ -70,14 +70,23 @@ def test_a_config_that_cannot_be_read_is_a_notice_not_a_failure(tmp_path, text):
     assert str(tmp_path) not in notices[0]
 
 
+def _scheduler_folder_linked_to_nothing(path: Path) -> None:
+    path.parent.rmdir()
+    path.parent.symlink_to(path.parent.parent / "gone")
+
+
 @pytest.mark.parametrize("kind, why", [("a folder", "not a file"), ("a FIFO", "not a file"),
-                                       ("a link to nothing", "a link to nothing")])
+                                       ("a link to nothing", "a link to nothing"),
+                                       ("a folder linked to nothing", "its scheduler/ folder is a link to nothing"),
+                                       ("a key twice", "it holds a key twice, so which value is meant is not known")])
 def test_something_other_than_a_file_is_said_and_never_read(tmp_path, kind, why):
     """A FIFO is never opened: a read would wait for a writer for ever."""
     folder = folder_with(tmp_path, None)
     path = folder / "scheduler" / "scheduler_config.json"
     {"a folder": path.mkdir, "a FIFO": lambda: os.mkfifo(path),
-     "a link to nothing": lambda: path.symlink_to(tmp_path / "gone")}[kind]()
+     "a link to nothing": lambda: path.symlink_to(tmp_path / "gone"),
+     "a folder linked to nothing": lambda: _scheduler_folder_linked_to_nothing(path),
+     "a key twice": lambda: path.write_text('{"shift": 4.0, "shift": 1.0}')}[kind]()
     assert scheduler_notices(folder, 4.0) == [f"{LABEL} cannot be read ({why}); this pack samples as ERNIE-Image's "
                                               "released scheduler (a static shift, Euler steps), shift 4"]
 

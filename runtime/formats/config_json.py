@@ -32,6 +32,10 @@ def _config_errors() -> tuple[type[BaseException], ...]:
 CONFIG_FIX = "give the config.json file, or re-download it"
 
 
+class RepeatedConfigKey(ModelFileError):
+    """A config file holding a key twice (which value is meant is not known)."""
+
+
 def config_there(path: Path) -> bool:
     """Whether a config file (config.json, generation_config.json) is at `path` to be read: False only where nothing
     is; a broken link (a download cut short into a cache of links) is refused, not taken for no config."""
@@ -54,8 +58,8 @@ def read_config(path: Path) -> dict[str, Any]:
         raise ModelFileError(f"{path} cannot be read ({error.strerror or error}): check its permissions, or "
                              "re-download it") from None
     except RepeatedKey as error:
-        raise ModelFileError(f"{path} is not a config that can be trusted ({json_fault(error)}): keep one of them, "
-                             "or re-download it") from None
+        raise RepeatedConfigKey(f"{path} is not a config that can be trusted ({json_fault(error)}): keep one of them, "
+                                "or re-download it") from None
     except JSON_ERRORS as error:
         cut = " or cut short" if isinstance(error, json.JSONDecodeError) else ""
         raise ModelFileError(f"{path} is not valid JSON ({json_fault(error)}): the file is damaged{cut}: "

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..core.errors import ModelFileError, NamedLine, naming_line
-from .config_json import read_config
+from .config_json import RepeatedConfigKey, read_config
 
 LABEL = "scheduler/scheduler_config.json"
 RELEASED_SHIFT = 4.0
@@ -33,6 +33,8 @@ def scheduler_notices(model_dir: Optional[Path], shift: float) -> list[NamedLine
     try:
         kind = path.stat().st_mode  # follows a link
     except FileNotFoundError:
+        if path.parent.is_symlink() and not path.parent.exists():
+            return [_unreadable("its scheduler/ folder is a link to nothing", shift)]
         return [_unreadable("a link to nothing", shift)] if path.is_symlink() else []
     except OSError as error:
         return [_unreadable(error.strerror or "cannot be looked at", shift)]
@@ -40,6 +42,8 @@ def scheduler_notices(model_dir: Optional[Path], shift: float) -> list[NamedLine
         return [_unreadable("not a file", shift)]
     try:
         config = read_config(path)
+    except RepeatedConfigKey:
+        return [_unreadable("it holds a key twice, so which value is meant is not known", shift)]
     except ModelFileError:  # unreadable, empty, damaged or cut short: the file is not needed
         return [_unreadable("not a readable JSON object", shift)]
     notices = []

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..core.errors import ModelFileError
-from ..core.json_text import JSON_ERRORS, json_fault
+from ..core.json_text import JSON_ERRORS, RepeatedKey, json_fault, without_repeated_keys
 from ..files.file_kind import is_there, not_there, refuse_special_file
 from .sources import component_folder
 
@@ -105,6 +105,9 @@ def read_tokenizer_folder(folder: Path, fix: str) -> Any:
         raise ModelFileError(f"the tokenizer in {folder} cannot be opened: its path holds bytes that are not UTF-8 "
                              "text, which the tokenizer library cannot open: rename the folders on its path in "
                              "UTF-8") from None
+    damaged = damaged_json(folder)  # before the library reads it: it would take a key given twice as its last copy
+    if damaged:
+        raise ModelFileError(f"the tokenizer in {folder} cannot be read ({damaged}): {fix}")
     try:
         return AutoTokenizer.from_pretrained(str(folder))
     except MemoryError:
@@ -128,7 +131,9 @@ def damaged_json(folder: Path) -> Optional[str]:
         if not data:
             return f"its {name} is empty (0 bytes)"
         try:
-            value = json.loads(data.decode("utf-8"))
+            value = json.loads(data.decode("utf-8"), object_pairs_hook=without_repeated_keys)
+        except RepeatedKey as error:
+            return f"its {name} is damaged: {json_fault(error)}"
         except JSON_ERRORS as error:
             return f"its {name} is damaged: not valid JSON ({json_fault(error)})"
         if not isinstance(value, dict):

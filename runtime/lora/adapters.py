@@ -26,7 +26,7 @@ from typing import Optional, Union
 import torch
 
 from ..core.errors import ModelFileError
-from ..core.json_text import JSON_ERRORS, json_fault
+from ..core.json_text import JSON_ERRORS, RepeatedKey, json_fault, without_repeated_keys
 
 
 @dataclass
@@ -102,7 +102,10 @@ def peft_alphas(metadata: dict[str, str], name: str = "") -> Optional[PeftAlphas
         return None
     label = f"LoRA {name}" if name else "LoRA"
     try:
-        config = json.loads(raw)
+        config = json.loads(raw, object_pairs_hook=without_repeated_keys)
+    except RepeatedKey as error:
+        raise ModelFileError(f"{label}: its metadata key lora_adapter_metadata cannot be trusted ({json_fault(error)}):"
+                             f" the file is damaged; export the LoRA again") from None
     except JSON_ERRORS as error:
         raise ModelFileError(f"{label}: its metadata key lora_adapter_metadata is not valid JSON ({json_fault(error)}):"
                              f" the file is damaged; export the LoRA again") from None
