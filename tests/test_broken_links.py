@@ -72,6 +72,18 @@ def test_a_given_path_that_is_a_broken_link_is_not_called_missing(capsys, tmp_pa
     assert line == f"error: {option} {given} {BROKEN}mend the link, or download it again", line
 
 
+def test_a_tokenizer_folder_found_in_the_model_folder_is_named_as_such_not_as_an_option_not_given(capsys, tmp_path,
+                                                                                                  model):
+    _broken_link(model / "tokenizer")
+    line = _refused(capsys, tmp_path / "x.png", "--model-dir", str(model))
+    assert line == f"error: the tokenizer folder {model / 'tokenizer'} {BROKEN}mend the link, or download it again"
+    (model / "tokenizer").unlink()
+    (model / "tokenizer").write_text("{}")
+    line = _refused(capsys, tmp_path / "x.png", "--model-dir", str(model))
+    assert line == (f"error: {model / 'tokenizer'} is a file, not the tokenizer folder: download the model's "
+                    "tokenizer/ folder again")
+
+
 def test_a_link_to_a_file_that_is_there_is_read_as_the_file(capsys, tmp_path, model):
     config = model / "vae" / "config.json"
     kept = tmp_path / "blob"

@@ -49,6 +49,24 @@ def test_a_mask_is_turned_upright_by_the_same_rule(tmp_path):
     assert float(mask[0, :64].min()) == 1.0 and float(mask[0, 64:].max()) == 0.0
 
 
+def test_an_animated_mask_is_a_batch_of_its_frames_as_the_image_is(tmp_path):
+    """Load Image's MASK of an animated file holds every frame; a mask for a batch of two is not its first frame
+    twice."""
+    frames = [Image.fromarray(np.full((256, 256), value, np.uint8)) for value in (255, 0, 128)]
+    animated = tmp_path / "animated_mask.png"
+    frames[0].save(animated, save_all=True, append_images=frames[1:])
+    mask = read_mask(animated)
+    assert tuple(mask.shape) == (3, 256, 256)
+    assert [round(float(frame.mean()) * 255) for frame in mask] == [255, 0, 128]
+
+
+def test_a_16_bit_mask_is_told_to_be_saved_as_8_bit_grayscale(tmp_path):
+    path = tmp_path / "deep_mask.png"
+    Image.fromarray(np.full((256, 256), 40000, np.uint16)).save(path)
+    with pytest.raises(InvalidInputError, match="save it as 8-bit grayscale$"):
+        read_mask(path)
+
+
 def test_an_upright_photo_is_read_as_stored(tmp_path):
     pixels = _sideways_portrait()
     image = read_image(_with_orientation(tmp_path / "upright.png", pixels, orientation=1))

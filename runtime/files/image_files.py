@@ -9,7 +9,8 @@ Where Load Image would give wrong pixels without a word, the file is refused in 
 and float ('F') files (Load Image clips them to white: save them as 8-bit RGB), transparent pixels (flatten them, or
 paint the area to repaint as a mask; a fully opaque alpha channel carries nothing and is dropped), damaged or
 truncated files. Sizes are never resized or cropped: a side that is not a multiple of 16 is refused by the request
-with the nearest valid size. A mask is read from its grey level (white = repaint), upright by the same rule.
+with the nearest valid size. A mask is read from its grey level (white = repaint), upright and frame by frame by
+the same rules (Load Image's MASK of an animated file is a batch too).
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def _unreadable(path: Path, setting: str, error: BaseException) -> InvalidInputE
                              "file (re-save it if it is damaged)").naming(setting)
 
 
-def _open(path: Path, setting: str):
+def _open(path: Path, setting: str, eight_bit: str = "8-bit RGB"):
+    """The image file opened and decoded; `eight_bit`: what a 16-bit or floating-point one is told to be saved as."""
     from PIL import Image, UnidentifiedImageError
 
     what = not_a_regular_file(path)
@@ -55,7 +57,7 @@ def _open(path: Path, setting: str):
     if image.mode in HIGH_DEPTH_MODES:
         depth = "16-bit" if "16" in image.mode else "32-bit floating-point"
         raise InvalidInputError(f"{setting} {path} is a {depth} image (mode {image.mode}): ERNIE-Image reads 8-bit "
-                                "images: save it as 8-bit RGB").naming(setting)
+                                f"images: save it as {eight_bit}").naming(setting)
     return image
 
 
@@ -123,17 +125,23 @@ COLOUR_TOLERANCE = 8  # JPEG rounding puts grey pixels a few levels off grey; a 
 
 
 def read_mask(path: Path, setting: str = "path") -> torch.Tensor:
-    """A mask file -> float32 [1, H, W] in 0..1: its grey level, white = repaint, black = keep (first frame, upright).
+    """A mask file -> float32 [frames, H, W] in 0..1: its grey level, white = repaint, black = keep; every frame of
+    the first frame's size, upright, as read_image reads the init image's frames (one a batch image).
     `setting`: as read_image's (the CLI passes "mask")."""
     path = Path(path)
-    image = _opaque(_upright(_open(path, setting), path, setting),
-                    InvalidInputError(f"{setting} {path} has transparent pixels: a mask is read from its grey level "
-                                      "(white = repaint): save it as grayscale without alpha").naming(setting))
+    refusal = InvalidInputError(f"{setting} {path} has transparent pixels: a mask is read from its grey level "
+                                "(white = repaint): save it as grayscale without alpha").naming(setting)
+    greys = [_grey(_opaque(frame, refusal), path, setting)
+             for frame in _frames(_open(path, setting, "8-bit grayscale"), path, setting)]
+    return torch.from_numpy(np.stack(greys))
+
+
+def _grey(image, path: Path, setting: str) -> np.ndarray:
+    """A mask frame's grey level in 0..1 [H, W]; a frame with coloured pixels is refused."""
     if image.mode not in ("1", "L", "I", "I;16", "F"):
         channels = np.asarray(image.convert("RGB"), dtype=np.int16)
         if (channels.max(axis=-1) - channels.min(axis=-1)).max() > COLOUR_TOLERANCE:
             raise InvalidInputError(f"{setting} {path} has coloured pixels: a mask is read from its grey level "
                                     "(white = repaint), so a red stroke would repaint at 30%; save it as black and "
                                     "white").naming(setting)
-    grey = np.asarray(image.convert("L"), dtype=np.float32) / 255.0
-    return torch.from_numpy(grey.copy()).unsqueeze(0)
+    return np.asarray(image.convert("L"), dtype=np.float32) / 255.0

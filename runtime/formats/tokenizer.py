@@ -46,15 +46,20 @@ def load_tokenizer(sources):
     if beside is not None:
         candidates.append(beside)
     for candidate in candidates:
+        given = candidate == sources.tokenizer
         if candidate.is_symlink() and not candidate.exists():
-            raise ModelFileError(f"tokenizer {candidate} {not_there(candidate)}").naming("tokenizer")
+            if given:
+                raise ModelFileError(f"tokenizer {candidate} {not_there(candidate)}").naming("tokenizer")
+            raise ModelFileError(f"the tokenizer folder {candidate} {not_there(candidate)}")
+        if not given and candidate.is_file():  # model_dir/tokenizer, or the one beside the text encoder
+            raise ModelFileError(f"{candidate} is a file, not the tokenizer folder: download the model's tokenizer/ "
+                                 "folder again")
         folder = candidate.parent if candidate.is_file() else candidate
         if holds_tokenizer(folder, "download the model's tokenizer/ folder again"):
             tokenizer = read_tokenizer_folder(folder, "download the model's tokenizer/ folder again")
-            origin = (given_origin(candidate, encoder) if candidate == sources.tokenizer
-                      else folder_origin(folder, "tokenizer", encoder))
+            origin = given_origin(candidate, encoder) if given else folder_origin(folder, "tokenizer", encoder)
             return remember_origin(tokenizer, origin)
-        if candidate == sources.tokenizer:  # asked for explicitly: never fall back silently to another tokenizer
+        if given:  # asked for explicitly: never fall back silently to another tokenizer
             raise ModelFileError(f"tokenizer {candidate} has no tokenizer.json or tokenizer_config.json: give the "
                                  "model's tokenizer/ folder (or its tokenizer.json), or leave the tokenizer out"
                                  ).naming("tokenizer")
