@@ -227,10 +227,11 @@ UNREAD = ("transformer/zzz.safetensors is not read: transformer/diffusion_pytorc
     (lambda folder: _zero_copy(folder, "zzz.safetensors"), UNREAD),
     (lambda folder: _complete_copy_beside_shards(folder), UNREAD),
     (lambda folder: _zero_copy(folder, "diffusion_pytorch_model.fp16.safetensors"), None),
-    (lambda folder: (folder / "zzz.safetensors").write_bytes(b"not weights"), None),
+    (lambda folder: (folder / "zzz.safetensors").write_bytes(b"not weights"), UNREAD),
+    (lambda folder: save_file({"foo": torch.ones(2)}, str(folder / "zzz.safetensors")), UNREAD),
     (_lora_beside, UNREAD.replace("zzz", "my_lora"))],
     ids=["a complete copy", "a complete copy beside shards", "a diffusers variant copy", "not a weight file at all",
-         "a LoRA"])
+         "another model's tensors", "a LoRA"])
 def test_a_file_the_index_does_not_name_is_not_read_and_one_of_this_models_is_told_once(
         capsys, tmp_path, model, picture, monkeypatch, stray, told):
     """What diffusers reads, and no more; a file holding this model's tensors (the user may have meant it to be
@@ -249,6 +250,17 @@ def test_a_file_the_index_does_not_name_is_not_read_and_one_of_this_models_is_to
                                     vae="(none)", prompt_enhancer="(none)", variant="auto", vram_budget_gb=0.0,
                                     keep_loaded=False)
     assert ("is not read" in str(shown)) == bool(told) and (told or "") in str(shown)
+
+
+def test_a_folder_holding_its_weights_only_as_a_diffusers_variant_reads_them_and_says_so(capsys, tmp_path, model,
+                                                                                        picture):
+    folder = model / "transformer"
+    (folder / WEIGHTS["transformer"]).rename(folder / "diffusion_pytorch_model.fp16.safetensors")
+    assert main(_generate(model, tmp_path / "x.png")) == 0
+    assert _pixels(tmp_path / "x.png") == picture
+    said = [line for line in capsys.readouterr().err.splitlines() if "variant" in line]
+    assert said == ["transformer/ holds its weights only as a diffusers variant (diffusion_pytorch_model.fp16."
+                    "safetensors): they are read, as diffusers reads them when that variant is asked for"]
 
 
 def _complete_copy_beside_shards(folder: Path) -> None:

@@ -44,8 +44,9 @@ def open_weights(path: Path, pick: str) -> OpenWeights:
     indexes = _plain_indexes(sorted(path.glob("*" + INDEX_SUFFIX)))
     if indexes:
         return _indexed(path, indexes)
-    readers = tuple(open_safetensors(file) for file in _weight_files(path, pick))
-    return OpenWeights(readers, _sole_owners(path, readers, {}), ())
+    files = _weight_files(path, pick)
+    readers = tuple(open_safetensors(file) for file in files)
+    return OpenWeights(readers, _sole_owners(path, readers, {}), (), _variants_read(path, files))
 
 
 def _weight_files(folder: Path, pick: str) -> list[Path]:
@@ -65,6 +66,18 @@ def _weight_files(folder: Path, pick: str) -> list[Path]:
         raise ModelFileError(f"{folder} holds only PyTorch pickle weights ({found}), which this pack never loads: "
                              f"use the .safetensors release")
     raise ModelFileError(f"{folder} holds no .safetensors weights (found {found}): {pick}")
+
+
+def _variants_read(folder: Path, files: list[Path]) -> tuple[str, ...]:
+    """A line where the weights read are diffusers' variant copies, the folder holding no plain ones: diffusers reads
+    them only when that variant is asked for."""
+    variants = [file.name for file in files if (match := _VARIANT_COPY.fullmatch(file.name))
+                and match["stem"] in ("diffusion_pytorch_model", "model")]
+    if not variants:
+        return ()
+    return (f"{folder.name}/ holds its weights only as a diffusers variant ({', '.join(variants[:2])}"
+            f"{', ...' if len(variants) > 2 else ''}): they are read, as diffusers reads them when that variant is "
+            "asked for",)
 
 
 _SHARD_OR_PLAIN = re.compile(r"(?P<stem>[^.]+?)(-\d{5}-of-\d{5})?\.safetensors")
@@ -121,10 +134,9 @@ def _refuse_files_left_out(folder: Path, indexes: tuple[Path, ...], named: set[s
     """A .safetensors file beside the index that it does not name is not read, as diffusers does not read it; one
     holding more of this model's tensors (in the groups the named files' tensors are in: another layer's, another
     decoder block's), which no named file holds, is an index out of date with its shards, refused here rather than
-    blamed later on the config or the layout. One holding tensors of those groups that the named files hold too (a
-    complete single-file copy, a LoRA) is told in a line each (returned): the user may have meant it to be read. A
-    stray file of anything else (a file that is not safetensors, another model's, diffusers' variant copies such as
-    `diffusion_pytorch_model.fp16-00001-of-00002.safetensors`) stays unread without a word."""
+    blamed later on the config or the layout. Any other is told in a line each (returned): the user may have meant
+    it to be read (a complete single-file copy, a LoRA, another model's file). diffusers' variant copies
+    (`diffusion_pytorch_model.fp16-00001-of-00002.safetensors`) and macOS's `._` files stay unread without a word."""
     groups = {_group(key) for key in owner}
     index = _shown(folder, indexes[0]) if len(indexes) == 1 else f"{folder.name}/'s indexes"
     plain = {match["stem"] for match in map(_SHARD_OR_PLAIN.fullmatch, named) if match}
@@ -132,6 +144,8 @@ def _refuse_files_left_out(folder: Path, indexes: tuple[Path, ...], named: set[s
     for file in sorted(folder.glob("*.safetensors")):
         if file.name in named or file.name.startswith("._") or _variant_copy(file.name, plain):
             continue
+        unread.append(f"{folder.name}/{file.name} is not read: {index} names the files that are, as diffusers "
+                      f"reads the folder; to run that file instead, give it as the part's file itself")
         try:
             keys = open_safetensors(file).keys()
         except ModelFileError:
@@ -141,9 +155,6 @@ def _refuse_files_left_out(folder: Path, indexes: tuple[Path, ...], named: set[s
         if missing:
             raise ModelFileError(f"{index} leaves out {file.name}, which holds {counted(len(missing), 'more tensor')} "
                                  f"of this model ({sample_keys(missing, 2)}): download the folder's index again")
-        if any(_group(key) in groups for key in keys):
-            unread.append(f"{folder.name}/{file.name} is not read: {index} names the files that are, as diffusers "
-                          f"reads the folder; to run that file instead, give it as the part's file itself")
     return tuple(unread)
 
 
