@@ -430,8 +430,8 @@ TENSOR_DAMAGE: dict[str, tuple[Change, str]] = {  # (the change, what the refusa
     # The other layer holds its up_proj: the file lost the tensor, the config is not to blame.
     "a tensor missing": (_left_out, f" lacks {UP_PROJ}, which the config makes and the weights' other layers hold: "
                                     f"the file is damaged or was not fully downloaded: download it again"),
-    "an unknown tensor": (_one_added, f" does not fit the weights: the weights hold {EXTRA}, for which it makes no "
-                                      f"place: "),
+    "an unknown tensor": (_one_added, f" holds {EXTRA}, which no ERNIE-Image transformer has: save the weights "
+                                      "without them, or re-download them"),
 }
 # A file without a config is held to the config its shapes show, which makes no claim on tensors beyond it: generate
 # loads such a file, so quantize writes it.
@@ -473,11 +473,18 @@ class TestQuantizeRefusesWhatGenerateRefusesOfABf16Dit:
         assert says in line, line
         assert _quantize_refused(capsys, tmp_path, model) == line
 
-    def test_an_unknown_tensor_beside_no_config_is_written_and_the_written_file_loads(self, capsys, tmp_path, sources):
+    def test_an_unknown_tensor_beside_no_config_is_told_not_read_and_not_written(self, capsys, tmp_path, sources):
+        """A file without a config is held to the released config, which makes no claim on tensors beyond the DiT:
+        such a tensor is not read, with a line saying so, and the quantised file leaves it out."""
         change, _ = TENSOR_DAMAGE["an unknown tensor"]
         model = _damaged(_comfy_dit_without_config(sources, tmp_path), change)
+        told = f"{_bf16_dit(model).name} holds 1 tensor no ERNIE-Image transformer has ({EXTRA}): they are not read"
+        assert main(_generate(model, tmp_path / "y.png")) == 0
+        assert told in capsys.readouterr().err.splitlines()
         out = tmp_path / "ernie-image-turbo-fp8.safetensors"
         assert main(["quantize", "--dit", str(_bf16_dit(model)), "--format", "fp8", "--out", str(out)]) == 0
+        assert told in capsys.readouterr().err.splitlines()
+        assert EXTRA not in load_file(str(out))
         argv = list(model.argv)
         argv[argv.index("--dit") + 1] = str(out)
         assert main(_generate(Model(tuple(argv), model.configs), tmp_path / "x.png")) == 0

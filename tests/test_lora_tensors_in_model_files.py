@@ -18,6 +18,7 @@ ADAPTERS = {
     "peft": ("layers.0.self_attention.to_q.lora_A.weight", "layers.0.self_attention.to_q.lora_B.weight"),
     "kohya": ("layers.0.self_attention.to_q.lora_down.weight", "layers.0.self_attention.to_q.lora_up.weight"),
     "lokr": ("layers.0.mlp.gate_proj.lokr_w1", "layers.0.mlp.gate_proj.lokr_w2"),
+    "dora": ("layers.0.self_attention.to_q.lora_A.weight", "layers.0.self_attention.to_q.lora_magnitude_vector"),
 }
 
 
@@ -70,12 +71,16 @@ def test_quantize_refuses_a_dit_holding_a_loras_tensors_and_writes_nothing(capsy
 
 
 @pytest.mark.parametrize("key", ["layers.3.mlp.gate_proj.lora_B.default.weight", "unet.down.lora.up.weight",
-                                 "layers.0.attn.to_k.hada_w1_a", "layers.0.attn.to_k.dora_scale"])
+                                 "layers.0.attn.to_k.hada_w1_a", "layers.0.attn.to_k.dora_scale",
+                                 "layers.0.attn.to_q.alpha", "layers.0.attn.to_q.lora_magnitude_vector",
+                                 "layers.0.attn.to_q.oft_blocks", "layers.0.attn.to_q.diff", "layers.0.attn.to_q.diff_b",
+                                 "layers.0.attn.to_q.a1.weight", "layers.0.attn.to_q.b2.weight"])
 def test_an_adapters_tensor_names_are_told_by_their_parts(key):
     assert adapter_key(key)
 
 
 @pytest.mark.parametrize("key", ["layers.0.self_attention.to_q.weight", "final_linear.weight", "floral_A.weight",
-                                 "layers.0.mlp.loraxis.weight", "adaLN_modulation.1.weight"])
+                                 "layers.0.mlp.loraxis.weight", "adaLN_modulation.1.weight",
+                                 "decoder.up_blocks.0.resnets.0.conv1.weight", "time_embedding.linear_1.weight"])
 def test_a_models_own_tensor_names_are_no_adapters(key):
     assert not adapter_key(key)

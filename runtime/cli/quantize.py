@@ -30,7 +30,8 @@ from ..formats.component_file import QUANT_MARKERS, WHAT_TO_PICK, ComponentFile,
 from ..formats.detect import identify
 from ..formats.folder_files import open_weights
 from ..formats.safetensors_reader import is_gguf, open_safetensors
-from ..model.builders import check_config_builds
+from ..model.builders import check_config_builds, dit_on_meta
+from ..model.tensor_fit import shapes_of
 from ..quant.gguf_files import DIT_MARKER_KEYS, strip_dit_prefix
 from ..quant.qweight import QuantizedWeight
 from ..quant.safetensors_files import read_safetensors_file
@@ -232,7 +233,8 @@ def main_quantize(argv: list[str] | None = None) -> int:
             print(cli_words(notice, notice.settings), file=sys.stderr)
         for notice in component.notices:  # a file of the folder left out of what is quantised
             print(notice, file=sys.stderr)
-        state = read_bf16_dit(args.dit, files)
+        made = shapes_of(dit_on_meta(component))
+        state = {key: tensor for key, tensor in read_bf16_dit(args.dit, files).items() if key in made}  # told above
         refuse_non_finite_weights(state, f"--dit {args.dit}", "re-download them, then quantise again")
         counts = quantized_layer_counts(state, args.format)
         refuse_unpackable(counts, args.format, "format")

@@ -40,8 +40,10 @@ OTHER_FAMILIES: tuple[tuple[str, str], ...] = (
 
 
 # A name part that only an adapter's tensors have: PEFT/kohya lora_A/lora_B/lora_down/lora_up (and diffusers' older
-# lora.down/lora.up), LyCORIS lokr_*/hada_*, DoRA's magnitude.
-_ADAPTER_PART = re.compile(r"(lora_(A|B|down|up)|lora|lokr_\w+|hada_\w+|dora_scale)$")
+# lora.down/lora.up) and their alpha, LyCORIS lokr_*/hada_*/oft_*, its full-weight diff and GLoRA's a1/a2/b1/b2,
+# DoRA's magnitude (kohya's dora_scale, PEFT's lora_magnitude_vector). No ERNIE-Image part has a tensor so named.
+_ADAPTER_PART = re.compile(r"(lora_(A|B|down|up|magnitude_vector)|lora|alpha|lokr_\w+|hada_\w+|oft_\w+|diff|diff_b"
+                           r"|[ab][12]|dora_scale)$")
 
 
 def adapter_key(key: str) -> bool:

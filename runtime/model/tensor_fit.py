@@ -120,6 +120,21 @@ def _lacking_file(component, lacking: set[str]) -> Path:
     return files.pop() if len(files) == 1 else Path(component.path)
 
 
+def _holding_file(component, keys: set[str]) -> Path:
+    """The one file holding `keys`, else the part's folder."""
+    files = {Path(_stored_in(component, key)) for key in keys}
+    return files.pop() if len(files) == 1 else Path(component.path)
+
+
+def _tell_unread(component, kind: str, unplaced: set[str]) -> None:
+    """A line (the component's notice) for tensors a file without a config of its own holds beyond the part: they
+    are not read (the part is built from the released config, which makes no place for them)."""
+    line = (f"{Path(component.path).name} holds {counted(len(unplaced), 'tensor')} no {LABELS[kind]} has "
+            f"({_listed(unplaced)}): they are not read")
+    if hasattr(component, "notices") and line not in component.notices:
+        component.notices = (*component.notices, line)
+
+
 def _stored_in(component, key: str) -> Path:
     stored_as = getattr(component, "stored_as", None)
     return stored_as(key)[0] if stored_as is not None else component.path
@@ -156,7 +171,10 @@ def check_built_tensors(component, kind: str, made: Mapping[str, Shape],
     keys = set(component.keys)
     refuse_adapter_tensors(component, kind, keys)
     lacking = {key for key in made if key not in keys and not may_lack(key)}
-    unplaced = {key for key in keys if key not in made and not may_hold(key)} if given else set()
+    unplaced = {key for key in keys if key not in made and not may_hold(key)}
+    if unplaced and not given:
+        _tell_unread(component, kind, unplaced)
+        unplaced = set()
     if lacking or unplaced:
         what = []
         if lacking:
@@ -168,6 +186,9 @@ def check_built_tensors(component, kind: str, made: Mapping[str, Shape],
         if lacking and not unplaced and not likely and _gaps(lacking, keys):
             raise ModelFileError(f"{_lacking_file(component, lacking)} lacks {_listed(lacking)}, which the "
                                  f"config makes and the weights' other layers hold: {REDOWNLOAD}")
+        if unplaced and not lacking and not likely:  # no field of the config makes such tensors: the file holds more
+            raise ModelFileError(f"{_holding_file(component, unplaced)} holds {_listed(unplaced)}, which no "
+                                 f"{LABELS[kind]} has: save the weights without them, or re-download them")
         raise ModelFileError(f"{origin} does not fit the weights: {'; '.join(what)}{likely}: {fix}")
     if component.quantized:
         return  # packed files keep their own layouts: their fill checks them
