@@ -21,6 +21,7 @@ import json
 import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
@@ -123,6 +124,31 @@ def peft_alphas(metadata: dict[str, str], name: str = "") -> Optional[PeftAlphas
                       {key: _metadata_alpha(label, f"alpha_pattern[{key!r}]", value)
                        for key, value in alpha_pattern.items()},
                       {key: _metadata_rank(label, f"rank_pattern[{key!r}]", value) for key, value in rank_pattern.items()})
+
+
+def unread_adapter_config(path: Path, tensors: dict[str, torch.Tensor], peft: Optional[PeftAlphas]) -> list[str]:
+    """The notice for a PEFT adapter_config.json beside a LoRA file that carries no alpha of its own: diffusers and
+    ComfyUI read alphas from the file only, so the LoRA runs at alpha = rank, which is not what PEFT runs where
+    the config's lora_alpha differs from its r."""
+    config_path = path.with_name("adapter_config.json")
+    if peft is not None or any(key.endswith(".alpha") for key in tensors) or not config_path.is_file():
+        return []
+    try:
+        config = json.loads(config_path.read_bytes()[:1 << 20], object_pairs_hook=without_repeated_keys)
+        alpha, rank = config.get("lora_alpha"), config.get("r")
+    except (OSError, AttributeError, *JSON_ERRORS):
+        said = "it cannot be read"
+    else:
+        if alpha == rank:  # what PEFT runs too
+            return []
+        said = (f"it says lora_alpha {alpha:g}, r {rank:g}: strength {alpha / rank:g} runs the LoRA as PEFT does"
+                if _finite_number(alpha) and _finite_number(rank) and rank > 0 else "its lora_alpha or r is unusable")
+    return [f"LoRA {path.name}: the adapter_config.json beside it is not read, as diffusers and ComfyUI do not read "
+            f"it: the file holds no alpha, so the LoRA runs at alpha = rank ({said})"]
+
+
+def _finite_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _metadata_alpha(label: str, field: str, value: object) -> float:

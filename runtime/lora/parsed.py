@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..model.dit import DiTConfig
-from .adapters import Adapter, Kron, LowRank, build_adapter, check_parts, peft_alphas
+from .adapters import Adapter, Kron, LowRank, build_adapter, check_parts, peft_alphas, unread_adapter_config
 from .files import FileStamp, LoraTensors, file_stamp, read_lora_tensors
 from .keys import describe_unmatched, dit_linear_shapes, linear_names, map_keys
 
@@ -76,7 +76,7 @@ def load_lora(path: Path, config: DiTConfig) -> ParsedLora:
                 for module, parts in mapped.layers.items()}
     kinds = sorted({_kind(parts) for parts in mapped.layers.values()})
     parsed = ParsedLora(raw.name, raw.stamp, f"{mapped.style} {'+'.join(kinds)}", adapters,
-                        describe_unmatched(raw.name, mapped))
+                        describe_unmatched(raw.name, mapped) + unread_adapter_config(Path(path), raw.tensors, peft))
     reads += 1
     _cache[key] = parsed
     while len(_cache) > CACHE_SIZE:
