@@ -73,6 +73,9 @@ IMAGE = torch.rand(1, 256, 256, 3)
     (dict(init_image=IMAGE, mask=torch.stack((torch.ones(256, 256), torch.zeros(256, 256))), batch=2),
      "mask 1 of the batch's 2 is all 0: it marks nothing to repaint"),
     (dict(init_latents=torch.rand(1, 128, 16, 16), mask=torch.zeros(1, 1, 16, 16)), "mask is all 0"),
+    (dict(init_image=IMAGE, mask=torch.full((1, 256, 256), 1 / 255)),
+     "mask's largest value is 0.0039 (1 of 255): it repaints less than one level of any pixel, so the image would "
+     "come back unchanged (a mask saved as 0 and 1 rather than 0 and 255?): paint the area to repaint white (1)"),
 ])
 def test_request_refuses_a_bad_image_input_in_one_line(fields, expected):
     assert expected in _refused(**fields)

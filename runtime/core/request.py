@@ -203,16 +203,29 @@ def _check_mask(request: "GenerationRequest", width: int, height: int) -> None:
             raise not_allowed(name, repr(value), MASK_PIXELS_RANGE, " pixels").naming(name)
 
 
+def repaints_unseen(largest: float) -> bool:
+    """Whether a mask whose largest value is `largest` repaints at most one level of any 8-bit pixel (1/255, as an
+    8-bit mask file or its float32 copy holds it)."""
+    return largest * 255 < 1 + 1e-4
+
+
 def _refuse_empty_masks(mask: torch.Tensor) -> None:
-    """A mask that marks nothing to repaint (all 0) would give the init image back after a whole run: it is most
-    often ComfyUI's Load Image mask of an image without transparency, connected by habit."""
-    per_image = mask.reshape(-1, mask.shape[-2] * mask.shape[-1]).amax(dim=1) if mask.numel() else mask.new_zeros(1)
-    empty = [index for index, largest in enumerate(per_image.tolist()) if largest == 0]
-    if empty:
-        which = "mask" if per_image.numel() == 1 else f"mask {empty[0]} of the batch's {per_image.numel()}"
+    """A mask that marks nothing to repaint would give the init image back after a whole run: all 0 (most often
+    ComfyUI's Load Image mask of an image without transparency, connected by habit), or no value above 1/255 (a
+    mask saved as 0 and 1 rather than 0 and 255). After mask_grow and mask_feather: sampling/image_in.py."""
+    per_image = mask.reshape(-1, mask.shape[-2] * mask.shape[-1]).amax(dim=1).float()
+    unseen = [index for index, largest in enumerate(per_image.tolist()) if repaints_unseen(largest)]
+    if not unseen:
+        return
+    which = "mask" if per_image.numel() == 1 else f"mask {unseen[0]} of the batch's {per_image.numel()}"
+    largest = float(per_image[unseen[0]])
+    if largest == 0:
         raise InvalidInputError(f"{which} is all 0: it marks nothing to repaint, so the image would come back "
                                 "unchanged (Load Image's mask of a picture without transparency is all 0): paint the "
                                 "area to repaint (1), or leave the mask out to redraw the whole image").naming("mask")
+    raise InvalidInputError(f"{which}'s largest value is {largest:.4f} ({largest * 255:.0f} of 255): it repaints less "
+                            "than one level of any pixel, so the image would come back unchanged (a mask saved as 0 "
+                            "and 1 rather than 0 and 255?): paint the area to repaint white (1)").naming("mask")
 
 
 def _check_image_inputs(request: "GenerationRequest") -> None:

@@ -30,7 +30,8 @@ from ..offload.device_memory import JobMemoryMeter
 from ..offload.planner import budget_bytes
 from ..offload.reserve import device_bytes_needed, phase_needs
 from ..sampling.euler import initial_noise, length_grouped_denoiser, sample_euler
-from ..sampling.image_in import composite, init_latents, needs_encoding, start_state
+from ..sampling.image_in import (composite, init_latents, needs_encoding, refuse_masks_repainting_nothing,
+                                  start_state)
 from ..sampling.preview_stream import PreviewStream
 from ..text.encoder import encode_prompts
 from .checks import (check_configs_build, check_finite_latents, check_pe_file, checked_load_arguments,
@@ -274,6 +275,7 @@ class LocalPipe:
             if notice not in self._said:  # once a pipe: its files do not change between jobs
                 self._said.add(notice)
                 host.log(notice)
+        refuse_masks_repainting_nothing(request)
         if needs_encoding(request):
             require_vae_encoder(open_component(self.sources.component("vae"), "vae"))
         room = self.device_bytes_needed(request)

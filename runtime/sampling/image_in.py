@@ -17,6 +17,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..core.errors import InvalidInputError
+from ..core.request import repaints_unseen
 from .schedule import shifted_sigmas
 
 FULL_DENOISE = 0.9999  # KSampler.set_steps: above this the whole schedule runs
@@ -46,6 +48,25 @@ def pixel_mask(request) -> Optional[torch.Tensor]:
     if request.mask_feather > 0:
         mask = gaussian_blur(mask, request.mask_feather)
     return mask.clamp(0, 1)
+
+
+def refuse_masks_repainting_nothing(request) -> None:
+    """A mask that mask_grow and mask_feather leave with no value above 1/255 (a small area feathered over a wide
+    one) repaints less than one level of any pixel: refused before the run, as a mask that does so as given is
+    (core/request.py)."""
+    mask = pixel_mask(request)
+    if mask is None:
+        return
+    per_image = mask.flatten(1).amax(dim=1)
+    unseen = [index for index, largest in enumerate(per_image.tolist()) if repaints_unseen(largest)]
+    if unseen:
+        which = "mask" if per_image.numel() == 1 else f"mask {unseen[0]} of the batch's {per_image.numel()}"
+        changed = [f"{verb} by {name} {getattr(request, name)}" for verb, name in
+                   (("grown", "mask_grow"), ("feathered", "mask_feather")) if getattr(request, name)]
+        raise InvalidInputError(
+            f"{which}, {' and '.join(changed)}, reaches only {float(per_image[unseen[0]]):.4f}: it repaints less than "
+            "one level of any pixel, so the image would come back unchanged: feather less, or paint a larger area"
+        ).naming("mask_grow", "mask_feather", "mask")
 
 
 def grown(mask: torch.Tensor, radius: int) -> torch.Tensor:
@@ -148,4 +169,4 @@ def composite(images: torch.Tensor, request) -> torch.Tensor:
 
 
 __all__ = ["StartState", "composite", "denoise_sigmas", "init_latents", "needs_encoding",
-           "pixel_mask", "start_state"]
+           "pixel_mask", "refuse_masks_repainting_nothing", "start_state"]
