@@ -466,7 +466,7 @@ def table_rows(rows: list[Row], smoke: bool) -> list[dict]:
             "fresh process s": seconds(row.fresh_process_s) if row.fresh_process_s is not None else (
                 "failed" if row.fresh_process else ""),
             "PE s": seconds(warm.pe_s if warm and row.pe else None), "text s": seconds(warm.text_s if warm else None, 3),
-            "DiT s": seconds(warm.dit_s if warm else None), "VAE s": seconds(warm.vae_s if warm else None, 3),
+            "DiT s": seconds(warm.dit_s if warm else None, 3), "VAE s": seconds(warm.vae_s if warm else None, 3),
             "other s": seconds(warm.other_s if warm else None, 3),
             "PE tokens": str(warm.pe_tokens) if warm and row.pe else "",
             "target s": f"<= {target}" if target is not None else "",
