@@ -23,6 +23,7 @@ IN_THE_FOLDER = [
     ("tokenizer/tokenizer_config.json", "download the model's tokenizer/ folder again"),
     ("transformer", "mend the link, or download it again"),
     ("tokenizer", "mend the link, or download it again"),
+    ("pe", "mend the link, or download it again"),
 ]
 
 

@@ -229,9 +229,10 @@ UNREAD = ("transformer/zzz.safetensors is not read: transformer/diffusion_pytorc
     (lambda folder: _zero_copy(folder, "diffusion_pytorch_model.fp16.safetensors"), None),
     (lambda folder: (folder / "zzz.safetensors").write_bytes(b"not weights"), UNREAD),
     (lambda folder: save_file({"foo": torch.ones(2)}, str(folder / "zzz.safetensors")), UNREAD),
-    (_lora_beside, UNREAD.replace("zzz", "my_lora"))],
+    (_lora_beside, UNREAD.replace("zzz", "my_lora")),
+    (lambda folder: (folder / "zzz.gguf").write_bytes(b"GGUF" + bytes(60)), UNREAD.replace(".safetensors is", ".gguf is"))],
     ids=["a complete copy", "a complete copy beside shards", "a diffusers variant copy", "not a weight file at all",
-         "another model's tensors", "a LoRA"])
+         "another model's tensors", "a LoRA", "a GGUF file"])
 def test_a_file_the_index_does_not_name_is_not_read_and_one_of_this_models_is_told_once(
         capsys, tmp_path, model, picture, monkeypatch, stray, told):
     """What diffusers reads, and no more; a file holding this model's tensors (the user may have meant it to be

@@ -67,6 +67,25 @@ def test_a_16_bit_mask_is_told_to_be_saved_as_8_bit_grayscale(tmp_path):
         read_mask(path)
 
 
+def test_a_frame_of_another_size_is_refused_not_dropped(tmp_path):
+    """Load Image leaves such a frame out without a word: the batch would be an image short."""
+    path = tmp_path / "pages.tiff"
+    pages = [Image.fromarray(np.full((256, 256), 255, np.uint8)), Image.fromarray(np.zeros((128, 128), np.uint8))]
+    pages[0].save(path, save_all=True, append_images=pages[1:])
+    for read in (read_image, read_mask):
+        with pytest.raises(InvalidInputError, match=r"its frame 2 is 128x128, the first 256x256: save the frames to "
+                                                    r"use as a file of one size$"):
+            read(path)
+
+
+def test_a_32_bit_integer_mask_is_told_to_be_saved_as_8_bit_grayscale(tmp_path):
+    """Load Image scales such a picture by 1/255: a mask of 0 and 255 would repaint 1/255 of a pixel."""
+    path = tmp_path / "mask_i.tiff"
+    Image.fromarray(np.full((256, 256), 255, np.int32), mode="I").save(path)
+    with pytest.raises(InvalidInputError, match=r"is a 32-bit integer image \(mode I\): .* save it as 8-bit grayscale$"):
+        read_mask(path)
+
+
 def test_an_upright_photo_is_read_as_stored(tmp_path):
     pixels = _sideways_portrait()
     image = read_image(_with_orientation(tmp_path / "upright.png", pixels, orientation=1))

@@ -30,10 +30,17 @@ def _peft_lora(folder: Path, config: str | None) -> Path:
 
 @pytest.mark.parametrize("config, said", [
     ('{"r": 4, "lora_alpha": 16}', "it says lora_alpha 16, r 4: strength 4 runs the LoRA as PEFT does"),
-    ('{"r": 4, "lora_alpha": 16, "lora_alpha": 4}', "it cannot be read"),
-    ('{"r": 4, "lora_alpha": 16', "it cannot be read"),
+    ('{"r": 4, "lora_alpha": 8, "use_rslora": true}',
+     "it says lora_alpha 8, r 4, rsLoRA: strength 4 runs the LoRA as PEFT does"),
+    ('{"r": 4, "lora_alpha": 4, "alpha_pattern": {"layers.0.self_attention.to_q": 16}}',
+     "it says lora_alpha 4, r 4: strength 1 runs the LoRA as PEFT does, but for the layers its alpha_pattern or "
+     "rank_pattern sets otherwise"),
+    ('{"r": 4, "lora_alpha": 16, "lora_alpha": 4}',
+     "it cannot be read: the key 'lora_alpha' appears twice in one object, so which value is meant is not known"),
+    ('{"r": 4, "lora_alpha": 16', "it cannot be read: line 1, column 26: Expecting ',' delimiter"),
+    ('[4, 16]', "it cannot be read: not a JSON object"),
     ('{"r": 0, "lora_alpha": "loud"}', "its lora_alpha or r is unusable"),
-], ids=["alpha 16, rank 4", "a key twice", "cut short", "unusable values"])
+], ids=["alpha 16, rank 4", "rsLoRA", "an alpha pattern", "a key twice", "cut short", "a list", "unusable values"])
 def test_an_adapter_config_that_would_change_the_strength_is_told_as_not_read(tmp_path, config, said):
     path = _peft_lora(tmp_path / "lora", config)
     assert parsed.load_lora(path, CONFIG).notices == [

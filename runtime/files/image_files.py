@@ -2,13 +2,14 @@
 
 Read the way ComfyUI's Load Image reads them (nodes.py LoadImage, v0.8.0), so a file gives the same pixels here as
 in a workflow: turned upright by its EXIF orientation (a portrait phone photo stays portrait), a 32-bit integer
-('I') image scaled by 1/255 as 16-bit data, every frame of an animated file of the first frame's size as a batch
+('I') image scaled by 1/255 as 16-bit data, every frame of an animated file as a batch
 (an MPO camera file: its first picture only), RGB at 8 bits, divided by 255.
 
 Where Load Image would give wrong pixels without a word, the file is refused in one line instead: 16-bit ('I;16')
 and float ('F') files (Load Image clips them to white: save them as 8-bit RGB), transparent pixels (flatten them, or
-paint the area to repaint as a mask; a fully opaque alpha channel carries nothing and is dropped), damaged or
-truncated files. Sizes are never resized or cropped: a side that is not a multiple of 16 is refused by the request
+paint the area to repaint as a mask; a fully opaque alpha channel carries nothing and is dropped), a frame of another
+size than the first (Load Image drops it), a 32-bit integer mask (its 1/255 scaling would make a white mask repaint
+1/255), damaged or truncated files. Sizes are never resized or cropped: a side that is not a multiple of 16 is refused by the request
 with the nearest valid size. A mask is read from its grey level (white = repaint), upright and frame by frame by
 the same rules (Load Image's MASK of an animated file is a batch too).
 """
@@ -76,7 +77,8 @@ def _upright(frame, path: Path, setting: str):
 
 
 def _frames(image, path: Path, setting: str) -> Iterator[Any]:
-    """Every frame of the first frame's size, upright (Load Image's rule); an MPO file's first picture only."""
+    """Every frame, upright; a frame of another size than the first is refused (Load Image drops it); an MPO file's
+    first picture only."""
     from PIL import ImageSequence
 
     count = getattr(image, "n_frames", 1)
@@ -85,13 +87,18 @@ def _frames(image, path: Path, setting: str) -> Iterator[Any]:
                                 "the frame to start from as a PNG").naming(setting)
     size = None
     try:
-        for frame in ImageSequence.Iterator(image):
+        for number, frame in enumerate(ImageSequence.Iterator(image), start=1):
             upright = _upright(frame, path, setting)
             size = size or upright.size
-            if upright.size == size:
-                yield upright
+            if upright.size != size:  # Load Image drops it without a word: the batch would lose an image
+                raise InvalidInputError(f"{setting} {path}: its frame {number} is {upright.size[0]}x{upright.size[1]}, "
+                                        f"the first {size[0]}x{size[1]}: save the frames to use as a file of one "
+                                        "size").naming(setting)
+            yield upright
             if image.format == "MPO":
                 return
+    except InvalidInputError:
+        raise
     except PILLOW_ERRORS as error:  # a later frame cut short or damaged
         raise _unreadable(path, setting, error) from None
 
@@ -126,13 +133,16 @@ COLOUR_TOLERANCE = 8  # JPEG rounding puts grey pixels a few levels off grey; a 
 
 def read_mask(path: Path, setting: str = "path") -> torch.Tensor:
     """A mask file -> float32 [frames, H, W] in 0..1: its grey level, white = repaint, black = keep; every frame of
-    the first frame's size, upright, as read_image reads the init image's frames (one a batch image).
+    the file, upright, as read_image reads the init image's frames (one a batch image).
     `setting`: as read_image's (the CLI passes "mask")."""
     path = Path(path)
     refusal = InvalidInputError(f"{setting} {path} has transparent pixels: a mask is read from its grey level "
                                 "(white = repaint): save it as grayscale without alpha").naming(setting)
-    greys = [_grey(_opaque(frame, refusal), path, setting)
-             for frame in _frames(_open(path, setting, "8-bit grayscale"), path, setting)]
+    image = _open(path, setting, "8-bit grayscale")
+    if image.mode == "I":  # Load Image scales a picture of this mode by 1/255: a 0/255 mask would repaint 1/255
+        raise InvalidInputError(f"{setting} {path} is a 32-bit integer image (mode I): a mask is read from an 8-bit "
+                                "grey level: save it as 8-bit grayscale").naming(setting)
+    greys = [_grey(_opaque(frame, refusal), path, setting) for frame in _frames(image, path, setting)]
     return torch.from_numpy(np.stack(greys))
 
 

@@ -141,11 +141,13 @@ def _refuse_files_left_out(folder: Path, indexes: tuple[Path, ...], named: set[s
     index = _shown(folder, indexes[0]) if len(indexes) == 1 else f"{folder.name}/'s indexes"
     plain = {match["stem"] for match in map(_SHARD_OR_PLAIN.fullmatch, named) if match}
     unread = []
-    for file in sorted(folder.glob("*.safetensors")):
+    for file in sorted((*folder.glob("*.safetensors"), *folder.glob("*.gguf"))):
         if file.name in named or file.name.startswith("._") or _variant_copy(file.name, plain):
             continue
         unread.append(f"{folder.name}/{file.name} is not read: {index} names the files that are, as diffusers "
                       f"reads the folder; to run that file instead, give it as the part's file itself")
+        if file.suffix != ".safetensors":
+            continue
         try:
             keys = open_safetensors(file).keys()
         except ModelFileError:

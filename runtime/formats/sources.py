@@ -63,7 +63,16 @@ class ModelSources:
         return folder
 
     def has_pe(self) -> bool:
-        return self.pe is not None or (self.model_dir is not None and (self.model_dir / "pe").is_dir())
+        """Whether the model has a prompt enhancer: given, or its folder's pe/ (one that is a broken link is named,
+        not taken for none)."""
+        if self.pe is not None:
+            return True
+        if self.model_dir is None:
+            return False
+        folder = self.model_dir / "pe"
+        if folder.is_symlink() and not folder.exists():
+            raise ModelFileError(f"{self.model_dir}'s pe/ {not_there(folder)}")
+        return folder.is_dir()
 
 
 def component_folder(path: Path, kind: str) -> Optional[Path]:

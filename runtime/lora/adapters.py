@@ -135,14 +135,20 @@ def unread_adapter_config(path: Path, tensors: dict[str, torch.Tensor], peft: Op
         return []
     try:
         config = json.loads(config_path.read_bytes()[:1 << 20], object_pairs_hook=without_repeated_keys)
-        alpha, rank = config.get("lora_alpha"), config.get("r")
-    except (OSError, AttributeError, *JSON_ERRORS):
-        said = "it cannot be read"
+        alpha, rank, rs = config.get("lora_alpha"), config.get("r"), bool(config.get("use_rslora"))
+        patterns = bool(config.get("alpha_pattern") or config.get("rank_pattern"))
+    except (OSError, AttributeError, *JSON_ERRORS) as error:
+        said = f"it cannot be read: {json_fault(error) if isinstance(error, JSON_ERRORS) else 'not a JSON object'}"
     else:
-        if alpha == rank:  # what PEFT runs too
-            return []
-        said = (f"it says lora_alpha {alpha:g}, r {rank:g}: strength {alpha / rank:g} runs the LoRA as PEFT does"
-                if _finite_number(alpha) and _finite_number(rank) and rank > 0 else "its lora_alpha or r is unusable")
+        if not (_finite_number(alpha) and _finite_number(rank) and rank > 0):
+            said = "its lora_alpha or r is unusable"
+        else:
+            scale = alpha / math.sqrt(rank) if rs else alpha / rank
+            if scale == 1 and not patterns:  # what PEFT runs too
+                return []
+            said = (f"it says lora_alpha {alpha:g}, r {rank:g}{', rsLoRA' if rs else ''}: strength {scale:g} runs "
+                    "the LoRA as PEFT does" + (", but for the layers its alpha_pattern or rank_pattern sets otherwise"
+                                               if patterns else ""))
     return [f"LoRA {path.name}: the adapter_config.json beside it is not read, as diffusers and ComfyUI do not read "
             f"it: the file holds no alpha, so the LoRA runs at alpha = rank ({said})"]
 

@@ -205,7 +205,8 @@ def refuse_adapter_tensors(component, kind: str, keys: Iterable[str]) -> None:
     adapters = {key: None for key in keys if adapter_key(key)}
     if adapters:
         raise ModelFileError(f"{component.path.name} holds {counted(len(adapters), 'LoRA tensor')} "
-                             f"({sample_keys(adapters, 2)}) beside the {LABELS[kind]}'s weights, where a LoRA is never "
+                             f"({sample_keys(adapters, 2)}{', ...' if len(adapters) > 2 else ''}) beside the "
+                             f"{LABELS[kind]}'s weights, where a LoRA is never "
                              "applied: load the LoRA from a file of its own, or merge it into the weights and save "
                              "them without it")
 
