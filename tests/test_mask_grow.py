@@ -51,3 +51,20 @@ def test_a_mask_feathered_to_less_than_one_level_is_refused_before_the_run(capsy
         assert not out.exists() and dit_steps == []
     else:
         assert code == 0 and out.exists(), line
+
+
+def test_a_job_grows_and_feathers_its_mask_once(monkeypatch, tmp_path, tiny_turbo_folder):
+    """A wide feather costs seconds: the refusal check, the sampler's start and the composite share one mask."""
+    from ernie_image.runtime.sampling import image_in
+
+    feathered = []
+    blur = image_in.gaussian_blur
+    monkeypatch.setattr(image_in, "gaussian_blur", lambda mask, radius: feathered.append(radius) or blur(mask, radius))
+    Image.fromarray((np.random.default_rng(0).random((256, 256, 3)) * 255).astype(np.uint8)).save(tmp_path / "in.png")
+    square = np.zeros((256, 256), np.uint8)
+    square[64:192, 64:192] = 255
+    Image.fromarray(square).save(tmp_path / "square.png")
+    assert main(["generate", "--model-dir", str(tiny_turbo_folder), "--init-image", str(tmp_path / "in.png"),
+                 "--mask", str(tmp_path / "square.png"), "--mask-feather", "8", "--denoise", "0.7", "--steps", "1",
+                 "--prompt", "a fox", "--out", str(tmp_path / "out.png")]) == 0
+    assert feathered == [8]

@@ -30,8 +30,8 @@ from ..offload.device_memory import JobMemoryMeter
 from ..offload.planner import budget_bytes
 from ..offload.reserve import device_bytes_needed, phase_needs
 from ..sampling.euler import initial_noise, length_grouped_denoiser, sample_euler
-from ..sampling.image_in import (composite, init_latents, needs_encoding, refuse_masks_repainting_nothing,
-                                  start_state)
+from ..sampling.image_in import (composite, init_latents, needs_encoding, pixel_mask,
+                                  refuse_masks_repainting_nothing, start_state)
 from ..sampling.preview_stream import PreviewStream
 from ..text.encoder import encode_prompts
 from .checks import (check_configs_build, check_finite_latents, check_pe_file, checked_load_arguments,
@@ -185,8 +185,10 @@ class LocalPipe:
         return [encoded[p] for p in prompts]
 
     def sample(self, request: GenerationRequest, text: list[torch.Tensor], negative: Optional[list[torch.Tensor]],
-               host: Host, original: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """`original`: the image's normalised latents (encode_image) the job starts from; None: pure noise."""
+               host: Host, original: Optional[torch.Tensor] = None,
+               repaint: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`original`: the image's normalised latents (encode_image) the job starts from; None: pure noise.
+        `repaint`: the job's repaint mask (pixel_mask's), None without one."""
         self._phase = "dit"
         self.memory.set_host(host)
         work = DitWork.of(request, negative is not None)
@@ -197,7 +199,7 @@ class LocalPipe:
         self.last_step_cache = None
         cache = None
         noise = initial_noise(request.seed, request.batch, request.width, request.height).to(self.device)
-        start = start_state(request, original, self.device)
+        start = start_state(request, original, self.device, repaint)
         # Previews only for a host that shows them: otherwise a step does no preview work at all.
         previews = PreviewStream(self.device) if self.options.previews and wants_previews(host) else None
         try:
@@ -275,7 +277,8 @@ class LocalPipe:
             if notice not in self._said:  # once a pipe: its files do not change between jobs
                 self._said.add(notice)
                 host.log(notice)
-        refuse_masks_repainting_nothing(request)
+        repaint = pixel_mask(request)  # grown and feathered once a job: a wide feather costs seconds
+        refuse_masks_repainting_nothing(repaint, request)
         if needs_encoding(request):
             require_vae_encoder(open_component(self.sources.component("vae"), "vae"))
         room = self.device_bytes_needed(request)
@@ -301,13 +304,13 @@ class LocalPipe:
         text, negative = encoded_rows[: len(prompts)], (encoded_rows[len(prompts):] or None)
         encoded = self._clock()
         host.check_cancel()
-        latents = self.sample(request, text, negative, host, original)
+        latents = self.sample(request, text, negative, host, original, repaint)
         if self.last_step_cache is not None:
             host.log(self.last_step_cache.line())
         check_finite_latents(latents, self.sources, self._lora.wanted_stack)
         sampled = self._clock()
         host.check_cancel()
-        images = composite(self.decode(latents), request)
+        images = composite(self.decode(latents), request, repaint)
         decoded = self._clock()
         if not self.options.keep_loaded:
             self.release()

@@ -50,11 +50,10 @@ def pixel_mask(request) -> Optional[torch.Tensor]:
     return mask.clamp(0, 1)
 
 
-def refuse_masks_repainting_nothing(request) -> None:
-    """A mask that mask_grow and mask_feather leave with no value above 1/255 (a small area feathered over a wide
-    one) repaints less than one level of any pixel: refused before the run, as a mask that does so as given is
-    (core/request.py)."""
-    mask = pixel_mask(request)
+def refuse_masks_repainting_nothing(mask: Optional[torch.Tensor], request) -> None:
+    """A repaint mask (pixel_mask's) that mask_grow and mask_feather leave with no value above 1/255 (a small area
+    feathered over a wide one) repaints less than one level of any pixel: refused before the run, as a mask that
+    does so as given is (core/request.py)."""
     if mask is None:
         return
     per_image = mask.flatten(1).amax(dim=1)
@@ -138,14 +137,15 @@ class StartState:
         return velocity * self.mask + (latents - self.x0) / sigma * (1.0 - self.mask)
 
 
-def start_state(request, x0: Optional[torch.Tensor], device: torch.device) -> Optional[StartState]:
-    """The start for `request` given the original latents (None: text-to-image, the sampler's own start)."""
+def start_state(request, x0: Optional[torch.Tensor], device: torch.device,
+                mask: Optional[torch.Tensor]) -> Optional[StartState]:
+    """The start for `request` given the original latents (None: text-to-image, the sampler's own start) and its
+    repaint mask (pixel_mask's, made once a job)."""
     if x0 is None:
         return None
     x0 = x0.to(device, torch.float32)
     if x0.shape[0] != request.batch:
         x0 = x0.expand(request.batch, *x0.shape[1:])
-    mask = pixel_mask(request)
     grid = latent_mask(mask, x0.shape).to(device) if mask is not None else None
     return StartState(denoise_sigmas(request.steps, request.shift, request.denoise), x0, grid)
 
@@ -155,11 +155,11 @@ def init_latents(request) -> Optional[torch.Tensor]:
     return request.init_latents.detach().to(torch.float32) if request.init_latents is not None else None
 
 
-def composite(images: torch.Tensor, request) -> torch.Tensor:
-    """Inpainting with `composite`: the original pixels outside the (grown, feathered) mask, exactly."""
-    if request.mask is None or request.init_image is None or not request.composite:
+def composite(images: torch.Tensor, request, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Inpainting with `composite`: the original pixels outside the repaint mask (pixel_mask's: grown, feathered),
+    exactly."""
+    if mask is None or request.init_image is None or not request.composite:
         return images
-    mask = pixel_mask(request)
     if mask.shape[-2:] != images.shape[1:3]:
         mask = F.interpolate(mask, size=images.shape[1:3], mode="bilinear")
     mask = mask.permute(0, 2, 3, 1)  # [B|1, H, W, 1]
