@@ -74,8 +74,8 @@ DAMAGES = [
     ("vae", _not_utf8, "is not valid JSON (not UTF-8 text at byte 16): the file is damaged: re-download it"),
     ("transformer", _a_5000_digit_number, "is not valid JSON (a number of more digits than can be read): the file "
                                           "is damaged: re-download it"),
-    ("vae", _a_key_twice, "is not a config that can be trusted (the key 'layers_per_block' appears twice in one "
-                          "object, so which value is meant is not known): keep one of them, or re-download it"),
+    ("vae", _a_key_twice, "holds the key 'layers_per_block' twice in one object, so which value is meant is not "
+                          "known: the file is damaged: re-download it"),
     ("text_encoder", _with_a_bom, "starts with a byte-order mark (an editor saved it as 'UTF-8 with BOM'): save it "
                                   "as plain UTF-8, or re-download it"),
 ]

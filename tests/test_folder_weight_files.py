@@ -306,20 +306,18 @@ def _misplaced(folder: Path) -> str:
 
 def _not_json(folder: Path) -> str:
     (folder / INDEX[folder.name]).write_text('{"weight_map": ')
-    return (f"{folder.name}/{INDEX[folder.name]} is not a safetensors index (not JSON: line 1, column 16: Expecting "
-            "value): download it again")
+    return f"{folder.name}/{INDEX[folder.name]} is not valid JSON (line 1, column 16: Expecting value): download it again"
 
 
 def _nested_too_deep(folder: Path) -> str:
     (folder / INDEX[folder.name]).write_text("[" * 100_000 + "]" * 100_000)
-    return (f"{folder.name}/{INDEX[folder.name]} is not a safetensors index (not JSON: nested deeper than JSON is "
-            "read): download it again")
+    return f"{folder.name}/{INDEX[folder.name]} is not valid JSON (nested deeper than JSON is read): download it again"
 
 
 def _a_5000_digit_number(folder: Path) -> str:
     (folder / INDEX[folder.name]).write_text('{"metadata": {"total_size": ' + "9" * 5000 + '}, "weight_map": {}}')
-    return (f"{folder.name}/{INDEX[folder.name]} is not a safetensors index (not JSON: a number of more digits than "
-            "can be read): download it again")
+    return (f"{folder.name}/{INDEX[folder.name]} is not valid JSON (a number of more digits than can be read): "
+            "download it again")
 
 
 def _no_weight_map(folder: Path) -> str:
@@ -333,8 +331,8 @@ def _a_key_placed_twice(folder: Path) -> str:
     key = sorted(placed)[0]
     weight_map = "{" + json.dumps(key) + ': "model-00002-of-00002.safetensors", ' + json.dumps(placed)[1:]
     (folder / INDEX[folder.name]).write_text('{"weight_map": ' + weight_map + "}")
-    return (f"{folder.name}/{INDEX[folder.name]} is a damaged safetensors index (the key {key!r} appears twice in one "
-            f"object, so which value is meant is not known): download it again")
+    return (f"{folder.name}/{INDEX[folder.name]} holds the key {key!r} twice in one object, so which value is meant "
+            "is not known: download it again")
 
 
 def _weight_map_a_list(folder: Path) -> str:

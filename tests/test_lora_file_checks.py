@@ -106,9 +106,9 @@ REFUSALS = [
     ("alpha-word", "lora_alpha 'loud' in its metadata key lora_adapter_metadata is not a finite number"),
     ("alpha-pattern-nan", "alpha_pattern['to_q'] nan in its metadata key lora_adapter_metadata is not a finite"),
     ("bad-json", "LoRA bad-json.safetensors: its metadata key lora_adapter_metadata is not valid JSON"),
-    ("alpha-twice", "LoRA alpha-twice.safetensors: its metadata key lora_adapter_metadata cannot be trusted (the key "
-                    "'lora_alpha' appears twice in one object, so which value is meant is not known): the file is "
-                    "damaged; export the LoRA again"),
+    ("alpha-twice", "LoRA alpha-twice.safetensors: its metadata key lora_adapter_metadata holds the key 'lora_alpha' "
+                    "twice in one object, so which value is meant is not known: the file is damaged; export the LoRA "
+                    "again"),
     ("alpha-two", f"LoRA alpha-two.safetensors: layers.0.mlp.linear_fc2.alpha is a torch.float32 tensor of shape "
                   f"(2,), not one number: the file is damaged; export it again"),
     ("int32", "LoRA int32.safetensors: layers.0.mlp.linear_fc2.lora_A.weight holds torch.int32 values, not floating "

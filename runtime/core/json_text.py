@@ -39,3 +39,16 @@ def without_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
             raise RepeatedKey(key)
         held[key] = value
     return held
+
+
+def load_json(text: str | bytes) -> object:
+    """json.loads, refusing an object that holds a key twice (RepeatedKey) rather than keeping its last copy."""
+    return json.loads(text, object_pairs_hook=without_repeated_keys)
+
+
+def json_trouble(error: BaseException) -> str:
+    """One of JSON_ERRORS as what a file "is" or "holds", after its name: "is not valid JSON (line 1, column 7:
+    ...)", or, for a key given twice, "holds the key 'x' twice in one object, so ..."."""
+    if isinstance(error, RepeatedKey):
+        return f"holds the key {error} twice in one object, so which value is meant is not known"
+    return f"is not valid JSON ({json_fault(error)})"

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from ..core.errors import ErnieImageError, ModelFileError, one_line
-from ..core.json_text import JSON_ERRORS, RepeatedKey, json_fault, without_repeated_keys
+from ..core.json_text import JSON_ERRORS, RepeatedKey, json_trouble, load_json
 from ..core.variant import Variant
 from ..files.cut_files import empty_file
 from ..files.file_kind import is_there, refuse_special_file
@@ -53,17 +53,14 @@ def read_config(path: Path) -> dict[str, Any]:
         if data.startswith(b"\xef\xbb\xbf"):  # JSON has no byte-order mark, and diffusers' reader refuses one
             raise ModelFileError(f"{path} starts with a byte-order mark (an editor saved it as 'UTF-8 with BOM'): "
                                  "save it as plain UTF-8, or re-download it")
-        config = json.loads(data.decode("utf-8"), object_pairs_hook=without_repeated_keys)
+        config = load_json(data.decode("utf-8"))
     except OSError as error:
         raise ModelFileError(f"{path} cannot be read ({error.strerror or error}): check its permissions, or "
                              "re-download it") from None
-    except RepeatedKey as error:
-        raise RepeatedConfigKey(f"{path} is not a config that can be trusted ({json_fault(error)}): keep one of them, "
-                                "or re-download it") from None
     except JSON_ERRORS as error:
         cut = " or cut short" if isinstance(error, json.JSONDecodeError) else ""
-        raise ModelFileError(f"{path} is not valid JSON ({json_fault(error)}): the file is damaged{cut}: "
-                             "re-download it") from None
+        refusal = RepeatedConfigKey if isinstance(error, RepeatedKey) else ModelFileError
+        raise refusal(f"{path} {json_trouble(error)}: the file is damaged{cut}: re-download it") from None
     if not isinstance(config, dict):
         raise ModelFileError(f"{path} holds a JSON {type(config).__name__}, not a config (a JSON object): the file "
                              "is damaged: re-download it")

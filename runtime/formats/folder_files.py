@@ -9,7 +9,6 @@ left beside the weights would be read without a word).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Mapping
 
 from ..core.errors import ModelFileError
-from ..core.json_text import JSON_ERRORS, RepeatedKey, json_fault, without_repeated_keys
+from ..core.json_text import JSON_ERRORS, json_trouble, load_json
 from ..core.phrases import counted
 from ..files.file_kind import refuse_special_file
 from .detect import sample_keys
@@ -185,18 +184,14 @@ def _read_weight_map(folder: Path, index: Path) -> dict[str, str]:
     shown = _shown(folder, index)
     refuse_special_file(index, shown, "remove it, or download the folder's index again")
     try:
-        data = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=without_repeated_keys)
+        data = load_json(index.read_text(encoding="utf-8"))
     except PermissionError:
         raise ModelFileError(f"{shown} cannot be read (permission denied): fix the file's permissions") from None
     except OSError as error:
         raise ModelFileError(f"{shown} cannot be read ({os.strerror(error.errno) if error.errno else error}): check "
                              f"the disk and the path") from None
-    except RepeatedKey as error:
-        raise ModelFileError(f"{shown} is a damaged safetensors index ({json_fault(error)}): download it "
-                             "again") from None
     except JSON_ERRORS as error:
-        raise ModelFileError(f"{shown} is not a safetensors index (not JSON: {json_fault(error)}): download it "
-                             "again") from None
+        raise ModelFileError(f"{shown} {json_trouble(error)}: download it again") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
         held = "holds no weight_map" if weight_map is None else "has a weight_map that is not an object of file names"

@@ -8,7 +8,6 @@ instead of a crash deep inside a load.
 """
 from __future__ import annotations
 
-import json
 import mmap
 import os
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import Iterator, Optional
 import torch
 
 from ..core.errors import ModelFileError
-from ..core.json_text import JSON_ERRORS, RepeatedKey, json_fault, without_repeated_keys
+from ..core.json_text import JSON_ERRORS, json_fault, load_json
 from ..files.cut_files import REDOWNLOAD, cut_in_data, cut_in_header, empty_file
 from ..files.file_kind import refuse_special_file
 from ..files.identity import FileIdentity
@@ -193,11 +192,8 @@ def _header_object(handle, path: Path, size: int, start: bytes) -> tuple[dict, i
     if 8 + header_len > size:
         raise ModelFileError(cut_in_header(_named(path), "safetensors", size, 8 + header_len))
     try:
-        header = json.loads(handle.read(header_len).decode("utf-8"), object_pairs_hook=without_repeated_keys)
-    except RepeatedKey as repeated:
-        raise ModelFileError(f"{_named(path)} has a corrupt safetensors header ({repeated} appears twice, which the "
-                             f"safetensors library refuses): {REDOWNLOAD}") from None
-    except JSON_ERRORS as err:
+        header = load_json(handle.read(header_len).decode("utf-8"))
+    except JSON_ERRORS as err:  # a key twice among them: the safetensors library refuses it too
         raise ModelFileError(f"{_named(path)} has a corrupt safetensors header ({json_fault(err)}): "
                              f"{REDOWNLOAD}") from None
     if not isinstance(header, dict):

@@ -3,12 +3,11 @@ the text_encoder/ folder a text encoder was given from), an explicit tokenizer p
 or (ComfyUI single files) the Tekken tokenizer embedded in the text-encoder file as the uint8 tensor `tekken_model`."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
 from ..core.errors import ModelFileError
-from ..core.json_text import JSON_ERRORS, RepeatedKey, json_fault, without_repeated_keys
+from ..core.json_text import JSON_ERRORS, RepeatedKey, json_fault, load_json
 from ..files.file_kind import is_there, not_there, refuse_special_file
 from .sources import component_folder
 
@@ -136,7 +135,7 @@ def damaged_json(folder: Path) -> Optional[str]:
         if not data:
             return f"its {name} is empty (0 bytes)"
         try:
-            value = json.loads(data.decode("utf-8"), object_pairs_hook=without_repeated_keys)
+            value = load_json(data.decode("utf-8"))
         except RepeatedKey as error:
             return f"its {name} is damaged: {json_fault(error)}"
         except JSON_ERRORS as error:

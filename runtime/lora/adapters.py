@@ -17,7 +17,6 @@ base weight: refused in one line rather than approximated (diffusers drops those
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from typing import Optional, Union
 import torch
 
 from ..core.errors import ModelFileError
-from ..core.json_text import JSON_ERRORS, RepeatedKey, json_fault, without_repeated_keys
+from ..core.json_text import JSON_ERRORS, json_fault, json_trouble, load_json
 
 
 @dataclass
@@ -103,13 +102,10 @@ def peft_alphas(metadata: dict[str, str], name: str = "") -> Optional[PeftAlphas
         return None
     label = f"LoRA {name}" if name else "LoRA"
     try:
-        config = json.loads(raw, object_pairs_hook=without_repeated_keys)
-    except RepeatedKey as error:
-        raise ModelFileError(f"{label}: its metadata key lora_adapter_metadata cannot be trusted ({json_fault(error)}):"
-                             f" the file is damaged; export the LoRA again") from None
+        config = load_json(raw)
     except JSON_ERRORS as error:
-        raise ModelFileError(f"{label}: its metadata key lora_adapter_metadata is not valid JSON ({json_fault(error)}):"
-                             f" the file is damaged; export the LoRA again") from None
+        raise ModelFileError(f"{label}: its metadata key lora_adapter_metadata {json_trouble(error)}: the file is "
+                             "damaged; export the LoRA again") from None
     if not isinstance(config, dict):
         raise ModelFileError(f"{label}: its metadata key lora_adapter_metadata is JSON {type(config).__name__}, not "
                              f"an object of LoRA settings: the file is damaged; export the LoRA again")
@@ -134,7 +130,7 @@ def unread_adapter_config(path: Path, tensors: dict[str, torch.Tensor], peft: Op
     if peft is not None or any(key.endswith(".alpha") for key in tensors) or not config_path.is_file():
         return []
     try:
-        config = json.loads(config_path.read_bytes()[:1 << 20], object_pairs_hook=without_repeated_keys)
+        config = load_json(config_path.read_bytes()[:1 << 20])
         alpha, rank, rs = config.get("lora_alpha"), config.get("r"), bool(config.get("use_rslora"))
         patterns = bool(config.get("alpha_pattern") or config.get("rank_pattern"))
     except (OSError, AttributeError, *JSON_ERRORS) as error:

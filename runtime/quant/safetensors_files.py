@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..core.errors import ModelFileError, one_line
-from ..core.json_text import JSON_ERRORS, json_fault, without_repeated_keys
+from ..core.json_text import JSON_ERRORS, json_fault, load_json
 from ..core.weight_dtypes import dtype_name, wrong_dtypes
 from .nvfp4 import from_modelopt
 from .packed_scales import refuse_damaged_scales
@@ -47,8 +47,7 @@ def _layer_formats(raw: dict[str, torch.Tensor], metadata: dict[str, str], path:
     formats: dict[str, str] = {}
     if "_quantization_metadata" in metadata:
         try:
-            layers = json.loads(metadata["_quantization_metadata"], object_pairs_hook=without_repeated_keys
-                                ).get("layers", {})
+            layers = load_json(metadata["_quantization_metadata"]).get("layers", {})
             formats.update({name: conf["format"] for name, conf in layers.items()})
         except JSON_ERRORS as err:
             raise ModelFileError(f"{path.name}: unreadable _quantization_metadata ({json_fault(err)}); re-export the "
