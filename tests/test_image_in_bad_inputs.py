@@ -46,8 +46,9 @@ IMAGE = torch.rand(1, 256, 256, 3)
      "init_image holds 3 images but the run makes 2: give one (used for every image) or 2, or set batch to 3"),
     (dict(init_image=IMAGE, mask=torch.ones(3, 256, 256), batch=2), "mask holds 3 images but the run makes 2"),
     (dict(init_image=torch.rand(70, 256, 256, 3)),  # more than a batch can be: no batch size to suggest
-     "init_image holds 70 images but the run makes 1: give one (used for every image) or 1 (a batch takes up to 64 "
-     "images)"),
+     "init_image holds 70 images but the run makes 1: give one (a batch takes up to 64 images)"),
+    (dict(init_image=IMAGE, mask=torch.ones(2, 256, 256)),
+     "mask holds 2 images but the run makes 1: give one, or set batch to 2"),
     (dict(init_image=IMAGE, denoise=float("nan")), "denoise nan is not allowed: use 0.01..1"),
     (dict(init_image=IMAGE, denoise=1e-300), "denoise 1e-300 is not allowed: use 0.01..1"),  # an endless schedule
     (dict(init_image=IMAGE, denoise=0.0), "denoise 0.0 is not allowed"),

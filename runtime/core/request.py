@@ -126,8 +126,9 @@ def _check_batch(count: int, batch: int, setting: str) -> None:
     """`setting` (init_image, init_latents, mask) holds one image for the whole batch or one per image."""
     if count not in (1, batch):
         larger = f", or set batch to {count}" if count <= MAX_BATCH else f" (a batch takes up to {MAX_BATCH} images)"
-        raise InvalidInputError(f"{setting} holds {count} images but the run makes {batch}: give one (used for every "
-                                f"image) or {batch}{larger}").naming(setting, "batch")
+        given = "give one" if batch == 1 else f"give one (used for every image) or {batch}"
+        raise InvalidInputError(f"{setting} holds {count} images but the run makes {batch}: {given}{larger}"
+                                ).naming(setting, "batch")
 
 
 def _check_init_image(request: "GenerationRequest") -> tuple[int, int]:
