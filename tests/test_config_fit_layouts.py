@@ -545,6 +545,74 @@ def test_a_tensor_lost_from_a_layer_the_weights_hold_is_the_files_damage_not_the
     assert dit_steps == [] and not (tmp_path / "x.png").exists()
 
 
+# ---------------------------------------------------------------- stray tensors of a layer the weights hardly hold
+STRAY = {  # (tensors copied from layer 1 to another layer, the layer they land in): each layer of the tiny DiT has 11
+    "one tensor of the next layer": (("self_attention.norm_q.weight",), 2),
+    "one tensor far beyond the last layer": (("adaLN_sa_ln.weight",), 5),
+    "three tensors of the next layer": (("mlp.up_proj.weight", "self_attention.norm_k.weight", "adaLN_mlp_ln.weight"), 2),
+}
+
+
+def _stray_copies(kinds: tuple[str, ...], layer: int) -> Change:
+    def change(tensors: dict[str, torch.Tensor], prefix: str) -> None:
+        for kind in kinds:
+            tensors[f"{prefix}layers.{layer}.{kind}"] = tensors[f"{prefix}layers.1.{kind}"].clone()
+    return change
+
+
+@pytest.mark.parametrize("layout", BF16_LAYOUTS)
+@pytest.mark.parametrize("stray", STRAY)
+def test_stray_tensors_of_a_layer_are_the_files_damage_not_the_configs_layer_count(capsys, tmp_path, sources,
+                                                                                    dit_steps, layout, stray):
+    """A layer holding fewer than half of a layer's tensors would count as a layer: the config (given or inferred)
+    would be blamed for the file's strays. The file and the layer are named, before any work."""
+    kinds, layer = STRAY[stray]
+    model = _damaged(BF16_LAYOUTS[layout](sources, tmp_path), _stray_copies(kinds, layer))
+    weights = _part_weights(model, "dit")
+    held = ", ".join(sorted(f"layers.{layer}.{kind}" for kind in kinds))
+    line = _refused(capsys, _generate(model, tmp_path / "x.png"))
+    assert line == (f"error: {weights} holds {held} of a layer {layer} that lacks {11 - len(kinds)} of the 11 tensors "
+                    "its fullest layer holds: stray tensors, or the file is damaged: download it again, or save the "
+                    "weights without them")
+    assert _quantize_refused(capsys, tmp_path, model) == line
+    assert dit_steps == [] and not (tmp_path / "x.png").exists()
+
+
+def test_two_layers_of_strays_are_both_named(capsys, tmp_path, sources):
+    model = _damaged(_comfy_dit_without_config(sources, tmp_path), _stray_copies(("adaLN_sa_ln.weight",), 3))
+    model = _damaged(model, _stray_copies(("adaLN_sa_ln.weight",), 2))
+    line = _refused(capsys, _generate(model, tmp_path / "x.png"))
+    assert "holds layers.2.adaLN_sa_ln.weight of a layer 2 that lacks 10 of the 11 tensors its fullest layer holds " \
+           "(so does layer 3): stray tensors" in line, line
+
+
+@pytest.mark.parametrize("layout", BF16_LAYOUTS)
+def test_a_top_layer_that_lost_its_q_k_norm_is_the_files_damage_not_qk_layernorm(capsys, tmp_path, sources, layout):
+    """Tensors missing from a layer the weights hold, of kinds their other layers hold: every layer makes the same
+    tensors, so no config field (qk_layernorm here) leaves them out, given or inferred."""
+    lost = ("layers.1.self_attention.norm_k.weight", "layers.1.self_attention.norm_q.weight")
+
+    def change(tensors: dict[str, torch.Tensor], prefix: str) -> None:
+        for key in lost:
+            del tensors[prefix + key]
+    model = _damaged(BF16_LAYOUTS[layout](sources, tmp_path), change)
+    line = _refused(capsys, _generate(model, tmp_path / "x.png"))
+    assert line == (f"error: {_part_weights(model, 'dit')} lacks {', '.join(lost)}, which the config makes and the "
+                    "weights' other layers hold: the file is damaged or was not fully downloaded: download it again")
+
+
+def test_stray_tensors_in_the_text_encoder_are_named_too(capsys, tmp_path, sources):
+    model = _comfy_single_files(sources, tmp_path)
+    weights = _part_weights(model, "text_encoder")
+    with safe_open(str(weights), "pt") as handle:
+        tensors, metadata = {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata()
+    source = next(key for key in tensors if key.endswith("layers.0.mlp.up_proj.weight"))
+    tensors[source.replace("layers.0.", "layers.7.")] = tensors[source].clone()
+    save_file(tensors, str(weights), metadata=metadata)
+    line = _refused(capsys, _generate(model, tmp_path / "x.png"))
+    assert line.startswith(f"error: {weights} holds layers.7.mlp.up_proj.weight of a layer 7 that lacks "), line
+
+
 def _dit_held_against(sources: dict[str, Path], root: Path, num_layers: int) -> tuple[Any, dict]:
     """The tiny DiT folder (2 layers) and what a config of `num_layers` makes, held against each other directly:
     loading, config_fit refuses the count first, in its own words."""

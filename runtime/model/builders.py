@@ -17,7 +17,7 @@ from .arithmetic import ArithmeticName
 from .config_fit import check_config_fits, dit_fields_from_shapes
 from .dtype_fit import check_built_dtypes, floating_tensors
 from .fill import fill_from_file
-from .tensor_fit import check_built_tensors, shapes_of
+from .tensor_fit import check_built_tensors, refuse_sparse_layers, shapes_of
 
 if TYPE_CHECKING:
     from .dit import DiTConfig
@@ -152,6 +152,7 @@ def check_config_builds(component, kind: str, variant: Variant = "base") -> None
     device, its tensors held against the file's (tensor_fit.py) and their dtypes (dtype_fit.py), and dropped: a config
     that does not fit the weights or does not build its part (wrong types, values out of range), or a file holding
     integers where the part's weights are floating point, fails at load in one line, before any work."""
+    refuse_sparse_layers(component)
     check_config_fits(component, kind, variant)
     if kind == "dit":
         part = dit_on_meta(component)

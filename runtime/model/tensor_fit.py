@@ -111,6 +111,14 @@ def _gaps(lacking: set[str], held: set[str]) -> bool:
     return all(LAYER.match(key) and LAYER.sub("layers.N.", key) in kinds for key in lacking)
 
 
+def _lost_from_held_layers(lacking: set[str], held: set[str]) -> bool:
+    """Every tensor of `lacking` is of a layer the weights hold other tensors of, and of a kind their other layers
+    hold: lost from the file, whichever field would otherwise seem to leave it out (every layer of a part makes the
+    same tensors)."""
+    held_layers = {_layer(key) for key in held} - {None}
+    return all(_layer(key) in held_layers for key in lacking) and _gaps(lacking, held)
+
+
 def _lacking_file(component, lacking: set[str]) -> Path:
     """The file `lacking` is missing from: the one holding the rest of their layers, else the part's one file; the
     part's folder where those are in several files."""
@@ -183,7 +191,7 @@ def check_built_tensors(component, kind: str, made: Mapping[str, Shape],
             what.append(f"the weights hold {_listed(unplaced)}, for which it makes no place")
         likely = _likely_field(component, kind, sorted(lacking) + sorted(unplaced),
                                counted=_counted_layers(lacking, unplaced, made, keys))
-        if lacking and not unplaced and not likely and _gaps(lacking, keys):
+        if lacking and not unplaced and (_lost_from_held_layers(lacking, keys) or not likely and _gaps(lacking, keys)):
             raise ModelFileError(f"{_lacking_file(component, lacking)} lacks {_listed(lacking)}, which the "
                                  f"config makes and the weights' other layers hold: {REDOWNLOAD}")
         if unplaced and not lacking and not likely:  # no field of the config makes such tensors: the file holds more
@@ -197,6 +205,28 @@ def check_built_tensors(component, kind: str, made: Mapping[str, Shape],
         if held is not None and held != tuple(shape):
             raise ModelFileError(f"{origin} does not fit the weights: it makes {key} {list(shape)} but the weights "
                                  f"hold {list(held)}{_likely_field(component, kind, [key], shapes_only=True)}: {fix}")
+
+
+def refuse_sparse_layers(component) -> None:
+    """A layer holding fewer than half the tensors the part's fullest layer holds is not a layer that lost a tensor
+    or two (check_built_tensors names those) but stray tensors, or a file pieced together: the layer count the
+    weights show would count it, and the config would be blamed for the file's damage. Refused naming the file."""
+    kinds: dict[int, set[str]] = {}
+    for key in component.keys:
+        match = LAYER.match(key)
+        if match:
+            kinds.setdefault(int(match[1]), set()).add(key[match.end():])
+    fullest = max(map(len, kinds.values()), default=0)
+    sparse = sorted(index for index, held in kinds.items() if 2 * len(held) < fullest)
+    if sparse:
+        index = sparse[0]
+        keys = {f"layers.{index}.{kind}" for kind in kinds[index]}
+        others = sparse[1:]
+        also = (f" (so does layer {others[0]})" if len(others) == 1 else
+                f" (so do layers {', '.join(map(str, others))})" if others else "")
+        raise ModelFileError(f"{_holding_file(component, keys)} holds {_listed(keys)} of a layer {index} that lacks "
+                             f"{fullest - len(keys)} of the {fullest} tensors its fullest layer holds{also}: stray "
+                             "tensors, or the file is damaged: download it again, or save the weights without them")
 
 
 def refuse_adapter_tensors(component, kind: str, keys: Iterable[str]) -> None:
