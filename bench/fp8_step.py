@@ -17,6 +17,9 @@ In one process, on one random full-size DiT:
    idle time between kernels and the 25 costliest kernels.
 With --gelu-ab, only the pipe's compiled step, in alternating rounds with the MLP's product quantised by the shipped
 kernel (a row as three chunks) and by the former one (a row as one 16384-lane block, bench/fp8_kernel_candidates.py).
+With --bound, how near the step can come to its floor with its elementwise work in kernels of its own: the floor,
+the floor with a device copy moving each elementwise kernel's bytes in its place (block order, the same count), those
+copies alone, and the pipe's compiled step, in alternating rounds.
 Writes DIR/fp8_step.json.
 """
 from __future__ import annotations
@@ -41,6 +44,15 @@ from ernie_image.runtime.quant import fp8_gated, fp8_matmul  # noqa: E402
 from ernie_image.runtime.quant.fp8_rows import quantize_rows, quantize_rows_reference  # noqa: E402
 from ernie_image.runtime.quant.fp8_gated import gelu_mul_quantize, gelu_mul_quantize_reference  # noqa: E402
 from ernie_image.runtime.quant.triton_loader import kernels_for  # noqa: E402
+
+# What each elementwise kernel of a block reads plus writes per token, in block order (bf16 2 bytes, e4m3 1, a row's
+# fp32 scale 4): the adaLN input for q/k/v; q and k normalised and rotated; the attention's output quantised; the
+# attention's gated residual with the MLP's adaLN input; gelu(gate) * up quantised; the MLP's gated residual.
+ELEMENTWISE_BYTES_PER_TOKEN = (("adaLN -> e4m3", 2 * 4096 + 4096 + 4), ("q/k norm + RoPE", 2 * (2 + 2) * 4096),
+                               ("attention output -> e4m3", 2 * 4096 + 4096 + 4),
+                               ("gated residual, adaLN -> e4m3", (2 + 2) * 4096 + 2 * 4096 + 4096 + 4),
+                               ("gelu(gate) * up -> e4m3", 2 * 2 * 12288 + 12288 + 4),
+                               ("gated residual", (2 + 2) * 4096 + 2 * 4096))
 
 SHAPES = {"qkv": (12288, 4096), "q|k|v|out": (4096, 4096), "gate_up": (24576, 4096), "gate|up": (12288, 4096),
           "down": (4096, 12288)}
@@ -89,27 +101,100 @@ def gemm_rows(batch: int) -> list[dict]:
     return rows
 
 
-def floor_run(fp8: torch.nn.Module, batch: int) -> Callable[[], None]:
+def floor_blocks(fp8: torch.nn.Module, batch: int) -> list[Callable[[], None]]:
+    """Per block, its four FP8 GEMMs (row-wise) and its bf16 attention, nothing else."""
     tokens = batch * SEQ
     x = torch.randn((tokens, 4096), device="cuda").bfloat16()
     hidden = torch.randn((tokens, 12288), device="cuda").bfloat16()
     xq, x_scale = quantize_activation(x, per_row=True)
     hq, h_scale = quantize_activation(hidden, per_row=True)
     q, k, v = (torch.randn((batch, 32, SEQ, 128), device="cuda").bfloat16() for _ in range(3))
-    layers = [(b.self_attention.to_qkv, b.self_attention.to_out[0], b.mlp.gate_up, b.mlp.linear_fc2) for b in fp8.layers]
 
     def mm(a, a_scale, layer):
         return torch._scaled_mm(a, layer.weight.t(), scale_a=a_scale, scale_b=layer.weight_scale_row,
                                 out_dtype=torch.bfloat16, use_fast_accum=True)
 
-    def run() -> None:
-        for qkv, out, gate_up, down in layers:
+    def block_run(qkv, out, gate_up, down) -> Callable[[], None]:
+        def run() -> None:
             mm(xq, x_scale, qkv)
             torch.nn.functional.scaled_dot_product_attention(q, k, v)
             mm(xq, x_scale, out)
             mm(xq, x_scale, gate_up)
             mm(hq, h_scale, down)
+        return run
+    return [block_run(b.self_attention.to_qkv, b.self_attention.to_out[0], b.mlp.gate_up, b.mlp.linear_fc2)
+            for b in fp8.layers]
+
+
+def floor_run(fp8: torch.nn.Module, batch: int) -> Callable[[], None]:
+    blocks = floor_blocks(fp8, batch)
+
+    def run() -> None:
+        for block in blocks:
+            block()
     return run
+
+
+def copies_run(batch: int, layers: int) -> Callable[[], None]:
+    """For each block, a device-to-device copy per elementwise kernel moving the bytes it reads and writes (a copy
+    of n bytes reads n and writes n), each from and to buffers of its own, as the step's kernels use tensors of
+    their own."""
+    pairs = copies_pairs(batch)
+
+    def run() -> None:
+        for _ in range(layers):
+            for source, target in pairs:
+                target.copy_(source)
+    return run
+
+
+def copies_pairs(batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A source and a target per elementwise kernel, each half the bytes the kernel reads and writes."""
+    tokens = batch * SEQ
+    return [(torch.empty(tokens * moved // 2, dtype=torch.uint8, device="cuda"),
+             torch.empty(tokens * moved // 2, dtype=torch.uint8, device="cuda"))
+            for _, moved in ELEMENTWISE_BYTES_PER_TOKEN]
+
+
+def floor_with_copies_run(fp8: torch.nn.Module, batch: int) -> Callable[[], None]:
+    """The floor's GEMMs and attention with each elementwise kernel's bytes copied where the kernel runs."""
+    blocks = floor_blocks(fp8, batch)
+    copies = copies_run(batch, layers=1)
+
+    def run() -> None:
+        for block in blocks:
+            block()
+            copies()
+    return run
+
+
+def bound_rows(model: torch.nn.Module, batch: int, rounds: int) -> tuple[list[dict], list[dict]]:
+    """Median ms over alternating rounds of the floor, the floor with its elementwise bytes copied, those copies
+    alone and the compiled step (`model`, compiled)."""
+    args_b = inputs(batch)
+    moved = sum(bytes_ for _, bytes_ in ELEMENTWISE_BYTES_PER_TOKEN) * batch * SEQ * len(model.layers)
+    forms = {"floor: FP8 GEMMs (row-wise) + bf16 attention": floor_run(model, batch),
+             "floor + each elementwise kernel's bytes as a device copy": floor_with_copies_run(model, batch),
+             "the elementwise kernels' bytes as device copies alone": copies_run(batch, len(model.layers)),
+             "the step, as loaded, compiled": lambda: model(*args_b)}
+    times: dict[str, list[float]] = {form: [] for form in forms}
+    for _ in range(rounds):
+        for form, run in forms.items():
+            times[form].append(cuda_time_ms(run, warmup=2, iters=5))
+    rows = [{"batch": batch, "what": form, "ms": round(sorted(ms)[len(ms) // 2], 2),
+             "rounds_ms": [round(t, 2) for t in ms]} for form, ms in times.items()]
+    copies_ms = rows[2]["ms"]
+    rows[2]["what"] += f" ({moved / 1e9:.1f} GB, {moved / copies_ms / 1e9:.2f} TB/s)"
+    for row in rows:
+        print(f"# bound {row}", flush=True)
+    for (kernel, per_token), (source, target) in zip(ELEMENTWISE_BYTES_PER_TOKEN, copies_pairs(batch)):
+        ms = cuda_time_ms(lambda: [target.copy_(source) for _ in model.layers], warmup=2, iters=5)
+        rows.append({"batch": batch, "what": f"{kernel}'s bytes as {len(model.layers)} copies", "ms": round(ms, 2),
+                     "TB/s": round(per_token * batch * SEQ * len(model.layers) / ms / 1e9, 2)})
+        print(f"# bound {rows[-1]}", flush=True)
+    floors, steps = rows[:3] + rows[4:], rows[3:4]
+    return floors, [{"model": row["what"], "batch": batch, "ms": row["ms"], "rounds_ms": row["rounds_ms"]}
+                    for row in steps]
 
 
 def one_pass(model: torch.nn.Module, on: bool, adaln: bool = True) -> None:
@@ -238,6 +323,8 @@ def main() -> None:
     parser.add_argument("--no-gemms", action="store_true", help="leave out the per-shape GEMM rows")
     parser.add_argument("--gelu-ab", type=int, default=0, metavar="ROUNDS",
                         help="only the pipe's compiled step, the gelu kernel's two forms in alternating rounds")
+    parser.add_argument("--bound", type=int, default=0, metavar="ROUNDS",
+                        help="only the floor, the floor with the elementwise kernels' bytes as copies, and the step")
     args = parser.parse_args()
     allow_cache_size()
     report: dict = {"environment": environment(), "gemms": [], "steps": [], "floors": []}
@@ -256,6 +343,20 @@ def main() -> None:
         ours = build_ours()
         as_loaded = quantised_copy(ours, "fp8")  # the order a pipe loads in: quantised, then stacked (per-row scales)
         fuse_projections(as_loaded)
+        if args.bound:
+            ours = None
+            torch.cuda.empty_cache()
+            one_pass(as_loaded, True)
+            compile_blocks(as_loaded)
+            for batch in args.batch:
+                floors, steps = bound_rows(as_loaded, batch, args.bound)
+                report["floors"] += floors
+                report["steps"] += steps
+            args_1 = inputs(1)
+            report["profile_b1_as_loaded"] = profile(lambda: as_loaded(*args_1))
+            print_profiles(report)
+            write(report, args.out)
+            return
         if args.gelu_ab:
             ours = None
             torch.cuda.empty_cache()
@@ -317,17 +418,21 @@ def main() -> None:
         one_pass(as_loaded, True)
         args_1 = inputs(1)
         report["profile_b1_as_loaded"] = profile(lambda: as_loaded(*args_1))
+    print_profiles(report)
+    write(report, args.out)
+
+
+def print_profiles(report: dict) -> None:
     for key in ("profile_b1_as_loaded", "profile_b1_as_loaded_graph"):
         prof = report.get(key)
         if prof:
             print(f"{key}: {prof['by_kind']} span {prof['span_ms']} ms, idle {prof['idle_ms']} ms")
             for row in prof["top_kernels"]:
                 print(f"{row['ms']:9.3f} ms {row['count']:5d}x {row['kernel']}")
-    write(report, args.out)
 
 
 def write(report: dict, out_dir: str) -> None:
-    print(table(report["floors"], ["batch", "what", "ms"]))
+    print(table(report["floors"], ["batch", "what", "ms", "TB/s"]))
     print(table(report["steps"], ["model", "batch", "ms", "rel_l2_vs_bf16", "error"]))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
