@@ -30,8 +30,7 @@ from ..formats.component_file import QUANT_MARKERS, WHAT_TO_PICK, ComponentFile,
 from ..formats.detect import identify
 from ..formats.folder_files import open_weights
 from ..formats.safetensors_reader import is_gguf, open_safetensors
-from ..model.builders import check_config_builds, dit_on_meta
-from ..model.tensor_fit import shapes_of
+from ..model.builders import check_config_builds
 from ..quant.gguf_files import DIT_MARKER_KEYS, strip_dit_prefix
 from ..quant.qweight import QuantizedWeight
 from ..quant.safetensors_files import read_safetensors_file
@@ -228,12 +227,11 @@ def main_quantize(argv: list[str] | None = None) -> int:
         files = bf16_dit_files(args.dit)
         component = open_component(args.dit, "dit")  # headers only: no weight is read until the checks pass
         variant = source_variant(args.dit, args.variant, component)
-        check_config_builds(component, "dit", variant.variant)  # generate's load-time refusal, before any write
+        made = check_config_builds(component, "dit", variant.variant)  # generate's refusals, before any write
         for notice in files_notices(variant):  # what the written file records, told
             print(cli_words(notice, notice.settings), file=sys.stderr)
         for notice in component.notices:  # a file of the folder left out of what is quantised
             print(notice, file=sys.stderr)
-        made = shapes_of(dit_on_meta(component))
         state = {key: tensor for key, tensor in read_bf16_dit(args.dit, files).items() if key in made}  # told above
         refuse_non_finite_weights(state, f"--dit {args.dit}", "re-download them, then quantise again")
         counts = quantized_layer_counts(state, args.format)

@@ -147,24 +147,28 @@ def vae_on_meta(component) -> torch.nn.Module:
             return AutoencoderKLFlux2.from_config(config)
 
 
-def check_config_builds(component, kind: str, variant: Variant = "base") -> None:
+def check_config_builds(component, kind: str, variant: Variant = "base") -> dict[str, tuple[int, ...]]:
     """The config held against the weights' shapes (config_fit.py), then the part it describes built on the meta
     device, its tensors held against the file's (tensor_fit.py) and their dtypes (dtype_fit.py), and dropped: a config
     that does not fit the weights or does not build its part (wrong types, values out of range), or a file holding
-    integers where the part's weights are floating point, fails at load in one line, before any work."""
+    integers where the part's weights are floating point, fails at load in one line, before any work. Returns the
+    part's tensors' shapes by name: what the config makes."""
     refuse_sparse_layers(component)
     check_config_fits(component, kind, variant)
     if kind == "dit":
         part = dit_on_meta(component)
-        check_built_tensors(component, kind, shapes_of(part))
+        made = shapes_of(part)
+        check_built_tensors(component, kind, made)
     elif kind == "text_encoder":
         part = text_tower_on_meta(component, variant)
+        made = shapes_of(part)
         last = f"layers.{len(part.layers)}."  # the layer hidden_states[-2] never reads, and the final norm
-        check_built_tensors(component, kind, shapes_of(part),
-                            may_hold=lambda key: key.startswith(last) or key == "norm.weight")
+        check_built_tensors(component, kind, made, may_hold=lambda key: key.startswith(last) or key == "norm.weight")
     else:
         part = vae_on_meta(component)
+        made = shapes_of(part)
         decoder_only = not any(key.startswith("encoder.") for key in component.keys)  # text-to-image needs no more
-        check_built_tensors(component, kind, shapes_of(part),
+        check_built_tensors(component, kind, made,
                             may_lack=lambda key: decoder_only and key.startswith(("encoder.", "quant_conv.")))
     check_built_dtypes(component, floating_tensors(part))
+    return made
