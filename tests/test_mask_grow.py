@@ -59,7 +59,8 @@ def test_a_job_grows_and_feathers_its_mask_once(monkeypatch, tmp_path, tiny_turb
 
     feathered = []
     blur = image_in.gaussian_blur
-    monkeypatch.setattr(image_in, "gaussian_blur", lambda mask, radius: feathered.append(radius) or blur(mask, radius))
+    monkeypatch.setattr(image_in, "gaussian_blur",
+                        lambda mask, radius, check_cancel: feathered.append(radius) or blur(mask, radius, check_cancel))
     Image.fromarray((np.random.default_rng(0).random((256, 256, 3)) * 255).astype(np.uint8)).save(tmp_path / "in.png")
     square = np.zeros((256, 256), np.uint8)
     square[64:192, 64:192] = 255

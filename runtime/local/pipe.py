@@ -277,7 +277,7 @@ class LocalPipe:
             if notice not in self._said:  # once a pipe: its files do not change between jobs
                 self._said.add(notice)
                 host.log(notice)
-        repaint = pixel_mask(request)  # grown and feathered once a job: a wide feather costs seconds
+        repaint = pixel_mask(request, host.check_cancel)  # grown and feathered once a job: a wide feather costs seconds
         refuse_masks_repainting_nothing(repaint, request)
         if needs_encoding(request):
             require_vae_encoder(open_component(self.sources.component("vae"), "vae"))

@@ -12,7 +12,7 @@ The mask is resized to the latent grid bilinearly, as comfy.utils.reshape_mask d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +22,8 @@ from ..core.request import repaints_unseen
 from .schedule import shifted_sigmas
 
 FULL_DENOISE = 0.9999  # KSampler.set_steps: above this the whole schedule runs
+# Multiply-adds one piece of the feather's blur does at most between cancel checks: tens of ms on two CPU cores.
+BLUR_PIECE_BUDGET = 1 << 27
 
 
 def denoise_sigmas(steps: int, shift: float, denoise: float) -> torch.Tensor:
@@ -37,16 +39,22 @@ def needs_encoding(request) -> bool:
     return request.init_image is not None and (request.denoise <= FULL_DENOISE or request.mask is not None)
 
 
-def pixel_mask(request) -> Optional[torch.Tensor]:
-    """The repaint mask at pixel (or the given latent-grid) size, grown and feathered: float32 [B|1, 1, H, W]."""
+def _no_cancel() -> None:
+    return None
+
+
+def pixel_mask(request, check_cancel: Callable[[], None] = _no_cancel) -> Optional[torch.Tensor]:
+    """The repaint mask at pixel (or the given latent-grid) size, grown and feathered: float32 [B|1, 1, H, W].
+    `check_cancel` (a host's: raises Cancelled) is called between pieces of the work, which a wide feather makes
+    take seconds."""
     if request.mask is None:
         return None
     mask = request.mask.detach().to("cpu", torch.float32)
     mask = mask.reshape(-1, 1, mask.shape[-2], mask.shape[-1])
     if request.mask_grow > 0:
-        mask = grown(mask, request.mask_grow)
+        mask = grown(mask, request.mask_grow, check_cancel)
     if request.mask_feather > 0:
-        mask = gaussian_blur(mask, request.mask_feather)
+        mask = gaussian_blur(mask, request.mask_feather, check_cancel)
     return mask.clamp(0, 1)
 
 
@@ -68,23 +76,24 @@ def refuse_masks_repainting_nothing(mask: Optional[torch.Tensor], request) -> No
         ).naming("mask_grow", "mask_feather", "mask")
 
 
-def grown(mask: torch.Tensor, radius: int) -> torch.Tensor:
+def grown(mask: torch.Tensor, radius: int, check_cancel: Callable[[], None] = _no_cancel) -> torch.Tensor:
     """The mask dilated by a (2 * radius + 1)-pixel square, as max_pool2d(kernel 2 * radius + 1, padding radius)
     computes it for a mask in 0..1: each axis in turn, its window maxima built by doubling spans (a span of 2s is
     the larger of two spans of s), so the work grows with log(radius), not with radius squared (max_pool2d took 11 s
-    for radius 64 on a 1024x1024 mask, and hours for 1024)."""
+    for radius 64 on a 1024x1024 mask, and hours for 1024). `check_cancel` is called between the doubling passes."""
     for dim in (-1, -2):
-        mask = _window_maxima(mask, radius, dim)
+        mask = _window_maxima(mask, radius, dim, check_cancel)
     return mask
 
 
-def _window_maxima(x: torch.Tensor, radius: int, dim: int) -> torch.Tensor:
+def _window_maxima(x: torch.Tensor, radius: int, dim: int, check_cancel: Callable[[], None]) -> torch.Tensor:
     """Along `dim`, each value's maximum over [i - radius, i + radius], zeros past the edges (the values are >= 0,
     and a window holds its own centre, so the zeros change no maximum)."""
     length = 2 * radius + 1
     x = F.pad(x, (radius, radius, 0, 0) if dim == -1 else (0, 0, radius, radius))
     spanned, span = x, 1  # spanned[i]: the maximum over x[i : i + span]
     while 2 * span <= length:
+        check_cancel()
         size = spanned.size(dim) - span
         spanned = torch.maximum(spanned.narrow(dim, 0, size), spanned.narrow(dim, span, size))
         span *= 2
@@ -92,14 +101,40 @@ def _window_maxima(x: torch.Tensor, radius: int, dim: int) -> torch.Tensor:
     return torch.maximum(spanned.narrow(dim, 0, size), spanned.narrow(dim, length - span, size))
 
 
-def gaussian_blur(mask: torch.Tensor, radius: int) -> torch.Tensor:
-    """Separable Gaussian of standard deviation radius/2 over 2*radius+1 pixels, edges replicated."""
+def gaussian_blur(mask: torch.Tensor, radius: int, check_cancel: Callable[[], None] = _no_cancel) -> torch.Tensor:
+    """Separable Gaussian of standard deviation radius/2 over 2*radius+1 pixels, edges replicated. The horizontal
+    pass runs in bands of rows and the vertical one in bands of columns, each band at most BLUR_PIECE_BUDGET
+    multiply-adds with `check_cancel` called before it: at 2048x2048 and radius 1024 the blur takes seconds."""
     offsets = torch.arange(-radius, radius + 1, dtype=torch.float32)
     kernel = torch.exp(-0.5 * (offsets / (radius / 2)) ** 2)
     kernel = kernel / kernel.sum()
     padded = F.pad(mask, (radius, radius, radius, radius), mode="replicate")
-    blurred = F.conv2d(padded, kernel.view(1, 1, 1, -1))
-    return F.conv2d(blurred, kernel.view(1, 1, -1, 1))
+    blurred = _conv_in_bands(padded, kernel.view(1, 1, 1, -1), -2, check_cancel)
+    return _conv_in_bands(blurred, kernel.view(1, 1, -1, 1), -1, check_cancel)
+
+
+def _conv_in_bands(x: torch.Tensor, kernel: torch.Tensor, dim: int, check_cancel: Callable[[], None]) -> torch.Tensor:
+    """F.conv2d(x, kernel) for one channel and a kernel one pixel long along `dim` (-2: rows, -1: columns), in bands
+    along `dim`: each output reads the same inputs as in one whole call, and gets the same value bit for bit."""
+    across = -1 if dim == -2 else -2
+    outputs_per_line = x.shape[0] * (x.shape[across] - kernel.shape[across] + 1)
+    bands = []
+    for start, count in _bands(x.shape[dim], outputs_per_line * kernel.numel()):
+        check_cancel()
+        bands.append(F.conv2d(x.narrow(dim, start, count), kernel))
+    return torch.cat(bands, dim=dim)
+
+
+def _bands(lines: int, cost_per_line: int) -> list[tuple[int, int]]:
+    """(first line, line count) of the fewest bands of nearly equal size that cost at most BLUR_PIECE_BUDGET each (or
+    are one line). Bit for bit with one call: torch's CPU conv2d computes a one-image input of at most 20480 values
+    with a GEMM whose sums depend on the shape, and a larger one or a batch with oneDNN, whose values do not; a pass
+    within the budget is one band, and a band of several costs about half the budget or more, which with at most
+    2049 taps (mask_feather 1024) and sides of at most 4096 makes it over 28000 values."""
+    count = min(lines, max(1, -(-lines * cost_per_line // BLUR_PIECE_BUDGET)))
+    size, larger = divmod(lines, count)
+    starts = [index * size + min(index, larger) for index in range(count + 1)]
+    return [(start, end - start) for start, end in zip(starts, starts[1:])]
 
 
 def latent_mask(mask: torch.Tensor, latent_shape: torch.Size) -> torch.Tensor:
