@@ -51,16 +51,25 @@ def refuse_legacy_key_inputs(values: dict[str, Any], credentials: Any, server_ur
 
 
 def refuse_url_credentials(**urls: Optional[str]) -> "bool | str":
-    """VALIDATE_INPUTS: a user name or password in a URL is refused before the prompt is queued, so it never
-    reaches the queue or /history. Links (None) are checked when the node runs."""
+    """VALIDATE_INPUTS: a user name or password in a URL, or a query or fragment (where tokens are passed), is
+    refused before the prompt is queued, so it never reaches the queue or /history. Links (None) are checked when
+    the node runs."""
     from ..runtime.net.urls import shown_url
 
     for name, text in urls.items():
-        for url in parse_urls(text, required=False) if isinstance(text, str) else ():
+        if not isinstance(text, str):
+            continue
+        # server_urls lists URLs with # comments; pe_url is one URL, whose # would start a fragment
+        given = parse_urls(text, required=False) if name == "server_urls" else [text.strip()] if text.strip() else []
+        for url in given:
             if "@" in url.split("://", 1)[-1].split("/", 1)[0]:
-                return (f"{name}: {shown_url(url)} holds a user name or password, which a workflow would carry "
-                        f"and ComfyUI would keep in its history: remove it and bind the server's key in your keys "
-                        f"file (see the README)")
+                held = "holds a user name or password"
+            elif "?" in url or "#" in url:
+                held = "has a query or fragment (?... or #..., where tokens are passed)"
+            else:
+                continue
+            return (f"{name}: {shown_url(url)} {held}, which a workflow would carry and ComfyUI would keep in its "
+                    f"history: give the server's base URL only and bind its key in your keys file (see the README)")
     return True
 
 

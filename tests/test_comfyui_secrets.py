@@ -127,13 +127,16 @@ async def test_no_workflow_input_sends_a_secret_to_the_attackers_server(machine:
         assert secret not in everything
 
 
-async def test_a_password_in_a_url_never_reaches_the_queue_or_history(machine: Machine) -> None:
+async def test_a_password_or_token_in_a_url_never_reaches_the_queue_or_history(machine: Machine) -> None:
     password = "pw-" + uuid.uuid4().hex
-    for inputs in ({"server_urls": f"http://user:{password}@127.0.0.1:1"},
-                   {"server_urls": machine.own.url, "pe_url": f"http://user:{password}@127.0.0.1:2"}):
+    for inputs, says in (({"server_urls": f"http://user:{password}@127.0.0.1:1"}, "password"),
+                         ({"server_urls": machine.own.url, "pe_url": f"http://user:{password}@127.0.0.1:2"}, "password"),
+                         ({"server_urls": f"http://127.0.0.1:1/?token={password}"}, "query or fragment"),
+                         ({"server_urls": machine.own.url, "pe_url": f"http://127.0.0.1:2/v1#{password}"},
+                          "query or fragment")):
         status, body = await post(machine, "/prompt", {"prompt": remote_graph(**inputs)})
         assert status == 400, body
-        assert password not in json.dumps(body) and "password" in json.dumps(body)
+        assert password not in json.dumps(body) and says in json.dumps(body)
     assert password not in await history_and_queue(machine) + machine.log()
 
 

@@ -118,6 +118,19 @@ def test_a_password_in_a_url_is_refused_before_the_prompt_is_queued() -> None:
     assert ErnieImageRemoteBackend.VALIDATE_INPUTS(server_urls="http://127.0.0.1:1", pe_url=None) is True
 
 
+@pytest.mark.parametrize("field, url", [
+    *[(field, url) for field in ("server_urls", "pe_url")
+      for url in ("http://gpu:1/?token=tk-4321", "http://gpu:1/sg?key=tk-4321&x=1", "gpu:1?tk-4321")],
+    ("pe_url", "http://gpu:1/#tk-4321"),  # in server_urls a # starts a comment
+])
+def test_a_token_in_a_urls_query_or_fragment_is_refused_before_the_prompt_is_queued(url: str, field: str) -> None:
+    """A query or fragment is where a token rides in a URL: the workflow would carry it, and /history keep it."""
+    inputs = {"server_urls": "http://127.0.0.1:1", "pe_url": ""} | {field: url}
+    said = ErnieImageRemoteBackend.VALIDATE_INPUTS(**inputs)
+    assert isinstance(said, str) and said.startswith(f"{field}: ") and "has a query or fragment" in said, said
+    assert "tk-4321" not in said and said.endswith("bind its key in your keys file (see the README)")
+
+
 def test_check_reports_the_served_model_without_generating() -> None:
     with FakeSglang(model_id="baidu/ERNIE-Image", num_gpus=2) as server:
         result = check_servers({"server_urls": server.url})
