@@ -716,9 +716,21 @@ def test_a_server_that_asks_for_a_key_it_was_not_given_names_how_to_bind_one(ser
     server.api_key = KEY
     client = HttpClient(server.url, HttpSettings(keys=load_credentials()))
     message = refused(get, client, error=AuthenticationError)
-    assert message == (f"{server.url} refused the API key (HTTP 401): this server needs an API key: add "
+    assert message == (f"{server.url} asks for an API key (HTTP 401): no key is bound to it: add "
                        f'{{"label": "NAME", "origin": "{server.url}", "env": "VARIABLE"}} (or "file": PATH) to the '
                        f"keys file {keys_file_of_this_test}")
+
+
+@pytest.mark.parametrize("status, says", [(401, "asks for an API key"), (403, "denied access without an API key")])
+def test_a_refusal_of_a_request_that_carried_no_key_never_speaks_of_the_key(keys_file_of_this_test: Path, status: int,
+                                                                            says: str) -> None:
+    from ernie_image.runtime.net.error_answers import status_error
+
+    error = status_error("http://169.254.169.254", "GET", "http://169.254.169.254/health", status, "Forbidden", b"",
+                         "text/plain", HttpSettings(keys=load_credentials()))
+    assert str(error) == (f"http://169.254.169.254 {says} (HTTP {status}): no key is bound to it: add "
+                          '{"label": "NAME", "origin": "http://169.254.169.254:80", "env": "VARIABLE"} (or "file": PATH) '
+                          f"to the keys file {keys_file_of_this_test}")
 
 
 def test_a_credential_never_shows_the_key_it_gives(keys_file: WriteKeys) -> None:

@@ -252,7 +252,7 @@ def test_a_fleet_asked_which_model_it_serves_that_no_server_can_answer_says_any_
                 pipe.served_variant(NullHost())
         finally:
             pipe.release()
-    assert str(caught.value).startswith(f"no server could take any work ({a.url} refused the API key")
+    assert str(caught.value).startswith(f"no server could take any work ({a.url} asks for an API key")
 
 
 # ------------------------------------------------------------------------------ never a duplicate job

@@ -420,7 +420,7 @@ class TestAServerTheWorkflowAddsGetsNoKey:
         machine.attacker.api_key = "whatever-it-asks-for"
         refusal = backend(machine)
         assert refusal is not None
-        one_line(refusal, f"{machine.attacker.url} refused the API key (HTTP 401): this server needs an API key: add",
+        one_line(refusal, f"{machine.attacker.url} asks for an API key (HTTP 401): no key is bound to it: add",
                  f'"origin": "{machine.attacker.url}"', f"to the keys file {machine.keys_file}")
         assert machine.attacker.wire, "the attacker's server was asked"
         machine.assert_attacker_learnt_nothing()

@@ -95,10 +95,11 @@ def status_error(label: str, method: str, url: str, status: int, reason: str, bo
     reason = without_secrets(reason, credential) or ""
     if status in (401, 403):
         if credential is not None:
+            verb = "refused the API key" if status == 401 else "denied access with this API key"
             hint = f"check the key of {credential.describe()}"
         else:
-            hint = f"this server needs an API key: {settings.keys.how_to_bind(Origin.of(url))}"
-        verb = "refused the API key" if status == 401 else "denied access with this API key"
+            verb = "asks for an API key" if status == 401 else "denied access without an API key"
+            hint = f"no key is bound to it: {settings.keys.how_to_bind(Origin.of(url))}"
         return AuthenticationError(f"{label} {verb} (HTTP {status}): {hint}", status)
     if status in RETRYABLE_STATUSES:
         detail = f": {message}" if message else ""
