@@ -596,8 +596,9 @@ def test_a_label_bound_to_another_origin_is_refused_naming_how_to_bind_one(two_s
 
 def test_an_unknown_label_is_refused_naming_the_setting_and_how_to_bind_one(two_servers: Credentials) -> None:
     message = refused(two_servers.for_server, PE_BOX, "HF_TOKEN", setting="pe_credential")
-    assert message.startswith("pe_credential names no credential of yours (yours bound to "
-                              "https://pe.example.com:443: 'pe'): add ") and "HF_TOKEN" not in message
+    assert message.startswith("pe_credential is not the label of any credential of yours (what it holds is not "
+                              "repeated, in case it is a key); those bound to https://pe.example.com:443: 'pe': add "
+                              ) and "HF_TOKEN" not in message
     assert message.endswith(
         f'{{"label": "NAME", "origin": "https://pe.example.com:443", "env": "VARIABLE"}} (or "file": PATH) to the '
         f"keys file {two_servers.location} with that label, or leave pe_credential empty")

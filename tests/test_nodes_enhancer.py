@@ -166,7 +166,8 @@ def test_bad_endpoint_settings_are_refused_before_anything_is_sent(keys_file_of_
                                                         rf"\({name}, a widget of earlier versions\)") as error:
                 enhance(pe_url=server.url, **{name: "sk-live-1234567890"})
             assert "1234567890" not in str(error.value) and str(keys_file_of_this_test) in str(error.value)
-        with pytest.raises(InvalidInputError, match="^pe_credential names no credential of yours: add .* to the "
+        with pytest.raises(InvalidInputError, match=r"^pe_credential is not the label of any credential of yours \(what it holds is not repeated, in case "
+                                                    r"it is a key\): add .* to the "
                                                     "keys file"):
             enhance(pe_url=server.url, pe_credential="pe-box")
         with pytest.raises(InvalidInputError, match="pe_url 'ftp://pe-box:8000' has the scheme 'ftp'"):

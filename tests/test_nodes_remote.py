@@ -189,7 +189,8 @@ def in_comfyui_with_user_folder(monkeypatch: pytest.MonkeyPatch, user: Path) -> 
                                 "the folder ComfyUI's user/ernie_image holding the keys file can be changed by other "
                                 "users, who could put another keys file in its place and send your keys elsewhere: "
                                 "run chmod go-w on ComfyUI's user/ernie_image folder"),
-    ("unknown label", "credential names no credential of yours (yours bound to http://127.0.0.1:1: 'lab'): add {\"label\": \"NAME\", \"origin\": "
+    ("unknown label", "credential is not the label of any credential of yours (what it holds is not repeated, in "
+                      "case it is a key); those bound to http://127.0.0.1:1: 'lab': add {\"label\": \"NAME\", \"origin\": "
                       "\"http://127.0.0.1:1\", \"env\": \"VARIABLE\"} (or \"file\": PATH) to the keys file ComfyUI's "
                       "user/ernie_image/keys.json with that label, or leave credential empty"),
     ("key readable by others", "http://127.0.0.1:1, bound to a key there, needs the keys file, which is not used: "

@@ -185,7 +185,7 @@ def test_check_remote_runs_the_same_check_when_called_directly() -> None:
         main_check_remote(["http://127.0.0.1:1", "--api-key-env", UNSET])
     with pytest.raises(InvalidInputError, match=r"^the API key variable must be the NAME"):
         Credentials.bound_to(["http://127.0.0.1:1"], PASTED_KEY)
-    with pytest.raises(InvalidInputError, match=r"^credential names no credential of yours: add "):
+    with pytest.raises(InvalidInputError, match=r"^credential is not the label of any credential of yours \(.*\): add "):
         check_remote(["http://127.0.0.1:1"], credential="pe")
 
 

@@ -190,9 +190,10 @@ class Credentials:
                 return entry
         # Never shown: a key pasted where its label belongs would go into the node's error, the log and /history.
         bound = [entry.label for entry in self.entries if entry.origin == origin]
-        yours = f" (yours bound to {origin}: {', '.join(repr(b) for b in bound)})" if bound else ""
-        raise InvalidInputError(f"{setting} names no credential of yours{yours}: {self.how_to_bind(origin)} with "
-                                f"that label, or leave {setting} empty")
+        yours = f"; those bound to {origin}: {', '.join(repr(b) for b in bound)}" if bound else ""
+        raise InvalidInputError(f"{setting} is not the label of any credential of yours (what it holds is not "
+                                f"repeated, in case it is a key){yours}: {self.how_to_bind(origin)} with that label, "
+                                f"or leave {setting} empty")
 
 
 @dataclass(frozen=True)
