@@ -9,7 +9,7 @@ import gc
 import threading
 import time
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -24,6 +24,7 @@ from ..formats.scheduler_config import scheduler_notices
 from ..formats.sources import ModelSources
 from ..lora.stack import LoraStack
 from ..model.builders import require_vae_encoder
+from ..model.cancel_points import cancellable
 from ..model.vae_decode import decode_images
 from ..model.vae_encode import encode_images
 from ..offload.device_memory import JobMemoryMeter
@@ -154,17 +155,18 @@ class LocalPipe:
 
     # -- phases ---------------------------------------------------------------------------------------
 
-    def encode_image(self, request: GenerationRequest) -> Optional[torch.Tensor]:
+    def encode_image(self, request: GenerationRequest, check_cancel: Callable[[], None]) -> Optional[torch.Tensor]:
         """The image-in phase: the original's normalised latents (a LATENT input as given, an IMAGE through the VAE
         encoder), or None when the job starts from pure noise. The encoder leaves the device after its phase
-        unless the plan keeps everything resident."""
+        unless the plan keeps everything resident. `check_cancel` runs between the encoder's layers."""
         given = init_latents(request)
         if given is not None or not needs_encoding(request):
             return given
         self._phase = "encode"
         tile = self.memory.plan.encode.tile if self.memory.plan is not None and self.memory.plan.encode else None
-        with torch.inference_mode():
-            latents = encode_images(request.init_image, self.parts.load_vae_encoder(), tile)
+        encoder = self.parts.load_vae_encoder()
+        with torch.inference_mode(), cancellable(encoder, check_cancel):
+            latents = encode_images(request.init_image, encoder, tile)
         if not self.memory.encoder_is_persistent():
             self.parts.vae_encoder = None
             self.memory.after_encode()
@@ -220,11 +222,13 @@ class LocalPipe:
             if self.memory.plan is not None:
                 self.parts.release_graphs()  # the plan gives the DiT's activation memory to the VAE phase next
 
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def decode(self, latents: torch.Tensor, check_cancel: Callable[[], None]) -> torch.Tensor:
+        """Images from the sampled latents; `check_cancel` runs between the decoder's layers."""
         self._phase = "vae"
         tile = self.memory.plan.vae.tile if self.memory.plan is not None else None
-        with torch.inference_mode():
-            images = decode_images(latents, self.parts.load_vae(), tile)
+        vae = self.parts.load_vae()
+        with torch.inference_mode(), cancellable(vae, check_cancel):
+            images = decode_images(latents, vae, tile)
         if not self.memory.vae_is_persistent():
             self.parts.vae = None
         refuse_non_finite(images, "VAE decoder", lambda: self.parts.weights_of("vae"), "pixel values")
@@ -289,7 +293,7 @@ class LocalPipe:
         self._plan(request, host)  # MemoryBudgetError before any allocation
         self.parts.check_tokenizer()
         started_encode = self._clock()
-        original = self.encode_image(request)
+        original = self.encode_image(request, host.check_cancel)
         encoded_image = self._clock()
         host.check_cancel()
         revised = self._enhance(request, host)
@@ -310,7 +314,7 @@ class LocalPipe:
         check_finite_latents(latents, self.sources, self._lora.wanted_stack)
         sampled = self._clock()
         host.check_cancel()
-        images = composite(self.decode(latents), request, repaint)
+        images = composite(self.decode(latents, host.check_cancel), request, repaint)
         decoded = self._clock()
         if not self.options.keep_loaded:
             self.release()
