@@ -33,7 +33,7 @@ class ChatServer:
     """vLLM-like: /v1/models lists one model, /v1/chat/completions answers `revised: <prompt> @<seed>`.
 
     `faults` are consumed one per chat request: "500", "503", "hang", "trickle" (a well-formed reply, one byte
-    every 0.05 s), "not_json", "no_choices", "empty", "length" (finish_reason length), "404". Assigning `model` while it runs is a server restarted with another
+    every 0.05 s), "not_json", "no_choices", "empty", "length" (finish_reason length), "404", "huge" (a 9 MiB reply). Assigning `model` while it runs is a server restarted with another
     model: it lists the new one, and a chat request naming the old one gets vLLM's 404 "does not exist".
     """
 
@@ -106,6 +106,8 @@ class ChatServer:
             return await self._trickle(request)
         if fault == "not_json":
             return web.Response(text="<html>gateway</html>", content_type="text/html")
+        if fault == "huge":
+            return web.Response(body=b" " * (9 << 20), content_type="application/json")
         if fault == "no_choices":
             return web.json_response({"id": "x", "object": "chat.completion", "choices": []})
         if body.get("model") != self.model or fault == "404":
@@ -172,6 +174,8 @@ def test_distinct_prompts_are_sent_once_each():
     ("trickle", "answered too slowly: the whole answer took longer than 1 s, coming in bit by bit; check the server"),
     ("not_json", "not JSON"),
     ("no_choices", "choices[0].message.content"),
+    ("huge", "with more than 8 MiB; refused (a server answering this much is misbehaving; a revised prompt is a few "
+             "kilobytes: check that it is a chat completions server)"),
 ])
 def test_faults_keep_the_original_prompt_and_tell_the_user(fault, said):
     with ChatServer(faults=[fault]) as server:
@@ -268,7 +272,7 @@ def test_a_label_bound_to_another_origin_is_refused_before_anything_is_sent(monk
 
 def test_missing_key_is_a_clear_error():
     with ChatServer(api_key=SECRET) as server:
-        with pytest.raises(AuthenticationError, match="needs an API key"):
+        with pytest.raises(AuthenticationError, match="asks for an API key .HTTP 401.: no key is bound to it"):
             revise_prompts_remote(fast_endpoint(server.url), ["a fox"], 1024, 1024, seed=0)
 
 

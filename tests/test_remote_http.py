@@ -195,7 +195,7 @@ def test_api_key_is_sent_as_bearer_and_never_shown(monkeypatch, tmp_path):
 
         with pytest.raises(AuthenticationError) as missing:
             call(HttpClient(server.url), "GET", "/v1/models")
-        assert "HTTP 401" in str(missing.value) and "needs an API key: add" in str(missing.value)
+        assert "HTTP 401" in str(missing.value) and "asks for an API key (HTTP 401): no key is bound to it: add" in str(missing.value)
         assert f'"origin": "{server.url}"' in str(missing.value) and "to the keys file" in str(missing.value)
 
         monkeypatch.setenv("ERNIE_TEST_KEY", "wrong-" + SECRET)

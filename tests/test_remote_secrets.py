@@ -161,6 +161,7 @@ def test_a_key_pasted_where_a_credential_label_belongs_is_never_shown(keys_file,
         else:
             message = seen.error(ErnieImageRemoteBackend().connect, server_urls=server.url, connect_timeout_s=1.0,
                                  read_timeout_s=30.0, pe_url=chat.url, **{surface: API_KEY})
-        assert message.startswith(f"{surface.replace('route', 'credential')} names ") and "keys file" in message
+        setting = surface.replace("route", "credential")
+        assert message.startswith(f"{setting} is not the label of any credential of yours ") and "keys file" in message
     assert server.wire == [] and not chat.headers
     seen.assert_clean()

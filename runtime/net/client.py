@@ -272,7 +272,7 @@ class HttpClient:
         else:
             too_big = BadResponse(
                 f"{self.label} answered {method} {shown} with more than {_size(cap)}; refused (a server answering "
-                f"this much is misbehaving; for images really that large, raise RemoteSettings.max_response_mb)")
+                f"this much is misbehaving; {self.settings.over_cap_fix})")
         if resp.content_length is not None and resp.content_length > cap:
             raise too_big
         chunks: list[bytes] = []

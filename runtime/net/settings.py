@@ -17,6 +17,8 @@ DEFAULT_MAX_BODY_BYTES = 256 * 1024 * 1024
 # replies have their own cap (max_body_bytes).
 SMALL_ANSWER_BYTES = 1024 * 1024
 READ_TIMEOUT = "the read timeout"  # how a message names the read timeout when the caller gives no setting
+# What a reply over the cap is told, where the caller says nothing of its own: the image backends' words.
+LARGE_IMAGES = "for images really that large, raise RemoteSettings.max_response_mb"
 
 
 def checked_seconds(value: object, label: str, *, allow_zero: bool = False) -> float:
@@ -69,11 +71,12 @@ class HttpSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     keys: Credentials = Credentials()  # where the user binds keys, named when a server asks for one
     read_timeout_setting: str = READ_TIMEOUT  # the setting that gives the read timeout, named in its errors
+    over_cap_fix: str = LARGE_IMAGES  # what a reply over max_body_bytes is told, after "misbehaving"
 
     @classmethod
     def of(cls, *, credential: Optional[Credential], connect_timeout_s: float, read_timeout_s: float,
            retry_attempts: int, max_response_mb: int, keys: Credentials = Credentials(),
-           read_timeout_setting: str = READ_TIMEOUT) -> "HttpSettings":
+           read_timeout_setting: str = READ_TIMEOUT, over_cap_fix: str = LARGE_IMAGES) -> "HttpSettings":
         """From the flat values a node or CLI exposes."""
         return cls(
             credential=credential,
@@ -82,4 +85,5 @@ class HttpSettings:
             max_body_bytes=max_response_mb * 1024 * 1024,
             keys=keys,
             read_timeout_setting=read_timeout_setting,
+            over_cap_fix=over_cap_fix,
         )

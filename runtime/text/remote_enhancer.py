@@ -73,7 +73,8 @@ class ChatEndpoint:
             credential=self.credential, connect_timeout_s=self.connect_timeout_s,
             read_timeout_s=self.read_timeout_s, retry_attempts=self.retry_attempts,
             max_response_mb=self.max_response_mb, keys=self.keys,
-            read_timeout_setting=self.timeout_setting or READ_TIMEOUT))
+            read_timeout_setting=self.timeout_setting or READ_TIMEOUT,
+            over_cap_fix="a revised prompt is a few kilobytes: check that it is a chat completions server"))
 
 
 class _Unusable(RemoteError):
