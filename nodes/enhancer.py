@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..runtime.core.errors import InvalidInputError
+from ..runtime.core.phrases import pe_work
 from ..runtime.core.request import MAX_NEW_TOKENS_RANGE, SEED_MASK, TEMPERATURE_RANGE
 from .comfy_names import speaks_comfy
 from .common import CATEGORY, PIPE_TYPE, shown_on_node
@@ -22,8 +23,7 @@ def timing_text(info: dict[str, Any], notes: list[str]) -> str:
     if source == "original":
         head = "prompt enhancer did not revise the prompt: the original prompt is passed on"
     else:
-        head = (f"prompt enhancer ({source}): {info.get('pe_tokens', 0)} tokens in {info.get('pe_s', 0.0):.2f} s, "
-                f"{info.get('pe_tokens_per_s', 0.0)} tokens/s")
+        head = f"prompt enhancer ({source}): {pe_work(info)}"
     return "\n".join([head, *notes])
 
 

@@ -33,7 +33,7 @@ class ChatServer:
     """vLLM-like: /v1/models lists one model, /v1/chat/completions answers `revised: <prompt> @<seed>`.
 
     `faults` are consumed one per chat request: "500", "503", "hang", "trickle" (a well-formed reply, one byte
-    every 0.05 s), "not_json", "no_choices", "empty", "length" (finish_reason length), "404", "huge" (a 9 MiB reply). Assigning `model` while it runs is a server restarted with another
+    every 0.05 s), "not_json", "no_choices", "empty", "length" (finish_reason length), "404", "huge" (a 9 MiB reply), "no_usage" (no token counts). Assigning `model` while it runs is a server restarted with another
     model: it lists the new one, and a chat request naming the old one gets vLLM's 404 "does not exist".
     """
 
@@ -119,7 +119,8 @@ class ChatServer:
             "id": "chatcmpl-1", "object": "chat.completion", "model": self.model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                          "finish_reason": "length" if fault == "length" else "stop"}],
-            "usage": {"prompt_tokens": 90, "completion_tokens": 17, "total_tokens": 107},
+            **({} if fault == "no_usage" else {"usage": {"prompt_tokens": 90, "completion_tokens": 17,
+                                                           "total_tokens": 107}}),
         })
 
 

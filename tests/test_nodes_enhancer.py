@@ -5,6 +5,7 @@ real aiohttp chat-completions server on loopback. Missing or wrong inputs stop w
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,13 @@ def test_preset_resolution_is_what_the_pe_is_told(model_dir) -> None:
 
 
 # ----------------------------------------------------------------------------------------- remote PE
+def test_a_chat_server_reporting_no_token_counts_is_shown_its_seconds_alone() -> None:
+    with ChatServer(faults=["no_usage"]) as server:
+        revised, info = enhance(pe_url=server.url, seed=7)
+    assert revised == f"revised: {PROMPT} @7"
+    assert re.fullmatch(r"prompt enhancer \(remote\): \d+\.\d\d s \(no token count reported\)", info), info
+
+
 def test_chat_endpoint_revises_with_the_nodes_settings_and_the_key_bound_to_it(monkeypatch: pytest.MonkeyPatch,
                                                                                keys_file) -> None:
     monkeypatch.setenv("ERNIE_TEST_PE_KEY", SECRET)

@@ -8,6 +8,7 @@ from typing import Sequence
 
 from ..core.errors import InvalidInputError
 from ..core.number_text import range_text
+from ..core.phrases import pe_work
 from ..core.request import (MAX_NEW_TOKENS_RANGE, SEED_RANGE, SIDE_MULTIPLE, SIDE_RANGE, TEMPERATURE_RANGE,
                             TOP_P_RULE, validate_size)
 from ..formats.sources import ModelSources
@@ -110,7 +111,6 @@ def main_enhance(argv: Sequence[str]) -> int:
     print(result.prompts[0])
     if not args.quiet:
         info = result.info()
-        host.log(f"prompt enhancer ({info.get('pe', '?')}): {info.get('pe_tokens', 0)} tokens in "
-                 f"{info.get('pe_s', 0.0):.2f} s ({info.get('pe_tokens_per_s', 0.0)} tokens/s); total "
+        host.log(f"prompt enhancer ({info.get('pe', '?')}): {pe_work(info)}; total "
                  f"{time.perf_counter() - started:.2f} s")
     return 0
