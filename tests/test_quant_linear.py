@@ -341,6 +341,13 @@ def test_reasons_say_what_runs_natively() -> None:
     assert all("CPU" in text or "no CUDA" in text for text in format_reasons(CPU).values())
 
 
+@pytest.mark.parametrize("device", [H200, RTX3060, RTX5090, CPU], ids=lambda device: device.name)
+def test_each_reasons_size_says_it_is_the_released_8b_dits(device: DeviceInfo) -> None:
+    """The Quant Config node is chosen before any model is: its sizes are not the loaded model's (a demo model's)."""
+    for fmt, text in format_reasons(device).items():
+        assert f"{DIT_WEIGHT_BYTES[fmt] / 1e9:.1f} GB for the 8B DiT" in text, text
+
+
 def test_auto_choice_by_gpu_and_budget() -> None:
     assert choose_auto(H200)[0] == "fp8"
     assert choose_auto(RTX3060)[0] == "q4_k"  # 12 GB card: 8 GB of weights leaves too little for activations

@@ -64,12 +64,13 @@ def _gb(n: int) -> str:
 
 
 def format_reasons(info: DeviceInfo) -> dict[str, str]:
-    """One sentence per format saying what it does on this device."""
-    sizes = {f: _gb(b) for f, b in DIT_WEIGHT_BYTES.items()}
+    """One sentence per format saying what it does on this device; the sizes are the released 8B DiT's, whatever
+    model the choice is later applied to."""
+    sizes = {f: f"{_gb(b)} for the 8B DiT" for f, b in DIT_WEIGHT_BYTES.items()}
     if info.kind != "cuda":
         packed = "stays packed and is dequantised per layer on the CPU: slower than bf16, only saves RAM"
         return {
-            "bf16": f"bf16: reference quality, {sizes['bf16']} of DiT weights; no CUDA GPU found, so it runs on the CPU",
+            "bf16": f"bf16: reference quality, {sizes['bf16']}; no CUDA GPU found, so it runs on the CPU",
             "fp8": f"FP8 ({sizes['fp8']}) {packed}",
             "q8_0": f"Q8_0 GGUF ({sizes['q8_0']}) {packed}",
             "q4_k": f"Q4_K GGUF ({sizes['q4_k']}) {packed}",
@@ -86,7 +87,7 @@ def format_reasons(info: DeviceInfo) -> dict[str, str]:
              f"NVFP4 stays packed on this GPU ({sm}) and runs at about bf16 speed; natively faster only on SM >= 10 "
              f"({sizes['nvfp4']}, small quality loss)")
     return {
-        "bf16": f"bf16: reference quality and speed, {sizes['bf16']} of DiT weights",
+        "bf16": f"bf16: reference quality and speed, {sizes['bf16']}",
         "fp8": fp8,
         "q8_0": f"Q8_0 GGUF stays packed ({sizes['q8_0']}) and is dequantised per layer on the GPU: near-bf16 "
                 f"quality, about bf16 speed",
