@@ -33,7 +33,8 @@ class ChatServer:
     """vLLM-like: /v1/models lists one model, /v1/chat/completions answers `revised: <prompt> @<seed>`.
 
     `faults` are consumed one per chat request: "500", "503", "hang", "trickle" (a well-formed reply, one byte
-    every 0.05 s), "not_json", "no_choices", "empty", "length" (finish_reason length), "404", "huge" (a 9 MiB reply), "no_usage" (no token counts). Assigning `model` while it runs is a server restarted with another
+    every 0.05 s), "not_json", "no_choices", "empty", "length" (finish_reason length), "404", "huge" (a 9 MiB reply), "no_usage" (no token counts), "escapes" (terminal escape codes
+    around the revision). Assigning `model` while it runs is a server restarted with another
     model: it lists the new one, and a chat request naming the old one gets vLLM's 404 "does not exist".
     """
 
@@ -115,6 +116,8 @@ class ChatServer:
             return web.json_response({"error": {"message": message, "code": 404}}, status=404)
         user = json.loads(body["messages"][-1]["content"])
         content = "" if fault == "empty" else f"  revised: {user['prompt']} @{body.get('seed')}\n"
+        if fault == "escapes":
+            content = f"\x1b[2J\x1b]0;owned\x07{content.strip()}\x1b[0m"
         return web.json_response({
             "id": "chatcmpl-1", "object": "chat.completion", "model": self.model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
@@ -307,6 +310,16 @@ def test_cli_with_a_pe_server_prints_only_the_revision(capsys):
     captured = capsys.readouterr()
     assert code == 0 and captured.out == "revised: a fox @9\n" and captured.err == ""
     assert server.received[0]["messages"][0]["content"] == '{"prompt": "a fox", "width": 1264, "height": 848}'
+
+
+def test_cli_prints_a_servers_terminal_escape_codes_escaped(capsys):
+    """A remote PE's reply is a stranger's text: on a terminal, its escape codes would clear the screen or retitle
+    the window."""
+    with ChatServer(faults=["escapes"]) as server:
+        code = main_enhance(["--pe-url", server.url, "--prompt", "a fox", "--seed", "9", "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 0 and "\x1b" not in captured.out and "\x07" not in captured.out
+    assert captured.out == "\\x1b[2J\\x1b]0;owned\\x07revised: a fox @9\\x1b[0m\n", captured.out
 
 
 def test_cli_enhance_with_a_pe_server_that_is_down_fails_in_one_line(capsys):

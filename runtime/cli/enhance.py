@@ -20,6 +20,7 @@ from ..text.remote_enhancer import ChatEndpoint, revise_prompts_remote
 from .checks import check_input_path, check_seed
 from .console import ConsoleHost
 from .parser import DecimalNumber, OneLineParser, PathOption, WholeNumber
+from .terminal_text import plain_terminal_lines
 from .remote_args import cli_credentials
 
 
@@ -108,7 +109,7 @@ def main_enhance(argv: Sequence[str]) -> int:
             result = revise_prompts(enhancer, [args.prompt], args.width, args.height, args.seed, settings, host)
         finally:
             enhancer.release()
-    print(result.prompts[0])
+    print(plain_terminal_lines(result.prompts[0]))  # a remote PE's text may hold terminal escape codes
     if not args.quiet:
         info = result.info()
         host.log(f"prompt enhancer ({info.get('pe', '?')}): {pe_work(info)}; total "
