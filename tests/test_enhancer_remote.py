@@ -34,7 +34,7 @@ class ChatServer:
 
     `faults` are consumed one per chat request: "500", "503", "hang", "trickle" (a well-formed reply, one byte
     every 0.05 s), "not_json", "no_choices", "empty", "length" (finish_reason length), "404", "huge" (a 9 MiB reply), "no_usage" (no token counts), "escapes" (terminal escape codes
-    around the revision). Assigning `model` while it runs is a server restarted with another
+    around the revision), "surrogate" (a lone surrogate in the revision, as JSON's \\ud800 escape gives it). Assigning `model` while it runs is a server restarted with another
     model: it lists the new one, and a chat request naming the old one gets vLLM's 404 "does not exist".
     """
 
@@ -116,6 +116,8 @@ class ChatServer:
             return web.json_response({"error": {"message": message, "code": 404}}, status=404)
         user = json.loads(body["messages"][-1]["content"])
         content = "" if fault == "empty" else f"  revised: {user['prompt']} @{body.get('seed')}\n"
+        if fault == "surrogate":
+            content = f"revised: {user['prompt']} \ud800"
         if fault == "escapes":
             content = f"\x1b[2J\x1b]0;owned\x07{content.strip()}\x1b[0m"
         return web.json_response({
@@ -178,6 +180,7 @@ def test_distinct_prompts_are_sent_once_each():
     ("trickle", "answered too slowly: the whole answer took longer than 1 s, coming in bit by bit; check the server"),
     ("not_json", "not JSON"),
     ("no_choices", "choices[0].message.content"),
+    ("surrogate", "answered a message content that is not valid Unicode text (a lone surrogate)"),
     ("huge", "with more than 8 MiB; refused (a server answering this much is misbehaving; a revised prompt is a few "
              "kilobytes: check that it is a chat completions server)"),
 ])

@@ -97,6 +97,11 @@ def _reply_text(data: Any, label: str) -> tuple[str, bool, Optional[int]]:
         content = ""
     if not isinstance(content, str):
         raise _Unusable(f"{label} answered a non-text message content")
+    try:
+        content.encode("utf-8")
+    except UnicodeEncodeError:  # a JSON \ud800 escape: no text a tokenizer takes
+        raise _Unusable(f"{label} answered a message content that is not valid Unicode text (a lone surrogate)"
+                        ) from None
     usage = data.get("usage") if isinstance(data, dict) else None
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
     return content, choice.get("finish_reason") == "length", tokens if isinstance(tokens, int) else None
