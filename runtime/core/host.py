@@ -5,9 +5,13 @@ and model_management; the CLI and tests use `NullHost` or their own subclass.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, runtime_checkable
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Protocol, runtime_checkable
 
 from .errors import Cancelled
+
+CANCEL_POLL_S = 0.1  # how often a wait for another job asks the host whether to cancel
 
 
 @runtime_checkable
@@ -85,3 +89,15 @@ class NullHost:
             import sys
 
             print(message, file=sys.stderr)
+
+
+@contextmanager
+def held_unless_cancelled(lock: "threading.Lock | threading.RLock", host: Host) -> Iterator[None]:
+    """Hold `lock` while inside; while another job holds it, the host is asked every CANCEL_POLL_S whether to stop
+    waiting (its `check_cancel` raises Cancelled), so a job queued behind a long one cancels within a second."""
+    while not lock.acquire(timeout=CANCEL_POLL_S):
+        host.check_cancel()
+    try:
+        yield
+    finally:
+        lock.release()

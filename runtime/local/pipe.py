@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..core.errors import ModelFileError, NamedLine
-from ..core.host import Host, NullHost, wants_previews
+from ..core.host import Host, NullHost, held_unless_cancelled, wants_previews
 from ..core.non_finite import refuse_non_finite
 from ..core.pipe import check_generate_call
 from ..core.request import VARIANT_DEFAULTS, GenerationRequest, GenerationResult, validate_size
@@ -243,7 +243,8 @@ class LocalPipe:
         check_generate_call(request, host)
         request = request.with_defaults(self.variant)
         request.validate()
-        with self._running:  # one job at a time on the loaded model (its views share it, with their own LoRAs)
+        # one job at a time on the loaded model (its views share it, with their own LoRAs)
+        with held_unless_cancelled(self._running, host):
             # A file the model was loaded from that changed on disk is refused before the job reads anything
             # (loaded_files.py), and the pipe lets go of all it holds: its weights may be views of that file.
             self._releasing_on_error(request, self.files.check)
