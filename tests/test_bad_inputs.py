@@ -329,6 +329,10 @@ def test_a_failed_png_write_leaves_no_part_of_the_batch(tmp_path):
     ("prompt", None, "prompt None is not allowed: give text"),  # was an AttributeError mid-run
     ("negative_prompt", None, "negative_prompt None is not allowed"),
     ("prompt", "fox \udcff", "prompt is not valid UTF-8 text"),  # was a TypeError inside the tokenizer
+    ("composite", "no", "composite 'no' is not allowed: give True or False"),  # was kept, and read as true
+    ("use_pe", "false", "use_pe 'false' is not allowed: give True or False"),
+    ("use_pe", 1, "use_pe 1 is not allowed: give True or False"),
+    ("composite", None, "composite None is not allowed: give True or False"),
 ])
 def test_request_refuses_bad_values_and_types(field, value, expected):
     request = GenerationRequest(**{"prompt": "x", "width": 256, "height": 256, field: value})

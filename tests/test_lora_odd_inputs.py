@@ -93,7 +93,8 @@ def test_a_python_api_entry_of_the_wrong_shape_is_refused_in_one_line(entry):
         LoraStack.of([entry])
 
 
-@pytest.mark.parametrize("strength, match", [(10**400, "is not allowed"), (True, "is not a number")])
+@pytest.mark.parametrize("strength, match", [(10**400, "is not allowed"), (True, "is not a number"),
+                                             ("1", "'1' is not a number"), (b"0.5", "is not a number")])
 def test_strengths_python_takes_as_numbers_but_nobody_means_are_refused(good, strength, match):
     with pytest.raises(InvalidInputError, match=match):
         LoraStack.of([(good, strength)])

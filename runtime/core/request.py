@@ -57,6 +57,7 @@ def validate_size(width: int, height: int) -> None:
 
 _INT_FIELDS = ("width", "height", "steps", "seed", "batch", "pe_max_new_tokens")
 _NUMBER_FIELDS = ("cfg", "shift", "pe_temperature", "pe_top_p")
+_BOOL_FIELDS = ("use_pe", "composite")  # a string "false" would read as true
 
 
 _VARIANT_DEFAULT_FIELDS = ("steps", "cfg")  # None in a request: the pipe's variant default (VARIANT_DEFAULTS)
@@ -72,6 +73,10 @@ def _check_types(request: "GenerationRequest") -> None:
         if isinstance(value, bool) or not isinstance(value, allowed):
             kind = "a whole number" if name in _INT_FIELDS else "a number"
             raise InvalidInputError(f"{name} {value!r} is not allowed: give {kind}").naming(name)
+    for name in _BOOL_FIELDS:
+        value = getattr(request, name)
+        if not isinstance(value, bool):
+            raise InvalidInputError(f"{name} {value!r} is not allowed: give True or False").naming(name)
 
 
 def _check_texts(request: "GenerationRequest") -> None:

@@ -20,8 +20,8 @@ LORA_MODES = ("merge", "branch")
 def check_strength(strength: float, name: str = "") -> float:
     label = f"LoRA {name} strength" if name else "LoRA strength"
     try:
-        if isinstance(strength, bool):
-            raise TypeError("a bool is not a strength")
+        if isinstance(strength, (bool, str, bytes)):  # float("1") would pass a config's text through unread
+            raise TypeError("not a number")
         value = float(strength)
     except OverflowError:
         value = math.inf  # an integer beyond float range: refused below as out of range
