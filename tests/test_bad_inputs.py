@@ -485,12 +485,64 @@ def test_a_cuda_device_asked_for_without_one_is_the_users_input_not_a_model_file
         resolve_device(device)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a CUDA GPU")
+def test_a_pipe_whose_making_failed_leaves_no_finaliser_error(tiny_folder, monkeypatch):
+    import gc
+
+    from ernie_image.runtime.formats.sources import ModelSources
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
+
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(InvalidInputError, match="PyTorch sees no CUDA GPU"):
+        LocalPipe.load(ModelSources(model_dir=tiny_folder), LoadOptions(device="cuda"))
+    gc.collect()
+    assert unraisable == []  # was "Exception ignored in: LocalPipe.__del__ ... no attribute 'memory'"
+
+
 @pytest.mark.parametrize("device", ["cuda:", "cuda:\u0663", "cuda:+0", "cuda:0x1", "cuda:-1", "gpu"])
 def test_a_device_string_torch_cannot_read_is_refused_as_the_setting_not_as_a_missing_gpu(device):
     from ernie_image.runtime.local.options import LoadOptions
 
     with pytest.raises(InvalidInputError, match=r"is not supported: use auto, cpu, cuda or cuda:N$"):
         LoadOptions(device=device).validate()
+
+
+@pytest.mark.parametrize("device", [0, torch.device("cpu"), None])
+def test_a_device_that_is_not_text_is_refused_as_the_setting(device):
+    from ernie_image.runtime.local.options import LoadOptions
+
+    with pytest.raises(InvalidInputError, match=r"is not supported: use 'auto', 'cpu', 'cuda' or 'cuda:N' "
+                                                r"\(str\(device\) for a torch.device\)$"):
+        LoadOptions(device=device).validate()
+
+
+@pytest.mark.parametrize("field", ["model_dir", "dit", "text_encoder", "vae", "pe", "tokenizer"])
+@pytest.mark.parametrize("value", [5, 2.0, ["a"], b"/x"])
+def test_a_model_source_that_is_not_a_path_is_refused_naming_it(field, value):
+    from ernie_image.runtime.formats.sources import ModelSources
+
+    with pytest.raises(InvalidInputError, match=rf"^{field} .* is not a path: give a str or pathlib.Path, or None$"):
+        ModelSources(**{field: value})
+
+
+@pytest.mark.parametrize("field, part, named", [("dit", "DiT", "transformer"), ("vae", "VAE", "vae"),
+                                                ("text_encoder", "text encoder", "text_encoder"),
+                                                ("pe", "prompt enhancer", "pe")])
+def test_a_device_or_pipe_given_as_a_part_is_refused_before_anything_reads_it(tiny_folder, tmp_path, field, part,
+                                                                              named):
+    from ernie_image.runtime.formats.sources import ModelSources
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
+
+    fifo = tmp_path / "weights.safetensors"
+    os.mkfifo(fifo)
+    for special in (Path("/dev/zero"), fifo):  # a read of either would never end or never stop
+        with pytest.raises(ModelFileError, match=rf"^{named} file {special} is not a regular file or a folder \(a "
+                                                 rf"pipe, device or socket\): give the {part}'s weights file or "
+                                                 r"folder$"):
+            LocalPipe.load(ModelSources(model_dir=tiny_folder, **{field: special}), LoadOptions(device="cpu"))
 
 
 @pytest.mark.parametrize("index", ["1", "9" * 20])  # 20 digits: past what torch.device can parse

@@ -1,11 +1,12 @@
 """Where a model's parts are: a diffusers folder, single files, or both (a single file overrides the folder's part)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..core.errors import ModelFileError
+from ..core.errors import InvalidInputError, ModelFileError
 from ..core.variant import Variant, checked_variant_option
 from ..files.file_kind import not_there
 from .config_json import config_there, describes_part, read_config
@@ -31,6 +32,9 @@ class ModelSources:
         for name in ("model_dir", "dit", "text_encoder", "vae", "pe", "tokenizer"):
             value = getattr(self, name)
             if value is not None:
+                if not isinstance(value, (str, os.PathLike)):
+                    raise InvalidInputError(f"{name} {value!r} is not a path: give a str or pathlib.Path, or None"
+                                            ).naming(name)
                 setattr(self, name, Path(value))
         self.variant = checked_variant_option(self.variant)
 
@@ -40,6 +44,9 @@ class ModelSources:
         if explicit is not None:
             if not explicit.exists():
                 raise ModelFileError(f"{name} file {explicit} {not_there(explicit)}")
+            if not explicit.is_file() and not explicit.is_dir():  # a FIFO would block the read for ever
+                raise ModelFileError(f"{name} file {explicit} is not a regular file or a folder (a pipe, device or "
+                                     f"socket): give the {_FILE_WORDS[name][0]}'s weights file or folder")
             return explicit
         part, setting = _FILE_WORDS[name]
         if self.model_dir is None:

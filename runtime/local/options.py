@@ -68,6 +68,9 @@ class LoadOptions:
         if not (isinstance(self.compile, bool) or self.compile == "auto"):
             raise InvalidInputError(f"compile {self.compile!r} is not supported: use True, False or 'auto'"
                                     ).naming("compile")
+        if not isinstance(self.device, str):
+            raise InvalidInputError(f"device {self.device!r} is not supported: use 'auto', 'cpu', 'cuda' or "
+                                    "'cuda:N' (str(device) for a torch.device)").naming("device")
         kind, colon, index = self.device.partition(":")
         plain_index = index.isascii() and index.isdigit()  # str.isdigit() takes any script's digits, torch does not
         if self.device not in ("auto", "cpu") and not (kind == "cuda" and (not colon or plain_index)):

@@ -437,10 +437,10 @@ class LocalPipe:
         # The last reference is gone (an evicted cache entry, "Free model and node cache"): hand back the pinned
         # slabs, device buffers and graph memory now. Only what release() frees without collecting garbage or
         # touching the CUDA cache, as this can run on any thread or at interpreter exit.
-        for release in (self.memory.release, self.parts.release_graphs):  # each whatever the other does
+        for holder, release in (("memory", "release"), ("parts", "release_graphs")):  # each whatever the other does
             try:
-                release()
-            except Exception:  # noqa: BLE001 - a finaliser must not raise; the memory goes with the objects anyway
+                getattr(getattr(self, holder), release)()
+            except Exception:  # noqa: BLE001 - a finaliser must not raise (nor one of a pipe whose making failed)
                 pass
 
     def release(self) -> None:
