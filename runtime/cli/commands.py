@@ -69,9 +69,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         interrupts.raise_if_interrupted()
         return code
     except (KeyboardInterrupt, Cancelled):
-        STDERR.end_progress()
-        STDERR.line("cancelled")
-        return interrupts.exit_code
+        return _cancelled(interrupts, in_process)
     except ErnieImageError as error:
         # The CLI's flags for the settings the message names; a control character inside (a file name holding a
         # line break or an escape sequence) is shown escaped, so the error stays one line of plain text.
@@ -84,14 +82,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if interrupts.signal_number is None:
             raise
         # The interrupt landed inside an extension module's import or a C call that turned it into another error.
-        STDERR.end_progress()
-        STDERR.line("cancelled")
-        return interrupts.exit_code
+        return _cancelled(interrupts, in_process)
     finally:
         STDERR.end_progress()
         set_commit_hook(None)
         if in_process:
             interrupts.restore()
+
+
+def _cancelled(interrupts: Interrupts, in_process: bool) -> int:
+    """Say "cancelled" and give the exit code; the process's own command ends here and now: its teardown, the
+    collection of a loaded model's objects, took a second after the line was shown, and nothing is left to write."""
+    STDERR.end_progress()
+    STDERR.line("cancelled")
+    if not in_process:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(interrupts.exit_code)
+    return interrupts.exit_code
 
 
 def _top_level_help() -> str:
