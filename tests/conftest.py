@@ -47,11 +47,16 @@ class CancelAfter(NullHost):
         super().__init__()
         self.checks = checks
         self.calls = 0
+        self.calls_at_last_step = 0  # `calls` when the last step's progress came (the VAE's checks follow)
 
     def check_cancel(self) -> None:
         self.calls += 1
         if self.calls > self.checks:
             raise Cancelled("cancelled by the test")
+
+    def progress(self, value: int, total: int, preview=None) -> None:
+        super().progress(value, total, preview)
+        self.calls_at_last_step = self.calls
 
 
 @pytest.fixture

@@ -131,3 +131,47 @@ def test_a_diffusers_folders_part_is_named_with_its_folder(tmp_path, whole_files
     part.mkdir(parents=True)
     message = refusal(cut(whole_files["safetensors"], 100, part / "diffusion_pytorch_model.safetensors"))
     assert message.startswith("vae/diffusion_pytorch_model.safetensors is truncated") and str(tmp_path) not in message
+
+
+# ------------------------------------------------------------------ a GGUF header at odds with its data
+def _edited(source: Path, target: Path, edit) -> Path:
+    """A copy of `source` whose tensor infos `edit(tensors)` changed in place (gguf's reader maps the copy writable;
+    each tensor's `field.parts` are views of its header bytes: ..., its type, its data offset)."""
+    import gguf
+
+    shutil.copy(source, target)
+    edit([tensor.field for tensor in gguf.GGUFReader(str(target), "r+").tensors])
+    return target
+
+
+def _relabel_first_q8_0_as_q4_0(fields) -> str:
+    field = next(field for field in fields if int(field.parts[-2][0]) == 8)  # GGML type 8: Q8_0
+    field.parts[-2][0] = 2  # Q4_0: the same blocks in fewer bytes, so the bytes after it belong to no tensor
+    return field.name
+
+
+def test_a_tensor_relabelled_to_a_smaller_type_is_refused_before_anything_reads_it(tmp_path, whole_files):
+    """Read as Q4_0, Q8_0 bytes are other numbers: the image was NaN after a whole sampling run."""
+    names = []
+    edited = _edited(whole_files["GGUF"], tmp_path / "relabelled.gguf",
+                     lambda fields: names.append(_relabel_first_q8_0_as_q4_0(fields)))
+    message = refusal(edited)
+    assert message.startswith("relabelled.gguf is not a readable GGUF file (")
+    assert f"bytes after tensor {names[0]} belong to no tensor" in message, message
+    assert "belong to no tensor: its type or shape does not match its data" in message
+
+
+def test_a_tensor_whose_data_runs_into_the_next_is_refused(tmp_path, whole_files):
+    def overlap(fields) -> None:
+        ordered = sorted(fields, key=lambda field: int(field.parts[-1][0]))
+        ordered[1].parts[-1][0] = int(ordered[0].parts[-1][0])  # the second tensor's data where the first's is
+    message = refusal(_edited(whole_files["GGUF"], tmp_path / "overlapping.gguf", overlap))
+    assert "run into" in message and "its type or shape does not match its data" in message
+
+
+def test_a_tensor_off_the_alignment_is_refused(tmp_path, whole_files):
+    def misalign(fields) -> None:
+        last = max(fields, key=lambda field: int(field.parts[-1][0]))
+        last.parts[-1][0] = int(last.parts[-1][0]) + 1
+    message = refusal(_edited(whole_files["GGUF"], tmp_path / "misaligned.gguf", misalign))
+    assert "off the file's alignment of 32" in message

@@ -94,11 +94,21 @@ class CancelAfterBlocks(NullHost):
         super().__init__()
         self.calls = 0
         self.blocks = blocks
+        self.calls_at_last_step = 0  # the checks made when the last step's progress came (the VAE's follow)
 
     def check_cancel(self) -> None:
         self.calls += 1
         if self.calls > self.blocks:
             raise Cancelled("generation cancelled by the user")
+
+    def progress(self, value: int, total: int, preview=None) -> None:
+        super().progress(value, total, preview)
+        self.calls_at_last_step = self.calls
+
+    def mid_last_step(self) -> int:
+        """The checks after which a cancel lands at the third block of this run's last step: the step's own check
+        and its 6 blocks' came before its progress."""
+        return self.calls_at_last_step - 4
 
 
 def test_cancel_in_mid_step_releases_everything(model, resident_result):
@@ -106,8 +116,7 @@ def test_cancel_in_mid_step_releases_everything(model, resident_result):
     pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=budget, keep_loaded=True))
     counting = CancelAfterBlocks(blocks=10**6)
     pipe.generate(REQUEST, counting)
-    # the last checks: step 2's own check, its 6 blocks, the one before decode; stop 3 blocks into step 2
-    host = CancelAfterBlocks(blocks=counting.calls - 5)
+    host = CancelAfterBlocks(blocks=counting.mid_last_step())
     with pytest.raises(Cancelled):
         pipe.generate(REQUEST, host)
     assert host.progress_calls == [(1, 2)]  # it stopped inside the second step
@@ -134,7 +143,7 @@ def test_on_the_gpu_a_cancel_in_mid_step_returns_at_once_and_leaves_no_device_me
                 self.cancelled_at = time.perf_counter()
             super().check_cancel()
 
-    host = TimedCancel(blocks=counting.calls - 5)  # 3 blocks into the second step, streamed copies in flight
+    host = TimedCancel(blocks=counting.mid_last_step())  # streamed copies in flight
     with pytest.raises(Cancelled):
         pipe.generate(REQUEST, host)
     assert time.perf_counter() - host.cancelled_at < PROMPTLY_S, "back at the Cancel, no wait on copies in flight"

@@ -478,7 +478,7 @@ def test_cancel_mid_step_releases_and_the_next_run_is_whole(base_model, base_pip
         pipe = LocalPipe.load(base_model, LoadOptions(device="cpu", vram_budget_gb=budget, keep_loaded=True))
         counting = cancel_after(10**6)
         pipe.generate(request, counting)
-        host = cancel_after(counting.calls - 8)  # a few checks before the end: inside the last steps
+        host = cancel_after(counting.calls_at_last_step - 8)  # a few checks before the steps' end: inside them
         with pytest.raises(Cancelled):
             pipe.generate(request, host)
         if budget is not None:

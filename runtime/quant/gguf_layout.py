@@ -107,15 +107,38 @@ def _described_end(header: _Header) -> int:
         found = header.value(header.take("I"))
         if key == b"general.alignment" and found:
             alignment = found
-    end = 0
+    spans = []  # (offset into the data, bytes, name) per tensor
     for _ in range(tensors):
-        header.string()
+        name = header.string()
         dims = [header.take("Q") for _ in range(header.take("I"))]
         qtype = header.take("I")
-        end = max(end, header.take("Q") + _tensor_bytes(dims, qtype))
+        offset = header.take("Q")
+        spans.append((offset, _tensor_bytes(dims, qtype), name.decode("utf-8", "backslashreplace")))
     if not tensors:
         return header.at
-    return -(-header.at // alignment) * alignment + end
+    _check_spans(spans, alignment)
+    return -(-header.at // alignment) * alignment + max(offset + size for offset, size, _ in spans)
+
+
+def _check_spans(spans: list[tuple[int, int, str]], alignment: int) -> None:
+    """Each tensor's data starts on the alignment and ends where padding to it brings the next one: a tensor whose
+    type or shape was changed in the header (a Q8_0 tensor labelled Q4_0) leaves bytes no tensor holds, or runs into
+    the next one, and would be read as other numbers than were written. Tensors of a type this gguf does not know
+    (no size) are left to its reader."""
+    ordered = sorted(span for span in spans if span[1])
+    for (offset, size, name), (next_offset, _, next_name) in zip(ordered, [*ordered[1:], (None, 0, "")]):
+        if offset % alignment:
+            raise _Damaged(f"tensor {name}'s data starts at byte {offset} of the data, off the file's alignment of "
+                           f"{alignment}")
+        if next_offset is None:
+            continue
+        end = offset + size
+        if end > next_offset:
+            raise _Damaged(f"tensor {name}'s {size} bytes run into {next_name}'s: its type or shape does not match "
+                           f"its data")
+        if next_offset - end >= alignment:
+            raise _Damaged(f"{next_offset - end} bytes after tensor {name} belong to no tensor: its type or shape "
+                           f"does not match its data")
 
 
 def check_whole_gguf(path: Path) -> None:
