@@ -10,7 +10,7 @@ from typing import Sequence
 from ..core.errors import InvalidInputError
 from ..core.number_text import DECIMAL_RULE, decimal_from_text
 from ..lora.files import file_stamp
-from ..lora.stack import LORA_MODES, LoraEntry, LoraStack, check_strength
+from ..lora.stack import LORA_MODES, MAX_STRENGTH, LoraEntry, LoraStack, check_strength
 
 DRIVE_LETTERS = os.name == "nt"  # where "C:" before a colon is a drive, not a file named C
 
@@ -35,7 +35,7 @@ def parse_lora_argument(text: str) -> LoraEntry:
     tail such as ` 0.5`, `1_0`, `nan` or other scripts' digits is no strength, refused after a .safetensors path."""
     path, sep, tail = text.rpartition(":")
     drive = DRIVE_LETTERS and len(path) == 1 and path.isalpha()
-    strength = decimal_from_text(tail, f"LoRA {Path(path).name} strength")
+    strength = decimal_from_text(tail, f"LoRA {Path(path).name} strength", (-MAX_STRENGTH, MAX_STRENGTH))
     if sep and path and strength is not None and not drive:
         return LoraEntry(Path(path), check_strength(strength, Path(path).name))
     if not text:
