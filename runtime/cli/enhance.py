@@ -20,8 +20,8 @@ from ..text.remote_enhancer import ChatEndpoint, revise_prompts_remote
 from .checks import check_input_path, check_seed
 from .console import ConsoleHost
 from .parser import DecimalNumber, OneLineParser, PathOption, WholeNumber
-from .terminal_text import plain_terminal_lines
 from .remote_args import cli_credentials
+from .terminal_text import plain_terminal_lines
 
 
 def _parser() -> argparse.ArgumentParser:
