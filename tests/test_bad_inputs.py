@@ -527,6 +527,26 @@ def test_a_model_source_that_is_not_a_path_is_refused_naming_it(field, value):
         ModelSources(**{field: value})
 
 
+@pytest.mark.parametrize("field", ["model_dir", "dit", "text_encoder", "vae", "pe", "tokenizer"])
+@pytest.mark.parametrize("value", ["", "  "], ids=["empty", "spaces"])  # Path("") is Path("."): meant, or not
+def test_an_empty_path_is_refused_not_taken_for_the_working_folder(field, value):
+    from ernie_image.runtime.formats.sources import ModelSources
+
+    with pytest.raises(InvalidInputError, match=rf"^{field} is an empty path: give the file or folder, or None$"):
+        ModelSources(**{field: value})
+
+
+@pytest.mark.skipif(not os.access("/proc/self/mem", os.R_OK), reason="needs Linux's /proc/self/mem")
+def test_a_file_the_system_lists_but_cannot_read_is_named_in_one_line(tiny_folder):
+    from ernie_image.runtime.formats.sources import ModelSources
+    from ernie_image.runtime.local.options import LoadOptions
+    from ernie_image.runtime.local.pipe import LocalPipe
+
+    with pytest.raises(ModelFileError, match=r"^mem cannot be read \(Input/output error\): check the file and the "
+                                             r"disk it is on, or give another$"):
+        LocalPipe.load(ModelSources(model_dir=tiny_folder, vae="/proc/self/mem"), LoadOptions(device="cpu"))
+
+
 @pytest.mark.parametrize("field, part, named", [("dit", "DiT", "transformer"), ("vae", "VAE", "vae"),
                                                 ("text_encoder", "text encoder", "text_encoder"),
                                                 ("pe", "prompt enhancer", "pe")])

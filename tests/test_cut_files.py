@@ -158,7 +158,7 @@ def test_a_tensor_relabelled_to_a_smaller_type_is_refused_before_anything_reads_
     message = refusal(edited)
     assert message.startswith("relabelled.gguf is not a readable GGUF file (")
     assert f"bytes after tensor {names[0]} belong to no tensor" in message, message
-    assert "belong to no tensor: its type or shape does not match its data" in message
+    assert "a type, shape or offset in the header does not match the data" in message
 
 
 def test_a_tensor_whose_data_runs_into_the_next_is_refused(tmp_path, whole_files):
@@ -175,3 +175,21 @@ def test_a_tensor_off_the_alignment_is_refused(tmp_path, whole_files):
         last.parts[-1][0] = int(last.parts[-1][0]) + 1
     message = refusal(_edited(whole_files["GGUF"], tmp_path / "misaligned.gguf", misalign))
     assert "off the file's alignment of 32" in message
+
+
+def test_a_tensor_moved_far_past_its_place_names_the_tensor_after_the_hole(tmp_path, whole_files):
+    moved = []
+
+    def move(fields) -> None:
+        field = sorted(fields, key=lambda field: int(field.parts[-1][0]))[3]
+        field.parts[-1][0] = int(field.parts[-1][0]) + (1 << 20)
+        moved.append(field.name)
+    message = refusal(_edited(whole_files["GGUF"], tmp_path / "moved.gguf", move))
+    assert "belong to no tensor (the next, " in message, message
+
+
+def test_a_type_this_gguf_does_not_know_is_left_to_its_reader_and_no_neighbour_is_blamed(tmp_path, whole_files):
+    def unknown_type(fields) -> None:
+        fields[0].parts[-2][0] = 99
+    message = refusal(_edited(whole_files["GGUF"], tmp_path / "unknown.gguf", unknown_type))
+    assert "belong to no tensor" not in message and "run into" not in message, message

@@ -123,8 +123,12 @@ def _named(path: Path) -> str:
 def is_gguf(path: Path) -> bool:
     """The file starts with GGUF's magic bytes (whatever its name says); one too short to hold them is told by its
     name, so an empty or cut .gguf file is named as the GGUF file it was meant to be."""
-    with open(path, "rb") as handle:
-        start = handle.read(len(GGUF_MAGIC))
+    try:
+        with open(path, "rb") as handle:
+            start = handle.read(len(GGUF_MAGIC))
+    except OSError as error:  # a file the system lists but cannot read (an I/O error, /proc/self/mem)
+        raise ModelFileError(f"{_named(Path(path))} cannot be read ({error.strerror or error}): check the file and "
+                             "the disk it is on, or give another") from None
     if len(start) < len(GGUF_MAGIC):
         return Path(path).suffix.lower() == ".gguf"
     return start == GGUF_MAGIC

@@ -35,6 +35,8 @@ class ModelSources:
                 if not isinstance(value, (str, os.PathLike)):
                     raise InvalidInputError(f"{name} {value!r} is not a path: give a str or pathlib.Path, or None"
                                             ).naming(name)
+                if not os.fspath(value).strip():  # Path("") is the working folder: another part than meant
+                    raise InvalidInputError(f"{name} is an empty path: give the file or folder, or None").naming(name)
                 setattr(self, name, Path(value))
         self.variant = checked_variant_option(self.variant)
 
