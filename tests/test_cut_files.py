@@ -177,15 +177,15 @@ def test_a_tensor_off_the_alignment_is_refused(tmp_path, whole_files):
     assert "off the file's alignment of 32" in message
 
 
-def test_a_tensor_moved_far_past_its_place_names_the_tensor_after_the_hole(tmp_path, whole_files):
-    moved = []
+def test_a_tensor_moved_far_past_its_place_is_refused_naming_the_tensors_around_the_hole(tmp_path, whole_files):
+    around = []
 
     def move(fields) -> None:
-        field = sorted(fields, key=lambda field: int(field.parts[-1][0]))[3]
-        field.parts[-1][0] = int(field.parts[-1][0]) + (1 << 20)
-        moved.append(field.name)
+        ordered = sorted(fields, key=lambda field: int(field.parts[-1][0]))
+        ordered[3].parts[-1][0] = int(ordered[3].parts[-1][0]) + (1 << 20)
+        around.extend((ordered[2].name, ordered[4].name))  # the hole it leaves is between these two
     message = refusal(_edited(whole_files["GGUF"], tmp_path / "moved.gguf", move))
-    assert "belong to no tensor (the next, " in message, message
+    assert f"bytes after tensor {around[0]} belong to no tensor (the next, {around[1]}, starts at byte " in message
 
 
 def test_a_type_this_gguf_does_not_know_is_left_to_its_reader_and_no_neighbour_is_blamed(tmp_path, whole_files):

@@ -87,36 +87,18 @@ def test_budget_too_small_fails_before_loading_anything(model):
     assert pipe.parts.dit is None and pipe.parts.text_tower is None and pipe.memory.plan is None
 
 
-class CancelAfterBlocks(NullHost):
-    """Cancels once `blocks` DiT blocks have run: check_cancel is called between blocks, not only steps."""
-
-    def __init__(self, blocks: int) -> None:
-        super().__init__()
-        self.calls = 0
-        self.blocks = blocks
-        self.calls_at_last_step = 0  # the checks made when the last step's progress came (the VAE's follow)
-
-    def check_cancel(self) -> None:
-        self.calls += 1
-        if self.calls > self.blocks:
-            raise Cancelled("generation cancelled by the user")
-
-    def progress(self, value: int, total: int, preview=None) -> None:
-        super().progress(value, total, preview)
-        self.calls_at_last_step = self.calls
-
-    def mid_last_step(self) -> int:
-        """The checks after which a cancel lands at the third block of this run's last step: the step's own check
-        and its 6 blocks' came before its progress."""
-        return self.calls_at_last_step - 4
+def third_block_of_the_last_step(counting) -> int:
+    """The checks after which a cancel lands at the third block of the last step of a run `counting` (conftest's
+    CancelAfter) saw: that step's own check and its 6 blocks' came before its progress."""
+    return counting.calls_at_last_step - 4
 
 
-def test_cancel_in_mid_step_releases_everything(model, resident_result):
+def test_cancel_in_mid_step_releases_everything(model, resident_result, cancel_after):
     budget = streaming_budget_gb(model)
     pipe = LocalPipe.load(model, LoadOptions(device="cpu", vram_budget_gb=budget, keep_loaded=True))
-    counting = CancelAfterBlocks(blocks=10**6)
+    counting = cancel_after(10**6)
     pipe.generate(REQUEST, counting)
-    host = CancelAfterBlocks(blocks=counting.mid_last_step())
+    host = cancel_after(third_block_of_the_last_step(counting))
     with pytest.raises(Cancelled):
         pipe.generate(REQUEST, host)
     assert host.progress_calls == [(1, 2)]  # it stopped inside the second step
@@ -127,23 +109,23 @@ def test_cancel_in_mid_step_releases_everything(model, resident_result):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_the_gpu_a_cancel_in_mid_step_returns_at_once_and_leaves_no_device_memory(model):
+def test_on_the_gpu_a_cancel_in_mid_step_returns_at_once_and_leaves_no_device_memory(model, cancel_after):
     budget = streaming_budget_gb(model, "cuda")
     pipe = LocalPipe.load(model, LoadOptions(device="cuda", vram_budget_gb=budget, keep_loaded=True, compile=False))
-    counting = CancelAfterBlocks(blocks=10**6)
+    counting = cancel_after(10**6)
     expected = pipe.generate(REQUEST, counting)  # also creates the CUDA handles and workspaces any program keeps
     assert pipe.memory.plan.dit.streamed and pipe.memory.plan.dit.resident
     pipe.release()
     torch.cuda.empty_cache()
     baseline = torch.cuda.memory_allocated()
 
-    class TimedCancel(CancelAfterBlocks):
+    class TimedCancel(cancel_after):
         def check_cancel(self) -> None:
-            if self.calls == self.blocks:
+            if self.calls == self.checks:
                 self.cancelled_at = time.perf_counter()
             super().check_cancel()
 
-    host = TimedCancel(blocks=counting.mid_last_step())  # streamed copies in flight
+    host = TimedCancel(third_block_of_the_last_step(counting))  # streamed copies in flight
     with pytest.raises(Cancelled):
         pipe.generate(REQUEST, host)
     assert time.perf_counter() - host.cancelled_at < PROMPTLY_S, "back at the Cancel, no wait on copies in flight"

@@ -70,7 +70,7 @@ def test_compiled_blocks_threshold_zero_is_the_compiled_uncached_image(model):
     pipe.release()
 
 
-def test_streamed_cached_run_is_the_resident_one_bit_for_bit_across_runs_and_a_cancel(model, eager):
+def test_streamed_cached_run_is_the_resident_one_bit_for_bit_across_runs_and_a_cancel(model, eager, cancel_after):
     request = cached(REQUEST, FORCED)
     pipe = LocalPipe.load(model, LoadOptions(device="cuda", compile=False, vram_budget_gb=middle_streaming_budget_gb(
         model, request, "cuda"), keep_loaded=True))
@@ -78,25 +78,11 @@ def test_streamed_cached_run_is_the_resident_one_bit_for_bit_across_runs_and_a_c
         assert torch.equal(pipe.generate(request, NullHost()).latents, eager[FORCED])
     assert pipe.memory.dit.streamer is not None
     assert torch.equal(pipe.generate(REQUEST, NullHost()).latents, eager[""])  # uncached after it: the ring's order
-    counting = _CancelAfter(10**6)
+    counting = cancel_after(10**6)
     pipe.generate(request, counting)
     with pytest.raises(Cancelled):
-        pipe.generate(request, _CancelAfter(counting.calls_at_last_step // 2))
+        pipe.generate(request, cancel_after(counting.calls_at_last_step // 2))
     assert pipe.memory.dit is None and pipe.parts.dit is None
     assert torch.equal(pipe.generate(request, NullHost()).latents, eager[FORCED])
     pipe.release()
 
-
-class _CancelAfter(NullHost):
-    def __init__(self, checks: int) -> None:
-        super().__init__()
-        self.checks, self.calls, self.calls_at_last_step = checks, 0, 0
-
-    def check_cancel(self) -> None:
-        self.calls += 1
-        if self.calls > self.checks:
-            raise Cancelled("cancelled by the test")
-
-    def progress(self, value: int, total: int, preview=None) -> None:
-        super().progress(value, total, preview)
-        self.calls_at_last_step = self.calls  # the VAE's checks follow
